@@ -1,0 +1,190 @@
+"""The `ctxlaunch` command: validate, plan, render, schema, submit, ...
+
+Exit statuses: 0 success, 2 bad input (nothing written, nothing started), 1 a failed job or
+backend error; see ctxlaunch.exitcodes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__, exitcodes
+from .hardware import GiB
+from .loader import SpecError, apply_overrides, read_spec_data, validate_spec
+from .spec import JobSpec
+
+app = typer.Typer(
+    name="ctxlaunch",
+    help="Plan, render, submit and run long-context (context-parallel) training jobs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+SpecArg = Annotated[Path, typer.Argument(help="Job spec (YAML).", show_default=False)]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-s", help="Override a field: path.to.field=value (YAML value). "
+                 "Repeatable."),
+]
+
+
+def fail(message: str, code: int = exitcodes.BAD_INPUT) -> NoReturn:
+    err.print(f"[bold red]error:[/] {message}", markup=True)
+    raise typer.Exit(code)
+
+
+def load(spec: Path, overrides: list[str] | None, **forced: object) -> JobSpec:
+    """Read and validate a spec, or exit 2 listing every problem. `forced` sets fields the
+    command itself decides (e.g. render --target sets cluster.target)."""
+    try:
+        data = apply_overrides(read_spec_data(spec), overrides or ())
+        if forced:
+            data = apply_overrides(data, [f"{k}={json.dumps(v)}" for k, v in forced.items()])
+        return validate_spec(data, str(spec))
+    except SpecError as exc:
+        err.print(str(exc), markup=False)
+        raise typer.Exit(exitcodes.BAD_INPUT) from None
+
+
+def print_warnings(spec: JobSpec) -> None:
+    for warning in spec.warnings():
+        err.print(f"[yellow]warning:[/] {warning}", markup=True)
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", help="Print the version.")] = False
+          ) -> None:
+    if version:
+        out.print(__version__)
+        raise typer.Exit()
+
+
+@app.command()
+def validate(spec: SpecArg, set_: SetOpt = None) -> None:
+    """Check a spec: every problem with its field path, the value, the rule and a fix."""
+    job = load(spec, set_)
+    print_warnings(job)
+    c, p = job.cluster, job.parallel
+    out.print(f"ok: {job.name}: {c.nodes} x {c.gpus_per_node} {c.gpu} "
+              f"(tp {p.tp}, pp {p.pp}, cp {p.cp} {p.cp_algorithm}, ep {p.ep}, dp {job.dp}), "
+              f"target {c.target}")
+
+
+@app.command()
+def plan(
+    spec: SpecArg,
+    set_: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Predict per-GPU memory and FLOPs: fit or not, the smallest CP that fits, the longest
+    sequence at each CP degree."""
+    from .planner import plan_job
+
+    job = load(spec, set_)
+    report = plan_job(job)
+    if as_json:
+        out.print_json(json.dumps(report.to_dict()))
+        return
+    print_warnings(job)
+    _print_plan(report)
+
+
+def _gib(value: float) -> str:
+    return f"{value / GiB:,.2f}"
+
+
+def _print_plan(report) -> None:  # type: ignore[no-untyped-def]
+    job, e = report.spec, report.estimate
+    p, t = job.parallel, job.training
+    out.print(f"[bold]{job.name}[/]: {job.model.preset or 'custom'} model, "
+              f"seq_len {t.seq_len:,} x micro_batch {t.micro_batch}, {job.cluster.nodes} x "
+              f"{job.cluster.gpus_per_node} {job.cluster.gpu}, tp {p.tp} pp {p.pp} cp {p.cp} "
+              f"({p.cp_algorithm}, {p.layout}) dp {job.dp}, ZeRO-{t.zero_stage}, "
+              f"checkpointing {t.activation_checkpointing}, {job.model.dtype}")
+    table = Table(title="Per-GPU memory (busiest rank)", title_justify="left")
+    table.add_column("part")
+    table.add_column("GiB", justify="right")
+    for name, value in e.parts():
+        table.add_row(name.replace("_", " "), _gib(value))
+    table.add_row("[bold]total[/]", f"[bold]{_gib(e.total)}[/]")
+    table.add_row("capacity", _gib(e.capacity))
+    table.add_row("headroom", _gib(e.headroom))
+    out.print(table)
+    colour = "green" if e.fits else "red"
+    out.print(f"[bold {colour}]{report.verdict()}[/]")
+
+    cps = Table(title="At other CP degrees (TP, PP, DP held)", title_justify="left")
+    for column in ("cp", "GPUs", "nodes", "GiB/GPU", "fits", "longest seq that fits", "note"):
+        cps.add_column(column, justify="left" if column == "note" else "right")
+    for o in report.cp_options:
+        note = "" if o.legal else (o.reason or "")
+        cps.add_row(str(o.cp), str(o.gpus), str(o.nodes), _gib(o.estimate.total),
+                    "yes" if o.fits else "no", f"{o.longest_seq_len:,}",
+                    note[:90] + ("..." if len(note) > 90 else ""))
+    out.print(cps)
+
+    f = report.flops
+    flops = Table(title="Model FLOPs (forward + backward)", title_justify="left")
+    flops.add_column("convention")
+    flops.add_column("per token", justify="right")
+    flops.add_column("per step", justify="right")
+    flops.add_column("per GPU per step", justify="right")
+    for conv in ("full", "causal"):
+        flops.add_row(f"{conv}: {f['conventions'][conv]}", f"{f['per_token'][conv]:.4g}",
+                      f"{f['per_step'][conv]:.4g}", f"{f['per_gpu_per_step'][conv]:.4g}")
+    out.print(flops)
+    out.print(f"parameters: {f['params_total']:,} ({f['params_matmul']:,} in matmuls); "
+              f"tokens per step: {f['tokens_per_step']:,}")
+
+
+@app.command()
+def render(
+    spec: SpecArg,
+    target: Annotated[str, typer.Option("--target", "-t", help="slurm or kubernetes.")],
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Directory to write <name>.sbatch / <name>.yaml into "
+        "(atomically); default: print to stdout.")] = None,
+    set_: SetOpt = None,
+) -> None:
+    """Render a Slurm batch script or a Kubeflow PyTorchJob manifest."""
+    from .fsutil import atomic_write_text
+    from .render import artifact_name
+    from .render import render as render_text
+
+    if target not in ("slurm", "kubernetes"):
+        fail(f"--target: {target!r} is not a target to render; use slurm or kubernetes")
+    job = load(spec, set_, **{"cluster.target": target})
+    print_warnings(job)
+    text = render_text(job, target)  # type: ignore[arg-type]
+    if output is None:
+        sys.stdout.write(text)
+        return
+    if output.exists() and not output.is_dir():
+        fail(f"--output: {output} exists and is not a directory")
+    path = atomic_write_text(output / artifact_name(job, target),  # type: ignore[arg-type]
+                             text, mode=0o755 if target == "slurm" else 0o644)
+    err.print(f"wrote {path}")
+
+
+@app.command()
+def schema() -> None:
+    """Print the job spec's JSON Schema (for editor completion and validation)."""
+    sys.stdout.write(json.dumps(JobSpec.model_json_schema(), indent=2) + "\n")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

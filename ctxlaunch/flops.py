@@ -1,0 +1,92 @@
+"""Parameter counts and model FLOPs of the Llama-style decoder, in both MFU conventions.
+
+Model FLOPs per token (forward + backward, recomputation not counted) =
+    6 * N_matmul                       the weight matmuls
+  + 12 * L * heads * head_dim * s      attention scores and values over all s x s entries
+
+`N_matmul` is every parameter except the input embedding table (a lookup, not a matmul), as
+torchtitan counts it; a tied embedding is counted once, as the output head.
+
+Two conventions are in use and differ by up to ~1.8x at 128K+ tokens, so both are reported:
+- "full": the whole score matrix is counted (PaLM, torchtitan, NeMo);
+- "causal": the attention term is halved for causal masking (Megatron-LM).
+Neither counts activation recomputation (that would be hardware FLOPs, not model FLOPs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+MfuConvention = Literal["full", "causal"]
+CONVENTIONS: tuple[MfuConvention, ...] = ("full", "causal")
+
+
+class ModelShape(Protocol):
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    tie_embeddings: bool
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters of the decoder, by part."""
+
+    embedding: int
+    """Input embedding table (vocab x hidden)."""
+    per_layer: int
+    """One transformer block: attention (q, k, v, o), SwiGLU (gate, up, down), two norms."""
+    layers: int
+    final_norm: int
+    head: int
+    """Output projection (0 when tied to the embedding)."""
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.per_layer * self.layers + self.final_norm + self.head
+
+    @property
+    def matmul(self) -> int:
+        """Parameters that take part in matmuls (the 6N of model FLOPs)."""
+        head = self.head if self.head else self.embedding
+        return self.per_layer * self.layers + self.final_norm + head
+
+
+def count_params(model: ModelShape) -> ParamCount:
+    h, f = model.hidden, model.ffn_hidden
+    kv = model.kv_heads * (h // model.heads)
+    attention = h * h + 2 * h * kv + h * h  # q, k, v, o (no biases, as in Llama)
+    mlp = 3 * h * f  # gate, up, down
+    norms = 2 * h
+    embedding = model.vocab * h
+    return ParamCount(
+        embedding=embedding,
+        per_layer=attention + mlp + norms,
+        layers=model.layers,
+        final_norm=h,
+        head=0 if model.tie_embeddings else model.vocab * h,
+    )
+
+
+def attention_flops_per_token(model: ModelShape, seq_len: int, convention: MfuConvention) -> float:
+    """Attention score + value FLOPs per token, forward and backward."""
+    full = 12.0 * model.layers * model.hidden * seq_len  # heads x head_dim = hidden
+    return full if convention == "full" else full / 2
+
+
+def flops_per_token(model: ModelShape, seq_len: int, convention: MfuConvention) -> float:
+    """Model FLOPs per trained token (forward + backward) for sequences of seq_len tokens."""
+    return 6.0 * count_params(model).matmul + attention_flops_per_token(model, seq_len, convention)
+
+
+def mfu(tokens_per_second_per_gpu: float, model: ModelShape, seq_len: int,
+        peak_flops_per_gpu: float, convention: MfuConvention) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s per GPU over the GPU's peak."""
+    if peak_flops_per_gpu <= 0:
+        raise ValueError(f"peak_flops_per_gpu must be positive, got {peak_flops_per_gpu}")
+    return tokens_per_second_per_gpu * flops_per_token(model, seq_len, convention) \
+        / peak_flops_per_gpu

@@ -1,0 +1,242 @@
+"""The job spec: every validation rule, warnings, presets, overrides and error reporting."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from ctxlaunch.loader import SpecError, apply_overrides, load_spec, parse_yaml, validate_spec
+from ctxlaunch.presets import MODEL_PRESETS
+
+BASE = {
+    "name": "job",
+    "model": {"preset": "llama3-8b"},
+    "training": {"seq_len": 131072},
+    "parallel": {"cp": 8},
+    "cluster": {"target": "slurm", "nodes": 4, "gpus_per_node": 8, "gpu": "H100"},
+}
+
+
+def make(**changes) -> dict:
+    """BASE with dotted-path changes applied."""
+    data = copy.deepcopy(BASE)
+    return apply_overrides(data, [f"{k}={v}" for k, v in changes.items()])
+
+
+def problems(data: dict) -> dict[str, str]:
+    """Field path -> its messages (joined) for an invalid spec."""
+    with pytest.raises(SpecError) as info:
+        validate_spec(data)
+    found: dict[str, str] = {}
+    for p in info.value.problems:
+        found[p.path] = (found[p.path] + "\n" if p.path in found else "") + p.message
+    return found
+
+
+def test_base_is_valid_and_derives_dp() -> None:
+    spec = validate_spec(BASE)
+    assert spec.dp == 4 and spec.ring_degree == 8 and spec.ulysses_degree == 1
+    assert spec.model.layers == 32 and spec.model.kv_heads == 8 and spec.model.head_dim == 128
+
+
+def test_composition_must_equal_gpu_count() -> None:
+    found = problems(make(**{"parallel.dp": 3}))
+    assert "parallel.dp" in found
+    assert "= 24, but nodes x gpus_per_node = 32" in found["parallel.dp"]
+    found = problems(make(**{"parallel.cp": 3}))
+    assert "must divide the GPU count" in found["parallel"]
+
+
+def test_tp_must_divide_heads_and_kv_heads() -> None:
+    found = problems(make(**{"model.heads": 24, "model.hidden": 3072, "parallel.tp": 16,
+                             "parallel.cp": 2}))
+    assert "model.heads = 24 must be divisible by tp = 16" in found["parallel.tp"]
+    found = problems(make(**{"parallel.tp": 16, "parallel.cp": 2}))
+    assert "kv_heads = 8 must be divisible by tp = 16" in found["parallel.tp"]
+
+
+def test_ulysses_degree_capped_by_kv_heads_names_hybrid() -> None:
+    found = problems(make(**{"parallel.cp": 16, "parallel.cp_algorithm": "ulysses",
+                             "cluster.nodes": 2}))
+    message = found["parallel.cp"]
+    assert "exceeds the K/V heads per TP rank (8)" in message
+    assert "hybrid" in message and "ulysses_degree: 8" in message and "ring degree 2" in message
+
+
+def test_ulysses_degree_must_divide_heads() -> None:
+    found = problems(make(**{"model.preset": "tiny-mha", "model.heads": 6, "model.kv_heads": 6,
+                             "model.hidden": 192, "parallel.cp": 4,
+                             "parallel.cp_algorithm": "ulysses", "cluster.nodes": 1,
+                             "cluster.gpus_per_node": 4, "training.seq_len": 1024}))
+    assert "must divide the query heads" in found["parallel.cp"]
+
+
+def test_ulysses_within_kv_heads_is_valid() -> None:
+    spec = validate_spec(make(**{"parallel.cp_algorithm": "ulysses"}))
+    assert spec.ulysses_degree == 8 and spec.ring_degree == 1
+
+
+@pytest.mark.parametrize("layout, seq, ok", [
+    ("zigzag", 131072, True), ("zigzag", 131072 + 8, False), ("zigzag", 131072 + 16, True),
+    ("contiguous", 131072 + 8, True), ("contiguous", 131072 + 4, False),
+])
+def test_sequence_divisibility(layout: str, seq: int, ok: bool) -> None:
+    data = make(**{"parallel.layout": layout, "training.seq_len": seq})
+    if ok:
+        validate_spec(data)
+        return
+    message = problems(data)["training.seq_len"]
+    rule = "2 x cp = 16" if layout == "zigzag" else "divisible by cp"
+    assert rule in message and "fix: seq_len =" in message
+
+
+def test_hybrid_degrees_multiply_to_cp() -> None:
+    spec = validate_spec(make(**{"parallel.cp": 16, "parallel.cp_algorithm": "hybrid",
+                                 "parallel.ulysses_degree": 8, "cluster.nodes": 2}))
+    assert spec.ulysses_degree == 8 and spec.ring_degree == 2
+    found = problems(make(**{"parallel.cp": 16, "parallel.cp_algorithm": "hybrid",
+                             "parallel.ulysses_degree": 8, "parallel.ring_degree": 4,
+                             "cluster.nodes": 2}))
+    assert "8 x 4 = 32, but cp = 16" in found["parallel.ring_degree"]
+    found = problems(make(**{"parallel.cp": 8, "parallel.cp_algorithm": "hybrid",
+                             "parallel.ulysses_degree": 3}))
+    assert "must divide cp = 8" in found["parallel.ulysses_degree"]
+    found = problems(make(**{"parallel.cp": 8, "parallel.cp_algorithm": "hybrid"}))
+    assert "needs ulysses_degree" in found["parallel.ulysses_degree"]
+    found = problems(make(**{"parallel.ulysses_degree": 2}))
+    assert "applies to cp_algorithm hybrid only" in found["parallel.ulysses_degree"]
+
+
+def test_hybrid_inner_degree_is_still_capped_by_kv_heads() -> None:
+    found = problems(make(**{"parallel.cp": 16, "parallel.cp_algorithm": "hybrid",
+                             "parallel.ulysses_degree": 16, "cluster.nodes": 2}))
+    assert "exceeds the K/V heads" in found["parallel.ulysses_degree"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("name", "My_Job"), ("name", "job-"), ("name", "a" * 49),
+    ("cluster.kubernetes.namespace", "Team.A"),
+    ("cluster.kubernetes.service_account", "Bad_Name"),
+    ("cluster.kubernetes.image_pull_secrets", "[UPPER]"),
+])
+def test_kubernetes_names_follow_rfc1123(field: str, value: str) -> None:
+    found = problems(make(**{field: value}))
+    assert any(path.startswith(field) for path in found), found
+
+
+def test_unknown_fields_are_errors_with_a_suggestion() -> None:
+    data = make()
+    data["training"]["sequence_length"] = 4096
+    data["parallell"] = {}
+    found = problems(data)
+    assert "did you mean 'seq_len'" in found["training.sequence_length"]
+    assert "did you mean 'parallel'" in found["parallell"]
+
+
+def test_every_field_problem_is_reported_at_once() -> None:
+    data = make(**{"training.micro_batch": 0, "cluster.gpu": "X100", "model.layers": "many",
+                   "cluster.slurm.time_limit": "forever", "cluster.slurm.partition": "a b"})
+    found = problems(data)
+    assert {"training.micro_batch", "cluster.gpu", "model.layers", "cluster.slurm.time_limit",
+            "cluster.slurm.partition"} <= set(found)
+
+
+def test_layout_problems_are_reported_together() -> None:
+    found = problems(make(**{"parallel.cp": 16, "parallel.cp_algorithm": "ulysses",
+                             "cluster.nodes": 2, "training.seq_len": 1000,
+                             "cluster.target": "local"}))
+    assert {"parallel.cp", "training.seq_len", "cluster.nodes"} <= set(found)
+
+
+def test_batch_arithmetic() -> None:
+    spec = validate_spec(make(**{"training.global_batch": 16}))
+    assert spec.grad_accum == 4 and spec.global_batch == 16
+    assert "multiple of micro_batch x dp" in problems(make(**{"training.global_batch": 6}))[
+        "training.global_batch"]
+    found = problems(make(**{"training.global_batch": 16, "training.grad_accum": 2}))
+    assert "disagrees" in found["training.grad_accum"]
+
+
+def test_targets() -> None:
+    assert "nodes must be 1" in problems(make(**{"cluster.target": "local"}))["cluster.nodes"]
+    found = problems(make(**{"cluster.target": "kubernetes"}))
+    assert "needs an image" in found["cluster.kubernetes.image"]
+
+
+def test_model_shape_rules() -> None:
+    found = problems(make(**{"model.kv_heads": 5}))
+    assert "divisible by kv_heads = 5" in found["model.kv_heads"]
+    assert "unknown model preset 'llama9'" in problems(make(**{"model.preset": "llama9"}))["model"]
+
+
+def test_push_telemetry_needs_a_url() -> None:
+    found = problems(make(**{"telemetry.prometheus": "push"}))
+    assert "pushgateway_url" in found["telemetry.pushgateway_url"]
+
+
+def test_text_data_needs_a_path_and_a_byte_vocab() -> None:
+    found = problems(make(**{"training.data.source": "text"}))
+    assert "needs data.path" in found["training.data.path"]
+    found = problems(make(**{"training.data.source": "text", "training.data.path": "x.txt",
+                             "model.vocab": 100}))
+    assert "vocab >= 256" in found["model.vocab"]
+
+
+def test_warning_pcie_only_gpu() -> None:
+    spec = validate_spec(make(**{"cluster.gpu": "L40S"}))
+    assert any("PCIe-only" in w for w in spec.warnings())
+
+
+def test_warning_ring_wider_than_a_node_suggests_hybrid() -> None:
+    spec = validate_spec(make(**{"parallel.cp": 16, "cluster.nodes": 2}))
+    warnings = spec.warnings()
+    assert any("wider than a node" in w and "ulysses_degree: 8" in w for w in warnings)
+    assert any("spans beyond the NVLink domain" in w for w in warnings)
+    assert validate_spec(BASE).warnings() == []
+
+
+def test_presets_are_real_shapes_and_overridable() -> None:
+    for name in MODEL_PRESETS:
+        validate_spec(make(**{"model.preset": name, "training.seq_len": 4096}))
+    spec = validate_spec(make(**{"model.layers": 2}))
+    assert spec.model.layers == 2 and spec.model.hidden == 4096
+    shorthand = copy.deepcopy(BASE)
+    shorthand["model"] = "llama3-70b"
+    assert validate_spec(shorthand).model.layers == 80
+
+
+def test_overrides_parse_yaml_values() -> None:
+    data = apply_overrides(BASE, ["parallel.cp=4", "cluster.slurm.requeue=false",
+                                  "fabric.hcas=[mlx5_0, mlx5_1]", "name=other"])
+    assert data["parallel"]["cp"] == 4 and data["cluster"]["slurm"]["requeue"] is False
+    assert data["fabric"]["hcas"] == ["mlx5_0", "mlx5_1"] and data["name"] == "other"
+    assert BASE["parallel"]["cp"] == 8  # the input is not modified
+    with pytest.raises(SpecError, match="expected path.to.field=value"):
+        apply_overrides(BASE, ["parallel.cp"])
+    with pytest.raises(SpecError, match="is not a mapping"):
+        apply_overrides(BASE, ["name.first=x"])
+
+
+def test_yaml_errors_name_the_line() -> None:
+    with pytest.raises(SpecError, match="line 2, column"):
+        parse_yaml("name: x\nmodel: a: b\n", "bad.yaml")
+    with pytest.raises(SpecError, match="must be a YAML mapping"):
+        parse_yaml("- a\n- b\n", "list.yaml")
+
+
+def test_missing_file_is_a_spec_error(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="cannot read the file"):
+        load_spec(tmp_path / "absent.yaml")
+
+
+def test_json_schema_is_complete() -> None:
+    from ctxlaunch.spec import JobSpec
+
+    schema = JobSpec.model_json_schema()
+    assert schema["additionalProperties"] is False
+    assert set(schema["required"]) == {"name", "model", "training"}
+    parallel = schema["$defs"]["ParallelSpec"]["properties"]
+    assert parallel["cp_algorithm"]["enum"] == ["ring", "ulysses", "hybrid"]
+    assert "description" in parallel["layout"]
