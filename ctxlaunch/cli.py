@@ -179,7 +179,9 @@ def render(
 @app.command()
 def schema() -> None:
     """Print the job spec's JSON Schema (for editor completion and validation)."""
-    sys.stdout.write(json.dumps(JobSpec.model_json_schema(), indent=2) + "\n")
+    from .spec import json_schema
+
+    sys.stdout.write(json.dumps(json_schema(), indent=2) + "\n")
 
 
 def main() -> None:

@@ -580,6 +580,22 @@ class JobSpec(_Strict):
         return layout_warnings(self)
 
 
+def json_schema() -> dict[str, Any]:
+    """The spec's JSON Schema, for editors. A model is a preset name, a preset with
+    overrides, or a full shape, so the shape fields are required only without a preset."""
+    schema = JobSpec.model_json_schema()
+    model = schema["$defs"]["ModelSpec"]
+    shape = model.pop("required", [])
+    presets = sorted(MODEL_PRESETS)
+    model["properties"]["preset"] = {
+        "anyOf": [{"enum": presets}, {"type": "null"}], "default": None,
+        "description": model["properties"]["preset"].get("description", "")}
+    model["anyOf"] = [{"required": ["preset"]}, {"required": shape}]
+    schema["properties"]["model"] = {"anyOf": [{"enum": presets},
+                                               {"$ref": "#/$defs/ModelSpec"}]}
+    return schema
+
+
 def layout_problems(spec: JobSpec) -> list[InitErrorDetails]:
     """Every rule that ties the layout to the model and the cluster; all broken ones at once."""
     m, t, p, c = spec.model, spec.training, spec.parallel, spec.cluster
