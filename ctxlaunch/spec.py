@@ -207,6 +207,9 @@ class TrainingSpec(_Strict):
     data: DataSpec = DataSpec()
     log_interval: PositiveInt = 1
     """Log (and export) metrics every this many steps."""
+    timeout_seconds: int = Field(600, ge=5)
+    """How long a collective waits for its peers: a dead or hung rank ends the job with an
+    error within this time, never a hang."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,91 @@
+"""Checkpoints: one directory per step, committed by a marker written last, resumed from the
+newest committed one.
+
+    <dir>/step-00000100/        the checkpoint of the state after step 100
+    <dir>/step-00000100/COMMITTED   written by rank 0 once every rank has finished writing
+
+A checkpoint interrupted halfway (a preemption during the save) has no marker and is ignored,
+so the previous one stays the resume point: no checkpointed work is ever lost.
+
+The state itself is written by the engine: `torch.distributed.checkpoint` for ZeRO-0 (every rank
+holds the whole model and optimizer, written once), DeepSpeed's own format for ZeRO-1..3 (its
+partitioned fp32 master weights and Adam states have no torch.distributed.checkpoint form).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+
+import torch.distributed as dist
+
+MARKER = "COMMITTED"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointDirError(RuntimeError):
+    """The checkpoint directory cannot be used; raised at start, before any training."""
+
+
+def check_writable(directory: str | Path, rank: int) -> Path:
+    """Create the directory and write/remove a probe file: fail now, not after an hour."""
+    path = Path(directory)
+    probe = path / f".write-test-{socket.gethostname()}-{rank}-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointDirError(
+            f"training.checkpoint.dir {str(path)!r} cannot be written ({exc.strerror or exc}); "
+            "fix the path or its permissions") from None
+    return path
+
+
+def step_dir(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"step-{step:08d}"
+
+
+def committed_steps(directory: str | Path) -> list[int]:
+    """Steps with a complete checkpoint, oldest first."""
+    path = Path(directory)
+    if not path.is_dir():
+        return []
+    steps = []
+    for child in path.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and (child / MARKER).is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def latest_step(directory: str | Path | None) -> int | None:
+    if directory is None:
+        return None
+    steps = committed_steps(directory)
+    return steps[-1] if steps else None
+
+
+def commit(directory: str | Path, step: int, rank: int, keep: int, info: dict) -> None:
+    """After every rank wrote its part: rank 0 writes the marker, then prunes old checkpoints."""
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == 0:
+        target = step_dir(directory, step)
+        marker = target / MARKER
+        tmp = target / (MARKER + ".tmp")
+        tmp.write_text(json.dumps({"step": step, **info}, sort_keys=True))
+        os.replace(tmp, marker)
+        for old in committed_steps(directory)[:-keep]:
+            shutil.rmtree(step_dir(directory, old), ignore_errors=True)
+        # Half-written checkpoints older than the one just committed are garbage.
+        for child in Path(directory).iterdir():
+            match = _STEP_DIR.match(child.name)
+            if match and int(match.group(1)) < step and not (child / MARKER).exists():
+                shutil.rmtree(child, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,133 @@
+"""`python -m ctxlaunch.trainer [SPEC]`: one rank of a job.
+
+The spec comes from the SPEC path, else from $CTXLAUNCH_SPEC_JSON (what the Slurm script
+exports). Rank and world come from torchrun, Slurm or the PyTorchJob environment.
+Exit statuses: 0 done, 2 bad spec or set-up (before any work), 75 checkpointed after a stop
+signal (requeue me), 86 out of memory, 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from .. import exitcodes
+from ..launch import SPEC_ENV
+from ..loader import SpecError, apply_overrides, parse_yaml, read_spec_data, validate_spec
+from .checkpoint import CheckpointDirError, check_writable
+
+UNSUPPORTED = {"tp": "tensor", "pp": "pipeline", "ep": "expert"}
+
+
+class SetupError(Exception):
+    """A problem found before any work started (exit 2)."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m ctxlaunch.trainer",
+                                     description="Run one rank of a ctxlaunch job.")
+    parser.add_argument("spec", nargs="?", help=f"job spec (YAML/JSON); default: ${SPEC_ENV}")
+    parser.add_argument("--set", "-s", dest="overrides", action="append", default=[],
+                        metavar="PATH=VALUE", help="override a spec field")
+    parser.add_argument("--run-dir", help="where metrics.jsonl and summary.json go "
+                        "(default: $CTXLAUNCH_RUN_DIR, else runs/<job name>)")
+    return parser.parse_args(argv)
+
+
+def load_job_spec(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    if args.spec:
+        data, source = read_spec_data(args.spec), args.spec
+    elif os.environ.get(SPEC_ENV):
+        data, source = parse_yaml(os.environ[SPEC_ENV], f"${SPEC_ENV}"), f"${SPEC_ENV}"
+    else:
+        raise SetupError(f"no spec: pass a spec file or set {SPEC_ENV}")
+    spec = validate_spec(apply_overrides(data, args.overrides), source)
+    for field, name in UNSUPPORTED.items():
+        degree = getattr(spec.parallel, field)
+        if degree > 1:
+            raise SetupError(
+                f"parallel.{field} = {degree}: the bundled trainer runs DP x CP only; {name} "
+                f"parallelism is planned and rendered by ctxlaunch but not trained by it. Use "
+                f"parallel.{field}: 1, or a trainer with {name} parallelism.")
+    return spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank_tag = "[rank ?]"
+    try:
+        spec = load_job_spec(args)
+        from . import distenv
+
+        denv = distenv.detect()
+        rank_tag = f"[rank {denv.rank}]"
+        expected = spec.cluster.world_size
+        if denv.world_size != expected:
+            raise SetupError(
+                f"the launcher started {denv.world_size} ranks but the spec describes "
+                f"{expected} (cluster.nodes x cluster.gpus_per_node); launch {expected}")
+        if spec.training.checkpoint.dir:
+            check_writable(spec.training.checkpoint.dir, denv.rank)
+        run_dir = Path(args.run_dir or os.environ.get("CTXLAUNCH_RUN_DIR")
+                       or Path("runs") / spec.name)
+        if denv.rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+    except (SpecError, SetupError, CheckpointDirError) as exc:
+        print(f"{rank_tag} error: {exc}", file=sys.stderr, flush=True)
+        return exitcodes.BAD_INPUT
+
+    return _run(spec, denv, run_dir, rank_tag)
+
+
+def _run(spec, denv, run_dir: Path, rank_tag: str) -> int:  # type: ignore[no-untyped-def]
+    import torch
+    import torch.distributed as dist
+
+    from .distenv import export_for_torch
+    from .loop import Trainer
+    from .parallelize import build_context
+
+    use_cuda = spec.cluster.gpu != "cpu" and torch.cuda.is_available()
+    if spec.cluster.gpu != "cpu" and not use_cuda:
+        print(f"{rank_tag} error: cluster.gpu = {spec.cluster.gpu} but no CUDA device is "
+              "visible; use cluster.gpu: cpu to run on the CPU", file=sys.stderr, flush=True)
+        return exitcodes.BAD_INPUT
+    device = torch.device("cuda", denv.local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    export_for_torch(denv)
+    dist.init_process_group(
+        backend="nccl" if use_cuda else "gloo", init_method="env://",
+        rank=denv.rank, world_size=denv.world_size,
+        timeout=datetime.timedelta(seconds=spec.training.timeout_seconds))
+    log = (lambda text: print(text, flush=True)) if denv.rank == 0 else (lambda text: None)
+    code = exitcodes.FAILED
+    try:
+        ctx = build_context(rank=denv.rank, world_size=denv.world_size, dp=spec.dp,
+                            cp=spec.parallel.cp, ulysses=spec.ulysses_degree,
+                            layout=spec.parallel.layout)
+        log(f"ctxlaunch: {spec.name}: {denv.world_size} ranks ({denv.launcher}), dp {ctx.dp} "
+            f"x cp {ctx.cp} ({spec.parallel.cp_algorithm}, {ctx.layout}), "
+            f"ZeRO-{spec.training.zero_stage}, {spec.model.dtype}, device {device.type}")
+        trainer = Trainer(spec, ctx, device, run_dir if denv.rank == 0 else None, log=log)
+        code = trainer.run()
+    except torch.OutOfMemoryError:
+        print(f"{rank_tag} error: out of memory\n{traceback.format_exc()}", file=sys.stderr,
+              flush=True)
+        code = exitcodes.OOM
+    except Exception:
+        # A dead peer surfaces here as a gloo/NCCL error or a timeout: report and leave at
+        # once, never wait on the group again.
+        print(f"{rank_tag} error: training failed\n{traceback.format_exc()}", file=sys.stderr,
+              flush=True)
+        code = exitcodes.FAILED
+    if code in (exitcodes.OK, exitcodes.PREEMPTED):
+        dist.destroy_process_group()
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip teardown that could block on a broken group
