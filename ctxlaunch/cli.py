@@ -177,6 +177,56 @@ def render(
 
 
 @app.command()
+def submit(
+    spec: SpecArg,
+    set_: SetOpt = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print the exact command and bytes that would be submitted.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Submit even if the planner predicts the job will not fit.")] = False,
+) -> None:
+    """Submit the job to its cluster.target: this machine (local, the default), Slurm or
+    Kubernetes. A job predicted not to fit is refused unless --force."""
+    from .backends import get_backend
+    from .planner import plan_job
+
+    job = load(spec, set_)
+    print_warnings(job)
+    report = plan_job(job)
+    if not report.fits and not force:
+        fail(f"{job.name} is predicted not to fit: {report.verdict()}. Change the spec (see "
+             f"`ctxlaunch plan {spec}`), or pass --force to submit anyway.")
+    try:
+        backend = get_backend(job.cluster.target)
+    except NotImplementedError as exc:
+        fail(str(exc))
+    dryrun = backend.dryrun(job)
+    if dry_run:
+        sys.stdout.write(dryrun.describe())
+        return
+    raise typer.Exit(backend.schedule(dryrun))
+
+
+@app.command()
+def train(
+    spec: Annotated[Path | None, typer.Argument(
+        help="Job spec; default: $CTXLAUNCH_SPEC_JSON.", show_default=False)] = None,
+    set_: SetOpt = None,
+    run_dir: Annotated[str | None, typer.Option(
+        "--run-dir", help="Where metrics.jsonl and summary.json go.")] = None,
+) -> None:
+    """Run one rank of the bundled trainer (what torchrun, srun or a PyTorchJob pod starts)."""
+    from .trainer.main import main as trainer_main
+
+    argv = [str(spec)] if spec else []
+    for item in set_ or ():
+        argv += ["--set", item]
+    if run_dir:
+        argv += ["--run-dir", run_dir]
+    raise typer.Exit(trainer_main(argv))
+
+
+@app.command()
 def schema() -> None:
     """Print the job spec's JSON Schema (for editor completion and validation)."""
     from .spec import json_schema

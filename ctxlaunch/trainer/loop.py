@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .. import exitcodes
 from ..flops import flops_per_token
-from . import checkpoint
+from . import checkpoint, faults
 from .data import Batches, make_source
 from .engines import Engine, init_deepspeed, make_engine
 from .model import Transformer
@@ -70,13 +70,20 @@ class Trainer:
         self.step = 0
         self._stop_signal: int | None = None
         self._stop_agreed = False
+        self.fault = faults.from_env()
 
     # -- one step ------------------------------------------------------------------------------
-    def train_step(self) -> StepMetrics:
+    def train_step(self, on_gradients=None) -> StepMetrics:  # type: ignore[no-untyped-def]
+        """Forward and backward over the step's micro-batches, average the gradients over the
+        job, update. `on_gradients(engine)` runs between the two (checks read gradients)."""
+        if self.fault is not None:
+            self.fault.maybe_fire(self.ctx.rank, self.step + 1)
         start = time.perf_counter()
         losses = [self.engine.forward_backward(self.batches.get(self.step, micro), micro)
                   for micro in range(self.spec.grad_accum)]
         self.engine.finish_gradients()
+        if on_gradients is not None:
+            on_gradients(self.engine)
         grad_norm = self.engine.apply()
         lr = self.engine.lr()
         loss, self._stop_agreed = self._reduce(torch.stack(losses).float().mean())

@@ -72,15 +72,30 @@ def main(argv: list[str] | None = None) -> int:
                 f"{expected} (cluster.nodes x cluster.gpus_per_node); launch {expected}")
         if spec.training.checkpoint.dir:
             check_writable(spec.training.checkpoint.dir, denv.rank)
+        data = spec.training.data
+        if data.source == "text" and not Path(data.path).is_file():
+            raise SetupError(f"training.data.path {data.path!r} is not a readable file")
         run_dir = Path(args.run_dir or os.environ.get("CTXLAUNCH_RUN_DIR")
                        or Path("runs") / spec.name)
         if denv.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
     except (SpecError, SetupError, CheckpointDirError) as exc:
         print(f"{rank_tag} error: {exc}", file=sys.stderr, flush=True)
+        if args.run_dir:
+            record_exit(Path(args.run_dir), os.environ.get("RANK", "0"), exitcodes.BAD_INPUT)
         return exitcodes.BAD_INPUT
 
     return _run(spec, denv, run_dir, rank_tag)
+
+
+def record_exit(run_dir: Path, rank: int | str, code: int) -> None:
+    """Leave this rank's exit status where a launcher can read it (torchrun reports 1 for any
+    failure; the job's status must say OOM or preempted)."""
+    try:
+        (run_dir / "exit").mkdir(parents=True, exist_ok=True)
+        (run_dir / "exit" / f"rank-{rank}").write_text(f"{code}\n")
+    except OSError:
+        pass
 
 
 def _run(spec, denv, run_dir: Path, rank_tag: str) -> int:  # type: ignore[no-untyped-def]
@@ -125,9 +140,12 @@ def _run(spec, denv, run_dir: Path, rank_tag: str) -> int:  # type: ignore[no-un
         print(f"{rank_tag} error: training failed\n{traceback.format_exc()}", file=sys.stderr,
               flush=True)
         code = exitcodes.FAILED
+    record_exit(run_dir, denv.rank, code)
     if code in (exitcodes.OK, exitcodes.PREEMPTED):
         dist.destroy_process_group()
-        return code
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # skip teardown that could block on a broken group
+    # Leave without interpreter teardown: after a failure it could block on a broken group, and
+    # even after success gloo's threads sometimes abort in C++ static destructors. Everything
+    # worth keeping (checkpoints, metrics, the exit status) is written and closed by now.
+    os._exit(code)

@@ -1,0 +1,72 @@
+"""What every backend offers, and the pieces they share."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .. import exitcodes
+from ..spec import JobSpec
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """Everything a submission would do, as data: printing it is `--dry-run`, scheduling it is
+    the submission."""
+
+    target: str
+    spec: JobSpec
+    command: list[str]
+    """The exact command line that is run (torchrun, sbatch, ...)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment added to the submitter's for that command."""
+    artifact: str | None = None
+    """The exact bytes submitted (the sbatch script, the manifest), when there is one."""
+    artifact_name: str | None = None
+
+    def describe(self) -> str:
+        lines = [f"# target: {self.target}"]
+        for name, value in self.env.items():
+            lines.append(f"export {name}={shlex.quote(value)}")
+        lines.append(shlex.join(self.command))
+        if self.artifact is not None:
+            lines.append(f"# --- {self.artifact_name} ---")
+            lines.append(self.artifact.rstrip("\n"))
+        return "\n".join(lines) + "\n"
+
+
+class Backend(Protocol):
+    name: str
+
+    def dryrun(self, spec: JobSpec) -> DryRun: ...
+
+    def schedule(self, dryrun: DryRun) -> int:
+        """Run or submit; returns the exit status for the `submit` command."""
+
+
+def combine_exit_codes(codes: Iterable[int | None]) -> int:
+    """One status for a job from its ranks' (None: the rank left no status, e.g. killed).
+    An OOM anywhere is the job's story; then a failure; a requeue request only when every
+    other rank finished cleanly."""
+    codes = list(codes)
+    if any(c == exitcodes.OOM for c in codes):
+        return exitcodes.OOM
+    if any(c is None or c not in (exitcodes.OK, exitcodes.PREEMPTED, exitcodes.BAD_INPUT)
+           for c in codes):
+        return exitcodes.FAILED
+    if any(c == exitcodes.BAD_INPUT for c in codes):
+        return exitcodes.BAD_INPUT
+    if any(c == exitcodes.PREEMPTED for c in codes):
+        return exitcodes.PREEMPTED
+    return exitcodes.OK
+
+
+def get_backend(target: str) -> Backend:
+    if target == "local":
+        from .local import LocalBackend
+
+        return LocalBackend()
+    raise NotImplementedError(f"cluster.target {target!r}: submission to {target} is not "
+                              "available yet; use `ctxlaunch render` and submit the artifact")

@@ -1,0 +1,47 @@
+"""Fault injection for tests, behind an explicit switch: CTXLAUNCH_INJECT_FAULT.
+
+    CTXLAUNCH_INJECT_FAULT="kind=oom,rank=1,step=3"
+
+makes rank 1 fail at the start of step 3 (1-based). Kinds: `oom` raises the allocator's
+OutOfMemoryError (a simulated allocation failure: a CPU has no device allocator to exhaust),
+`error` raises RuntimeError, `kill` SIGKILLs the process (a dead rank). Unset, nothing happens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+import torch
+
+ENV = "CTXLAUNCH_INJECT_FAULT"
+KINDS = ("oom", "error", "kill")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int
+
+    def maybe_fire(self, rank: int, step: int) -> None:
+        if rank != self.rank or step != self.step:
+            return
+        if self.kind == "oom":
+            raise torch.OutOfMemoryError(
+                f"injected by {ENV}: simulated allocation failure on rank {rank} at step {step}")
+        if self.kind == "error":
+            raise RuntimeError(f"injected by {ENV}: failure on rank {rank} at step {step}")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def from_env(env: dict[str, str] | None = None) -> Fault | None:
+    text = (os.environ if env is None else env).get(ENV, "").strip()
+    if not text:
+        return None
+    fields = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+    kind = fields.get("kind", "")
+    if kind not in KINDS:
+        raise ValueError(f"{ENV}={text!r}: kind must be one of {', '.join(KINDS)}")
+    return Fault(kind=kind, rank=int(fields.get("rank", "0")), step=int(fields.get("step", "1")))

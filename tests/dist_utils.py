@@ -1,0 +1,77 @@
+"""Multi-process helpers: run a function in N spawned gloo processes with a hard deadline."""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(fn, rank, world_size, init_file, results, args, threads):
+    torch.set_num_threads(threads)
+    # What torchrun would set (DeepSpeed insists on LOCAL_RANK).
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - the parent re-raises it with the rank attached
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0, threads: int = 1):
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes.
+
+    Returns the per-rank return values. The first failing rank's traceback is raised as an
+    AssertionError and every worker is killed at once, since ranks left waiting in a collective
+    would hang forever; so are all workers still running after ``timeout_s``.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="cp_test_init_")
+    os.close(fd)
+    os.unlink(init_file)  # the file store creates it; a stale one would confuse it
+    procs = [
+        ctx.Process(target=_worker, args=(fn, rank, world_size, init_file, results, args, threads), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    values: dict[int, object] = {}
+    try:
+        while len(values) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(values))
+                raise AssertionError(f"ranks {missing} did not finish within {timeout_s:.0f} s (hang?)")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in values]
+                if dead:
+                    raise AssertionError(f"ranks {dead} exited without a result (exit codes "
+                                         f"{[procs[r].exitcode for r in dead]})") from None
+                continue
+            if not ok:
+                raise AssertionError(f"rank {rank} of {world_size} failed:\n{value}")
+            values[rank] = value
+        for p in procs:
+            p.join(timeout=max(deadline - time.monotonic(), 1.0))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    return [values[r] for r in range(world_size)]
