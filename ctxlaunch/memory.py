@@ -33,6 +33,9 @@ No s-by-s term: attention runs through flash kernels that keep only the log-sum-
 Llama-3-8B in bf16 (h 4096, h_kv 1024, f 14336, 32 heads) that is 147,592 bytes = 36.0*h per
 token, next to Korthikanti et al.'s 34*h for a GPT block with a 4h GELU MLP.
 
+Under ZeRO-0 bf16 (autocast) each block also keeps the bf16 copies of its matmul weights for
+backward: 2 bytes per weight, per block not recomputed.
+
 Activation checkpointing:
 - selective: the feed-forward half (RMSNorm 2 + SwiGLU, cheap and linear in s) is recomputed;
   attention (quadratic to recompute) is kept. Saved per block: r*h + a*(4*h + 2*h_kv) + 4*heads
@@ -238,6 +241,18 @@ def _loss_workspace_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
     return (layout.compute_bytes + 12) * vocab * tokens
 
 
+def autocast_weight_copy_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
+    """ZeRO-0 bf16 runs under autocast: each block's matmuls save the bf16 copies of their fp32
+    weights for backward (2 bytes per weight), except where the block is recomputed."""
+    if layout.dtype != "bf16" or layout.zero_stage != 0:
+        return 0.0
+    h, h_kv, f = model.hidden, model.kv_hidden, model.ffn_hidden
+    attention = h * (h + 2 * h_kv) + h * h
+    feed_forward = 3 * h * f
+    kept = {"none": attention + feed_forward, "selective": attention, "full": 0}
+    return 2.0 * kept[layout.activation_checkpointing] / layout.tp
+
+
 def activation_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
     """Bytes saved for backward on the busiest rank at the start of backward."""
     tokens = layout.tokens_per_rank / layout.tp
@@ -246,10 +261,13 @@ def activation_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
     in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
     per_block = block_activation_bytes_per_token(model, layout)
     r = layout.residual_bytes
-    # Outside the blocks: final RMSNorm input and rstd, and its output kept as the input of the
-    # chunked loss (recomputed chunk by chunk).
-    outside = 2 * r * model.hidden + 4
-    return tokens * in_flight * (per_block * layers_per_stage + outside)
+    # Outside the blocks: final RMSNorm input and rstd, its output kept as the input of the
+    # chunked loss (recomputed chunk by chunk), the int64 token ids and targets, and the RoPE
+    # cos/sin tables (one pair shared by every block).
+    outside = 2 * r * model.hidden + 4 + 16 + 2 * model.head_dim * layout.compute_bytes
+    per_block_fixed = autocast_weight_copy_bytes(model, layout)
+    return in_flight * (tokens * (per_block * layers_per_stage + outside)
+                        + per_block_fixed * layers_per_stage)
 
 
 # --------------------------------------------------------------------------------------------

@@ -208,7 +208,10 @@ class Transformer(nn.Module):
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
-        cos, sin = rope_tables(positions, self.head_dim, self.rope_theta, x.dtype)
+        # Tables in the dtype q and k will have (autocast's, if on), made once for all blocks.
+        dtype = (torch.get_autocast_dtype(x.device.type)
+                 if torch.is_autocast_enabled(x.device.type) else x.dtype)
+        cos, sin = rope_tables(positions, self.head_dim, self.rope_theta, dtype)
         for block in self.blocks:
             x = block(x, cos, sin)
         return self.norm(x)
