@@ -1,0 +1,1 @@
+"""Telemetry: the metric contract, the per-rank Prometheus exporter, the Grafana dashboard."""

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Every real service the tests use: Slurm (with accounting) and Prometheus + Pushgateway.
+#
+# Usage: scripts/services/all.sh install|start|stop|restart|status
+#
+# install and start run slurm.sh then prometheus.sh; stop runs them in reverse order. stop goes on
+# to the next service when one fails and reports the failure at the end. See slurm.sh and
+# prometheus.sh for what each does and the environment variables they read
+# (CTXLAUNCH_SERVICES_DIR, CTXLAUNCH_PROMETHEUS_PORT, CTXLAUNCH_PUSHGATEWAY_PORT, ...).
+set -euo pipefail
+
+readonly PROG="all.sh"
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+readonly SCRIPT_DIR
+readonly SERVICES=(slurm prometheus)
+
+run_in_order() { # action service...: stop at the first failure
+    local action="$1" service
+    shift
+    for service in "$@"; do
+        "$SCRIPT_DIR/$service.sh" "$action"
+    done
+}
+
+run_all() { # action service...: run every one, fail at the end if any failed
+    local action="$1" service failed=()
+    shift
+    for service in "$@"; do
+        "$SCRIPT_DIR/$service.sh" "$action" || failed+=("$service")
+    done
+    if [ "${#failed[@]}" -gt 0 ]; then
+        printf '%s: %s failed for: %s\n' "$PROG" "$action" "${failed[*]}" >&2
+        return 1
+    fi
+}
+
+reversed_services() {
+    local i
+    for ((i = ${#SERVICES[@]} - 1; i >= 0; i--)); do
+        echo "${SERVICES[i]}"
+    done
+}
+
+usage() {
+    echo "usage: $0 install|start|stop|restart|status" >&2
+    exit 2
+}
+
+main() {
+    [ "$#" -eq 1 ] || usage
+    local reversed
+    mapfile -t reversed < <(reversed_services)
+    case "$1" in
+        install | start) run_in_order "$1" "${SERVICES[@]}" ;;
+        stop) run_all stop "${reversed[@]}" ;;
+        restart)
+            run_all stop "${reversed[@]}"
+            run_in_order start "${SERVICES[@]}"
+            ;;
+        status) run_all status "${SERVICES[@]}" ;;
+        *) usage ;;
+    esac
+}
+
+main "$@"

@@ -1,0 +1,67 @@
+"""The real services the tests talk to, started by scripts/services/all.sh (scripts/test does
+it). A test that needs one fails, with the command to run, when it is not up: nothing here is
+skipped silently."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+SERVICES_DIR = Path(os.environ.get("CTXLAUNCH_SERVICES_DIR", "/var/tmp/ctxlaunch-services"))
+PROMETHEUS_URL = f"http://127.0.0.1:{os.environ.get('CTXLAUNCH_PROMETHEUS_PORT', '9090')}"
+PUSHGATEWAY_URL = f"http://127.0.0.1:{os.environ.get('CTXLAUNCH_PUSHGATEWAY_PORT', '9091')}"
+TARGETS_DIR = SERVICES_DIR / "prometheus" / "targets"
+RULES_DIR = SERVICES_DIR / "prometheus" / "rules"
+START_HINT = "start the services with `scripts/services/all.sh start` (scripts/test does it)"
+
+
+def _get(url: str, timeout: float = 5.0) -> bytes:
+    request = urllib.request.Request(url)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(request, timeout=timeout) as response:
+        return response.read()
+
+
+def require_prometheus() -> None:
+    for url in (PROMETHEUS_URL, PUSHGATEWAY_URL):
+        try:
+            _get(url + "/-/ready")
+        except OSError as exc:
+            pytest.fail(f"{url} is not up ({exc}); {START_HINT}")
+
+
+def query(expr: str) -> list[dict]:
+    """Instant query against the real Prometheus; the result vector."""
+    url = PROMETHEUS_URL + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    body = json.loads(_get(url))
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def poll(expr: str, predicate=lambda result: bool(result), timeout: float = 30.0) -> list[dict]:
+    """Query until `predicate(result)` holds: new targets and pushes show up within seconds,
+    never instantly."""
+    deadline = time.monotonic() + timeout
+    result: list[dict] = []
+    while time.monotonic() < deadline:
+        result = query(expr)
+        if predicate(result):
+            return result
+        time.sleep(0.5)
+    raise AssertionError(f"{expr!r} did not satisfy the check within {timeout:.0f} s; "
+                         f"last result: {result}")
+
+
+def add_scrape_targets(name: str, targets: list[str]) -> Path:
+    TARGETS_DIR.mkdir(parents=True, exist_ok=True)
+    path = TARGETS_DIR / f"{name}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([{"targets": targets, "labels": {}}]))
+    tmp.rename(path)
+    return path
