@@ -177,6 +177,8 @@ class KubernetesPlan:
     service_account: str | None
     priority_class: str | None
     run_policy: dict[str, Any] = field(default_factory=dict)
+    metrics_ports: list[tuple[str, int]] = field(default_factory=list)
+    """(port name, container port) per local rank in scrape mode; the PodMonitor scrapes them."""
 
 
 def kubernetes_plan(spec: JobSpec) -> KubernetesPlan:
@@ -234,4 +236,7 @@ def kubernetes_plan(spec: JobSpec) -> KubernetesPlan:
         service_account=k.service_account,
         priority_class=k.priority_class,
         run_policy=run_policy,
+        metrics_ports=[(f"metrics-{r}", spec.telemetry.port + r)
+                       for r in range(c.gpus_per_node)]
+        if spec.telemetry.prometheus == "scrape" else [],
     )

@@ -114,8 +114,22 @@ def crd_validator(crd: Path):
 def pytorchjob_doc(text: str) -> dict:
     docs = [d for d in yaml.safe_load_all(text) if d]
     kinds = [d["kind"] for d in docs]
-    assert kinds == ["ConfigMap", "PyTorchJob"], kinds
+    assert kinds[:2] == ["ConfigMap", "PyTorchJob"] and set(kinds[2:]) <= {"PodMonitor"}, kinds
     return docs[1]
+
+
+def test_scrape_mode_adds_metrics_ports_and_a_pod_monitor() -> None:
+    docs = list(yaml.safe_load_all(render(load_example(JOBS / "llama3-70b-1m-k8s.yaml"),
+                                          "kubernetes")))
+    job, monitor = docs[1], docs[2]
+    container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics-0"] == 9400 and ports["metrics-7"] == 9407
+    assert monitor["kind"] == "PodMonitor"
+    assert monitor["spec"]["selector"]["matchLabels"]["ctxlaunch/job"] == "llama3-70b-1m"
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == \
+        [f"metrics-{r}" for r in range(8)]
+    assert all(e["honorLabels"] for e in monitor["spec"]["podMetricsEndpoints"])
 
 
 def test_pytorchjob_validates_against_the_real_crd(pytorchjob_crd: Path) -> None:
@@ -215,7 +229,7 @@ def test_hostile_values_are_inert_in_bash(value: str, tmp_path: Path) -> None:
 def test_hostile_values_are_inert_in_yaml(value: str) -> None:
     spec = hostile_spec(value, "kubernetes")
     docs = list(yaml.safe_load_all(render(spec, "kubernetes")))
-    job = docs[1]
+    job = pytorchjob_doc(render(spec, "kubernetes"))
     env = {e["name"]: e["value"] for e in
            job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["env"]}
     assert env["HOSTILE"] == value and env["NCCL_ALGO"] == value
