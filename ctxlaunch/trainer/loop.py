@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import exitcodes
+from ..cp.comm import exposed_comm_seconds
 from ..flops import flops_per_token
 from . import checkpoint, faults
 from .data import Batches, make_source
@@ -36,6 +37,9 @@ class StepMetrics:
     """This rank's peak: CUDA max allocated, or the process's peak RSS on the CPU."""
     lr: float
     grad_norm: float
+    exposed_comm_seconds: float
+    """Time this rank spent blocked on CP communication during the step (not hidden by
+    compute)."""
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -79,6 +83,7 @@ class Trainer:
         if self.fault is not None:
             self.fault.maybe_fire(self.ctx.rank, self.step + 1)
         start = time.perf_counter()
+        exposed_before = exposed_comm_seconds()
         losses = [self.engine.forward_backward(self.batches.get(self.step, micro), micro)
                   for micro in range(self.spec.grad_accum)]
         self.engine.finish_gradients()
@@ -95,7 +100,8 @@ class Trainer:
             tokens_per_second_per_gpu=tokens_per_second,
             model_tflops_per_gpu_full=tokens_per_second * self.flops_per_token["full"] / 1e12,
             model_tflops_per_gpu_causal=tokens_per_second * self.flops_per_token["causal"] / 1e12,
-            peak_memory_bytes=peak_memory_bytes(self.device), lr=lr, grad_norm=grad_norm)
+            peak_memory_bytes=peak_memory_bytes(self.device), lr=lr, grad_norm=grad_norm,
+            exposed_comm_seconds=exposed_comm_seconds() - exposed_before)
 
     def _reduce(self, loss: torch.Tensor) -> tuple[float, bool]:
         """The job's mean loss, and whether any rank got a stop signal, in one collective.

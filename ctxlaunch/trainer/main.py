@@ -102,6 +102,7 @@ def _run(spec, denv, run_dir: Path, rank_tag: str) -> int:  # type: ignore[no-un
     import torch
     import torch.distributed as dist
 
+    from ..telemetry.training import TrainingTelemetry
     from .distenv import export_for_torch
     from .loop import Trainer
     from .parallelize import build_context
@@ -121,6 +122,11 @@ def _run(spec, denv, run_dir: Path, rank_tag: str) -> int:  # type: ignore[no-un
         timeout=datetime.timedelta(seconds=spec.training.timeout_seconds))
     log = (lambda text: print(text, flush=True)) if denv.rank == 0 else (lambda text: None)
     code = exitcodes.FAILED
+    telemetry = TrainingTelemetry(spec, rank=denv.rank, local_rank=denv.local_rank,
+                                  device=device,
+                                  log=lambda text: print(f"{rank_tag} {text}", file=sys.stderr,
+                                                         flush=True))
+    trainer = None
     try:
         ctx = build_context(rank=denv.rank, world_size=denv.world_size, dp=spec.dp,
                             cp=spec.parallel.cp, ulysses=spec.ulysses_degree,
@@ -129,10 +135,11 @@ def _run(spec, denv, run_dir: Path, rank_tag: str) -> int:  # type: ignore[no-un
             f"x cp {ctx.cp} ({spec.parallel.cp_algorithm}, {ctx.layout}), "
             f"ZeRO-{spec.training.zero_stage}, {spec.model.dtype}, device {device.type}")
         trainer = Trainer(spec, ctx, device, run_dir if denv.rank == 0 else None, log=log)
-        code = trainer.run()
+        code = trainer.run(observers=[telemetry.on_step])
     except torch.OutOfMemoryError:
-        print(f"{rank_tag} error: out of memory\n{traceback.format_exc()}", file=sys.stderr,
-              flush=True)
+        step = trainer.step + 1 if trainer is not None else 0
+        print(f"{rank_tag} error: {telemetry.on_oom(step)}\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)
         code = exitcodes.OOM
     except Exception:
         # A dead peer surfaces here as a gloo/NCCL error or a timeout: report and leave at
@@ -140,6 +147,7 @@ def _run(spec, denv, run_dir: Path, rank_tag: str) -> int:  # type: ignore[no-un
         print(f"{rank_tag} error: training failed\n{traceback.format_exc()}", file=sys.stderr,
               flush=True)
         code = exitcodes.FAILED
+    telemetry.close()
     record_exit(run_dir, denv.rank, code)
     if code in (exitcodes.OK, exitcodes.PREEMPTED):
         dist.destroy_process_group()

@@ -1,0 +1,41 @@
+# Shapes: SDPA layout everywhere: (B, H, S_local, D) shards in, (B, H, S_local, D) shards out.
+"""Context-parallel attention (ring, Ulysses, hybrid) on torch alone.
+
+Every function takes this rank's shards, as :func:`shard_sequence` cuts them over the CP group,
+and returns this rank's output shard; all are differentiable and support GQA.
+"""
+
+from .comm import simulated_link_delay
+from .hybrid import hybrid_attention, new_hybrid_groups
+from .layout import (
+    LAYOUTS,
+    check_seq_len,
+    shard_for_rank,
+    shard_indices,
+    shard_positions,
+    shard_sequence,
+    unshard_from_shards,
+    unshard_indices,
+    unshard_sequence,
+)
+from .reference import full_attention
+from .ring import ring_attention
+from .ulysses import ulysses_attention
+
+__all__ = [
+    "LAYOUTS",
+    "check_seq_len",
+    "full_attention",
+    "hybrid_attention",
+    "new_hybrid_groups",
+    "ring_attention",
+    "shard_for_rank",
+    "shard_indices",
+    "shard_positions",
+    "shard_sequence",
+    "simulated_link_delay",
+    "ulysses_attention",
+    "unshard_from_shards",
+    "unshard_indices",
+    "unshard_sequence",
+]

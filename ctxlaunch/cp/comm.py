@@ -1,0 +1,87 @@
+# Shapes: any contiguous tensor travels as is; a ring step moves (B, Hkv, S_local, D) K/V blocks.
+"""Ring point-to-point transfers: post sends to the next rank and receives from the previous one,
+compute while they fly, then wait (``send_recv`` / ``commit`` / ``wait``)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+# Seconds every ring transfer takes at least, counted from its commit (0: off). A benchmark
+# sets it through ``simulated_link_delay`` to emulate a slow link and make overlap visible.
+_link_delay_s = 0.0
+# Seconds this process has spent blocked on CP communication (ring waits, Ulysses all-to-alls):
+# the communication that compute did not hide. Telemetry reads the difference per step.
+_exposed_s = 0.0
+
+
+def exposed_comm_seconds() -> float:
+    """Cumulative seconds this process spent waiting on context-parallel communication after
+    its own compute was done (ring ``wait``, Ulysses all-to-all)."""
+    return _exposed_s
+
+
+@contextlib.contextmanager
+def exposed():
+    """Count the time spent inside this block as exposed communication."""
+    global _exposed_s
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _exposed_s += time.perf_counter() - start
+
+
+
+@contextlib.contextmanager
+def simulated_link_delay(seconds: float):
+    """Within this block, each ring ``wait`` returns no sooner than ``seconds`` after its commit."""
+    global _link_delay_s
+    previous, _link_delay_s = _link_delay_s, float(seconds)
+    try:
+        yield
+    finally:
+        _link_delay_s = previous
+
+
+class RingComm:
+    """Non-blocking transfers around the ring of ``group``: rank i sends to i+1, receives from i-1."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = dist.group.WORLD if group is None else group
+        rank = dist.get_rank(self.group)
+        world_size = dist.get_world_size(self.group)
+        # P2P ops address global ranks even when they run on a subgroup.
+        self.send_to = dist.get_global_rank(self.group, (rank + 1) % world_size)
+        self.recv_from = dist.get_global_rank(self.group, (rank - 1) % world_size)
+        self._ops: list[dist.P2POp] = []
+        self._reqs: list = []
+        self._committed_at = 0.0
+
+    def send_recv(self, to_send: torch.Tensor, recv_buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """Queue sending ``to_send`` (contiguous) and receiving a tensor like it; return the receive
+        buffer, which holds the data only after :meth:`wait`."""
+        if recv_buffer is None:
+            recv_buffer = torch.empty_like(to_send)
+        self._ops.append(dist.P2POp(dist.isend, to_send, self.send_to, self.group))
+        self._ops.append(dist.P2POp(dist.irecv, recv_buffer, self.recv_from, self.group))
+        return recv_buffer
+
+    def commit(self) -> None:
+        """Start every queued transfer."""
+        self._reqs = dist.batch_isend_irecv(self._ops)
+        self._ops = []
+        self._committed_at = time.perf_counter()
+
+    def wait(self) -> None:
+        """Block until the committed transfers are done (and any simulated link delay has passed)."""
+        with exposed():
+            for req in self._reqs:
+                req.wait()
+            self._reqs = []
+            remaining = self._committed_at + _link_delay_s - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)

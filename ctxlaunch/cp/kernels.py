@@ -1,0 +1,143 @@
+# Shapes: q (B, Hq, Sq, D); k, v (B, Hkv, Sk, D) with Hq % Hkv == 0; out (B, Hq, Sq, D); lse (B, Hq, Sq) fp32.
+"""The one place that calls attention kernels returning the log-sum-exp (what CP merging needs).
+
+``attention_forward`` returns ``(out, lse)`` with lse the fp32 natural-log log-sum-exp of each
+query row's scaled scores; ``attention_backward`` takes the *final* (merged) out and lse, which
+is what lets a ring recompute each block's gradient independently. Causal masking is aligned
+top-left; CP only asks for it on square (Sq == Sk) diagonal blocks, where alignments agree.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+aten = torch.ops.aten
+
+# Memory-efficient attention pads lse to a multiple of this many rows (CUDA only).
+_EFFICIENT_LSE_ALIGN = 32
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ValueError unless q, k, v are (B, H, S, D) tensors with compatible shapes and heads."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (B, H, S, D), got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.size(0) != k.size(0) or q.size(3) != k.size(3):
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch (dim 0) and head dim (dim 3)"
+        )
+    if q.size(1) % k.size(1) != 0:
+        raise ValueError(
+            f"query heads ({q.size(1)}) must be a multiple of key/value heads ({k.size(1)}) for GQA"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def resolve_scale(q: torch.Tensor, scale: float | None) -> float:
+    """The softmax scale: ``scale`` if given, else 1/sqrt(head_dim) (SDPA's default)."""
+    return 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q over k, v: ``(out in q.dtype, lse fp32 (B, Hq, Sq))``. Inputs may be views."""
+    if q.device.type == "cpu":
+        # The CPU flash kernel takes Hkv < Hq natively (GQA) and strided inputs as they are.
+        return aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=None, scale=scale
+        )
+    return _cuda_forward(q, k, v, causal, scale)
+
+
+def attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of one block given the final ``out`` and ``lse`` of its query rows.
+
+    dk and dv have k's Hkv heads (GQA heads summed); on CUDA with GQA they come back in fp32.
+    """
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale
+        )
+    return _cuda_backward(grad_out, q, k, v, out, lse, causal, scale)
+
+
+# --- CUDA ----------------------------------------------------------------------------------------
+# Exercised only on GPU (this project's CI has none); written from the op schemas of torch 2.13:
+#   _scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, return_debug_mask, *, scale)
+#     -> (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_attn_mask)
+#   _scaled_dot_product_flash_attention_backward(grad_out, q, k, v, out, lse, cum_seq_q, cum_seq_k,
+#     max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale) -> (dq, dk, dv)
+#   _efficient_attention_forward / _efficient_attention_backward take (B, S, H, D) tensors and pad
+#     lse to a multiple of 32 rows.
+# Flash needs fp16/bf16 and head dim <= 256 divisible by 8; anything else (fp32) goes to the
+# memory-efficient kernel. Neither is asked for GQA here: K/V heads are expanded first and their
+# gradients summed back, in fp32.
+
+
+def _use_flash(q: torch.Tensor) -> bool:
+    return q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) <= 256 and q.size(-1) % 8 == 0
+
+
+def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    if n_rep == 1:
+        return x.contiguous()
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+def _reduce_kv_grad(dx: torch.Tensor, n_rep: int) -> torch.Tensor:
+    if n_rep == 1:
+        return dx
+    return dx.unflatten(1, (dx.size(1) // n_rep, n_rep)).sum(2, dtype=torch.float32)
+
+
+def _cuda_forward(q, k, v, causal, scale):
+    n_rep = q.size(1) // k.size(1)
+    q, k, v = q.contiguous(), _expand_kv(k, n_rep), _expand_kv(v, n_rep)
+    if _use_flash(q):
+        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse
+    out, lse, *_ = aten._efficient_attention_forward(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        None, None, None, None, None, 0.0, int(causal), True, scale=scale,
+    )
+    return out.transpose(1, 2), lse[..., : q.size(2)]
+
+
+def _cuda_backward(grad_out, q, k, v, out, lse, causal, scale):
+    n_rep = q.size(1) // k.size(1)
+    q, k, v = q.contiguous(), _expand_kv(k, n_rep), _expand_kv(v, n_rep)
+    grad_out, out, lse = grad_out.contiguous(), out.contiguous(), lse.contiguous()
+    sq, sk = q.size(2), k.size(2)
+    # Dropout is 0, so the kernels never read the RNG state.
+    no_rng = torch.empty((), dtype=torch.int64, device=q.device)
+    if _use_flash(q):
+        # cum_seq_q/k are None for dense (non-nested) inputs.
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse, None, None, sq, sk, 0.0, causal, no_rng, no_rng, scale=scale
+        )
+    else:
+        padded = -(-sq // _EFFICIENT_LSE_ALIGN) * _EFFICIENT_LSE_ALIGN
+        lse = torch.nn.functional.pad(lse, (0, padded - sq))
+        dq, dk, dv, _ = aten._efficient_attention_backward(
+            grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            None, out.transpose(1, 2), None, None, sq, sk, lse, 0.0, no_rng, no_rng,
+            int(causal), False, scale=scale,
+        )
+        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    return dq, _reduce_kv_grad(dk, n_rep), _reduce_kv_grad(dv, n_rep)

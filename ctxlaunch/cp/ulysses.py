@@ -1,0 +1,154 @@
+# Shapes: q (B, Hq, S/N, D), k, v (B, Hkv, S/N, D) local shards <-> (B, H/N, S, D) head shards; lse (B, Hq, S/N) fp32.
+"""DeepSpeed-Ulysses attention: an all-to-all turns sequence shards into head shards of the full
+sequence, ordinary attention runs on H/N heads, and a second all-to-all turns the result back.
+
+The all-to-all here also puts the gathered tokens in ascending position order (shards arrive in
+rank order, which under zigzag is not token order), so causal attention needs no special mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import kernels
+from .comm import exposed
+from .layout import check_shard_len, group_chunk_plan
+from .reference import full_attention
+
+
+class HeadShardPlan:
+    """Where each chunk of each group member's shard goes in the gathered head shard.
+
+    ``member_ranks`` are the CP ranks of the group's members in group-rank order, out of a CP
+    group of ``cp_world_size`` ranks (the Ulysses group itself, or one inner group of a hybrid).
+    """
+
+    def __init__(self, group, member_ranks: list[int], cp_world_size: int, layout: str, s_local: int):
+        self.group = group
+        self.size = len(member_ranks)
+        self.chunks = group_chunk_plan(member_ranks, cp_world_size, layout)
+        self.chunk_len = s_local * self.size // len(self.chunks)
+
+    def copy_chunks(self, gathered: torch.Tensor, per_member: torch.Tensor, to_gathered: bool) -> None:
+        """Copy between ``per_member`` (n, B, h, s, D) and ``gathered`` (B, h, n*s, D) chunk by chunk;
+        narrow copies move the data once, where index_select after a permute would move it twice."""
+        c = self.chunk_len
+        for member, slot, dest in self.chunks:
+            member_chunk = per_member[member].narrow(2, slot * c, c)
+            gathered_chunk = gathered.narrow(2, dest * c, c)
+            if to_gathered:
+                gathered_chunk.copy_(member_chunk)
+            else:
+                member_chunk.copy_(gathered_chunk)
+
+
+def _seq_to_heads(xs: list[torch.Tensor], plan: HeadShardPlan) -> list[torch.Tensor]:
+    """(B, H_i, s, D) sequence shards -> (B, H_i/n, n*s, D) head shards, tokens in ascending order.
+
+    All tensors (q, k, v, whatever their head counts) travel in one all-to-all.
+    """
+    n = plan.size
+    heads = [x.size(1) // n for x in xs]
+    # Member j gets head group j of every tensor; all_to_all_single splits dim 0.
+    send = torch.cat([x.unflatten(1, (n, h)).movedim(1, 0) for x, h in zip(xs, heads)], dim=2)
+    recv = torch.empty_like(send)
+    with exposed():  # blocking: nothing overlaps an all-to-all here
+        dist.all_to_all_single(recv, send, group=plan.group)
+    gathered = []
+    for part in recv.split(heads, dim=2):
+        _, b, h, s, d = part.shape
+        gathered.append(part.new_empty(b, h, n * s, d))
+        plan.copy_chunks(gathered[-1], part, to_gathered=True)
+    return gathered
+
+
+def _heads_to_seq(ys: list[torch.Tensor], plan: HeadShardPlan) -> list[torch.Tensor]:
+    """(B, H_i/n, n*s, D) head shards in ascending token order -> (B, H_i, s, D) sequence shards."""
+    n = plan.size
+    heads = [y.size(1) for y in ys]
+    b, _, seq, d = ys[0].shape
+    send = ys[0].new_empty(n, b, sum(heads), seq // n, d)
+    for y, part in zip(ys, send.split(heads, dim=2)):
+        plan.copy_chunks(y, part, to_gathered=False)
+    recv = torch.empty_like(send)
+    with exposed():  # blocking: nothing overlaps an all-to-all here
+        dist.all_to_all_single(recv, send, group=plan.group)
+    return [part.movedim(0, 1).flatten(1, 2) for part in recv.split(heads, dim=2)]
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan, *xs):
+        ctx.plan = plan
+        return tuple(_seq_to_heads(list(xs), plan))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, *_heads_to_seq(list(grads), ctx.plan)
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan, *ys):
+        ctx.plan = plan
+        return tuple(_heads_to_seq(list(ys), plan))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, *_seq_to_heads(list(grads), ctx.plan)
+
+
+def check_head_split(q: torch.Tensor, k: torch.Tensor, degree: int, what: str) -> None:
+    """Raise ValueError unless query and K/V heads split evenly over ``degree`` ranks."""
+    if q.size(1) % degree != 0:
+        raise ValueError(
+            f"{what}: query heads ({q.size(1)}) must be divisible by the Ulysses degree ({degree})"
+        )
+    if k.size(1) % degree != 0:
+        raise ValueError(
+            f"{what}: key/value heads ({k.size(1)}) must be divisible by the Ulysses degree "
+            f"({degree}); with fewer K/V heads use hybrid_attention (Ulysses x ring) with a "
+            f"Ulysses degree that divides {k.size(1)}"
+        )
+
+
+def head_sharded_attention(q, k, v, plan: HeadShardPlan, attend, return_lse: bool):
+    """All-to-all q, k, v to head shards, run ``attend(q, k, v) -> (out, lse)`` on them, and
+    all-to-all the output (and lse) back. Shared by Ulysses and hybrid attention."""
+    out, lse = attend(*_SeqToHeads.apply(plan, q, k, v))
+    (out,) = _HeadsToSeq.apply(plan, out)
+    if not return_lse:
+        return out
+    return out, _heads_to_seq([lse.unsqueeze(-1)], plan)[0].squeeze(-1)
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    causal: bool = True,
+    layout: str = "zigzag",
+    scale: float | None = None,
+    return_lse: bool = False,
+):
+    """Ulysses (all-to-all) attention over the ranks of ``group`` (None: default group); differentiable.
+
+    Each rank passes its shards of q (B, Hq, S/N, D) and k, v (B, Hkv, S/N, D), as
+    ``shard_sequence(x, group, dim=2, layout=layout)`` cuts them, and gets its output shard.
+    ``group`` is the whole CP group; ``layout`` must be the one the shards were cut with. Needs
+    Hq % N == 0 and Hkv % N == 0 (K/V heads are sent as they are; for fewer K/V heads than N use
+    ``hybrid_attention``). With ``return_lse`` also returns the fp32 lse (B, Hq, S/N).
+    """
+    kernels.check_qkv(q, k, v)
+    world_size = dist.get_world_size(group)
+    check_shard_len(q.size(2), k.size(2), world_size, layout)
+    check_head_split(q, k, world_size, "ulysses_attention")
+    scale = kernels.resolve_scale(q, scale)
+    plan = HeadShardPlan(group, list(range(world_size)), world_size, layout, q.size(2))
+
+    def attend(qh, kh, vh):
+        return full_attention(qh, kh, vh, causal, scale, return_lse=True)
+
+    return head_sharded_attention(q, k, v, plan, attend, return_lse)
