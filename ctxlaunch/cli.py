@@ -204,7 +204,148 @@ def submit(
     if dry_run:
         sys.stdout.write(dryrun.describe())
         return
-    raise typer.Exit(backend.schedule(dryrun))
+    try:
+        code = backend.schedule(dryrun)
+    except RuntimeError as exc:  # the scheduler refused the job: nothing was submitted
+        fail(str(exc))
+    raise typer.Exit(code)
+
+
+JobArg = Annotated[str, typer.Argument(help="ctxlaunch job id or the scheduler's job id.",
+                                       show_default=False)]
+
+
+def find_job(reference: str):  # type: ignore[no-untyped-def]
+    """The record and backend of a submitted job, or exit 2 naming what is known."""
+    from . import jobstore
+    from .backends import get_backend
+
+    try:
+        record = jobstore.find(reference)
+    except KeyError:
+        known = ", ".join(r.backend_id or r.id for r in jobstore.all_records()[-5:])
+        fail(f"no job {reference!r} in {jobstore.jobs_root()}"
+             + (f" (recent: {known})" if known else ""))
+    return record, get_backend(record.target)
+
+
+def _status_line(record, status) -> str:  # type: ignore[no-untyped-def]
+    parts = [f"{record.backend_id or record.id}: {status.state}"]
+    if status.scheduler_state and status.scheduler_state != status.state:
+        parts.append(f"(Slurm: {status.scheduler_state})")
+    if status.reason:
+        parts.append(f"reason {status.reason}")
+    if status.nodes:
+        parts.append(f"on {status.nodes}")
+    if status.exit_code:
+        parts.append(f"exit {status.exit_code}")
+    parts.append(f"restarts {status.restarts}")
+    return " ".join(parts) + f"  [{record.name}, {record.target}, {record.id}]"
+
+
+@app.command()
+def status(
+    job: JobArg,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Where a submitted job stands (states come from the scheduler), and for a failure the
+    failing rank's last lines or the OOM with its layout."""
+    import dataclasses
+
+    record, backend = find_job(job)
+    try:
+        state = backend.status(record)
+    except KeyError:
+        fail(f"the scheduler no longer knows job {record.backend_id}")
+    detail = backend.explain(record, state)
+    if as_json:
+        out.print_json(json.dumps({"id": record.id, "backend_id": record.backend_id,
+                                   "name": record.name, "target": record.target,
+                                   **dataclasses.asdict(state), "detail": detail}))
+        return
+    out.print(_status_line(record, state), markup=False)
+    for line in detail:
+        out.print(f"  {line}", markup=False)
+
+
+@app.command()
+def logs(
+    job: JobArg,
+    follow_: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job "
+                                          "ends.")] = False,
+    rank: Annotated[int | None, typer.Option("--rank", help="Only this rank's lines.")] = None,
+) -> None:
+    """Print a job's log (every rank's lines, labelled), or one rank's."""
+    record, backend = find_job(job)
+    lines = backend.follow_log(record, rank) if follow_ else backend.read_log(record, rank)
+    for line in lines:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+
+@app.command()
+def cancel(job: JobArg) -> None:
+    """Cancel a submitted job."""
+    record, backend = find_job(job)
+    try:
+        backend.cancel(record)
+    except RuntimeError as exc:
+        fail(str(exc), code=exitcodes.FAILED)
+    err.print(f"cancelled {record.backend_id or record.id}")
+
+
+@app.command()
+def wait(
+    job: JobArg,
+    timeout: Annotated[float | None, typer.Option(help="Give up after this many seconds "
+                                                  "(exit 1).")] = None,
+    poll: Annotated[float, typer.Option(help="Seconds between checks.")] = 2.0,
+) -> None:
+    """Wait until a job ends; exit 0 if it completed, 86 on an OOM, 1 otherwise."""
+    import time
+
+    from .backends.base import WAIT_EXIT
+
+    record, backend = find_job(job)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            state = backend.status(record)
+        except KeyError:
+            fail(f"the scheduler no longer knows job {record.backend_id}")
+        if state.terminal:
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            out.print(_status_line(record, state), markup=False)
+            fail(f"still {state.state} after {timeout:g} s", code=exitcodes.FAILED)
+        time.sleep(poll)
+    out.print(_status_line(record, state), markup=False)
+    for line in backend.explain(record, state):
+        out.print(f"  {line}", markup=False)
+    raise typer.Exit(WAIT_EXIT.get(state.state, exitcodes.FAILED))
+
+
+@app.command(name="list")
+def list_jobs(
+    limit: Annotated[int, typer.Option(help="Show the newest this many.")] = 20,
+) -> None:
+    """The jobs submitted from this machine, newest last, with their current state."""
+    import time
+
+    from . import jobstore
+    from .backends import get_backend
+
+    table = Table()
+    for column in ("job", "name", "target", "scheduler id", "state", "submitted"):
+        table.add_column(column)
+    for record in jobstore.all_records()[-limit:]:
+        try:
+            state = get_backend(record.target).status(record).state
+        except (KeyError, NotImplementedError):
+            state = "UNKNOWN"
+        table.add_row(record.id, record.name, record.target, record.backend_id, state,
+                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created)))
+    out.print(table)
 
 
 @app.command()

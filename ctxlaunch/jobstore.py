@@ -44,8 +44,9 @@ def jobs_root() -> Path:
     return home() / "jobs"
 
 
-def new_local_id(name: str) -> str:
-    return f"local-{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+def new_id(target: str, name: str) -> str:
+    """A ctxlaunch job id: target, job name, time and a random suffix."""
+    return f"{target}-{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 def save(record: JobRecord) -> Path:
@@ -58,6 +59,18 @@ def load(job_id: str) -> JobRecord:
     if not path.is_file():
         raise KeyError(job_id)
     return JobRecord(**json.loads(path.read_text()))
+
+
+def find(reference: str) -> JobRecord:
+    """A job by its ctxlaunch id or by the scheduler's id (e.g. the Slurm job id)."""
+    try:
+        return load(reference)
+    except KeyError:
+        pass
+    matches = [r for r in all_records() if r.backend_id == reference]
+    if not matches:
+        raise KeyError(reference)
+    return matches[-1]
 
 
 def all_records() -> list[JobRecord]:

@@ -88,8 +88,13 @@ class SlurmPlan:
     log_dir: str = "."
 
 
-def slurm_plan(spec: JobSpec, python: str = "python3") -> SlurmPlan:
+def slurm_plan(spec: JobSpec, python: str = "python3", run_dir: str | None = None,
+               log_dir: str | None = None) -> SlurmPlan:
+    """The sbatch script's parts. `python` runs the trainer on the nodes; `run_dir` (metrics,
+    summary, exit statuses) and `log_dir` are set by the Slurm backend to the job's record
+    directory, and left to the defaults when rendering for plain sbatch."""
     c, s = spec.cluster, spec.cluster.slurm
+    log_dir = log_dir or s.log_dir
     ranks_per_node = c.gpus_per_node
     directives = [
         f"--job-name={spec.name}",
@@ -114,7 +119,7 @@ def slurm_plan(spec: JobSpec, python: str = "python3") -> SlurmPlan:
         # the batch script requeues the job.
         directives.append(f"--signal=USR1@{s.signal_seconds}")
     directives += [
-        "--output=" + ("" if s.log_dir == "." else s.log_dir.rstrip("/") + "/") + "%x-%j.out",
+        "--output=" + ("" if log_dir == "." else log_dir.rstrip("/") + "/") + "%x-%j.out",
         # Requeued runs append to the same log rather than truncating the first run's.
         "--open-mode=append",
     ]
@@ -123,10 +128,13 @@ def slurm_plan(spec: JobSpec, python: str = "python3") -> SlurmPlan:
         f"--ntasks-per-node={ranks_per_node}",
         "--label",
     ]
+    env = job_environment(spec)
+    if run_dir:
+        env["CTXLAUNCH_RUN_DIR"] = run_dir
     return SlurmPlan(
         job_name=spec.name,
         directives=directives,
-        env=job_environment(spec),
+        env=env,
         srun_args=srun_args,
         trainer_command=[python, "-u", "-m", TRAINER_MODULE],
         max_restarts=s.max_restarts,
@@ -134,7 +142,7 @@ def slurm_plan(spec: JobSpec, python: str = "python3") -> SlurmPlan:
         base_port=SLURM_BASE_PORT,
         spec_env=SPEC_ENV,
         spec_json=spec_json(spec),
-        log_dir=s.log_dir,
+        log_dir=log_dir,
     )
 
 

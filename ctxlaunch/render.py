@@ -19,7 +19,7 @@ from typing import Any, Literal
 import jinja2
 
 from . import __version__
-from .launch import kubernetes_plan, slurm_plan
+from .launch import KubernetesPlan, SlurmPlan, kubernetes_plan, slurm_plan
 from .spec import JobSpec
 
 Target = Literal["slurm", "kubernetes"]
@@ -107,5 +107,10 @@ def artifact_name(spec: JobSpec, target: Target) -> str:
 def render(spec: JobSpec, target: Target) -> str:
     """The artifact for `target` as text."""
     plan = slurm_plan(spec) if target == "slurm" else kubernetes_plan(spec)
+    return render_plan(plan, target, artifact_name(spec, target))
+
+
+def render_plan(plan: SlurmPlan | KubernetesPlan, target: Target, filename: str) -> str:
+    """Fill the target's template with a plan (the Slurm backend renders its own plan)."""
     template = _environment().get_template(TEMPLATES[target])
-    return template.render(plan=plan, version=__version__, filename=artifact_name(spec, target))
+    return template.render(plan=plan, version=__version__, filename=filename)

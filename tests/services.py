@@ -65,3 +65,11 @@ def add_scrape_targets(name: str, targets: list[str]) -> Path:
     tmp.write_text(json.dumps([{"targets": targets, "labels": {}}]))
     tmp.rename(path)
     return path
+
+
+def require_slurm() -> None:
+    import subprocess
+
+    result = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
+    if result.returncode != 0 or not result.stdout.strip():
+        pytest.fail(f"Slurm is not up ({result.stderr.strip() or 'no nodes'}); {START_HINT}")

@@ -240,3 +240,12 @@ def test_json_schema_is_complete() -> None:
     parallel = schema["$defs"]["ParallelSpec"]["properties"]
     assert parallel["cp_algorithm"]["enum"] == ["ring", "ulysses", "hybrid"]
     assert "description" in parallel["layout"]
+
+
+def test_slurm_times_are_not_read_as_base_60_numbers() -> None:
+    # YAML 1.1 would read 10:00 as 600; a Slurm time limit must stay what the user wrote.
+    spec = validate_spec(apply_overrides(BASE, ["cluster.slurm.time_limit=10:00"]))
+    assert spec.cluster.slurm.time_limit == "10:00"
+    data = parse_yaml("name: x\ncluster:\n  slurm:\n    time_limit: 1:30:00\n", "t.yaml")
+    assert data["cluster"]["slurm"]["time_limit"] == "1:30:00"
+    assert parse_yaml("a: 3e-4\nb: 12\n", "n.yaml") == {"a": 3e-4, "b": 12}

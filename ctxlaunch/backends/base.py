@@ -37,6 +37,37 @@ class DryRun:
         return "\n".join(lines) + "\n"
 
 
+TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED",
+                      "OUT_OF_MEMORY", "OOM", "BAD_INPUT"})
+"""States a job does not leave (PREEMPTED: Slurm preempted it without requeueing it)."""
+
+WAIT_EXIT = {"COMPLETED": exitcodes.OK, "OOM": exitcodes.OOM, "BAD_INPUT": exitcodes.BAD_INPUT}
+"""A final state -> the exit status of `ctxlaunch wait` (anything else failed: 1)."""
+
+EXIT_STATES = {exitcodes.OK: "COMPLETED", exitcodes.OOM: "OOM", exitcodes.BAD_INPUT: "BAD_INPUT",
+               exitcodes.PREEMPTED: "PREEMPTED"}
+"""A job's exit status -> its state, where the status says more than "failed"."""
+
+
+@dataclass(frozen=True)
+class Status:
+    """Where a job stands, in ctxlaunch's states: PENDING, RUNNING, SUSPENDED, COMPLETED,
+    FAILED, CANCELLED, TIMEOUT, PREEMPTED, OUT_OF_MEMORY (the host's, as Slurm reports it),
+    OOM (the trainer ran out of device memory) and BAD_INPUT (the trainer refused its set-up)."""
+
+    state: str
+    scheduler_state: str = ""
+    """The scheduler's own word for it (Slurm's JobState)."""
+    exit_code: int | None = None
+    restarts: int = 0
+    reason: str = ""
+    nodes: str = ""
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+
 class Backend(Protocol):
     name: str
 
@@ -68,5 +99,9 @@ def get_backend(target: str) -> Backend:
         from .local import LocalBackend
 
         return LocalBackend()
+    if target == "slurm":
+        from .slurm import SlurmBackend
+
+        return SlurmBackend()
     raise NotImplementedError(f"cluster.target {target!r}: submission to {target} is not "
                               "available yet; use `ctxlaunch render` and submit the artifact")

@@ -14,7 +14,7 @@ from typing import IO
 from .. import exitcodes, jobstore
 from ..launch import TRAINER_MODULE, job_environment, spec_json
 from ..spec import JobSpec
-from .base import DryRun, combine_exit_codes
+from .base import EXIT_STATES, DryRun, Status, combine_exit_codes
 
 RANK_PREFIX = "[rank0]:"
 EXIT_DIR = "exit"
@@ -39,7 +39,7 @@ class LocalBackend:
         self.python = python or sys.executable
 
     def dryrun(self, spec: JobSpec) -> DryRun:
-        job_id = jobstore.new_local_id(spec.name)
+        job_id = jobstore.new_id("local", spec.name)
         directory = jobstore.jobs_root() / job_id
         ranks = spec.cluster.gpus_per_node
         command = [
@@ -97,6 +97,39 @@ class LocalBackend:
         if status != exitcodes.OK:
             _report_failure(directory, codes, status, err)
         return status
+
+
+    # -- an existing job ------------------------------------------------------------------------
+    # A local job runs in the foreground of `ctxlaunch submit`; afterwards its record says how
+    # it ended and torchrun's log directory holds every rank's output.
+    def status(self, record: jobstore.JobRecord) -> Status:
+        code = record.extra.get("exit_status")
+        if code is None:
+            return Status(state="RUNNING")
+        return Status(state=EXIT_STATES.get(code, "FAILED"), exit_code=code)
+
+    def read_log(self, record: jobstore.JobRecord, rank: int | None = None) -> list[str]:
+        lines: list[str] = []
+        for stream in ("stdout", "stderr"):
+            for path in sorted(record.directory.glob(
+                    f"torchrun/*/attempt_*/{rank if rank is not None else 0}/{stream}.log")):
+                lines += path.read_text(errors="replace").splitlines(keepends=True)
+        return lines
+
+    def follow_log(self, record: jobstore.JobRecord, rank: int | None = None):  # type: ignore[no-untyped-def]
+        return iter(self.read_log(record, rank))
+
+    def cancel(self, record: jobstore.JobRecord) -> None:
+        raise RuntimeError("a local job runs in the foreground of `ctxlaunch submit`: stop it "
+                           "there (Ctrl-C)")
+
+    def explain(self, record: jobstore.JobRecord, status: Status) -> list[str]:
+        codes = record.extra.get("rank_exit_codes", [])
+        for rank, code in enumerate(codes):
+            if code not in (exitcodes.OK, exitcodes.PREEMPTED):
+                tail = [line.rstrip() for line in self.read_log(record, rank)[-15:]]
+                return [f"rank {rank} exited {code}; its last lines:"] + tail
+        return []
 
 
 def _pump(stream: IO[str], console: IO[str], agent: IO[str]) -> None:

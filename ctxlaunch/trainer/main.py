@@ -115,6 +115,9 @@ def _run(spec, denv, run_dir: Path, rank_tag: str) -> int:  # type: ignore[no-un
     device = torch.device("cuda", denv.local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        # CPU ranks share the node's cores (srun sets no thread count; torchrun would set 1).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.cluster.gpus_per_node))
     export_for_torch(denv)
     dist.init_process_group(
         backend="nccl" if use_cuda else "gloo", init_method="env://",

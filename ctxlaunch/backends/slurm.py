@@ -1,0 +1,244 @@
+"""Slurm: submit the rendered sbatch script through submitit, then watch, read, cancel and wait.
+
+The script submitted is byte for byte what `ctxlaunch render --target slurm` writes for the same
+spec (the same plan and template), with the trainer started by this Python and the logs,
+metrics and exit statuses kept in the job's record directory. submitit runs sbatch and parses
+the job id; states come from Slurm itself (scontrol while the controller remembers the job,
+sacct after) through one table.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from .. import exitcodes, jobstore
+from ..launch import slurm_plan
+from ..render import render_plan
+from ..spec import JobSpec
+from .base import DryRun, Status
+
+# Slurm's job states -> ctxlaunch's. The trainer's own exit statuses refine FAILED below.
+STATES: dict[str, str] = {
+    "PENDING": "PENDING", "CONFIGURING": "PENDING", "REQUEUED": "PENDING",
+    "REQUEUE_HOLD": "PENDING", "REQUEUE_FED": "PENDING", "RESV_DEL_HOLD": "PENDING",
+    "RUNNING": "RUNNING", "COMPLETING": "RUNNING", "SIGNALING": "RUNNING",
+    "STAGE_OUT": "RUNNING", "RESIZING": "RUNNING",
+    "SUSPENDED": "SUSPENDED", "STOPPED": "SUSPENDED",
+    "COMPLETED": "COMPLETED",
+    "FAILED": "FAILED", "NODE_FAIL": "FAILED", "BOOT_FAIL": "FAILED", "SPECIAL_EXIT": "FAILED",
+    "REVOKED": "FAILED",
+    "CANCELLED": "CANCELLED",
+    "TIMEOUT": "TIMEOUT", "DEADLINE": "TIMEOUT",
+    "PREEMPTED": "PREEMPTED",
+    "OUT_OF_MEMORY": "OUT_OF_MEMORY",
+}
+
+
+class SlurmError(RuntimeError):
+    """Slurm refused or failed a request; the message is Slurm's own."""
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+def query_status(job_id: str) -> Status:
+    """The job's state: scontrol while the controller holds it, else the accounting database."""
+    result = _run(["scontrol", "show", "job", "--oneliner", job_id])
+    if result.returncode == 0 and result.stdout.strip():
+        fields = dict(re.findall(r"(\w+)=(\S*)", result.stdout))
+        raw = fields.get("JobState", "UNKNOWN")
+        exit_code = int(fields.get("ExitCode", "0:0").split(":")[0])
+        return _classify(raw, exit_code, int(fields.get("Restarts", "0") or 0),
+                         fields.get("Reason", ""), fields.get("NodeList", ""))
+    result = _run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode,NodeList"])
+    line = result.stdout.strip().splitlines()[-1:] if result.returncode == 0 else []
+    if not line:
+        raise KeyError(job_id)
+    state, exit_field, nodes = (line[0].split("|") + ["", "", ""])[:3]
+    raw = state.split()[0] if state else "UNKNOWN"  # "CANCELLED by 0"
+    return _classify(raw, int(exit_field.split(":")[0] or 0), 0, "", nodes)
+
+
+def _classify(raw: str, exit_code: int, restarts: int, reason: str, nodes: str) -> Status:
+    state = STATES.get(raw, raw)
+    if state == "FAILED" and exit_code == exitcodes.OOM:
+        state = "OOM"
+    elif state == "FAILED" and exit_code == exitcodes.BAD_INPUT:
+        state = "BAD_INPUT"
+    return Status(state=state, scheduler_state=raw, exit_code=exit_code, restarts=restarts,
+                  reason=reason if reason not in ("None", "(null)") else "", nodes=nodes)
+
+
+def _executor(folder: Path, script_path: Path):  # type: ignore[no-untyped-def]
+    """submitit's Slurm executor, submitting ctxlaunch's own script instead of its template."""
+    import submitit
+
+    class ScriptExecutor(submitit.SlurmExecutor):
+        def _make_submission_file_text(self, command: str, uid: str) -> str:
+            return script_path.read_text()
+
+        def _make_submission_command(self, submission_file_path: Path) -> list[str]:
+            return ["sbatch", str(script_path)]
+
+    return ScriptExecutor(folder=folder)
+
+
+class SlurmBackend:
+    name = "slurm"
+
+    def __init__(self, python: str | None = None):
+        self.python = python or sys.executable
+
+    def dryrun(self, spec: JobSpec) -> DryRun:
+        job_id = jobstore.new_id("slurm", spec.name)
+        directory = jobstore.jobs_root() / job_id
+        plan = slurm_plan(spec, python=self.python, run_dir=str(directory / "run"),
+                          log_dir=str(directory))
+        name = f"{spec.name}.sbatch"
+        script = render_plan(plan, "slurm", name)
+        return DryRun(target="slurm", spec=spec, command=["sbatch", str(directory / name)],
+                      env={"CTXLAUNCH_JOB_ID": job_id}, artifact=script, artifact_name=name)
+
+    def schedule(self, dryrun: DryRun, err: IO[str] | None = None) -> int:
+        err = err or sys.stderr
+        job_id = dryrun.env["CTXLAUNCH_JOB_ID"]
+        record = jobstore.JobRecord(id=job_id, name=dryrun.spec.name, target="slurm",
+                                    created=time.time(), command=dryrun.command,
+                                    artifact=dryrun.artifact_name)
+        directory = record.directory
+        directory.mkdir(parents=True)
+        (directory / "run").mkdir()
+        (directory / "submitit").mkdir()
+        script_path = directory / (dryrun.artifact_name or "job.sbatch")
+        script_path.write_text(dryrun.artifact or "")
+        script_path.chmod(0o755)
+        try:
+            job = _executor(directory / "submitit", script_path)._submit_command("")
+        except Exception as exc:  # noqa: BLE001 - sbatch's refusal, reported as is
+            _remove_tree(directory)
+            raise SlurmError(_sbatch_message(exc)) from None
+        record.backend_id = str(job.job_id)
+        record.extra["log"] = str(directory / f"{dryrun.spec.name}-{job.job_id}.out")
+        record.extra["spec"] = dryrun.spec.model_dump(mode="json")
+        jobstore.save(record)
+        print(f"ctxlaunch: submitted Slurm job {job.job_id} ({job_id}); follow it with "
+              f"`ctxlaunch logs {job.job_id} --follow`", file=err, flush=True)
+        print(job.job_id, flush=True)
+        return exitcodes.OK
+
+
+    # -- an existing job ------------------------------------------------------------------------
+    def status(self, record: jobstore.JobRecord) -> Status:
+        return query_status(record.backend_id)
+
+    def read_log(self, record: jobstore.JobRecord, rank: int | None = None) -> list[str]:
+        path = log_path(record)
+        if not path.exists():
+            return []
+        return rank_lines(path.read_text(errors="replace").splitlines(keepends=True), rank)
+
+    def follow_log(self, record: jobstore.JobRecord, rank: int | None = None) -> Iterator[str]:
+        return follow(log_path(record), record.backend_id, rank)
+
+    def cancel(self, record: jobstore.JobRecord) -> None:
+        cancel(record.backend_id)
+
+    def explain(self, record: jobstore.JobRecord, status: Status) -> list[str]:
+        """What a user needs next to a failed state: the failing rank's last lines, or the OOM
+        with the layout that caused it."""
+        lines = self.read_log(record)
+        if status.state == "OOM":
+            spec = record.extra.get("spec", {})
+            p, t = spec.get("parallel", {}), spec.get("training", {})
+            layout = (f"model {spec.get('model', {}).get('preset') or 'custom'}, seq_len "
+                      f"{t.get('seq_len')}, cp {p.get('cp')} ({p.get('cp_algorithm')}, "
+                      f"{p.get('layout')}), activation_checkpointing "
+                      f"{t.get('activation_checkpointing')}, ZeRO-{t.get('zero_stage')}")
+            oom = [line.split("error: ", 1)[1].rstrip() for line in lines
+                   if "error: out of memory" in line]
+            return [f"out of device memory with {layout}"] + oom[:1]
+        if status.state in ("FAILED", "BAD_INPUT"):
+            ranks = failing_ranks(lines)
+            if not ranks:
+                return [line.rstrip() for line in lines[-15:]]
+            out = [f"rank {ranks[0]} failed; its last lines:"]
+            return out + [line.rstrip() for line in rank_lines(lines, ranks[0])[-15:]]
+        return []
+
+
+def _sbatch_message(exc: Exception) -> str:
+    text = str(exc)
+    # submitit wraps sbatch's stderr in its own message; keep Slurm's words.
+    found = re.findall(r"sbatch: error: ([^\n]+)", text)
+    return "sbatch refused the job: " + ("; ".join(dict.fromkeys(found)) if found else text)
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# logs
+# --------------------------------------------------------------------------------------------
+_LABEL = re.compile(r"^\s*(\d+): ?")
+
+
+def log_path(record: jobstore.JobRecord) -> Path:
+    return Path(record.extra["log"])
+
+
+def rank_lines(lines: list[str], rank: int | None) -> list[str]:
+    """srun --label prefixes each task's lines with its rank; keep one rank's, unprefixed."""
+    if rank is None:
+        return lines
+    out = []
+    for line in lines:
+        match = _LABEL.match(line)
+        if match and int(match.group(1)) == rank:
+            out.append(line[match.end():])
+    return out
+
+
+def failing_ranks(lines: list[str]) -> list[int]:
+    ranks: list[int] = []
+    for line in lines:
+        match = _LABEL.match(line)
+        if match and "] error:" in line and int(match.group(1)) not in ranks:
+            ranks.append(int(match.group(1)))
+    return ranks
+
+
+def follow(path: Path, job_id: str, rank: int | None, poll_seconds: float = 0.5
+           ) -> Iterator[str]:
+    """Yield the log's lines as they are written, until the job is over."""
+    position = 0
+    while True:
+        done = query_status(job_id).terminal
+        if path.exists():
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                handle.seek(position)
+                chunk = handle.read()
+                position = handle.tell()
+            complete = chunk.splitlines(keepends=True)
+            if complete and not complete[-1].endswith("\n") and not done:
+                position -= len(complete.pop())  # a half-written line: next round
+            yield from rank_lines(complete, rank)
+        if done:
+            return
+        time.sleep(poll_seconds)
+
+
+def cancel(job_id: str) -> None:
+    result = _run(["scancel", job_id])
+    if result.returncode != 0:
+        raise SlurmError(result.stderr.strip() or f"scancel {job_id} failed")

@@ -1,0 +1,238 @@
+"""Slurm end to end on a real single-node cluster with accounting (scripts/services/slurm.sh):
+submit, watch, read logs, cancel, failures and OOMs, preemption with requeue and resume, plain
+sbatch of the rendered script, and bad input. Every test has a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from .conftest import JOBS
+from .services import PUSHGATEWAY_URL, poll, require_prometheus, require_slurm
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+CTXLAUNCH = str(BIN / "ctxlaunch")
+# Small and quick: 1,024-token sequences, two CPU ranks, a node shared with other tests' jobs.
+QUICK = ["training.seq_len=1024", "training.log_interval=1", "cluster.target=slurm",
+         "cluster.slurm.exclusive=false", "cluster.slurm.time_limit=10:00"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm() -> None:
+    require_slurm()
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
+
+
+def run(args: list[str], home: Path, cwd: Path, timeout: float = 120, **extra: str):
+    env = {**os.environ, "CTXLAUNCH_HOME": str(home), **extra}
+    if "CTXLAUNCH_INJECT_FAULT" not in extra:
+        env.pop("CTXLAUNCH_INJECT_FAULT", None)
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def submit(tmp_path: Path, home: Path, *sets: str, **extra: str) -> str:
+    """Submit the demo spec to Slurm; returns the Slurm job id."""
+    args = [CTXLAUNCH, "submit", str(JOBS / "demo.yaml")]
+    for item in [*QUICK, f"training.checkpoint.dir={tmp_path / 'ckpt'}", *sets]:
+        args += ["--set", item]
+    result = run(args, home, tmp_path, **extra)
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_id = result.stdout.strip().splitlines()[-1]
+    assert job_id.isdigit(), result.stdout
+    assert f"submitted Slurm job {job_id}" in result.stderr
+    return job_id
+
+
+def ctx(home: Path, tmp_path: Path, *args: str, timeout: float = 120):
+    return run([CTXLAUNCH, *args], home, tmp_path, timeout=timeout)
+
+
+def status(home: Path, tmp_path: Path, job_id: str) -> dict:
+    result = ctx(home, tmp_path, "status", job_id, "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout)
+
+
+def wait_for(home: Path, tmp_path: Path, job_id: str, states: set[str],
+             timeout: float = 90) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        current = status(home, tmp_path, job_id)
+        if current["state"] in states:
+            return current
+        assert time.monotonic() < deadline, f"job {job_id} still {current} after {timeout} s"
+        time.sleep(0.5)
+
+
+def wait_for_log(home: Path, tmp_path: Path, job_id: str, pattern: str,
+                 timeout: float = 90) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        text = ctx(home, tmp_path, "logs", job_id).stdout
+        if re.search(pattern, text, re.M):
+            return text
+        assert time.monotonic() < deadline, f"{pattern!r} not in the log of {job_id}:\n{text}"
+        time.sleep(0.5)
+
+
+def job_dir(home: Path, job_id: str) -> Path:
+    (record,) = [p for p in (home / "jobs").iterdir()
+                 if json.loads((p / "job.json").read_text())["backend_id"] == job_id]
+    return record
+
+
+@pytest.mark.timeout(300)
+def test_demo_completes_with_logs_and_metrics_in_prometheus(tmp_path: Path, home: Path) -> None:
+    require_prometheus()
+    name = f"slurm-{uuid.uuid4().hex[:8]}"
+    job_id = submit(tmp_path, home, f"name={name}", "training.steps=4",
+                    "telemetry.prometheus=push", f"telemetry.pushgateway_url={PUSHGATEWAY_URL}",
+                    "telemetry.push_interval_seconds=1")
+    waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5",
+                 timeout=170)
+    assert waited.returncode == 0, waited.stdout + waited.stderr
+    assert f"{job_id}: COMPLETED" in waited.stdout
+    final = status(home, tmp_path, job_id)
+    assert final["state"] == "COMPLETED" and final["restarts"] == 0
+    log = ctx(home, tmp_path, "logs", job_id).stdout
+    assert "0: ctxlaunch: done: 4 steps" in log and "2 ranks (slurm)" in log
+    rank0 = ctx(home, tmp_path, "logs", job_id, "--rank", "0").stdout
+    assert rank0.splitlines()[-1].startswith("ctxlaunch: done: 4 steps")
+    # The job's metrics went through the Pushgateway into Prometheus, both ranks, final step.
+    found = poll(f'ctxlaunch_last_step{{job="{name}", run="{job_id}"}} == 4',
+                 lambda r: len(r) == 2)
+    assert {s["metric"]["rank"] for s in found} == {"0", "1"}
+    listed = ctx(home, tmp_path, "list").stdout
+    assert job_id in listed and "COMPLETED" in listed
+
+
+@pytest.mark.timeout(300)
+def test_the_rendered_script_runs_with_plain_sbatch(tmp_path: Path, home: Path) -> None:
+    sets = [f"training.checkpoint.dir={tmp_path / 'ckpt'}", "training.steps=3",
+            *[s for s in QUICK if not s.startswith("cluster.target")]]
+    args = [CTXLAUNCH, "render", str(JOBS / "demo.yaml"), "-t", "slurm", "-o", str(tmp_path)]
+    for item in sets:
+        args += ["--set", item]
+    rendered = run(args, home, tmp_path)
+    assert rendered.returncode == 0, rendered.stderr
+    # The script starts `python3`: the submitter's environment (this venv first) travels with
+    # the job, as it does for a user with an activated venv.
+    env_path = f"{BIN}:{os.environ['PATH']}"
+    sbatch = run(["sbatch", "--parsable", str(tmp_path / "demo.sbatch")], home, tmp_path,
+                 PATH=env_path)
+    assert sbatch.returncode == 0, sbatch.stderr
+    job_id = sbatch.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 150
+    while True:
+        state = run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"], home,
+                    tmp_path).stdout.strip()
+        if state in ("COMPLETED", "FAILED", "CANCELLED"):
+            break
+        assert time.monotonic() < deadline, f"plain sbatch job {job_id}: {state}"
+        time.sleep(0.5)
+    output = (tmp_path / f"demo-{job_id}.out").read_text()
+    assert state == "COMPLETED", output
+    assert "0: ctxlaunch: done: 3 steps" in output
+
+
+@pytest.mark.timeout(180)
+def test_cancel_ends_a_running_job_within_seconds(tmp_path: Path, home: Path) -> None:
+    job_id = submit(tmp_path, home, "training.steps=100000")
+    wait_for_log(home, tmp_path, job_id, r"^0: step 2/")
+    cancelled = ctx(home, tmp_path, "cancel", job_id)
+    assert cancelled.returncode == 0, cancelled.stderr
+    final = wait_for(home, tmp_path, job_id, {"CANCELLED", "COMPLETED", "FAILED"}, timeout=20)
+    assert final["state"] == "CANCELLED"
+
+
+@pytest.mark.timeout(240)
+def test_a_failing_trainer_reports_failed_with_the_failing_ranks_log(tmp_path: Path,
+                                                                      home: Path) -> None:
+    job_id = submit(tmp_path, home, "training.steps=20",
+                    CTXLAUNCH_INJECT_FAULT="kind=error,rank=1,step=2")
+    waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5",
+                 timeout=170)
+    assert waited.returncode == 1, waited.stdout
+    assert f"{job_id}: FAILED" in waited.stdout
+    assert "rank 1 failed; its last lines:" in waited.stdout
+    assert "injected by CTXLAUNCH_INJECT_FAULT: failure on rank 1 at step 2" in waited.stdout
+
+
+@pytest.mark.timeout(240)
+def test_an_injected_oom_reports_oom_with_the_layout(tmp_path: Path, home: Path) -> None:
+    job_id = submit(tmp_path, home, "training.steps=20",
+                    CTXLAUNCH_INJECT_FAULT="kind=oom,rank=0,step=2")
+    waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5",
+                 timeout=170)
+    assert waited.returncode == 86, waited.stdout + waited.stderr
+    assert f"{job_id}: OOM" in waited.stdout
+    assert "out of device memory with model tiny, seq_len 1024, cp 2 (ring, zigzag)" \
+        in waited.stdout
+    assert "out of memory on rank 0 at step 2: the planner predicted" in waited.stdout
+
+
+def final_loss(home: Path, job_id: str) -> float:
+    return json.loads((job_dir(home, job_id) / "run" / "summary.json").read_text())["final_loss"]
+
+
+@pytest.mark.timeout(420)
+def test_preemption_checkpoints_requeues_resumes_and_matches(tmp_path: Path,
+                                                            home: Path) -> None:
+    steps = ["training.steps=30", "training.checkpoint.interval=1000"]
+    straight_dir = tmp_path / "straight"
+    straight_dir.mkdir()
+    straight = submit(straight_dir, home, *steps)
+    preempted = submit(tmp_path, home, *steps)
+    wait_for_log(home, tmp_path, preempted, r"^0: step 5/")
+    # What Slurm sends before a time limit (--signal=USR1@...), to the job's tasks.
+    signal = run(["scancel", "--signal=USR1", preempted], home, tmp_path)
+    assert signal.returncode == 0, signal.stderr
+    for job_id in (straight, preempted):
+        waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "300", "--poll", "0.5",
+                     timeout=320)
+        assert waited.returncode == 0, waited.stdout + waited.stderr
+    final = status(home, tmp_path, preempted)
+    assert final["state"] == "COMPLETED" and final["restarts"] == 1
+    log = ctx(home, tmp_path, "logs", preempted).stdout
+    stopped_at = int(re.search(r"checkpointed at step (\d+)", log).group(1))
+    assert 5 <= stopped_at < 30
+    assert f"requeueing job {preempted} (restart 1 of 3)" in log
+    assert f"resumed from {tmp_path / 'ckpt'}/step-{stopped_at:08d}" in log
+    assert "0: ctxlaunch: done: 30 steps" in log
+    # Nothing lost: the same final loss as the run that was never interrupted.
+    assert final_loss(home, preempted) == final_loss(home, straight)
+
+
+@pytest.mark.timeout(60)
+def test_bad_input_gives_a_clear_error_and_no_job(tmp_path: Path, home: Path) -> None:
+    args = [CTXLAUNCH, "submit", str(JOBS / "demo.yaml")]
+    for item in [*QUICK, "cluster.slurm.partition=nosuchpartition"]:
+        args += ["--set", item]
+    result = run(args, home, tmp_path)
+    assert result.returncode == 2
+    assert "sbatch refused the job" in result.stderr and "partition" in result.stderr.lower()
+    assert not (home / "jobs").exists() or not any((home / "jobs").iterdir())
+
+    args = [CTXLAUNCH, "submit", str(JOBS / "demo.yaml")]
+    for item in [*QUICK, "model.preset=small", "training.seq_len=2097152"]:
+        args += ["--set", item]
+    result = run(args, home, tmp_path)
+    assert result.returncode == 2 and "predicted not to fit" in result.stderr
+
+    for command in ("status", "logs", "cancel", "wait"):
+        result = ctx(home, tmp_path, command, "999999")
+        assert result.returncode == 2 and "no job '999999'" in result.stderr, command
