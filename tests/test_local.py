@@ -18,7 +18,8 @@ from .conftest import JOBS
 
 pytestmark = pytest.mark.slow
 CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
-SHORT = ["--set", "training.steps=3", "--set", "training.seq_len=512"]
+SHORT = ["--set", "training.steps=3", "--set", "training.seq_len=512", "--set",
+         "training.log_interval=1"]
 
 
 def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -103,6 +104,7 @@ def trainer_rank(tmp_path: Path, rank: int, port: int, *extra: str) -> subproces
         [sys.executable, "-u", "-m", "ctxlaunch.trainer", str(JOBS / "demo.yaml"),
          "--set", "training.steps=1000", "--set", "training.seq_len=512",
          "--set", "training.timeout_seconds=20", "--set", "training.checkpoint.dir=null",
+         "--set", "training.log_interval=1",
          "--run-dir", str(tmp_path / "run"), *extra],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
