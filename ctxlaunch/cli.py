@@ -28,6 +28,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 out = Console(highlight=False, soft_wrap=True)
+if not out.is_terminal:
+    out.width = 160  # tables piped to a file or a program should not wrap at 80 columns
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 SpecArg = Annotated[Path, typer.Argument(help="Job spec (YAML).", show_default=False)]
@@ -345,6 +347,144 @@ def list_jobs(
             state = "UNKNOWN"
         table.add_row(record.id, record.name, record.target, record.backend_id, state,
                       time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created)))
+    out.print(table)
+
+
+@app.command()
+def sweep(
+    definition: Annotated[Path, typer.Argument(help="Sweep file (YAML, top-level `sweep:`).",
+                                               show_default=False)],
+    set_: SetOpt = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Show the points and what would be submitted.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Also submit points the planner predicts will not fit.")] = False,
+) -> None:
+    """Expand a sweep into jobs and submit them: on Slurm, points that share resources go as
+    one job array; locally they run one after another. Prints the sweep id for `report`."""
+    import time
+
+    from . import jobstore
+    from .backends import get_backend
+    from .planner import plan_job
+    from .sweep import load_sweep, slurm_groups
+
+    try:
+        spec_def, points = load_sweep(definition, set_ or ())
+    except SpecError as exc:
+        err.print(str(exc), markup=False)
+        raise typer.Exit(exitcodes.BAD_INPUT) from None
+    runnable, skipped = [], []
+    for point in points:
+        if point.spec is None:
+            skipped.append((point, point.problem))
+        elif not force and not (report := plan_job(point.spec)).fits:
+            skipped.append((point, report.verdict()))
+        else:
+            runnable.append(point)
+    table = Table(title=f"sweep {spec_def.name}: {len(points)} points, {len(runnable)} to run",
+                  title_justify="left")
+    for column in ("name", *spec_def.axes, "runs"):
+        table.add_column(column)
+    reasons = dict((p.index, why) for p, why in skipped)
+    for point in points:
+        table.add_row(point.name, *(str(v) for v in point.values.values()),
+                      "yes" if point.index not in reasons else "no: " + reasons[point.index])
+    err.print(table)
+    if not runnable:
+        fail("no point of the sweep can run")
+    target = runnable[0].spec.cluster.target  # type: ignore[union-attr]
+    backend = get_backend(target)
+    sweep_id = jobstore.new_id("sweep", spec_def.name)
+    entries = {p.index: {"index": p.index, "name": p.name, "values": p.values, "job": None,
+                         "skipped": reasons.get(p.index)} for p in points}
+    if target == "slurm":
+        groups = slurm_groups(runnable)
+        dryruns = [backend.array_dryrun(f"{spec_def.name}-{i}" if len(groups) > 1
+                                        else spec_def.name, [p.spec for p in group])
+                   for i, group in enumerate(groups)]
+        if dry_run:
+            for dryrun in dryruns:
+                sys.stdout.write(dryrun.describe())
+            return
+        for group, dryrun in zip(groups, dryruns):
+            try:
+                records = backend.schedule_array(dryrun, [p.spec for p in group])
+            except RuntimeError as exc:
+                fail(str(exc))
+            for point, record in zip(group, records):
+                entries[point.index]["job"] = record.id
+            err.print(f"submitted job array {records[0].extra['array']} ({len(records)} "
+                      f"tasks: {', '.join(p.name for p in group)})")
+    else:
+        if dry_run:
+            for point in runnable:
+                sys.stdout.write(backend.dryrun(point.spec).describe())
+            return
+        for point in runnable:
+            dryrun = backend.dryrun(point.spec)
+            backend.schedule(dryrun)
+            entries[point.index]["job"] = dryrun.env["CTXLAUNCH_JOB_ID"]
+    jobstore.save_sweep(sweep_id, {"id": sweep_id, "name": spec_def.name, "target": target,
+                                   "created": time.time(), "axes": list(spec_def.axes),
+                                   "points": [entries[i] for i in sorted(entries)]})
+    err.print(f"sweep {sweep_id}: `ctxlaunch report {sweep_id}` for the results")
+    print(sweep_id)
+
+
+@app.command()
+def report(
+    sweep_id: Annotated[str, typer.Argument(help="The id `ctxlaunch sweep` printed.",
+                                            show_default=False)],
+    csv_path: Annotated[Path | None, typer.Option("--csv", help="Also write the table as "
+                                                   "CSV.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """A sweep's results: one row per point with its state, tokens/s/GPU, step time, final loss
+    and peak memory."""
+    import csv
+
+    from . import jobstore
+    from .backends import get_backend
+    from .sweep import RESULT_FIELDS, result_row
+
+    try:
+        data = jobstore.load_sweep(sweep_id)
+    except KeyError:
+        fail(f"no sweep {sweep_id!r} in {jobstore.sweeps_root()}")
+    rows = []
+    for entry in data["points"]:
+        if entry["job"] is None:
+            rows.append(result_row(entry, "SKIPPED", None))
+            continue
+        record = jobstore.load(entry["job"])
+        try:
+            state = get_backend(record.target).status(record).state
+        except KeyError:
+            state = "UNKNOWN"
+        summary_path = jobstore.run_dir(record) / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+        rows.append(result_row(entry, state, summary))
+    columns = ["name", *data["axes"], "state", *RESULT_FIELDS, "peak_memory_gib"]
+    if csv_path is not None:
+        from .fsutil import atomic_write_text
+        import io
+
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_text(csv_path, buffer.getvalue())
+    if as_json:
+        out.print_json(json.dumps({"sweep": data["id"], "rows": rows}))
+        return
+    table = Table(title=f"sweep {data['name']} ({data['id']})", title_justify="left")
+    for column in columns:
+        table.add_column(column, justify="right" if column in RESULT_FIELDS else "left")
+    for row in rows:
+        table.add_row(*("" if row.get(c) is None else
+                        f"{row[c]:,.4g}" if isinstance(row.get(c), float) else str(row[c])
+                        for c in columns))
     out.print(table)
 
 

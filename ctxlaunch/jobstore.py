@@ -84,3 +84,23 @@ def all_records() -> list[JobRecord]:
         except (KeyError, json.JSONDecodeError, TypeError):
             continue
     return sorted(records, key=lambda r: r.created)
+
+
+def sweeps_root() -> Path:
+    return home() / "sweeps"
+
+
+def save_sweep(sweep_id: str, data: dict[str, Any]) -> Path:
+    return atomic_write_text(sweeps_root() / f"{sweep_id}.json", json.dumps(data, indent=2))
+
+
+def load_sweep(sweep_id: str) -> dict[str, Any]:
+    path = sweeps_root() / f"{sweep_id}.json"
+    if not path.is_file():
+        raise KeyError(sweep_id)
+    return json.loads(path.read_text())
+
+
+def run_dir(record: JobRecord) -> Path:
+    """Where the job's trainer wrote metrics.jsonl and summary.json."""
+    return Path(record.extra.get("run_dir") or record.directory)

@@ -36,10 +36,7 @@ def job_environment(spec: JobSpec) -> dict[str, str]:
     fabric's NCCL defaults, values derived from the fabric fields, the job's `fabric.nccl`
     overrides, then `fabric.env`."""
     fabric, cluster, parallel = spec.fabric, spec.cluster, spec.parallel
-    env: dict[str, str] = {
-        "PYTHONUNBUFFERED": "1",
-        "CTXLAUNCH_JOB_NAME": spec.name,
-    }
+    env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
     if cluster.gpu != "cpu":
         env.update(COMMON_NCCL_ENV)
         env.update(FABRIC_NCCL_ENV[fabric.network])
@@ -86,18 +83,26 @@ class SlurmPlan:
     spec_json: str
     exit_preempted: int = exitcodes.PREEMPTED
     log_dir: str = "."
+    array_specs: list[str] = field(default_factory=list)
+    """A job array: task i runs the i-th spec (JSON)."""
+    array_run_dir: str | None = None
+    """A job array: task i keeps its metrics and summary in <array_run_dir>/i."""
 
 
 def slurm_plan(spec: JobSpec, python: str = "python3", run_dir: str | None = None,
-               log_dir: str | None = None) -> SlurmPlan:
+               log_dir: str | None = None, array: list[JobSpec] | None = None,
+               job_name: str | None = None) -> SlurmPlan:
     """The sbatch script's parts. `python` runs the trainer on the nodes; `run_dir` (metrics,
     summary, exit statuses) and `log_dir` are set by the Slurm backend to the job's record
-    directory, and left to the defaults when rendering for plain sbatch."""
+    directory, and left to the defaults when rendering for plain sbatch.
+
+    With `array` (the specs of a sweep that share `spec`'s resources and environment), the
+    script is a job array: task i runs array[i], in `run_dir`/i."""
     c, s = spec.cluster, spec.cluster.slurm
     log_dir = log_dir or s.log_dir
     ranks_per_node = c.gpus_per_node
     directives = [
-        f"--job-name={spec.name}",
+        f"--job-name={job_name or spec.name}",
         f"--nodes={c.nodes}",
         f"--ntasks-per-node={ranks_per_node}",
     ]
@@ -118,8 +123,11 @@ def slurm_plan(spec: JobSpec, python: str = "python3", run_dir: str | None = Non
         # To every task of the job steps (no "B:"): the trainer checkpoints, exits 75, and
         # the batch script requeues the job.
         directives.append(f"--signal=USR1@{s.signal_seconds}")
+    if array:
+        directives.append(f"--array=0-{len(array) - 1}")
     directives += [
-        "--output=" + ("" if log_dir == "." else log_dir.rstrip("/") + "/") + "%x-%j.out",
+        "--output=" + ("" if log_dir == "." else log_dir.rstrip("/") + "/")
+        + ("%x-%A_%a.out" if array else "%x-%j.out"),
         # Requeued runs append to the same log rather than truncating the first run's.
         "--open-mode=append",
     ]
@@ -129,10 +137,10 @@ def slurm_plan(spec: JobSpec, python: str = "python3", run_dir: str | None = Non
         "--label",
     ]
     env = job_environment(spec)
-    if run_dir:
+    if run_dir and not array:
         env["CTXLAUNCH_RUN_DIR"] = run_dir
     return SlurmPlan(
-        job_name=spec.name,
+        job_name=job_name or spec.name,
         directives=directives,
         env=env,
         srun_args=srun_args,
@@ -143,6 +151,8 @@ def slurm_plan(spec: JobSpec, python: str = "python3", run_dir: str | None = Non
         spec_env=SPEC_ENV,
         spec_json=spec_json(spec),
         log_dir=log_dir,
+        array_specs=[spec_json(member) for member in array or []],
+        array_run_dir=run_dir if array else None,
     )
 
 

@@ -236,3 +236,29 @@ def test_bad_input_gives_a_clear_error_and_no_job(tmp_path: Path, home: Path) ->
     for command in ("status", "logs", "cancel", "wait"):
         result = ctx(home, tmp_path, command, "999999")
         assert result.returncode == 2 and "no job '999999'" in result.stderr, command
+
+
+@pytest.mark.timeout(300)
+def test_a_sweep_submits_as_one_job_array(tmp_path: Path, home: Path) -> None:
+    import yaml
+
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(yaml.safe_dump({"sweep": {
+        "name": "arr", "base": str(JOBS / "demo.yaml"),
+        "set": {"training.steps": 2, "training.checkpoint.dir": None,
+                **{k: v for k, v in (s.split("=", 1) for s in QUICK)
+                   if k != "training.seq_len"}},
+        "axes": {"training.seq_len": [512, 1024]}}}, sort_keys=False))
+    result = run([CTXLAUNCH, "sweep", str(sweep_file)], home, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    array_id = re.search(r"submitted job array (\d+) \(2 tasks", result.stderr).group(1)
+    sweep_id = result.stdout.strip().splitlines()[-1]
+    for task in (f"{array_id}_0", f"{array_id}_1"):
+        waited = ctx(home, tmp_path, "wait", task, "--timeout", "200", "--poll", "0.5",
+                     timeout=220)
+        assert waited.returncode == 0, waited.stdout + waited.stderr
+    report = json.loads(ctx(home, tmp_path, "report", sweep_id, "--json").stdout)
+    assert [(r["training.seq_len"], r["state"]) for r in report["rows"]] == \
+        [(512, "COMPLETED"), (1024, "COMPLETED")]
+    assert all(r["tokens_per_second_per_gpu"] > 0 for r in report["rows"])
+    assert "0: ctxlaunch: done: 2 steps" in ctx(home, tmp_path, "logs", f"{array_id}_1").stdout

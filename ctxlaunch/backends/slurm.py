@@ -127,6 +127,7 @@ class SlurmBackend:
             raise SlurmError(_sbatch_message(exc)) from None
         record.backend_id = str(job.job_id)
         record.extra["log"] = str(directory / f"{dryrun.spec.name}-{job.job_id}.out")
+        record.extra["run_dir"] = str(directory / "run")
         record.extra["spec"] = dryrun.spec.model_dump(mode="json")
         jobstore.save(record)
         print(f"ctxlaunch: submitted Slurm job {job.job_id} ({job_id}); follow it with "
@@ -134,6 +135,49 @@ class SlurmBackend:
         print(job.job_id, flush=True)
         return exitcodes.OK
 
+
+    # -- a sweep's job array ---------------------------------------------------------------------
+    def array_dryrun(self, name: str, specs: list[JobSpec]) -> DryRun:
+        """One job array for specs that share resources and environment: task i runs
+        specs[i]."""
+        array_id = jobstore.new_id("slurm", name)
+        directory = jobstore.jobs_root() / array_id
+        plan = slurm_plan(specs[0], python=self.python, run_dir=str(directory / "run"),
+                          log_dir=str(directory), array=specs, job_name=name)
+        script_name = f"{name}.sbatch"
+        return DryRun(target="slurm", spec=specs[0],
+                      command=["sbatch", str(directory / script_name)],
+                      env={"CTXLAUNCH_JOB_ID": array_id},
+                      artifact=render_plan(plan, "slurm", script_name),
+                      artifact_name=script_name)
+
+    def schedule_array(self, dryrun: DryRun, specs: list[JobSpec]) -> list[jobstore.JobRecord]:
+        """Submit the array; returns one record per task (ids <array>_<i>), so status, logs,
+        cancel and wait work on each task."""
+        directory = jobstore.jobs_root() / dryrun.env["CTXLAUNCH_JOB_ID"]
+        directory.mkdir(parents=True)
+        (directory / "submitit").mkdir()
+        script_path = directory / (dryrun.artifact_name or "array.sbatch")
+        script_path.write_text(dryrun.artifact or "")
+        try:
+            job = _executor(directory / "submitit", script_path)._submit_command("")
+        except Exception as exc:  # noqa: BLE001 - sbatch's refusal, reported as is
+            _remove_tree(directory)
+            raise SlurmError(_sbatch_message(exc)) from None
+        array_name = script_path.stem
+        records = []
+        for index, spec in enumerate(specs):
+            task = f"{job.job_id}_{index}"
+            record = jobstore.JobRecord(
+                id=f"{directory.name}-{index}", name=spec.name, target="slurm",
+                created=time.time(), backend_id=task, command=dryrun.command,
+                artifact=str(script_path),
+                extra={"log": str(directory / f"{array_name}-{task}.out"),
+                       "run_dir": str(directory / "run" / str(index)),
+                       "spec": spec.model_dump(mode="json"), "array": str(job.job_id)})
+            jobstore.save(record)
+            records.append(record)
+        return records
 
     # -- an existing job ------------------------------------------------------------------------
     def status(self, record: jobstore.JobRecord) -> Status:
