@@ -114,3 +114,12 @@ def test_bad_sweep_files_are_clear_errors(tmp_path: Path) -> None:
                             timeout=60)
     assert result.returncode == 2
     assert "sweep.name" in result.stderr and "sweep.axes" in result.stderr
+
+
+def test_example_sweep_golden(check_golden) -> None:
+    _, points = load_sweep(JOBS / "sweeps" / "demo.yaml", ["cluster.target=slurm"])
+    (group,) = slurm_groups(points)
+    specs = [p.spec for p in group]
+    plan = slurm_plan(specs[0], run_dir="runs/demo-sweep", log_dir=".", array=specs,
+                      job_name="demo-sweep")
+    check_golden("sweeps/demo/demo-sweep.sbatch", render_plan(plan, "slurm", "demo-sweep.sbatch"))
