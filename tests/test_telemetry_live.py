@@ -117,7 +117,11 @@ def check_dashboard(job: str, run: str) -> None:
     for title, expr in panel_queries(DASHBOARD, {"job": job, "run": run}):
         if "ctxlaunch_oom_event_info" in expr:
             continue  # an event table: empty unless an OOM happened (the OOM test covers it)
-        assert query(expr), f"dashboard panel {title!r}: no data for {expr}"
+        # Range functions (increase) need two scrapes of the series: poll, briefly.
+        try:
+            poll(expr, timeout=15)
+        except AssertionError:
+            raise AssertionError(f"dashboard panel {title!r}: no data for {expr}") from None
 
 
 @pytest.mark.timeout(240)
