@@ -88,8 +88,10 @@ def plan(
     set_: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
-    """Predict per-GPU memory and FLOPs: fit or not, the smallest CP that fits, the longest
-    sequence at each CP degree."""
+    """Predict per-GPU memory and FLOPs before submitting.
+
+    Fit or not and by how much, the smallest CP degree that fits, the longest sequence at each
+    CP degree, and model FLOPs in both MFU conventions."""
     from .planner import plan_job
 
     job = load(spec, set_)
@@ -187,8 +189,10 @@ def submit(
     force: Annotated[bool, typer.Option(
         "--force", help="Submit even if the planner predicts the job will not fit.")] = False,
 ) -> None:
-    """Submit the job to its cluster.target: this machine (local, the default), Slurm or
-    Kubernetes. A job predicted not to fit is refused unless --force."""
+    """Run or submit the job on its cluster.target (local by default, or Slurm).
+
+    A job predicted not to fit is refused unless --force; --dry-run prints the exact command
+    and the bytes that would be submitted."""
     from .backends import get_backend
     from .planner import plan_job
 
@@ -250,8 +254,10 @@ def status(
     job: JobArg,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
-    """Where a submitted job stands (states come from the scheduler), and for a failure the
-    failing rank's last lines or the OOM with its layout."""
+    """Where a submitted job stands.
+
+    States come from the scheduler; for a failure the failing rank's last lines, for an OOM
+    the layout that caused it."""
     import dataclasses
 
     record, backend = find_job(job)
@@ -360,8 +366,10 @@ def sweep(
     force: Annotated[bool, typer.Option(
         "--force", help="Also submit points the planner predicts will not fit.")] = False,
 ) -> None:
-    """Expand a sweep into jobs and submit them: on Slurm, points that share resources go as
-    one job array; locally they run one after another. Prints the sweep id for `report`."""
+    """Expand a sweep into jobs and submit them.
+
+    On Slurm the points that share resources go as one job array; locally they run one after
+    another. Prints the sweep id for `report`."""
     import time
 
     from . import jobstore
@@ -440,8 +448,10 @@ def report(
                                                    "CSV.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
-    """A sweep's results: one row per point with its state, tokens/s/GPU, step time, final loss
-    and peak memory."""
+    """A sweep's results, one row per point.
+
+    Each row: the point's axis values, its state, tokens/s/GPU, step time, final loss and peak
+    memory."""
     import csv
 
     from . import jobstore

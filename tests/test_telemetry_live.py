@@ -124,6 +124,17 @@ def check_dashboard(job: str, run: str) -> None:
             raise AssertionError(f"dashboard panel {title!r}: no data for {expr}") from None
 
 
+def run_push_job(tmp_path: Path, job: str, *, steps: int, url: str = PUSHGATEWAY_URL,
+                 interval: float = 1, **extra_env: str) -> subprocess.CompletedProcess:
+    """A local training run (CP 2 ring) pushing its metrics, to the end."""
+    return subprocess.run(
+        command(tmp_path, job, f"training.steps={steps}", "telemetry.prometheus=push",
+                f"telemetry.pushgateway_url={url}",
+                f"telemetry.push_interval_seconds={interval}"),
+        cwd=tmp_path, env=env(tmp_path, **extra_env), capture_output=True, text=True,
+        timeout=180)
+
+
 @pytest.mark.timeout(240)
 def test_scrape_mode_exports_every_metric(tmp_path: Path) -> None:
     job = unique("scrape")
@@ -152,11 +163,7 @@ def test_scrape_mode_exports_every_metric(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_push_mode_exports_every_metric_and_the_final_values(tmp_path: Path) -> None:
     job = unique("push")
-    result = subprocess.run(
-        command(tmp_path, job, "training.steps=5", "telemetry.prometheus=push",
-                f"telemetry.pushgateway_url={PUSHGATEWAY_URL}",
-                "telemetry.push_interval_seconds=1"),
-        cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=180)
+    result = run_push_job(tmp_path, job, steps=5)
     assert result.returncode == 0, result.stdout + result.stderr
     # The last push happens at exit: Prometheus sees step 5 of 5 for both ranks.
     poll(f'ctxlaunch_last_step{{job="{job}"}} == 5', lambda r: len(r) == 2)
@@ -170,12 +177,8 @@ def test_push_mode_exports_every_metric_and_the_final_values(tmp_path: Path) -> 
 @pytest.mark.timeout(240)
 def test_injected_oom_is_exported_with_the_layout_and_the_exit_status(tmp_path: Path) -> None:
     job = unique("oom")
-    result = subprocess.run(
-        command(tmp_path, job, "training.steps=20", "telemetry.prometheus=push",
-                f"telemetry.pushgateway_url={PUSHGATEWAY_URL}",
-                "telemetry.push_interval_seconds=1"),
-        cwd=tmp_path, env=env(tmp_path, CTXLAUNCH_INJECT_FAULT="kind=oom,rank=1,step=3"),
-        capture_output=True, text=True, timeout=180)
+    result = run_push_job(tmp_path, job, steps=20,
+                          CTXLAUNCH_INJECT_FAULT="kind=oom,rank=1,step=3")
     assert result.returncode == 86, result.stdout + result.stderr
     assert "out of memory on rank 1 at step 3: the planner predicted" in result.stderr
     assert "would fit with" in result.stderr
@@ -196,11 +199,7 @@ def test_injected_oom_is_exported_with_the_layout_and_the_exit_status(tmp_path: 
 @pytest.mark.timeout(180)
 def test_an_unreachable_pushgateway_never_stops_training(tmp_path: Path) -> None:
     job = unique("nopush")
-    result = subprocess.run(
-        command(tmp_path, job, "training.steps=5", "telemetry.prometheus=push",
-                "telemetry.pushgateway_url=http://127.0.0.1:9",
-                "telemetry.push_interval_seconds=0.2"),
-        cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=170)
+    result = run_push_job(tmp_path, job, steps=5, url="http://127.0.0.1:9", interval=0.2)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ctxlaunch: done: 5 steps" in result.stdout
     # Logged once (rank 0's stderr streams to the console), not once per attempt.

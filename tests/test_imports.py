@@ -1,0 +1,33 @@
+"""The launcher side stays light: `import ctxlaunch` (and everything a login node runs: the CLI,
+the spec, the planner, rendering, the Slurm backend's module) imports neither torch nor
+kubernetes nor submitit nor DeepSpeed; those load inside the code that needs them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+LAUNCHER_MODULES = [
+    "ctxlaunch", "ctxlaunch.cli", "ctxlaunch.spec", "ctxlaunch.loader", "ctxlaunch.planner",
+    "ctxlaunch.memory", "ctxlaunch.flops", "ctxlaunch.launch", "ctxlaunch.render",
+    "ctxlaunch.sweep", "ctxlaunch.jobstore", "ctxlaunch.backends", "ctxlaunch.backends.local",
+    "ctxlaunch.backends.slurm", "ctxlaunch.telemetry.metrics", "ctxlaunch.telemetry.dashboard",
+]
+HEAVY = ["torch", "kubernetes", "submitit", "deepspeed"]
+
+
+def test_launcher_modules_import_no_heavy_dependency() -> None:
+    code = (f"import sys\nfor m in {LAUNCHER_MODULES!r}: __import__(m)\n"
+            f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "", f"imported at module level: {result.stdout.strip()}"
+
+
+def test_cp_needs_nothing_but_torch() -> None:
+    code = ("import sys\nimport ctxlaunch.cp\n"
+            "print(','.join(sorted(m for m in sys.modules if m.startswith('ctxlaunch'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    modules = set(result.stdout.strip().split(","))
+    assert {m for m in modules if not m.startswith("ctxlaunch.cp")} == {"ctxlaunch"}, modules
