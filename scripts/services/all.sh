@@ -10,6 +10,9 @@
 set -euo pipefail
 
 readonly PROG="all.sh"
+# shellcheck source=scripts/services/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 readonly SCRIPT_DIR
 readonly SERVICES=(slurm prometheus)
@@ -39,11 +42,6 @@ reversed_services() {
     for ((i = ${#SERVICES[@]} - 1; i >= 0; i--)); do
         echo "${SERVICES[i]}"
     done
-}
-
-usage() {
-    echo "usage: $0 install|start|stop|restart|status" >&2
-    exit 2
 }
 
 main() {

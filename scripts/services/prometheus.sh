@@ -23,7 +23,9 @@
 set -euo pipefail
 
 readonly PROG="prometheus.sh"
-readonly BASE_DIR="${CTXLAUNCH_SERVICES_DIR:-/var/tmp/ctxlaunch-services}"
+# shellcheck source=scripts/services/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
 readonly STATE_DIR="$BASE_DIR/prometheus"
 readonly RUN_DIR="$STATE_DIR/run"
 readonly LOG_DIR="$STATE_DIR/log"
@@ -35,29 +37,10 @@ readonly PROMETHEUS_PORT="${CTXLAUNCH_PROMETHEUS_PORT:-9090}"
 readonly PUSHGATEWAY_PORT="${CTXLAUNCH_PUSHGATEWAY_PORT:-9091}"
 readonly PROMETHEUS_URL="http://127.0.0.1:$PROMETHEUS_PORT"
 readonly PUSHGATEWAY_URL="http://127.0.0.1:$PUSHGATEWAY_PORT"
-readonly TIMEOUT="${CTXLAUNCH_SERVICES_TIMEOUT:-30}"
 
 readonly PACKAGES=(prometheus prometheus-pushgateway curl)
 # Daemons in start order, named by their executable.
 readonly DAEMONS=(prometheus-pushgateway prometheus)
-
-log() { printf '%s: %s\n' "$PROG" "$*"; }
-warn() { printf '%s: warning: %s\n' "$PROG" "$*" >&2; }
-die() {
-    printf '%s: error: %s\n' "$PROG" "$*" >&2
-    exit 1
-}
-
-require_root() {
-    [ "$(id -u)" -eq 0 ] || die "'$1' must run as root"
-}
-
-now_ms() { date +%s%3N; }
-
-elapsed_since() { # start_ms -> "1.23s"
-    local ms=$(($(now_ms) - $1))
-    printf '%d.%02ds' $((ms / 1000)) $((ms % 1000 / 10))
-}
 
 check_port() { # name value
     [[ "$2" =~ ^[1-9][0-9]{0,4}$ ]] && [ "$2" -le 65535 ] || die "$1 must be a port number, got '$2'"
@@ -73,96 +56,14 @@ url_of() {
     esac
 }
 
-pid_is_alive() { # a zombie (PID 1 here reaps orphans late) counts as dead
-    local pid="$1" stat state
-    [ -n "$pid" ] || return 1
-    stat="$(cat "/proc/$pid/stat" 2>/dev/null)" || return 1
-    state="${stat##*) }"
-    state="${state%% *}"
-    [ "$state" != "Z" ] && [ "$state" != "X" ]
-}
-
-pid_is_dead() { ! pid_is_alive "$1"; }
-
-# Prints the PID of daemon NAME when its pidfile names a live process running NAME (the kernel
-# keeps the first 15 characters of the command name); a stale pidfile prints nothing.
-running_pid() {
-    local name="$1" pidfile pid comm
-    pidfile="$(pidfile_of "$name")"
-    [ -r "$pidfile" ] || return 1
-    pid="$(tr -dc '0-9' <"$pidfile")"
-    pid_is_alive "$pid" || return 1
-    comm="$(cat "/proc/$pid/comm" 2>/dev/null)" || return 1
-    [ "$comm" = "${name:0:15}" ] || return 1
-    echo "$pid"
-}
-
-is_running() { running_pid "$1" >/dev/null; }
-
 is_ready() { curl --noproxy '*' -fsS --max-time 2 "$(url_of "$1")/-/ready"; }
-
-# wait_for SECONDS COMMAND...: run COMMAND every 0.2 s until it succeeds; false after SECONDS.
-wait_for() {
-    local seconds="$1" deadline
-    shift
-    deadline=$(($(now_ms) + seconds * 1000))
-    until "$@" >/dev/null 2>&1; do
-        [ "$(now_ms)" -lt "$deadline" ] || return 1
-        sleep 0.2
-    done
-}
-
-show_log_tail() {
-    local logfile="$1"
-    if [ -s "$logfile" ]; then
-        printf '%s: last lines of %s:\n' "$PROG" "$logfile" >&2
-        tail -n 25 "$logfile" | sed 's/^/    /' >&2
-    else
-        printf '%s: (log %s is empty or missing)\n' "$PROG" "$logfile" >&2
-    fi
-}
-
-fail_daemon() { # name message
-    printf '%s: error: %s\n' "$PROG" "$2" >&2
-    show_log_tail "$(logfile_of "$1")"
-    exit 1
-}
 
 # ---------------------------------------------------------------------------------------------
 # install
 
-package_installed() {
-    dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'ok installed'
-}
-
 cmd_install() {
     require_root install
-    local missing=() pkg start aptlog policy_created=""
-    for pkg in "${PACKAGES[@]}"; do
-        package_installed "$pkg" || missing+=("$pkg")
-    done
-    if [ "${#missing[@]}" -eq 0 ]; then
-        log "packages already installed: ${PACKAGES[*]}"
-        return 0
-    fi
-    start="$(now_ms)"
-    mkdir -p "$LOG_DIR"
-    aptlog="$LOG_DIR/apt-install.log"
-    log "installing ${missing[*]} (apt-get, log in $aptlog)"
-    # Keep the packages' init scripts from starting system-wide daemons on 9090/9091.
-    if [ ! -e /usr/sbin/policy-rc.d ]; then
-        printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
-        chmod 755 /usr/sbin/policy-rc.d
-        policy_created=1
-    fi
-    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-        --no-install-recommends "${missing[@]}"; } >"$aptlog" 2>&1; then
-        [ -z "$policy_created" ] || rm -f /usr/sbin/policy-rc.d
-        show_log_tail "$aptlog"
-        die "apt-get install failed"
-    fi
-    [ -z "$policy_created" ] || rm -f /usr/sbin/policy-rc.d
-    log "installed in $(elapsed_since "$start")"
+    install_packages "${PACKAGES[@]}"
 }
 
 require_installed() {
@@ -223,18 +124,6 @@ write_config() {
 
 # ---------------------------------------------------------------------------------------------
 # start
-
-# spawn_detached PIDFILE LOGFILE COMMAND...: start COMMAND in a session of its own with output to
-# LOGFILE; the process writes its own PID to PIDFILE before it execs COMMAND. Prints the PID.
-spawn_detached() {
-    local pidfile="$1" logfile="$2"
-    shift 2
-    rm -f "$pidfile"
-    # shellcheck disable=SC2016 # $$ and $@ expand in the child shell
-    setsid bash -c 'echo "$$" >"$0" && exec "$@"' "$pidfile" "$@" </dev/null >"$logfile" 2>&1 &
-    wait_for 10 test -s "$pidfile" || die "could not start $1 (no pidfile $pidfile); see $logfile"
-    tr -dc '0-9' <"$pidfile"
-}
 
 # await_ready NAME PID: wait until NAME answers /-/ready; fail at once when it exits.
 await_ready() {
@@ -320,31 +209,10 @@ cmd_start() {
 # ---------------------------------------------------------------------------------------------
 # stop
 
-stop_daemon() {
-    local name="$1" pid pidfile
-    pidfile="$(pidfile_of "$name")"
-    if ! pid="$(running_pid "$name")"; then
-        rm -f "$pidfile"
-        return 0
-    fi
-    kill -TERM "$pid" 2>/dev/null || true
-    if ! wait_for "$TIMEOUT" pid_is_dead "$pid"; then
-        warn "$name (pid $pid) did not exit within ${TIMEOUT}s of SIGTERM: sending SIGKILL"
-        kill -KILL "$pid" 2>/dev/null || true
-        wait_for 5 pid_is_dead "$pid" || die "$name (pid $pid) survives SIGKILL"
-    fi
-    rm -f "$pidfile"
-    log "stopped $name (pid $pid)"
-}
-
 cmd_stop() {
     require_root stop
-    local start i
-    start="$(now_ms)"
-    for ((i = ${#DAEMONS[@]} - 1; i >= 0; i--)); do
-        stop_daemon "${DAEMONS[i]}"
-    done
-    log "stopped in $(elapsed_since "$start")"
+    # shellcheck disable=SC2119 # no first step: nothing to do before the daemons stop
+    stop_all_daemons
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -369,21 +237,4 @@ cmd_status() {
     return "$all"
 }
 
-usage() {
-    echo "usage: $0 install|start|stop|restart|status" >&2
-    exit 2
-}
-
-main() {
-    [ "$#" -eq 1 ] || usage
-    case "$1" in
-        install) cmd_install ;;
-        start) cmd_start ;;
-        stop) cmd_stop ;;
-        restart) cmd_stop && cmd_start ;;
-        status) cmd_status ;;
-        *) usage ;;
-    esac
-}
-
-main "$@"
+service_main "$@"

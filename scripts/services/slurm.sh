@@ -22,7 +22,10 @@
 set -euo pipefail
 
 readonly PROG="slurm.sh"
-readonly BASE_DIR="${CTXLAUNCH_SERVICES_DIR:-/var/tmp/ctxlaunch-services}"
+readonly ROOT_REASON="it installs packages and starts system daemons"
+# shellcheck source=scripts/services/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
 readonly STATE_DIR="$BASE_DIR/slurm"
 readonly RUN_DIR="$STATE_DIR/run"
 readonly LOG_DIR="$STATE_DIR/log"
@@ -31,7 +34,6 @@ readonly SLURMD_SPOOL_DIR="$STATE_DIR/slurmd"
 readonly MUNGE_DIR="$STATE_DIR/munge"
 readonly MARIADB_DIR="$STATE_DIR/mariadb" # owned by mysql: data, its own pidfile, log
 readonly MYSQL_DATA_DIR="$MARIADB_DIR/data"
-readonly TIMEOUT="${CTXLAUNCH_SERVICES_TIMEOUT:-30}"
 
 readonly CLUSTER_NAME="ctxlaunch"
 readonly SLURM_CONF="/etc/slurm/slurm.conf"
@@ -49,24 +51,6 @@ readonly PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server)
 # Daemons in start order: name (= /proc/PID/comm of the process) and pidfile.
 readonly DAEMONS=(munged mariadbd slurmdbd slurmctld slurmd)
 
-log() { printf '%s: %s\n' "$PROG" "$*"; }
-warn() { printf '%s: warning: %s\n' "$PROG" "$*" >&2; }
-die() {
-    printf '%s: error: %s\n' "$PROG" "$*" >&2
-    exit 1
-}
-
-require_root() {
-    [ "$(id -u)" -eq 0 ] || die "'$1' must run as root (it installs packages and starts system daemons)"
-}
-
-now_ms() { date +%s%3N; }
-
-elapsed_since() { # start_ms -> "1.23s"
-    local ms=$(($(now_ms) - $1))
-    printf '%d.%02ds' $((ms / 1000)) $((ms % 1000 / 10))
-}
-
 pidfile_of() {
     case "$1" in
         munged) echo "$MUNGE_DIR/munged.pid" ;;
@@ -80,64 +64,6 @@ logfile_of() {
         mariadbd) echo "$MARIADB_DIR/mariadbd.log" ;;
         *) echo "$LOG_DIR/$1.log" ;;
     esac
-}
-
-# True when PID exists and is not a zombie (PID 1 here reaps orphans late, so `kill -0` is not
-# enough: a stopped daemon can linger as a zombie).
-pid_is_dead() { ! pid_is_alive "$1"; }
-
-pid_is_alive() {
-    local pid="$1" stat state
-    [ -n "$pid" ] || return 1
-    stat="$(cat "/proc/$pid/stat" 2>/dev/null)" || return 1
-    state="${stat##*) }"
-    state="${state%% *}"
-    [ "$state" != "Z" ] && [ "$state" != "X" ]
-}
-
-# Prints the PID of daemon NAME when its pidfile names a live process whose command is NAME.
-# A stale pidfile (dead process, or a PID reused by another program) prints nothing.
-running_pid() {
-    local name="$1" pidfile pid comm
-    pidfile="$(pidfile_of "$name")"
-    [ -r "$pidfile" ] || return 1
-    pid="$(tr -dc '0-9' <"$pidfile")"
-    [ -n "$pid" ] || return 1
-    pid_is_alive "$pid" || return 1
-    comm="$(cat "/proc/$pid/comm" 2>/dev/null)" || return 1
-    [ "$comm" = "$name" ] || return 1
-    echo "$pid"
-}
-
-is_running() { running_pid "$1" >/dev/null; }
-
-show_log_tail() {
-    local logfile="$1"
-    if [ -s "$logfile" ]; then
-        printf '%s: last lines of %s:\n' "$PROG" "$logfile" >&2
-        tail -n 25 "$logfile" | sed 's/^/    /' >&2
-    else
-        printf '%s: (log %s is empty or missing)\n' "$PROG" "$logfile" >&2
-    fi
-}
-
-fail_daemon() { # name message [extra log]
-    local name="$1" message="$2"
-    printf '%s: error: %s\n' "$PROG" "$message" >&2
-    show_log_tail "$(logfile_of "$name")"
-    if [ -n "${3:-}" ]; then show_log_tail "$3"; fi
-    exit 1
-}
-
-# wait_for SECONDS COMMAND...: run COMMAND every 0.2 s until it succeeds; false after SECONDS.
-wait_for() {
-    local seconds="$1" deadline
-    shift
-    deadline=$(($(now_ms) + seconds * 1000))
-    until "$@" >/dev/null 2>&1; do
-        [ "$(now_ms)" -lt "$deadline" ] || return 1
-        sleep 0.2
-    done
 }
 
 # wait_healthy NAME PID SECONDS COMMAND...: like wait_for, but gives up at once when process PID
@@ -156,55 +82,12 @@ wait_healthy() {
     done
 }
 
-# spawn_detached PIDFILE LOGFILE COMMAND...: start COMMAND (a program that stays in the
-# foreground) in a session of its own, with output to LOGFILE; the process writes its own PID to
-# PIDFILE before it execs COMMAND, so the PID is right whatever setsid does. Prints the PID.
-spawn_detached() {
-    local pidfile="$1" logfile="$2"
-    shift 2
-    rm -f "$pidfile"
-    # shellcheck disable=SC2016 # $$ and $@ expand in the child shell
-    setsid bash -c 'echo "$$" >"$0" && exec "$@"' "$pidfile" "$@" </dev/null >"$logfile" 2>&1 &
-    wait_for 10 test -s "$pidfile" || die "could not start $1 (no pidfile $pidfile); see $logfile"
-    tr -dc '0-9' <"$pidfile"
-}
-
 # ---------------------------------------------------------------------------------------------
 # install
 
-package_installed() {
-    dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'ok installed'
-}
-
 cmd_install() {
     require_root install
-    local missing=() pkg start aptlog policy_created=""
-    for pkg in "${PACKAGES[@]}"; do
-        package_installed "$pkg" || missing+=("$pkg")
-    done
-    if [ "${#missing[@]}" -eq 0 ]; then
-        log "packages already installed: ${PACKAGES[*]}"
-        return 0
-    fi
-    start="$(now_ms)"
-    mkdir -p "$LOG_DIR"
-    aptlog="$LOG_DIR/apt-install.log"
-    log "installing ${missing[*]} (apt-get, log in $aptlog)"
-    # Keep the packages' init scripts from starting system-wide munge/MariaDB on machines that
-    # do not block it already: this script starts its own instances.
-    if [ ! -e /usr/sbin/policy-rc.d ]; then
-        printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
-        chmod 755 /usr/sbin/policy-rc.d
-        policy_created=1
-    fi
-    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-        --no-install-recommends "${missing[@]}"; } >"$aptlog" 2>&1; then
-        [ -z "$policy_created" ] || rm -f /usr/sbin/policy-rc.d
-        show_log_tail "$aptlog"
-        die "apt-get install failed"
-    fi
-    [ -z "$policy_created" ] || rm -f /usr/sbin/policy-rc.d
-    log "installed in $(elapsed_since "$start")"
+    install_packages "${PACKAGES[@]}"
 }
 
 require_installed() {
@@ -545,32 +428,10 @@ cancel_all_jobs() {
     wait_for "$TIMEOUT" no_jobs_left || warn "jobs still listed after ${TIMEOUT}s: $(squeue -h 2>&1 | head -n 5)"
 }
 
-stop_daemon() {
-    local name="$1" pid pidfile
-    pidfile="$(pidfile_of "$name")"
-    if ! pid="$(running_pid "$name")"; then
-        rm -f "$pidfile"
-        return 0
-    fi
-    kill -TERM "$pid" 2>/dev/null || true
-    if ! wait_for "$TIMEOUT" pid_is_dead "$pid"; then
-        warn "$name (pid $pid) did not exit within ${TIMEOUT}s of SIGTERM: sending SIGKILL"
-        kill -KILL "$pid" 2>/dev/null || true
-        wait_for 5 pid_is_dead "$pid" || die "$name (pid $pid) survives SIGKILL"
-    fi
-    rm -f "$pidfile"
-    log "stopped $name (pid $pid)"
-}
-
 cmd_stop() {
     require_root stop
-    local start i
-    start="$(now_ms)"
-    cancel_all_jobs
-    for ((i = ${#DAEMONS[@]} - 1; i >= 0; i--)); do
-        stop_daemon "${DAEMONS[i]}"
-    done
-    log "stopped in $(elapsed_since "$start")"
+    # Cancel the jobs first, while slurmctld still answers.
+    stop_all_daemons cancel_all_jobs
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -592,21 +453,4 @@ cmd_status() {
     return "$all"
 }
 
-usage() {
-    echo "usage: $0 install|start|stop|restart|status" >&2
-    exit 2
-}
-
-main() {
-    [ "$#" -eq 1 ] || usage
-    case "$1" in
-        install) cmd_install ;;
-        start) cmd_start ;;
-        stop) cmd_stop ;;
-        restart) cmd_stop && cmd_start ;;
-        status) cmd_status ;;
-        *) usage ;;
-    esac
-}
-
-main "$@"
+service_main "$@"
