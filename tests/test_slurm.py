@@ -102,6 +102,11 @@ def test_demo_completes_with_logs_and_metrics_in_prometheus(tmp_path: Path, home
     job_id = submit(tmp_path, home, f"name={name}", "training.steps=4",
                     "telemetry.prometheus=push", f"telemetry.pushgateway_url={PUSHGATEWAY_URL}",
                     "telemetry.push_interval_seconds=1")
+    # --follow streams the log from submission until the job is over, then returns.
+    followed = ctx(home, tmp_path, "logs", job_id, "--follow", "--rank", "0", timeout=170)
+    assert followed.returncode == 0, followed.stderr
+    assert followed.stdout.splitlines()[-1].startswith("ctxlaunch: done: 4 steps")
+    assert "step 1/4" in followed.stdout and "step 4/4" in followed.stdout
     waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5",
                  timeout=170)
     assert waited.returncode == 0, waited.stdout + waited.stderr

@@ -78,7 +78,7 @@ def check_every_metric(job: str) -> str:
     for name in ALWAYS:
         found = series_by_rank(name, job)
         assert set(found) == {"0", "1"}, (name, found)
-        for rank, sample in found.items():
+        for sample in found.values():
             labels = sample["metric"]
             assert set(LABELS) <= set(labels), (name, labels)
             assert labels["job"] == job and labels["cp"] == "2"
