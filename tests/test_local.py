@@ -160,3 +160,15 @@ def test_world_size_must_match_the_spec(tmp_path: Path) -> None:
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "started 3 ranks but the spec describes 2" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_gpu_spec_without_a_gpu_fails_before_any_work(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "ctxlaunch.trainer", str(JOBS / "demo.yaml"), "--set",
+         "cluster.gpu=H100", "--set", "cluster.gpus_per_node=1", "--set", "parallel.cp=1",
+         "--run-dir", str(tmp_path / "run")],
+        cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "cluster.gpu = H100 but no CUDA device is visible" in result.stderr
+    assert (tmp_path / "run" / "exit" / "rank-0").read_text().strip() == "2"

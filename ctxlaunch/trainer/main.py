@@ -75,14 +75,21 @@ def main(argv: list[str] | None = None) -> int:
         data = spec.training.data
         if data.source == "text" and not Path(data.path).is_file():
             raise SetupError(f"training.data.path {data.path!r} is not a readable file")
+        import torch
+
+        if spec.cluster.gpu != "cpu" and not torch.cuda.is_available():
+            raise SetupError(f"cluster.gpu = {spec.cluster.gpu} but no CUDA device is visible; "
+                             "use cluster.gpu: cpu to run on the CPU")
         run_dir = Path(args.run_dir or os.environ.get("CTXLAUNCH_RUN_DIR")
                        or Path("runs") / spec.name)
         if denv.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
     except (SpecError, SetupError, CheckpointDirError) as exc:
         print(f"{rank_tag} error: {exc}", file=sys.stderr, flush=True)
-        if args.run_dir:
-            record_exit(Path(args.run_dir), os.environ.get("RANK", "0"), exitcodes.BAD_INPUT)
+        where = args.run_dir or os.environ.get("CTXLAUNCH_RUN_DIR")
+        if where:
+            rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
+            record_exit(Path(where), rank, exitcodes.BAD_INPUT)
         return exitcodes.BAD_INPUT
 
     return _run(spec, denv, run_dir, rank_tag)
@@ -107,11 +114,7 @@ def _run(spec, denv, run_dir: Path, rank_tag: str) -> int:  # type: ignore[no-un
     from .loop import Trainer
     from .parallelize import build_context
 
-    use_cuda = spec.cluster.gpu != "cpu" and torch.cuda.is_available()
-    if spec.cluster.gpu != "cpu" and not use_cuda:
-        print(f"{rank_tag} error: cluster.gpu = {spec.cluster.gpu} but no CUDA device is "
-              "visible; use cluster.gpu: cpu to run on the CPU", file=sys.stderr, flush=True)
-        return exitcodes.BAD_INPUT
+    use_cuda = spec.cluster.gpu != "cpu"  # main() checked that CUDA is there
     device = torch.device("cuda", denv.local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
