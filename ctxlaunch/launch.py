@@ -8,6 +8,7 @@ every decision is here, so the templates hold none.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,12 @@ allocations, test clusters) never collide."""
 def spec_json(spec: JobSpec) -> str:
     """The resolved spec (presets expanded, defaults filled) as compact, stable JSON."""
     return json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+def cpu_threads_per_rank(ranks_per_node: int) -> int:
+    """CPU ranks share the node's cores evenly (torchrun would give each one thread, srun
+    leaves each all of them)."""
+    return max(1, (os.cpu_count() or 1) // ranks_per_node)
 
 
 def job_environment(spec: JobSpec) -> dict[str, str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import IO
 
 from .. import exitcodes, jobstore
-from ..launch import TRAINER_MODULE, job_environment, spec_json
+from ..launch import TRAINER_MODULE, cpu_threads_per_rank, job_environment, spec_json
 from ..spec import JobSpec
 from .base import EXIT_STATES, DryRun, Status, combine_exit_codes
 
@@ -50,8 +50,7 @@ class LocalBackend:
         ]
         env = job_environment(spec)
         if spec.cluster.gpu == "cpu":
-            # torchrun would default to one thread per process; share the cores instead.
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
+            env["OMP_NUM_THREADS"] = str(cpu_threads_per_rank(ranks))
         env["CTXLAUNCH_JOB_ID"] = job_id
         return DryRun(target="local", spec=spec, command=command, env=env,
                       artifact=spec_json(spec) + "\n", artifact_name="spec.json")

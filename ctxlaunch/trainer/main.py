@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 
 from .. import exitcodes
-from ..launch import SPEC_ENV
+from ..launch import SPEC_ENV, cpu_threads_per_rank
 from ..loader import SpecError, apply_overrides, parse_yaml, read_spec_data, validate_spec
 from .checkpoint import CheckpointDirError, check_writable
 
@@ -118,9 +118,8 @@ def _run(spec, denv, run_dir: Path, rank_tag: str) -> int:  # type: ignore[no-un
     device = torch.device("cuda", denv.local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    elif "OMP_NUM_THREADS" not in os.environ:
-        # CPU ranks share the node's cores (srun sets no thread count; torchrun would set 1).
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.cluster.gpus_per_node))
+    elif "OMP_NUM_THREADS" not in os.environ:  # srun sets no thread count
+        torch.set_num_threads(cpu_threads_per_rank(spec.cluster.gpus_per_node))
     export_for_torch(denv)
     dist.init_process_group(
         backend="nccl" if use_cuda else "gloo", init_method="env://",
