@@ -31,7 +31,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("ctxlaunch_model_flops_per_second_per_gpu", "gauge",
            "Achieved model FLOP/s per GPU over the last step.", ("convention",)),
     Metric("ctxlaunch_mfu_ratio", "gauge",
-           "Model FLOPs utilisation over the last step (achieved / peak), 0..1.",
+           "Model FLOPs utilisation over the last step (achieved / peak). The full convention "
+           "counts the masked half of causal attention too, so where attention dominates "
+           "(long sequences, small models) it can read above 1; causal cannot.",
            ("convention",)),
     Metric("ctxlaunch_peak_flops_per_second", "gauge",
            "The peak FLOP/s MFU is measured against: the GPU table's dense BF16/FP32 figure, or "

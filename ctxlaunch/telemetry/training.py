@@ -13,7 +13,7 @@ from ..memory import MemoryLayout, estimate
 from .exporter import Exporter, identity_from_spec
 
 
-def measure_cpu_peak_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 4) -> float:
+def measure_cpu_peak_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 8) -> float:
     """A CPU has no data-sheet peak here: measure a square matmul with this process's threads
     once, and use the best of a few runs as the peak MFU is stated against."""
     a = torch.randn(size, size, dtype=dtype)
