@@ -153,11 +153,6 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
     return validate_spec(data, str(path))
 
 
-def spec_to_yaml(spec: JobSpec) -> str:
-    """The fully resolved spec (presets expanded, defaults filled) as YAML."""
-    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False, width=100)
-
-
 def _to_problem(err: Mapping[str, Any], data: Mapping[str, Any]) -> Problem:
     loc = [part for part in err["loc"] if not _is_internal(part)]
     path = _format_path(loc)

@@ -20,7 +20,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from .hardware import GPUS, GpuInfo, GpuType, NetworkType, gpu_info
+from .hardware import GpuInfo, GpuType, NetworkType, gpu_info
 from .presets import MODEL_PRESETS
 
 RFC1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -774,7 +774,3 @@ def _largest_common_divisor_at_most(values: tuple[int, ...], limit: int) -> int:
         if all(v % d == 0 for v in values):
             return d
     return 1
-
-
-def known_gpus() -> list[str]:
-    return sorted(GPUS)
