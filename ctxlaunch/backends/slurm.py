@@ -97,22 +97,25 @@ class SlurmBackend:
         self.python = python or sys.executable
 
     def dryrun(self, spec: JobSpec) -> DryRun:
-        job_id = jobstore.new_id("slurm", spec.name)
-        directory = jobstore.jobs_root() / job_id
-        plan = slurm_plan(spec, python=self.python, run_dir=str(directory / "run"),
-                          log_dir=str(directory))
-        name = f"{spec.name}.sbatch"
-        script = render_plan(plan, "slurm", name)
-        return DryRun(target="slurm", spec=spec, command=["sbatch", str(directory / name)],
-                      env={"CTXLAUNCH_JOB_ID": job_id}, artifact=script, artifact_name=name)
+        return self._script_dryrun(spec.name, spec, None)
 
-    def schedule(self, dryrun: DryRun, err: IO[str] | None = None) -> int:
-        err = err or sys.stderr
-        job_id = dryrun.env["CTXLAUNCH_JOB_ID"]
-        record = jobstore.JobRecord(id=job_id, name=dryrun.spec.name, target="slurm",
-                                    created=time.time(), command=dryrun.command,
-                                    artifact=dryrun.artifact_name)
-        directory = record.directory
+    def _script_dryrun(self, name: str, spec: JobSpec, array: list[JobSpec] | None) -> DryRun:
+        """The script for one job (array None) or a job array, in a new record directory."""
+        record_id = jobstore.new_id("slurm", name)
+        directory = jobstore.jobs_root() / record_id
+        plan = slurm_plan(spec, python=self.python, run_dir=str(directory / "run"),
+                          log_dir=str(directory), array=array, job_name=name)
+        script_name = f"{name}.sbatch"
+        return DryRun(target="slurm", spec=spec, command=["sbatch", str(directory / script_name)],
+                      env={"CTXLAUNCH_JOB_ID": record_id},
+                      artifact=render_plan(plan, "slurm", script_name),
+                      artifact_name=script_name)
+
+    @staticmethod
+    def _submit(dryrun: DryRun) -> tuple[Path, str]:
+        """Write the dry run's script into its record directory and submit it through
+        submitit; returns (directory, Slurm job id). A refusal leaves no directory behind."""
+        directory = jobstore.jobs_root() / dryrun.env["CTXLAUNCH_JOB_ID"]
         directory.mkdir(parents=True)
         (directory / "run").mkdir()
         (directory / "submitit").mkdir()
@@ -124,56 +127,44 @@ class SlurmBackend:
         except Exception as exc:  # noqa: BLE001 - sbatch's refusal, reported as is
             _remove_tree(directory)
             raise SlurmError(_sbatch_message(exc)) from None
-        record.backend_id = str(job.job_id)
-        record.extra["log"] = str(directory / f"{dryrun.spec.name}-{job.job_id}.out")
-        record.extra["run_dir"] = str(directory / "run")
-        record.extra["spec"] = dryrun.spec.model_dump(mode="json")
-        jobstore.save(record)
-        print(f"ctxlaunch: submitted Slurm job {job.job_id} ({job_id}); follow it with "
-              f"`ctxlaunch logs {job.job_id} --follow`", file=err, flush=True)
-        print(job.job_id, flush=True)
-        return exitcodes.OK
+        return directory, str(job.job_id)
 
+    def schedule(self, dryrun: DryRun, err: IO[str] | None = None) -> int:
+        err = err or sys.stderr
+        directory, slurm_id = self._submit(dryrun)
+        record = jobstore.JobRecord(
+            id=directory.name, name=dryrun.spec.name, target="slurm", created=time.time(),
+            backend_id=slurm_id, command=dryrun.command, artifact=dryrun.artifact_name,
+            extra={"log": str(directory / f"{dryrun.spec.name}-{slurm_id}.out"),
+                   "run_dir": str(directory / "run"),
+                   "spec": dryrun.spec.model_dump(mode="json")})
+        jobstore.save(record)
+        print(f"ctxlaunch: submitted Slurm job {slurm_id} ({record.id}); follow it with "
+              f"`ctxlaunch logs {slurm_id} --follow`", file=err, flush=True)
+        print(slurm_id, flush=True)
+        return exitcodes.OK
 
     # -- a sweep's job array ---------------------------------------------------------------------
     def array_dryrun(self, name: str, specs: list[JobSpec]) -> DryRun:
         """One job array for specs that share resources and environment: task i runs
         specs[i]."""
-        array_id = jobstore.new_id("slurm", name)
-        directory = jobstore.jobs_root() / array_id
-        plan = slurm_plan(specs[0], python=self.python, run_dir=str(directory / "run"),
-                          log_dir=str(directory), array=specs, job_name=name)
-        script_name = f"{name}.sbatch"
-        return DryRun(target="slurm", spec=specs[0],
-                      command=["sbatch", str(directory / script_name)],
-                      env={"CTXLAUNCH_JOB_ID": array_id},
-                      artifact=render_plan(plan, "slurm", script_name),
-                      artifact_name=script_name)
+        return self._script_dryrun(name, specs[0], specs)
 
     def schedule_array(self, dryrun: DryRun, specs: list[JobSpec]) -> list[jobstore.JobRecord]:
         """Submit the array; returns one record per task (ids <array>_<i>), so status, logs,
         cancel and wait work on each task."""
-        directory = jobstore.jobs_root() / dryrun.env["CTXLAUNCH_JOB_ID"]
-        directory.mkdir(parents=True)
-        (directory / "submitit").mkdir()
-        script_path = directory / (dryrun.artifact_name or "array.sbatch")
-        script_path.write_text(dryrun.artifact or "")
-        try:
-            job = _executor(directory / "submitit", script_path)._submit_command("")
-        except Exception as exc:  # noqa: BLE001 - sbatch's refusal, reported as is
-            _remove_tree(directory)
-            raise SlurmError(_sbatch_message(exc)) from None
-        array_name = script_path.stem
+        directory, array_id = self._submit(dryrun)
+        array_name = Path(dryrun.artifact_name or "array.sbatch").stem
         records = []
         for index, spec in enumerate(specs):
-            task = f"{job.job_id}_{index}"
+            task = f"{array_id}_{index}"
             record = jobstore.JobRecord(
                 id=f"{directory.name}-{index}", name=spec.name, target="slurm",
                 created=time.time(), backend_id=task, command=dryrun.command,
-                artifact=str(script_path),
+                artifact=str(directory / (dryrun.artifact_name or "array.sbatch")),
                 extra={"log": str(directory / f"{array_name}-{task}.out"),
                        "run_dir": str(directory / "run" / str(index)),
-                       "spec": spec.model_dump(mode="json"), "array": str(job.job_id)})
+                       "spec": spec.model_dump(mode="json"), "array": array_id})
             jobstore.save(record)
             records.append(record)
         return records
