@@ -318,17 +318,22 @@ start_mariadbd() {
 
 dbd_answers() { sacctmgr -n -P list cluster format=cluster; }
 
-start_slurmdbd() {
-    if is_running slurmdbd; then
-        wait_for "$TIMEOUT" dbd_answers || fail_daemon slurmdbd "slurmdbd runs but does not answer sacctmgr"
+# Start a Slurm daemon unless it runs, then wait until CHECK passes. A daemon that already runs
+# must pass CHECK too (the message says how it failed it).
+start_answering_daemon() { # name check what-a-running-daemon-failed-to-do
+    local name="$1" check="$2"
+    if is_running "$name"; then
+        wait_for "$TIMEOUT" "$check" || fail_daemon "$name" "$name runs but $3"
         return 0
     fi
-    rm -f "$(pidfile_of slurmdbd)"
-    /usr/sbin/slurmdbd </dev/null >"$LOG_DIR/slurmdbd.out" 2>&1 ||
-        fail_daemon slurmdbd "slurmdbd failed to start" "$LOG_DIR/slurmdbd.out"
-    # The first start creates the accounting tables, which takes a few seconds.
-    await_daemon slurmdbd dbd_answers
+    rm -f "$(pidfile_of "$name")"
+    "/usr/sbin/$name" </dev/null >"$LOG_DIR/$name.out" 2>&1 ||
+        fail_daemon "$name" "$name failed to start" "$LOG_DIR/$name.out"
+    await_daemon "$name" "$check"
 }
+
+# The first start creates the accounting tables, which takes a few seconds.
+start_slurmdbd() { start_answering_daemon slurmdbd dbd_answers "does not answer sacctmgr"; }
 
 # The cluster, the account root and the user root in the accounting database (idempotent).
 register_accounting() {
@@ -348,14 +353,7 @@ register_accounting() {
 ctld_answers() { scontrol ping | grep -q 'is UP'; }
 
 start_slurmctld() {
-    if is_running slurmctld; then
-        wait_for "$TIMEOUT" ctld_answers || fail_daemon slurmctld "slurmctld runs but 'scontrol ping' does not report it UP"
-        return 0
-    fi
-    rm -f "$(pidfile_of slurmctld)"
-    /usr/sbin/slurmctld </dev/null >"$LOG_DIR/slurmctld.out" 2>&1 ||
-        fail_daemon slurmctld "slurmctld failed to start" "$LOG_DIR/slurmctld.out"
-    await_daemon slurmctld ctld_answers
+    start_answering_daemon slurmctld ctld_answers "'scontrol ping' does not report it UP"
 }
 
 # The node is usable: IDLE, MIXED or ALLOCATED, not down, drained or not responding, and (after a
