@@ -1,80 +1,348 @@
-"""The checks only a GPU can answer, as one short script for a lent GPU machine.
+"""The checks only a GPU can answer, as one prepared script for a lent GPU machine.
 
-    python benchmarks/gpu_check.py                 # on the GPU: both checks, JSON + table
-    python benchmarks/gpu_check.py --device cpu --seq 1024 --small   # a dry run of the script
+    python benchmarks/gpu_check.py --output gpu_check.json        # on the GPU: everything
+    python benchmarks/gpu_check.py --dry-run --output dry.json    # the same code paths on a CPU
 
-1. Trainer step MFU: one GPU trains a ~1B Llama-style model (llama3.2-1b's shape) at 16K tokens
-   in bf16 through the real Trainer (ZeRO-0, autocast, selective checkpointing), a few warm-up
-   steps then timed steps; MFU in both conventions against the GPU table's dense BF16 peak.
-   Goal: >= 45 %.
-2. Ring schedule efficiency: the causal attention of one 16K sequence computed the way an
-   8-rank zigzag ring computes it (every rank's blocks, merged through the log-sum-exp, forward
-   and backward, in one process) against one flash call over the whole sequence. Goal: >= 90 %.
+1. Planner against a real OOM: for llama3.2-1b with no activation checkpointing on one GPU, the
+   longest sequence the planner says fits trains two steps; one 15 % longer hits a real CUDA OOM
+   that the trainer reports as it does elsewhere (exit 86, the log line with what would fit, the
+   OOM counter and event pushed to a real Pushgateway when one is given with --pushgateway-binary).
+   Each run is the real trainer (`python -m ctxlaunch.trainer`) in its own process.
+2. Trainer MFU and memory: the llama3.2-1b shape at 16K and 64K tokens, bf16, ZeRO-0, selective
+   checkpointing, one GPU, each in its own process: tokens/s, MFU in both conventions against
+   the GPU table's dense BF16 peak (goal: >= 45 % causal), and the planner's predicted peak
+   against `torch.cuda.max_memory_allocated` / `max_memory_reserved` (goal: within 5 %).
+3. Exactness on the device: ring, Ulysses and hybrid block schedules computed in one process
+   (every rank's blocks merged through the log-sum-exp, backward from the merged out/lse, dK/dV
+   summed at their owner) in bf16 and fp16 against a float64 reference: out, lse, dq, dk, dv;
+   GQA; head dim 64 and 128; causal and not; the kernel the code picks named. Each schedule's
+   error is judged against one kernel call over the whole sequence on the same inputs.
+4. Ring schedule efficiency: the zigzag 8-way ring's forward+backward at 16K and 64K tokens
+   against one flash call over the whole sequence (goal: >= 90 %).
 
-Not run on this project's CPU machines (no GPU); results go to BENCHMARKS.md with the machine.
+`--dry-run` runs all four on the CPU at toy sizes (fp32 kernels, the tiny model, an injected
+OOM instead of a real one), so the script is known to work before device time is spent.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import socket
+import subprocess
+import sys
+import tempfile
 import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 
-def trainer_mfu(device: str, seq: int, steps: int, small: bool) -> dict:
-    import torch
-    import torch.distributed as dist
-
-    from ctxlaunch.loader import validate_spec
-    from ctxlaunch.trainer.loop import Trainer
-    from ctxlaunch.trainer.parallelize import build_context
-
-    gpu = "H200" if device == "cuda" else "cpu"
-    model = {"preset": "tiny", "dtype": "bf16"} if small else {"preset": "llama3.2-1b",
-                                                               "dtype": "bf16"}
-    spec = validate_spec({
-        "name": "gpu-check", "model": model,
-        "training": {"seq_len": seq, "steps": steps + 3, "activation_checkpointing": "selective",
+# --- 1 and 2: the trainer in its own process ----------------------------------------------------
+def trainer_spec(model: str, seq: int, checkpointing: str, steps: int, gpu: str,
+                 pushgateway: str | None) -> dict:
+    spec = {
+        "name": f"gpu-check-{seq}", "model": {"preset": model, "dtype": "bf16"},
+        "training": {"seq_len": seq, "steps": steps, "activation_checkpointing": checkpointing,
                      "zero_stage": 0},
-        "cluster": {"target": "local", "gpu": gpu, "gpus_per_node": 1}})
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29511", RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    torch_device = torch.device(device)
-    ctx = build_context(rank=0, world_size=1, dp=1, cp=1, ulysses=1, layout="zigzag")
-    trainer = Trainer(spec, ctx, torch_device, log=lambda _: None)
-    for _ in range(3):
-        trainer.train_step()
-    timed = [trainer.train_step() for _ in range(steps)]
-    dist.destroy_process_group()
-    tokens = sum(m.tokens_per_second_per_gpu for m in timed) / len(timed)
-    peak = spec.cluster.gpu_info.peak_bf16_flops
-    return {
-        "model": model["preset"], "seq_len": seq, "tokens_per_second": tokens,
-        "mfu_full": sum(m.model_tflops_per_gpu_full for m in timed) / len(timed) * 1e12 / peak,
-        "mfu_causal": sum(m.model_tflops_per_gpu_causal for m in timed) / len(timed) * 1e12
-        / peak,
-        "peak_memory_gib": max(m.peak_memory_bytes for m in timed) / 2**30,
+        "cluster": {"target": "local", "gpu": gpu, "gpus_per_node": 1},
     }
+    if pushgateway:
+        spec["telemetry"] = {"prometheus": "push", "pushgateway_url": pushgateway,
+                             "push_interval_seconds": 1}
+    return spec
 
 
-def ring_schedule_efficiency(device: str, seq: int, ranks: int, heads: int, head_dim: int,
-                             repeats: int) -> dict:
+def planner_figures(spec_data: dict) -> dict:
+    from ctxlaunch.loader import validate_spec
+    from ctxlaunch.memory import MemoryLayout, estimate, longest_sequence
+
+    spec = validate_spec(spec_data)
+    layout = MemoryLayout.from_spec(spec)
+    est = estimate(spec.model, layout, spec.cluster.gpu_info)
+    return {"predicted_total_bytes": est.total,
+            "predicted_without_allowance_bytes": est.total - est.allowance,
+            "predicted_parts_bytes": dict(est.parts()),
+            "longest_fitting_seq": longest_sequence(spec.model, layout, spec.cluster.gpu_info,
+                                                    spec.parallel.layout)}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_trainer(spec_data: dict, workdir: Path, env_extra: dict | None = None,
+                timeout: float = 240) -> dict:
+    """One rank of the real trainer in its own process; its exit status, log and summary."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path = workdir / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec_data))
+    run_dir = workdir / "run"
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               PYTHONUNBUFFERED="1", **(env_extra or {}))
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "ctxlaunch.trainer", str(spec_path),
+                           "--run-dir", str(run_dir)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    out = {"exit_status": proc.returncode, "wall_s": round(time.perf_counter() - start, 1),
+           "log_tail": (proc.stdout + proc.stderr)[-3000:]}
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        out["steps"] = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    return out
+
+
+def pushed_metrics(pushgateway: str | None, job: str, prefix: str = "ctxlaunch_") -> dict:
+    """The series the trainer pushed for `job` (its spec name is a label value): name{labels}
+    -> value, read back from the Pushgateway."""
+    if not pushgateway:
+        return {}
+    text = urllib.request.urlopen(f"{pushgateway}/metrics", timeout=10).read().decode()
+    series = {}
+    for line in text.splitlines():
+        if line.startswith(prefix) and f'"{job}"' in line:
+            name, _, value = line.rpartition(" ")
+            series[name] = float(value)
+    return series
+
+
+def pushed(series: dict, metric: str) -> float | None:
+    values = [v for name, v in series.items() if name.split("{")[0] == metric]
+    return max(values) if values else None
+
+
+def fit_probe(gpu: str, model: str, pushgateway: str | None, workdir: Path,
+              dry_run: bool) -> dict:
+    """The planner's longest fitting sequence trains; 15 % longer is a real OOM (exit 86).
+    A dry run caps the length (a CPU has no device allocator to exhaust) and injects the OOM."""
+    from ctxlaunch.memory import sequence_granularity
+
+    probe = planner_figures(trainer_spec(model, 8192, "none", 2, gpu, None))
+    longest = min(probe["longest_fitting_seq"], 2048) if dry_run else probe["longest_fitting_seq"]
+    unit = sequence_granularity(1)
+    longer = math.ceil(longest * 1.15 / unit) * unit
+    result = {"model": model, "activation_checkpointing": "none", "planner_longest": longest,
+              "longer_by_15_percent": longer}
+    fits_spec = trainer_spec(model, longest, "none", 2, gpu, None)
+    result["at_longest"] = {**run_trainer(fits_spec, workdir / "fit"),
+                            **planner_figures(fits_spec)}
+    oom_spec = trainer_spec(model, longer, "none", 2, gpu, pushgateway)
+    env = {"CTXLAUNCH_INJECT_FAULT": "kind=oom,rank=0,step=1"} if dry_run else None
+    result["at_longer"] = run_trainer(oom_spec, workdir / "oom", env)
+    result["at_longer"]["injected"] = dry_run
+    series = pushed_metrics(pushgateway, oom_spec["name"], "ctxlaunch_oom")
+    result["at_longer"]["pushed_oom_series"] = series
+    exit_file = workdir / "oom" / "run" / "exit" / "rank-0"
+    result["at_longer"]["recorded_exit"] = (exit_file.read_text().strip()
+                                            if exit_file.exists() else None)
+    return result
+
+
+def mfu_run(gpu: str, model: str, seq: int, steps: int, workdir: Path,
+            pushgateway: str | None) -> dict:
+    """Trainer throughput, MFU and memory at one sequence length, in its own process; peak
+    reserved memory comes from what its telemetry pushed."""
+    spec_data = trainer_spec(model, seq, "selective", steps + 3, gpu, pushgateway)
+    run = run_trainer(spec_data, workdir / f"mfu-{seq}")
+    out = {"seq_len": seq, "exit_status": run["exit_status"], **planner_figures(spec_data)}
+    steps_seen = run.get("steps", [])
+    timed = steps_seen[3:] or steps_seen
+    if run["exit_status"] != 0 or not timed:
+        out["log_tail"] = run["log_tail"]
+        return out
+    from ctxlaunch.hardware import gpu_info
+
+    peak = gpu_info(gpu).peak_bf16_flops
+    mean = lambda key: sum(s[key] for s in timed) / len(timed)  # noqa: E731
+    out.update(
+        tokens_per_second=mean("tokens_per_second_per_gpu"),
+        mfu_causal=mean("model_tflops_per_gpu_causal") * 1e12 / peak,
+        mfu_full=mean("model_tflops_per_gpu_full") * 1e12 / peak,
+        step_seconds=mean("step_seconds"),
+        max_allocated_bytes=max(s["peak_memory_bytes"] for s in steps_seen),
+        max_reserved_bytes=pushed(pushed_metrics(pushgateway, spec_data["name"]),
+                                  "ctxlaunch_memory_peak_reserved_bytes"),
+    )
+    alloc = out["max_allocated_bytes"]
+    out["predicted_over_allocated"] = out["predicted_without_allowance_bytes"] / alloc
+    if out["max_reserved_bytes"]:
+        out["predicted_total_over_reserved"] = (out["predicted_total_bytes"]
+                                                / out["max_reserved_bytes"])
+    return out
+
+
+# --- 3 and 4: the CP block schedules in one process ---------------------------------------------
+def ring_schedule(q, k, v, grad, ranks: int, causal: bool, layout: str, scale: float,
+                  backward: bool = True):
+    """What an N-rank ring computes, rank by rank in one process, with the ring's own block
+    choice (`_block`, `_diagonal_parts`), kernels and log-sum-exp merge. Returns the full
+    (unsharded) out, lse and, with `backward`, dq, dk, dv."""
     import torch
 
     from ctxlaunch.cp import kernels
-    from ctxlaunch.cp.layout import shard_for_rank
+    from ctxlaunch.cp.layout import shard_for_rank, unshard_from_shards
     from ctxlaunch.cp.merge import merge_block
-    from ctxlaunch.cp.ring import _block
+    from ctxlaunch.cp.ring import _block, _diagonal_parts
+
+    shard = lambda t: [shard_for_rank(t, r, ranks, 2, layout) for r in range(ranks)]  # noqa: E731
+    qs, ks, vs, gs = shard(q), shard(k), shard(v), shard(grad)
+    s_local = qs[0].size(2)
+    outs, lses = [], []
+    for rank in range(ranks):
+        out = lse = None
+        for step in range(ranks):
+            src = (rank - step) % ranks
+            block = _block(rank, src, causal, layout, s_local)
+            if block is None:
+                continue
+            rows, kv_rows, block_causal = block
+            b_out, b_lse = kernels.attention_forward(qs[rank][:, :, rows], ks[src][:, :, kv_rows],
+                                                     vs[src][:, :, kv_rows], block_causal, scale)
+            if out is None:
+                out, lse = b_out.float(), b_lse
+            else:
+                merge_block(out[:, :, rows], lse[:, :, rows], b_out, b_lse)
+        outs.append(out.to(q.dtype))
+        lses.append(lse)
+    result = {"out": unshard_from_shards(outs, 2, layout), "lse": unshard_from_shards(lses, 2, layout)}
+    if not backward:
+        return result
+    dqs = [torch.zeros_like(x, dtype=torch.float32) for x in qs]
+    dks = [torch.zeros_like(x, dtype=torch.float32) for x in ks]
+    dvs = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
+    for rank in range(ranks):
+        first, last = _diagonal_parts(causal, s_local)
+        blocks = [(rank, part) for part in first]
+        for step in range(1, ranks):
+            src = (rank - step) % ranks
+            block = _block(rank, src, causal, layout, s_local)
+            if block is not None:
+                blocks.append((src, block))
+        blocks += [(rank, part) for part in last]
+        for src, (rows, kv_rows, block_causal) in blocks:
+            dq, dk, dv = kernels.attention_backward(
+                gs[rank][:, :, rows], qs[rank][:, :, rows], ks[src][:, :, kv_rows],
+                vs[src][:, :, kv_rows], outs[rank][:, :, rows], lses[rank][:, :, rows],
+                block_causal, scale)
+            dqs[rank][:, :, rows] += dq
+            dks[src][:, :, kv_rows] += dk
+            dvs[src][:, :, kv_rows] += dv
+    for name, parts, like in (("dq", dqs, q), ("dk", dks, k), ("dv", dvs, v)):
+        result[name] = unshard_from_shards([p.to(like.dtype) for p in parts], 2, layout)
+    return result
+
+
+def head_split_schedule(q, k, v, grad, ulysses: int, ring: int, causal: bool, layout: str,
+                        scale: float):
+    """Ulysses (ring = 1) and hybrid: after the all-to-all, Ulysses rank u holds heads
+    u*H/U..(u+1)*H/U of q and of k/v over its whole (sub)sequence; hybrid runs a ring of
+    `ring` ranks on each such head group. Heads are contiguous blocks, as the all-to-all cuts
+    them."""
+    import torch
+
+    from ctxlaunch.cp import kernels
+
+    hq, hkv = q.size(1) // ulysses, k.size(1) // ulysses
+    parts = []
+    for u in range(ulysses):
+        qh, gh = q[:, u * hq:(u + 1) * hq], grad[:, u * hq:(u + 1) * hq]
+        kh, vh = k[:, u * hkv:(u + 1) * hkv], v[:, u * hkv:(u + 1) * hkv]
+        if ring > 1:
+            parts.append(ring_schedule(qh, kh, vh, gh, ring, causal, layout, scale))
+            continue
+        out, lse = kernels.attention_forward(qh, kh, vh, causal, scale)
+        dq, dk, dv = kernels.attention_backward(gh, qh, kh, vh, out, lse, causal, scale)
+        parts.append({"out": out, "lse": lse, "dq": dq, "dk": dk.to(k.dtype), "dv": dv.to(v.dtype)})
+    return {name: torch.cat([p[name] for p in parts], dim=1) for name in parts[0]}
+
+
+def reference(q, k, v, grad, causal: bool, scale: float):
+    """Plain-math float64 attention on the inputs' device: out, lse, dq, dk, dv."""
+    import torch
+
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    rep = q.size(1) // k.size(1)
+    kr, vr = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q @ kr.transpose(-1, -2)) * scale
+    if causal:
+        n = scores.size(-1)
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1),
+                                    float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1) @ vr
+    out.backward(grad.double())
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def max_errors(got: dict, want: dict) -> dict:
+    """Max absolute error of each tensor, scaled by the reference's max magnitude."""
+    return {name: float((got[name].double() - want[name]).abs().max()
+                        / want[name].abs().max().clamp_min(1e-12)) for name in want}
+
+
+def exactness(device: str, dtypes: list[str], seq: int, ranks: int) -> dict:
+    import torch
+
+    from ctxlaunch.cp import kernels
+
+    cases = []
+    worst_ratio = 0.0
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        for head_dim in (64, 128):
+            for causal in (True, False):
+                g = torch.Generator(device=device).manual_seed(head_dim + causal)
+                # GQA: 8 query heads over 2 K/V heads; Ulysses 2 keeps one K/V head per rank.
+                q = torch.randn(1, 8, seq, head_dim, device=device, generator=g).to(dtype)
+                k, v = (torch.randn(1, 2, seq, head_dim, device=device, generator=g).to(dtype)
+                        for _ in range(2))
+                grad = torch.randn(1, 8, seq, head_dim, device=device, generator=g).to(dtype)
+                scale = head_dim ** -0.5
+                want = reference(q, k, v, grad, causal, scale)
+                whole = head_split_schedule(q, k, v, grad, 1, 1, causal, "zigzag", scale)
+                base = max_errors(whole, want)
+                kernel = (kernels.cuda_kernel_name(q) if q.device.type == "cuda"
+                          else "flash (cpu)")
+                schedules = {
+                    f"ring-{ranks}": ring_schedule(q, k, v, grad, ranks, causal, "zigzag", scale),
+                    "ring-2-contiguous": ring_schedule(q, k, v, grad, 2, causal, "contiguous",
+                                                       scale),
+                    "ulysses-2": head_split_schedule(q, k, v, grad, 2, 1, causal, "zigzag", scale),
+                    f"hybrid-2x{ranks // 2}": head_split_schedule(q, k, v, grad, 2, ranks // 2,
+                                                                  causal, "zigzag", scale),
+                }
+                for name, got in schedules.items():
+                    errors = max_errors(got, want)
+                    # The schedule may not be much worse than one kernel call on the same data.
+                    ratio = max(errors[t] / max(base[t], 1e-7) for t in errors)
+                    worst_ratio = max(worst_ratio, ratio)
+                    cases.append({"schedule": name, "dtype": dtype_name, "head_dim": head_dim,
+                                  "causal": causal, "kernel": kernel, "errors": errors,
+                                  "one_call_errors": base, "ratio_to_one_call": ratio,
+                                  "ok": ratio <= 2.0})
+    return {"seq_len": seq, "heads": 8, "kv_heads": 2, "cases": cases,
+            "worst_ratio_to_one_call": worst_ratio, "all_ok": all(c["ok"] for c in cases)}
+
+
+def ring_schedule_efficiency(device: str, seq: int, ranks: int, heads: int, kv_heads: int,
+                             head_dim: int, repeats: int) -> dict:
+    import torch
+
+    from ctxlaunch.cp import kernels
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    q, k, v = (torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype)
-               for _ in range(3))
+    q = torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype)
+    k, v = (torch.randn(1, kv_heads, seq, head_dim, device=device, dtype=dtype) for _ in range(2))
     grad = torch.randn_like(q)
     scale = head_dim ** -0.5
-    shards = [tuple(shard_for_rank(t, r, ranks, 2, "zigzag") for t in (q, k, v, grad))
-              for r in range(ranks)]
 
     def sync() -> None:
         if device == "cuda":
@@ -85,28 +353,7 @@ def ring_schedule_efficiency(device: str, seq: int, ranks: int, heads: int, head
         kernels.attention_backward(grad, q, k, v, out, lse, True, scale)
 
     def ring() -> None:
-        for rank in range(ranks):
-            q_r, _, _, g_r = shards[rank]
-            out = lse = None
-            blocks = []
-            for step in range(ranks):
-                src = (rank - step) % ranks
-                block = _block(rank, src, True, "zigzag", q_r.size(2))
-                if block is None:
-                    continue
-                rows, kv_rows, causal = block
-                _, k_s, v_s, _ = shards[src]
-                blocks.append((rows, k_s[:, :, kv_rows], v_s[:, :, kv_rows], causal))
-                b_out, b_lse = kernels.attention_forward(q_r[:, :, rows], k_s[:, :, kv_rows],
-                                                         v_s[:, :, kv_rows], causal, scale)
-                if out is None:
-                    out, lse = b_out.float(), b_lse
-                else:
-                    merge_block(out[:, :, rows], lse[:, :, rows], b_out, b_lse)
-            final = out.to(dtype)
-            for rows, k_b, v_b, causal in blocks:
-                kernels.attention_backward(g_r[:, :, rows], q_r[:, :, rows], k_b, v_b,
-                                           final[:, :, rows], lse[:, :, rows], causal, scale)
+        ring_schedule(q, k, v, grad, ranks, True, "zigzag", scale)
 
     def timed(fn) -> float:
         fn()
@@ -120,33 +367,205 @@ def ring_schedule_efficiency(device: str, seq: int, ranks: int, heads: int, head
         return best
 
     t_full, t_ring = timed(full), timed(ring)
-    return {"seq_len": seq, "ranks": ranks, "heads": heads, "head_dim": head_dim,
-            "dtype": str(dtype), "one_flash_call_s": t_full, "ring_blocks_s": t_ring,
-            "efficiency": t_full / t_ring}
+    return {"seq_len": seq, "ranks": ranks, "heads": heads, "kv_heads": kv_heads,
+            "head_dim": head_dim, "dtype": str(dtype), "one_flash_call_s": t_full,
+            "ring_blocks_s": t_ring, "efficiency": t_full / t_ring}
+
+
+def saved_tensors_probe(device: str, model_name: str, seqs: tuple[int, ...]) -> list[dict]:
+    """What one and two blocks of the trainer's model (ZeRO-0: fp32 weights under bf16 autocast)
+    save for backward on this device, tensor by tensor, and the device's own count of live and
+    peak memory around one forward+backward, against the planner's per-token figures. The
+    difference between the one- and two-block runs is one block, free of the loss head."""
+    import torch
+
+    from ctxlaunch.loader import validate_spec
+    from ctxlaunch.memory import (MemoryLayout, activation_bytes, autocast_weight_copy_bytes,
+                                  block_activation_bytes_per_token)
+    from ctxlaunch.trainer.memtrace import SavedTensorMeter
+    from ctxlaunch.trainer.model import Transformer
+
+    class Listing(SavedTensorMeter):
+        def __init__(self, exclude):
+            super().__init__(exclude)
+            self.tensors: dict[int, str] = {}
+
+        def _pack(self, tensor):
+            key = tensor.untyped_storage().data_ptr()
+            if key not in self._exclude and key not in self.tensors:
+                self.tensors[key] = (f"{tuple(tensor.shape)} {str(tensor.dtype)[6:]} "
+                                     f"{tensor.untyped_storage().nbytes()}")
+            return super()._pack(tensor)
+
+    cuda = device == "cuda"
+    rows = []
+    for mode in ("none", "selective"):
+        for seq in seqs:
+            for layers in (1, 2):
+                spec = validate_spec({
+                    "name": "probe", "model": {"preset": model_name, "dtype": "bf16",
+                                               "layers": layers},
+                    "training": {"seq_len": seq, "activation_checkpointing": mode},
+                    "cluster": {"target": "local", "gpu": "H200" if cuda else "cpu"}})
+                model = Transformer.from_spec(spec.model)
+                model.set_checkpointing(mode)
+                model.to(device)
+                tokens = torch.randint(0, spec.model.vocab, (1, seq), device=device)
+                positions = torch.arange(seq, device=device)
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                with Listing(exclude=list(model.parameters())) as meter:
+                    with torch.autocast(device, dtype=torch.bfloat16):
+                        loss = model(tokens, positions, tokens)
+                row = {"mode": mode, "seq": seq, "layers": layers,
+                       "saved_bytes": meter.bytes}
+                if cuda:
+                    row["live_after_forward"] = torch.cuda.memory_allocated() - base
+                loss.backward()
+                if cuda:
+                    torch.cuda.synchronize()
+                    row["peak_over_weights"] = torch.cuda.max_memory_allocated() - base
+                layout = MemoryLayout.from_spec(spec)
+                row["planner_block_saved_per_token"] = block_activation_bytes_per_token(
+                    spec.model, layout)
+                row["planner_autocast_copies_per_block"] = autocast_weight_copy_bytes(
+                    spec.model, layout)
+                row["planner_activations"] = activation_bytes(spec.model, layout)
+                if layers == 1 and seq == seqs[0]:
+                    row["tensors"] = sorted(meter.tensors.values())
+                rows.append(row)
+                del model, loss, meter
+                if cuda:
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def peak_allocations(model_name: str, seq: int, mode: str) -> dict:
+    """CUDA only: replay the allocator's own trace of one forward+backward of a one-block model
+    and list what is live at the peak, grouped by the innermost ctxlaunch/torch frame."""
+    import torch
+
+    from ctxlaunch.loader import validate_spec
+    from ctxlaunch.trainer.model import Transformer
+
+    spec = validate_spec({"name": "probe", "model": {"preset": model_name, "dtype": "bf16",
+                                                     "layers": 1},
+                          "training": {"seq_len": seq, "activation_checkpointing": mode},
+                          "cluster": {"target": "local", "gpu": "H200"}})
+    model = Transformer.from_spec(spec.model)
+    model.set_checkpointing(mode)
+    model.to("cuda")
+    tokens = torch.randint(0, spec.model.vocab, (1, seq), device="cuda")
+    positions = torch.arange(seq, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=200000)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(tokens, positions, tokens)
+    loss.backward()
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for trace in snapshot["device_traces"]:
+        for event in trace:
+            if event["action"] == "alloc":
+                frames = [f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}"
+                          for f in event.get("frames", [])
+                          if "ctxlaunch" in f["filename"] or "gpu_check" in f["filename"]]
+                live[event["addr"]] = (event["size"], " < ".join(frames[:3]))
+                total += event["size"]
+                if total > peak:
+                    peak, at_peak = total, dict(live)
+            elif event["action"] == "free_completed" and event["addr"] in live:
+                total -= live.pop(event["addr"])[0]
+    groups: dict[str, list[int]] = {}
+    for size, where in at_peak.values():
+        groups.setdefault(where, []).append(size)
+    top = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:15]
+    return {"seq": seq, "mode": mode, "peak_bytes_over_start": peak,
+            "live_at_peak": [{"where": w, "count": len(v), "bytes": sum(v),
+                              "largest": max(v)} for w, v in top]}
+
+
+def start_pushgateway(binary: str | None) -> tuple[subprocess.Popen | None, str | None]:
+    if not binary:
+        return None, None
+    proc = subprocess.Popen([binary, "--web.listen-address=127.0.0.1:9091"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = "http://127.0.0.1:9091"
+    for _ in range(50):
+        try:
+            urllib.request.urlopen(f"{url}/-/ready", timeout=1)
+            return proc, url
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("the Pushgateway did not become ready")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--seq", type=int, default=16384)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--small", action="store_true", help="tiny model and heads (dry run)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, toy sizes, an injected OOM: check the script itself")
+    parser.add_argument("--pushgateway-binary", help="start this Pushgateway for the OOM check")
+    parser.add_argument("--only", nargs="*", default=["fit", "mfu", "exact", "ring"])
     parser.add_argument("--output", help="also write the results as JSON here")
     args = parser.parse_args()
-    results = {
-        "ring_schedule": ring_schedule_efficiency(
-            args.device, args.seq, 8, 4 if args.small else 32, 32 if args.small else 128, 5),
-        "trainer": trainer_mfu(args.device, args.seq, args.steps, args.small),
-    }
-    if args.device == "cuda":
+    dry = args.dry_run
+    device, gpu = ("cpu", "cpu") if dry else ("cuda", "H200")
+    model = "tiny" if dry else "llama3.2-1b"
+    results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "dry_run": dry}
+    pushgateway_proc, pushgateway = start_pushgateway(args.pushgateway_binary)
+
+    def section(name: str, fn) -> None:
+        start = time.perf_counter()
+        try:
+            results[name] = fn()
+        except Exception as exc:  # one failed section must not cost the others' device time
+            import traceback
+
+            results[name] = {"error": repr(exc), "traceback": traceback.format_exc()[-3000:]}
+        results[name + "_seconds"] = round(time.perf_counter() - start, 1)
+        print(json.dumps({name: results[name]}, indent=1, default=str)[:4000], flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        # The trainer processes go first, before this process holds any device memory.
+        if "fit" in args.only:
+            section("fit_probe", lambda: fit_probe(gpu, model, pushgateway, work, dry_run=dry))
+        if "mfu" in args.only:
+            seqs = (2048, 4096) if dry else (16384, 65536)
+            section("trainer", lambda: [mfu_run(gpu, model, s, 2 if dry else 4, work, pushgateway)
+                                        for s in seqs])
+    if "exact" in args.only:
+        section("exactness", lambda: exactness(device, ["float32"] if dry else
+                                               ["bfloat16", "float16"], 256 if dry else 2048, 4))
+    if "saved" in args.only:
+        section("saved_tensors", lambda: saved_tensors_probe(
+            device, "tiny" if dry else "llama3.2-1b", (512, 1024) if dry else (8192, 16384)))
+    if "peak" in args.only:
+        section("peak_allocations", lambda: [peak_allocations("llama3.2-1b", seq, "selective")
+                                             for seq in (8192, 16384)])
+    if "ring" in args.only:
+        section("ring_schedule", lambda: [
+            ring_schedule_efficiency(device, s, 8, 4 if dry else 32, 2 if dry else 8,
+                                     32 if dry else 128, 2 if dry else 5)
+            for s in ((1024, 2048) if dry else (16384, 65536))])
+    if pushgateway_proc is not None:
+        pushgateway_proc.kill()
+    if not dry:
         import torch
 
         results["device"] = torch.cuda.get_device_name()
-    text = json.dumps(results, indent=2)
-    print(text)
+        results["torch"] = torch.__version__
+    text = json.dumps(results, indent=2, default=str)
     if args.output:
-        with open(args.output, "w") as handle:
-            handle.write(text + "\n")
+        Path(args.output).write_text(text + "\n")
+    print("gpu_check: done", flush=True)
 
 
 if __name__ == "__main__":

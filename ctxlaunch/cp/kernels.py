@@ -93,6 +93,11 @@ def _use_flash(q: torch.Tensor) -> bool:
     return q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) <= 256 and q.size(-1) % 8 == 0
 
 
+def cuda_kernel_name(q: torch.Tensor) -> str:
+    """The kernel ``attention_forward``/``attention_backward`` call for CUDA queries like ``q``."""
+    return "flash" if _use_flash(q) else "memory-efficient"
+
+
 def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     if n_rep == 1:
         return x.contiguous()
