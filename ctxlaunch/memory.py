@@ -104,6 +104,8 @@ class MemoryLayout:
     zero_stage: int = 0
     activation_checkpointing: ActivationCheckpointing = "none"
     dtype: str = "bf16"
+    stage_layers: tuple[int, ...] = ()
+    """Blocks per pipeline stage (pp x virtual stages entries); empty: layers / pp each."""
 
     @classmethod
     def from_spec(cls, spec: JobSpec) -> MemoryLayout:
@@ -112,11 +114,20 @@ class MemoryLayout:
             seq_len=t.seq_len, micro_batch=t.micro_batch, grad_accum=spec.grad_accum,
             tp=p.tp, pp=p.pp, cp=p.cp, dp=spec.dp, cp_algorithm=p.cp_algorithm,
             zero_stage=t.zero_stage, activation_checkpointing=t.activation_checkpointing,
-            dtype=spec.model.dtype,
+            dtype=spec.model.dtype, stage_layers=spec.stage_layers,
         )
 
     def replace(self, **changes: object) -> MemoryLayout:
         return dataclasses.replace(self, **changes)
+
+    def rank_layers(self, layers: int) -> list[int]:
+        """Blocks each PP rank holds (rank r holds stages r, r + pp, ... when interleaved)."""
+        if not self.stage_layers:
+            return [layers // self.pp] * self.pp
+        held = [0] * self.pp
+        for stage, count in enumerate(self.stage_layers):
+            held[stage % self.pp] += count
+        return held
 
     @property
     def shard_group(self) -> int:
@@ -254,11 +265,9 @@ def autocast_weight_copy_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
 
 
 def activation_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
-    """Bytes saved for backward on the busiest rank at the start of backward."""
+    """Bytes saved for backward on the busiest rank (the busiest pipeline stage) at the start
+    of backward."""
     tokens = layout.tokens_per_rank / layout.tp
-    layers_per_stage = model.layers / layout.pp
-    # 1F1B: the first stage holds activations of up to pp micro-batches in flight.
-    in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
     per_block = block_activation_bytes_per_token(model, layout)
     r = layout.residual_bytes
     # Outside the blocks: final RMSNorm input and rstd, its output kept as the input of the
@@ -266,25 +275,30 @@ def activation_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
     # cos/sin tables (one pair shared by every block).
     outside = 2 * r * model.hidden + 4 + 16 + 2 * model.head_dim * layout.compute_bytes
     per_block_fixed = autocast_weight_copy_bytes(model, layout)
-    return in_flight * (tokens * (per_block * layers_per_stage + outside)
-                        + per_block_fixed * layers_per_stage)
+    if layout.pp == 1:
+        return tokens * (per_block * model.layers + outside) + per_block_fixed * model.layers
+    # 1F1B: stage r holds the activations of up to pp - r micro-batches in flight.
+    return max(min(layout.pp - r, layout.grad_accum)
+               * (tokens * (per_block * held + outside) + per_block_fixed * held)
+               for r, held in enumerate(layout.rank_layers(model.layers)))
 
 
 # --------------------------------------------------------------------------------------------
 # model states
 # --------------------------------------------------------------------------------------------
-def params_per_rank(model: ModelSpec, tp: int, pp: int) -> int:
+def params_per_rank(model: ModelSpec, tp: int, pp: int,
+                    rank_layers: list[int] | None = None) -> int:
     """Parameters held by the busiest rank before ZeRO sharding: a pipeline stage's blocks
-    (plus the embedding or the head on the end stages) split by TP."""
+    (plus the embedding or the head on the end stages) split by TP. `rank_layers`: blocks per
+    PP rank (default: layers / pp each)."""
     counts = count_params(model)
-    blocks = counts.per_layer * (model.layers // pp)
     if pp == 1:
-        held = counts.total
-    else:
-        first = blocks + counts.embedding
-        last = blocks + counts.final_norm + counts.head
-        held = max(first, last)
-    return -(-held // tp)
+        return -(-counts.total // tp)
+    layers = rank_layers or [model.layers // pp] * pp
+    held = [counts.per_layer * n for n in layers]
+    held[0] += counts.embedding
+    held[-1] += counts.final_norm + counts.head
+    return -(-max(held) // tp)
 
 
 def model_state_bytes(params: int, largest_layer_params: int, stage: int, shard_group: int,
@@ -326,7 +340,7 @@ def _communication_buffer_bytes(layout: MemoryLayout) -> int:
 # --------------------------------------------------------------------------------------------
 def estimate(model: ModelSpec, layout: MemoryLayout, gpu: GpuInfo) -> MemoryEstimate:
     """Predicted peak memory of the busiest rank."""
-    params = params_per_rank(model, layout.tp, layout.pp)
+    params = params_per_rank(model, layout.tp, layout.pp, layout.rank_layers(model.layers))
     parameters, gradients, optimizer = model_state_bytes(
         params, largest_layer_params(model, layout.tp), layout.zero_stage, layout.shard_group,
         layout.dtype)

@@ -176,3 +176,28 @@ def test_ulysses_options_beyond_kv_heads_are_not_legal() -> None:
 def test_capacity_comes_from_the_gpu_table() -> None:
     assert GPUS["H200"].memory_bytes > GPUS["H100"].memory_bytes > 79 * GiB
     assert GPUS["L40S"].nvlink is False
+
+
+def test_uneven_stages_plan_the_busiest_stage() -> None:
+    """405B at PP 16: the balanced split (7, 8 x 14, 7) puts 8 blocks on the middle stages and
+    7 beside the embedding / head; params and activations are those of the busiest rank."""
+    from ctxlaunch.memory import MemoryLayout, activation_bytes, params_per_rank
+
+    model = ModelSpec(preset="llama3-405b")
+    counts = count_params(model)
+    split = (7,) + (8,) * 14 + (7,)
+    layout = MemoryLayout(seq_len=8192, grad_accum=16, tp=8, pp=16, stage_layers=split)
+    held = params_per_rank(model, 8, 16, layout.rank_layers(model.layers))
+    want = max(7 * counts.per_layer + counts.embedding, 8 * counts.per_layer,
+               7 * counts.per_layer + counts.final_norm + counts.head)
+    assert held == -(-want // 8)
+    # 1F1B: rank r holds 16 - r micro-batches in flight; each is one pp = 1 model of its
+    # blocks (rank 0: 16 x 7 blocks, rank 1: 15 x 8, the busiest).
+    def single(blocks: int) -> float:
+        return activation_bytes(model.model_copy(update={"layers": blocks}),
+                                MemoryLayout(seq_len=8192, tp=8))
+
+    want_act = max((16 - r) * single(n) for r, n in enumerate(split))
+    assert want_act == 15 * single(8)
+    assert activation_bytes(model, layout) == pytest.approx(want_act, rel=1e-12)
+    assert layout.rank_layers(model.layers) == list(split)
