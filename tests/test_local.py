@@ -135,7 +135,8 @@ def test_a_dead_rank_ends_the_others_with_an_error_not_a_hang(tmp_path: Path) ->
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("overrides, message", [
     (["training.checkpoint.dir=/proc/ctxlaunch-cannot-write"], "cannot be written"),
-    (["parallel.tp=2", "cluster.gpus_per_node=2"], "the bundled trainer runs DP x CP only"),
+    (["parallel.pp=2", "cluster.gpus_per_node=2", "model.tie_embeddings=true"],
+     "tied embeddings put one weight on the first and the last pipeline stage"),
     (["training.data.source=text"], "needs data.path"),
     (["training.data.source=text", "training.data.path=/nonexistent.txt"], "not a readable file"),
 ])
