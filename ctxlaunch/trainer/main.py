@@ -127,9 +127,9 @@ def _run(spec, denv, run_dir: Path, rank_tag: str) -> int:  # type: ignore[no-un
                             cp=spec.parallel.cp, ulysses=spec.ulysses_degree,
                             layout=spec.parallel.layout, tp=spec.parallel.tp,
                             pp=spec.parallel.pp)
-        log(f"ctxlaunch: {spec.name}: {denv.world_size} ranks ({denv.launcher}), tp {ctx.tp} "
-            f"x cp {ctx.cp} ({spec.parallel.cp_algorithm}, {ctx.layout}) x dp {ctx.dp} x pp "
-            f"{ctx.pp} (stages {list(spec.stage_layers)}), "
+        log(f"ctxlaunch: {spec.name}: {denv.world_size} ranks ({denv.launcher}), dp {ctx.dp} "
+            f"x cp {ctx.cp} ({spec.parallel.cp_algorithm}, {ctx.layout}) x tp {ctx.tp} x pp "
+            f"{ctx.pp} (blocks per stage {list(spec.stage_layers)}), "
             f"ZeRO-{spec.training.zero_stage}, {spec.model.dtype}, device {device.type}")
         trainer = Trainer(spec, ctx, device, run_dir if denv.rank == 0 else None, log=log)
         code = trainer.run(observers=[telemetry.on_step])
