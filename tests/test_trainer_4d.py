@@ -98,3 +98,54 @@ def test_tp_pp_layouts_match_single_process(world: int) -> None:
         loss_diff = max(abs(g - w) for g, w in zip(got["losses"], want["losses"]))
         print(f"world {world} {model} {layout}: max loss diff {loss_diff:.2e}, max grad diff "
               f"abs {worst[0]:.2e} rel {worst[1]:.2e}")
+
+
+def _save_then_resume(rank: int, world: int, saving: dict, resuming: list[dict],
+                      checkpoint_dir: str) -> dict:
+    """Train two steps at one layout and checkpoint; then, in the same job, resume that
+    checkpoint at each other layout and train the last two steps."""
+    from ctxlaunch.trainer.loop import Trainer
+    from ctxlaunch.trainer.parallelize import build_context
+
+    def trainer_for(spec_data: dict) -> Trainer:
+        spec = validate_spec(spec_data)
+        p = spec.parallel
+        ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
+                            ulysses=spec.ulysses_degree, layout=p.layout, tp=p.tp, pp=p.pp)
+        return Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
+
+    first = trainer_for(saving)
+    before = [first.train_step().loss for _ in range(2)]
+    first.save_checkpoint()
+    after = []
+    for spec_data in resuming:
+        trainer = trainer_for(spec_data)
+        assert trainer.resume() == 2
+        after.append([trainer.train_step().loss for _ in range(2)])
+    return {"before": before, "after": after}
+
+
+@pytest.mark.timeout(420)
+def test_checkpoint_resumes_at_other_layouts(tmp_path) -> None:
+    """Saved at TP 2 x PP 2, resumed at TP 1 x PP 4, at CP 4 (no TP/PP) and at TP 2 x DP 2
+    with ZeRO-2 (FSDP2): the losses of the uninterrupted single-process run."""
+    model = {"model.layers": 4}
+    common = {**model, **COMMON, "training.steps": 4,
+              "training.checkpoint.dir": str(tmp_path / "ckpt")}
+    saving = spec_for(4, **common, **{"parallel.tp": 2, "parallel.pp": 2})
+    resuming = [spec_for(4, **common, **{"parallel.pp": 4}),
+                spec_for(4, **common, **{"parallel.cp": 4}),
+                spec_for(4, **common, **{"parallel.tp": 2, "training.zero_stage": 2})]
+    got = run_distributed(_save_then_resume, 4, saving, resuming, str(tmp_path / "ckpt"),
+                          timeout_s=360)[0]
+    from ctxlaunch.trainer.loop import Trainer
+    from ctxlaunch.trainer.parallelize import build_context
+
+    spec = validate_spec(spec_for(1, **{**model, **COMMON, "training.steps": 4}))
+    ctx = build_context(rank=0, world_size=1, dp=1, cp=1, ulysses=1, layout="zigzag")
+    straight = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
+    want = [straight.train_step().loss for _ in range(4)]
+    torch.testing.assert_close(got["before"], want[:2], rtol=1e-5, atol=1e-6)
+    for losses in got["after"]:
+        torch.testing.assert_close(losses, want[2:], rtol=1e-5, atol=1e-6)
+    print("resume: uninterrupted", want, "resumed", got["after"])

@@ -31,6 +31,7 @@ from .engines import make_optimizer
 from .model import Transformer
 from .parallelize import ParallelContext
 from .pipeline import build_pipeline
+from .reshard import CheckpointState
 from .tensor_parallel import Sharding
 
 
@@ -212,8 +213,12 @@ class ParallelEngine:
                          else sharding.unshard([by_rank[r] for r in range(self.ctx.tp)]))
         return out
 
+    def _checkpoint(self) -> CheckpointState:
+        return CheckpointState(self.named_parameters(), self.optimizer, self.scheduler,
+                               self.plan, self.ctx.tp, self.ctx.tp_group, self.device)
+
     def save(self, path: Path) -> None:
-        raise NotImplementedError
+        self._checkpoint().save(path)
 
     def load(self, path: Path) -> None:
-        raise NotImplementedError
+        self._checkpoint().load(path)
