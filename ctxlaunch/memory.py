@@ -8,7 +8,15 @@ benchmarks/activation_memory.py).
 Per rank, for one micro-batch of b sequences of s tokens, CP degree N, TP degree t:
   tokens held  n = b * s / N            (sequence split by CP)
   per-token activations are further divided by t (TP with Megatron-style sequence
-  parallelism shards the per-token tensors that TP would otherwise replicate).
+  parallelism shards the per-token tensors that TP would otherwise replicate), except what is
+  gathered over TP: the two norm outputs each block's column-parallel projections keep (a*h
+  per token of the CP shard each), and outside the blocks the loss input, the RoPE tables and
+  the token ids / targets.
+Pipeline stages (`stage_activation_bytes`): the first holds the embedding's saved ids, the last
+the final norm and the loss input; under 1F1B stage r keeps pp - r micro-batches in flight (at
+most grad_accum) and the planner takes the busiest stage. Interleaved schedules are planned as
+1F1B over each rank's blocks (an approximation). Measured: tests/test_memory_measured.py at
+TP 2 and on both stages of PP 2.
 
 Bytes saved for backward per token by one transformer block, with a = bytes of the compute
 dtype and r = bytes of the residual stream (both 2 in bf16 under DeepSpeed; r = 4 under ZeRO-0
@@ -208,11 +216,16 @@ def block_activation_bytes_per_token(model: ModelSpec, layout: MemoryLayout) -> 
     h_kv = model.kv_hidden
     attention_half = r * h + a * (4 * h + 2 * h_kv) + 4 * model.heads + 4
     feed_forward_half = r * h + a * (h + 3 * f) + 4
+    # TP with sequence parallelism divides every per-token tensor by t except the gathered
+    # norm outputs the column-parallel projections keep (a*h per token of the whole CP shard,
+    # one before attention and one before the feed-forward): per sequence-parallel token that
+    # is a*h*t instead of a*h.
+    gathered = a * h * (layout.tp - 1)
     mode = layout.activation_checkpointing
     if mode == "none":
-        return attention_half + feed_forward_half
+        return attention_half + feed_forward_half + 2 * gathered
     if mode == "selective":
-        return attention_half + r * h
+        return attention_half + gathered + r * h
     return r * h
 
 
@@ -267,20 +280,35 @@ def autocast_weight_copy_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
 def activation_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
     """Bytes saved for backward on the busiest rank (the busiest pipeline stage) at the start
     of backward."""
-    tokens = layout.tokens_per_rank / layout.tp
-    per_block = block_activation_bytes_per_token(model, layout)
-    r = layout.residual_bytes
-    # Outside the blocks: final RMSNorm input and rstd, its output kept as the input of the
-    # chunked loss (recomputed chunk by chunk), the int64 token ids and targets, and the RoPE
-    # cos/sin tables (one pair shared by every block).
-    outside = 2 * r * model.hidden + 4 + 16 + 2 * model.head_dim * layout.compute_bytes
-    per_block_fixed = autocast_weight_copy_bytes(model, layout)
     if layout.pp == 1:
-        return tokens * (per_block * model.layers + outside) + per_block_fixed * model.layers
+        return stage_activation_bytes(model, layout, model.layers, first=True, last=True)
     # 1F1B: stage r holds the activations of up to pp - r micro-batches in flight.
     return max(min(layout.pp - r, layout.grad_accum)
-               * (tokens * (per_block * held + outside) + per_block_fixed * held)
+               * stage_activation_bytes(model, layout, held, first=r == 0,
+                                        last=r == layout.pp - 1)
                for r, held in enumerate(layout.rank_layers(model.layers)))
+
+
+def stage_activation_bytes(model: ModelSpec, layout: MemoryLayout, blocks: int, *,
+                           first: bool, last: bool) -> float:
+    """Bytes one micro-batch leaves saved for backward on a pipeline stage of `blocks` blocks
+    (with the embedding if `first`, the final norm and the loss if `last`)."""
+    t = layout.tp
+    tokens = layout.tokens_per_rank / t  # per rank, sequence-parallel under TP
+    r = layout.residual_bytes
+    # Outside the blocks, per sequence-parallel token: the RoPE cos/sin tables (one pair for
+    # every block, over the CP shard's tokens); on the first stage the int64 token ids (and,
+    # under TP, the vocabulary mask of the parallel embedding); on the last the final RMSNorm
+    # input and rstd, its output gathered over TP as the input of the chunked loss (recomputed
+    # chunk by chunk), and the int64 targets.
+    outside = 2 * model.head_dim * layout.compute_bytes * t
+    if first:
+        outside += 8 * t + (t if t > 1 else 0)
+    if last:
+        outside += r * model.hidden + 4 + r * model.hidden * t + 8 * t
+    per_block = block_activation_bytes_per_token(model, layout)
+    return tokens * (per_block * blocks + outside) \
+        + autocast_weight_copy_bytes(model, layout) * blocks
 
 
 # --------------------------------------------------------------------------------------------
