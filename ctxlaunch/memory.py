@@ -138,6 +138,16 @@ class MemoryLayout:
         return held
 
     @property
+    def fsdp(self) -> bool:
+        """ZeRO >= 1 with TP or PP runs through FSDP2 (DeepSpeed only without them)."""
+        return self.zero_stage > 0 and (self.tp > 1 or self.pp > 1)
+
+    @property
+    def fp32_weights(self) -> bool:
+        """fp32 weights with bf16 compute through autocast: ZeRO-0 and FSDP2."""
+        return self.zero_stage == 0 or self.fsdp
+
+    @property
     def shard_group(self) -> int:
         """Ranks that ZeRO shards model states over: DP x CP."""
         return self.dp * self.cp
@@ -149,7 +159,7 @@ class MemoryLayout:
     @property
     def residual_bytes(self) -> int:
         # ZeRO-0 bf16 runs under autocast: fp32 weights, so the residual stream stays fp32.
-        return 4 if self.dtype == "fp32" or self.zero_stage == 0 else 2
+        return 4 if self.dtype == "fp32" or self.fp32_weights else 2
 
     @property
     def tokens_per_rank(self) -> int:
@@ -268,7 +278,7 @@ def _loss_workspace_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
 def autocast_weight_copy_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
     """ZeRO-0 bf16 runs under autocast: each block's matmuls save the bf16 copies of their fp32
     weights for backward (2 bytes per weight), except where the block is recomputed."""
-    if layout.dtype != "bf16" or layout.zero_stage != 0:
+    if layout.dtype != "bf16" or not layout.fp32_weights:
         return 0.0
     h, h_kv, f = model.hidden, model.kv_hidden, model.ffn_hidden
     attention = h * (h + 2 * h_kv) + h * h
@@ -348,6 +358,17 @@ def model_state_bytes(params: int, largest_layer_params: int, stage: int, shard_
     return 4 * params // n + 4 * largest_layer_params, 4 * params // n, 12 * params // n
 
 
+def fsdp_state_bytes(params: int, largest_layer_params: int, stage: int,
+                     shard_group: int) -> tuple[int, int, int]:
+    """FSDP2 over DP x CP (ZeRO >= 1 with TP or PP): fp32 weights, gradients and Adam states
+    sharded, 16/Nd per parameter; ZeRO 1-2 keep every block's gathered fp32 weights from
+    forward to backward (4 per parameter at the peak), ZeRO-3 one block's at a time (and the
+    next one's, prefetched)."""
+    n = shard_group
+    gathered = 4 * params if stage < 3 else 2 * 4 * largest_layer_params
+    return 4 * params // n + gathered, 4 * params // n, 8 * params // n
+
+
 def largest_layer_params(model: ModelSpec, tp: int = 1) -> int:
     counts = count_params(model)
     return -(-max(counts.per_layer, counts.embedding, counts.head) // tp)
@@ -369,9 +390,14 @@ def _communication_buffer_bytes(layout: MemoryLayout) -> int:
 def estimate(model: ModelSpec, layout: MemoryLayout, gpu: GpuInfo) -> MemoryEstimate:
     """Predicted peak memory of the busiest rank."""
     params = params_per_rank(model, layout.tp, layout.pp, layout.rank_layers(model.layers))
-    parameters, gradients, optimizer = model_state_bytes(
-        params, largest_layer_params(model, layout.tp), layout.zero_stage, layout.shard_group,
-        layout.dtype)
+    if layout.fsdp:
+        parameters, gradients, optimizer = fsdp_state_bytes(
+            params, largest_layer_params(model, layout.tp), layout.zero_stage,
+            layout.shard_group)
+    else:
+        parameters, gradients, optimizer = model_state_bytes(
+            params, largest_layer_params(model, layout.tp), layout.zero_stage,
+            layout.shard_group, layout.dtype)
     activations = activation_bytes(model, layout)
     tokens = layout.tokens_per_rank / layout.tp
     workspace = max(

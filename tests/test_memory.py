@@ -90,10 +90,13 @@ def test_activations_divide_by_cp_and_tp() -> None:
     # TP (sequence parallel) divides everything but what is gathered over the TP group: the
     # two norm outputs the column-parallel projections keep per block (2 bytes x h each in
     # bf16), and outside the blocks the loss input, the RoPE tables and the int64 ids.
-    tp4 = estimate(LLAMA_8B, base.replace(tp=4), H100).activations
+    # (ZeRO-0: with TP, ZeRO >= 1 runs through FSDP2, fp32 weights and residual either way.)
+    plain = base.replace(zero_stage=0)
+    tp4 = estimate(LLAMA_8B, plain.replace(tp=4), H100).activations
     h, hd, tokens = LLAMA_8B.hidden, LLAMA_8B.head_dim, 131072
-    gathered = tokens * (1 - 1 / 4) * (2 * 2 * h * LLAMA_8B.layers + 2 * h + 2 * hd * 2 + 16)
-    assert tp4 == pytest.approx(one / 4 + gathered + tokens * 1, rel=1e-6)
+    gathered = tokens * (1 - 1 / 4) * (2 * 2 * h * LLAMA_8B.layers + 4 * h + 2 * hd * 2 + 16)
+    assert tp4 == pytest.approx(estimate(LLAMA_8B, plain, H100).activations / 4 + gathered
+                                + tokens * 1, rel=1e-6)
 
 
 @pytest.mark.parametrize("stage, per_param", [
