@@ -365,6 +365,8 @@ def fsdp_state_bytes(params: int, largest_layer_params: int, stage: int,
     forward to backward (4 per parameter at the peak), ZeRO-3 one block's at a time (and the
     next one's, prefetched)."""
     n = shard_group
+    if n == 1:  # nothing to shard over: the trainer keeps plain fp32 states (ZeRO-0)
+        return 4 * params, 4 * params, 8 * params
     gathered = 4 * params if stage < 3 else 2 * 4 * largest_layer_params
     return 4 * params // n + gathered, 4 * params // n, 8 * params // n
 
