@@ -706,7 +706,12 @@ def pipeline_problems(m: ModelSpec, p: ParallelSpec,
         out.append(_problem(("model", "tie_embeddings"), True,
             "tied embeddings put one weight on the first and the last pipeline stage; the "
             "trainer does not synchronise it across stages; fix: tie_embeddings: false or pp: 1"))
-    if p.virtual_stages > 1 and grad_accum is not None and grad_accum % p.pp:
+    if p.pp > 1 and grad_accum is not None and 0 < grad_accum < p.pp:
+        out.append(_problem(("training", "grad_accum"), grad_accum,
+            f"the pipeline runs the step's {grad_accum} micro-batches (grad_accum) through "
+            f"pp = {p.pp} stages; 1F1B needs at least one per stage; fix: grad_accum (or "
+            f"global_batch / (micro_batch x dp)) >= {p.pp}"))
+    elif p.virtual_stages > 1 and grad_accum is not None and grad_accum % p.pp:
         out.append(_problem(("training", "grad_accum"), grad_accum,
             f"interleaved 1F1B runs the step's {grad_accum} micro-batches (grad_accum) in "
             f"rounds of pp = {p.pp}; fix: grad_accum (or global_batch) a multiple of {p.pp}"))

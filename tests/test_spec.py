@@ -254,12 +254,13 @@ def test_slurm_times_are_not_read_as_base_60_numbers() -> None:
 def test_uneven_pipeline_stages_are_legal_and_balanced_counting_embedding_and_head() -> None:
     """Llama 3 405B's 126 layers at PP 16: lighter first and last stages."""
     spec = validate_spec(make(**{"model.preset": "llama3-405b", "parallel.pp": 16,
-                                 "parallel.cp": 1, "parallel.tp": 2, "cluster.nodes": 4}))
+                                 "parallel.cp": 1, "parallel.tp": 2, "cluster.nodes": 4,
+                                 "training.grad_accum": 16}))
     assert spec.stage_layers == (7,) + (8,) * 14 + (7,)
     even = validate_spec(make(**{"model.preset": "llama3-70b", "parallel.pp": 8,
-                                 "parallel.cp": 4}))
+                                 "parallel.cp": 4, "training.grad_accum": 8}))
     assert even.stage_layers == (10,) * 8
-    given = validate_spec(make(**{"parallel.pp": 4, "parallel.cp": 2,
+    given = validate_spec(make(**{"parallel.pp": 4, "parallel.cp": 2, "training.grad_accum": 4,
                                   "parallel.stage_layers": "[6, 10, 10, 6]"}))
     assert given.stage_layers == (6, 10, 10, 6)
 
@@ -282,6 +283,8 @@ def test_stage_layers_are_checked_against_the_stages_and_the_layers() -> None:
     found = problems(make(**{"parallel.pp": 4, "parallel.cp": 2, "parallel.virtual_stages": 2,
                              "training.grad_accum": 6}))
     assert "multiple of 4" in found["training.grad_accum"]
+    found = problems(make(**{"parallel.pp": 4, "parallel.cp": 2, "training.grad_accum": 3}))
+    assert "1F1B needs at least one per stage" in found["training.grad_accum"]
     found = problems(make(**{"model.preset": "llama3.2-1b", "parallel.pp": 2}))
     assert "tie_embeddings" in str(found)
 
