@@ -29,6 +29,9 @@ LAYOUTS: dict[int, list[tuple[dict, dict]]] = {
          {"parallel.tp": 2, "parallel.cp": 2, "parallel.cp_algorithm": "ulysses"}),
         # ZeRO-3 through FSDP2 over DP x CP.
         ({}, {"parallel.pp": 2, "parallel.cp": 2, "training.zero_stage": 3}),
+        # Full activation checkpointing: the TP collectives run again in the recomputation.
+        ({}, {"parallel.tp": 2, "parallel.pp": 2,
+              "training.activation_checkpointing": "full"}),
         # DP 2 x PP 2, interleaved (two virtual stages per rank), one block per stage.
         ({"model.layers": 4}, {"parallel.pp": 2, "parallel.virtual_stages": 2})],
     8: [({}, {"parallel.tp": 2, "parallel.pp": 2, "parallel.cp": 2}),
