@@ -8,7 +8,15 @@ benchmarks/activation_memory.py).
 Per rank, for one micro-batch of b sequences of s tokens, CP degree N, TP degree t:
   tokens held  n = b * s / N            (sequence split by CP)
   per-token activations are further divided by t (TP with Megatron-style sequence
-  parallelism shards the per-token tensors that TP would otherwise replicate).
+  parallelism shards the per-token tensors that TP would otherwise replicate), except what is
+  gathered over TP: the two norm outputs each block's column-parallel projections keep (a*h
+  per token of the CP shard each), and outside the blocks the loss input, the RoPE tables and
+  the token ids / targets.
+Pipeline stages (`stage_activation_bytes`): the first holds the embedding's saved ids, the last
+the final norm and the loss input; under 1F1B stage r keeps pp - r micro-batches in flight (at
+most grad_accum) and the planner takes the busiest stage. Interleaved schedules are planned as
+1F1B over each rank's blocks (an approximation). Measured: tests/test_memory_measured.py at
+TP 2 and on both stages of PP 2.
 
 Bytes saved for backward per token by one transformer block, with a = bytes of the compute
 dtype and r = bytes of the residual stream (both 2 in bf16 under DeepSpeed; r = 4 under ZeRO-0
@@ -104,6 +112,8 @@ class MemoryLayout:
     zero_stage: int = 0
     activation_checkpointing: ActivationCheckpointing = "none"
     dtype: str = "bf16"
+    stage_layers: tuple[int, ...] = ()
+    """Blocks per pipeline stage (pp x virtual stages entries); empty: layers / pp each."""
 
     @classmethod
     def from_spec(cls, spec: JobSpec) -> MemoryLayout:
@@ -112,11 +122,30 @@ class MemoryLayout:
             seq_len=t.seq_len, micro_batch=t.micro_batch, grad_accum=spec.grad_accum,
             tp=p.tp, pp=p.pp, cp=p.cp, dp=spec.dp, cp_algorithm=p.cp_algorithm,
             zero_stage=t.zero_stage, activation_checkpointing=t.activation_checkpointing,
-            dtype=spec.model.dtype,
+            dtype=spec.model.dtype, stage_layers=spec.stage_layers,
         )
 
     def replace(self, **changes: object) -> MemoryLayout:
         return dataclasses.replace(self, **changes)
+
+    def rank_layers(self, layers: int) -> list[int]:
+        """Blocks each PP rank holds (rank r holds stages r, r + pp, ... when interleaved)."""
+        if not self.stage_layers:
+            return [layers // self.pp] * self.pp
+        held = [0] * self.pp
+        for stage, count in enumerate(self.stage_layers):
+            held[stage % self.pp] += count
+        return held
+
+    @property
+    def fsdp(self) -> bool:
+        """ZeRO >= 1 with TP or PP runs through FSDP2 (DeepSpeed only without them)."""
+        return self.zero_stage > 0 and (self.tp > 1 or self.pp > 1)
+
+    @property
+    def fp32_weights(self) -> bool:
+        """fp32 weights with bf16 compute through autocast: ZeRO-0 and FSDP2."""
+        return self.zero_stage == 0 or self.fsdp
 
     @property
     def shard_group(self) -> int:
@@ -130,7 +159,7 @@ class MemoryLayout:
     @property
     def residual_bytes(self) -> int:
         # ZeRO-0 bf16 runs under autocast: fp32 weights, so the residual stream stays fp32.
-        return 4 if self.dtype == "fp32" or self.zero_stage == 0 else 2
+        return 4 if self.dtype == "fp32" or self.fp32_weights else 2
 
     @property
     def tokens_per_rank(self) -> int:
@@ -197,11 +226,16 @@ def block_activation_bytes_per_token(model: ModelSpec, layout: MemoryLayout) -> 
     h_kv = model.kv_hidden
     attention_half = r * h + a * (4 * h + 2 * h_kv) + 4 * model.heads + 4
     feed_forward_half = r * h + a * (h + 3 * f) + 4
+    # TP with sequence parallelism divides every per-token tensor by t except the gathered
+    # norm outputs the column-parallel projections keep (a*h per token of the whole CP shard,
+    # one before attention and one before the feed-forward): per sequence-parallel token that
+    # is a*h*t instead of a*h.
+    gathered = a * h * (layout.tp - 1)
     mode = layout.activation_checkpointing
     if mode == "none":
-        return attention_half + feed_forward_half
+        return attention_half + feed_forward_half + 2 * gathered
     if mode == "selective":
-        return attention_half + r * h
+        return attention_half + gathered + r * h
     return r * h
 
 
@@ -244,7 +278,7 @@ def _loss_workspace_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
 def autocast_weight_copy_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
     """ZeRO-0 bf16 runs under autocast: each block's matmuls save the bf16 copies of their fp32
     weights for backward (2 bytes per weight), except where the block is recomputed."""
-    if layout.dtype != "bf16" or layout.zero_stage != 0:
+    if layout.dtype != "bf16" or not layout.fp32_weights:
         return 0.0
     h, h_kv, f = model.hidden, model.kv_hidden, model.ffn_hidden
     attention = h * (h + 2 * h_kv) + h * h
@@ -254,37 +288,55 @@ def autocast_weight_copy_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
 
 
 def activation_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
-    """Bytes saved for backward on the busiest rank at the start of backward."""
-    tokens = layout.tokens_per_rank / layout.tp
-    layers_per_stage = model.layers / layout.pp
-    # 1F1B: the first stage holds activations of up to pp micro-batches in flight.
-    in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
-    per_block = block_activation_bytes_per_token(model, layout)
+    """Bytes saved for backward on the busiest rank (the busiest pipeline stage) at the start
+    of backward."""
+    if layout.pp == 1:
+        return stage_activation_bytes(model, layout, model.layers, first=True, last=True)
+    # 1F1B: stage r holds the activations of up to pp - r micro-batches in flight.
+    return max(min(layout.pp - r, layout.grad_accum)
+               * stage_activation_bytes(model, layout, held, first=r == 0,
+                                        last=r == layout.pp - 1)
+               for r, held in enumerate(layout.rank_layers(model.layers)))
+
+
+def stage_activation_bytes(model: ModelSpec, layout: MemoryLayout, blocks: int, *,
+                           first: bool, last: bool) -> float:
+    """Bytes one micro-batch leaves saved for backward on a pipeline stage of `blocks` blocks
+    (with the embedding if `first`, the final norm and the loss if `last`)."""
+    t = layout.tp
+    tokens = layout.tokens_per_rank / t  # per rank, sequence-parallel under TP
     r = layout.residual_bytes
-    # Outside the blocks: final RMSNorm input and rstd, its output kept as the input of the
-    # chunked loss (recomputed chunk by chunk), the int64 token ids and targets, and the RoPE
-    # cos/sin tables (one pair shared by every block).
-    outside = 2 * r * model.hidden + 4 + 16 + 2 * model.head_dim * layout.compute_bytes
-    per_block_fixed = autocast_weight_copy_bytes(model, layout)
-    return in_flight * (tokens * (per_block * layers_per_stage + outside)
-                        + per_block_fixed * layers_per_stage)
+    # Outside the blocks, per sequence-parallel token: the RoPE cos/sin tables (one pair for
+    # every block, over the CP shard's tokens); on the first stage the int64 token ids (and,
+    # under TP, the vocabulary mask of the parallel embedding); on the last the final RMSNorm
+    # input and rstd, its output gathered over TP as the input of the chunked loss (recomputed
+    # chunk by chunk), and the int64 targets.
+    outside = 2 * model.head_dim * layout.compute_bytes * t
+    if first:
+        outside += 8 * t + (t if t > 1 else 0)
+    if last:
+        outside += r * model.hidden + 4 + r * model.hidden * t + 8 * t
+    per_block = block_activation_bytes_per_token(model, layout)
+    return tokens * (per_block * blocks + outside) \
+        + autocast_weight_copy_bytes(model, layout) * blocks
 
 
 # --------------------------------------------------------------------------------------------
 # model states
 # --------------------------------------------------------------------------------------------
-def params_per_rank(model: ModelSpec, tp: int, pp: int) -> int:
+def params_per_rank(model: ModelSpec, tp: int, pp: int,
+                    rank_layers: list[int] | None = None) -> int:
     """Parameters held by the busiest rank before ZeRO sharding: a pipeline stage's blocks
-    (plus the embedding or the head on the end stages) split by TP."""
+    (plus the embedding or the head on the end stages) split by TP. `rank_layers`: blocks per
+    PP rank (default: layers / pp each)."""
     counts = count_params(model)
-    blocks = counts.per_layer * (model.layers // pp)
     if pp == 1:
-        held = counts.total
-    else:
-        first = blocks + counts.embedding
-        last = blocks + counts.final_norm + counts.head
-        held = max(first, last)
-    return -(-held // tp)
+        return -(-counts.total // tp)
+    layers = rank_layers or [model.layers // pp] * pp
+    held = [counts.per_layer * n for n in layers]
+    held[0] += counts.embedding
+    held[-1] += counts.final_norm + counts.head
+    return -(-max(held) // tp)
 
 
 def model_state_bytes(params: int, largest_layer_params: int, stage: int, shard_group: int,
@@ -304,6 +356,19 @@ def model_state_bytes(params: int, largest_layer_params: int, stage: int, shard_
     if stage == 2:
         return 4 * params, 4 * params // n, 12 * params // n
     return 4 * params // n + 4 * largest_layer_params, 4 * params // n, 12 * params // n
+
+
+def fsdp_state_bytes(params: int, largest_layer_params: int, stage: int,
+                     shard_group: int) -> tuple[int, int, int]:
+    """FSDP2 over DP x CP (ZeRO >= 1 with TP or PP): fp32 weights, gradients and Adam states
+    sharded, 16/Nd per parameter; ZeRO 1-2 keep every block's gathered fp32 weights from
+    forward to backward (4 per parameter at the peak), ZeRO-3 one block's at a time (and the
+    next one's, prefetched)."""
+    n = shard_group
+    if n == 1:  # nothing to shard over: the trainer keeps plain fp32 states (ZeRO-0)
+        return 4 * params, 4 * params, 8 * params
+    gathered = 4 * params if stage < 3 else 2 * 4 * largest_layer_params
+    return 4 * params // n + gathered, 4 * params // n, 8 * params // n
 
 
 def largest_layer_params(model: ModelSpec, tp: int = 1) -> int:
@@ -326,10 +391,15 @@ def _communication_buffer_bytes(layout: MemoryLayout) -> int:
 # --------------------------------------------------------------------------------------------
 def estimate(model: ModelSpec, layout: MemoryLayout, gpu: GpuInfo) -> MemoryEstimate:
     """Predicted peak memory of the busiest rank."""
-    params = params_per_rank(model, layout.tp, layout.pp)
-    parameters, gradients, optimizer = model_state_bytes(
-        params, largest_layer_params(model, layout.tp), layout.zero_stage, layout.shard_group,
-        layout.dtype)
+    params = params_per_rank(model, layout.tp, layout.pp, layout.rank_layers(model.layers))
+    if layout.fsdp:
+        parameters, gradients, optimizer = fsdp_state_bytes(
+            params, largest_layer_params(model, layout.tp), layout.zero_stage,
+            layout.shard_group)
+    else:
+        parameters, gradients, optimizer = model_state_bytes(
+            params, largest_layer_params(model, layout.tp), layout.zero_stage,
+            layout.shard_group, layout.dtype)
     activations = activation_bytes(model, layout)
     tokens = layout.tokens_per_rank / layout.tp
     workspace = max(

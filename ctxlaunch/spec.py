@@ -22,6 +22,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from .hardware import GpuInfo, GpuType, NetworkType, gpu_info
 from .presets import MODEL_PRESETS
+from .stages import balanced_stage_layers
 
 RFC1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 RFC1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -223,6 +224,13 @@ class ParallelSpec(_Strict):
     """Tensor parallel degree."""
     pp: PositiveInt = 1
     """Pipeline parallel degree."""
+    virtual_stages: PositiveInt = 1
+    """Pipeline stages per PP rank: above 1 the trainer runs interleaved 1F1B over pp x
+    virtual_stages stages (rank r holds stages r, r + pp, ...), shrinking the bubble."""
+    stage_layers: list[PositiveInt] | None = None
+    """Optional: blocks per pipeline stage, first to last (pp x virtual_stages entries summing
+    to model.layers). Default: balanced, counting the embedding and the loss head as one layer
+    each on the end stages (see ctxlaunch.stages)."""
     cp: PositiveInt = 1
     """Context parallel degree: the sequence is split across this many ranks."""
     ep: PositiveInt = 1
@@ -575,6 +583,14 @@ class JobSpec(_Strict):
         return self.global_batch * self.training.seq_len
 
     @property
+    def stage_layers(self) -> tuple[int, ...]:
+        """Blocks per pipeline stage (pp x virtual_stages entries), given or balanced."""
+        p = self.parallel
+        if p.stage_layers is not None:
+            return tuple(p.stage_layers)
+        return balanced_stage_layers(self.model.layers, p.pp * p.virtual_stages)
+
+    @property
     def nvlink_domain(self) -> int:
         return self.fabric.nvlink_domain or self.cluster.gpu_info.nvlink_domain
 
@@ -627,9 +643,8 @@ def layout_problems(spec: JobSpec) -> list[InitErrorDetails]:
         out.append(_problem(("parallel", "tp"), p.tp,
             f"model.kv_heads = {m.kv_heads} must be divisible by tp = {p.tp} (each TP rank "
             "needs whole K/V heads)"))
-    if m.layers % p.pp:
-        out.append(_problem(("parallel", "pp"), p.pp,
-            f"model.layers = {m.layers} must be divisible by pp = {p.pp} (equal stages)"))
+    out.extend(pipeline_problems(m, p, spec.grad_accum if composition_ok else None))
+    out.extend(tensor_parallel_problems(m, p, t.seq_len))
     if p.ep > 1:
         out.append(_problem(("parallel", "ep"), p.ep,
             "ep > 1 needs a mixture-of-experts model; ctxlaunch models are dense; fix: ep: 1"))
@@ -660,6 +675,69 @@ def layout_problems(spec: JobSpec) -> list[InitErrorDetails]:
     if c.target == "kubernetes" and not c.kubernetes.image:
         out.append(_problem(("cluster", "kubernetes", "image"), None,
             "target kubernetes needs an image with ctxlaunch installed"))
+    return out
+
+
+def pipeline_problems(m: ModelSpec, p: ParallelSpec,
+                      grad_accum: int | None) -> list[InitErrorDetails]:
+    """Stages: at least one block each, an explicit split that adds up, and enough
+    micro-batches to fill the schedule."""
+    out: list[InitErrorDetails] = []
+    stages = p.pp * p.virtual_stages
+    if p.virtual_stages > 1 and p.pp == 1:
+        out.append(_problem(("parallel", "virtual_stages"), p.virtual_stages,
+            "virtual_stages > 1 interleaves pipeline stages and needs pp > 1; fix: "
+            "virtual_stages: 1"))
+    if p.stage_layers is not None:
+        if len(p.stage_layers) != stages:
+            out.append(_problem(("parallel", "stage_layers"), p.stage_layers,
+                f"stage_layers has {len(p.stage_layers)} entries but there are pp x "
+                f"virtual_stages = {p.pp} x {p.virtual_stages} = {stages} stages; fix: one "
+                "entry per stage, or omit it for a balanced split"))
+        elif sum(p.stage_layers) != m.layers:
+            out.append(_problem(("parallel", "stage_layers"), p.stage_layers,
+                f"stage_layers sum to {sum(p.stage_layers)} but model.layers = {m.layers}; "
+                "fix: make them add up, or omit stage_layers for a balanced split"))
+    elif m.layers < stages:
+        out.append(_problem(("parallel", "pp"), p.pp,
+            f"model.layers = {m.layers} cannot fill pp x virtual_stages = {stages} stages "
+            "with at least one block each; fix: fewer stages"))
+    if p.pp > 1 and m.tie_embeddings:
+        out.append(_problem(("model", "tie_embeddings"), True,
+            "tied embeddings put one weight on the first and the last pipeline stage; the "
+            "trainer does not synchronise it across stages; fix: tie_embeddings: false or pp: 1"))
+    if p.pp > 1 and grad_accum is not None and 0 < grad_accum < p.pp:
+        out.append(_problem(("training", "grad_accum"), grad_accum,
+            f"the pipeline runs the step's {grad_accum} micro-batches (grad_accum) through "
+            f"pp = {p.pp} stages; 1F1B needs at least one per stage; fix: grad_accum (or "
+            f"global_batch / (micro_batch x dp)) >= {p.pp}"))
+    elif p.virtual_stages > 1 and grad_accum is not None and grad_accum % p.pp:
+        out.append(_problem(("training", "grad_accum"), grad_accum,
+            f"interleaved 1F1B runs the step's {grad_accum} micro-batches (grad_accum) in "
+            f"rounds of pp = {p.pp}; fix: grad_accum (or global_batch) a multiple of {p.pp}"))
+    return out
+
+
+def tensor_parallel_problems(m: ModelSpec, p: ParallelSpec,
+                             seq_len: int) -> list[InitErrorDetails]:
+    """TP splits heads, the SwiGLU width and the vocabulary; sequence parallelism splits each
+    CP rank's tokens."""
+    out: list[InitErrorDetails] = []
+    if p.tp == 1:
+        return out
+    if m.ffn_hidden % p.tp:
+        out.append(_problem(("parallel", "tp"), p.tp,
+            f"model.ffn_hidden = {m.ffn_hidden} must be divisible by tp = {p.tp} (the SwiGLU "
+            "width is split over the TP ranks)"))
+    if m.vocab % p.tp:
+        out.append(_problem(("parallel", "tp"), p.tp,
+            f"model.vocab = {m.vocab} must be divisible by tp = {p.tp} (the embedding and the "
+            "output head are split by vocabulary)"))
+    if seq_len % (p.cp * p.tp):
+        out.append(_problem(("training", "seq_len"), seq_len,
+            f"sequence parallelism splits each CP rank's seq_len / cp tokens over tp = {p.tp} "
+            f"ranks: seq_len must be divisible by cp x tp = {p.cp * p.tp}; fix: seq_len = "
+            f"{_round_up(seq_len, p.cp * p.tp)}"))
     return out
 
 

@@ -135,7 +135,8 @@ def test_a_dead_rank_ends_the_others_with_an_error_not_a_hang(tmp_path: Path) ->
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("overrides, message", [
     (["training.checkpoint.dir=/proc/ctxlaunch-cannot-write"], "cannot be written"),
-    (["parallel.tp=2", "cluster.gpus_per_node=2"], "the bundled trainer runs DP x CP only"),
+    (["parallel.pp=2", "cluster.gpus_per_node=2", "model.tie_embeddings=true"],
+     "tied embeddings put one weight on the first and the last pipeline stage"),
     (["training.data.source=text"], "needs data.path"),
     (["training.data.source=text", "training.data.path=/nonexistent.txt"], "not a readable file"),
 ])
@@ -172,3 +173,21 @@ def test_a_gpu_spec_without_a_gpu_fails_before_any_work(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "cluster.gpu = H100 but no CUDA device is visible" in result.stderr
     assert (tmp_path / "run" / "exit" / "rank-0").read_text().strip() == "2"
+
+
+@pytest.mark.timeout(400)
+def test_4d_demo_submits_and_trains_locally(tmp_path: Path) -> None:
+    """jobs/demo-4d.yaml (TP 2 x CP 2 x PP 2, eight gloo ranks) through `ctxlaunch submit`,
+    shortened; its exactness against one process is tests/test_trainer_4d.py's."""
+    result = subprocess.run(
+        [CTXLAUNCH, "submit", str(JOBS / "demo-4d.yaml"), "--set", "training.steps=2",
+         "--set", "training.seq_len=256", "--set", "training.log_interval=1", "--set",
+         f"training.checkpoint.dir={tmp_path / 'ckpt'}"],
+        cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=380)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "dp 1 x cp 2 (ring, zigzag) x tp 2 x pp 2 (blocks per stage [1, 1])" in result.stdout
+    assert "step 2/2" in result.stdout and "ctxlaunch: done: 2 steps" in result.stdout
+    (job,) = job_dirs(tmp_path)
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["world_size"] == 8 and summary["steps"] == 2
+    assert (tmp_path / "ckpt" / "step-00000002" / "COMMITTED").is_file()

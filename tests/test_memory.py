@@ -87,8 +87,16 @@ def test_activations_divide_by_cp_and_tp() -> None:
     for n in (2, 4, 8):
         assert estimate(LLAMA_8B, base.replace(cp=n), H100).activations == pytest.approx(
             one / n, rel=1e-6)
-    assert estimate(LLAMA_8B, base.replace(tp=4), H100).activations == pytest.approx(
-        one / 4, rel=1e-6)
+    # TP (sequence parallel) divides everything but what is gathered over the TP group: the
+    # two norm outputs the column-parallel projections keep per block (2 bytes x h each in
+    # bf16), and outside the blocks the loss input, the RoPE tables and the int64 ids.
+    # (ZeRO-0: with TP, ZeRO >= 1 runs through FSDP2, fp32 weights and residual either way.)
+    plain = base.replace(zero_stage=0)
+    tp4 = estimate(LLAMA_8B, plain.replace(tp=4), H100).activations
+    h, hd, tokens = LLAMA_8B.hidden, LLAMA_8B.head_dim, 131072
+    gathered = tokens * (1 - 1 / 4) * (2 * 2 * h * LLAMA_8B.layers + 4 * h + 2 * hd * 2 + 16)
+    assert tp4 == pytest.approx(estimate(LLAMA_8B, plain, H100).activations / 4 + gathered
+                                + tokens * 1, rel=1e-6)
 
 
 @pytest.mark.parametrize("stage, per_param", [
@@ -176,3 +184,29 @@ def test_ulysses_options_beyond_kv_heads_are_not_legal() -> None:
 def test_capacity_comes_from_the_gpu_table() -> None:
     assert GPUS["H200"].memory_bytes > GPUS["H100"].memory_bytes > 79 * GiB
     assert GPUS["L40S"].nvlink is False
+
+
+def test_uneven_stages_plan_the_busiest_stage() -> None:
+    """405B at PP 16: the balanced split (7, 8 x 14, 7) puts 8 blocks on the middle stages and
+    7 beside the embedding / head; params and activations are those of the busiest rank."""
+    from ctxlaunch.memory import MemoryLayout, activation_bytes, params_per_rank
+
+    model = ModelSpec(preset="llama3-405b")
+    counts = count_params(model)
+    split = (7,) + (8,) * 14 + (7,)
+    layout = MemoryLayout(seq_len=8192, grad_accum=16, tp=8, pp=16, stage_layers=split)
+    held = params_per_rank(model, 8, 16, layout.rank_layers(model.layers))
+    want = max(7 * counts.per_layer + counts.embedding, 8 * counts.per_layer,
+               7 * counts.per_layer + counts.final_norm + counts.head)
+    assert held == -(-want // 8)
+    # 1F1B: rank r holds 16 - r micro-batches in flight; each is one pp = 1 model of its
+    # blocks (rank 0: 16 x 7 blocks, rank 1: 15 x 8, the busiest).
+    from ctxlaunch.memory import stage_activation_bytes
+
+    def stage(r: int) -> float:
+        return stage_activation_bytes(model, layout, split[r], first=r == 0, last=r == 15)
+
+    want_act = max((16 - r) * stage(r) for r in range(16))
+    assert want_act == 15 * stage(1)
+    assert activation_bytes(model, layout) == pytest.approx(want_act, rel=1e-12)
+    assert layout.rank_layers(model.layers) == list(split)

@@ -249,3 +249,51 @@ def test_slurm_times_are_not_read_as_base_60_numbers() -> None:
     data = parse_yaml("name: x\ncluster:\n  slurm:\n    time_limit: 1:30:00\n", "t.yaml")
     assert data["cluster"]["slurm"]["time_limit"] == "1:30:00"
     assert parse_yaml("a: 3e-4\nb: 12\n", "n.yaml") == {"a": 3e-4, "b": 12}
+
+
+def test_uneven_pipeline_stages_are_legal_and_balanced_counting_embedding_and_head() -> None:
+    """Llama 3 405B's 126 layers at PP 16: lighter first and last stages."""
+    spec = validate_spec(make(**{"model.preset": "llama3-405b", "parallel.pp": 16,
+                                 "parallel.cp": 1, "parallel.tp": 2, "cluster.nodes": 4,
+                                 "training.grad_accum": 16}))
+    assert spec.stage_layers == (7,) + (8,) * 14 + (7,)
+    even = validate_spec(make(**{"model.preset": "llama3-70b", "parallel.pp": 8,
+                                 "parallel.cp": 4, "training.grad_accum": 8}))
+    assert even.stage_layers == (10,) * 8
+    given = validate_spec(make(**{"parallel.pp": 4, "parallel.cp": 2, "training.grad_accum": 4,
+                                  "parallel.stage_layers": "[6, 10, 10, 6]"}))
+    assert given.stage_layers == (6, 10, 10, 6)
+
+
+def test_stage_layers_are_checked_against_the_stages_and_the_layers() -> None:
+    found = problems(make(**{"parallel.pp": 4, "parallel.cp": 2,
+                             "parallel.stage_layers": "[8, 8, 8]"}))
+    assert "3 entries but there are pp x virtual_stages = 4 x 1 = 4" in \
+        found["parallel.stage_layers"]
+    found = problems(make(**{"parallel.pp": 2, "parallel.cp": 2, "parallel.virtual_stages": 2,
+                             "parallel.stage_layers": "[8, 8, 8, 9]"}))
+    assert "sum to 33 but model.layers = 32" in found["parallel.stage_layers"]
+    found = problems(make(**{"parallel.pp": 2, "parallel.cp": 2,
+                             "parallel.stage_layers": "[32, 0]"}))
+    assert "greater than or equal to 1" in found["parallel.stage_layers[1]"]
+    found = problems(make(**{"model.layers": 3, "parallel.pp": 4, "parallel.cp": 2}))
+    assert "cannot fill pp x virtual_stages = 4 stages" in found["parallel.pp"]
+    found = problems(make(**{"parallel.virtual_stages": 2}))
+    assert "needs pp > 1" in found["parallel.virtual_stages"]
+    found = problems(make(**{"parallel.pp": 4, "parallel.cp": 2, "parallel.virtual_stages": 2,
+                             "training.grad_accum": 6}))
+    assert "multiple of 4" in found["training.grad_accum"]
+    found = problems(make(**{"parallel.pp": 4, "parallel.cp": 2, "training.grad_accum": 3}))
+    assert "1F1B needs at least one per stage" in found["training.grad_accum"]
+    found = problems(make(**{"model.preset": "llama3.2-1b", "parallel.pp": 2}))
+    assert "tie_embeddings" in str(found)
+
+
+def test_tensor_parallel_splits_ffn_vocab_and_each_cp_ranks_tokens() -> None:
+    found = problems(make(**{"model.ffn_hidden": 14337, "model.vocab": 128257,
+                             "parallel.tp": 2, "parallel.cp": 4}))
+    assert "ffn_hidden = 14337 must be divisible by tp = 2" in found["parallel.tp"]
+    assert "vocab = 128257 must be divisible by tp = 2" in found["parallel.tp"]
+    found = problems(make(**{"training.seq_len": 131068, "parallel.tp": 2, "parallel.cp": 4,
+                             "parallel.layout": "contiguous"}))
+    assert "divisible by cp x tp = 8" in found["training.seq_len"]

@@ -7,9 +7,11 @@ newest committed one.
 A checkpoint interrupted halfway (a preemption during the save) has no marker and is ignored,
 so the previous one stays the resume point: no checkpointed work is ever lost.
 
-The state itself is written by the engine: `torch.distributed.checkpoint` for ZeRO-0 (every rank
-holds the whole model and optimizer, written once), DeepSpeed's own format for ZeRO-1..3 (its
-partitioned fp32 master weights and Adam states have no torch.distributed.checkpoint form).
+The state itself is written by the engine: `torch.distributed.checkpoint` in a layout-independent
+form (ctxlaunch/trainer/reshard.py) for ZeRO-0 and for every layout with TP or PP (FSDP2 for
+ZeRO >= 1 there), so those resume at other TP, PP, CP and DP degrees; DeepSpeed's own format for
+ZeRO-1..3 without TP and PP (its partitioned fp32 master weights and Adam states have no
+torch.distributed.checkpoint form).
 """
 
 from __future__ import annotations

@@ -136,25 +136,20 @@ class PlainEngine:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def save(self, path: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    def _checkpoint(self):  # type: ignore[no-untyped-def]
+        # The layout-independent format the TP/PP engine writes too (ctxlaunch/trainer/
+        # reshard.py), so a ZeRO-0 job resumes across DP, CP, TP and PP degrees.
+        from .reshard import CheckpointState
+        from .tensor_parallel import shardings
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state,
-                  "scheduler": self.scheduler.state_dict()}, checkpoint_id=str(path))
+        return CheckpointState(list(self.model.named_parameters()), self.optimizer,
+                               self.scheduler, shardings(self.model), 1, None, self.device)
+
+    def save(self, path: Path) -> None:
+        self._checkpoint().save(path)
 
     def load(self, path: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optimizer": optim_state,
-                 "scheduler": self.scheduler.state_dict()}
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self._checkpoint().load(path)
 
 
 def deepspeed_config(spec) -> dict:  # type: ignore[no-untyped-def]

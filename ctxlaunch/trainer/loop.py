@@ -20,7 +20,7 @@ from . import checkpoint, faults
 from .data import Batches, make_source
 from .engines import Engine, init_deepspeed, make_engine
 from .model import Transformer
-from .parallelize import ParallelContext, parallelize
+from .parallelize import ParallelContext, apply_tensor_parallel, parallelize
 
 
 @dataclass(frozen=True)
@@ -61,9 +61,16 @@ class Trainer:
         model.init_weights(t.seed)
         parallelize(model, ctx=ctx, algorithm=spec.parallel.cp_algorithm,
                     checkpointing=t.activation_checkpointing)
-        if t.zero_stage and dist.is_initialized():
-            init_deepspeed(dist.get_backend())
-        self.engine: Engine = make_engine(model, spec, device)
+        self.engine: Engine
+        if ctx.tp > 1 or ctx.pp > 1:
+            from .parallel_engine import ParallelEngine
+
+            plan = apply_tensor_parallel(model, ctx)
+            self.engine = ParallelEngine(model, plan, spec, ctx, device)
+        else:
+            if t.zero_stage and dist.is_initialized():
+                init_deepspeed(dist.get_backend())
+            self.engine = make_engine(model, spec, device)
         self.batches = Batches(
             make_source(t.data, spec.model.vocab, t.seq_len, t.seed), seq_len=t.seq_len,
             micro_batch=t.micro_batch, global_batch=spec.global_batch, dp=ctx.dp,
@@ -84,14 +91,19 @@ class Trainer:
             self.fault.maybe_fire(self.ctx.rank, self.step + 1)
         start = time.perf_counter()
         exposed_before = exposed_comm_seconds()
-        losses = [self.engine.forward_backward(self.batches.get(self.step, micro), micro)
-                  for micro in range(self.spec.grad_accum)]
+        if hasattr(self.engine, "run_micro_batches"):
+            losses = self.engine.run_micro_batches(
+                [self.batches.get(self.step, micro) for micro in range(self.spec.grad_accum)])
+        else:
+            losses = [self.engine.forward_backward(self.batches.get(self.step, micro), micro)
+                      for micro in range(self.spec.grad_accum)]
         self.engine.finish_gradients()
         if on_gradients is not None:
             on_gradients(self.engine)
         grad_norm = self.engine.apply()
         lr = self.engine.lr()
-        loss, self._stop_agreed = self._reduce(torch.stack(losses).float().mean())
+        local = torch.stack(losses).float().mean() if losses else torch.zeros(())
+        loss, self._stop_agreed = self._reduce(local)
         seconds = time.perf_counter() - start
         self.step += 1
         tokens_per_second = self.tokens_per_gpu / seconds
@@ -105,15 +117,16 @@ class Trainer:
 
     def _reduce(self, loss: torch.Tensor) -> tuple[float, bool]:
         """The job's mean loss, and whether any rank got a stop signal, in one collective.
-        Every rank's loss is the mean over the same number of tokens, so the job's mean is
-        the mean of the ranks'."""
+        Every rank that computes a loss (all of them, or the last pipeline stage's) has the
+        mean over the same number of tokens, so the job's mean is the mean of theirs; other
+        ranks add 0."""
         stop = self._stop_signal is not None
         if not dist.is_initialized() or self.ctx.world_size == 1:
             return float(loss), stop
         packed = torch.stack([loss.detach().to(torch.float64).cpu(),
                               torch.tensor(float(stop), dtype=torch.float64)])
         dist.all_reduce(packed)
-        return float(packed[0]) / self.ctx.world_size, bool(packed[1] > 0)
+        return float(packed[0]) / (self.ctx.world_size // self.ctx.pp), bool(packed[1] > 0)
 
     # -- checkpoints ---------------------------------------------------------------------------
     @property

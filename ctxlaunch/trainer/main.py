@@ -20,9 +20,6 @@ from ..launch import SPEC_ENV, cpu_threads_per_rank
 from ..loader import SpecError, apply_overrides, parse_yaml, read_spec_data, validate_spec
 from .checkpoint import CheckpointDirError, check_writable
 
-UNSUPPORTED = {"tp": "tensor", "pp": "pipeline", "ep": "expert"}
-
-
 class SetupError(Exception):
     """A problem found before any work started (exit 2)."""
 
@@ -46,13 +43,6 @@ def load_job_spec(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     else:
         raise SetupError(f"no spec: pass a spec file or set {SPEC_ENV}")
     spec = validate_spec(apply_overrides(data, args.overrides), source)
-    for field, name in UNSUPPORTED.items():
-        degree = getattr(spec.parallel, field)
-        if degree > 1:
-            raise SetupError(
-                f"parallel.{field} = {degree}: the bundled trainer runs DP x CP only; {name} "
-                f"parallelism is planned and rendered by ctxlaunch but not trained by it. Use "
-                f"parallel.{field}: 1, or a trainer with {name} parallelism.")
     return spec
 
 
@@ -135,9 +125,11 @@ def _run(spec, denv, run_dir: Path, rank_tag: str) -> int:  # type: ignore[no-un
     try:
         ctx = build_context(rank=denv.rank, world_size=denv.world_size, dp=spec.dp,
                             cp=spec.parallel.cp, ulysses=spec.ulysses_degree,
-                            layout=spec.parallel.layout)
+                            layout=spec.parallel.layout, tp=spec.parallel.tp,
+                            pp=spec.parallel.pp)
         log(f"ctxlaunch: {spec.name}: {denv.world_size} ranks ({denv.launcher}), dp {ctx.dp} "
-            f"x cp {ctx.cp} ({spec.parallel.cp_algorithm}, {ctx.layout}), "
+            f"x cp {ctx.cp} ({spec.parallel.cp_algorithm}, {ctx.layout}) x tp {ctx.tp} x pp "
+            f"{ctx.pp} (blocks per stage {list(spec.stage_layers)}), "
             f"ZeRO-{spec.training.zero_stage}, {spec.model.dtype}, device {device.type}")
         trainer = Trainer(spec, ctx, device, run_dir if denv.rank == 0 else None, log=log)
         code = trainer.run(observers=[telemetry.on_step])

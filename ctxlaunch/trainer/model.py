@@ -4,7 +4,9 @@
 
 The model never touches a process group. Which attention runs (full, ring, Ulysses, hybrid) is
 `Attention.attend`, installed by `parallelize`; positions come in with the tokens, so RoPE
-follows each token's global position under any CP layout.
+follows each token's global position under any CP layout. Tensor parallelism enters the same
+way: `enter`/`exit` around attention and the feed-forward (identity by default; the sequence
+all-gather and reduce-scatter under TP), `cross_entropy` for the vocabulary-parallel loss.
 
 What each block saves for backward is deliberate (the planner's constants in
 ctxlaunch/memory.py are derived from it): RMSNorm keeps only its input and the fp32 reciprocal
@@ -14,7 +16,7 @@ output and the log-sum-exp (the flash kernels keep no s-by-s matrix).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import torch
@@ -25,6 +27,15 @@ from torch.utils.checkpoint import checkpoint
 from ..memory import LOSS_CHUNK_TOKENS
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Hook = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, targets, reduction="sum")
 Checkpointing = Literal["none", "selective", "full"]
 
 
@@ -107,8 +118,11 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=False)
         self.wo = nn.Linear(heads * self.head_dim, hidden, bias=False)
         self.attend: AttentionFn = _local_attention
+        self.enter: Hook = _identity
+        self.exit: Hook = _identity
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = self.enter(x)
         b, s, _ = x.shape
         d = self.head_dim
         qkv = self.wqkv(x)
@@ -118,7 +132,7 @@ class Attention(nn.Module):
         k = apply_rope(k.view(b, s, self.kv_heads, d), cos, sin).transpose(1, 2).contiguous()
         v = v.view(b, s, self.kv_heads, d).transpose(1, 2).contiguous()
         out = self.attend(q, k, v)
-        return self.wo(out.transpose(1, 2).reshape(b, s, self.heads * d))
+        return self.exit(self.wo(out.transpose(1, 2).reshape(b, s, self.heads * d)))
 
 
 def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -133,10 +147,12 @@ class FeedForward(nn.Module):
         self.ffn_hidden = ffn_hidden
         self.w_gate_up = nn.Linear(hidden, 2 * ffn_hidden, bias=False)
         self.w_down = nn.Linear(ffn_hidden, hidden, bias=False)
+        self.enter: Hook = _identity
+        self.exit: Hook = _identity
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
-        return self.w_down(_SwiGLU.apply(gate, up))
+        gate, up = self.w_gate_up(self.enter(x)).chunk(2, dim=-1)
+        return self.exit(self.w_down(_SwiGLU.apply(gate, up)))
 
 
 class Block(nn.Module):
@@ -180,6 +196,10 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(hidden, norm_eps)
         self.head = None if tie_embeddings else nn.Linear(hidden, vocab, bias=False)
         self.loss_chunk_tokens = LOSS_CHUNK_TOKENS
+        self.enter_loss: Hook = _identity
+        """(B, S/t, h) -> (B, S, h) under TP: every TP rank scores every token."""
+        self.cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = \
+            _cross_entropy_sum
 
     @classmethod
     def from_spec(cls, model) -> Transformer:  # type: ignore[no-untyped-def]
@@ -206,24 +226,31 @@ class Transformer(nn.Module):
         for block in self.blocks:
             block.checkpointing = mode
 
-    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
+    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor,
+                   blocks: Iterable[Block]) -> torch.Tensor:
         # Tables in the dtype q and k will have (autocast's, if on), made once for all blocks.
         dtype = (torch.get_autocast_dtype(x.device.type)
                  if torch.is_autocast_enabled(x.device.type) else x.dtype)
         cos, sin = rope_tables(positions, self.head_dim, self.rope_theta, dtype)
-        for block in self.blocks:
+        for block in blocks:
             x = block(x, cos, sin)
-        return self.norm(x)
+        return x
+
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.run_blocks(self.embed(tokens), positions, self.blocks))
 
     def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.head is None else self.head.weight
         logits = F.linear(hidden, weight)
-        return F.cross_entropy(logits.float(), targets, reduction="sum")
+        return self.cross_entropy(logits.float(), targets)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
                 targets: torch.Tensor) -> torch.Tensor:
-        hidden = self.hidden_states(tokens, positions).flatten(0, 1)
+        return self.loss(self.hidden_states(tokens, positions), targets)
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss of the final (normed) hidden states."""
+        hidden = self.enter_loss(hidden).flatten(0, 1)
         targets = targets.flatten()
         # The (tokens x vocab) logits exist one chunk at a time, recomputed in backward.
         total = hidden.new_zeros((), dtype=torch.float32)

@@ -1,0 +1,173 @@
+# Shapes: hidden (B, S, h) with S this CP rank's tokens; under sequence parallelism each TP rank
+# holds (B, S / tp, h) of them between the blocks' column- and row-parallel halves.
+"""Megatron-style tensor parallelism with sequence parallelism, on plain process groups.
+
+Why hand-written rather than DTensor's `parallelize_module`: attention is ours (ring, Ulysses,
+hybrid CP on local tensors; DTensor has no CPU SDPA strategy), the norms and SwiGLU are custom
+autograd functions the planner's memory constants are derived from, and the two collectives
+sequence parallelism needs are four lines each. Every collective here is one of two conjugate
+pairs, so forward and backward move the same bytes:
+
+    gather_sequence:  forward all-gather over the sequence,  backward reduce-scatter
+    scatter_sequence: forward reduce-scatter over the sequence, backward all-gather
+
+A block: x (B, S/t, h) -> RMSNorm (local tokens) -> gather_sequence -> column-parallel q/k/v
+(this rank's heads) -> attention over the CP group on those heads -> row-parallel o projection
+(partial sums) -> scatter_sequence -> residual; the same around the SwiGLU.
+
+The embedding and the output head are split by vocabulary: the embedding sums each rank's
+rows with a reduce-scatter straight into the sequence-parallel layout, and the cross-entropy
+runs on vocabulary-sharded logits (max, sum of exponentials and the target logit all-reduced
+over TP), one token chunk at a time, so no rank ever holds a whole row of logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    front = x.transpose(0, 1).contiguous()  # (S/t, B, ...): gather along dim 0
+    out = front.new_empty((front.shape[0] * world, *front.shape[1:]))
+    dist.all_gather_single(out, front, group=group)
+    return out.transpose(0, 1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    front = x.transpose(0, 1).contiguous()
+    out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
+    dist.reduce_scatter_single(out, front, group=group)
+    return out.transpose(0, 1)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather_seq(grad, ctx.group), None
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(B, S/t, ...) -> (B, S, ...); backward reduce-scatters (sums) the gradient."""
+    return _GatherSequence.apply(x, group)
+
+
+def scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Partial sums (B, S, ...) -> this rank's summed tokens (B, S/t, ...)."""
+    return _ScatterSequence.apply(x, group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows vocab_start .. vocab_start + V/t of the embedding; the output is this rank's
+    sequence-parallel share of the summed lookups."""
+
+    def __init__(self, weight: torch.Tensor, vocab_start: int, group: dist.ProcessGroup):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.vocab_start, self.group = vocab_start, group
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+        return scatter_sequence(rows, self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of fp32 logits sharded by vocabulary (T, V/t)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                group: dist.ProcessGroup) -> torch.Tensor:
+        peak = logits.max(dim=-1).values
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - peak.unsqueeze(-1)
+        local = targets - vocab_start
+        mine = (local >= 0) & (local < logits.shape[-1])
+        index = local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+        target_logit = shifted.gather(-1, index).squeeze(-1) * mine
+        exp = shifted.exp()
+        packed = torch.stack([exp.sum(-1), target_logit])
+        dist.all_reduce(packed, group=group)
+        sum_exp, target_logit = packed
+        ctx.save_for_backward(exp, sum_exp, index, mine)
+        return (sum_exp.log() - target_logit).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        exp, sum_exp, index, mine = ctx.saved_tensors
+        softmax = exp / sum_exp.unsqueeze(-1)
+        softmax.scatter_add_(-1, index, -mine.to(softmax.dtype).unsqueeze(-1))
+        return softmax * grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                                 group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum over tokens of -log softmax(logits)[target], the vocabulary split over `group`."""
+    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How one parameter splits over TP: along `dim`, each of the consecutive `parts` of that
+    dimension split into t equal pieces (q/k/v and gate/up are fused, so a rank's slice of
+    the fused weight is its slice of each part)."""
+
+    dim: int
+    parts: tuple[int, ...]
+
+    def shard(self, full: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+        pieces = full.split(list(self.parts), dim=self.dim)
+        return torch.cat([p.chunk(tp, dim=self.dim)[tp_rank] for p in pieces], dim=self.dim)
+
+    def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        tp = len(shards)
+        local = [p // tp for p in self.parts]
+        per_rank = [s.split(local, dim=self.dim) for s in shards]
+        return torch.cat([torch.cat([r[i] for r in per_rank], dim=self.dim)
+                          for i in range(len(self.parts))], dim=self.dim)
+
+
+def shardings(model) -> dict[str, Sharding | None]:  # type: ignore[no-untyped-def]
+    """Every parameter name of the full model -> its TP sharding (None: replicated)."""
+    out: dict[str, Sharding | None] = {}
+    for name, param in model.named_parameters():
+        leaf = name.rsplit(".", 2)
+        kind = ".".join(leaf[-2:])
+        if kind == "wqkv.weight":
+            attn = model.blocks[0].attn
+            d = attn.head_dim
+            out[name] = Sharding(0, (attn.heads * d, attn.kv_heads * d, attn.kv_heads * d))
+        elif kind == "w_gate_up.weight":
+            f = param.shape[0] // 2
+            out[name] = Sharding(0, (f, f))
+        elif kind in ("wo.weight", "w_down.weight"):
+            out[name] = Sharding(1, (param.shape[1],))
+        elif name in ("embed.weight", "head.weight"):
+            out[name] = Sharding(0, (param.shape[0],))
+        else:
+            out[name] = None
+    return out
