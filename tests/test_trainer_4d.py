@@ -13,6 +13,7 @@ import torch
 from ctxlaunch.loader import validate_spec
 
 from .dist_utils import run_distributed
+from .test_trainer_exact import _train as run_layout
 from .test_trainer_exact import spec_for
 
 pytestmark = pytest.mark.slow
@@ -43,23 +44,6 @@ LAYOUTS: dict[int, list[tuple[dict, dict]]] = {
         ({"model.layers": 4}, {"parallel.tp": 2, "parallel.pp": 2,
                                "parallel.stage_layers": "[3, 1]", "training.zero_stage": 2})],
 }
-
-
-def run_layout(rank: int, world: int, spec_data: dict, steps: int) -> dict:
-    from ctxlaunch.trainer.loop import Trainer
-    from ctxlaunch.trainer.parallelize import build_context
-
-    spec = validate_spec(spec_data)
-    p = spec.parallel
-    ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                        ulysses=spec.ulysses_degree, layout=p.layout, tp=p.tp, pp=p.pp)
-    trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
-    grads: list[dict[str, torch.Tensor]] = []
-    losses = [trainer.train_step(on_gradients=lambda e: grads.append(e.full_gradients())).loss
-              for _ in range(steps)]
-    # numpy: tensors would travel through shared memory that dies with the worker.
-    return {"losses": losses,
-            "grads": {k: v.numpy() for k, v in grads[0].items()} if rank == 0 else None}
 
 
 def _run_all(rank: int, world: int, specs: list[dict]) -> list[dict]:

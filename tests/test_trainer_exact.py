@@ -38,8 +38,9 @@ def _train(rank: int, world: int, spec_data: dict, steps: int) -> dict:
     from ctxlaunch.trainer.parallelize import build_context
 
     spec = validate_spec(spec_data)
-    ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=spec.parallel.cp,
-                        ulysses=spec.ulysses_degree, layout=spec.parallel.layout)
+    p = spec.parallel
+    ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
+                        ulysses=spec.ulysses_degree, layout=p.layout, tp=p.tp, pp=p.pp)
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     grads: list[dict[str, torch.Tensor]] = []
     losses = [trainer.train_step(on_gradients=lambda e: grads.append(e.full_gradients())).loss
@@ -103,8 +104,9 @@ def _run_with_stop(rank: int, world: int, spec_data: dict, stop_after: int | Non
     from ctxlaunch.trainer.parallelize import build_context
 
     spec = validate_spec(spec_data)
-    ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=spec.parallel.cp,
-                        ulysses=spec.ulysses_degree, layout=spec.parallel.layout)
+    p = spec.parallel
+    ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
+                        ulysses=spec.ulysses_degree, layout=p.layout, tp=p.tp, pp=p.pp)
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     losses: list[float] = []
 
