@@ -160,24 +160,30 @@ def render(
         "(atomically); default: print to stdout.")] = None,
     set_: SetOpt = None,
 ) -> None:
-    """Render a Slurm batch script or a Kubeflow PyTorchJob manifest."""
+    """Render a Slurm batch script or a Kubeflow PyTorchJob manifest.
+
+    In scrape mode the PodMonitor goes to monitoring/<name>-podmonitor.yaml under --output, out
+    of the way of a plain `kubectl apply -f DIR` on a cluster without the Prometheus Operator."""
     from .fsutil import atomic_write_text
-    from .render import artifact_name
-    from .render import render as render_text
+    from .render import artifact_name, render_files
 
     if target not in ("slurm", "kubernetes"):
         fail(f"--target: {target!r} is not a target to render; use slurm or kubernetes")
     job = load(spec, set_, **{"cluster.target": target})
     print_warnings(job)
-    text = render_text(job, target)  # type: ignore[arg-type]
+    files = render_files(job, target)  # type: ignore[arg-type]
+    main_name = artifact_name(job, target)  # type: ignore[arg-type]
     if output is None:
-        sys.stdout.write(text)
+        sys.stdout.write(files[main_name])
+        for extra in set(files) - {main_name}:
+            err.print(f"note: {extra} (the PodMonitor) is written only with --output DIR")
         return
     if output.exists() and not output.is_dir():
         fail(f"--output: {output} exists and is not a directory")
-    path = atomic_write_text(output / artifact_name(job, target),  # type: ignore[arg-type]
-                             text, mode=0o755 if target == "slurm" else 0o644)
-    err.print(f"wrote {path}")
+    for name, text in files.items():
+        path = atomic_write_text(output / name, text,
+                                 mode=0o755 if target == "slurm" else 0o644)
+        err.print(f"wrote {path}")
 
 
 @app.command()

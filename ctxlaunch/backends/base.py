@@ -93,15 +93,3 @@ def combine_exit_codes(codes: Iterable[int | None]) -> int:
         return exitcodes.PREEMPTED
     return exitcodes.OK
 
-
-def get_backend(target: str) -> Backend:
-    if target == "local":
-        from .local import LocalBackend
-
-        return LocalBackend()
-    if target == "slurm":
-        from .slurm import SlurmBackend
-
-        return SlurmBackend()
-    raise NotImplementedError(f"cluster.target {target!r}: submission to {target} is not "
-                              "available yet; use `ctxlaunch render` and submit the artifact")
