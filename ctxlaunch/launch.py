@@ -211,7 +211,11 @@ class KubernetesPlan:
     """(port name, container port) per local rank in scrape mode; the PodMonitor scrapes them."""
 
 
-def kubernetes_plan(spec: JobSpec) -> KubernetesPlan:
+SWEEP_LABEL = "ctxlaunch/sweep"
+
+
+def kubernetes_plan(spec: JobSpec, sweep: str | None = None) -> KubernetesPlan:
+    """The manifest's parts; `sweep` (a sweep id) adds the label every point of it shares."""
     c, k = spec.cluster, spec.cluster.kubernetes
     rdma = spec.fabric.network in RDMA_NETWORKS and c.gpu != "cpu"
     limits: dict[str, str] = {}
@@ -240,7 +244,8 @@ def kubernetes_plan(spec: JobSpec) -> KubernetesPlan:
     return KubernetesPlan(
         name=spec.name,
         namespace=k.namespace,
-        labels={"app.kubernetes.io/name": "ctxlaunch", "ctxlaunch/job": spec.name},
+        labels={"app.kubernetes.io/name": "ctxlaunch", "ctxlaunch/job": spec.name,
+                **({SWEEP_LABEL: sweep} if sweep else {})},
         replicas=replicas,
         nproc_per_node=c.gpus_per_node,
         image=k.image or "",

@@ -120,13 +120,14 @@ def render(spec: JobSpec, target: Target) -> str:
     return render_files(spec, target)[artifact_name(spec, target)]
 
 
-def render_files(spec: JobSpec, target: Target) -> dict[str, str]:
+def render_files(spec: JobSpec, target: Target, sweep: str | None = None) -> dict[str, str]:
     """Every file `render --output DIR` writes, by path relative to DIR: the main artifact and,
-    for Kubernetes in scrape mode, the PodMonitor in its own subfolder."""
+    for Kubernetes in scrape mode, the PodMonitor in its own subfolder. `sweep` labels a
+    sweep's Kubernetes objects."""
     name = artifact_name(spec, target)
     if target == "slurm":
         return {name: render_plan(slurm_plan(spec), target, name)}
-    plan = kubernetes_plan(spec)
+    plan = kubernetes_plan(spec, sweep=sweep)
     files = {name: render_plan(plan, target, name)}
     if plan.metrics_ports:
         monitor = monitor_name(spec.name)

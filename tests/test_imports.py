@@ -11,7 +11,8 @@ LAUNCHER_MODULES = [
     "ctxlaunch", "ctxlaunch.cli", "ctxlaunch.spec", "ctxlaunch.loader", "ctxlaunch.planner",
     "ctxlaunch.memory", "ctxlaunch.flops", "ctxlaunch.launch", "ctxlaunch.render",
     "ctxlaunch.sweep", "ctxlaunch.jobstore", "ctxlaunch.backends", "ctxlaunch.backends.local",
-    "ctxlaunch.backends.slurm", "ctxlaunch.telemetry.metrics", "ctxlaunch.telemetry.dashboard",
+    "ctxlaunch.backends.slurm", "ctxlaunch.backends.kubernetes", "ctxlaunch.podentry",
+    "ctxlaunch.telemetry.metrics", "ctxlaunch.telemetry.dashboard",
 ]
 HEAVY = ["torch", "kubernetes", "submitit", "deepspeed"]
 

@@ -1,0 +1,456 @@
+"""Kubernetes end to end against a real kube-apiserver 1.20 with etcd, TLS, token authentication,
+RBAC and the real PyTorchJob CRD (scripts/services/kubernetes.sh): plain kubectl apply/delete of
+every rendered example, server-side validation, `ctxlaunch submit` / get / list / status /
+cancel / wait, every pre-flight error, and a sweep.
+
+No training operator, kubelet, scheduler or garbage collector runs on that server: objects are
+stored, never acted on. Tests that need a job to move play the operator (conditions and replica
+statuses through the PyTorchJob's status subresource, as the operator writes them) or the
+kubelet (pod container statuses through the pods' status subresource), and say so."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .conftest import JOBS
+from .services import KUBE_ADMIN, KUBE_CRD, KUBE_VIEWER, require_kubernetes
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+CTXLAUNCH = str(BIN / "ctxlaunch")
+KUBECTL = str(BIN / "kubectl")
+IMAGE = "example/ctxlaunch:1"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kube() -> None:
+    require_kubernetes()
+
+
+def kubectl(*args: str, kubeconfig: Path = KUBE_ADMIN, check: bool = True, stdin: str = ""
+            ) -> subprocess.CompletedProcess:
+    result = subprocess.run([KUBECTL, "--kubeconfig", str(kubeconfig), *args], input=stdin,
+                            capture_output=True, text=True, timeout=60)
+    if check:
+        assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
+    return result
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A fresh namespace, with the `default` service account that a controller manager would
+    create (none runs here; the pods the tests create need it)."""
+    name = f"ctxl-{uuid.uuid4().hex[:8]}"
+    kubectl("create", "namespace", name)
+    kubectl("create", "serviceaccount", "default", "-n", name)
+    return name
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
+
+
+def ctx(home: Path, *args: str, kubeconfig: Path = KUBE_ADMIN, timeout: float = 60
+        ) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CTXLAUNCH_HOME": str(home), "KUBECONFIG": str(kubeconfig)}
+    return subprocess.run([CTXLAUNCH, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def spec_args(namespace: str, name: str = "demo", *sets: str) -> list[str]:
+    args = [str(JOBS / "demo.yaml")]
+    for item in ("cluster.target=kubernetes", f"cluster.kubernetes.image={IMAGE}",
+                 f"cluster.kubernetes.namespace={namespace}", f"name={name}", *sets):
+        args += ["--set", item]
+    return args
+
+
+def submit(home: Path, namespace: str, name: str = "demo", *sets: str) -> str:
+    result = ctx(home, "submit", *spec_args(namespace, name, *sets))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == f"{namespace}/{name}", result.stdout
+    assert f"submitted PyTorchJob {namespace}/{name}" in result.stderr
+    return result.stdout.strip()
+
+
+def get(kind: str, namespace: str, name: str) -> dict | None:
+    result = kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
+    if result.returncode != 0:
+        assert "NotFound" in result.stderr, result.stderr
+        return None
+    return json.loads(result.stdout)
+
+
+def left_behind(namespace: str) -> list[str]:
+    result = kubectl("get", "pytorchjobs,configmaps", "-n", namespace, "-l",
+                     "app.kubernetes.io/name=ctxlaunch", "-o", "name")
+    return result.stdout.split()
+
+
+def status(home: Path, job: str) -> dict:
+    result = ctx(home, "status", job, "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout)
+
+
+def contains(actual, expected, where: str = "") -> None:
+    """Every field of `expected` is in `actual` with the same value (the server may add its
+    defaults, nothing else changes)."""
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict), where
+        for key, value in expected.items():
+            assert key in actual, f"{where}.{key} missing on the server"
+            contains(actual[key], value, f"{where}.{key}")
+    elif isinstance(expected, list):
+        assert isinstance(actual, list) and len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            contains(a, e, f"{where}[{i}]")
+    else:
+        assert actual == expected, f"{where}: server has {actual!r}, rendered {expected!r}"
+
+
+def render_dir(tmp_path: Path, spec: Path, namespace: str, *sets: str) -> Path:
+    out = tmp_path / "rendered"
+    args = [CTXLAUNCH, "render", str(spec), "--target", "kubernetes", "--output", str(out),
+            "--set", f"cluster.kubernetes.namespace={namespace}"]
+    for item in sets:
+        args += ["--set", item]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the rendered manifests with plain kubectl
+# --------------------------------------------------------------------------------------------
+EXAMPLES = {
+    "demo": ["cluster.kubernetes.image=" + IMAGE],
+    "llama3-70b-1m-k8s": [],
+    "llama3-8b-128k-slurm": ["cluster.kubernetes.image=" + IMAGE],
+}
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_rendered_example_applies_and_deletes_with_plain_kubectl(
+        example: str, namespace: str, tmp_path: Path) -> None:
+    """`kubectl apply -f DIR` and `kubectl delete -f DIR` of what `render --output DIR` wrote:
+    the server accepts every object (also as a server dry run) and the delete removes them. In
+    scrape mode the PodMonitor sits in DIR/monitoring, which this server (no Prometheus
+    Operator) could not take: applied recursively it fails, as it would have in the main
+    file."""
+    out = render_dir(tmp_path, JOBS / f"{example}.yaml", namespace, *EXAMPLES[example])
+    main = [p for p in out.glob("*.yaml")]
+    assert len(main) == 1
+    docs = [d for d in yaml.safe_load_all(main[0].read_text()) if d]
+    name = docs[1]["metadata"]["name"]
+    dry = kubectl("apply", "--dry-run=server", "-f", str(out))
+    assert "(server dry run)" in dry.stdout
+    assert left_behind(namespace) == []
+    kubectl("apply", "-f", str(out))
+    assert sorted(left_behind(namespace)) == [f"configmap/{name}-spec",
+                                              f"pytorchjob.kubeflow.org/{name}"]
+    contains(get("pytorchjob", namespace, name)["spec"], docs[1]["spec"])
+    if (out / "monitoring").is_dir():
+        recursive = kubectl("apply", "-R", "-f", str(out), check=False)
+        assert recursive.returncode != 0 and "PodMonitor" in recursive.stderr
+    kubectl("delete", "-f", str(out))
+    assert left_behind(namespace) == []
+
+
+def test_the_server_rejects_a_type_error(namespace: str, tmp_path: Path) -> None:
+    out = render_dir(tmp_path, JOBS / "demo.yaml", namespace, "cluster.kubernetes.image=" + IMAGE)
+    docs = [d for d in yaml.safe_load_all((out / "demo.yaml").read_text()) if d]
+    docs[1]["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = "one"
+    bad = kubectl("apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump_all(docs),
+                  check=False)
+    assert bad.returncode != 0
+    assert "replicas" in bad.stderr and "integer" in bad.stderr, bad.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# ctxlaunch submit and the job's life
+# --------------------------------------------------------------------------------------------
+def set_job_status(namespace: str, name: str, status: dict) -> None:
+    """Play the training operator: write conditions and replica statuses through the
+    PyTorchJob's status subresource."""
+    kubectl("patch", "pytorchjob", name, "-n", namespace, "--subresource=status",
+            "--type=merge", "-p", json.dumps({"status": status}))
+
+
+def condition(kind: str, reason: str = "") -> dict:
+    return {"type": kind, "status": "True", "reason": reason or f"PyTorchJob{kind}",
+            "message": f"PyTorchJob is {kind.lower()}.",
+            "lastUpdateTime": "2026-12-01T00:00:00Z", "lastTransitionTime": "2026-12-01T00:00:00Z"}
+
+
+def test_submit_creates_exactly_the_rendered_objects_and_follows_the_operator(
+        namespace: str, home: Path, tmp_path: Path) -> None:
+    """Submit, then play the training operator through the status subresource (Created,
+    Running, Restarting, Succeeded) and check that `status`, `list` and `wait` follow it."""
+    job = submit(home, namespace)
+    out = render_dir(tmp_path, JOBS / "demo.yaml", namespace,
+                     "cluster.kubernetes.image=" + IMAGE, "cluster.target=kubernetes")
+    configmap, pytorchjob = [d for d in yaml.safe_load_all((out / "demo.yaml").read_text()) if d]
+    server_job = get("pytorchjob", namespace, "demo")
+    contains(server_job["metadata"]["labels"], pytorchjob["metadata"]["labels"])
+    contains(server_job["spec"], pytorchjob["spec"])
+    assert get("configmap", namespace, "demo-spec")["data"] == configmap["data"]
+    fields = json.loads(kubectl("get", "pytorchjob", "demo", "-n", namespace, "-o", "json",
+                                "--show-managed-fields").stdout)["metadata"]["managedFields"]
+    managers = {m["manager"]: m["operation"] for m in fields}
+    assert managers == {"ctxlaunch": "Apply"}
+
+    assert status(home, job)["state"] == "PENDING"
+    listed = ctx(home, "list")
+    assert listed.returncode == 0 and job in listed.stdout and "PENDING" in listed.stdout
+    set_job_status(namespace, "demo", {"conditions": [condition("Created")]})
+    assert status(home, job)["state"] == "PENDING"
+    set_job_status(namespace, "demo", {
+        "conditions": [condition("Created"), condition("Running")],
+        "replicaStatuses": {"Master": {"active": 1}}})
+    running = status(home, job)
+    assert running["state"] == "RUNNING" and running["scheduler_state"] == "Running"
+    waited = ctx(home, "wait", job, "--timeout", "1", "--poll", "0.2")
+    assert waited.returncode == 1 and "still RUNNING" in waited.stderr
+    set_job_status(namespace, "demo", {
+        "conditions": [condition("Created"), condition("Restarting")]})
+    assert status(home, job)["scheduler_state"] == "Restarting"
+    set_job_status(namespace, "demo", {
+        "conditions": [condition("Created"), {**condition("Running"), "status": "False"},
+                       condition("Succeeded")],
+        "replicaStatuses": {"Master": {"active": 0, "succeeded": 1}}})
+    waited = ctx(home, "wait", job, "--poll", "0.2")
+    assert waited.returncode == 0, waited.stdout + waited.stderr
+    assert "COMPLETED" in waited.stdout and "Master: 1 succeeded" in waited.stdout
+
+
+def make_pod(namespace: str, job: str, exit_code: int, reason: str) -> None:
+    """Play the operator and the kubelet: a Master pod with the operator's labels whose
+    trainer container terminated with `exit_code` (status subresource)."""
+    name = f"{job}-master-0"
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "namespace": namespace, "labels": {
+               "training.kubeflow.org/job-name": job,
+               "training.kubeflow.org/replica-type": "master",
+               "training.kubeflow.org/replica-index": "0"}},
+           "spec": {"automountServiceAccountToken": False, "restartPolicy": "Never",
+                    "containers": [{"name": "pytorch", "image": IMAGE}]}}
+    kubectl("apply", "-f", "-", stdin=json.dumps(pod))
+    kubectl("patch", "pod", name, "-n", namespace, "--subresource=status", "--type=merge",
+            "-p", json.dumps({"status": {"phase": "Failed", "containerStatuses": [{
+                "name": "pytorch", "image": IMAGE, "imageID": "", "ready": False,
+                "restartCount": 0, "state": {"terminated": {
+                    "exitCode": exit_code, "reason": reason,
+                    "startedAt": "2026-12-01T00:00:00Z",
+                    "finishedAt": "2026-12-01T00:00:05Z"}}}]}}))
+
+
+@pytest.mark.parametrize("exit_code,reason,state,wait_exit", [
+    (86, "Error", "OOM", 86),            # the trainer's own OOM status
+    (137, "OOMKilled", "OOM", 86),       # the kernel killed the container
+    (2, "Error", "BAD_INPUT", 2),
+    (1, "Error", "FAILED", 1),
+])
+def test_a_failed_job_shows_why(namespace: str, home: Path, exit_code: int, reason: str,
+                                state: str, wait_exit: int) -> None:
+    """Plays the operator (Failed condition) and the kubelet (the pod's terminated container,
+    through the pod's status subresource): `status` shows OOM with the layout, or the failing
+    pod and its log (empty: no kubelet here), and `wait` exits with the job's status."""
+    job = submit(home, namespace)
+    make_pod(namespace, "demo", exit_code, reason)
+    set_job_status(namespace, "demo", {"conditions": [
+        condition("Created"), condition("Failed", "PyTorchJobFailed")],
+        "replicaStatuses": {"Master": {"failed": 1}}})
+    current = status(home, job)
+    assert current["state"] == state and current["exit_code"] == exit_code
+    if state == "OOM":
+        assert current["detail"][0].startswith("out of memory with model tiny, seq_len 8192")
+    else:
+        assert current["detail"][0] == f"pod demo-master-0 exited {exit_code}; its last lines:"
+        # No kubelet here: the server answers the pod's log with nothing.
+        assert current["detail"][1:] == ["(its log is empty)"]
+    waited = ctx(home, "wait", job, "--poll", "0.2")
+    assert waited.returncode == wait_exit, waited.stdout + waited.stderr
+
+
+def test_logs_before_pods_exist_and_cancel(namespace: str, home: Path) -> None:
+    """`logs` says plainly that there are no pods yet; `cancel` deletes the job with foreground
+    propagation and its ConfigMap. Without a garbage collector on this server the PyTorchJob
+    keeps its foregroundDeletion finalizer: the test then plays the garbage collector (drops
+    the finalizer) and the job is gone."""
+    job = submit(home, namespace)
+    logs = ctx(home, "logs", job)
+    assert logs.returncode == 1 and "has no pods yet" in logs.stderr and logs.stdout == ""
+    cancelled = ctx(home, "cancel", job)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert get("configmap", namespace, "demo-spec") is None
+    deleting = get("pytorchjob", namespace, "demo")
+    assert deleting["metadata"]["deletionTimestamp"]
+    assert deleting["metadata"]["finalizers"] == ["foregroundDeletion"]
+    assert status(home, job)["state"] == "CANCELLED"
+    kubectl("patch", "pytorchjob", "demo", "-n", namespace, "--type=merge",
+            "-p", '{"metadata": {"finalizers": null}}')
+    assert get("pytorchjob", namespace, "demo") is None
+    assert status(home, job)["state"] == "CANCELLED"
+    assert ctx(home, "wait", job).returncode == 1
+
+
+def test_dry_runs_create_nothing(namespace: str, home: Path) -> None:
+    client = ctx(home, "submit", *spec_args(namespace), "--dry-run")
+    assert client.returncode == 0
+    kinds = [d["kind"] for d in yaml.safe_load_all(client.stdout.split("# --- demo.yaml ---")[1])
+             if d]
+    assert kinds == ["ConfigMap", "PyTorchJob"]
+    server = ctx(home, "submit", *spec_args(namespace), "--dry-run=server")
+    assert server.returncode == 0, server.stderr
+    assert f"PyTorchJob {namespace}/demo accepted by the server (dry run" in server.stderr
+    assert left_behind(namespace) == [] and not (home / "jobs").exists()
+
+
+def test_pod_monitor_is_left_out_where_its_crd_is_missing(namespace: str, home: Path) -> None:
+    result = ctx(home, "submit", *spec_args(namespace, "scraped", "telemetry.prometheus=scrape"))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("no PodMonitor kind") == 1
+    assert sorted(left_behind(namespace)) == ["configmap/scraped-spec",
+                                              "pytorchjob.kubeflow.org/scraped"]
+
+
+# --------------------------------------------------------------------------------------------
+# pre-flight errors, from the real server
+# --------------------------------------------------------------------------------------------
+def kubeconfig_variant(tmp_path: Path, **change: str) -> Path:
+    """The admin kubeconfig with its token or server changed."""
+    config = yaml.safe_load(KUBE_ADMIN.read_text())
+    if "token" in change:
+        config["users"][0]["user"]["token"] = change["token"]
+    if "server" in change:
+        config["clusters"][0]["cluster"]["server"] = change["server"]
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def refused(home: Path, namespace: str, expected: str, kubeconfig: Path = KUBE_ADMIN,
+            *sets: str) -> str:
+    result = ctx(home, "submit", *spec_args(namespace, "demo", *sets), kubeconfig=kubeconfig)
+    assert result.returncode == 2, result.stdout + result.stderr
+    message = result.stderr.strip()
+    assert len(message.splitlines()) == 1 and expected in message, message
+    assert result.stdout == "" and not (home / "jobs").exists()
+    return message
+
+
+def test_preflight_errors_leave_nothing_behind(namespace: str, home: Path,
+                                              tmp_path: Path) -> None:
+    """Each refusal comes from the real server (or, for "down", a port nothing listens on):
+    one line, exit 2, no object and no job record."""
+    refused(home, namespace, "namespace 'ctxl-absent' does not exist",
+            KUBE_ADMIN, "cluster.kubernetes.namespace=ctxl-absent")
+    refused(home, namespace, "may not create pytorchjobs.kubeflow.org in namespace",
+            KUBE_VIEWER)
+    refused(home, namespace, "rejected the credentials (401 Unauthorized)",
+            kubeconfig_variant(tmp_path, token="not-a-valid-token"))
+    refused(home, namespace, "cannot reach the Kubernetes API server",
+            kubeconfig_variant(tmp_path, server=f"https://127.0.0.1:{free_port()}"))
+    assert left_behind(namespace) == []
+    submit(home, namespace)
+    records = sorted((home / "jobs").iterdir())
+    again = ctx(home, "submit", *spec_args(namespace))
+    assert again.returncode == 2 and "a PyTorchJob" in again.stderr \
+        and "already exists" in again.stderr
+    assert sorted((home / "jobs").iterdir()) == records
+
+
+def test_a_refused_later_object_removes_the_earlier_ones(namespace: str) -> None:
+    """The server accepts the ConfigMap and refuses the PyTorchJob (a type error): the
+    ConfigMap is deleted again."""
+    from ctxlaunch.backends.kubernetes import Connection, KubeError, apply_objects, objects_of
+    from ctxlaunch.loader import load_spec
+    from ctxlaunch.render import render_files
+
+    spec = load_spec(JOBS / "demo.yaml", ["cluster.target=kubernetes",
+                                          f"cluster.kubernetes.image={IMAGE}",
+                                          f"cluster.kubernetes.namespace={namespace}"])
+    objects = objects_of(render_files(spec, "kubernetes"))
+    objects[1]["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = "one"
+    with pytest.raises(KubeError) as info:
+        apply_objects(Connection.open(kubeconfig=str(KUBE_ADMIN)), objects)
+    assert "refused PyTorchJob" in str(info.value)
+    assert "removed what was created before it: ConfigMap demo-spec" in str(info.value)
+    assert get("configmap", namespace, "demo-spec") is None
+
+
+# --------------------------------------------------------------------------------------------
+# a sweep
+# --------------------------------------------------------------------------------------------
+def test_a_sweep_submits_one_pytorchjob_per_point(namespace: str, home: Path,
+                                                   tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({"sweep": {
+        "name": "ksw", "base": str(JOBS / "demo.yaml"),
+        "set": {"cluster.target": "kubernetes", "cluster.kubernetes.image": IMAGE,
+                "cluster.kubernetes.namespace": namespace},
+        "axes": {"training.seq_len": [2048, 4096]}}}))
+    result = ctx(home, "sweep", str(sweep))
+    assert result.returncode == 0, result.stderr
+    sweep_id = result.stdout.strip().splitlines()[-1]
+    names = kubectl("get", "pytorchjobs", "-n", namespace, "-l", f"ctxlaunch/sweep={sweep_id}",
+                    "-o", "jsonpath={.items[*].metadata.name}").stdout.split()
+    assert sorted(names) == ["ksw-2048", "ksw-4096"]
+    set_job_status(namespace, "ksw-2048", {"conditions": [condition("Succeeded")]})
+    report = ctx(home, "report", sweep_id, "--json")
+    assert report.returncode == 0, report.stderr
+    states = {row["name"]: row["state"] for row in json.loads(report.stdout)["rows"]}
+    assert states == {"ksw-2048": "COMPLETED", "ksw-4096": "PENDING"}
+
+
+# --------------------------------------------------------------------------------------------
+# last: the CRD itself is taken away and put back
+# --------------------------------------------------------------------------------------------
+def test_missing_crd_says_how_to_install_the_operator(namespace: str, home: Path) -> None:
+    """Deletes the PyTorchJob CRD from the real server, checks the refusal, and installs the CRD
+    again as kubernetes.sh did. The server deletes the CRD only once no PyTorchJob is left, and
+    no garbage collector runs here to finish a foreground deletion: the test plays it, dropping
+    leftover foregroundDeletion finalizers first."""
+    import time
+
+    listed = json.loads(kubectl("get", "pytorchjobs", "-A", "-o", "json").stdout)["items"]
+    for job in listed:
+        if job["metadata"].get("finalizers"):
+            kubectl("patch", "pytorchjob", job["metadata"]["name"], "-n",
+                    job["metadata"]["namespace"], "--type=merge",
+                    "-p", '{"metadata": {"finalizers": null}}')
+    kubectl("delete", "crd", "pytorchjobs.kubeflow.org", "--wait=false")
+    try:
+        deadline = time.monotonic() + 120
+        while kubectl("get", "crd", "pytorchjobs.kubeflow.org", check=False).returncode == 0:
+            assert time.monotonic() < deadline, "the CRD is not deleted within 120 s"
+            time.sleep(0.5)
+        message = refused(home, namespace, "has no PyTorchJob kind (kubeflow.org/v1)")
+        assert "training operator is not installed" in message
+        assert "kubectl apply --server-side -k" in message
+    finally:
+        deadline = time.monotonic() + 120
+        while kubectl("apply", "--server-side", "--force-conflicts", "-f", str(KUBE_CRD),
+                      check=False).returncode != 0 or \
+                kubectl("wait", "--for=condition=Established", "--timeout=2s",
+                        "crd/pytorchjobs.kubeflow.org", check=False).returncode != 0:
+            assert time.monotonic() < deadline, "the CRD is not established again"
+            time.sleep(0.5)
