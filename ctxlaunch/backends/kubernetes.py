@@ -17,6 +17,7 @@ is BAD_INPUT.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -397,7 +398,9 @@ class KubernetesBackend:
                 return Status(state="CANCELLED", scheduler_state="deleted")
             raise KeyError(record.backend_id)
         pods = job_pods(conn, namespace, name)
-        return classify(job, pods, cancelled=bool(record.extra.get("cancelled")))
+        found = classify(job, pods, cancelled=bool(record.extra.get("cancelled")))
+        restarts = max(found.restarts, restart_events(conn, namespace, name))
+        return dataclasses.replace(found, restarts=restarts)
 
     def read_log(self, record: jobstore.JobRecord, rank: int | None = None) -> list[str]:
         conn = Connection.for_record(record)
@@ -513,6 +516,21 @@ def job_pods(conn: Connection, namespace: str, name: str) -> list[dict[str, Any]
             return []
         raise
     return sorted((found or {}).get("items", []), key=pod_index)
+
+
+def restart_events(conn: Connection, namespace: str, name: str) -> int:
+    """How often the operator restarted the job: under restartPolicy ExitCode it replaces a
+    pod rather than restarting its container (no restartCount), and records a
+    PyTorchJobRestarting event on the job each time (events expire, after an hour by default)."""
+    selector = (f"involvedObject.kind=PyTorchJob,involvedObject.name={name},"
+                "reason=PyTorchJobRestarting")
+    try:
+        found = conn.get(f"/api/v1/namespaces/{namespace}/events", fieldSelector=selector)
+    except ApiError as exc:
+        if exc.status == 403:
+            return 0
+        raise
+    return sum(int(e.get("count") or 1) for e in (found or {}).get("items", []))
 
 
 def pod_index(pod: dict[str, Any]) -> int:
