@@ -274,5 +274,5 @@ def test_templates_ship_inside_the_wheel(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     wheel = next(tmp_path.glob("ctxlaunch-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for template in ("slurm.sbatch.j2", "pytorchjob.yaml.j2"):
+    for template in ("slurm.sbatch.j2", "pytorchjob.yaml.j2", "podmonitor.yaml.j2"):
         assert f"ctxlaunch/templates/{template}" in names

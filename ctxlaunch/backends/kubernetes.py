@@ -288,7 +288,7 @@ def apply_objects(conn: Connection, objects: list[dict[str, Any]], dry_run: bool
                                           content_type="application/apply-patch+yaml")
         except KubeError as exc:
             removed = [o for o in reversed(created) if _delete_quietly(conn, o)]
-            undone = (f"; removed what was created before it: "
+            undone = ("; removed what was created before it: "
                       + ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in removed)
                       ) if removed else ""
             raise KubeError(f"the API server refused {obj['kind']} {meta['namespace']}/"
