@@ -348,12 +348,17 @@ def test_pod_monitor_is_left_out_where_its_crd_is_missing(namespace: str, home: 
 # pre-flight errors, from the real server
 # --------------------------------------------------------------------------------------------
 def kubeconfig_variant(tmp_path: Path, **change: str) -> Path:
-    """The admin kubeconfig with its token or server changed."""
+    """The admin kubeconfig with its token, server or certificate authority changed."""
     config = yaml.safe_load(KUBE_ADMIN.read_text())
     if "token" in change:
         config["users"][0]["user"]["token"] = change["token"]
     if "server" in change:
         config["clusters"][0]["cluster"]["server"] = change["server"]
+    if "ca" in change:  # a CA of its own, which signed nothing the server has
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-subj", "/CN=other-ca", "-keyout", change["ca"] + ".key", "-out",
+                        change["ca"]], check=True, capture_output=True)
+        config["clusters"][0]["cluster"]["certificate-authority"] = change["ca"]
     path = tmp_path / "kubeconfig"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -389,6 +394,8 @@ def test_preflight_errors_leave_nothing_behind(namespace: str, home: Path,
             kubeconfig_variant(tmp_path, token="not-a-valid-token"))
     refused(home, namespace, "cannot reach the Kubernetes API server",
             kubeconfig_variant(tmp_path, server=f"https://127.0.0.1:{free_port()}"))
+    refused(home, namespace, "presents a certificate the kubeconfig's certificate-authority "
+            "does not vouch for", kubeconfig_variant(tmp_path, ca=str(tmp_path / "other.crt")))
     assert left_behind(namespace) == []
     submit(home, namespace)
     records = sorted((home / "jobs").iterdir())

@@ -135,8 +135,13 @@ class Connection:
                 return response.status, response.response
             data = response.read()
         except (HTTPError, OSError) as exc:
+            reason = _connection_reason(exc)
+            if "CERTIFICATE_VERIFY_FAILED" in reason:
+                raise KubeError(f"the Kubernetes API server {self.host} presents a certificate "
+                                f"the kubeconfig's certificate-authority does not vouch for "
+                                f"({reason})") from None
             raise KubeError(f"cannot reach the Kubernetes API server {self.host}: "
-                            f"{_connection_reason(exc)}") from None
+                            f"{reason}") from None
         if response.status >= 400:
             raise ApiError(response.status, _api_message(response.status, response.reason,
                                                          data))
