@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import JOBS
+from .conftest import JOBS, free_port
 from .services import KUBE_ADMIN, KUBE_CRD, KUBE_VIEWER, require_kubernetes
 
 pytestmark = pytest.mark.slow
@@ -362,14 +362,6 @@ def kubeconfig_variant(tmp_path: Path, **change: str) -> Path:
     path = tmp_path / "kubeconfig"
     path.write_text(yaml.safe_dump(config))
     return path
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def refused(home: Path, namespace: str, expected: str, kubeconfig: Path = KUBE_ADMIN,

@@ -17,17 +17,9 @@ import pytest
 
 from ctxlaunch import exitcodes
 
-from .conftest import JOBS
+from .conftest import JOBS, free_port
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def spec_file(tmp_path: Path, *sets: str) -> Path:
