@@ -463,12 +463,18 @@ def sweep(
             for dryrun in dryruns:
                 sys.stdout.write(dryrun.describe())
             return
+        refused = 0
         for point, dryrun in zip(runnable, dryruns):
             try:
                 backend.schedule(dryrun)
-            except RuntimeError as exc:
-                fail(f"{point.name}: {exc}")
+            except RuntimeError as exc:  # e.g. a job of that name exists: the others still go
+                err.print(f"[yellow]warning:[/] {point.name} not submitted: {exc}", markup=True)
+                entries[point.index]["skipped"] = str(exc)
+                refused += 1
+                continue
             entries[point.index]["job"] = dryrun.env["CTXLAUNCH_JOB_ID"]
+        if refused == len(runnable):
+            fail("no point of the sweep was submitted")
     jobstore.save_sweep(sweep_id, {"id": sweep_id, "name": spec_def.name, "target": target,
                                    "created": time.time(), "axes": list(spec_def.axes),
                                    "points": [entries[i] for i in sorted(entries)]})

@@ -422,11 +422,15 @@ def test_a_refused_later_object_removes_the_earlier_ones(namespace: str) -> None
 def test_a_sweep_submits_one_pytorchjob_per_point(namespace: str, home: Path,
                                                    tmp_path: Path) -> None:
     sweep = tmp_path / "sweep.yaml"
-    sweep.write_text(yaml.safe_dump({"sweep": {
-        "name": "ksw", "base": str(JOBS / "demo.yaml"),
-        "set": {"cluster.target": "kubernetes", "cluster.kubernetes.image": IMAGE,
-                "cluster.kubernetes.namespace": namespace},
-        "axes": {"training.seq_len": [2048, 4096]}}}))
+
+    def write_sweep(seq_lens: list[int]) -> None:
+        sweep.write_text(yaml.safe_dump({"sweep": {
+            "name": "ksw", "base": str(JOBS / "demo.yaml"),
+            "set": {"cluster.target": "kubernetes", "cluster.kubernetes.image": IMAGE,
+                    "cluster.kubernetes.namespace": namespace},
+            "axes": {"training.seq_len": seq_lens}}}))
+
+    write_sweep([2048, 4096])
     result = ctx(home, "sweep", str(sweep))
     assert result.returncode == 0, result.stderr
     sweep_id = result.stdout.strip().splitlines()[-1]
@@ -438,6 +442,14 @@ def test_a_sweep_submits_one_pytorchjob_per_point(namespace: str, home: Path,
     assert report.returncode == 0, report.stderr
     states = {row["name"]: row["state"] for row in json.loads(report.stdout)["rows"]}
     assert states == {"ksw-2048": "COMPLETED", "ksw-4096": "PENDING"}
+    # Again with a third point: the two that exist are refused (and reported), the new one goes.
+    write_sweep([2048, 4096, 1024])
+    again = ctx(home, "sweep", str(sweep))
+    assert again.returncode == 0, again.stderr
+    assert again.stderr.count("already exists") == 2
+    states = {row["name"]: row["state"] for row in json.loads(ctx(
+        home, "report", again.stdout.strip().splitlines()[-1], "--json").stdout)["rows"]}
+    assert states == {"ksw-1024": "PENDING", "ksw-2048": "SKIPPED", "ksw-4096": "SKIPPED"}
 
 
 def test_logs_follow_ends_when_the_job_ended_without_pods(namespace: str, home: Path) -> None:
