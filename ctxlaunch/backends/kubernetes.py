@@ -99,6 +99,10 @@ class Connection:
                 configuration = client.Configuration()
                 config.load_kube_config(config_file=kubeconfig or default, context=context,
                                         client_configuration=configuration)
+                # Record the context by name, so that later status calls reach this server
+                # even after the kubeconfig's current context changed.
+                context = context or config.list_kube_config_contexts(
+                    kubeconfig or default)[1]["name"]
         except (ConfigException, OSError, ValueError) as exc:
             where = kubeconfig or default
             raise KubeError(f"no usable Kubernetes credentials in {where}"
