@@ -156,6 +156,11 @@ cmd_install() {
     install_packages "${PACKAGES[@]}"
     local version binary
     version="$(debian_version)"
+    if [ -z "$version" ] || [ "$version" = "(none)" ]; then
+        mkdir -p "$LOG_DIR"
+        apt-get update -qq >"$LOG_DIR/apt-update.log" 2>&1 || true # lists cleaned since install
+        version="$(debian_version)"
+    fi
     [ -n "$version" ] && [ "$version" != "(none)" ] ||
         die "apt offers no $VERSION_PACKAGE package, so no $SOURCE_PACKAGE source version to build"
     binary="$(apiserver_binary "$version")"
