@@ -160,24 +160,30 @@ def render(
         "(atomically); default: print to stdout.")] = None,
     set_: SetOpt = None,
 ) -> None:
-    """Render a Slurm batch script or a Kubeflow PyTorchJob manifest."""
+    """Render a Slurm batch script or a Kubeflow PyTorchJob manifest.
+
+    In scrape mode the PodMonitor goes to monitoring/<name>-podmonitor.yaml under --output, out
+    of the way of a plain `kubectl apply -f DIR` on a cluster without the Prometheus Operator."""
     from .fsutil import atomic_write_text
-    from .render import artifact_name
-    from .render import render as render_text
+    from .render import artifact_name, render_files
 
     if target not in ("slurm", "kubernetes"):
         fail(f"--target: {target!r} is not a target to render; use slurm or kubernetes")
     job = load(spec, set_, **{"cluster.target": target})
     print_warnings(job)
-    text = render_text(job, target)  # type: ignore[arg-type]
+    files = render_files(job, target)  # type: ignore[arg-type]
+    main_name = artifact_name(job, target)  # type: ignore[arg-type]
     if output is None:
-        sys.stdout.write(text)
+        sys.stdout.write(files[main_name])
+        for extra in set(files) - {main_name}:
+            err.print(f"note: {extra} (the PodMonitor) is written only with --output DIR")
         return
     if output.exists() and not output.is_dir():
         fail(f"--output: {output} exists and is not a directory")
-    path = atomic_write_text(output / artifact_name(job, target),  # type: ignore[arg-type]
-                             text, mode=0o755 if target == "slurm" else 0o644)
-    err.print(f"wrote {path}")
+    for name, text in files.items():
+        path = atomic_write_text(output / name, text,
+                                 mode=0o755 if target == "slurm" else 0o644)
+        err.print(f"wrote {path}")
 
 
 @app.command()
@@ -185,11 +191,17 @@ def submit(
     spec: SpecArg,
     set_: SetOpt = None,
     dry_run: Annotated[bool, typer.Option(
-        "--dry-run", help="Print the exact command and bytes that would be submitted.")] = False,
+        "--dry-run", help="Print the exact command and bytes that would be submitted "
+        "(Kubernetes: --dry-run=server has the API server validate the objects and store "
+        "nothing).")] = False,
+    server_dry_run: Annotated[bool, typer.Option("--dry-run-server", hidden=True)] = False,
     force: Annotated[bool, typer.Option(
         "--force", help="Submit even if the planner predicts the job will not fit.")] = False,
+    context: Annotated[str | None, typer.Option(
+        "--context", help="Kubernetes: the kubeconfig context (default: the current one).")
+    ] = None,
 ) -> None:
-    """Run or submit the job on its cluster.target (local by default, or Slurm).
+    """Run or submit the job on its cluster.target (local by default, Slurm or Kubernetes).
 
     A job predicted not to fit is refused unless --force; --dry-run prints the exact command
     and the bytes that would be submitted."""
@@ -206,12 +218,20 @@ def submit(
         backend = get_backend(job.cluster.target)
     except NotImplementedError as exc:
         fail(str(exc))
+    if (context or server_dry_run) and job.cluster.target != "kubernetes":
+        fail(f"--context and --dry-run=server are for cluster.target kubernetes, not "
+             f"{job.cluster.target}")
+    if context:
+        backend.context = context  # type: ignore[attr-defined]
     dryrun = backend.dryrun(job)
     if dry_run:
         sys.stdout.write(dryrun.describe())
         return
     try:
-        code = backend.schedule(dryrun)
+        if server_dry_run:
+            code = backend.server_dryrun(dryrun)  # type: ignore[attr-defined]
+        else:
+            code = backend.schedule(dryrun)
     except RuntimeError as exc:  # the scheduler refused the job: nothing was submitted
         fail(str(exc))
     raise typer.Exit(code)
@@ -235,10 +255,14 @@ def find_job(reference: str):  # type: ignore[no-untyped-def]
     return record, get_backend(record.target)
 
 
+_SCHEDULERS = {"slurm": "Slurm", "kubernetes": "PyTorchJob"}
+
+
 def _status_line(record, status) -> str:  # type: ignore[no-untyped-def]
     parts = [f"{record.backend_id or record.id}: {status.state}"]
     if status.scheduler_state and status.scheduler_state != status.state:
-        parts.append(f"(Slurm: {status.scheduler_state})")
+        parts.append(f"({_SCHEDULERS.get(record.target, record.target)}: "
+                     f"{status.scheduler_state})")
     if status.reason:
         parts.append(f"reason {status.reason}")
     if status.nodes:
@@ -263,9 +287,11 @@ def status(
     record, backend = find_job(job)
     try:
         state = backend.status(record)
+        detail = backend.explain(record, state)
     except KeyError:
         fail(f"the scheduler no longer knows job {record.backend_id}")
-    detail = backend.explain(record, state)
+    except RuntimeError as exc:  # the scheduler cannot be asked
+        fail(str(exc), code=exitcodes.FAILED)
     if as_json:
         out.print_json(json.dumps({"id": record.id, "backend_id": record.backend_id,
                                    "name": record.name, "target": record.target,
@@ -285,10 +311,13 @@ def logs(
 ) -> None:
     """Print a job's log (every rank's lines, labelled), or one rank's."""
     record, backend = find_job(job)
-    lines = backend.follow_log(record, rank) if follow_ else backend.read_log(record, rank)
-    for line in lines:
-        sys.stdout.write(line)
-        sys.stdout.flush()
+    try:
+        lines = backend.follow_log(record, rank) if follow_ else backend.read_log(record, rank)
+        for line in lines:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+    except RuntimeError as exc:  # e.g. a Kubernetes job without pods yet
+        fail(str(exc), code=exitcodes.FAILED)
 
 
 @app.command()
@@ -321,6 +350,8 @@ def wait(
             state = backend.status(record)
         except KeyError:
             fail(f"the scheduler no longer knows job {record.backend_id}")
+        except RuntimeError as exc:
+            fail(str(exc), code=exitcodes.FAILED)
         if state.terminal:
             break
         if deadline is not None and time.monotonic() > deadline:
@@ -349,7 +380,7 @@ def list_jobs(
     for record in jobstore.all_records()[-limit:]:
         try:
             state = get_backend(record.target).status(record).state
-        except (KeyError, NotImplementedError):
+        except (KeyError, RuntimeError):  # NotImplementedError is a RuntimeError
             state = "UNKNOWN"
         table.add_row(record.id, record.name, record.target, record.backend_id, state,
                       time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created)))
@@ -425,14 +456,25 @@ def sweep(
             err.print(f"submitted job array {records[0].extra['array']} ({len(records)} "
                       f"tasks: {', '.join(p.name for p in group)})")
     else:
+        # Kubernetes: one PyTorchJob per point, all with the sweep's label.
+        dryruns = (backend.sweep_dryruns(sweep_id, [p.spec for p in runnable])  # type: ignore
+                   if target == "kubernetes" else [backend.dryrun(p.spec) for p in runnable])
         if dry_run:
-            for point in runnable:
-                sys.stdout.write(backend.dryrun(point.spec).describe())
+            for dryrun in dryruns:
+                sys.stdout.write(dryrun.describe())
             return
-        for point in runnable:
-            dryrun = backend.dryrun(point.spec)
-            backend.schedule(dryrun)
+        refused = 0
+        for point, dryrun in zip(runnable, dryruns):
+            try:
+                backend.schedule(dryrun)
+            except RuntimeError as exc:  # e.g. a job of that name exists: the others still go
+                err.print(f"[yellow]warning:[/] {point.name} not submitted: {exc}", markup=True)
+                entries[point.index]["skipped"] = str(exc)
+                refused += 1
+                continue
             entries[point.index]["job"] = dryrun.env["CTXLAUNCH_JOB_ID"]
+        if refused == len(runnable):
+            fail("no point of the sweep was submitted")
     jobstore.save_sweep(sweep_id, {"id": sweep_id, "name": spec_def.name, "target": target,
                                    "created": time.time(), "axes": list(spec_def.axes),
                                    "points": [entries[i] for i in sorted(entries)]})
@@ -470,7 +512,7 @@ def report(
         record = jobstore.load(entry["job"])
         try:
             state = get_backend(record.target).status(record).state
-        except KeyError:
+        except (KeyError, RuntimeError):
             state = "UNKNOWN"
         summary_path = jobstore.run_dir(record) / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
@@ -526,6 +568,10 @@ def schema() -> None:
 
 
 def main() -> None:
+    # `submit --dry-run=server` (kubectl's spelling): the option parser has no optional-value
+    # flags, so that one spelling is read as the hidden --dry-run-server.
+    sys.argv = ["--dry-run-server" if arg == "--dry-run=server" else
+                "--dry-run" if arg == "--dry-run=client" else arg for arg in sys.argv]
     app()
 
 

@@ -17,6 +17,10 @@ from .hardware import COMMON_NCCL_ENV, FABRIC_NCCL_ENV, RDMA_NETWORKS
 from .spec import JobSpec
 
 TRAINER_MODULE = "ctxlaunch.trainer"
+POD_MODULE = "ctxlaunch.podentry"
+"""A PyTorchJob pod's command: torchrun on the trainer, exiting with a status the training
+operator's ExitCode restart policy reads right (see ctxlaunch.podentry)."""
+POD_RESTART_POLICY = "ExitCode"
 SPEC_ENV = "CTXLAUNCH_SPEC_JSON"
 """The resolved spec travels to every rank in this variable (Slurm) or as a mounted file."""
 K8S_SPEC_DIR = "/etc/ctxlaunch"
@@ -201,12 +205,17 @@ class KubernetesPlan:
     image_pull_secrets: list[str]
     service_account: str | None
     priority_class: str | None
+    restart_policy: str = POD_RESTART_POLICY
     run_policy: dict[str, Any] = field(default_factory=dict)
     metrics_ports: list[tuple[str, int]] = field(default_factory=list)
     """(port name, container port) per local rank in scrape mode; the PodMonitor scrapes them."""
 
 
-def kubernetes_plan(spec: JobSpec) -> KubernetesPlan:
+SWEEP_LABEL = "ctxlaunch/sweep"
+
+
+def kubernetes_plan(spec: JobSpec, sweep: str | None = None) -> KubernetesPlan:
+    """The manifest's parts; `sweep` (a sweep id) adds the label every point of it shares."""
     c, k = spec.cluster, spec.cluster.kubernetes
     rdma = spec.fabric.network in RDMA_NETWORKS and c.gpu != "cpu"
     limits: dict[str, str] = {}
@@ -235,14 +244,16 @@ def kubernetes_plan(spec: JobSpec) -> KubernetesPlan:
     return KubernetesPlan(
         name=spec.name,
         namespace=k.namespace,
-        labels={"app.kubernetes.io/name": "ctxlaunch", "ctxlaunch/job": spec.name},
+        labels={"app.kubernetes.io/name": "ctxlaunch", "ctxlaunch/job": spec.name,
+                **({SWEEP_LABEL: sweep} if sweep else {})},
         replicas=replicas,
         nproc_per_node=c.gpus_per_node,
         image=k.image or "",
         image_pull_policy=k.image_pull_policy,
         # The training-operator sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK and the
-        # master address; torchrun reads them as its defaults.
-        command=["torchrun", "--module", TRAINER_MODULE, f"{K8S_SPEC_DIR}/{K8S_SPEC_FILE}"],
+        # master address; the torchrun that ctxlaunch.podentry starts reads them as defaults.
+        command=["python3", "-m", POD_MODULE, f"{K8S_SPEC_DIR}/{K8S_SPEC_FILE}"],
+        restart_policy=POD_RESTART_POLICY,
         env=job_environment(spec),
         limits=limits,
         requests=requests,

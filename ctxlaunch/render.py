@@ -25,6 +25,11 @@ from .spec import JobSpec
 Target = Literal["slurm", "kubernetes"]
 TEMPLATES = {"slurm": "slurm.sbatch.j2", "kubernetes": "pytorchjob.yaml.j2"}
 SUFFIXES = {"slurm": ".sbatch", "kubernetes": ".yaml"}
+MONITOR_TEMPLATE = "podmonitor.yaml.j2"
+MONITORING_DIR = "monitoring"
+"""The PodMonitor goes to this subfolder of the output: `kubectl apply -f DIR` (not recursive)
+leaves it out, so a cluster without the Prometheus Operator's CRD takes the job cleanly;
+`kubectl apply -R -f DIR` applies it too."""
 
 _SBATCH_DIRECTIVE = re.compile(r"^--[a-z][a-z-]*(=[A-Za-z0-9_.:@%/\-]+)?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -104,13 +109,36 @@ def artifact_name(spec: JobSpec, target: Target) -> str:
     return spec.name + SUFFIXES[target]
 
 
+def monitor_name(job_name: str) -> str:
+    """Where the PodMonitor goes, relative to the output directory (scrape mode only)."""
+    return f"{MONITORING_DIR}/{job_name}-podmonitor.yaml"
+
+
 def render(spec: JobSpec, target: Target) -> str:
-    """The artifact for `target` as text."""
-    plan = slurm_plan(spec) if target == "slurm" else kubernetes_plan(spec)
-    return render_plan(plan, target, artifact_name(spec, target))
+    """The main artifact for `target` as text (the sbatch script; the ConfigMap and
+    PyTorchJob)."""
+    return render_files(spec, target)[artifact_name(spec, target)]
+
+
+def render_files(spec: JobSpec, target: Target, sweep: str | None = None) -> dict[str, str]:
+    """Every file `render --output DIR` writes, by path relative to DIR: the main artifact and,
+    for Kubernetes in scrape mode, the PodMonitor in its own subfolder. `sweep` labels a
+    sweep's Kubernetes objects."""
+    name = artifact_name(spec, target)
+    if target == "slurm":
+        return {name: render_plan(slurm_plan(spec), target, name)}
+    plan = kubernetes_plan(spec, sweep=sweep)
+    files = {name: render_plan(plan, target, name)}
+    if plan.metrics_ports:
+        monitor = monitor_name(spec.name)
+        files[monitor] = _environment().get_template(MONITOR_TEMPLATE).render(
+            plan=plan, version=__version__, filename=monitor)
+    return files
 
 
 def render_plan(plan: SlurmPlan | KubernetesPlan, target: Target, filename: str) -> str:
     """Fill the target's template with a plan (the Slurm backend renders its own plan)."""
     template = _environment().get_template(TEMPLATES[target])
-    return template.render(plan=plan, version=__version__, filename=filename)
+    return template.render(plan=plan, version=__version__, filename=filename,
+                           monitor_filename=monitor_name(plan.name)
+                           if isinstance(plan, KubernetesPlan) else None)

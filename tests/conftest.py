@@ -42,6 +42,15 @@ def check_golden(update_goldens: bool):
     return check
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (at the time of asking)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def crd_path() -> Path | None:
     path = Path(os.environ.get("CTXLAUNCH_PYTORCHJOB_CRD", DEFAULT_CRD))
     return path if path.is_file() else None

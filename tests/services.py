@@ -73,3 +73,24 @@ def require_slurm() -> None:
     result = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
     if result.returncode != 0 or not result.stdout.strip():
         pytest.fail(f"Slurm is not up ({result.stderr.strip() or 'no nodes'}); {START_HINT}")
+
+
+KUBE_DIR = SERVICES_DIR / "kubernetes"
+KUBE_ADMIN = KUBE_DIR / "admin.kubeconfig"
+KUBE_VIEWER = KUBE_DIR / "viewer.kubeconfig"
+KUBE_CRD = KUBE_DIR / "pytorchjobs-crd.yaml"
+"""The CRD as kubernetes.sh installed it (its x-kubernetes-validations key stripped)."""
+
+
+def require_kubernetes() -> None:
+    import subprocess
+    import sys
+
+    kubectl = Path(sys.executable).parent / "kubectl"
+    if not KUBE_ADMIN.is_file():
+        pytest.fail(f"no {KUBE_ADMIN}: the Kubernetes API server is not up; {START_HINT}")
+    result = subprocess.run([str(kubectl), "--kubeconfig", str(KUBE_ADMIN), "get", "--raw",
+                             "/readyz"], capture_output=True, text=True, timeout=30)
+    if result.returncode != 0 or result.stdout.strip() != "ok":
+        pytest.fail(f"the Kubernetes API server is not ready "
+                    f"({(result.stderr or result.stdout).strip()}); {START_HINT}")

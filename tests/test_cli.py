@@ -76,6 +76,21 @@ def test_render_writes_atomically_into_a_directory(tmp_path: Path) -> None:
     assert [p.name for p in out.iterdir()] == ["llama3-8b-128k.sbatch"]  # no temp files left
 
 
+def test_render_puts_the_pod_monitor_in_its_own_folder(tmp_path: Path) -> None:
+    spec = str(JOBS / "llama3-70b-1m-k8s.yaml")
+    printed = run("render", spec, "-t", "kubernetes")
+    assert printed.exit_code == 0 and "kind: PodMonitor" not in printed.stdout
+    assert "monitoring/llama3-70b-1m-podmonitor.yaml (the PodMonitor) is written only with " \
+        "--output" in printed.stderr
+    out = tmp_path / "out"
+    assert run("render", spec, "-t", "kubernetes", "-o", str(out)).exit_code == 0
+    golden = GOLDEN / "llama3-70b-1m-k8s"
+    for name in ("llama3-70b-1m.yaml", "monitoring/llama3-70b-1m-podmonitor.yaml"):
+        assert (out / name).read_text() == (golden / name).read_text()
+    assert sorted(p.name for p in out.rglob("*")) == [
+        "llama3-70b-1m-podmonitor.yaml", "llama3-70b-1m.yaml", "monitoring"]
+
+
 def test_render_invalid_writes_nothing(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = run("render", str(JOBS / "invalid-ulysses-gqa.yaml"), "-t", "slurm", "-o", str(out))

@@ -11,7 +11,8 @@ LAUNCHER_MODULES = [
     "ctxlaunch", "ctxlaunch.cli", "ctxlaunch.spec", "ctxlaunch.loader", "ctxlaunch.planner",
     "ctxlaunch.memory", "ctxlaunch.flops", "ctxlaunch.launch", "ctxlaunch.render",
     "ctxlaunch.sweep", "ctxlaunch.jobstore", "ctxlaunch.backends", "ctxlaunch.backends.local",
-    "ctxlaunch.backends.slurm", "ctxlaunch.telemetry.metrics", "ctxlaunch.telemetry.dashboard",
+    "ctxlaunch.backends.slurm", "ctxlaunch.backends.kubernetes", "ctxlaunch.podentry",
+    "ctxlaunch.telemetry.metrics", "ctxlaunch.telemetry.dashboard",
 ]
 HEAVY = ["torch", "kubernetes", "submitit", "deepspeed"]
 
@@ -31,3 +32,13 @@ def test_cp_needs_nothing_but_torch() -> None:
                             check=True)
     modules = set(result.stdout.strip().split(","))
     assert {m for m in modules if not m.startswith("ctxlaunch.cp")} == {"ctxlaunch"}, modules
+
+
+def test_backend_base_imports_no_backend() -> None:
+    """The registry lives in ctxlaunch.backends; the base knows none of its subclasses, and a
+    backend's module loads only when its target is used."""
+    code = ("import sys\nimport ctxlaunch.backends\n"
+            "print(','.join(sorted(m for m in sys.modules if m.startswith('ctxlaunch.backends.'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "ctxlaunch.backends.base"

@@ -25,6 +25,8 @@ class DryRun:
     artifact: str | None = None
     """The exact bytes submitted (the sbatch script, the manifest), when there is one."""
     artifact_name: str | None = None
+    extra_artifacts: dict[str, str] = field(default_factory=dict)
+    """Further files submitted with the artifact, by name (the Kubernetes PodMonitor)."""
 
     def describe(self) -> str:
         lines = [f"# target: {self.target}"]
@@ -34,6 +36,9 @@ class DryRun:
         if self.artifact is not None:
             lines.append(f"# --- {self.artifact_name} ---")
             lines.append(self.artifact.rstrip("\n"))
+        for name, text in self.extra_artifacts.items():
+            lines.append(f"# --- {name} ---")
+            lines.append(text.rstrip("\n"))
         return "\n".join(lines) + "\n"
 
 
@@ -68,6 +73,15 @@ class Status:
         return self.state in TERMINAL
 
 
+def describe_layout(spec: dict) -> str:
+    """The layout of a job from its recorded spec (JSON), for an OOM report."""
+    p, t = spec.get("parallel", {}), spec.get("training", {})
+    return (f"model {spec.get('model', {}).get('preset') or 'custom'}, seq_len "
+            f"{t.get('seq_len')}, cp {p.get('cp')} ({p.get('cp_algorithm')}, "
+            f"{p.get('layout')}), activation_checkpointing "
+            f"{t.get('activation_checkpointing')}, ZeRO-{t.get('zero_stage')}")
+
+
 class Backend(Protocol):
     name: str
 
@@ -93,15 +107,3 @@ def combine_exit_codes(codes: Iterable[int | None]) -> int:
         return exitcodes.PREEMPTED
     return exitcodes.OK
 
-
-def get_backend(target: str) -> Backend:
-    if target == "local":
-        from .local import LocalBackend
-
-        return LocalBackend()
-    if target == "slurm":
-        from .slurm import SlurmBackend
-
-        return SlurmBackend()
-    raise NotImplementedError(f"cluster.target {target!r}: submission to {target} is not "
-                              "available yet; use `ctxlaunch render` and submit the artifact")

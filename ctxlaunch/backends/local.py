@@ -21,9 +21,10 @@ EXIT_DIR = "exit"
 """Each rank writes its exit status to <run dir>/exit/rank-<r> (see ctxlaunch.trainer.main)."""
 
 
-def rank_exit_codes(run_dir: Path, world_size: int) -> list[int | None]:
+def rank_exit_codes(run_dir: Path, count: int, first: int = 0) -> list[int | None]:
+    """The exit statuses of ranks first .. first+count-1 (None: the rank left none)."""
     codes: list[int | None] = []
-    for rank in range(world_size):
+    for rank in range(first, first + count):
         path = run_dir / EXIT_DIR / f"rank-{rank}"
         try:
             codes.append(int(path.read_text().strip()))

@@ -21,7 +21,7 @@ from .. import exitcodes, jobstore
 from ..launch import slurm_plan
 from ..render import render_plan
 from ..spec import JobSpec
-from .base import DryRun, Status
+from .base import DryRun, Status, describe_layout
 
 # Slurm's job states -> ctxlaunch's. The trainer's own exit statuses refine FAILED below.
 STATES: dict[str, str] = {
@@ -190,12 +190,7 @@ class SlurmBackend:
         with the layout that caused it."""
         lines = self.read_log(record)
         if status.state == "OOM":
-            spec = record.extra.get("spec", {})
-            p, t = spec.get("parallel", {}), spec.get("training", {})
-            layout = (f"model {spec.get('model', {}).get('preset') or 'custom'}, seq_len "
-                      f"{t.get('seq_len')}, cp {p.get('cp')} ({p.get('cp_algorithm')}, "
-                      f"{p.get('layout')}), activation_checkpointing "
-                      f"{t.get('activation_checkpointing')}, ZeRO-{t.get('zero_stage')}")
+            layout = describe_layout(record.extra.get("spec", {}))
             oom = [line.split("error: ", 1)[1].rstrip() for line in lines
                    if "error: out of memory" in line]
             return [f"out of device memory with {layout}"] + oom[:1]

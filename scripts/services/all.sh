@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Every real service the tests use: Slurm (with accounting) and Prometheus + Pushgateway.
+# Every real service the tests use: Slurm (with accounting), Prometheus + Pushgateway, and a
+# Kubernetes API server (etcd + kube-apiserver with the PyTorchJob CRD).
 #
 # Usage: scripts/services/all.sh install|start|stop|restart|status
 #
-# install and start run slurm.sh then prometheus.sh; stop runs them in reverse order. stop goes on
-# to the next service when one fails and reports the failure at the end. See slurm.sh and
-# prometheus.sh for what each does and the environment variables they read
-# (CTXLAUNCH_SERVICES_DIR, CTXLAUNCH_PROMETHEUS_PORT, CTXLAUNCH_PUSHGATEWAY_PORT, ...).
+# install and start run slurm.sh, prometheus.sh then kubernetes.sh; stop runs them in reverse
+# order. stop goes on to the next service when one fails and reports the failure at the end.
+# See slurm.sh, prometheus.sh and kubernetes.sh for what each does and the environment variables
+# they read (CTXLAUNCH_SERVICES_DIR, CTXLAUNCH_PROMETHEUS_PORT, CTXLAUNCH_KUBE_PORT, ...).
 set -euo pipefail
 
 readonly PROG="all.sh"
@@ -15,7 +16,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 readonly SCRIPT_DIR
-readonly SERVICES=(slurm prometheus)
+readonly SERVICES=(slurm prometheus kubernetes)
 
 run_in_order() { # action service...: stop at the first failure
     local action="$1" service
