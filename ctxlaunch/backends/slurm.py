@@ -281,8 +281,13 @@ class SlurmBackend:
             ranks = failing_ranks(lines)
             if not ranks:
                 return [line.rstrip() for line in lines[-15:]]
-            out = [f"rank {ranks[0]} failed; its last lines:"]
-            return out + [line.rstrip() for line in rank_lines(lines, ranks[0])[-15:]]
+            own = rank_lines(lines, ranks[0])
+            # Its error line first: a traceback can push it out of the last lines.
+            error = next((line.split("] error: ", 1)[1].rstrip() for line in own
+                          if "] error: " in line), "")
+            out = [f"rank {ranks[0]} error: {error}"] if error else []
+            out.append(f"rank {ranks[0]} failed; its last lines:")
+            return out + [line.rstrip() for line in own[-15:]]
         return []
 
 

@@ -29,7 +29,8 @@
 #   CTXLAUNCH_SERVICES_DIR      base state directory (default /var/tmp/ctxlaunch-services)
 #   CTXLAUNCH_SLURM_CPUS        CPUs this host's node offers (default: what `slurmd -C` finds); more
 #                               than the machine has oversubscribes it, so e.g. `srun -n 4` runs on 2 cores
-#   CTXLAUNCH_SLURM_NODES       namespaced nodes (default 2, at most 9); each offers 2 CPUs
+#   CTXLAUNCH_SLURM_NODES       namespaced nodes (default 2, at most 9); each offers 4 CPUs (oversubscribed:
+#                               several small 2-node jobs run side by side)
 #   CTXLAUNCH_SERVICES_TIMEOUT  seconds to wait for each daemon (default 30)
 set -euo pipefail
 
@@ -66,7 +67,7 @@ readonly BRIDGE="ctxl-br0"
 readonly CTLD_ADDR="$NET_PREFIX.1"
 readonly NS_NODES="${CTXLAUNCH_SLURM_NODES:-2}"
 [[ "$NS_NODES" =~ ^[1-9]$ ]] || die "CTXLAUNCH_SLURM_NODES must be 1..9, got '$NS_NODES'"
-readonly NS_NODE_CPUS=2
+readonly NS_NODE_CPUS=4
 readonly HOSTS_MARKER="# ctxlaunch slurm.sh test node"
 readonly GRACE_SECONDS=10
 
@@ -151,7 +152,7 @@ node_line() {
     printf '%s NodeAddr=127.0.0.1 State=UNKNOWN\n' "$line"
 }
 
-# The namespaced nodes: 2 CPUs each (a 2-rank job fits on one, a `nodes: 2` job runs one rank
+# The namespaced nodes: 4 CPUs each (two 2-rank jobs fit on one, a `nodes: 2` job runs one rank
 # per node), memory as this host's node reports it.
 ns_node_lines() {
     local memory node
@@ -423,7 +424,8 @@ setup_network() {
     if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
         ip link add "$BRIDGE" type bridge || die "cannot create the bridge $BRIDGE"
     fi
-    ip addr show dev "$BRIDGE" | grep -q "inet $CTLD_ADDR/24" || ip addr add "$CTLD_ADDR/24" dev "$BRIDGE"
+    # (Tests on captured output: `ip ... | grep -q` fails under pipefail when grep exits early.)
+    [[ "$(ip addr show dev "$BRIDGE")" == *"inet $CTLD_ADDR/24 "* ]] || ip addr add "$CTLD_ADDR/24" dev "$BRIDGE"
     ip link set "$BRIDGE" up
     for node in $(ns_node_names); do
         ns="$(ns_of "$node")" addr="$(addr_of "$node")" veth="ctxl-v${node#node}"
@@ -432,7 +434,7 @@ setup_network() {
             ip link add "$veth" type veth peer name eth0 netns "$ns" || die "cannot create the veth $veth"
         fi
         ip link set "$veth" master "$BRIDGE" up
-        ip -n "$ns" addr show dev eth0 | grep -q "inet $addr/24" || ip -n "$ns" addr add "$addr/24" dev eth0
+        [[ "$(ip -n "$ns" addr show dev eth0)" == *"inet $addr/24 "* ]] || ip -n "$ns" addr add "$addr/24" dev eth0
         ip -n "$ns" link set lo up
         ip -n "$ns" link set eth0 up
         if ! grep -qE "^${addr}[[:space:]]+${node}([[:space:]]|\$)" /etc/hosts; then
