@@ -1,4 +1,5 @@
-"""Slurm end to end on a real single-node cluster with accounting (scripts/services/slurm.sh):
+"""Slurm end to end on the real cluster with accounting (scripts/services/slurm.sh; these jobs
+run on this host's node, the faults on the namespaced nodes are in test_slurm_faults.py):
 submit, watch, read logs, cancel, failures and OOMs, preemption with requeue and resume, plain
 sbatch of the rendered script, and bad input. Every test has a timeout."""
 
