@@ -91,6 +91,11 @@ def test_two_node_job_preempted_by_a_high_partition_job_resumes_and_matches(
     stopped = int(re.search(r"checkpointed at step (\d+)", log).group(1))
     assert f"stopped by preemption (exit 75); requeueing job {job_id} (restart 1 of 3)" in log
     assert resumed_steps(log)[0] == stopped
+    # `logs` shows each run's lines in order: the first run, its requeue, the second run.
+    order = [f"job {job_id} restart 0 on", "stopped by preemption", f"job {job_id} restart 1 on",
+             "resumed from", "0: ctxlaunch: done: 40 steps"]
+    positions = [log.index(text) for text in order]
+    assert positions == sorted(positions), positions
     assert final["state"] == "COMPLETED" and final["restarts"] == 1
     assert final["history"][0].startswith("run 1: PREEMPTED, checkpoint at step")
     assert final_loss(home, job_id) == reference
