@@ -4,7 +4,8 @@
 #
 # Usage: scripts/services/slurm.sh install|start|stop|restart|status
 #
-#   install  apt-get the Debian packages (slurm 22.05, munge, slurmdbd, MariaDB); no-op when present
+#   install  apt-get the Debian packages (slurm 22.05, munge, slurmdbd, MariaDB, iproute2); no-op when
+#            present
 #   start    create the nodes' network (idempotent), start munged, MariaDB (unix socket only),
 #            slurmdbd, slurmctld and every slurmd, and wait until the nodes are idle and sacct
 #            answers; a no-op (that still checks health) when running
@@ -59,7 +60,8 @@ readonly MYSQL_SOCKET="$MYSQL_SOCKET_DIR/mysqld.sock"
 readonly MUNGE_SOCKET_DIR="/run/munge"
 readonly MUNGE_KEY="/etc/munge/munge.key"
 
-readonly PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server)
+# iproute2: `ip` builds the namespaced nodes' network (nsenter and unshare are util-linux).
+readonly PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server iproute2)
 
 # The namespaced nodes' network: a bridge in the root namespace, one veth pair per node.
 readonly NET_PREFIX="10.77.0"
@@ -125,7 +127,7 @@ cmd_install() {
 
 require_installed() {
     local cmd
-    for cmd in munged mariadbd mariadb-install-db slurmdbd slurmctld slurmd sbatch sacct sacctmgr; do
+    for cmd in munged mariadbd mariadb-install-db slurmdbd slurmctld slurmd sbatch sacct sacctmgr ip nsenter unshare; do
         command -v "$cmd" >/dev/null 2>&1 || [ -x "/usr/sbin/$cmd" ] ||
             die "'$cmd' not found: run '$0 install' first"
     done
@@ -557,9 +559,9 @@ cmd_status() {
     local name pid all=0
     for name in "${DAEMONS[@]}"; do
         if pid="$(running_pid "$name")"; then
-            printf '%-10s running (pid %s)\n' "$name" "$pid"
+            printf '%-14s running (pid %s)\n' "$name" "$pid"
         else
-            printf '%-10s stopped\n' "$name"
+            printf '%-14s stopped\n' "$name"
             all=1
         fi
     done
