@@ -270,7 +270,8 @@ def _status_line(record, status) -> str:  # type: ignore[no-untyped-def]
     if status.exit_code:
         parts.append(f"exit {status.exit_code}")
     parts.append(f"restarts {status.restarts}")
-    return " ".join(parts) + f"  [{record.name}, {record.target}, {record.id}]"
+    line = " ".join(parts) + f"  [{record.name}, {record.target}, {record.id}]"
+    return line + (f"\n  {status.story}" if status.story else "")
 
 
 @app.command()

@@ -93,6 +93,10 @@ class SlurmPlan:
     spec_env: str
     spec_json: str
     exit_preempted: int = exitcodes.PREEMPTED
+    exit_bad_input: int = exitcodes.BAD_INPUT
+    exit_oom: int = exitcodes.OOM
+    signal_seconds: int = 0
+    """The time limit's signal lead (--signal=B:USR1@N), 0 for none."""
     log_dir: str = "."
     array_specs: list[str] = field(default_factory=list)
     """A job array: task i runs the i-th spec (JSON)."""
@@ -131,9 +135,9 @@ def slurm_plan(spec: JobSpec, python: str = "python3", run_dir: str | None = Non
         directives.append("--exclusive")
     directives.append("--requeue" if s.requeue else "--no-requeue")
     if s.signal_seconds:
-        # To every task of the job steps (no "B:"): the trainer checkpoints, exits 75, and
-        # the batch script requeues the job.
-        directives.append(f"--signal=USR1@{s.signal_seconds}")
+        # To the batch shell ("B:"), which passes it to the ranks: they checkpoint and exit 75,
+        # and the shell requeues the job.
+        directives.append(f"--signal=B:USR1@{s.signal_seconds}")
     if array:
         directives.append(f"--array=0-{len(array) - 1}")
     directives += [
@@ -158,6 +162,7 @@ def slurm_plan(spec: JobSpec, python: str = "python3", run_dir: str | None = Non
         trainer_command=[python, "-u", "-m", TRAINER_MODULE],
         max_restarts=s.max_restarts,
         requeue=s.requeue,
+        signal_seconds=s.signal_seconds,
         base_port=SLURM_BASE_PORT,
         spec_env=SPEC_ENV,
         spec_json=spec_json(spec),

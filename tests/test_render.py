@@ -76,7 +76,7 @@ def test_slurm_script_launch_conventions() -> None:
                   if line.startswith("#SBATCH ")]
     assert "--nodes=4" in directives and "--ntasks-per-node=8" in directives
     assert "--gpus-per-node=8" in directives and "--requeue" in directives
-    assert "--exclusive" in directives and "--signal=USR1@120" in directives
+    assert "--exclusive" in directives and "--signal=B:USR1@120" in directives
     assert "--partition=gpu" in directives and "--time=2-00:00:00" in directives
     # Rendezvous resolved inside the job from the allocation, not on the login node.
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in text

@@ -1,4 +1,5 @@
-"""Slurm end to end on a real single-node cluster with accounting (scripts/services/slurm.sh):
+"""Slurm end to end on the real cluster with accounting (scripts/services/slurm.sh; these jobs
+run on this host's node, the faults on the namespaced nodes are in test_slurm_faults.py):
 submit, watch, read logs, cancel, failures and OOMs, preemption with requeue and resume, plain
 sbatch of the rendered script, and bad input. Every test has a timeout."""
 
@@ -203,7 +204,7 @@ def test_preemption_checkpoints_requeues_resumes_and_matches(tmp_path: Path,
     straight = submit(straight_dir, home, *steps)
     preempted = submit(tmp_path, home, *steps)
     wait_for_log(home, tmp_path, preempted, r"^0: step 5/")
-    # What Slurm sends before a time limit (--signal=USR1@...), to the job's tasks.
+    # A stop signal to the job's tasks only (what the start of a preemption's grace sends).
     signal = run(["scancel", "--signal=USR1", preempted], home, tmp_path)
     assert signal.returncode == 0, signal.stderr
     for job_id in (straight, preempted):

@@ -67,6 +67,10 @@ class Status:
     restarts: int = 0
     reason: str = ""
     nodes: str = ""
+    story: str = ""
+    """What happened, in words: "PREEMPTED at step 11 and requeued (restart 1 of 3)"."""
+    history: tuple[str, ...] = ()
+    """How each earlier run ended, oldest first (a requeued job's story so far)."""
 
     @property
     def terminal(self) -> bool:

@@ -66,6 +66,80 @@ def query_status(job_id: str) -> Status:
     return _classify(raw, int(exit_field.split(":")[0] or 0), 0, "", nodes)
 
 
+def run_states(job_id: str) -> list[str]:
+    """Slurm's state for each run of the job, oldest first (sacct --duplicates): a run that
+    Slurm requeued itself shows why (NODE_FAIL, PREEMPTED), one the script requeued REQUEUED."""
+    result = _run(["sacct", "-j", job_id, "-X", "-D", "-n", "-P", "-o", "State"])
+    if result.returncode != 0:
+        return []
+    return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
+
+
+# The batch script's and the trainer's lines that tell a requeued job's story.
+_RUN_START = re.compile(r"^ctxlaunch: job \S+ restart (\d+) on ")
+_REQUEUED = re.compile(r"^ctxlaunch: stopped by (.+?) \(exit \d+\); requeueing job ")
+_SAVED = re.compile(r"ctxlaunch: checkpoint \S*step-(\d+)\s*$")
+_CAUSE_WORDS = {"preemption": "PREEMPTED", "the time limit": "TIMEOUT"}
+
+
+def runs_from_log(lines: list[str]) -> list[dict]:
+    """One entry per run in the (appended) log: the newest checkpoint at its end, and the
+    cause when its batch script requeued it."""
+    runs: list[dict] = []
+    for line in lines:
+        if _RUN_START.match(line):
+            runs.append({"checkpoint": runs[-1]["checkpoint"] if runs else None, "cause": ""})
+        elif runs and (saved := _SAVED.search(line)):
+            runs[-1]["checkpoint"] = int(saved.group(1))
+        elif runs and (requeued := _REQUEUED.match(line)):
+            runs[-1]["cause"] = requeued.group(1)
+    return runs
+
+
+def tell_story(status: Status, log: list[str], states: list[str], max_restarts: int) -> Status:
+    """The status in words a user trusts: how each earlier run ended (from the batch script's
+    log lines, else from Slurm's record of that run) and what the current state means."""
+    import dataclasses
+
+    runs = runs_from_log(log)
+    restarts = max(status.restarts, len(states) - 1, 0)
+    history = []
+    for index in range(restarts):
+        run = runs[index] if index < len(runs) else {"checkpoint": None, "cause": ""}
+        state = states[index] if index < len(states) else ""
+        if run["cause"]:
+            word = _CAUSE_WORDS.get(run["cause"], f"STOPPED by {run['cause']}")
+        else:
+            word = state or "REQUEUED"
+        saved = (f"checkpoint at step {run['checkpoint']}" if run["checkpoint"] is not None
+                 else "no checkpoint yet")
+        history.append(f"run {index + 1}: {word}, {saved}, requeued")
+    newest = next((r["checkpoint"] for r in reversed(runs) if r["checkpoint"] is not None), None)
+    saved = (f"the newest checkpoint is step {newest}" if newest is not None
+             else "no checkpoint was written")
+    story = ""
+    if not status.terminal and restarts:
+        last = history[-1].split(": ", 1)[1].split(",")[0]
+        story = (f"{last} and requeued (restart {restarts} of {max_restarts}); "
+                 f"resumes from step {newest}" if newest is not None
+                 else f"{last} and requeued (restart {restarts} of {max_restarts})")
+    elif status.state == "COMPLETED" and restarts:
+        story = (f"COMPLETED after {restarts} restart(s): "
+                 + ", ".join(h.split(": ", 1)[1].split(",")[0] for h in history))
+    elif status.state == "CANCELLED":
+        story = f"CANCELLED by the user (scancel); {saved}"
+    elif status.state == "TIMEOUT":
+        story = (f"TIMEOUT after a checkpoint at step {newest}; resubmit to resume from it"
+                 if newest is not None else "TIMEOUT before any checkpoint")
+    elif status.scheduler_state == "NODE_FAIL":
+        story = f"NODE_FAIL: a node of the job failed and the job was not requeued; {saved}"
+    elif status.state == "PREEMPTED":
+        story = f"PREEMPTED and not requeued; {saved}"
+    elif status.state == "FAILED" and restarts >= max_restarts and restarts:
+        story = f"FAILED after {restarts} restart(s), the limit; {saved}"
+    return dataclasses.replace(status, restarts=restarts, story=story, history=tuple(history))
+
+
 def _classify(raw: str, exit_code: int, restarts: int, reason: str, nodes: str) -> Status:
     state = STATES.get(raw, raw)
     if state == "FAILED" and exit_code == exitcodes.OOM:
@@ -171,7 +245,11 @@ class SlurmBackend:
 
     # -- an existing job ------------------------------------------------------------------------
     def status(self, record: jobstore.JobRecord) -> Status:
-        return query_status(record.backend_id)
+        status = query_status(record.backend_id)
+        max_restarts = record.extra.get("spec", {}).get("cluster", {}).get("slurm", {}).get(
+            "max_restarts", 0)
+        return tell_story(status, self.read_log(record), run_states(record.backend_id),
+                          max_restarts)
 
     def read_log(self, record: jobstore.JobRecord, rank: int | None = None) -> list[str]:
         path = log_path(record)
@@ -198,8 +276,13 @@ class SlurmBackend:
             ranks = failing_ranks(lines)
             if not ranks:
                 return [line.rstrip() for line in lines[-15:]]
-            out = [f"rank {ranks[0]} failed; its last lines:"]
-            return out + [line.rstrip() for line in rank_lines(lines, ranks[0])[-15:]]
+            own = rank_lines(lines, ranks[0])
+            # Its error line first: a traceback can push it out of the last lines.
+            error = next((line.split("] error: ", 1)[1].rstrip() for line in own
+                          if "] error: " in line), "")
+            out = [f"rank {ranks[0]} error: {error}"] if error else []
+            out.append(f"rank {ranks[0]} failed; its last lines:")
+            return out + [line.rstrip() for line in own[-15:]]
         return []
 
 

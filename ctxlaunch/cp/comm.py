@@ -5,6 +5,7 @@ compute while they fly, then wait (``send_recv`` / ``commit`` / ``wait``)."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import time
 
 import torch
@@ -13,6 +14,17 @@ import torch.distributed as dist
 # Seconds every ring transfer takes at least, counted from its commit (0: off). A benchmark
 # sets it through ``simulated_link_delay`` to emulate a slow link and make overlap visible.
 _link_delay_s = 0.0
+# How long a ring transfer may take. Gloo's point-to-point waits have no timeout of their own: a
+# stopped peer would hang its neighbours forever. timedelta(0) = no limit (the default).
+_wait_timeout = datetime.timedelta(0)
+
+
+def set_wait_timeout(seconds: float) -> None:
+    """Make every ring wait fail after `seconds` (the trainer passes its collective timeout)."""
+    global _wait_timeout
+    _wait_timeout = datetime.timedelta(seconds=seconds)
+
+
 # Seconds this process has spent blocked on CP communication (ring waits, Ulysses all-to-alls):
 # the communication that compute did not hide. Telemetry reads the difference per step.
 _exposed_s = 0.0
@@ -80,7 +92,7 @@ class RingComm:
         """Block until the committed transfers are done (and any simulated link delay has passed)."""
         with exposed():
             for req in self._reqs:
-                req.wait()
+                req.wait(_wait_timeout)
             self._reqs = []
             remaining = self._committed_at + _link_delay_s - time.perf_counter()
             if remaining > 0:

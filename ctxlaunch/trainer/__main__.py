@@ -1,5 +1,9 @@
 import sys
 
-from .main import main
+from . import stopsignal
+
+stopsignal.install()  # first: a stop signal during the imports below must not kill the rank
+
+from .main import main  # noqa: E402
 
 sys.exit(main())

@@ -16,6 +16,7 @@ torch.distributed.checkpoint form).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -27,6 +28,49 @@ import torch.distributed as dist
 
 MARKER = "COMMITTED"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (the disk is full); the previous one is intact."""
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether `exc`, or an error it wraps, is ENOSPC (torch.distributed.checkpoint wraps each
+    rank's failure in its own exception)."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        error = stack.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(error):
+            return True
+        stack += [error.__cause__, error.__context__]
+    return False
+
+
+def out_of_space(exc: BaseException, directory: str | Path) -> bool:
+    """Whether a failed save ran out of disk: ENOSPC in the error, or (torch's zip writer turns
+    a short write into "unexpected pos") less room left than the newest checkpoint takes."""
+    if disk_full(exc):
+        return True
+    latest = latest_step(directory)
+    needed = 2**20
+    if latest is not None:
+        needed = max(needed, sum(f.stat().st_size for f in step_dir(directory, latest).rglob("*")
+                                 if f.is_file()))
+    try:
+        return free_mib(directory) * 2**20 < needed
+    except OSError:
+        return False
+
+
+def free_mib(directory: str | Path) -> float:
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize / 2**20
 
 
 class CheckpointDirError(RuntimeError):

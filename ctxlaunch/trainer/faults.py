@@ -4,7 +4,9 @@
 
 makes rank 1 fail at the start of step 3 (1-based). Kinds: `oom` raises the allocator's
 OutOfMemoryError (a simulated allocation failure: a CPU has no device allocator to exhaust),
-`error` raises RuntimeError, `kill` SIGKILLs the process (a dead rank). Unset, nothing happens.
+`error` raises RuntimeError, `kill` SIGKILLs the process (a dead rank), `kill_in_save` SIGKILLs
+it while it writes the checkpoint of that step (after its files, before the commit marker).
+Unset, nothing happens.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 ENV = "CTXLAUNCH_INJECT_FAULT"
-KINDS = ("oom", "error", "kill")
+KINDS = ("oom", "error", "kill", "kill_in_save")
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,7 @@ class Fault:
     step: int
 
     def maybe_fire(self, rank: int, step: int) -> None:
-        if rank != self.rank or step != self.step:
+        if rank != self.rank or step != self.step or self.kind == "kill_in_save":
             return
         if self.kind == "oom":
             raise torch.OutOfMemoryError(
@@ -34,6 +36,12 @@ class Fault:
         if self.kind == "error":
             raise RuntimeError(f"injected by {ENV}: failure on rank {rank} at step {step}")
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+    def maybe_fire_in_save(self, rank: int, step: int) -> None:
+        """Called between writing the checkpoint of `step` and committing it."""
+        if self.kind == "kill_in_save" and rank == self.rank and step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def from_env(env: dict[str, str] | None = None) -> Fault | None:

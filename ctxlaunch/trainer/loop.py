@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import resource
+import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -12,11 +13,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import exitcodes
 from ..cp.comm import exposed_comm_seconds
 from ..flops import flops_per_token
-from . import checkpoint, faults
+from . import checkpoint, faults, stopsignal
 from .data import Batches, make_source
 from .engines import Engine, init_deepspeed, make_engine
 from .model import Transformer
@@ -79,7 +81,6 @@ class Trainer:
         self.flops_per_token = {c: flops_per_token(spec.model, t.seq_len, c)
                                 for c in ("full", "causal")}
         self.step = 0
-        self._stop_signal: int | None = None
         self._stop_agreed = False
         self.fault = faults.from_env()
 
@@ -120,7 +121,7 @@ class Trainer:
         Every rank that computes a loss (all of them, or the last pipeline stage's) has the
         mean over the same number of tokens, so the job's mean is the mean of theirs; other
         ranks add 0."""
-        stop = self._stop_signal is not None
+        stop = stopsignal.received() is not None
         if not dist.is_initialized() or self.ctx.world_size == 1:
             return float(loss), stop
         packed = torch.stack([loss.detach().to(torch.float64).cpu(),
@@ -147,7 +148,23 @@ class Trainer:
         if self.checkpoint_dir is None:
             return
         path = checkpoint.step_dir(self.checkpoint_dir, self.step)
-        self.engine.save(path)
+        try:
+            self.engine.save(path)
+        except (Exception, CheckpointException) as exc:  # the latter is a BaseException
+            if not checkpoint.out_of_space(exc, self.checkpoint_dir):
+                raise
+            # Free what was written: without its marker it is never resumed from anyway.
+            shutil.rmtree(path, ignore_errors=True)
+            latest = checkpoint.latest_step(self.checkpoint_dir)
+            raise checkpoint.CheckpointWriteError(
+                f"checkpoint {path} not written: the disk is full (no space left on device; "
+                f"{checkpoint.free_mib(self.checkpoint_dir):.1f} MiB free in "
+                f"training.checkpoint.dir {self.checkpoint_dir}); "
+                + (f"the newest complete checkpoint, step {latest}, is intact and a rerun "
+                   f"resumes from it" if latest is not None else "no complete checkpoint yet")
+            ) from None
+        if self.fault is not None:
+            self.fault.maybe_fire_in_save(self.ctx.rank, self.step)
         checkpoint.commit(self.checkpoint_dir, self.step, self.ctx.rank,
                           self.spec.training.checkpoint.keep, {"job": self.spec.name})
         self.log(f"ctxlaunch: checkpoint {path}")
@@ -155,13 +172,9 @@ class Trainer:
     # -- preemption ----------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
         """SIGUSR1 (Slurm's warning before a time limit) and SIGTERM (preemption): finish the
-        step in hand, checkpoint, exit PREEMPTED so the job is requeued."""
-
-        def handler(signum, _frame):  # type: ignore[no-untyped-def]
-            self._stop_signal = signum
-
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, handler)
+        step in hand, checkpoint, exit PREEMPTED so the job is requeued. main() installs them
+        earlier still; a signal received before this point stops the run after its first step."""
+        stopsignal.install()
 
     # -- the run -------------------------------------------------------------------------------
     def run(self, observers=()) -> int:  # type: ignore[no-untyped-def]

@@ -47,6 +47,9 @@ def load_job_spec(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def main(argv: list[str] | None = None) -> int:
+    from . import stopsignal
+
+    stopsignal.install()  # before the slow imports: a stop signal must not kill the rank
     args = parse_args(argv)
     rank_tag = "[rank ?]"
     try:
@@ -72,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                              "use cluster.gpu: cpu to run on the CPU")
         run_dir = Path(args.run_dir or os.environ.get("CTXLAUNCH_RUN_DIR")
                        or Path("runs") / spec.name)
-        if denv.rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
     except (SpecError, SetupError, CheckpointDirError) as exc:
         print(f"{rank_tag} error: {exc}", file=sys.stderr, flush=True)
         where = args.run_dir or os.environ.get("CTXLAUNCH_RUN_DIR")
@@ -100,6 +102,11 @@ def _run(spec, denv, run_dir: Path, rank_tag: str) -> int:  # type: ignore[no-un
     import torch.distributed as dist
 
     from ..telemetry.training import TrainingTelemetry
+    from ..cp.comm import set_wait_timeout
+    from . import heartbeat
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .checkpoint import CheckpointWriteError
     from .distenv import export_for_torch
     from .loop import Trainer
     from .parallelize import build_context
@@ -111,10 +118,12 @@ def _run(spec, denv, run_dir: Path, rank_tag: str) -> int:  # type: ignore[no-un
     elif "OMP_NUM_THREADS" not in os.environ:  # srun sets no thread count
         torch.set_num_threads(cpu_threads_per_rank(spec.cluster.gpus_per_node))
     export_for_torch(denv)
+    heartbeat.start(run_dir, denv.rank)
     dist.init_process_group(
         backend="nccl" if use_cuda else "gloo", init_method="env://",
         rank=denv.rank, world_size=denv.world_size,
         timeout=datetime.timedelta(seconds=spec.training.timeout_seconds))
+    set_wait_timeout(spec.training.timeout_seconds)
     log = (lambda text: print(text, flush=True)) if denv.rank == 0 else (lambda text: None)
     code = exitcodes.FAILED
     telemetry = TrainingTelemetry(spec, rank=denv.rank, local_rank=denv.local_rank,
@@ -138,11 +147,16 @@ def _run(spec, denv, run_dir: Path, rank_tag: str) -> int:  # type: ignore[no-un
         print(f"{rank_tag} error: {telemetry.on_oom(step)}\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)
         code = exitcodes.OOM
-    except Exception:
+    except CheckpointWriteError as exc:
+        print(f"{rank_tag} error: {exc}", file=sys.stderr, flush=True)
+        code = exitcodes.FAILED
+    except (Exception, CheckpointException):  # torch's CheckpointException is a BaseException
         # A dead peer surfaces here as a gloo/NCCL error or a timeout: report and leave at
-        # once, never wait on the group again.
-        print(f"{rank_tag} error: training failed\n{traceback.format_exc()}", file=sys.stderr,
-              flush=True)
+        # once, never wait on the group again. A peer that is alive but silent is named.
+        hang = heartbeat.describe_hang(run_dir, denv.rank, denv.world_size,
+                                       spec.training.timeout_seconds)
+        print(f"{rank_tag} error: " + (hang or "training failed")
+              + f"\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         code = exitcodes.FAILED
     telemetry.close()
     record_exit(run_dir, denv.rank, code)

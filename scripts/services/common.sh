@@ -74,15 +74,16 @@ pid_is_dead() { ! pid_is_alive "$1"; }
 
 # Prints the PID of daemon NAME when its pidfile names a live process whose command is NAME (the
 # kernel keeps the first 15 characters of the command name). A stale pidfile (dead process, or a
-# PID reused by another program) prints nothing.
+# PID reused by another program) prints nothing. NAME may be PROGRAM@INSTANCE (slurmd@node1): one
+# of several instances of PROGRAM, each with its own pidfile.
 running_pid() {
-    local name="$1" pidfile pid comm
+    local name="$1" program="${1%%@*}" pidfile pid comm
     pidfile="$(pidfile_of "$name")"
     [ -r "$pidfile" ] || return 1
     pid="$(tr -dc '0-9' <"$pidfile")"
     pid_is_alive "$pid" || return 1
     comm="$(cat "/proc/$pid/comm" 2>/dev/null)" || return 1
-    [ "$comm" = "${name:0:15}" ] || return 1
+    [ "$comm" = "${program:0:15}" ] || return 1
     echo "$pid"
 }
 

@@ -1,23 +1,37 @@
 #!/usr/bin/env bash
-# A real single-node Slurm cluster for the tests, with accounting, on a machine without systemd.
+# A real Slurm cluster for the tests, with accounting and several nodes, on a machine without
+# systemd.
 #
 # Usage: scripts/services/slurm.sh install|start|stop|restart|status
 #
-#   install  apt-get the Debian packages (slurm 22.05, munge, slurmdbd, MariaDB); no-op when present
-#   start    start munged, MariaDB (unix socket only), slurmdbd, slurmctld, slurmd and wait until
-#            the node is idle and sacct answers; a no-op (that still checks health) when running
-#   stop     cancel every job, then stop the daemons by the PIDs in their pidfiles
+#   install  apt-get the Debian packages (slurm 22.05, munge, slurmdbd, MariaDB, iproute2); no-op when
+#            present
+#   start    create the nodes' network (idempotent), start munged, MariaDB (unix socket only),
+#            slurmdbd, slurmctld and every slurmd, and wait until the nodes are idle and sacct
+#            answers; a no-op (that still checks health) when running
+#   stop     cancel every job, then stop the daemons by the PIDs in their pidfiles (the network
+#            namespaces stay: they cost nothing and the next start reuses them)
 #   status   show what runs; exit 0 only when every daemon runs
 #
-# Cluster "ctxlaunch", one node (this host, at 127.0.0.1), partitions "debug" (default) and
-# "batch". Config goes to /etc/slurm/slurm.conf and /etc/slurm/slurmdbd.conf, where plain
+# Cluster "ctxlaunch":
+#   - this host's own node (its short hostname, at 127.0.0.1, in the root network namespace):
+#     partitions "debug" (default) and "batch". Its jobs reach services on 127.0.0.1.
+#   - nodes node1..nodeN (CTXLAUNCH_SLURM_NODES, default 2), each a slurmd in a network
+#     namespace of its own (ctxl-node1..) with its own hostname (a UTS namespace) and address
+#     (10.77.0.11.. on the bridge ctxl-br0, where slurmctld answers at 10.77.0.1; /etc/hosts
+#     names them): partitions "low" and "high". A job on "high" preempts one on "low"
+#     (preempt/partition_prio, PreemptMode=REQUEUE, GraceTime 10 s); SlurmdTimeout is 10 s so
+#     that a dead node is noticed within a test.
+# Config goes to /etc/slurm/slurm.conf and /etc/slurm/slurmdbd.conf, where plain
 # sbatch/squeue/sacct/scancel (and submitit) look by default. State, logs and pidfiles go under
 # $CTXLAUNCH_SERVICES_DIR/slurm (default /var/tmp/ctxlaunch-services/slurm).
 #
 # Environment:
 #   CTXLAUNCH_SERVICES_DIR      base state directory (default /var/tmp/ctxlaunch-services)
-#   CTXLAUNCH_SLURM_CPUS        CPUs the node offers (default: what `slurmd -C` finds); more than
-#                               the machine has oversubscribes it, so e.g. `srun -n 4` runs on 2 cores
+#   CTXLAUNCH_SLURM_CPUS        CPUs this host's node offers (default: what `slurmd -C` finds); more
+#                               than the machine has oversubscribes it, so e.g. `srun -n 4` runs on 2 cores
+#   CTXLAUNCH_SLURM_NODES       namespaced nodes (default 2, at most 9); each offers 4 CPUs (oversubscribed:
+#                               several small 2-node jobs run side by side)
 #   CTXLAUNCH_SERVICES_TIMEOUT  seconds to wait for each daemon (default 30)
 set -euo pipefail
 
@@ -46,14 +60,34 @@ readonly MYSQL_SOCKET="$MYSQL_SOCKET_DIR/mysqld.sock"
 readonly MUNGE_SOCKET_DIR="/run/munge"
 readonly MUNGE_KEY="/etc/munge/munge.key"
 
-readonly PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server)
+# iproute2: `ip` builds the namespaced nodes' network (nsenter and unshare are util-linux).
+readonly PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server iproute2)
 
-# Daemons in start order: name (= /proc/PID/comm of the process) and pidfile.
-readonly DAEMONS=(munged mariadbd slurmdbd slurmctld slurmd)
+# The namespaced nodes' network: a bridge in the root namespace, one veth pair per node.
+readonly NET_PREFIX="10.77.0"
+readonly BRIDGE="ctxl-br0"
+readonly CTLD_ADDR="$NET_PREFIX.1"
+readonly NS_NODES="${CTXLAUNCH_SLURM_NODES:-2}"
+[[ "$NS_NODES" =~ ^[1-9]$ ]] || die "CTXLAUNCH_SLURM_NODES must be 1..9, got '$NS_NODES'"
+readonly NS_NODE_CPUS=4
+readonly HOSTS_MARKER="# ctxlaunch slurm.sh test node"
+readonly GRACE_SECONDS=10
+
+# This host's node: the name `slurmd -C` reports (its short hostname).
+HOST_NODE="$( (/usr/sbin/slurmd -C 2>/dev/null || true) | head -n 1 | sed -nE 's/^NodeName=([^ ]+).*/\1/p')"
+readonly HOST_NODE="${HOST_NODE:-$(hostname -s)}"
+ns_node_names() { seq -f 'node%g' 1 "$NS_NODES"; }
+ns_of() { echo "ctxl-$1"; }                  # node1 -> its network namespace ctxl-node1
+addr_of() { echo "$NET_PREFIX.1${1#node}"; } # node1 -> 10.77.0.11
+
+# Daemons in start order: name (PROGRAM[@NODE], PROGRAM = /proc/PID/comm) and pidfile.
+mapfile -t _SLURMDS < <(printf 'slurmd@%s\n' "$HOST_NODE"; ns_node_names | sed 's/^/slurmd@/')
+readonly DAEMONS=(munged mariadbd slurmdbd slurmctld "${_SLURMDS[@]}")
 
 pidfile_of() {
     case "$1" in
         munged) echo "$MUNGE_DIR/munged.pid" ;;
+        slurmd@*) echo "$RUN_DIR/slurmd-${1#slurmd@}.pid" ;;
         *) echo "$RUN_DIR/$1.pid" ;;
     esac
 }
@@ -62,6 +96,7 @@ logfile_of() {
     case "$1" in
         munged) echo "$MUNGE_DIR/munged.log" ;;
         mariadbd) echo "$MARIADB_DIR/mariadbd.log" ;;
+        slurmd@*) echo "$LOG_DIR/slurmd-${1#slurmd@}.log" ;;
         *) echo "$LOG_DIR/$1.log" ;;
     esac
 }
@@ -92,7 +127,7 @@ cmd_install() {
 
 require_installed() {
     local cmd
-    for cmd in munged mariadbd mariadb-install-db slurmdbd slurmctld slurmd sbatch sacct sacctmgr; do
+    for cmd in munged mariadbd mariadb-install-db slurmdbd slurmctld slurmd sbatch sacct sacctmgr ip nsenter unshare; do
         command -v "$cmd" >/dev/null 2>&1 || [ -x "/usr/sbin/$cmd" ] ||
             die "'$cmd' not found: run '$0 install' first"
     done
@@ -119,7 +154,16 @@ node_line() {
     printf '%s NodeAddr=127.0.0.1 State=UNKNOWN\n' "$line"
 }
 
-node_name() { /usr/sbin/slurmd -C 2>/dev/null | head -n 1 | sed -E 's/^NodeName=([^ ]+).*/\1/'; }
+# The namespaced nodes: 4 CPUs each (two 2-rank jobs fit on one, a `nodes: 2` job runs one rank
+# per node), memory as this host's node reports it.
+ns_node_lines() {
+    local memory node
+    memory="$(/usr/sbin/slurmd -C 2>/dev/null | head -n 1 | sed -nE 's/.* RealMemory=([0-9]+).*/\1/p')"
+    for node in $(ns_node_names); do
+        printf 'NodeName=%s NodeAddr=%s CPUs=%s RealMemory=%s State=UNKNOWN\n' \
+            "$node" "$(addr_of "$node")" "$NS_NODE_CPUS" "${memory:-1024}"
+    done
+}
 
 render_slurm_conf() {
     local host
@@ -127,7 +171,8 @@ render_slurm_conf() {
     cat <<EOF
 $CONF_MARKER: regenerated on each start.
 ClusterName=$CLUSTER_NAME
-SlurmctldHost=$host(127.0.0.1)
+# Answers on every address; the namespaced nodes reach it on the bridge.
+SlurmctldHost=$host($CTLD_ADDR)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -136,11 +181,11 @@ CryptoType=crypto/munge
 AuthInfo=cred_expire=5
 
 StateSaveLocation=$CTLD_STATE_DIR
-SlurmdSpoolDir=$SLURMD_SPOOL_DIR
+SlurmdSpoolDir=$SLURMD_SPOOL_DIR/%n
 SlurmctldPidFile=$RUN_DIR/slurmctld.pid
-SlurmdPidFile=$RUN_DIR/slurmd.pid
+SlurmdPidFile=$RUN_DIR/slurmd-%n.pid
 SlurmctldLogFile=$LOG_DIR/slurmctld.log
-SlurmdLogFile=$LOG_DIR/slurmd.log
+SlurmdLogFile=$LOG_DIR/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 
@@ -161,6 +206,9 @@ SlurmdParameters=config_overrides
 ReturnToService=2
 MinJobAge=3600
 KillWait=5
+# A node whose slurmd stops answering is DOWN within ~25 s (its jobs requeued); a restarted
+# slurmd returns it at once (ReturnToService=2).
+SlurmdTimeout=10
 InactiveLimit=0
 Waittime=0
 # Requeue (scontrol requeue, --requeue) allowed; see cred_expire above for the delay.
@@ -176,9 +224,17 @@ JobAcctGatherType=jobacct_gather/linux
 JobAcctGatherFrequency=30
 JobCompType=jobcomp/none
 
+# Preemption: a job on a partition of a higher PriorityTier ("high") requeues the jobs it needs
+# the nodes of ("low") after their grace time, in which only their tasks get SIGTERM.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+
 $(node_line)
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-PartitionName=batch Nodes=ALL Default=NO MaxTime=INFINITE State=UP
+$(ns_node_lines)
+PartitionName=debug Nodes=$HOST_NODE Default=YES MaxTime=INFINITE State=UP
+PartitionName=batch Nodes=$HOST_NODE Default=NO MaxTime=INFINITE State=UP
+PartitionName=low Nodes=node[1-$NS_NODES] Default=NO MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=$GRACE_SECONDS
+PartitionName=high Nodes=node[1-$NS_NODES] Default=NO MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 EOF
 }
 
@@ -230,8 +286,11 @@ write_configs() {
 
 make_dirs() {
     mkdir -p "$STATE_DIR" "$RUN_DIR" "$LOG_DIR" "$CTLD_STATE_DIR" "$SLURMD_SPOOL_DIR" \
+        "$SLURMD_SPOOL_DIR/$HOST_NODE" \
         "$MUNGE_DIR" "$MARIADB_DIR" "$MYSQL_DATA_DIR" "$MYSQL_SOCKET_DIR" "$MUNGE_SOCKET_DIR"
     chmod 755 "$BASE_DIR" "$STATE_DIR"
+    local node
+    for node in $(ns_node_names); do mkdir -p "$SLURMD_SPOOL_DIR/$node"; done
     chown munge:munge "$MUNGE_DIR" "$MUNGE_SOCKET_DIR"
     chmod 700 "$MUNGE_DIR"
     chmod 755 "$MUNGE_SOCKET_DIR"
@@ -250,12 +309,12 @@ await_daemon() {
     shift
     pidfile="$(pidfile_of "$name")"
     wait_for "$TIMEOUT" test -s "$pidfile" ||
-        fail_daemon "$name" "$name wrote no pidfile $pidfile within ${TIMEOUT}s" "$LOG_DIR/$name.out"
+        fail_daemon "$name" "$name wrote no pidfile $pidfile within ${TIMEOUT}s" "$LOG_DIR/${name/@/-}.out"
     pid="$(tr -dc '0-9' <"$pidfile")"
     wait_healthy "$name" "$pid" "$TIMEOUT" "$@" || rc=$?
     case "$rc" in
         0) ;;
-        2) fail_daemon "$name" "$name failed after starting" "$LOG_DIR/$name.out" ;;
+        2) fail_daemon "$name" "$name failed after starting" "$LOG_DIR/${name/@/-}.out" ;;
         *) fail_daemon "$name" "$name (pid $pid) runs but '$*' fails after ${TIMEOUT}s" ;;
     esac
 }
@@ -328,7 +387,7 @@ start_answering_daemon() { # name check what-a-running-daemon-failed-to-do
     fi
     rm -f "$(pidfile_of "$name")"
     "/usr/sbin/$name" </dev/null >"$LOG_DIR/$name.out" 2>&1 ||
-        fail_daemon "$name" "$name failed to start" "$LOG_DIR/$name.out"
+        fail_daemon "$name" "$name failed to start" "$LOG_DIR/${name/@/-}.out"
     await_daemon "$name" "$check"
 }
 
@@ -356,12 +415,46 @@ start_slurmctld() {
     start_answering_daemon slurmctld ctld_answers "'scontrol ping' does not report it UP"
 }
 
+# ---------------------------------------------------------------------------------------------
+# the nodes' network
+
+# setup_network: the bridge (slurmctld's address), and per namespaced node a network namespace
+# with `lo` and a veth on the bridge, and its name in /etc/hosts (the rendezvous and gloo resolve
+# node names). Idempotent: what exists is kept.
+setup_network() {
+    local node ns addr veth
+    if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
+        ip link add "$BRIDGE" type bridge || die "cannot create the bridge $BRIDGE"
+    fi
+    # (Tests on captured output: `ip ... | grep -q` fails under pipefail when grep exits early.)
+    [[ "$(ip addr show dev "$BRIDGE")" == *"inet $CTLD_ADDR/24 "* ]] || ip addr add "$CTLD_ADDR/24" dev "$BRIDGE"
+    ip link set "$BRIDGE" up
+    for node in $(ns_node_names); do
+        ns="$(ns_of "$node")" addr="$(addr_of "$node")" veth="ctxl-v${node#node}"
+        [ -e "/run/netns/$ns" ] || ip netns add "$ns" || die "cannot create the network namespace $ns"
+        if ! ip link show "$veth" >/dev/null 2>&1; then
+            ip link add "$veth" type veth peer name eth0 netns "$ns" || die "cannot create the veth $veth"
+        fi
+        ip link set "$veth" master "$BRIDGE" up
+        [[ "$(ip -n "$ns" addr show dev eth0)" == *"inet $addr/24 "* ]] || ip -n "$ns" addr add "$addr/24" dev eth0
+        ip -n "$ns" link set lo up
+        ip -n "$ns" link set eth0 up
+        if ! grep -qE "^${addr}[[:space:]]+${node}([[:space:]]|\$)" /etc/hosts; then
+            # /etc/hosts may be a bind mount: append in place, never replace the file.
+            printf '%s %s %s\n' "$addr" "$node" "$HOSTS_MARKER" >>/etc/hosts
+        fi
+    done
+}
+
+# ---------------------------------------------------------------------------------------------
+# the nodes
+
 # The node is usable: IDLE, MIXED or ALLOCATED, not down, drained or not responding, and (after a
 # fresh slurmd start) registered by that slurmd: slurmctld restores the node as idle from its
 # saved state before the new slurmd has registered.
 node_ready() {
-    local min_start="$1" info state start_text start_epoch
-    info="$(scontrol -o show node "$NODE_NAME" 2>/dev/null)" || return 1
+    local node="$1" min_start="$2" info state start_text start_epoch
+    info="$(scontrol -o show node "$node" 2>/dev/null)" || return 1
     state="$(sed -nE 's/.* State=([^ ]+).*/\1/p' <<<"$info")"
     case "$state" in
         IDLE | MIXED | ALLOCATED) ;;
@@ -373,20 +466,46 @@ node_ready() {
     [ "$start_epoch" -ge "$min_start" ]
 }
 
-start_slurmd() {
-    local min_start=0
-    if ! is_running slurmd; then
-        rm -f "$(pidfile_of slurmd)"
-        min_start="$(date +%s)"
-        /usr/sbin/slurmd </dev/null >"$LOG_DIR/slurmd.out" 2>&1 ||
-            fail_daemon slurmd "slurmd failed to start" "$LOG_DIR/slurmd.out"
-        await_daemon slurmd true
+# launch_slurmd NODE: this host's node runs slurmd as it is; a namespaced node runs it in its
+# network namespace (nsenter: `ip netns exec` remounts /sys and slurmd then fails) and in a UTS
+# namespace of its own, so that its jobs see the node's hostname.
+launch_slurmd() {
+    local node="$1" out="$LOG_DIR/slurmd-$1.out"
+    if [ "$node" = "$HOST_NODE" ]; then
+        /usr/sbin/slurmd </dev/null >"$out" 2>&1
+    else
+        # shellcheck disable=SC2016 # $0 and $1 expand in the child shell
+        nsenter --net="/run/netns/$(ns_of "$node")" unshare --uts \
+            sh -c 'hostname "$0" && exec /usr/sbin/slurmd -N "$0" -f "$1"' "$node" "$SLURM_CONF" \
+            </dev/null >"$out" 2>&1
     fi
-    if ! wait_for "$TIMEOUT" node_ready "$min_start"; then
-        printf '%s: node state: %s\n' "$PROG" "$(scontrol -o show node "$NODE_NAME" 2>&1 |
-            grep -oE '(State|Reason|SlurmdStartTime)=[^ ]+' | tr '\n' ' ')" >&2
-        fail_daemon slurmd "node $NODE_NAME is not idle within ${TIMEOUT}s" "$(logfile_of slurmctld)"
-    fi
+}
+
+# start_slurmds: start every node's slurmd that does not run, then wait until every node is
+# ready (a freshly started slurmd: registered since).
+start_slurmds() {
+    local node min_start=() name
+    for node in "$HOST_NODE" $(ns_node_names); do
+        name="slurmd@$node"
+        if is_running "$name"; then
+            min_start+=(0)
+            continue
+        fi
+        rm -f "$(pidfile_of "$name")"
+        min_start+=("$(date +%s)")
+        launch_slurmd "$node" || fail_daemon "$name" "slurmd of $node failed to start" "$LOG_DIR/slurmd-$node.out"
+    done
+    local i=0
+    for node in "$HOST_NODE" $(ns_node_names); do
+        name="slurmd@$node"
+        [ "${min_start[i]}" -eq 0 ] || await_daemon "$name" true
+        if ! wait_for "$TIMEOUT" node_ready "$node" "${min_start[i]}"; then
+            printf '%s: node state: %s\n' "$PROG" "$(scontrol -o show node "$node" 2>&1 |
+                grep -oE '(State|Reason|SlurmdStartTime)=[^ ]+' | tr '\n' ' ')" >&2
+            fail_daemon "$name" "node $node is not idle within ${TIMEOUT}s" "$(logfile_of slurmctld)"
+        fi
+        i=$((i + 1))
+    done
 }
 
 sacct_answers() { sacct -n -X --starttime=now-1minutes; }
@@ -398,16 +517,17 @@ cmd_start() {
     start="$(now_ms)"
     make_dirs
     write_configs
-    NODE_NAME="$(node_name)"
+    setup_network
     start_munged
     start_mariadbd
     start_slurmdbd
     register_accounting
     start_slurmctld
-    start_slurmd
+    start_slurmds
     wait_for "$TIMEOUT" sacct_answers || fail_daemon slurmdbd "sacct does not answer within ${TIMEOUT}s"
-    log "Slurm cluster $CLUSTER_NAME up in $(elapsed_since "$start"): node $NODE_NAME," \
-        "partitions debug (default) and batch; config $SLURM_CONF; state and logs in $STATE_DIR"
+    log "Slurm cluster $CLUSTER_NAME up in $(elapsed_since "$start"): node $HOST_NODE (partitions" \
+        "debug, the default, and batch), nodes node[1-$NS_NODES] in network namespaces (partitions" \
+        "low and high); config $SLURM_CONF; state and logs in $STATE_DIR"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -439,9 +559,9 @@ cmd_status() {
     local name pid all=0
     for name in "${DAEMONS[@]}"; do
         if pid="$(running_pid "$name")"; then
-            printf '%-10s running (pid %s)\n' "$name" "$pid"
+            printf '%-14s running (pid %s)\n' "$name" "$pid"
         else
-            printf '%-10s stopped\n' "$name"
+            printf '%-14s stopped\n' "$name"
             all=1
         fi
     done
