@@ -223,6 +223,9 @@ class ParallelSpec(_Strict):
     """Tensor parallel degree."""
     pp: PositiveInt = 1
     """Pipeline parallel degree."""
+    virtual_stages: PositiveInt = 1
+    """Interleaved pipeline schedule: model chunks per pipeline rank (1 = plain 1F1B); the
+    bubble shrinks by this factor, point-to-point sends grow by it."""
     cp: PositiveInt = 1
     """Context parallel degree: the sequence is split across this many ranks."""
     ep: PositiveInt = 1
@@ -630,6 +633,14 @@ def layout_problems(spec: JobSpec) -> list[InitErrorDetails]:
     if m.layers % p.pp:
         out.append(_problem(("parallel", "pp"), p.pp,
             f"model.layers = {m.layers} must be divisible by pp = {p.pp} (equal stages)"))
+    elif m.layers % (p.pp * p.virtual_stages):
+        out.append(_problem(("parallel", "virtual_stages"), p.virtual_stages,
+            f"model.layers = {m.layers} must be divisible by pp x virtual_stages = {p.pp} x "
+            f"{p.virtual_stages} (equal model chunks)"))
+    if p.virtual_stages > 1 and p.pp == 1:
+        out.append(_problem(("parallel", "virtual_stages"), p.virtual_stages,
+            "virtual_stages > 1 interleaves pipeline stages and needs pp > 1; fix: "
+            "virtual_stages: 1"))
     if p.ep > 1:
         out.append(_problem(("parallel", "ep"), p.ep,
             "ep > 1 needs a mixture-of-experts model; ctxlaunch models are dense; fix: ep: 1"))
