@@ -152,6 +152,66 @@ def _print_plan(report) -> None:  # type: ignore[no-untyped-def]
 
 
 @app.command()
+def advise(
+    spec: SpecArg,
+    set_: SetOpt = None,
+    top: Annotated[int, typer.Option("--top", help="Show the N fastest layouts.", min=1)] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    gpus: Annotated[int | None, typer.Option(
+        "--gpus", help="Advise for this many GPUs instead of the spec's.", min=1)] = None,
+    nodes: Annotated[int | None, typer.Option(
+        "--nodes", help="Advise for this many nodes (of the spec's gpus_per_node).",
+        min=1)] = None,
+    fp8: Annotated[bool, typer.Option(
+        "--fp8", help="Time the weight matmuls in FP8 (Transformer Engine recipes; the "
+        "bundled trainer runs bf16/fp32).")] = False,
+    write: Annotated[Path | None, typer.Option(
+        "--write", help="Save the fastest layout as a spec to this file (atomically).")] = None,
+) -> None:
+    """Rank every legal layout that fits by predicted step time.
+
+    TP within the NVLink domain, PP and virtual stages, CP degree and algorithm, ZeRO stage,
+    activation checkpointing and micro-batch, each with predicted memory, step time,
+    tokens/s/GPU and MFU in both conventions; the rejected ones grouped by reason."""
+    from .advise import advice_spec_text, load_for_advice, machine_for_advice, print_advice
+    from .advise import advise as run_advice
+
+    data, job, note = load_for_advice(spec, set_, err)
+    if gpus is not None and nodes is not None:
+        fail("--gpus and --nodes: give one of them")
+    per_node = job.cluster.gpus_per_node
+    n_nodes = nodes
+    if gpus is not None:
+        if gpus < per_node:
+            n_nodes, per_node = 1, gpus
+        elif gpus % per_node:
+            fail(f"--gpus {gpus}: not a whole number of nodes of {per_node} GPUs "
+                 "(cluster.gpus_per_node)")
+        else:
+            n_nodes = gpus // per_node
+    if n_nodes is not None and n_nodes > 1 and job.cluster.target == "local":
+        fail(f"--nodes/--gpus: {n_nodes} nodes, but target local runs on one node; set "
+             "cluster.target (e.g. --set cluster.target=slurm)")
+    advice = run_advice(job, nodes=n_nodes, gpus_per_node=per_node,
+                        machine=machine_for_advice(job, n_nodes, per_node),
+                        matmul_precision="fp8" if fp8 else None)
+    if note:
+        advice.notes.insert(0, note)
+    if write is not None:
+        if advice.best is None:
+            fail(f"--write {write}: no layout fits, nothing written")
+        text = advice_spec_text(data, advice, str(spec))
+        from .fsutil import atomic_write_text
+
+        atomic_write_text(write, text)
+        err.print(f"wrote {write}: {advice.best.describe()}")
+    if as_json:
+        out.print_json(json.dumps(advice.to_dict(top)))
+        return
+    print_advice(out, advice, top)
+
+
+@app.command()
 def render(
     spec: SpecArg,
     target: Annotated[str, typer.Option("--target", "-t", help="slurm or kubernetes.")],
