@@ -212,6 +212,41 @@ def advise(
 
 
 @app.command()
+def calibrate(
+    spec: Annotated[Path | None, typer.Argument(
+        help="Measure attention at this spec's model shape and dtype (default: the tiny "
+        "preset, fp32).", show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Measure this CPU for the step-time model: matmul and attention throughput, memory
+    bandwidth, gloo loopback bandwidth and latency. `advise` and `report` on `gpu: cpu` use
+    them (saved in $CTXLAUNCH_HOME/cpu_calibration.json)."""
+    import dataclasses
+
+    from .calibrate import measure, save_calibration
+
+    heads, head_dim, dtype = 4, 32, "fp32"
+    if spec is not None:
+        job = load(spec, None)
+        heads, head_dim, dtype = job.model.heads, job.model.head_dim, job.model.dtype
+    try:
+        calibration = measure(heads=heads, head_dim=head_dim, dtype=dtype)
+    except RuntimeError as exc:
+        fail(str(exc), code=exitcodes.FAILED)
+    path = save_calibration(calibration)
+    if as_json:
+        out.print_json(json.dumps(dataclasses.asdict(calibration)))
+    else:
+        c = calibration
+        out.print(f"matmul {c.matmul_flops_per_second / 1e9:.1f} GFLOP/s, attention "
+                  f"{c.attention_flops_per_second / 1e9:.1f} GFLOP/s, memory "
+                  f"{c.memory_bytes_per_second / 1e9:.1f} GB/s, gloo loopback "
+                  f"{c.link_bytes_per_second / 1e9:.2f} GB/s + {c.link_latency_seconds * 1e6:.0f}"
+                  f" us ({c.cores} cores)")
+    err.print(f"wrote {path}")
+
+
+@app.command()
 def render(
     spec: SpecArg,
     target: Annotated[str, typer.Option("--target", "-t", help="slurm or kubernetes.")],
@@ -430,72 +465,34 @@ def sweep(
 
     On Slurm the points that share resources go as one job array; locally they run one after
     another. Prints the sweep id for `report`."""
-    import time
-
-    from . import jobstore
-    from .backends import get_backend
-    from .planner import plan_job
-    from .sweep import load_sweep, slurm_groups
+    from . import sweep as sweeps
 
     try:
-        spec_def, points = load_sweep(definition, set_ or ())
+        spec_def, points = sweeps.load_sweep(definition, set_ or ())
     except SpecError as exc:
         err.print(str(exc), markup=False)
         raise typer.Exit(exitcodes.BAD_INPUT) from None
-    runnable, skipped = [], []
-    for point in points:
-        if point.spec is None:
-            skipped.append((point, point.problem))
-        elif not force and not (report := plan_job(point.spec)).fits:
-            skipped.append((point, report.verdict()))
-        else:
-            runnable.append(point)
+    runnable, reasons = sweeps.triage(points, force)
     table = Table(title=f"sweep {spec_def.name}: {len(points)} points, {len(runnable)} to run",
                   title_justify="left")
     for column in ("name", *spec_def.axes, "runs"):
         table.add_column(column)
-    reasons = dict((p.index, why) for p, why in skipped)
     for point in points:
         table.add_row(point.name, *(str(v) for v in point.values.values()),
                       "yes" if point.index not in reasons else "no: " + reasons[point.index])
     err.print(table)
     if not runnable:
         fail("no point of the sweep can run")
-    target = runnable[0].spec.cluster.target  # type: ignore[union-attr]
-    backend = get_backend(target)
-    sweep_id = jobstore.new_id("sweep", spec_def.name)
-    entries = {p.index: {"index": p.index, "name": p.name, "values": p.values, "job": None,
-                         "skipped": reasons.get(p.index)} for p in points}
-    if target == "slurm":
-        groups = slurm_groups(runnable)
-        dryruns = [backend.array_dryrun(f"{spec_def.name}-{i}" if len(groups) > 1
-                                        else spec_def.name, [p.spec for p in group])
-                   for i, group in enumerate(groups)]
-        if dry_run:
-            for dryrun in dryruns:
-                sys.stdout.write(dryrun.describe())
-            return
-        for group, dryrun in zip(groups, dryruns):
-            try:
-                records = backend.schedule_array(dryrun, [p.spec for p in group])
-            except RuntimeError as exc:
-                fail(str(exc))
-            for point, record in zip(group, records):
-                entries[point.index]["job"] = record.id
-            err.print(f"submitted job array {records[0].extra['array']} ({len(records)} "
-                      f"tasks: {', '.join(p.name for p in group)})")
-    else:
-        if dry_run:
-            for point in runnable:
-                sys.stdout.write(backend.dryrun(point.spec).describe())
-            return
-        for point in runnable:
-            dryrun = backend.dryrun(point.spec)
-            backend.schedule(dryrun)
-            entries[point.index]["job"] = dryrun.env["CTXLAUNCH_JOB_ID"]
-    jobstore.save_sweep(sweep_id, {"id": sweep_id, "name": spec_def.name, "target": target,
-                                   "created": time.time(), "axes": list(spec_def.axes),
-                                   "points": [entries[i] for i in sorted(entries)]})
+    submission = sweeps.prepare(spec_def.name, runnable)
+    if dry_run:
+        for dryrun in submission.dryruns:
+            sys.stdout.write(dryrun.describe())
+        return
+    try:
+        sweep_id = sweeps.submit(spec_def.name, spec_def.axes, points, reasons, submission,
+                                 log=err.print)
+    except RuntimeError as exc:  # the scheduler refused a group: nothing of it was submitted
+        fail(str(exc))
     err.print(f"sweep {sweep_id}: `ctxlaunch report {sweep_id}` for the results")
     print(sweep_id)
 
@@ -507,54 +504,53 @@ def report(
     csv_path: Annotated[Path | None, typer.Option("--csv", help="Also write the table as "
                                                    "CSV.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    plots: Annotated[Path | None, typer.Option(
+        "--plots", help="Write PNG plots (tokens/s/GPU, MFU, peak memory against sequence "
+        "length) into this directory.")] = None,
+    html_path: Annotated[Path | None, typer.Option(
+        "--html", help="Write one self-contained HTML page (plots and table).")] = None,
 ) -> None:
-    """A sweep's results, one row per point.
+    """A sweep's results against the models' predictions, one row per point.
 
-    Each row: the point's axis values, its state, tokens/s/GPU, step time, final loss and peak
-    memory."""
-    import csv
-
+    Each row: the point's axis values, its state, measured tokens/s/GPU, step time, final loss
+    and peak memory, and the predicted step time (its error), tokens/s/GPU, MFU in both
+    conventions and peak memory."""
     from . import jobstore
-    from .backends import get_backend
-    from .sweep import RESULT_FIELDS, result_row
+    from .calibrate import load_calibration
+    from .fsutil import atomic_write_bytes, atomic_write_text
+    from .report import build_report, html_page, plot_pngs
 
     try:
         data = jobstore.load_sweep(sweep_id)
     except KeyError:
         fail(f"no sweep {sweep_id!r} in {jobstore.sweeps_root()}")
-    rows = []
-    for entry in data["points"]:
-        if entry["job"] is None:
-            rows.append(result_row(entry, "SKIPPED", None))
-            continue
-        record = jobstore.load(entry["job"])
-        try:
-            state = get_backend(record.target).status(record).state
-        except KeyError:
-            state = "UNKNOWN"
-        summary_path = jobstore.run_dir(record) / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
-        rows.append(result_row(entry, state, summary))
-    columns = ["name", *data["axes"], "state", *RESULT_FIELDS, "peak_memory_gib"]
+    if plots is not None and plots.exists() and not plots.is_dir():
+        fail(f"--plots: {plots} exists and is not a directory")
+    result = build_report(data, load_calibration())
     if csv_path is not None:
-        from .fsutil import atomic_write_text
-        import io
-
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-        atomic_write_text(csv_path, buffer.getvalue())
+        atomic_write_text(csv_path, result.csv_text())
+    if plots is not None or html_path is not None:
+        pngs = plot_pngs(result)
+        for name, png in pngs.items() if plots is not None else ():
+            err.print(f"wrote {atomic_write_bytes(plots / name, png)}")
+        if html_path is not None:
+            err.print(f"wrote {atomic_write_text(html_path, html_page(result, pngs))}")
     if as_json:
-        out.print_json(json.dumps({"sweep": data["id"], "rows": rows}))
+        out.print_json(json.dumps(result.to_dict()))
         return
     table = Table(title=f"sweep {data['name']} ({data['id']})", title_justify="left")
-    for column in columns:
-        table.add_column(column, justify="right" if column in RESULT_FIELDS else "left")
-    for row in rows:
+    shown = ["name", *data["axes"], "state", "step_seconds", "predicted_step_seconds",
+             "step_error", "tokens_per_second_per_gpu", "predicted_tokens_per_second_per_gpu",
+             "mfu_causal", "predicted_mfu_causal", "peak_memory_gib",
+             "predicted_peak_memory_gib", "final_loss"]
+    for column in shown:
+        table.add_column(column.replace("predicted_", "pred. ").replace("_", " "),
+                         justify="left" if column in ("name", "state") else "right")
+    for row in result.rows:
         table.add_row(*("" if row.get(c) is None else
+                        f"{row[c]:+.1%}" if c == "step_error" else
                         f"{row[c]:,.4g}" if isinstance(row.get(c), float) else str(row[c])
-                        for c in columns))
+                        for c in shown))
     out.print(table)
 
 
