@@ -225,12 +225,13 @@ def calibrate(
 
     from .calibrate import measure, save_calibration
 
-    heads, head_dim, dtype = 4, 32, "fp32"
+    model = None
     if spec is not None:
-        job = load(spec, None)
-        heads, head_dim, dtype = job.model.heads, job.model.head_dim, job.model.dtype
+        model = load(spec, None).model
     try:
-        calibration = measure(heads=heads, head_dim=head_dim, dtype=dtype)
+        calibration = measure(heads=model.heads if model else 4,
+                              head_dim=model.head_dim if model else 32,
+                              dtype=model.dtype if model else "fp32", model=model)
     except RuntimeError as exc:
         fail(str(exc), code=exitcodes.FAILED)
     path = save_calibration(calibration)
@@ -242,7 +243,8 @@ def calibrate(
                   f"{c.attention_flops_per_second / 1e9:.1f} GFLOP/s, memory "
                   f"{c.memory_bytes_per_second / 1e9:.1f} GB/s, gloo loopback "
                   f"{c.link_bytes_per_second / 1e9:.2f} GB/s + {c.link_latency_seconds * 1e6:.0f}"
-                  f" us ({c.cores} cores)")
+                  f" us, {c.microbatch_overhead_seconds * 1e3:.1f} ms fixed per micro-batch "
+                  f"({c.cores} cores)")
     err.print(f"wrote {path}")
 
 

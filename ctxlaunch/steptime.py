@@ -34,6 +34,10 @@ tokens held by the rank (CP splits the sequence), TP shards heads and weights:
                the framework overlaps them (`Machine.overlap_dp`) they hide behind one
                micro-batch of compute; only the rest is exposed.
   optimizer    Adam reads and writes ~32 bytes per parameter the rank updates, at HBM speed.
+  overhead     a fixed cost per micro-batch (Python dispatch, data, bookkeeping), and a cost per
+               blocking synchronisation (ring hop, all-to-all, all-reduce) that compute cannot
+               hide: both measured on the CPU (where ranks can outnumber cores, a peer may not
+               be scheduled); 0 on GPUs.
 
 Collectives move bytes at eta_comm x the data-sheet bandwidth of the slowest link their group
 spans (NVLink inside the NVLink domain; the network beyond it, one NIC per GPU) plus one
@@ -152,6 +156,19 @@ class Machine:
     the bundled trainer all-reduces after the last backward, so not on the CPU."""
     peak_reference_flops: float = 0.0
     """The peak MFU is stated against (BF16 on GPUs, as the published tables do)."""
+    causal_tile_tokens: float = 0.0
+    """A causal kernel computes its diagonal tiles whole: a causal call over S tokens costs
+    S*(S + T)/2 score entries, not S*S/2. Measured on the CPU (T ~ 600 for torch's CPU flash
+    kernel); 0 on GPUs, where T = 128 adds under 3 % at 4K and the fitted efficiency holds it.
+    With zigzag sharding every algorithm has one diagonal per rank, so the excess is T/s."""
+    sync_seconds: float = 0.0
+    """Cost of every blocking synchronisation (ring hop, all-to-all, all-reduce) beyond the
+    link's latency, never hidden by compute: on the CPU, where ranks can outnumber cores, the
+    wait for a peer that is not scheduled (measured); 0 on GPUs."""
+    microbatch_overhead_seconds: float = 0.0
+    """Fixed cost per micro-batch outside the modelled work (Python dispatch, data, loss and
+    optimizer bookkeeping): measured on the CPU; 0 on GPUs, where the fitted efficiencies
+    absorb it."""
 
     @classmethod
     def from_gpu(cls, gpu: GpuInfo, *, network: str, gpus_per_node: int,
@@ -242,7 +259,8 @@ def predict(model: ModelSpec, layout: StepLayout, machine: Machine) -> StepTime:
     # Causal attention with balanced (zigzag) sharding: each token attends to s/2 keys on
     # average; forward 4*h*s_keys, backward 8*h*s_keys, a recomputed forward 4 more.
     keys = layout.seq_len / 2
-    attention_flops = n * layers * h * keys * (12 + (4 if mode == "full" else 0)) / t
+    attention_flops = (n * layers * h * keys * (12 + (4 if mode == "full" else 0)) / t
+                       * (1 + machine.causal_tile_tokens / layout.seq_len))
     peak_mm = machine.peak_flops[layout.matmul_precision]
     attention_rate = machine.attention_flops_per_second or (
         machine.eta_attention * machine.peak_flops["bf16" if layout.dtype == "bf16" else "fp32"])
@@ -284,6 +302,9 @@ def predict(model: ModelSpec, layout: StepLayout, machine: Machine) -> StepTime:
         t_ring = layers * (r - 1) * (forwards * exposed_fwd + exposed_bwd)
 
     micro = t_matmul + t_attention + t_elementwise + t_tp + t_ulysses + t_ring
+    forwards = 2 if mode == "full" else 1
+    syncs = layers * ((forwards * 4 + 4 if t > 1 else 0) + (2 * forwards + 2 if u > 1 else 0)
+                      + ((r - 1) * (forwards + 1) if r > 1 else 0))
 
     # --- PP -------------------------------------------------------------------------------------
     t_bubble = t_p2p = 0.0
@@ -330,6 +351,8 @@ def predict(model: ModelSpec, layout: StepLayout, machine: Machine) -> StepTime:
         "pp_p2p": t_p2p,
         "dp_collectives_exposed": t_dp_exposed,
         "optimizer": t_optimizer,
+        "framework_overhead": m * machine.microbatch_overhead_seconds,
+        "sync_overhead": machine.sync_seconds * (m * syncs + (1 if group > 1 else 0)),
     }
     step = sum(terms.values())
     world = layout.world_size

@@ -82,3 +82,19 @@ def test_full_recomputation_costs_a_forward() -> None:
 def test_every_runnable_example_gets_a_prediction(name: str) -> None:
     st = predict_spec(load_spec(JOBS / name))
     assert st.step_seconds > 0 and 0 < st.mfu["causal"] < 1
+
+
+def test_cpu_overheads_are_counted_where_measured_and_absent_on_gpus() -> None:
+    layout = StepLayout(seq_len=4096, cp=4, dp=1)
+    gpu = predict(LLAMA_8B, layout, H100_NDR)
+    assert gpu.terms["framework_overhead"] == gpu.terms["sync_overhead"] == 0
+    import dataclasses
+
+    cpu_like = dataclasses.replace(H100_NDR, causal_tile_tokens=512, sync_seconds=1e-3,
+                                   microbatch_overhead_seconds=0.01)
+    cpu = predict(LLAMA_8B, layout, cpu_like)
+    assert cpu.terms["compute_attention"] == pytest.approx(
+        gpu.terms["compute_attention"] * (1 + 512 / 4096))
+    assert cpu.terms["framework_overhead"] == pytest.approx(0.01)
+    # 3 ring hops forward and 3 backward per layer, plus the step's gradient all-reduce
+    assert cpu.terms["sync_overhead"] == pytest.approx(1e-3 * (32 * 6 + 1))
