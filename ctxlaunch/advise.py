@@ -110,6 +110,8 @@ class Advice:
     memory_estimates: int = 0
     validator_calls: int = 0
     notes: list[str] = field(default_factory=list)
+    own: StepTime | None = None
+    """The spec's own layout, predicted, where it is legal and fits on the same GPUs."""
 
     @property
     def best(self) -> Candidate | None:
@@ -131,6 +133,7 @@ class Advice:
             "validator_calls": self.validator_calls,
             "ranked": [c.to_dict() for c in self.ranked[:top]],
             "ranked_total": len(self.ranked),
+            "own_layout": self.own.to_dict() if self.own else None,
             "rejected": {kind: {"count": len(items),
                                 "layouts": [{"layout": r.layout, "reason": r.reason}
                                             for r in items]}
@@ -282,6 +285,11 @@ def advise(spec: JobSpec, *, nodes: int | None = None, gpus_per_node: int | None
                 f"{other.time.step_seconds / timed[0].time.step_seconds - 1:+.1%} step time "
                 f"against {timed[0].describe()}"))
     advice.ranked.sort(key=_rank_key)
+    if (nodes, gpn) == (spec.cluster.nodes, spec.cluster.gpus_per_node) \
+            and not layout_problems(spec):
+        own = StepLayout.from_spec(spec)
+        if estimate(model, own.memory(), gpu).fits:
+            advice.own = predict(model, own, machine)
     if not advice.ranked:
         advice.notes.append("no layout fits on this many GPUs: add GPUs (--gpus, --nodes) or "
                             "shorten the sequence")
@@ -381,12 +389,21 @@ def print_advice(console: Any, advice: Advice, top: int) -> None:
         overheads = {k: v for k, v in c.time.terms.items()
                      if k not in compute and v > 1e-3 * c.time.step_seconds}
         worst = max(overheads, key=overheads.__getitem__) if overheads else None
-        worst_text = (f"{worst.replace('_', ' ')} {overheads[worst] / c.time.step_seconds:.0%}"
+        worst_text = (f"{worst.replace('_', ' ')} {overheads[worst] / c.time.step_seconds:.1%}"
                       if worst else "-")
         table.add_row(str(i), c.describe(), f"{c.memory.total / GiB:,.1f}",
                       f"{c.time.step_seconds:.4g}", f"{c.time.tokens_per_second_per_gpu:,.0f}",
                       f"{c.time.mfu['full']:.1%}", f"{c.time.mfu['causal']:.1%}", worst_text)
     console.print(table)
+    if advice.own is not None and advice.best is not None:
+        p = s.parallel
+        console.print(
+            f"the spec's own layout (tp {p.tp} pp {p.pp} cp {p.cp} {p.cp_algorithm}, "
+            f"ZeRO-{s.training.zero_stage}, checkpointing {s.training.activation_checkpointing}"
+            f"): {advice.own.step_seconds:.4g} s/step, "
+            f"{advice.own.tokens_per_second_per_gpu:,.0f} tokens/s/GPU; the fastest is "
+            f"{advice.own.step_seconds / advice.best.time.step_seconds - 1:.1%} faster",
+            markup=False)
     for kind, items in advice.rejected_by_kind().items():
         if not items:
             continue

@@ -258,9 +258,10 @@ def measure_loopback(sizes: tuple[int, ...] = (4096, 262144, 4 * 2**20, 16 * 2**
     mean_x, mean_y = sum(sizes) / n, sum(times) / n
     slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, times))
              / sum((x - mean_x) ** 2 for x in sizes))
-    bandwidth = 1.0 / slope
-    # The smallest message's time less its transfer: the intercept of a line through four
-    # points this far apart is too noisy to use.
+    # A burst of load elsewhere can tilt the line: never below the largest message's own rate.
+    bandwidth = max(1.0 / slope if slope > 0 else 0.0, sizes[-1] / times[-1])
+    # The smallest message's time less its transfer: the intercept of a line through points
+    # this far apart is too noisy to use.
     latency = max(times[0] - sizes[0] / bandwidth, 1e-6)
     return bandwidth, latency
 
