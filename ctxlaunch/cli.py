@@ -92,10 +92,11 @@ def plan(
 
     Fit or not and by how much, the smallest CP degree that fits, the longest sequence at each
     CP degree, and model FLOPs in both MFU conventions."""
+    from .advise import machine_for_advice
     from .planner import plan_job
 
     job = load(spec, set_)
-    report = plan_job(job)
+    report = plan_job(job, machine_for_advice(job, None, job.cluster.gpus_per_node))
     if as_json:
         out.print_json(json.dumps(report.to_dict()))
         return
@@ -149,6 +150,12 @@ def _print_plan(report) -> None:  # type: ignore[no-untyped-def]
     out.print(flops)
     out.print(f"parameters: {f['params_total']:,} ({f['params_matmul']:,} in matmuls); "
               f"tokens per step: {f['tokens_per_step']:,}")
+    st = report.step_time
+    if st is not None:
+        out.print(f"predicted step: {st['step_seconds']:.4g} s, "
+                  f"{st['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, MFU "
+                  f"{st['mfu']['full']:.1%} (full) / {st['mfu']['causal']:.1%} (causal); "
+                  f"`ctxlaunch advise` ranks the other layouts")
 
 
 @app.command()
