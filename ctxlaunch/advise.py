@@ -299,36 +299,30 @@ def advise(spec: JobSpec, *, nodes: int | None = None, gpus_per_node: int | None
 # --------------------------------------------------------------------------------------------
 # the command's input and output
 # --------------------------------------------------------------------------------------------
-def load_for_advice(path: Any, overrides: list[str] | None, err: Any
+def load_for_advice(path: Any, overrides: list[str] | None
                     ) -> tuple[dict[str, Any], JobSpec, str | None]:
     """(the spec's data with the overrides, the validated spec, a note). A spec whose only
     problems are its layout is still advised on: its parallel section is reset to one GPU per
-    replica (the search varies it anyway) and the note says so. Anything else exits 2."""
-    import typer
-
-    from . import exitcodes
+    replica (the search varies it anyway) and the note says so. Anything else raises the
+    SpecError."""
     from .loader import SpecError, apply_overrides, read_spec_data, validate_spec
 
+    data = apply_overrides(read_spec_data(path), overrides or ())
     try:
-        data = apply_overrides(read_spec_data(path), overrides or ())
-        try:
-            return data, validate_spec(data, str(path)), None
-        except SpecError as exc:
-            layout_only = all(p.path.startswith(("parallel", "training.seq_len",
-                                                 "training.global_batch",
-                                                 "training.grad_accum"))
-                              for p in exc.problems)
-            if not layout_only:
-                raise
-            reset = {k: v for k, v in (data.get("parallel") or {}).items()
-                     if k == "layout"}
-            job = validate_spec({**data, "parallel": reset}, str(path))
-            first = exc.problems[0]
-            return data, job, (f"the spec's own layout is illegal ({first}); advising over "
-                               "every layout")
+        return data, validate_spec(data, str(path)), None
     except SpecError as exc:
-        err.print(str(exc), markup=False)
-        raise typer.Exit(exitcodes.BAD_INPUT) from None
+        layout_only = all(p.path.startswith(("parallel", "training.seq_len",
+                                             "training.global_batch", "training.grad_accum"))
+                          for p in exc.problems)
+        if not layout_only:
+            raise
+        reset = {k: v for k, v in (data.get("parallel") or {}).items() if k == "layout"}
+        try:
+            job = validate_spec({**data, "parallel": reset}, str(path))
+        except SpecError:
+            raise exc from None
+        return data, job, (f"the spec's own layout is illegal ({exc.problems[0]}); advising "
+                           "over every layout")
 
 
 def machine_for_advice(spec: JobSpec, nodes: int | None, gpus_per_node: int) -> Machine:

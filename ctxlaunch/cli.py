@@ -183,7 +183,11 @@ def advise(
     from .advise import advice_spec_text, load_for_advice, machine_for_advice, print_advice
     from .advise import advise as run_advice
 
-    data, job, note = load_for_advice(spec, set_, err)
+    try:
+        data, job, note = load_for_advice(spec, set_)
+    except SpecError as exc:
+        err.print(str(exc), markup=False)
+        raise typer.Exit(exitcodes.BAD_INPUT) from None
     if gpus is not None and nodes is not None:
         fail("--gpus and --nodes: give one of them")
     per_node = job.cluster.gpus_per_node

@@ -89,3 +89,8 @@ def test_bad_allocation_is_refused_and_nothing_written(tmp_path: Path) -> None:
     assert not target.exists()
     result = run("advise", str(JOBS / "demo.yaml"), "--nodes", "2")
     assert result.exit_code == 2 and "target local" in result.output
+    # A problem that is not the layout's is an error, not advice.
+    result = run("advise", str(JOBS / "demo.yaml"), "--set", "model.preset=nope", "--write",
+                 str(target))
+    assert result.exit_code == 2 and "unknown model preset" in result.output
+    assert not target.exists()
