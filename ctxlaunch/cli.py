@@ -92,10 +92,11 @@ def plan(
 
     Fit or not and by how much, the smallest CP degree that fits, the longest sequence at each
     CP degree, and model FLOPs in both MFU conventions."""
+    from .advise import machine_for_advice
     from .planner import plan_job
 
     job = load(spec, set_)
-    report = plan_job(job)
+    report = plan_job(job, machine_for_advice(job, None, job.cluster.gpus_per_node))
     if as_json:
         out.print_json(json.dumps(report.to_dict()))
         return
@@ -149,6 +150,113 @@ def _print_plan(report) -> None:  # type: ignore[no-untyped-def]
     out.print(flops)
     out.print(f"parameters: {f['params_total']:,} ({f['params_matmul']:,} in matmuls); "
               f"tokens per step: {f['tokens_per_step']:,}")
+    st = report.step_time
+    if st is not None:
+        out.print(f"predicted step: {st['step_seconds']:.4g} s, "
+                  f"{st['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, MFU "
+                  f"{st['mfu']['full']:.1%} (full) / {st['mfu']['causal']:.1%} (causal); "
+                  f"`ctxlaunch advise` ranks the other layouts")
+
+
+@app.command()
+def advise(
+    spec: SpecArg,
+    set_: SetOpt = None,
+    top: Annotated[int, typer.Option("--top", help="Show the N fastest layouts.", min=1)] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    gpus: Annotated[int | None, typer.Option(
+        "--gpus", help="Advise for this many GPUs instead of the spec's.", min=1)] = None,
+    nodes: Annotated[int | None, typer.Option(
+        "--nodes", help="Advise for this many nodes (of the spec's gpus_per_node).",
+        min=1)] = None,
+    fp8: Annotated[bool, typer.Option(
+        "--fp8", help="Time the weight matmuls in FP8 (Transformer Engine recipes; the "
+        "bundled trainer runs bf16/fp32).")] = False,
+    write: Annotated[Path | None, typer.Option(
+        "--write", help="Save the fastest layout as a spec to this file (atomically).")] = None,
+) -> None:
+    """Rank every legal layout that fits by predicted step time.
+
+    TP within the NVLink domain, PP and virtual stages, CP degree and algorithm, ZeRO stage,
+    activation checkpointing and micro-batch, each with predicted memory, step time,
+    tokens/s/GPU and MFU in both conventions; the rejected ones grouped by reason."""
+    from .advise import advice_spec_text, load_for_advice, machine_for_advice, print_advice
+    from .advise import advise as run_advice
+
+    try:
+        data, job, note = load_for_advice(spec, set_)
+    except SpecError as exc:
+        err.print(str(exc), markup=False)
+        raise typer.Exit(exitcodes.BAD_INPUT) from None
+    if gpus is not None and nodes is not None:
+        fail("--gpus and --nodes: give one of them")
+    per_node = job.cluster.gpus_per_node
+    n_nodes = nodes
+    if gpus is not None:
+        if gpus < per_node:
+            n_nodes, per_node = 1, gpus
+        elif gpus % per_node:
+            fail(f"--gpus {gpus}: not a whole number of nodes of {per_node} GPUs "
+                 "(cluster.gpus_per_node)")
+        else:
+            n_nodes = gpus // per_node
+    if n_nodes is not None and n_nodes > 1 and job.cluster.target == "local":
+        fail(f"--nodes/--gpus: {n_nodes} nodes, but target local runs on one node; set "
+             "cluster.target (e.g. --set cluster.target=slurm)")
+    advice = run_advice(job, nodes=n_nodes, gpus_per_node=per_node,
+                        machine=machine_for_advice(job, n_nodes, per_node),
+                        matmul_precision="fp8" if fp8 else None)
+    if note:
+        advice.notes.insert(0, note)
+    if write is not None:
+        if advice.best is None:
+            fail(f"--write {write}: no layout fits, nothing written")
+        text = advice_spec_text(data, advice, str(spec))
+        from .fsutil import atomic_write_text
+
+        atomic_write_text(write, text)
+        err.print(f"wrote {write}: {advice.best.describe()}")
+    if as_json:
+        out.print_json(json.dumps(advice.to_dict(top)))
+        return
+    print_advice(out, advice, top)
+
+
+@app.command()
+def calibrate(
+    spec: Annotated[Path | None, typer.Argument(
+        help="Measure attention at this spec's model shape and dtype (default: the tiny "
+        "preset, fp32).", show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Measure this CPU for the step-time model: matmul and attention throughput, memory
+    bandwidth, gloo loopback bandwidth and latency. `advise` and `report` on `gpu: cpu` use
+    them (saved in $CTXLAUNCH_HOME/cpu_calibration.json)."""
+    import dataclasses
+
+    from .calibrate import measure, save_calibration
+
+    model = None
+    if spec is not None:
+        model = load(spec, None).model
+    try:
+        calibration = measure(heads=model.heads if model else 4,
+                              head_dim=model.head_dim if model else 32,
+                              dtype=model.dtype if model else "fp32", model=model)
+    except RuntimeError as exc:
+        fail(str(exc), code=exitcodes.FAILED)
+    path = save_calibration(calibration)
+    if as_json:
+        out.print_json(json.dumps(dataclasses.asdict(calibration)))
+    else:
+        c = calibration
+        out.print(f"matmul {c.matmul_flops_per_second / 1e9:.1f} GFLOP/s, attention "
+                  f"{c.attention_flops_per_second / 1e9:.1f} GFLOP/s, memory "
+                  f"{c.memory_bytes_per_second / 1e9:.1f} GB/s, gloo loopback "
+                  f"{c.link_bytes_per_second / 1e9:.2f} GB/s + {c.link_latency_seconds * 1e6:.0f}"
+                  f" us, {c.microbatch_overhead_seconds * 1e3:.1f} ms fixed per micro-batch "
+                  f"({c.cores} cores)")
+    err.print(f"wrote {path}")
 
 
 @app.command()
@@ -402,83 +510,34 @@ def sweep(
 
     On Slurm the points that share resources go as one job array; locally they run one after
     another. Prints the sweep id for `report`."""
-    import time
-
-    from . import jobstore
-    from .backends import get_backend
-    from .planner import plan_job
-    from .sweep import load_sweep, slurm_groups
+    from . import sweep as sweeps
 
     try:
-        spec_def, points = load_sweep(definition, set_ or ())
+        spec_def, points = sweeps.load_sweep(definition, set_ or ())
     except SpecError as exc:
         err.print(str(exc), markup=False)
         raise typer.Exit(exitcodes.BAD_INPUT) from None
-    runnable, skipped = [], []
-    for point in points:
-        if point.spec is None:
-            skipped.append((point, point.problem))
-        elif not force and not (report := plan_job(point.spec)).fits:
-            skipped.append((point, report.verdict()))
-        else:
-            runnable.append(point)
+    runnable, reasons = sweeps.triage(points, force)
     table = Table(title=f"sweep {spec_def.name}: {len(points)} points, {len(runnable)} to run",
                   title_justify="left")
     for column in ("name", *spec_def.axes, "runs"):
         table.add_column(column)
-    reasons = dict((p.index, why) for p, why in skipped)
     for point in points:
         table.add_row(point.name, *(str(v) for v in point.values.values()),
                       "yes" if point.index not in reasons else "no: " + reasons[point.index])
     err.print(table)
     if not runnable:
         fail("no point of the sweep can run")
-    target = runnable[0].spec.cluster.target  # type: ignore[union-attr]
-    backend = get_backend(target)
-    sweep_id = jobstore.new_id("sweep", spec_def.name)
-    entries = {p.index: {"index": p.index, "name": p.name, "values": p.values, "job": None,
-                         "skipped": reasons.get(p.index)} for p in points}
-    if target == "slurm":
-        groups = slurm_groups(runnable)
-        dryruns = [backend.array_dryrun(f"{spec_def.name}-{i}" if len(groups) > 1
-                                        else spec_def.name, [p.spec for p in group])
-                   for i, group in enumerate(groups)]
-        if dry_run:
-            for dryrun in dryruns:
-                sys.stdout.write(dryrun.describe())
-            return
-        for group, dryrun in zip(groups, dryruns):
-            try:
-                records = backend.schedule_array(dryrun, [p.spec for p in group])
-            except RuntimeError as exc:
-                fail(str(exc))
-            for point, record in zip(group, records):
-                entries[point.index]["job"] = record.id
-            err.print(f"submitted job array {records[0].extra['array']} ({len(records)} "
-                      f"tasks: {', '.join(p.name for p in group)})")
-    else:
-        # Kubernetes: one PyTorchJob per point, all with the sweep's label.
-        dryruns = (backend.sweep_dryruns(sweep_id, [p.spec for p in runnable])  # type: ignore
-                   if target == "kubernetes" else [backend.dryrun(p.spec) for p in runnable])
-        if dry_run:
-            for dryrun in dryruns:
-                sys.stdout.write(dryrun.describe())
-            return
-        refused = 0
-        for point, dryrun in zip(runnable, dryruns):
-            try:
-                backend.schedule(dryrun)
-            except RuntimeError as exc:  # e.g. a job of that name exists: the others still go
-                err.print(f"[yellow]warning:[/] {point.name} not submitted: {exc}", markup=True)
-                entries[point.index]["skipped"] = str(exc)
-                refused += 1
-                continue
-            entries[point.index]["job"] = dryrun.env["CTXLAUNCH_JOB_ID"]
-        if refused == len(runnable):
-            fail("no point of the sweep was submitted")
-    jobstore.save_sweep(sweep_id, {"id": sweep_id, "name": spec_def.name, "target": target,
-                                   "created": time.time(), "axes": list(spec_def.axes),
-                                   "points": [entries[i] for i in sorted(entries)]})
+    submission = sweeps.prepare(spec_def.name, runnable)
+    if dry_run:
+        for dryrun in submission.dryruns:
+            sys.stdout.write(dryrun.describe())
+        return
+    try:
+        sweep_id = sweeps.submit(spec_def.name, spec_def.axes, points, reasons, submission,
+                                 log=err.print)
+    except RuntimeError as exc:  # the scheduler refused a group: nothing of it was submitted
+        fail(str(exc))
     err.print(f"sweep {sweep_id}: `ctxlaunch report {sweep_id}` for the results")
     print(sweep_id)
 
@@ -490,54 +549,53 @@ def report(
     csv_path: Annotated[Path | None, typer.Option("--csv", help="Also write the table as "
                                                    "CSV.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    plots: Annotated[Path | None, typer.Option(
+        "--plots", help="Write PNG plots (tokens/s/GPU, MFU, peak memory against sequence "
+        "length) into this directory.")] = None,
+    html_path: Annotated[Path | None, typer.Option(
+        "--html", help="Write one self-contained HTML page (plots and table).")] = None,
 ) -> None:
-    """A sweep's results, one row per point.
+    """A sweep's results against the models' predictions, one row per point.
 
-    Each row: the point's axis values, its state, tokens/s/GPU, step time, final loss and peak
-    memory."""
-    import csv
-
+    Each row: the point's axis values, its state, measured tokens/s/GPU, step time, final loss
+    and peak memory, and the predicted step time (its error), tokens/s/GPU, MFU in both
+    conventions and peak memory."""
     from . import jobstore
-    from .backends import get_backend
-    from .sweep import RESULT_FIELDS, result_row
+    from .calibrate import load_calibration
+    from .fsutil import atomic_write_bytes, atomic_write_text
+    from .report import build_report, html_page, plot_pngs
 
     try:
         data = jobstore.load_sweep(sweep_id)
     except KeyError:
         fail(f"no sweep {sweep_id!r} in {jobstore.sweeps_root()}")
-    rows = []
-    for entry in data["points"]:
-        if entry["job"] is None:
-            rows.append(result_row(entry, "SKIPPED", None))
-            continue
-        record = jobstore.load(entry["job"])
-        try:
-            state = get_backend(record.target).status(record).state
-        except (KeyError, RuntimeError):
-            state = "UNKNOWN"
-        summary_path = jobstore.run_dir(record) / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
-        rows.append(result_row(entry, state, summary))
-    columns = ["name", *data["axes"], "state", *RESULT_FIELDS, "peak_memory_gib"]
+    if plots is not None and plots.exists() and not plots.is_dir():
+        fail(f"--plots: {plots} exists and is not a directory")
+    result = build_report(data, load_calibration())
     if csv_path is not None:
-        from .fsutil import atomic_write_text
-        import io
-
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-        atomic_write_text(csv_path, buffer.getvalue())
+        atomic_write_text(csv_path, result.csv_text())
+    if plots is not None or html_path is not None:
+        pngs = plot_pngs(result)
+        for name, png in pngs.items() if plots is not None else ():
+            err.print(f"wrote {atomic_write_bytes(plots / name, png)}")
+        if html_path is not None:
+            err.print(f"wrote {atomic_write_text(html_path, html_page(result, pngs))}")
     if as_json:
-        out.print_json(json.dumps({"sweep": data["id"], "rows": rows}))
+        out.print_json(json.dumps(result.to_dict()))
         return
     table = Table(title=f"sweep {data['name']} ({data['id']})", title_justify="left")
-    for column in columns:
-        table.add_column(column, justify="right" if column in RESULT_FIELDS else "left")
-    for row in rows:
+    shown = ["name", *data["axes"], "state", "step_seconds", "predicted_step_seconds",
+             "step_error", "tokens_per_second_per_gpu", "predicted_tokens_per_second_per_gpu",
+             "mfu_causal", "predicted_mfu_causal", "peak_memory_gib",
+             "predicted_peak_memory_gib", "final_loss"]
+    for column in shown:
+        table.add_column(column.replace("predicted_", "pred. ").replace("_", " "),
+                         justify="left" if column in ("name", "state") else "right")
+    for row in result.rows:
         table.add_row(*("" if row.get(c) is None else
+                        f"{row[c]:+.1%}" if c == "step_error" else
                         f"{row[c]:,.4g}" if isinstance(row.get(c), float) else str(row[c])
-                        for c in columns))
+                        for c in shown))
     out.print(table)
 
 

@@ -10,12 +10,17 @@ from pathlib import Path
 def atomic_write_text(path: str | Path, text: str, mode: int = 0o644) -> Path:
     """Write `text` to `path` through a temporary file in the same directory and a rename, so
     a reader (or a crash) never sees a partial file. Creates missing parent directories."""
+    return atomic_write_bytes(path, text.encode("utf-8"), mode)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes, mode: int = 0o644) -> Path:
+    """`atomic_write_text` for bytes (images)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, mode)

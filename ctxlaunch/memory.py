@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING, Literal
 
 from .flops import count_params
 from .hardware import GiB, GpuInfo
+from .stages import balanced_stage_layers
 
 if TYPE_CHECKING:
     from .spec import JobSpec, ModelSpec
@@ -95,6 +96,7 @@ CPU_FIXED_ALLOWANCE = int(0.4 * GiB)
 FRAGMENTATION = 0.05
 
 ActivationCheckpointing = Literal["none", "selective", "full"]
+Framework = Literal["ctxlaunch", "megatron"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,12 @@ class MemoryLayout:
     dtype: str = "bf16"
     stage_layers: tuple[int, ...] = ()
     """Blocks per pipeline stage (pp x virtual stages entries); empty: layers / pp each."""
+    framework: Framework = "ctxlaunch"
+    """Whose memory habits to plan: "ctxlaunch", the bundled trainer (FSDP2 under TP or PP keeps
+    fp32 weights and an fp32 residual under autocast; its TP keeps the gathered norm outputs
+    for backward), or "megatron", for runs published from Megatron-LM/NeMo (bf16 weights with
+    the fp32 master copy in the distributed optimizer, and sequence parallelism that
+    re-gathers a projection's input in backward rather than keeping it)."""
 
     @classmethod
     def from_spec(cls, spec: JobSpec) -> MemoryLayout:
@@ -131,7 +139,7 @@ class MemoryLayout:
     def rank_layers(self, layers: int) -> list[int]:
         """Blocks each PP rank holds (rank r holds stages r, r + pp, ... when interleaved)."""
         if not self.stage_layers:
-            return [layers // self.pp] * self.pp
+            return default_rank_layers(layers, self.pp)
         held = [0] * self.pp
         for stage, count in enumerate(self.stage_layers):
             held[stage % self.pp] += count
@@ -140,11 +148,14 @@ class MemoryLayout:
     @property
     def fsdp(self) -> bool:
         """ZeRO >= 1 with TP or PP runs through FSDP2 (DeepSpeed only without them)."""
-        return self.zero_stage > 0 and (self.tp > 1 or self.pp > 1)
+        return self.framework == "ctxlaunch" and self.zero_stage > 0 and (self.tp > 1
+                                                                          or self.pp > 1)
 
     @property
     def fp32_weights(self) -> bool:
         """fp32 weights with bf16 compute through autocast: ZeRO-0 and FSDP2."""
+        if self.framework == "megatron":
+            return False
         return self.zero_stage == 0 or self.fsdp
 
     @property
@@ -230,7 +241,7 @@ def block_activation_bytes_per_token(model: ModelSpec, layout: MemoryLayout) -> 
     # norm outputs the column-parallel projections keep (a*h per token of the whole CP shard,
     # one before attention and one before the feed-forward): per sequence-parallel token that
     # is a*h*t instead of a*h.
-    gathered = a * h * (layout.tp - 1)
+    gathered = a * h * (layout.tp - 1) if layout.framework == "ctxlaunch" else 0
     mode = layout.activation_checkpointing
     if mode == "none":
         return attention_half + feed_forward_half + 2 * gathered
@@ -321,6 +332,15 @@ def stage_activation_bytes(model: ModelSpec, layout: MemoryLayout, blocks: int, 
         + autocast_weight_copy_bytes(model, layout) * blocks
 
 
+def default_rank_layers(layers: int, pp: int) -> list[int]:
+    """Blocks per PP rank when the layout names no split: the balanced split a validated spec
+    gets (ctxlaunch.stages), so a layout that never went through a spec (advise's candidates, a
+    published run) is planned as it would run. Llama 3 405B at PP 16: 7, 8 x 14, 7, not 7 x 16."""
+    if layers < pp:  # no legal split; the validator names the error, the plan stays defined
+        return [1] * pp
+    return list(balanced_stage_layers(layers, pp))
+
+
 # --------------------------------------------------------------------------------------------
 # model states
 # --------------------------------------------------------------------------------------------
@@ -328,11 +348,11 @@ def params_per_rank(model: ModelSpec, tp: int, pp: int,
                     rank_layers: list[int] | None = None) -> int:
     """Parameters held by the busiest rank before ZeRO sharding: a pipeline stage's blocks
     (plus the embedding or the head on the end stages) split by TP. `rank_layers`: blocks per
-    PP rank (default: layers / pp each)."""
+    PP rank (default: the balanced split the validator gives a spec, `default_rank_layers`)."""
     counts = count_params(model)
     if pp == 1:
         return -(-counts.total // tp)
-    layers = rank_layers or [model.layers // pp] * pp
+    layers = rank_layers or default_rank_layers(model.layers, pp)
     held = [counts.per_layer * n for n in layers]
     held[0] += counts.embedding
     held[-1] += counts.final_norm + counts.head

@@ -13,6 +13,7 @@ from .flops import CONVENTIONS, count_params, flops_per_token
 from .hardware import GiB
 from .memory import MemoryEstimate, MemoryLayout, estimate, longest_sequence
 from .spec import JobSpec, cp_problems, problem_message
+from .steptime import Machine, StepLayout, machine_for_spec, predict
 
 MAX_CP = 256
 
@@ -57,6 +58,8 @@ class PlanReport:
     suggestions: list[Suggestion]
     flops: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
+    step_time: dict[str, Any] | None = None
+    """The step-time model's prediction for this layout (ctxlaunch.steptime), where it fits."""
 
     @property
     def fits(self) -> bool:
@@ -111,12 +114,14 @@ class PlanReport:
             "suggestions": [{"changes": x.changes, "total_bytes": x.estimate.total}
                             for x in self.suggestions],
             "flops": self.flops,
+            "step_time": self.step_time,
             "warnings": self.warnings,
         }
 
 
-def plan_job(spec: JobSpec) -> PlanReport:
-    """Everything `ctxlaunch plan` reports for a (valid) spec."""
+def plan_job(spec: JobSpec, machine: Machine | None = None) -> PlanReport:
+    """Everything `ctxlaunch plan` reports for a (valid) spec; the step time on `machine`
+    (default: the spec's GPU and fabric tables)."""
     layout = MemoryLayout.from_spec(spec)
     gpu = spec.cluster.gpu_info
     current = estimate(spec.model, layout, gpu)
@@ -131,6 +136,9 @@ def plan_job(spec: JobSpec) -> PlanReport:
         suggestions=suggestions(spec, layout),
         flops=flops_report(spec),
         warnings=spec.warnings(),
+        step_time=(predict(spec.model, StepLayout.from_spec(spec),
+                           machine or machine_for_spec(spec)).to_dict()
+                   if current.fits else None),
     )
 
 

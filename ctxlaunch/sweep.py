@@ -143,3 +143,98 @@ def result_row(point_record: dict[str, Any], state: str, summary: dict[str, Any]
     peaks = (summary or {}).get("peak_memory_bytes_per_rank") or []
     row["peak_memory_gib"] = max(peaks) / 2**30 if peaks else None
     return row
+
+
+# --------------------------------------------------------------------------------------------
+# running a sweep (what `ctxlaunch sweep` does)
+# --------------------------------------------------------------------------------------------
+def triage(points: list[Point], force: bool = False) -> tuple[list[Point], dict[int, str]]:
+    """(the points to run, why each other point is skipped): invalid specs, and points the
+    planner predicts will not fit unless `force`."""
+    from .planner import plan_job
+
+    runnable, reasons = [], {}
+    for point in points:
+        if point.spec is None:
+            reasons[point.index] = point.problem or "invalid"
+        elif not force and not (report := plan_job(point.spec)).fits:
+            reasons[point.index] = report.verdict()
+        else:
+            runnable.append(point)
+    return runnable, reasons
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What a sweep submits: the dry runs (one per Slurm array, or one per local point)."""
+
+    target: str
+    groups: list[list[Point]]
+    dryruns: list[Any]
+    sweep_id: str
+
+
+def prepare(name: str, runnable: list[Point]) -> Submission:
+    """Group the runnable points for their target and make the dry runs: one Slurm array per
+    group of points that can share one, one PyTorchJob per point on Kubernetes (all labelled
+    with the sweep), one local run per point."""
+    from . import jobstore
+    from .backends import get_backend
+
+    target = runnable[0].spec.cluster.target  # type: ignore[union-attr]
+    backend = get_backend(target)
+    sweep_id = jobstore.new_id("sweep", name)
+    if target == "slurm":
+        groups = slurm_groups(runnable)
+        dryruns = [backend.array_dryrun(f"{name}-{i}" if len(groups) > 1 else name,
+                                        [p.spec for p in group])
+                   for i, group in enumerate(groups)]
+    else:
+        groups = [[p] for p in runnable]
+        dryruns = (backend.sweep_dryruns(sweep_id, [p.spec for p in runnable])  # type: ignore
+                   if target == "kubernetes" else [backend.dryrun(p.spec) for p in runnable])
+    return Submission(target, groups, dryruns, sweep_id)
+
+
+def submit(name: str, axes: Iterable[str], points: list[Point], reasons: dict[int, str],
+           submission: Submission, log=print) -> str:  # type: ignore[no-untyped-def]
+    """Submit (Slurm arrays) or run (locally, one after another) the prepared points and save
+    the sweep's record; returns the sweep id for `ctxlaunch report`. A scheduler's refusal
+    raises RuntimeError (nothing of that group was submitted); a point refused on its own (a
+    PyTorchJob of that name exists) is logged and skipped, and RuntimeError is raised only when
+    every point was refused."""
+    import time
+
+    from . import jobstore
+    from .backends import get_backend
+
+    backend = get_backend(submission.target)
+    sweep_id = submission.sweep_id
+    entries = {p.index: {"index": p.index, "name": p.name, "values": p.values, "job": None,
+                         "skipped": reasons.get(p.index),
+                         # the resolved spec, so `report` can predict the point
+                         "spec": p.spec.model_dump(mode="json") if p.spec else None}
+               for p in points}
+    refused = 0
+    for group, dryrun in zip(submission.groups, submission.dryruns):
+        if submission.target == "slurm":
+            records = backend.schedule_array(dryrun, [p.spec for p in group])
+            for point, record in zip(group, records):
+                entries[point.index]["job"] = record.id
+            log(f"submitted job array {records[0].extra['array']} ({len(records)} tasks: "
+                f"{', '.join(p.name for p in group)})")
+            continue
+        try:
+            backend.schedule(dryrun)
+        except RuntimeError as exc:  # e.g. a job of that name exists: the others still go
+            log(f"[yellow]warning:[/] {group[0].name} not submitted: {exc}")
+            entries[group[0].index]["skipped"] = str(exc)
+            refused += 1
+            continue
+        entries[group[0].index]["job"] = dryrun.env["CTXLAUNCH_JOB_ID"]
+    if submission.target != "slurm" and refused == len(submission.groups):
+        raise RuntimeError("no point of the sweep was submitted")
+    jobstore.save_sweep(sweep_id, {"id": sweep_id, "name": name, "target": submission.target,
+                                   "created": time.time(), "axes": list(axes),
+                                   "points": [entries[i] for i in sorted(entries)]})
+    return sweep_id

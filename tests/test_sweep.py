@@ -98,13 +98,25 @@ def test_a_local_sweep_runs_every_point_and_reports(tmp_path: Path) -> None:
     assert "3 points, 2 to run" in result.stderr
     sweep_id = result.stdout.strip().splitlines()[-1]
     report = subprocess.run([CTXLAUNCH, "report", sweep_id, "--json", "--csv",
-                             str(tmp_path / "r.csv")], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=60)
+                             str(tmp_path / "r.csv"), "--plots", str(tmp_path / "plots"),
+                             "--html", str(tmp_path / "r.html")], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr
     rows = json.loads(report.stdout)["rows"]
     assert [r["state"] for r in rows] == ["COMPLETED", "SKIPPED", "COMPLETED"]
     assert all(r["tokens_per_second_per_gpu"] > 0 for r in rows if r["state"] == "COMPLETED")
     assert (tmp_path / "r.csv").read_text().startswith("name,training.seq_len,state,")
+    # Predicted beside measured, for every point that ran.
+    for row in (r for r in rows if r["state"] == "COMPLETED"):
+        assert row["predicted_step_seconds"] > 0 and row["predicted_peak_memory_gib"] > 0
+        assert row["step_error"] == pytest.approx(
+            row["predicted_step_seconds"] / row["step_seconds"] - 1)
+        assert row["mfu_causal"] > 0 and row["predicted_mfu_full"] > row["predicted_mfu_causal"]
+    pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert pngs == ["memory.png", "mfu.png", "throughput.png"]
+    assert all((tmp_path / "plots" / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in pngs)
+    page = (tmp_path / "r.html").read_text()
+    assert page.count("data:image/png;base64,") == 3 and "src=\"http" not in page
 
 
 def test_bad_sweep_files_are_clear_errors(tmp_path: Path) -> None:

@@ -91,3 +91,16 @@ def test_busy_scrape_port_is_logged_and_training_goes_on() -> None:
         exporter = Exporter(IDENTITY, mode="scrape", port=port - 1, log=logged.append)
         assert exporter.port is None and "cannot serve /metrics" in logged[0]
         exporter.set("ctxlaunch_loss", 1.0)
+
+
+def test_the_predicted_step_is_the_step_time_models(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from ctxlaunch.loader import load_spec
+    from ctxlaunch.steptime import predict_spec
+    from ctxlaunch.telemetry.training import predicted_step_seconds
+
+    from .conftest import JOBS
+
+    monkeypatch.setenv("CTXLAUNCH_HOME", str(tmp_path))  # no calibration: the table's figures
+    for name in ("demo.yaml", "llama3-8b-128k-slurm.yaml"):
+        spec = load_spec(JOBS / name)
+        assert predicted_step_seconds(spec) == predict_spec(spec).step_seconds > 0

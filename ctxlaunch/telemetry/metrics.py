@@ -47,6 +47,9 @@ METRICS: tuple[Metric, ...] = (
            "Memory of the device (CPU: the host's memory)."),
     Metric("ctxlaunch_planner_predicted_peak_bytes", "gauge",
            "The planner's prediction of this rank's peak memory, for comparison."),
+    Metric("ctxlaunch_predicted_step_duration_seconds", "gauge",
+           "The step-time model's prediction of a step (ctxlaunch.steptime; on the CPU with "
+           "the constants `ctxlaunch calibrate` measured), for comparison."),
     Metric("ctxlaunch_allocator_retries_total", "counter",
            "Times the CUDA caching allocator freed its cache and retried an allocation."),
     Metric("ctxlaunch_oom_events_total", "counter", "Out-of-memory errors caught at a step."),

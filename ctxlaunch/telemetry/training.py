@@ -36,6 +36,19 @@ def peak_flops(spec, device: torch.device) -> tuple[float, str]:  # type: ignore
     return measure_cpu_peak_flops(torch.bfloat16 if bf16 else torch.float32), "measured_cpu_matmul"
 
 
+def predicted_step_seconds(spec) -> float:  # type: ignore[no-untyped-def]
+    """The step-time model's step for this job: the GPU and fabric tables, or on the CPU the
+    constants measured by `ctxlaunch calibrate` (the tables' placeholders without them)."""
+    from ..steptime import machine_for_spec, predict_spec
+
+    calibration = None
+    if spec.cluster.gpu == "cpu":
+        from ..calibrate import load_calibration
+
+        calibration = load_calibration()
+    return predict_spec(spec, machine_for_spec(spec, calibration)).step_seconds
+
+
 def device_capacity_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
@@ -72,6 +85,8 @@ class TrainingTelemetry:
         self.prediction = estimate(spec.model, MemoryLayout.from_spec(spec),
                                    spec.cluster.gpu_info)
         self.exporter.set("ctxlaunch_planner_predicted_peak_bytes", self.prediction.total)
+        self.exporter.set("ctxlaunch_predicted_step_duration_seconds",
+                          predicted_step_seconds(spec))
         self.exporter.set("ctxlaunch_target_steps", spec.training.steps)
         self._retries_seen = 0
 

@@ -1,0 +1,322 @@
+"""Constants measured on this machine for the step-time model on `gpu: cpu`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .hardware import LinkInfo
+from .steptime import Machine
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a CPU rank achieves here: rates measured with all cores in one process."""
+
+    matmul_flops_per_second: float
+    attention_flops_per_second: float
+    """Attention through the trainer's kernels, forward + backward, on a full (non-causal)
+    block: FLOPs per second."""
+    memory_bytes_per_second: float
+    link_bytes_per_second: float
+    """gloo over loopback between two processes, one direction."""
+    link_latency_seconds: float
+    cores: int
+    measured_at: str = ""
+    microbatch_overhead_seconds: float = 0.0
+    """One rank's fixed cost per micro-batch on one core: the real model's forward, backward
+    and optimizer step at a short sequence, less what the model predicts for that work."""
+    causal_tile_tokens: float = 0.0
+    """What a causal call wastes on its diagonal, in tokens (see steptime.Machine)."""
+    sync_seconds: dict[str, float] | None = None
+    """Ranks -> the cost of one ring exchange between compute steps, beyond the compute, with
+    that many processes sharing the cores."""
+
+    def machine(self, gpus_per_node: int) -> Machine:
+        """N ranks share the cores: each gets 1/N of the measured rates (they were measured
+        with all cores in one process)."""
+        share = max(gpus_per_node, 1)
+        rate = self.matmul_flops_per_second / share
+        # More ranks than cores: each rank's single-threaded overhead is time-sliced too.
+        overhead = self.microbatch_overhead_seconds * max(1.0, share / max(self.cores, 1))
+        link = LinkInfo("gloo loopback (measured)", self.link_bytes_per_second,
+                        self.link_latency_seconds, f"measured {self.measured_at}")
+        syncs = {int(k): v for k, v in (self.sync_seconds or {}).items()}
+        nearest = min(syncs, key=lambda k: (abs(k - share), k)) if syncs else None
+        sync = syncs[nearest] if nearest is not None and share > 1 else 0.0
+        return Machine(name="cpu", peak_flops={"bf16": rate, "fp32": rate},
+                       memory_bytes_per_second=self.memory_bytes_per_second / share,
+                       gpus_per_node=gpus_per_node, nvlink_domain=gpus_per_node,
+                       intra_node=link, network=link,
+                       eta_matmul={"bf16": 1.0, "fp32": 1.0}, eta_comm=1.0,
+                       attention_flops_per_second=self.attention_flops_per_second / share,
+                       overlap_dp=False, peak_reference_flops=rate,
+                       microbatch_overhead_seconds=overhead, sync_seconds=sync,
+                       causal_tile_tokens=self.causal_tile_tokens)
+
+
+def calibration_path() -> Path:
+    from .jobstore import home
+
+    return home() / "cpu_calibration.json"
+
+
+def load_calibration(path: Path | None = None) -> Calibration | None:
+    path = path or calibration_path()
+    try:
+        return Calibration(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def save_calibration(calibration: Calibration, path: Path | None = None) -> Path:
+    from .fsutil import atomic_write_text
+
+    return atomic_write_text(path or calibration_path(),
+                             json.dumps(asdict(calibration), indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# measuring (torch imported here only)
+# --------------------------------------------------------------------------------------------
+def _best_seconds(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    import time
+
+    fn()  # warm-up: thread pool, packing, allocator
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_compute(*, heads: int = 4, head_dim: int = 32, seq: int = 2048,
+                    dtype: str = "fp32", repeats: int = 5
+                    ) -> tuple[float, float, float, float]:
+    """(matmul FLOP/s, attention FLOP/s forward + backward on a full block, the causal
+    diagonal's waste in tokens, copy bytes/s), each from the best of `repeats` runs with all of
+    this machine's cores in this process. Attention runs through the trainer's own kernels
+    (ctxlaunch.cp.kernels) at the model's heads and head_dim: 12 x heads x head_dim x s x s
+    FLOPs on a full block; a causal block of s tokens takes as long as s*(s + T)/2 entries."""
+    import os
+
+    import torch
+
+    from .cp.kernels import attention_backward, attention_forward
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    kind = torch.float32 if dtype == "fp32" else torch.bfloat16
+    n = 1024
+    a, b = torch.randn(n, n, dtype=kind), torch.randn(n, n, dtype=kind)
+    matmul = 2.0 * n**3 / _best_seconds(lambda: torch.mm(a, b), repeats)
+
+    q = torch.randn(1, heads, seq, head_dim, dtype=kind)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    scale = head_dim**-0.5
+
+    def attention(causal: bool) -> None:
+        out, lse = attention_forward(q, k, v, causal, scale)
+        attention_backward(torch.ones_like(out), q, k, v, out, lse, causal, scale)
+
+    full_seconds = _best_seconds(lambda: attention(False), repeats)
+    causal_seconds = _best_seconds(lambda: attention(True), repeats)
+    attention_rate = 12.0 * heads * head_dim * seq * seq / full_seconds
+    # causal / full = (s + T) / (2 s)
+    tile = max(seq * (2 * causal_seconds / full_seconds - 1), 0.0)
+
+    x = torch.empty(16 * 2**20, dtype=torch.float32)
+    y = torch.empty_like(x)
+    copy = 2 * x.numel() * 4 / _best_seconds(lambda: y.copy_(x), repeats)
+    return matmul, attention_rate, tile, copy
+
+
+def _run_ranks(target, ranks: int, args: tuple, expect: int, timeout_s: float,  # type: ignore[no-untyped-def]
+               what: str) -> list:
+    """Run `target(rank, init_file, *args, results)` in `ranks` spawned processes; collect
+    `expect` results. A process that dies or a run past `timeout_s` ends every process and
+    raises RuntimeError: a measurement never hangs."""
+    import os
+    import queue
+    import tempfile
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="ctxlaunch_calibrate_")
+    os.close(fd)
+    os.unlink(init_file)  # the file store creates it
+    procs = [ctx.Process(target=target, args=(r, init_file, *args, results), daemon=True)
+             for r in range(ranks)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    values: list = []
+    try:
+        while len(values) < expect:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not finish in {timeout_s:.0f} s")
+            try:
+                values.append(results.get(timeout=1.0))
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"{what}: a process died (exit codes "
+                                       f"{[p.exitcode for p in procs]})") from None
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    return values
+
+
+def _pingpong(rank: int, init_file: str, sizes: list[int], repeats: int, results) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    out = []
+    for size in sizes:
+        buffer = torch.empty(size // 4, dtype=torch.float32)
+        best = float("inf")
+        for _ in range(repeats + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, 1)
+                dist.recv(buffer, 1)
+            else:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+            best = min(best, (time.perf_counter() - start) / 2)
+        out.append(best)
+    if rank == 0:
+        results.put(out)
+    dist.destroy_process_group()
+
+
+def _sync_worker(rank: int, init_file: str, world: int, iterations: int, size: int,  # type: ignore[no-untyped-def]
+                 results) -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    a = torch.randn(size, size)
+    message = torch.zeros(1024)
+    incoming = torch.empty_like(message)
+
+    def run(exchange: bool) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iterations):
+            torch.mm(a, a)
+            if exchange:
+                ops = [dist.P2POp(dist.isend, message, (rank + 1) % world),
+                       dist.P2POp(dist.irecv, incoming, (rank - 1) % world)]
+                for request in dist.batch_isend_irecv(ops):
+                    request.wait()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    run(True)  # warm-up
+    alone = min(run(False) for _ in range(2))
+    synced = min(run(True) for _ in range(2))
+    results.put((rank, max(synced - alone, 0.0) / iterations))
+    dist.destroy_process_group()
+
+
+def measure_sync(ranks: int, *, iterations: int = 40, size: int = 192,
+                 timeout_s: float = 120.0) -> float:
+    """Seconds one ring exchange adds between compute steps when `ranks` processes (one thread
+    each) share the cores, as the trainer's ranks do: every rank computes, then sends to the
+    next and receives from the previous; less the same compute without the exchanges."""
+    values = [v for _, v in _run_ranks(_sync_worker, ranks, (ranks, iterations, size), ranks,
+                                       timeout_s, "sync measurement")]
+    return sum(values) / len(values)
+
+
+def measure_loopback(sizes: tuple[int, ...] = (4096, 262144, 4 * 2**20, 16 * 2**20),
+                     repeats: int = 5, timeout_s: float = 120.0) -> tuple[float, float]:
+    """(bytes/s, latency s) of gloo point-to-point between two processes over 127.0.0.1: the
+    least-squares line through the best one-way time at each message size."""
+    (times,) = _run_ranks(_pingpong, 2, (list(sizes), repeats), 1, timeout_s,
+                          "gloo loopback measurement")
+    n = len(sizes)
+    mean_x, mean_y = sum(sizes) / n, sum(times) / n
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, times))
+             / sum((x - mean_x) ** 2 for x in sizes))
+    # A burst of load elsewhere can tilt the line: never below the largest message's own rate.
+    bandwidth = max(1.0 / slope if slope > 0 else 0.0, sizes[-1] / times[-1])
+    # The smallest message's time less its transfer: the intercept of a line through points
+    # this far apart is too noisy to use.
+    latency = max(times[0] - sizes[0] / bandwidth, 1e-6)
+    return bandwidth, latency
+
+
+def measure_microbatch_overhead(model, calibration: Calibration, *, seq: int = 256,  # type: ignore[no-untyped-def]
+                                repeats: int = 5) -> float:
+    """One rank's fixed cost per micro-batch: the trainer's own model (forward, backward,
+    AdamW step) on one thread at a short sequence, less what the step-time model predicts for
+    that work on one core. Never negative."""
+    import torch
+
+    from .steptime import StepLayout, predict
+    from .trainer.model import Transformer
+
+    torch.set_num_threads(1)
+    net = Transformer.from_spec(model)
+    net.init_weights(0)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=True)
+    tokens = torch.randint(0, model.vocab, (1, seq))
+    positions = torch.arange(seq)
+
+    def step() -> None:
+        net(tokens, positions, tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    seconds = _best_seconds(step, repeats)
+    one_core = calibration.machine(gpus_per_node=calibration.cores)
+    modelled = predict(model, StepLayout(seq_len=seq, dtype=model.dtype,
+                                         matmul_precision=model.dtype), one_core).step_seconds
+    return max(seconds - modelled, 0.0)
+
+
+def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str = "fp32",
+            repeats: int = 5, sizes: tuple[int, ...] = (4096, 262144, 4 * 2**20, 16 * 2**20),
+            model=None, sync_ranks: tuple[int, ...] = (2, 4)
+            ) -> Calibration:  # type: ignore[no-untyped-def]
+    """Every constant the step-time model needs on this CPU; `model` (a ModelSpec, default the
+    tiny preset) is what the per-micro-batch overhead is measured on."""
+    import dataclasses
+    import datetime
+    import os
+
+    from .spec import ModelSpec
+
+    matmul, attention, tile, copy = measure_compute(heads=heads, head_dim=head_dim, seq=seq,
+                                                    dtype=dtype, repeats=repeats)
+    bandwidth, latency = measure_loopback(sizes=sizes, repeats=repeats)
+    calibration = Calibration(
+        matmul_flops_per_second=matmul, attention_flops_per_second=attention,
+        memory_bytes_per_second=copy, link_bytes_per_second=bandwidth,
+        link_latency_seconds=latency, cores=os.cpu_count() or 1, causal_tile_tokens=tile,
+        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    model = model or ModelSpec(preset="tiny", dtype=dtype)
+    overhead = measure_microbatch_overhead(model, calibration, repeats=repeats)
+    syncs = {str(n): measure_sync(n) for n in sync_ranks}
+    return dataclasses.replace(calibration, microbatch_overhead_seconds=overhead,
+                               sync_seconds=syncs)

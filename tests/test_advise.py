@@ -1,0 +1,96 @@
+"""`ctxlaunch advise`: every legal layout accounted for, ranked by the step-time model among
+those the planner says fit; every example in jobs/; the chosen layout written as a spec."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ctxlaunch.advise import advise, degree_options
+from ctxlaunch.cli import app
+from ctxlaunch.loader import load_spec
+from ctxlaunch.memory import estimate
+from ctxlaunch.steptime import StepLayout, machine_for_spec, predict
+
+from .conftest import JOBS
+
+runner = CliRunner()
+
+
+def run(*args: str):  # type: ignore[no-untyped-def]
+    return runner.invoke(app, list(args))
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in JOBS.glob("*.yaml")))
+def test_advise_answers_for_every_example(example: str) -> None:
+    result = run("advise", str(JOBS / example), "--json", "--top", "3")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["ranked"], data["notes"]
+    times = [float(f"{c['step_seconds']:.4g}") for c in data["ranked"]]  # ties: simpler first
+    assert times == sorted(times)
+    assert all(c["fits"] for c in data["ranked"])
+    if example.startswith("invalid"):
+        assert "illegal" in data["notes"][0]
+
+
+def test_70b_on_512_gpus_is_pruned_and_accounts_for_every_layout() -> None:
+    spec = load_spec(JOBS / "llama3-70b-1m-k8s.yaml")
+    advice = advise(spec)
+    assert advice.layouts_timed < 2500  # pruning: a count, never a wall time
+    options = degree_options(spec, 512, 8, machine_for_spec(spec).nvlink_domain)
+    seen = {c.degrees.describe() for c in advice.ranked}
+    seen |= {r.layout.split(",")[0] for r in advice.rejected if r.kind != "dominated"}
+    assert {d.describe() for d in options} <= seen
+    assert all(d.tp <= 8 for d in options)  # TP within the NVLink domain
+    groups = advice.rejected_by_kind()
+    assert groups["illegal"] and groups["no fit"] and groups["dominated"]
+    # The spec's own layout fits; the top choice is predicted at least as fast.
+    own = StepLayout.from_spec(spec)
+    assert estimate(spec.model, own.memory(), spec.cluster.gpu_info).fits
+    own_time = predict(spec.model, own, machine_for_spec(spec)).step_seconds
+    assert advice.best is not None and advice.best.time.step_seconds <= own_time
+
+
+def test_more_gpus_and_a_slower_fabric_change_the_answer() -> None:
+    spec = load_spec(JOBS / "llama3-8b-128k-slurm.yaml")
+    small, large = advise(spec, nodes=1), advise(spec, nodes=8)
+    assert small.best and large.best
+    assert large.best.layout.world_size == 64 and small.best.layout.world_size == 8
+    slow = load_spec(JOBS / "llama3-8b-128k-slurm.yaml", ["fabric.network=tcp"])
+    fast_ring = advise(spec).best.time.step_seconds
+    assert advise(slow).best.time.step_seconds > fast_ring
+
+
+def test_write_saves_the_fastest_layout_as_a_valid_spec(tmp_path: Path) -> None:
+    target = tmp_path / "advised.yaml"
+    result = run("advise", str(JOBS / "llama3-8b-128k-slurm.yaml"), "--gpus", "16", "--write",
+                 str(target), "--json")
+    assert result.exit_code == 0, result.output
+    best = json.loads(result.stdout)["ranked"][0]
+    written = load_spec(target)
+    assert written.cluster.world_size == 16
+    for path, value in best["changes"].items():
+        section, name = path.split(".")
+        if value is not None:
+            assert getattr(getattr(written, section), name) == value, path
+    assert written.fabric.hcas  # the rest of the user's spec is kept
+    assert [p.name for p in tmp_path.iterdir()] == ["advised.yaml"]  # no temp files left
+
+
+def test_bad_allocation_is_refused_and_nothing_written(tmp_path: Path) -> None:
+    target = tmp_path / "advised.yaml"
+    result = run("advise", str(JOBS / "llama3-8b-128k-slurm.yaml"), "--gpus", "12",
+                 "--write", str(target))
+    assert result.exit_code == 2 and "--gpus 12" in result.output
+    assert not target.exists()
+    result = run("advise", str(JOBS / "demo.yaml"), "--nodes", "2")
+    assert result.exit_code == 2 and "target local" in result.output
+    # A problem that is not the layout's is an error, not advice.
+    result = run("advise", str(JOBS / "demo.yaml"), "--set", "model.preset=nope", "--write",
+                 str(target))
+    assert result.exit_code == 2 and "unknown model preset" in result.output
+    assert not target.exists()

@@ -1,0 +1,55 @@
+"""The CPU calibration end to end: measure (small sizes, real torch and real gloo over
+127.0.0.1), save, and `advise` / the step-time model on a CPU spec use the measured constants.
+No timing is asserted: this machine is shared and busy; benchmarks/steptime_cpu.py checks the
+predictions against measured step times and BENCHMARKS.md records them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ctxlaunch.advise import advise
+from ctxlaunch.calibrate import Calibration, load_calibration, measure, save_calibration
+from ctxlaunch.cli import app
+from ctxlaunch.loader import load_spec
+from ctxlaunch.steptime import machine_for_spec, predict_spec
+
+from .conftest import JOBS
+
+
+@pytest.mark.timeout(180)
+def test_measured_constants_drive_the_cpu_prediction(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CTXLAUNCH_HOME", str(tmp_path))
+    calibration = measure(seq=256, repeats=2, sizes=(4096, 262144, 2**21), sync_ranks=(2,))
+    for value in (calibration.matmul_flops_per_second, calibration.attention_flops_per_second,
+                  calibration.memory_bytes_per_second, calibration.link_bytes_per_second,
+                  calibration.link_latency_seconds):
+        assert value > 0
+    save_calibration(calibration)
+    assert load_calibration() == calibration
+
+    spec = load_spec(JOBS / "demo.yaml")
+    machine = machine_for_spec(spec, calibration)
+    # Two ranks share the cores: each gets half of the measured rates.
+    assert machine.peak_flops["fp32"] == pytest.approx(calibration.matmul_flops_per_second / 2)
+    assert machine.intra_node.bytes_per_second == calibration.link_bytes_per_second
+    calibrated = predict_spec(spec, machine)
+    doubled = predict_spec(spec, Calibration(**{
+        **calibration.__dict__,
+        "attention_flops_per_second": 2 * calibration.attention_flops_per_second,
+    }).machine(2))
+    assert doubled.terms["compute_attention"] == pytest.approx(
+        calibrated.terms["compute_attention"] / 2)
+
+    result = CliRunner().invoke(app, ["advise", str(JOBS / "demo.yaml"), "--json"])
+    assert result.exit_code == 0, result.output
+    best = json.loads(result.stdout)["ranked"][0]
+    # `advise` used the saved constants: its ranking is the calibrated model's, not the
+    # placeholder table's.
+    assert best["step_seconds"] == pytest.approx(
+        advise(spec, machine=calibration.machine(2)).best.time.step_seconds)
+    assert best["step_seconds"] != pytest.approx(advise(spec).best.time.step_seconds)

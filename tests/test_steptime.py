@@ -1,0 +1,100 @@
+"""The step-time model's terms, each against the arithmetic it stands for."""
+
+from __future__ import annotations
+
+import pytest
+
+from ctxlaunch.hardware import GPUS
+from ctxlaunch.loader import load_spec
+from ctxlaunch.spec import ModelSpec
+from ctxlaunch.steptime import Machine, StepLayout, predict, predict_spec
+
+from .conftest import JOBS
+
+LLAMA_8B = ModelSpec(preset="llama3-8b")
+H100_NDR = Machine.from_gpu(GPUS["H100"], network="infiniband-ndr", gpus_per_node=8)
+
+
+def test_terms_add_up_and_mfu_uses_both_conventions() -> None:
+    st = predict(LLAMA_8B, StepLayout(seq_len=65536, cp=8, dp=4, grad_accum=2), H100_NDR)
+    assert st.step_seconds == pytest.approx(sum(st.terms.values()))
+    assert st.tokens_per_second_per_gpu == pytest.approx(65536 * 2 * 4 / st.step_seconds / 32)
+    assert st.mfu["full"] > st.mfu["causal"] > 0
+    assert st.mfu["full"] == pytest.approx(
+        st.model_flops_per_second_per_gpu["full"] / GPUS["H100"].peak_bf16_flops)
+
+
+def test_fp8_runs_the_matmuls_at_twice_the_peak() -> None:
+    layout = StepLayout(seq_len=8192, dp=8)
+    bf16 = predict(LLAMA_8B, layout, H100_NDR)
+    fp8 = predict(LLAMA_8B, layout.replace(matmul_precision="fp8"), H100_NDR)
+    eta = H100_NDR.eta_matmul
+    assert fp8.terms["compute_matmul"] == pytest.approx(
+        bf16.terms["compute_matmul"] * eta["bf16"] / (2 * eta["fp8"]))
+    assert fp8.terms["compute_attention"] == bf16.terms["compute_attention"]
+
+
+def test_ring_transfer_is_exposed_only_where_it_outlasts_the_hop_compute() -> None:
+    layout = StepLayout(seq_len=131072, cp=16, dp=1)
+    nvlink_like = Machine.from_gpu(GPUS["H100"], network="infiniband-ndr", gpus_per_node=16,
+                                   nvlink_domain=16)
+    hidden = predict(LLAMA_8B, layout, nvlink_like)
+    assert hidden.detail["ring_hop_transfer_seconds"] < hidden.detail["ring_hop_compute_seconds"]
+    assert hidden.terms["cp_ring_exposed"] == 0
+    slow = Machine.from_gpu(GPUS["H100"], network="tcp", gpus_per_node=1)
+    exposed = predict(LLAMA_8B, layout, slow)
+    d = exposed.detail
+    assert d["ring_hop_transfer_seconds"] > d["ring_hop_compute_seconds"]
+    # forward: (transfer - compute) per hop, 15 hops, 32 layers; backward adds its own excess
+    assert exposed.terms["cp_ring_exposed"] > 32 * 15 * (d["ring_hop_transfer_seconds"]
+                                                        - d["ring_hop_compute_seconds"])
+
+
+def test_ulysses_all_to_all_and_tp_collectives_appear_with_their_degree() -> None:
+    ring = predict(LLAMA_8B, StepLayout(seq_len=32768, cp=8, tp=1), H100_NDR)
+    ulysses = predict(LLAMA_8B, StepLayout(seq_len=32768, cp=8, cp_algorithm="ulysses",
+                                           ulysses_degree=8), H100_NDR)
+    assert ring.terms["ulysses_all_to_all"] == 0 < ulysses.terms["ulysses_all_to_all"]
+    tp = predict(LLAMA_8B, StepLayout(seq_len=32768, tp=8), H100_NDR)
+    assert tp.terms["tp_collectives"] > 0 and ring.terms["tp_collectives"] == 0
+
+
+def test_pipeline_bubble_follows_the_schedule() -> None:
+    base = StepLayout(seq_len=8192, pp=4, grad_accum=8, dp=2)
+    one_f_one_b = predict(LLAMA_8B, base, H100_NDR)
+    micro = one_f_one_b.detail["microbatch_seconds"]
+    assert one_f_one_b.terms["pp_bubble"] == pytest.approx(3 * micro)
+    interleaved = predict(LLAMA_8B, base.replace(virtual_stages=2), H100_NDR)
+    assert interleaved.terms["pp_bubble"] == pytest.approx(1.5 * micro)
+
+
+def test_full_recomputation_costs_a_forward() -> None:
+    layout = StepLayout(seq_len=8192, dp=8)
+    none = predict(LLAMA_8B, layout, H100_NDR)
+    full = predict(LLAMA_8B, layout.replace(activation_checkpointing="full"), H100_NDR)
+    ratio = full.terms["compute_attention"] / none.terms["compute_attention"]
+    assert ratio == pytest.approx(16 / 12)
+    assert 1.25 < full.terms["compute_matmul"] / none.terms["compute_matmul"] < 1.34
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "llama3-8b-128k-slurm.yaml",
+                                  "llama3-70b-1m-k8s.yaml"])
+def test_every_runnable_example_gets_a_prediction(name: str) -> None:
+    st = predict_spec(load_spec(JOBS / name))
+    assert st.step_seconds > 0 and 0 < st.mfu["causal"] < 1
+
+
+def test_cpu_overheads_are_counted_where_measured_and_absent_on_gpus() -> None:
+    layout = StepLayout(seq_len=4096, cp=4, dp=1)
+    gpu = predict(LLAMA_8B, layout, H100_NDR)
+    assert gpu.terms["framework_overhead"] == gpu.terms["sync_overhead"] == 0
+    import dataclasses
+
+    cpu_like = dataclasses.replace(H100_NDR, causal_tile_tokens=512, sync_seconds=1e-3,
+                                   microbatch_overhead_seconds=0.01)
+    cpu = predict(LLAMA_8B, layout, cpu_like)
+    assert cpu.terms["compute_attention"] == pytest.approx(
+        gpu.terms["compute_attention"] * (1 + 512 / 4096))
+    assert cpu.terms["framework_overhead"] == pytest.approx(0.01)
+    # 3 ring hops forward and 3 backward per layer, plus the step's gradient all-reduce
+    assert cpu.terms["sync_overhead"] == pytest.approx(1e-3 * (32 * 6 + 1))
