@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/steptime_cpu.py [--lengths 4096 8192 16384] [--steps 3]
 
-1. Calibrates (`ctxlaunch.calibrate.measure`: matmul, attention through the trainer's kernels,
-   memory copy, gloo loopback) at the model's shape and saves the constants where `advise` and
+1. Calibrates (`ctxlaunch.calibrate.measure`: matmul on the model's projections, attention
+   through the trainer's kernels, memory copy, the model's elementwise rate and fixed cost from
+   its step at 256 and 1,024 tokens, gloo loopback) at the model's shape and saves the constants where `advise` and
    `report` read them ($CTXLAUNCH_HOME/cpu_calibration.json).
 2. Runs the trainer as a local sweep over CP 1/2/4 x ring/Ulysses/hybrid x the lengths (one
    process per rank, the machine's cores shared as the local target shares them), so

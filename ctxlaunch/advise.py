@@ -171,11 +171,10 @@ def _variant(spec: JobSpec, degrees: Degrees, *, virtual_stages: int = 1,
 def degree_options(spec: JobSpec, world: int, gpus_per_node: int,
                    nvlink_domain: int) -> list[Degrees]:
     """Every split of `world` GPUs into TP x PP x CP x DP with a CP algorithm; TP stays inside
-    the NVLink domain (and a node). The bundled trainer runs no PP on the CPU, so a CPU spec
-    gets PP 1."""
+    the NVLink domain (and a node); PP up to one layer per stage."""
     model = spec.model
     tp_limit = min(nvlink_domain, gpus_per_node)
-    pp_limit = 1 if spec.cluster.gpu == "cpu" else model.layers
+    pp_limit = model.layers
     out = []
     for tp in _divisors(world):
         if tp > tp_limit:

@@ -25,13 +25,17 @@ class Calibration:
     cores: int
     measured_at: str = ""
     microbatch_overhead_seconds: float = 0.0
-    """One rank's fixed cost per micro-batch on one core: the real model's forward, backward
-    and optimizer step at a short sequence, less what the model predicts for that work."""
+    """One rank's fixed cost per micro-batch: the intercept of the real model's step (forward,
+    backward, AdamW) at two short lengths, less what the model predicts for that work."""
     causal_tile_tokens: float = 0.0
     """What a causal call wastes on its diagonal, in tokens (see steptime.Machine)."""
     sync_seconds: dict[str, float] | None = None
     """Ranks -> the cost of one ring exchange between compute steps, beyond the compute, with
     that many processes sharing the cores."""
+    elementwise_bytes_per_second: float = 0.0
+    """What the model's elementwise work (norms, RoPE, SwiGLU, adds) achieves per modelled byte,
+    with all cores: fitted on the real model's step at two short lengths (0: not measured, the
+    copy bandwidth stands in)."""
 
     def machine(self, gpus_per_node: int) -> Machine:
         """N ranks share the cores: each gets 1/N of the measured rates (they were measured
@@ -53,7 +57,9 @@ class Calibration:
                        attention_flops_per_second=self.attention_flops_per_second / share,
                        overlap_dp=False, peak_reference_flops=rate,
                        microbatch_overhead_seconds=overhead, sync_seconds=sync,
-                       causal_tile_tokens=self.causal_tile_tokens)
+                       causal_tile_tokens=self.causal_tile_tokens,
+                       elementwise_bytes_per_second=(self.elementwise_bytes_per_second / share
+                                                     or None))
 
 
 def calibration_path() -> Path:
@@ -93,13 +99,17 @@ def _best_seconds(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
 
 
 def measure_compute(*, heads: int = 4, head_dim: int = 32, seq: int = 2048,
-                    dtype: str = "fp32", repeats: int = 5
+                    dtype: str = "fp32", repeats: int = 5,
+                    projections: tuple[tuple[int, int], ...] = ()
                     ) -> tuple[float, float, float, float]:
     """(matmul FLOP/s, attention FLOP/s forward + backward on a full block, the causal
     diagonal's waste in tokens, copy bytes/s), each from the best of `repeats` runs with all of
-    this machine's cores in this process. Attention runs through the trainer's own kernels
-    (ctxlaunch.cp.kernels) at the model's heads and head_dim: 12 x heads x head_dim x s x s
-    FLOPs on a full block; a causal block of s tokens takes as long as s*(s + T)/2 entries."""
+    this machine's cores in this process. The matmul rate is the model's own: forward and both
+    backward products of every (in, out) projection in `projections` over `seq` tokens (a
+    1024-square product where none are given); small inner dimensions run well below a large
+    square's rate. Attention runs through the trainer's own kernels (ctxlaunch.cp.kernels) at
+    the model's heads and head_dim: 12 x heads x head_dim x s x s FLOPs on a full block; a
+    causal block of s tokens takes as long as s*(s + T)/2 entries."""
     import os
 
     import torch
@@ -108,9 +118,23 @@ def measure_compute(*, heads: int = 4, head_dim: int = 32, seq: int = 2048,
 
     torch.set_num_threads(os.cpu_count() or 1)
     kind = torch.float32 if dtype == "fp32" else torch.bfloat16
-    n = 1024
-    a, b = torch.randn(n, n, dtype=kind), torch.randn(n, n, dtype=kind)
-    matmul = 2.0 * n**3 / _best_seconds(lambda: torch.mm(a, b), repeats)
+    if projections:
+        weights = [torch.randn(i, o, dtype=kind) for i, o in projections]
+        inputs = [torch.randn(seq, i, dtype=kind) for i, _ in projections]
+        grads = [torch.randn(seq, o, dtype=kind) for _, o in projections]
+
+        def products() -> None:
+            for x, w, g in zip(inputs, weights, grads):
+                torch.mm(x, w)      # forward
+                torch.mm(g, w.t())  # input gradient
+                torch.mm(x.t(), g)  # weight gradient
+
+        flops = sum(6.0 * seq * i * o for i, o in projections)
+        matmul = flops / _best_seconds(products, repeats)
+    else:
+        n = 1024
+        a, b = torch.randn(n, n, dtype=kind), torch.randn(n, n, dtype=kind)
+        matmul = 2.0 * n**3 / _best_seconds(lambda: torch.mm(a, b), repeats)
 
     q = torch.randn(1, heads, seq, head_dim, dtype=kind)
     k, v = torch.randn_like(q), torch.randn_like(q)
@@ -266,17 +290,16 @@ def measure_loopback(sizes: tuple[int, ...] = (4096, 262144, 4 * 2**20, 16 * 2**
     return bandwidth, latency
 
 
-def measure_microbatch_overhead(model, calibration: Calibration, *, seq: int = 256,  # type: ignore[no-untyped-def]
-                                repeats: int = 5) -> float:
-    """One rank's fixed cost per micro-batch: the trainer's own model (forward, backward,
-    AdamW step) on one thread at a short sequence, less what the step-time model predicts for
-    that work on one core. Never negative."""
+def _model_step_seconds(model, seq: int, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    """Best time of the trainer's own model (forward, backward, AdamW step) at `seq` tokens,
+    with all cores in this process."""
+    import os
+
     import torch
 
-    from .steptime import StepLayout, predict
     from .trainer.model import Transformer
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(os.cpu_count() or 1)
     net = Transformer.from_spec(model)
     net.init_weights(0)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=True)
@@ -288,11 +311,40 @@ def measure_microbatch_overhead(model, calibration: Calibration, *, seq: int = 2
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    seconds = _best_seconds(step, repeats)
-    one_core = calibration.machine(gpus_per_node=calibration.cores)
-    modelled = predict(model, StepLayout(seq_len=seq, dtype=model.dtype,
-                                         matmul_precision=model.dtype), one_core).step_seconds
-    return max(seconds - modelled, 0.0)
+    return _best_seconds(step, repeats)
+
+
+def measure_model_residual(model, calibration: Calibration, *,  # type: ignore[no-untyped-def]
+                           lengths: tuple[int, int] = (256, 1024), repeats: int = 5
+                           ) -> tuple[float, float]:
+    """(fixed seconds per micro-batch, elementwise bytes/s) from the real model's step at two
+    short lengths, where attention is small: what the matmul, attention and optimizer terms
+    (at the rates just measured) leave is a fixed cost plus a per-token one. The per-token part
+    is the elementwise work, which eager torch runs far below a copy's bandwidth on small
+    tensors; it sets the elementwise rate, and the intercept the fixed cost (never negative).
+    Measured at lengths the benchmark sweeps never use, so nothing is fitted on them."""
+    import dataclasses
+
+    from .steptime import StepLayout, predict
+
+    machine = dataclasses.replace(calibration.machine(gpus_per_node=1),
+                                  microbatch_overhead_seconds=0.0)
+    residual, modelled_elementwise = [], []
+    for seq in lengths:
+        seconds = _model_step_seconds(model, seq, repeats)
+        terms = predict(model, StepLayout(seq_len=seq, dtype=model.dtype,
+                                          matmul_precision=model.dtype), machine).terms
+        elementwise = terms["compute_elementwise"]
+        residual.append(seconds - (sum(terms.values()) - elementwise))
+        modelled_elementwise.append(elementwise)
+    (s1, s2), (r1, r2), (e1, e2) = lengths, residual, modelled_elementwise
+    per_token = (r2 - r1) / (s2 - s1)
+    modelled_per_token = (e2 - e1) / (s2 - s1)
+    rate = calibration.memory_bytes_per_second
+    if per_token > 0.05 * modelled_per_token:  # a slope lost in noise keeps the copy rate
+        rate *= modelled_per_token / per_token
+    fixed = max(r1 - max(per_token, 0.0) * s1, 0.0)
+    return fixed, rate
 
 
 def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str = "fp32",
@@ -300,23 +352,29 @@ def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str =
             model=None, sync_ranks: tuple[int, ...] = (2, 4)
             ) -> Calibration:  # type: ignore[no-untyped-def]
     """Every constant the step-time model needs on this CPU; `model` (a ModelSpec, default the
-    tiny preset) is what the per-micro-batch overhead is measured on."""
+    tiny preset) is what the matmul rate, the elementwise rate and the per-micro-batch overhead
+    are measured on."""
     import dataclasses
     import datetime
     import os
 
     from .spec import ModelSpec
 
+    model = model or ModelSpec(preset="tiny", dtype=dtype)
+    projections = ((model.hidden, model.hidden + 2 * model.kv_hidden),  # fused q, k, v
+                   (model.hidden, model.hidden),                        # output
+                   (model.hidden, 2 * model.ffn_hidden),                # fused gate, up
+                   (model.ffn_hidden, model.hidden))                    # down
     matmul, attention, tile, copy = measure_compute(heads=heads, head_dim=head_dim, seq=seq,
-                                                    dtype=dtype, repeats=repeats)
+                                                    dtype=dtype, repeats=repeats,
+                                                    projections=projections)
     bandwidth, latency = measure_loopback(sizes=sizes, repeats=repeats)
     calibration = Calibration(
         matmul_flops_per_second=matmul, attention_flops_per_second=attention,
         memory_bytes_per_second=copy, link_bytes_per_second=bandwidth,
         link_latency_seconds=latency, cores=os.cpu_count() or 1, causal_tile_tokens=tile,
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    model = model or ModelSpec(preset="tiny", dtype=dtype)
-    overhead = measure_microbatch_overhead(model, calibration, repeats=repeats)
+    overhead, elementwise = measure_model_residual(model, calibration, repeats=repeats)
     syncs = {str(n): measure_sync(n) for n in sync_ranks}
     return dataclasses.replace(calibration, microbatch_overhead_seconds=overhead,
-                               sync_seconds=syncs)
+                               elementwise_bytes_per_second=elementwise, sync_seconds=syncs)

@@ -229,8 +229,9 @@ def calibrate(
         "preset, fp32).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
-    """Measure this CPU for the step-time model: matmul and attention throughput, memory
-    bandwidth, gloo loopback bandwidth and latency. `advise` and `report` on `gpu: cpu` use
+    """Measure this CPU for the step-time model: matmul (at the model's shapes) and attention
+    throughput, memory bandwidth, the model's elementwise rate and fixed cost per micro-batch,
+    gloo loopback bandwidth and latency. `advise` and `report` on `gpu: cpu` use
     them (saved in $CTXLAUNCH_HOME/cpu_calibration.json)."""
     import dataclasses
 
@@ -252,7 +253,8 @@ def calibrate(
         c = calibration
         out.print(f"matmul {c.matmul_flops_per_second / 1e9:.1f} GFLOP/s, attention "
                   f"{c.attention_flops_per_second / 1e9:.1f} GFLOP/s, memory "
-                  f"{c.memory_bytes_per_second / 1e9:.1f} GB/s, gloo loopback "
+                  f"{c.memory_bytes_per_second / 1e9:.1f} GB/s, elementwise "
+                  f"{c.elementwise_bytes_per_second / 1e9:.2f} GB/s, gloo loopback "
                   f"{c.link_bytes_per_second / 1e9:.2f} GB/s + {c.link_latency_seconds * 1e6:.0f}"
                   f" us, {c.microbatch_overhead_seconds * 1e3:.1f} ms fixed per micro-batch "
                   f"({c.cores} cores)")

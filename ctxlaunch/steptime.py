@@ -169,6 +169,10 @@ class Machine:
     """Fixed cost per micro-batch outside the modelled work (Python dispatch, data, loss and
     optimizer bookkeeping): measured on the CPU; 0 on GPUs, where the fitted efficiencies
     absorb it."""
+    elementwise_bytes_per_second: float | None = None
+    """Rate of the elementwise term (norms, RoPE, SwiGLU, residual adds) per modelled byte;
+    None: the memory bandwidth. On the CPU it is measured on the model itself: eager torch
+    runs those small kernels far below a large copy's bandwidth."""
 
     @classmethod
     def from_gpu(cls, gpu: GpuInfo, *, network: str, gpus_per_node: int,
@@ -272,7 +276,8 @@ def predict(model: ModelSpec, layout: StepLayout, machine: Machine) -> StepTime:
     saved = block_activation_bytes_per_token(model, layout.memory().replace(
         activation_checkpointing="none", tp=1, pp=1))
     passes = ELEMENTWISE_HBM_PASSES + {"none": 0.0, "selective": 0.5, "full": 1.0}[mode]
-    t_elementwise = n * layers * saved * passes / t / machine.memory_bytes_per_second
+    t_elementwise = n * layers * saved * passes / t / (machine.elementwise_bytes_per_second
+                                                      or machine.memory_bytes_per_second)
 
     # --- TP -------------------------------------------------------------------------------------
     t_tp = 0.0

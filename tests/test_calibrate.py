@@ -27,7 +27,7 @@ def test_measured_constants_drive_the_cpu_prediction(tmp_path: Path,
     calibration = measure(seq=256, repeats=2, sizes=(4096, 262144, 2**21), sync_ranks=(2,))
     for value in (calibration.matmul_flops_per_second, calibration.attention_flops_per_second,
                   calibration.memory_bytes_per_second, calibration.link_bytes_per_second,
-                  calibration.link_latency_seconds):
+                  calibration.link_latency_seconds, calibration.elementwise_bytes_per_second):
         assert value > 0
     save_calibration(calibration)
     assert load_calibration() == calibration
@@ -37,6 +37,8 @@ def test_measured_constants_drive_the_cpu_prediction(tmp_path: Path,
     # Two ranks share the cores: each gets half of the measured rates.
     assert machine.peak_flops["fp32"] == pytest.approx(calibration.matmul_flops_per_second / 2)
     assert machine.intra_node.bytes_per_second == calibration.link_bytes_per_second
+    assert machine.elementwise_bytes_per_second == pytest.approx(
+        calibration.elementwise_bytes_per_second / 2)
     calibrated = predict_spec(spec, machine)
     doubled = predict_spec(spec, Calibration(**{
         **calibration.__dict__,
