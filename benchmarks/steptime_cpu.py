@@ -6,8 +6,8 @@
    through the trainer's kernels, memory copy, the model's elementwise rate and fixed cost from
    its step at 256 and 1,024 tokens, gloo loopback) at the model's shape and saves the constants where `advise` and
    `report` read them ($CTXLAUNCH_HOME/cpu_calibration.json).
-2. Runs the trainer as a local sweep over CP 1/2/4 x ring/Ulysses/hybrid x the lengths (one
-   process per rank, the machine's cores shared as the local target shares them), so
+2. Runs the trainer as a local sweep over CP 1/2/4 x ring/Ulysses/hybrid, TP 2 and PP 2, x the
+   lengths (one process per rank, the machine's cores shared as the local target shares them), so
    `ctxlaunch report SWEEP_ID --plots DIR` draws it afterwards.
 3. Prints, per point, the measured step time (the best step after the first: other engineers
    load this machine, and the best of several steps is the least disturbed; the calibration is
@@ -36,9 +36,20 @@ from ctxlaunch.loader import apply_overrides, validate_spec  # noqa: E402
 from ctxlaunch.report import build_report  # noqa: E402
 from ctxlaunch.sweep import Point, prepare, submit, triage  # noqa: E402
 
-LAYOUTS = [(1, "ring", None), (2, "ring", None), (2, "ulysses", None), (4, "ring", None),
-           (4, "ulysses", None), (4, "hybrid", 2)]
-AXES = ["training.seq_len", "parallel.cp", "parallel.cp_algorithm"]
+# (name, overrides): CP 1/2/4 x ring/Ulysses/hybrid, and TP 2 and PP 2 (two micro-batches
+# through the two stages: 1F1B needs one per stage) on their own.
+LAYOUTS = [
+    ("cp1-ring", {"parallel.cp": 1}),
+    ("cp2-ring", {"parallel.cp": 2}),
+    ("cp2-ulysses", {"parallel.cp": 2, "parallel.cp_algorithm": "ulysses"}),
+    ("cp4-ring", {"parallel.cp": 4}),
+    ("cp4-ulysses", {"parallel.cp": 4, "parallel.cp_algorithm": "ulysses"}),
+    ("cp4-hybrid", {"parallel.cp": 4, "parallel.cp_algorithm": "hybrid",
+                    "parallel.ulysses_degree": 2}),
+    ("tp2", {"parallel.tp": 2}),
+    ("pp2", {"parallel.pp": 2, "training.global_batch": 2}),
+]
+AXES = ["training.seq_len", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.cp_algorithm"]
 
 
 def base_spec(steps: int) -> dict:
@@ -55,15 +66,18 @@ def base_spec(steps: int) -> dict:
 def points(lengths: list[int], steps: int) -> list[Point]:
     out = []
     for seq in lengths:
-        for cp, algorithm, ulysses in LAYOUTS:
-            name = f"steptime-cpu-{seq // 1024}k-cp{cp}-{algorithm}"
-            overrides = [f"name={name}", f"training.seq_len={seq}", f"parallel.cp={cp}",
-                         f"parallel.cp_algorithm={algorithm}", f"cluster.gpus_per_node={cp}"]
-            if ulysses:
-                overrides.append(f"parallel.ulysses_degree={ulysses}")
+        for tag, changes in LAYOUTS:
+            name = f"steptime-cpu-{seq // 1024}k-{tag}"
+            ranks = (changes.get("parallel.cp", 1) * changes.get("parallel.tp", 1)
+                     * changes.get("parallel.pp", 1))
+            overrides = [f"name={name}", f"training.seq_len={seq}",
+                         f"cluster.gpus_per_node={ranks}",
+                         *(f"{path}={value}" for path, value in changes.items())]
             spec = validate_spec(apply_overrides(base_spec(steps), overrides), name)
-            out.append(Point(len(out), {"training.seq_len": seq, "parallel.cp": cp,
-                                        "parallel.cp_algorithm": algorithm}, name, spec))
+            p = spec.parallel
+            out.append(Point(len(out), {"training.seq_len": seq, "parallel.tp": p.tp,
+                                        "parallel.pp": p.pp, "parallel.cp": p.cp,
+                                        "parallel.cp_algorithm": p.cp_algorithm}, name, spec))
     return out
 
 

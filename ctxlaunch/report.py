@@ -72,6 +72,8 @@ def predict_row(row: dict[str, Any], spec: Any, calibration: Any) -> None:
     row["seq_len"] = spec.training.seq_len
     row["cp"] = spec.parallel.cp
     row["cp_algorithm"] = spec.parallel.cp_algorithm
+    row["tp"] = spec.parallel.tp
+    row["pp"] = spec.parallel.pp
     row["predicted_step_seconds"] = time.step_seconds
     row["predicted_tokens_per_second_per_gpu"] = time.tokens_per_second_per_gpu
     row["predicted_peak_memory_gib"] = memory.total / GiB
@@ -125,11 +127,15 @@ PLOTS = (
 
 
 def _series(rows: list[dict[str, Any]]) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    """Rows by layout: (TP/PP degrees and CP algorithm as a label, CP degree)."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in rows:
         if "predicted_step_seconds" in row:
-            algorithm = "cp 1" if row["cp"] == 1 else row["cp_algorithm"]
-            groups.setdefault((algorithm, row["cp"]), []).append(row)
+            parts = [f"{axis} {row[axis]}" for axis in ("tp", "pp") if row.get(axis, 1) > 1]
+            if row["cp"] > 1:
+                parts.append(row["cp_algorithm"])
+            label = ", ".join(parts) or "cp 1"
+            groups.setdefault((label, row["cp"]), []).append(row)
     return {k: sorted(v, key=lambda r: r["seq_len"]) for k, v in sorted(groups.items(),
                                                                          key=lambda i: i[0][::-1])}
 

@@ -135,3 +135,19 @@ def test_example_sweep_golden(check_golden) -> None:
     plan = slurm_plan(specs[0], run_dir="runs/demo-sweep", log_dir=".", array=specs,
                       job_name="demo-sweep")
     check_golden("sweeps/demo/demo-sweep.sbatch", render_plan(plan, "slurm", "demo-sweep.sbatch"))
+
+
+def test_report_plots_one_series_per_layout() -> None:
+    # TP and PP points get lines of their own, not the CP 1 line of the same length.
+    from ctxlaunch.report import _series
+
+    def row(seq: int, cp: int = 1, algorithm: str = "ring", tp: int = 1, pp: int = 1) -> dict:
+        return {"seq_len": seq, "cp": cp, "cp_algorithm": algorithm, "tp": tp, "pp": pp,
+                "predicted_step_seconds": 1.0}
+
+    rows = [row(8192), row(4096), row(4096, tp=2), row(4096, pp=2), row(4096, cp=2),
+            row(4096, cp=4, algorithm="hybrid", tp=2)]
+    series = _series(rows)
+    assert set(series) == {("cp 1", 1), ("pp 2", 1), ("tp 2", 1), ("ring", 2),
+                           ("tp 2, hybrid", 4)}
+    assert [r["seq_len"] for r in series[("cp 1", 1)]] == [4096, 8192]
