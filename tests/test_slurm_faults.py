@@ -108,10 +108,14 @@ def test_two_node_job_preempted_by_a_high_partition_job_resumes_and_matches(
 def test_a_time_limit_checkpoints_requeues_and_completes_later(tmp_path: Path,
                                                              home: Path) -> None:
     # One minute per allocation, SIGUSR1 to the batch shell 20 s (plus up to the 30 s of
-    # Slurm's limit checks) before it: more work than one allocation holds.
-    job_id = two_node_job(tmp_path, home, "training.steps=100", "training.checkpoint.interval=50",
+    # Slurm's limit checks) before it: at most ~34 s of steps after a ~6 s start. Every step
+    # sleeps 0.5 s on top of its work (the `slow` fault), so the 80 steps take at least 40 s:
+    # more than one allocation holds however fast the machine runs them (a run of 100 plain
+    # steps once finished inside the first allocation), and at most ~6 allocations on a slow one.
+    job_id = two_node_job(tmp_path, home, "training.steps=80", "training.checkpoint.interval=50",
                           "cluster.slurm.time_limit=00:01:00", "cluster.slurm.signal_seconds=20",
-                          "cluster.slurm.max_restarts=8")
+                          "cluster.slurm.max_restarts=8",
+                          CTXLAUNCH_INJECT_FAULT="kind=slow,seconds=0.5")
     wait_for(home, tmp_path, job_id, {"PENDING", "RUNNING"}, timeout=30)
     deadline = time.monotonic() + 200
     while "stopped by the time limit" not in (log := ctx(home, tmp_path, "logs", job_id).stdout):
@@ -127,7 +131,7 @@ def test_a_time_limit_checkpoints_requeues_and_completes_later(tmp_path: Path,
     assert final["state"] == "COMPLETED" and final["restarts"] >= 1, final
     assert final["history"][0].startswith("run 1: TIMEOUT, checkpoint at step")
     assert requeued["restarts"] >= 1
-    assert "0: ctxlaunch: done: 100 steps" in log
+    assert "0: ctxlaunch: done: 80 steps" in log
 
 
 def node_pids(node: str) -> list[int]:

@@ -6,19 +6,22 @@ makes rank 1 fail at the start of step 3 (1-based). Kinds: `oom` raises the allo
 OutOfMemoryError (a simulated allocation failure: a CPU has no device allocator to exhaust),
 `error` raises RuntimeError, `kill` SIGKILLs the process (a dead rank), `kill_in_save` SIGKILLs
 it while it writes the checkpoint of that step (after its files, before the commit marker).
-Unset, nothing happens.
+`slow` makes every rank sleep `seconds` at the start of every step (`kind=slow,seconds=0.5`):
+a job whose length a test can bound from below whatever the machine's speed. Unset, nothing
+happens.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 import torch
 
 ENV = "CTXLAUNCH_INJECT_FAULT"
-KINDS = ("oom", "error", "kill", "kill_in_save")
+KINDS = ("oom", "error", "kill", "kill_in_save", "slow")
 
 
 @dataclass(frozen=True)
@@ -26,8 +29,12 @@ class Fault:
     kind: str
     rank: int
     step: int
+    seconds: float = 0.0
 
     def maybe_fire(self, rank: int, step: int) -> None:
+        if self.kind == "slow":
+            time.sleep(self.seconds)
+            return
         if rank != self.rank or step != self.step or self.kind == "kill_in_save":
             return
         if self.kind == "oom":
@@ -52,4 +59,5 @@ def from_env(env: dict[str, str] | None = None) -> Fault | None:
     kind = fields.get("kind", "")
     if kind not in KINDS:
         raise ValueError(f"{ENV}={text!r}: kind must be one of {', '.join(KINDS)}")
-    return Fault(kind=kind, rank=int(fields.get("rank", "0")), step=int(fields.get("step", "1")))
+    return Fault(kind=kind, rank=int(fields.get("rank", "0")), step=int(fields.get("step", "1")),
+                 seconds=float(fields.get("seconds", "0")))
