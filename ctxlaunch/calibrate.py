@@ -36,14 +36,30 @@ class Calibration:
     """What the model's elementwise work (norms, RoPE, SwiGLU, adds) achieves per modelled byte,
     with all cores: fitted on the real model's step at two short lengths (0: not measured, the
     copy bandwidth stands in)."""
+    one_thread: dict[str, float] | None = None
+    """The same rates with one thread ("matmul", "attention", "elementwise"): what a rank
+    achieves when ranks outnumber or match the cores and each runs one thread. Threads in one
+    process do not scale linearly, so N such ranks together outrun one process with N
+    threads."""
+
+    def _per_rank(self, all_cores: float, kind: str, share: int) -> float:
+        """A rate per rank when `share` ranks divide the cores: with at least as many ranks as
+        cores each runs one thread, time-sliced (the one-thread rate x cores / ranks);
+        otherwise each gets 1/share of the all-core process's rate."""
+        one = (self.one_thread or {}).get(kind, 0.0)
+        if one > 0 and share >= self.cores:
+            return one * self.cores / share
+        return all_cores / share
 
     def machine(self, gpus_per_node: int) -> Machine:
-        """N ranks share the cores: each gets 1/N of the measured rates (they were measured
-        with all cores in one process)."""
+        """N ranks share the cores (see `_per_rank`)."""
         share = max(gpus_per_node, 1)
-        rate = self.matmul_flops_per_second / share
-        # More ranks than cores: each rank's single-threaded overhead is time-sliced too.
-        overhead = self.microbatch_overhead_seconds * max(1.0, share / max(self.cores, 1))
+        rate = self._per_rank(self.matmul_flops_per_second, "matmul", share)
+        # Ranks filling the cores run one thread each; more ranks than cores time-slice it.
+        overhead = self.microbatch_overhead_seconds
+        if share >= self.cores and (self.one_thread or {}).get("microbatch_overhead"):
+            overhead = self.one_thread["microbatch_overhead"]  # type: ignore[index]
+        overhead *= max(1.0, share / max(self.cores, 1))
         link = LinkInfo("gloo loopback (measured)", self.link_bytes_per_second,
                         self.link_latency_seconds, f"measured {self.measured_at}")
         syncs = {int(k): v for k, v in (self.sync_seconds or {}).items()}
@@ -54,12 +70,13 @@ class Calibration:
                        gpus_per_node=gpus_per_node, nvlink_domain=gpus_per_node,
                        intra_node=link, network=link,
                        eta_matmul={"bf16": 1.0, "fp32": 1.0}, eta_comm=1.0,
-                       attention_flops_per_second=self.attention_flops_per_second / share,
+                       attention_flops_per_second=self._per_rank(
+                           self.attention_flops_per_second, "attention", share),
                        overlap_dp=False, peak_reference_flops=rate,
                        microbatch_overhead_seconds=overhead, sync_seconds=sync,
                        causal_tile_tokens=self.causal_tile_tokens,
-                       elementwise_bytes_per_second=(self.elementwise_bytes_per_second / share
-                                                     or None))
+                       elementwise_bytes_per_second=(self._per_rank(
+                           self.elementwise_bytes_per_second, "elementwise", share) or None))
 
 
 def calibration_path() -> Path:
@@ -100,7 +117,7 @@ def _best_seconds(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
 
 def measure_compute(*, heads: int = 4, head_dim: int = 32, seq: int = 2048,
                     dtype: str = "fp32", repeats: int = 5,
-                    projections: tuple[tuple[int, int], ...] = ()
+                    projections: tuple[tuple[int, int], ...] = (), threads: int = 0
                     ) -> tuple[float, float, float, float]:
     """(matmul FLOP/s, attention FLOP/s forward + backward on a full block, the causal
     diagonal's waste in tokens, copy bytes/s), each from the best of `repeats` runs with all of
@@ -109,14 +126,15 @@ def measure_compute(*, heads: int = 4, head_dim: int = 32, seq: int = 2048,
     1024-square product where none are given); small inner dimensions run well below a large
     square's rate. Attention runs through the trainer's own kernels (ctxlaunch.cp.kernels) at
     the model's heads and head_dim: 12 x heads x head_dim x s x s FLOPs on a full block; a
-    causal block of s tokens takes as long as s*(s + T)/2 entries."""
+    causal block of s tokens takes as long as s*(s + T)/2 entries. `threads`: how many to use
+    (0: every core)."""
     import os
 
     import torch
 
     from .cp.kernels import attention_backward, attention_forward
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads or os.cpu_count() or 1)
     kind = torch.float32 if dtype == "fp32" else torch.bfloat16
     if projections:
         weights = [torch.randn(i, o, dtype=kind) for i, o in projections]
@@ -290,16 +308,17 @@ def measure_loopback(sizes: tuple[int, ...] = (4096, 262144, 4 * 2**20, 16 * 2**
     return bandwidth, latency
 
 
-def _model_step_seconds(model, seq: int, repeats: int) -> float:  # type: ignore[no-untyped-def]
+def _model_step_seconds(model, seq: int, repeats: int,  # type: ignore[no-untyped-def]
+                        threads: int = 0) -> float:
     """Best time of the trainer's own model (forward, backward, AdamW step) at `seq` tokens,
-    with all cores in this process."""
+    with `threads` threads in this process (0: every core)."""
     import os
 
     import torch
 
     from .trainer.model import Transformer
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads or os.cpu_count() or 1)
     net = Transformer.from_spec(model)
     net.init_weights(0)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=True)
@@ -315,23 +334,27 @@ def _model_step_seconds(model, seq: int, repeats: int) -> float:  # type: ignore
 
 
 def measure_model_residual(model, calibration: Calibration, *,  # type: ignore[no-untyped-def]
-                           lengths: tuple[int, int] = (256, 1024), repeats: int = 5
-                           ) -> tuple[float, float]:
+                           lengths: tuple[int, int] = (256, 1024), repeats: int = 5,
+                           threads: int = 0) -> tuple[float, float]:
     """(fixed seconds per micro-batch, elementwise bytes/s) from the real model's step at two
     short lengths, where attention is small: what the matmul, attention and optimizer terms
     (at the rates just measured) leave is a fixed cost plus a per-token one. The per-token part
     is the elementwise work, which eager torch runs far below a copy's bandwidth on small
     tensors; it sets the elementwise rate, and the intercept the fixed cost (never negative).
-    Measured at lengths the benchmark sweeps never use, so nothing is fitted on them."""
+    Measured at lengths the benchmark sweeps never use, so nothing is fitted on them. With
+    `threads` = 1 the one-thread rates of `calibration` stand in (one rank per core)."""
     import dataclasses
 
     from .steptime import StepLayout, predict
 
-    machine = dataclasses.replace(calibration.machine(gpus_per_node=1),
-                                  microbatch_overhead_seconds=0.0)
+    ranks = calibration.cores if threads == 1 else 1
+    # The elementwise term at the copy rate (as `rate` below starts from), whatever was fitted.
+    bare = dataclasses.replace(calibration, elementwise_bytes_per_second=0.0)
+    machine = dataclasses.replace(bare.machine(gpus_per_node=ranks),
+                                  microbatch_overhead_seconds=0.0, sync_seconds=0.0)
     residual, modelled_elementwise = [], []
     for seq in lengths:
-        seconds = _model_step_seconds(model, seq, repeats)
+        seconds = _model_step_seconds(model, seq, repeats, threads)
         terms = predict(model, StepLayout(seq_len=seq, dtype=model.dtype,
                                           matmul_precision=model.dtype), machine).terms
         elementwise = terms["compute_elementwise"]
@@ -340,7 +363,7 @@ def measure_model_residual(model, calibration: Calibration, *,  # type: ignore[n
     (s1, s2), (r1, r2), (e1, e2) = lengths, residual, modelled_elementwise
     per_token = (r2 - r1) / (s2 - s1)
     modelled_per_token = (e2 - e1) / (s2 - s1)
-    rate = calibration.memory_bytes_per_second
+    rate = calibration.memory_bytes_per_second / ranks
     if per_token > 0.05 * modelled_per_token:  # a slope lost in noise keeps the copy rate
         rate *= modelled_per_token / per_token
     fixed = max(r1 - max(per_token, 0.0) * s1, 0.0)
@@ -375,6 +398,17 @@ def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str =
         link_latency_seconds=latency, cores=os.cpu_count() or 1, causal_tile_tokens=tile,
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     overhead, elementwise = measure_model_residual(model, calibration, repeats=repeats)
+    # One thread: what each rank gets when the ranks fill the cores.
+    matmul_1, attention_1, _, _ = measure_compute(heads=heads, head_dim=head_dim, seq=seq,
+                                                  dtype=dtype, repeats=repeats,
+                                                  projections=projections, threads=1)
+    calibration = dataclasses.replace(
+        calibration, one_thread={"matmul": matmul_1, "attention": attention_1})
+    overhead_1, elementwise_1 = measure_model_residual(model, calibration, repeats=repeats,
+                                                       threads=1)
     syncs = {str(n): measure_sync(n) for n in sync_ranks}
-    return dataclasses.replace(calibration, microbatch_overhead_seconds=overhead,
-                               elementwise_bytes_per_second=elementwise, sync_seconds=syncs)
+    return dataclasses.replace(
+        calibration, microbatch_overhead_seconds=overhead,
+        elementwise_bytes_per_second=elementwise, sync_seconds=syncs,
+        one_thread={"matmul": matmul_1, "attention": attention_1,
+                    "elementwise": elementwise_1, "microbatch_overhead": overhead_1})

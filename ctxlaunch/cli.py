@@ -258,6 +258,11 @@ def calibrate(
                   f"{c.link_bytes_per_second / 1e9:.2f} GB/s + {c.link_latency_seconds * 1e6:.0f}"
                   f" us, {c.microbatch_overhead_seconds * 1e3:.1f} ms fixed per micro-batch "
                   f"({c.cores} cores)")
+        if c.one_thread:
+            one = c.one_thread
+            out.print(f"one thread: matmul {one['matmul'] / 1e9:.1f} GFLOP/s, attention "
+                      f"{one['attention'] / 1e9:.1f} GFLOP/s, elementwise "
+                      f"{one['elementwise'] / 1e9:.2f} GB/s")
     err.print(f"wrote {path}")
 
 

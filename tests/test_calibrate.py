@@ -34,15 +34,28 @@ def test_measured_constants_drive_the_cpu_prediction(tmp_path: Path,
 
     spec = load_spec(JOBS / "demo.yaml")
     machine = machine_for_spec(spec, calibration)
-    # Two ranks share the cores: each gets half of the measured rates.
-    assert machine.peak_flops["fp32"] == pytest.approx(calibration.matmul_flops_per_second / 2)
+    assert calibration.one_thread is not None
+    assert all(calibration.one_thread[k] > 0 for k in ("matmul", "attention", "elementwise"))
+    # Two ranks on this machine's cores: each runs one thread, at the one-thread rates scaled by
+    # cores / ranks; one rank gets the all-core rates.
+    scale = calibration.cores / 2 if calibration.cores <= 2 else None
+    if scale is not None:
+        assert machine.peak_flops["fp32"] == pytest.approx(
+            calibration.one_thread["matmul"] * scale)
+        assert machine.elementwise_bytes_per_second == pytest.approx(
+            calibration.one_thread["elementwise"] * scale)
+    else:
+        assert machine.peak_flops["fp32"] == pytest.approx(
+            calibration.matmul_flops_per_second / 2)
+    assert calibration.machine(1).peak_flops["fp32"] == pytest.approx(
+        calibration.matmul_flops_per_second)
     assert machine.intra_node.bytes_per_second == calibration.link_bytes_per_second
-    assert machine.elementwise_bytes_per_second == pytest.approx(
-        calibration.elementwise_bytes_per_second / 2)
     calibrated = predict_spec(spec, machine)
     doubled = predict_spec(spec, Calibration(**{
         **calibration.__dict__,
         "attention_flops_per_second": 2 * calibration.attention_flops_per_second,
+        "one_thread": {**calibration.one_thread,
+                       "attention": 2 * calibration.one_thread["attention"]},
     }).machine(2))
     assert doubled.terms["compute_attention"] == pytest.approx(
         calibrated.terms["compute_attention"] / 2)
