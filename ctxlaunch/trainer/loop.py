@@ -190,7 +190,8 @@ class Trainer:
                 observer(metrics)
             if metrics.step % t.log_interval == 0 or metrics.step == t.steps:
                 self._log_step(metrics)
-            stop = self._stop_agreed
+            # A stop signal during the last step stops nothing: the run is done, not requeued.
+            stop = self._stop_agreed and self.step < t.steps
             if stop or metrics.step % t.checkpoint.interval == 0 or metrics.step == t.steps:
                 self.save_checkpoint()
             if stop:
@@ -215,6 +216,9 @@ class Trainer:
         if dist.is_initialized() and self.ctx.world_size > 1:
             peaks = [0] * self.ctx.world_size
             dist.all_gather_object(peaks, peak)
+        if self.ctx.rank == 0 and not history:  # resumed from the final checkpoint
+            self.log(f"ctxlaunch: done: {self.step} steps, all before this run (resumed from "
+                     "the final checkpoint)")
         if self.ctx.rank != 0 or not history:
             return
         # The first step includes warm-up (allocations, kernel selection): leave it out.
