@@ -23,11 +23,11 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from ctxlaunch.contract.spec import ModelSpec
     from ctxlaunch.cp import ring_attention, shard_positions
-    from ctxlaunch.memory import MemoryLayout, block_activation_bytes_per_token
-    from ctxlaunch.spec import ModelSpec
-    from ctxlaunch.trainer.memtrace import SavedTensorMeter
-    from ctxlaunch.trainer.model import Block, rope_tables
+    from ctxlaunch.perf.memory import MemoryLayout, block_activation_bytes_per_token
+    from ctxlaunch.runtime.trainer.memtrace import SavedTensorMeter
+    from ctxlaunch.runtime.trainer.model import Block, rope_tables
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

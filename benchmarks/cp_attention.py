@@ -74,7 +74,10 @@ def _ours_ring(shards, layout, backward=True):
 
 
 def _torch_ring(shards, load_balance):
-    from torch.distributed.tensor.experimental._attention import _cp_options, _templated_ring_attention
+    from torch.distributed.tensor.experimental._attention import (
+        _cp_options,
+        _templated_ring_attention,
+    )
     from torch.distributed.tensor.experimental._context_parallel._attention import (
         _templated_ring_attention_backward,
     )

@@ -60,8 +60,8 @@ def trainer_spec(model: str, seq: int, checkpointing: str, steps: int, gpu: str,
 
 
 def planner_figures(spec_data: dict) -> dict:
-    from ctxlaunch.loader import validate_spec
-    from ctxlaunch.memory import MemoryLayout, estimate, longest_sequence
+    from ctxlaunch.contract.loader import validate_spec
+    from ctxlaunch.perf.memory import MemoryLayout, estimate, longest_sequence
 
     spec = validate_spec(spec_data)
     layout = MemoryLayout.from_spec(spec)
@@ -123,7 +123,7 @@ def fit_probe(gpu: str, model: str, pushgateway: str | None, workdir: Path,
               dry_run: bool) -> dict:
     """The planner's longest fitting sequence trains; 15 % longer is a real OOM (exit 86).
     A dry run caps the length (a CPU has no device allocator to exhaust) and injects the OOM."""
-    from ctxlaunch.memory import sequence_granularity
+    from ctxlaunch.perf.memory import sequence_granularity
 
     probe = planner_figures(trainer_spec(model, 8192, "none", 2, gpu, None))
     longest = min(probe["longest_fitting_seq"], 2048) if dry_run else probe["longest_fitting_seq"]
@@ -158,7 +158,7 @@ def mfu_run(gpu: str, model: str, seq: int, steps: int, workdir: Path,
     if run["exit_status"] != 0 or not timed:
         out["log_tail"] = run["log_tail"]
         return out
-    from ctxlaunch.hardware import gpu_info
+    from ctxlaunch.contract.hardware import gpu_info
 
     peak = gpu_info(gpu).peak_bf16_flops
     mean = lambda key: sum(s[key] for s in timed) / len(timed)  # noqa: E731
@@ -379,11 +379,15 @@ def saved_tensors_probe(device: str, model_name: str, seqs: tuple[int, ...]) -> 
     difference between the one- and two-block runs is one block, free of the loss head."""
     import torch
 
-    from ctxlaunch.loader import validate_spec
-    from ctxlaunch.memory import (MemoryLayout, activation_bytes, autocast_weight_copy_bytes,
-                                  block_activation_bytes_per_token)
-    from ctxlaunch.trainer.memtrace import SavedTensorMeter
-    from ctxlaunch.trainer.model import Transformer
+    from ctxlaunch.contract.loader import validate_spec
+    from ctxlaunch.perf.memory import (
+        MemoryLayout,
+        activation_bytes,
+        autocast_weight_copy_bytes,
+        block_activation_bytes_per_token,
+    )
+    from ctxlaunch.runtime.trainer.memtrace import SavedTensorMeter
+    from ctxlaunch.runtime.trainer.model import Transformer
 
     class Listing(SavedTensorMeter):
         def __init__(self, exclude):
@@ -447,8 +451,8 @@ def peak_allocations(model_name: str, seq: int, mode: str) -> dict:
     and list what is live at the peak, grouped by the innermost ctxlaunch/torch frame."""
     import torch
 
-    from ctxlaunch.loader import validate_spec
-    from ctxlaunch.trainer.model import Transformer
+    from ctxlaunch.contract.loader import validate_spec
+    from ctxlaunch.runtime.trainer.model import Transformer
 
     spec = validate_spec({"name": "probe", "model": {"preset": model_name, "dtype": "bf16",
                                                      "layers": 1},

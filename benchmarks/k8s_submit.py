@@ -36,7 +36,7 @@ SETS = ["cluster.target=kubernetes", "cluster.kubernetes.image=example/ctxlaunch
 def measure(command: list[str], env: dict[str, str], conn, namespace: str, name: str
             ) -> dict[str, float]:
     """Seconds from starting `command` until the PyTorchJob exists, and until it returns."""
-    from ctxlaunch.backends.kubernetes import job_path
+    from ctxlaunch.launch.backends.kubernetes import job_path
 
     exists: list[float] = []
     stop = threading.Event()
@@ -67,7 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
-    from ctxlaunch.backends.kubernetes import Connection
+    from ctxlaunch.launch.backends.kubernetes import Connection
 
     conn = Connection.open(kubeconfig=str(KUBECONFIG))
     kubectl = [str(BIN / "kubectl"), "--kubeconfig", str(KUBECONFIG)]

@@ -26,9 +26,9 @@ def _worker(rank, world, init_file, spec_data, steps, threads, results):  # type
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    from ctxlaunch.loader import validate_spec
-    from ctxlaunch.trainer.loop import Trainer
-    from ctxlaunch.trainer.parallelize import build_context
+    from ctxlaunch.contract.loader import validate_spec
+    from ctxlaunch.runtime.trainer.loop import Trainer
+    from ctxlaunch.runtime.trainer.parallelize import build_context
 
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--preset", default="small")
     args = parser.parse_args()
-    from ctxlaunch.loader import apply_overrides, validate_spec
+    from ctxlaunch.contract.loader import apply_overrides, validate_spec
 
     base = {"name": "bench", "model": {"preset": args.preset, "dtype": "fp32"},
             "training": {"seq_len": args.seq, "micro_batch": 1, "global_batch": 2,

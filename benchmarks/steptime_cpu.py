@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/steptime_cpu.py [--lengths 4096 8192 16384] [--steps 3]
 
-1. Calibrates (`ctxlaunch.calibrate.measure`: matmul on the model's projections, attention
+1. Calibrates (`ctxlaunch.runtime.calibrate.measure`: matmul on the model's projections, attention
    through the trainer's kernels, memory copy, the model's elementwise rate and fixed cost from
    its step at 256 and 1,024 tokens, gloo loopback) at the model's shape and saves the constants where `advise` and
    `report` read them ($CTXLAUNCH_HOME/cpu_calibration.json).
@@ -31,10 +31,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ctxlaunch.calibrate import measure, save_calibration  # noqa: E402
-from ctxlaunch.loader import apply_overrides, validate_spec  # noqa: E402
-from ctxlaunch.report import build_report  # noqa: E402
-from ctxlaunch.sweep import Point, prepare, submit, triage  # noqa: E402
+from ctxlaunch.contract.loader import apply_overrides, validate_spec  # noqa: E402
+from ctxlaunch.launch.report import build_report  # noqa: E402
+from ctxlaunch.launch.sweep import Point, prepare, submit, triage  # noqa: E402
+from ctxlaunch.runtime.calibrate import measure, save_calibration  # noqa: E402
 
 # (name, overrides): CP 1/2/4 x ring/Ulysses/hybrid, and TP 2 and PP 2 (two micro-batches
 # through the two stages: 1F1B needs one per stage) on their own.
@@ -111,14 +111,14 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"load average before: {os.getloadavg()}", flush=True)
-    from ctxlaunch.spec import ModelSpec
+    from ctxlaunch.contract.spec import ModelSpec
 
     calibration = measure(heads=4, head_dim=32, dtype="fp32",
                           model=ModelSpec(preset="tiny-mha", dtype="fp32"))
     print(f"calibration: {calibration}", flush=True)
     print(f"saved {save_calibration(calibration)}", flush=True)
 
-    from ctxlaunch import jobstore
+    from ctxlaunch.launch import jobstore
 
     all_points = points(args.lengths, args.steps)
     runnable, reasons = triage(all_points)

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ctxlaunch.advise import advise, degree_options
 from ctxlaunch.cli import app
-from ctxlaunch.loader import load_spec
-from ctxlaunch.memory import estimate
-from ctxlaunch.steptime import StepLayout, machine_for_spec, predict
+from ctxlaunch.contract.loader import load_spec
+from ctxlaunch.perf.memory import estimate
+from ctxlaunch.perf.steptime import StepLayout, machine_for_spec, predict
+from ctxlaunch.planning.advise import advise, degree_options
 
 from .conftest import JOBS
 

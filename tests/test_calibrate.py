@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ctxlaunch.advise import advise
-from ctxlaunch.calibrate import Calibration, load_calibration, measure, save_calibration
 from ctxlaunch.cli import app
-from ctxlaunch.loader import load_spec
-from ctxlaunch.steptime import machine_for_spec, predict_spec
+from ctxlaunch.contract.loader import load_spec
+from ctxlaunch.perf.steptime import machine_for_spec, predict_spec
+from ctxlaunch.planning.advise import advise
+from ctxlaunch.runtime.calibrate import Calibration, load_calibration, measure, save_calibration
 
 from .conftest import JOBS
 

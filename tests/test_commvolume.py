@@ -1,4 +1,4 @@
-"""The communication volumes `ctxlaunch.commvolume` documents, against the bytes each rank
+"""The communication volumes `ctxlaunch.perf.commvolume` documents, against the bytes each rank
 really sends in one training step: every collective and point-to-point send of torch.distributed
 is wrapped (multi-process, gloo on CPU) and counted per process group, as its ring algorithm
 sends it."""
@@ -10,8 +10,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from ctxlaunch.commvolume import step_comm_bytes
-from ctxlaunch.loader import validate_spec
+from ctxlaunch.contract.loader import validate_spec
+from ctxlaunch.perf.commvolume import step_comm_bytes
 
 from .dist_utils import run_distributed
 from .test_trainer_exact import spec_for
@@ -31,8 +31,8 @@ def _count(rank: int, world: int, specs: list[dict]) -> list[dict]:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from ctxlaunch.trainer.loop import Trainer
-    from ctxlaunch.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.loop import Trainer
+    from ctxlaunch.runtime.trainer.parallelize import build_context
 
     sent: dict[tuple, float] = defaultdict(float)
     state = {"on": False, "phase": "step"}

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from ctxlaunch.trainer import checkpoint, heartbeat, stopsignal
+from ctxlaunch.runtime.trainer import checkpoint, heartbeat, stopsignal
 
 
 def test_a_stale_heartbeat_names_the_hung_rank(tmp_path: Path) -> None:

@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 LAUNCHER_MODULES = [
-    "ctxlaunch", "ctxlaunch.cli", "ctxlaunch.spec", "ctxlaunch.loader", "ctxlaunch.planner",
-    "ctxlaunch.memory", "ctxlaunch.flops", "ctxlaunch.launch", "ctxlaunch.render",
-    "ctxlaunch.sweep", "ctxlaunch.jobstore", "ctxlaunch.backends", "ctxlaunch.backends.local",
-    "ctxlaunch.backends.slurm", "ctxlaunch.backends.kubernetes", "ctxlaunch.podentry",
-    "ctxlaunch.telemetry.metrics", "ctxlaunch.telemetry.dashboard",
+    "ctxlaunch", "ctxlaunch.cli", "ctxlaunch.contract.spec", "ctxlaunch.contract.loader", "ctxlaunch.planning.plan",
+    "ctxlaunch.perf.memory", "ctxlaunch.perf.flops", "ctxlaunch.launch.plan", "ctxlaunch.launch.render",
+    "ctxlaunch.launch.sweep", "ctxlaunch.launch.jobstore", "ctxlaunch.launch.backends", "ctxlaunch.launch.backends.local",
+    "ctxlaunch.launch.backends.slurm", "ctxlaunch.launch.backends.kubernetes", "ctxlaunch.podentry",
+    "ctxlaunch.runtime.telemetry.metrics", "ctxlaunch.runtime.telemetry.dashboard",
 ]
 HEAVY = ["torch", "kubernetes", "submitit", "deepspeed"]
 
@@ -35,10 +35,10 @@ def test_cp_needs_nothing_but_torch() -> None:
 
 
 def test_backend_base_imports_no_backend() -> None:
-    """The registry lives in ctxlaunch.backends; the base knows none of its subclasses, and a
+    """The registry lives in ctxlaunch.launch.backends; the base knows none of its subclasses, and a
     backend's module loads only when its target is used."""
-    code = ("import sys\nimport ctxlaunch.backends\n"
-            "print(','.join(sorted(m for m in sys.modules if m.startswith('ctxlaunch.backends.'))))")
+    code = ("import sys\nimport ctxlaunch.launch.backends\n"
+            "print(','.join(sorted(m for m in sys.modules if m.startswith('ctxlaunch.launch.backends.'))))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
-    assert result.stdout.strip() == "ctxlaunch.backends.base"
+    assert result.stdout.strip() == "ctxlaunch.launch.backends.base"

@@ -403,9 +403,14 @@ def test_preflight_errors_leave_nothing_behind(namespace: str, home: Path,
 def test_a_refused_later_object_removes_the_earlier_ones(namespace: str) -> None:
     """The server accepts the ConfigMap and refuses the PyTorchJob (a type error): the
     ConfigMap is deleted again."""
-    from ctxlaunch.backends.kubernetes import Connection, KubeError, apply_objects, objects_of
-    from ctxlaunch.loader import load_spec
-    from ctxlaunch.render import render_files
+    from ctxlaunch.contract.loader import load_spec
+    from ctxlaunch.launch.backends.kubernetes import (
+        Connection,
+        KubeError,
+        apply_objects,
+        objects_of,
+    )
+    from ctxlaunch.launch.render import render_files
 
     spec = load_spec(JOBS / "demo.yaml", ["cluster.target=kubernetes",
                                           f"cluster.kubernetes.image={IMAGE}",
@@ -474,14 +479,14 @@ def test_logs_follow_ends_when_the_job_ended_without_pods(namespace: str, home: 
     (["Created", "Running", "Failed"], "FAILED"),
 ])
 def test_conditions_map_to_the_state_table(conditions: list[str], state: str) -> None:
-    from ctxlaunch.backends.kubernetes import classify
+    from ctxlaunch.launch.backends.kubernetes import classify
 
     job = {"metadata": {"name": "j"}, "status": {"conditions": [condition(c) for c in conditions]}}
     assert classify(job, []).state == state
 
 
 def test_rank_lines_pick_one_ranks_pod_and_lines() -> None:
-    from ctxlaunch.backends.kubernetes import pod_index, rank_lines
+    from ctxlaunch.launch.backends.kubernetes import pod_index, rank_lines
 
     labels = "training.kubeflow.org/replica-type", "training.kubeflow.org/replica-index"
     master = {"metadata": {"labels": {labels[0]: "master", labels[1]: "0"}}}

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from ctxlaunch.flops import count_params, flops_per_token, mfu
-from ctxlaunch.hardware import GPUS, GiB
-from ctxlaunch.loader import load_spec, validate_spec
-from ctxlaunch.memory import (
+from ctxlaunch.contract.hardware import GPUS, GiB
+from ctxlaunch.contract.loader import load_spec, validate_spec
+from ctxlaunch.contract.spec import ModelSpec
+from ctxlaunch.perf.flops import count_params, flops_per_token, mfu
+from ctxlaunch.perf.memory import (
     MemoryLayout,
     block_activation_bytes_per_token,
     estimate,
@@ -16,8 +17,7 @@ from ctxlaunch.memory import (
     model_state_bytes,
     sequence_granularity,
 )
-from ctxlaunch.planner import plan_job
-from ctxlaunch.spec import ModelSpec
+from ctxlaunch.planning.plan import plan_job
 
 from .conftest import JOBS
 
@@ -112,7 +112,7 @@ def test_model_states_match_deepspeed_estimators() -> None:
     import deepspeed.runtime.zero.stage3 as stage3
     import deepspeed.runtime.zero.stage_1_and_2 as stage2
 
-    from ctxlaunch.memory import largest_layer_params, params_per_rank
+    from ctxlaunch.perf.memory import largest_layer_params, params_per_rank
 
     for nodes, per_node in ((1, 8), (4, 8), (16, 8)):
         gpus = nodes * per_node
@@ -189,7 +189,7 @@ def test_capacity_comes_from_the_gpu_table() -> None:
 def test_uneven_stages_plan_the_busiest_stage() -> None:
     """405B at PP 16: the balanced split (7, 8 x 14, 7) puts 8 blocks on the middle stages and
     7 beside the embedding / head; params and activations are those of the busiest rank."""
-    from ctxlaunch.memory import MemoryLayout, activation_bytes, params_per_rank
+    from ctxlaunch.perf.memory import MemoryLayout, activation_bytes, params_per_rank
 
     model = ModelSpec(preset="llama3-405b")
     counts = count_params(model)
@@ -201,7 +201,7 @@ def test_uneven_stages_plan_the_busiest_stage() -> None:
     assert held == -(-want // 8)
     # 1F1B: rank r holds 16 - r micro-batches in flight; each is one pp = 1 model of its
     # blocks (rank 0: 16 x 7 blocks, rank 1: 15 x 8, the busiest).
-    from ctxlaunch.memory import stage_activation_bytes
+    from ctxlaunch.perf.memory import stage_activation_bytes
 
     def stage(r: int) -> float:
         return stage_activation_bytes(model, layout, split[r], first=r == 0, last=r == 15)

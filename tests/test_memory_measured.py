@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctxlaunch.memory import MemoryLayout, activation_bytes
-from ctxlaunch.spec import ModelSpec
-from ctxlaunch.trainer.memtrace import SavedTensorMeter
-from ctxlaunch.trainer.model import Transformer
+from ctxlaunch.contract.spec import ModelSpec
+from ctxlaunch.perf.memory import MemoryLayout, activation_bytes
+from ctxlaunch.runtime.trainer.memtrace import SavedTensorMeter
+from ctxlaunch.runtime.trainer.model import Transformer
 
 MODEL = ModelSpec(layers=2, hidden=256, heads=8, kv_heads=2, ffn_hidden=704, vocab=256)
 
@@ -46,8 +46,8 @@ def _measure_tp_pp(rank: int, world: int, cases: list[tuple[str, str, str]]) -> 
     """Saved-tensor bytes of one micro-batch's forward on this rank, per case: ("tp", dtype,
     checkpointing) runs the whole model at TP 2; ("pp", dtype, checkpointing) runs this rank's
     pipeline stage (rank 0: embedding and block 0; rank 1: block 1, final norm and loss)."""
-    from ctxlaunch.trainer.parallelize import apply_tensor_parallel, build_context
-    from ctxlaunch.trainer.pipeline import StageModule
+    from ctxlaunch.runtime.trainer.parallelize import apply_tensor_parallel, build_context
+    from ctxlaunch.runtime.trainer.pipeline import StageModule
 
     seq = 1024
     out = []
@@ -89,7 +89,7 @@ def test_predicted_activations_match_saved_tensors_at_tp2_and_per_pp_stage() -> 
     """TP 2 (sequence parallel, vocabulary-parallel loss) on each rank, and each of two
     pipeline stages: the planner's per-stage activation bytes within 1 %. A 1F1B stage holds
     pp - r such micro-batches (arithmetic on the measured one, `activation_bytes`)."""
-    from ctxlaunch.memory import stage_activation_bytes
+    from ctxlaunch.perf.memory import stage_activation_bytes
 
     from .dist_utils import run_distributed
 

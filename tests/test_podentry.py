@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ctxlaunch import exitcodes
+from ctxlaunch.contract import exitcodes
 
 from .conftest import JOBS, free_port
 
@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow
 
 def spec_file(tmp_path: Path, *sets: str) -> Path:
     """The demo spec, resolved and small, as the ConfigMap would carry it."""
-    from ctxlaunch.launch import spec_json
-    from ctxlaunch.loader import load_spec
+    from ctxlaunch.contract.loader import load_spec
+    from ctxlaunch.contract.rundir import spec_json
 
     spec = load_spec(JOBS / "demo.yaml", ["training.seq_len=512", "training.log_interval=1",
                                           f"training.checkpoint.dir={tmp_path / 'ckpt'}",

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from ctxlaunch.flops import flops_per_token
-from ctxlaunch.hardware import GPUS
-from ctxlaunch.memory import MemoryEstimate, estimate
-from ctxlaunch.spec import ModelSpec
-from ctxlaunch.steptime import Machine, StepLayout, StepTime, predict
+from ctxlaunch.contract.hardware import GPUS
+from ctxlaunch.contract.spec import ModelSpec
+from ctxlaunch.perf.flops import flops_per_token
+from ctxlaunch.perf.memory import MemoryEstimate, estimate
+from ctxlaunch.perf.steptime import Machine, StepLayout, StepTime, predict
 
 TOLERANCE = 0.15
 """Predicted throughput within 15 % of the published one, for every row."""
@@ -63,7 +63,7 @@ class PublishedRun:
     precision: str
     tflops_per_gpu: float
     convention: str
-    """Which MFU convention the source's TFLOP/s count (see ctxlaunch.flops)."""
+    """Which MFU convention the source's TFLOP/s count (see ctxlaunch.perf.flops)."""
     zero_stage: int
     source: str
 
@@ -226,7 +226,7 @@ def test_the_model_is_not_flat() -> None:
 # high CP degree) and counts TP collectives as fully exposed, so at equal compute it slightly
 # prefers CP to TP; it also offers ZeRO-2/3, which Megatron does not.
 def row_spec(row: PublishedRun):  # type: ignore[no-untyped-def]
-    from ctxlaunch.loader import validate_spec
+    from ctxlaunch.contract.loader import validate_spec
 
     per_node = min(row.gpus, 8)
     m = row.model
@@ -250,7 +250,7 @@ AUTHORS_FIRST = {"nemo-h100-4k-tp1pp1cp1dp4", "nemo-b200-8k-tp1pp1cp1dp2",
                          ids=lambda r: r.name)
 def test_the_authors_layout_ranks_first_or_within_the_models_accuracy(
         row: PublishedRun) -> None:
-    from ctxlaunch.advise import Degrees, advise
+    from ctxlaunch.planning.advise import Degrees, advise
 
     advice = advise(row_spec(row), matmul_precision=row.precision)
     published = Degrees(row.tp, row.pp, row.cp, row.dp, "ring", 1)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ctxlaunch.loader import SpecError, load_spec, read_spec_data, validate_spec
-from ctxlaunch.planner import plan_job
-from ctxlaunch.render import RenderError, render, render_files
+from ctxlaunch.contract.loader import SpecError, load_spec, read_spec_data, validate_spec
+from ctxlaunch.launch.render import RenderError, render, render_files
+from ctxlaunch.planning.plan import plan_job
 
 from .conftest import JOBS, ROOT
 
@@ -256,7 +256,7 @@ def test_hostile_job_names_are_rejected(name: str) -> None:
 def test_templates_refuse_unquoted_values(tmp_path: Path, monkeypatch) -> None:
     import jinja2
 
-    from ctxlaunch import render as render_module
+    from ctxlaunch.launch import render as render_module
 
     env = render_module._environment().overlay(loader=jinja2.DictLoader(
         {"bad.j2": "echo {{ value }}\n"}))

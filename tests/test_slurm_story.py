@@ -3,8 +3,8 @@ of each run (the lines below are the ones the rendered script and the trainer pr
 
 from __future__ import annotations
 
-from ctxlaunch.backends.base import Status
-from ctxlaunch.backends.slurm import runs_from_log, tell_story
+from ctxlaunch.launch.backends.base import Status
+from ctxlaunch.launch.backends.slurm import runs_from_log, tell_story
 
 LOG = """ctxlaunch: job 7 restart 0 on 2 node(s), rendezvous node1:20007
 0: ctxlaunch: checkpoint /c/step-00000004

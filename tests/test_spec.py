@@ -7,8 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from ctxlaunch.loader import SpecError, apply_overrides, load_spec, parse_yaml, validate_spec
-from ctxlaunch.presets import MODEL_PRESETS
+from ctxlaunch.contract.loader import (
+    SpecError,
+    apply_overrides,
+    load_spec,
+    parse_yaml,
+    validate_spec,
+)
+from ctxlaunch.contract.presets import MODEL_PRESETS
 
 BASE = {
     "name": "job",
@@ -232,7 +238,7 @@ def test_missing_file_is_a_spec_error(tmp_path: Path) -> None:
 
 
 def test_json_schema_is_complete() -> None:
-    from ctxlaunch.spec import JobSpec
+    from ctxlaunch.contract.spec import JobSpec
 
     schema = JobSpec.model_json_schema()
     assert schema["additionalProperties"] is False

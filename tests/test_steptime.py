@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from ctxlaunch.hardware import GPUS
-from ctxlaunch.loader import load_spec
-from ctxlaunch.spec import ModelSpec
-from ctxlaunch.steptime import Machine, StepLayout, predict, predict_spec
+from ctxlaunch.contract.hardware import GPUS
+from ctxlaunch.contract.loader import load_spec
+from ctxlaunch.contract.spec import ModelSpec
+from ctxlaunch.perf.steptime import Machine, StepLayout, predict, predict_spec
 
 from .conftest import JOBS
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ctxlaunch.launch import slurm_plan
-from ctxlaunch.render import render_plan
-from ctxlaunch.sweep import load_sweep, point_name, slurm_groups
+from ctxlaunch.launch.plan import slurm_plan
+from ctxlaunch.launch.render import render_plan
+from ctxlaunch.launch.sweep import load_sweep, point_name, slurm_groups
 
 from .conftest import JOBS
 from .test_render import shellcheck
@@ -139,7 +139,7 @@ def test_example_sweep_golden(check_golden) -> None:
 
 def test_report_plots_one_series_per_layout() -> None:
     # TP and PP points get lines of their own, not the CP 1 line of the same length.
-    from ctxlaunch.report import _series
+    from ctxlaunch.launch.report import _series
 
     def row(seq: int, cp: int = 1, algorithm: str = "ring", tp: int = 1, pp: int = 1) -> dict:
         return {"seq_len": seq, "cp": cp, "cp_algorithm": algorithm, "tp": tp, "pp": pp,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ctxlaunch.telemetry.dashboard import panel_queries
-from ctxlaunch.telemetry.metrics import LABELS, METRICS
+from ctxlaunch.runtime.telemetry.dashboard import panel_queries
+from ctxlaunch.runtime.telemetry.metrics import LABELS, METRICS
 
 from .conftest import JOBS, ROOT
 from .services import PUSHGATEWAY_URL, add_scrape_targets, poll, query, require_prometheus

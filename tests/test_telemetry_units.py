@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from ctxlaunch.flops import mfu
-from ctxlaunch.spec import ModelSpec
-from ctxlaunch.telemetry.exporter import Exporter, Identity
-from ctxlaunch.telemetry.metrics import LABELS, METRICS
+from ctxlaunch.contract.spec import ModelSpec
+from ctxlaunch.perf.flops import mfu
+from ctxlaunch.runtime.telemetry.exporter import Exporter, Identity
+from ctxlaunch.runtime.telemetry.metrics import LABELS, METRICS
 
 LLAMA_8B = ModelSpec(preset="llama3-8b")
 LLAMA_70B = ModelSpec(preset="llama3-70b")
@@ -94,9 +94,9 @@ def test_busy_scrape_port_is_logged_and_training_goes_on() -> None:
 
 
 def test_the_predicted_step_is_the_step_time_models(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from ctxlaunch.loader import load_spec
-    from ctxlaunch.steptime import predict_spec
-    from ctxlaunch.telemetry.training import predicted_step_seconds
+    from ctxlaunch.contract.loader import load_spec
+    from ctxlaunch.perf.steptime import predict_spec
+    from ctxlaunch.runtime.telemetry.training import predicted_step_seconds
 
     from .conftest import JOBS
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctxlaunch.loader import validate_spec
+from ctxlaunch.contract.loader import validate_spec
 
 from .dist_utils import run_distributed
 from .test_trainer_exact import _train as run_layout
@@ -91,8 +91,8 @@ def _save_then_resume(rank: int, world: int, saving: dict, resuming: list[dict],
                       checkpoint_dir: str) -> dict:
     """Train two steps at one layout and checkpoint; then, in the same job, resume that
     checkpoint at each other layout and train the last two steps."""
-    from ctxlaunch.trainer.loop import Trainer
-    from ctxlaunch.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.loop import Trainer
+    from ctxlaunch.runtime.trainer.parallelize import build_context
 
     def trainer_for(spec_data: dict) -> Trainer:
         spec = validate_spec(spec_data)
@@ -125,8 +125,8 @@ def test_checkpoint_resumes_at_other_layouts(tmp_path) -> None:
                 spec_for(4, **common, **{"parallel.tp": 2, "training.zero_stage": 2})]
     got = run_distributed(_save_then_resume, 4, saving, resuming, str(tmp_path / "ckpt"),
                           timeout_s=360)[0]
-    from ctxlaunch.trainer.loop import Trainer
-    from ctxlaunch.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.loop import Trainer
+    from ctxlaunch.runtime.trainer.parallelize import build_context
 
     spec = validate_spec(spec_for(1, **{**model, **COMMON, "training.steps": 4}))
     ctx = build_context(rank=0, world_size=1, dp=1, cp=1, ulysses=1, layout="zigzag")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ctxlaunch.loader import apply_overrides, validate_spec
+from ctxlaunch.contract.loader import apply_overrides, validate_spec
 
 from .dist_utils import run_distributed
 
@@ -34,8 +34,8 @@ def spec_for(world: int, **changes):
 
 
 def _train(rank: int, world: int, spec_data: dict, steps: int) -> dict:
-    from ctxlaunch.trainer.loop import Trainer
-    from ctxlaunch.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.loop import Trainer
+    from ctxlaunch.runtime.trainer.parallelize import build_context
 
     spec = validate_spec(spec_data)
     p = spec.parallel
@@ -100,8 +100,8 @@ def test_layout_matches_single_process(case, reference: dict) -> None:
 
 def _run_with_stop(rank: int, world: int, spec_data: dict, stop_after: int | None) -> dict:
     """Trainer.run(), sending this process SIGUSR1 after `stop_after` steps (a preemption)."""
-    from ctxlaunch.trainer.loop import Trainer
-    from ctxlaunch.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.loop import Trainer
+    from ctxlaunch.runtime.trainer.parallelize import build_context
 
     spec = validate_spec(spec_data)
     p = spec.parallel

@@ -8,8 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ..dist_utils import run_distributed
-from .cp_dist_utils import reference_with_grads
 from ctxlaunch.cp import (
     full_attention,
     hybrid_attention,
@@ -20,6 +18,9 @@ from ctxlaunch.cp import (
     ulysses_attention,
     unshard_sequence,
 )
+
+from ..dist_utils import run_distributed
+from .cp_dist_utils import reference_with_grads
 
 # (out and gradients, lse) tolerances against the float64 reference on the same inputs. bf16:
 # out and gradients are rounded to bf16 (8-bit mantissa) and the kernel's bf16 backward works

@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..dist_utils import run_distributed
 from ctxlaunch.cp import ring_attention, shard_sequence, ulysses_attention
+
+from ..dist_utils import run_distributed
 
 TIGHT = dict(rtol=1e-5, atol=1e-5)
 BF16 = dict(rtol=1.6e-2, atol=1e-2)
@@ -24,7 +25,10 @@ def _inputs(seed, b, hq, hkv, seq_len, d, dtype):
 
 
 def _check_torch_ring(rank, world_size):
-    from torch.distributed.tensor.experimental._attention import _cp_options, _templated_ring_attention
+    from torch.distributed.tensor.experimental._attention import (
+        _cp_options,
+        _templated_ring_attention,
+    )
     from torch.distributed.tensor.experimental._context_parallel._attention import (
         _templated_ring_attention_backward,
     )

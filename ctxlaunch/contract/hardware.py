@@ -1,0 +1,153 @@
+"""The hardware tables: GPU types (memory, peak FLOP/s, NVLink domain) and fabric NCCL defaults.
+
+One table each, so the planner, the renderer and the telemetry read the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+GiB = 1024**3
+GB = 1000**3
+TFLOPS = 1e12
+
+GpuType = Literal["H100", "H200", "B200", "A100", "A100-40GB", "L40S", "cpu"]
+NetworkType = Literal["infiniband-ndr", "infiniband-hdr", "roce", "efa", "tcp"]
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """What the planner and MFU need to know about one accelerator."""
+
+    name: str
+    memory_bytes: int
+    """Memory the framework can allocate on one device (the marketing figure for HBM)."""
+    peak_bf16_flops: float
+    """Dense BF16 tensor-core peak, FLOP/s (no sparsity)."""
+    peak_fp32_flops: float
+    """Dense FP32 peak (TF32 tensor cores where the GPU has them), FLOP/s."""
+    nvlink_domain: int
+    """GPUs that share NVLink/NVSwitch bandwidth; 1 for PCIe-only parts."""
+    nvlink: bool
+    """False for PCIe-only parts: CP traffic between them crosses the PCIe bus."""
+    intra_node_link: str = "pcie4"
+    """Key into LINKS of the link between GPUs of one node (NVLink generation or PCIe)."""
+    hbm_bytes_per_second: float = 0.0
+    """Memory bandwidth (data sheet): bounds the elementwise work and the optimizer step."""
+    fp8: bool = False
+    """FP8 tensor cores (Hopper, Blackwell, Ada): dense FP8 peak is twice BF16's."""
+
+
+# Sources: NVIDIA data sheets (dense figures) and ../shared/docs/domain.md; H100 means SXM.
+# Memory is what `torch.cuda.get_device_properties(i).total_memory` reports on such a GPU
+# (nvidia-smi's total less the driver's reservation), not the marketing figure: the planner
+# compares against what an allocator can actually get.
+GPUS: dict[str, GpuInfo] = {
+# HBM bandwidths: H100 SXM 3.35 TB/s, H200 4.8 TB/s, B200 8 TB/s, A100 80GB 2.04 TB/s,
+# A100 40GB 1.56 TB/s, L40S 864 GB/s (GDDR6).
+    "H100": GpuInfo("H100", int(79.1 * GiB), 989 * TFLOPS, 494.5 * TFLOPS, 8, True,
+                    intra_node_link="nvlink4", hbm_bytes_per_second=3.35e12, fp8=True),
+    "H200": GpuInfo("H200", int(139.8 * GiB), 989 * TFLOPS, 494.5 * TFLOPS, 8, True,
+                    intra_node_link="nvlink4", hbm_bytes_per_second=4.8e12, fp8=True),
+    # DGX B200: 1,440 GB over 8 GPUs (180 GB each), not the 192 GB chip figure.
+    "B200": GpuInfo("B200", int(179.0 * GiB), 2250 * TFLOPS, 1125 * TFLOPS, 8, True,
+                    intra_node_link="nvlink5", hbm_bytes_per_second=8.0e12, fp8=True),
+    "A100": GpuInfo("A100", int(79.1 * GiB), 312 * TFLOPS, 156 * TFLOPS, 8, True,
+                    intra_node_link="nvlink3", hbm_bytes_per_second=2.04e12),
+    "A100-40GB": GpuInfo("A100-40GB", int(39.4 * GiB), 312 * TFLOPS, 156 * TFLOPS, 8, True,
+                         intra_node_link="nvlink3", hbm_bytes_per_second=1.56e12),
+    # PCIe only: no NVLink, so CP between two L40S crosses the PCIe bus.
+    "L40S": GpuInfo("L40S", int(44.4 * GiB), 362 * TFLOPS, 183 * TFLOPS, 1, False,
+                    intra_node_link="pcie4", hbm_bytes_per_second=0.864e12, fp8=True),
+    # "cpu" is one process on this machine's CPU (the local demo). Its peak is measured at run
+    # time by the trainer; the figures here only keep the planner's arithmetic total.
+    "cpu": GpuInfo("cpu", 16 * GiB, 0.2 * TFLOPS, 0.1 * TFLOPS, 1, False,
+                   intra_node_link="loopback", hbm_bytes_per_second=10e9),
+}
+
+
+def gpu_info(name: str) -> GpuInfo:
+    """Look up a GPU type; the spec validates the name, so a KeyError here is a bug."""
+    return GPUS[name]
+
+
+@dataclass(frozen=True)
+class LinkInfo:
+    """One kind of link, as the step-time model sees it: a per-GPU, one-direction bandwidth and
+    a per-message latency."""
+
+    name: str
+    bytes_per_second: float
+    """Data-sheet bandwidth per GPU in one direction (a node's NIC shared by its GPUs is
+    divided among them)."""
+    latency_seconds: float
+    """Typical small-message latency of one NCCL step over the link (order of magnitude: it
+    matters only for the smallest messages)."""
+    source: str
+
+
+GBIT = 1e9 / 8  # bytes per second in one Gbit/s
+
+# Bandwidths are data-sheet figures; latencies are typical NCCL-tests small-message figures,
+# not data-sheet values (stated in the README). Inter-node figures assume one NIC per GPU, as
+# in DGX/HGX H100, H200 and B200 systems and AWS p5 instances.
+LINKS: dict[str, LinkInfo] = {
+    "nvlink3": LinkInfo("NVLink 3", 300e9, 3e-6, "A100: 600 GB/s bidirectional per GPU"),
+    "nvlink4": LinkInfo("NVLink 4", 450e9, 3e-6, "H100/H200: 900 GB/s bidirectional per GPU"),
+    "nvlink5": LinkInfo("NVLink 5", 900e9, 3e-6, "B200: 1.8 TB/s bidirectional per GPU"),
+    "pcie4": LinkInfo("PCIe Gen4 x16", 32e9, 5e-6, "PCIe 4.0 x16: 32 GB/s per direction"),
+    "pcie5": LinkInfo("PCIe Gen5 x16", 64e9, 5e-6, "PCIe 5.0 x16: 64 GB/s per direction"),
+    "infiniband-ndr": LinkInfo("InfiniBand NDR", 400 * GBIT, 5e-6,
+                               "ConnectX-7 NDR: 400 Gb/s per port, one port per GPU"),
+    "infiniband-hdr": LinkInfo("InfiniBand HDR", 200 * GBIT, 5e-6,
+                               "ConnectX-6 HDR: 200 Gb/s per port, one port per GPU"),
+    "roce": LinkInfo("RoCE v2", 400 * GBIT, 8e-6,
+                     "400 GbE per GPU (Meta's Llama 3 RoCE cluster)"),
+    "efa": LinkInfo("AWS EFA", 400 * GBIT, 15e-6, "p5: 3,200 Gb/s EFA over 8 GPUs"),
+    "tcp": LinkInfo("TCP", 100 * GBIT / 8, 30e-6,
+                    "one 100 GbE NIC per 8-GPU node, shared"),
+    # This machine's loopback under gloo; the figures here only keep the arithmetic total:
+    # `ctxlaunch.runtime.calibrate` measures the real ones.
+    "loopback": LinkInfo("gloo loopback", 1e9, 50e-6, "measured by ctxlaunch.runtime.calibrate"),
+}
+
+
+# Per-fabric NCCL defaults; a job's `fabric.nccl` overrides them key by key.
+# Every GPU fabric gets the PyTorch watchdog settings: fail fast with a flight-recorder dump
+# rather than hang (users' most common complaint about NCCL).
+COMMON_NCCL_ENV: dict[str, str] = {
+    "NCCL_DEBUG": "WARN",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+}
+
+FABRIC_NCCL_ENV: dict[str, dict[str, str]] = {
+    "infiniband-ndr": {
+        "NCCL_IB_DISABLE": "0",
+        "NCCL_IB_TIMEOUT": "22",
+        "NCCL_IB_QPS_PER_CONNECTION": "2",
+        "NCCL_CROSS_NIC": "0",
+    },
+    "infiniband-hdr": {
+        "NCCL_IB_DISABLE": "0",
+        "NCCL_IB_TIMEOUT": "22",
+        "NCCL_CROSS_NIC": "0",
+    },
+    "roce": {
+        "NCCL_IB_DISABLE": "0",
+        "NCCL_IB_TIMEOUT": "22",
+        "NCCL_CROSS_NIC": "0",
+    },
+    "efa": {
+        "FI_PROVIDER": "efa",
+        "FI_EFA_USE_DEVICE_RDMA": "1",
+        "FI_EFA_FORK_SAFE": "1",
+    },
+    "tcp": {
+        # No RDMA on this fabric: say so, so NCCL never probes for HCAs.
+        "NCCL_IB_DISABLE": "1",
+    },
+}
+
+RDMA_NETWORKS = frozenset({"infiniband-ndr", "infiniband-hdr", "roce"})

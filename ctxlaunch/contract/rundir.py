@@ -1,0 +1,105 @@
+"""Where the launcher and the job meet: the entry points a rendered job starts, the variables
+that carry the spec and the run directory, the rendezvous port rule, and the per-rank exit
+files. `launch` writes these into scripts and manifests; `runtime` reads them inside the job.
+Neither imports the other, so everything both must agree on is defined here, once."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract.spec import JobSpec
+
+TRAINER_MODULE = "ctxlaunch.trainer"
+"""`python -m ctxlaunch.trainer`: one rank of the trainer (what torchrun and srun start). A
+stable name: scripts rendered by earlier versions, and images built from them, start it."""
+POD_MODULE = "ctxlaunch.podentry"
+"""A PyTorchJob pod's command: torchrun on the trainer, exiting with a status the training
+operator's ExitCode restart policy reads right (see ctxlaunch.runtime.podentry)."""
+
+SPEC_ENV = "CTXLAUNCH_SPEC_JSON"
+"""The resolved spec travels to every rank in this variable (Slurm) or as a mounted file."""
+RUN_DIR_ENV = "CTXLAUNCH_RUN_DIR"
+"""The run directory: logs, metrics, exit files and the job's events."""
+JOB_ID_ENV = "CTXLAUNCH_JOB_ID"
+"""ctxlaunch's id of the job, in every rank's environment (telemetry labels, sweeps)."""
+HOME_ENV = "CTXLAUNCH_HOME"
+"""Where job records and the CPU calibration live (default ~/.ctxlaunch)."""
+
+SLURM_BASE_PORT = 20000
+SLURM_PORT_SPAN = 20000
+"""Slurm jobs rendezvous on SLURM_BASE_PORT + job id % SLURM_PORT_SPAN, so two jobs sharing a
+node (small allocations, test clusters) never collide."""
+
+
+def slurm_rendezvous_port(job_id: int) -> int:
+    """The rendezvous port of Slurm job `job_id` (what the batch script exports)."""
+    return SLURM_BASE_PORT + job_id % SLURM_PORT_SPAN
+
+
+def slurm_rendezvous_port_shell(job_id_var: str = "SLURM_JOB_ID") -> str:
+    """The same rule as a shell arithmetic expansion, for the batch script."""
+    return f"$(( {SLURM_BASE_PORT} + {job_id_var} % {SLURM_PORT_SPAN} ))"
+
+
+def home() -> Path:
+    """ctxlaunch's own directory on this machine: $CTXLAUNCH_HOME, default ~/.ctxlaunch."""
+    return Path(os.environ.get(HOME_ENV) or Path.home() / ".ctxlaunch")
+
+
+def spec_json(spec: JobSpec) -> str:
+    """The resolved spec (presets expanded, defaults filled) as compact, stable JSON."""
+    return json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+def cpu_threads_per_rank(ranks_per_node: int) -> int:
+    """CPU ranks share the node's cores evenly (torchrun would give each one thread, srun
+    leaves each all of them)."""
+    return max(1, (os.cpu_count() or 1) // ranks_per_node)
+
+
+EXIT_DIR = "exit"
+"""Each rank writes its exit status to <run dir>/exit/rank-<r>."""
+
+
+def exit_file(run_dir: Path, rank: int) -> Path:
+    """Where rank `rank` leaves its exit status."""
+    return run_dir / EXIT_DIR / f"rank-{rank}"
+
+
+def write_exit_code(run_dir: Path, rank: int, code: int) -> None:
+    """Leave this rank's exit status for the launcher (the pod entry, the local backend)."""
+    path = exit_file(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{code}\n")
+
+
+def rank_exit_codes(run_dir: Path, count: int, first: int = 0) -> list[int | None]:
+    """The exit statuses of ranks first .. first+count-1 (None: the rank left none)."""
+    codes: list[int | None] = []
+    for rank in range(first, first + count):
+        try:
+            codes.append(int(exit_file(run_dir, rank).read_text().strip()))
+        except (OSError, ValueError):
+            codes.append(None)
+    return codes
+
+
+def combine_exit_codes(codes: Iterable[int | None]) -> int:
+    """One status for a job from its ranks' (None: the rank left no status, e.g. killed).
+    An OOM anywhere is the job's story; then a failure; a requeue request only when every
+    other rank finished cleanly."""
+    codes = list(codes)
+    if any(c == exitcodes.OOM for c in codes):
+        return exitcodes.OOM
+    if any(c is None or c not in (exitcodes.OK, exitcodes.PREEMPTED, exitcodes.BAD_INPUT)
+           for c in codes):
+        return exitcodes.FAILED
+    if any(c == exitcodes.BAD_INPUT for c in codes):
+        return exitcodes.BAD_INPUT
+    if any(c == exitcodes.PREEMPTED for c in codes):
+        return exitcodes.PREEMPTED
+    return exitcodes.OK

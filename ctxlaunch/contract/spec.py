@@ -1,0 +1,854 @@
+"""The job spec: one validated document describing a long-context training job.
+
+Field-level rules live on the fields; rules that tie fields together (the parallel layout
+against the model and the cluster) live in `JobSpec._check_layout`, which reports every broken
+rule at once, each at the field it concerns, with the value, the rule and a fix.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from ctxlaunch.contract.hardware import GpuInfo, GpuType, NetworkType, gpu_info
+from ctxlaunch.contract.presets import MODEL_PRESETS
+from ctxlaunch.contract.stages import balanced_stage_layers
+
+RFC1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+RFC1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# Values that land on `#SBATCH` lines are parsed by sbatch, not by bash, so they are restricted
+# to characters that need no quoting rather than quoted.
+SLURM_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+SLURM_TIME = re.compile(r"^(\d+-\d{1,2}(:\d{2}){0,2}|\d+(:\d{2}){0,2})$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+K8S_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+IMAGE_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:@]*$")
+
+# Pod names are "<job>-master-0" / "<job>-worker-<n>" and must stay within 63 characters.
+MAX_JOB_NAME = 48
+
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class _Strict(BaseModel):
+    """Unknown fields are errors: a typo must never be silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True,
+                              use_attribute_docstrings=True)
+
+
+def _problem(loc: tuple[str | int, ...], value: Any, message: str) -> InitErrorDetails:
+    return InitErrorDetails(
+        type=PydanticCustomError("layout", "{message}", {"message": message}),
+        loc=loc,
+        input=value,
+    )
+
+
+def problem_message(detail: InitErrorDetails) -> str:
+    """The text of a problem made by `_problem`."""
+    kind = detail["type"]
+    return kind.message() if isinstance(kind, PydanticCustomError) else str(kind)
+
+
+# --------------------------------------------------------------------------------------------
+# model
+# --------------------------------------------------------------------------------------------
+class ModelSpec(_Strict):
+    """A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+
+    preset: str | None = None
+    """Start from a named shape (see `ctxlaunch.contract.presets`); fields given beside it override it."""
+    layers: PositiveInt
+    """Transformer blocks."""
+    hidden: PositiveInt
+    """Model width h."""
+    heads: PositiveInt
+    """Query heads; head_dim = hidden / heads."""
+    kv_heads: PositiveInt
+    """Key/value heads (GQA); must divide heads."""
+    ffn_hidden: PositiveInt
+    """SwiGLU inner width."""
+    vocab: PositiveInt
+    """Vocabulary size (byte-level text data needs at least 256)."""
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    """Training precision: bf16 (mixed precision with fp32 master weights) or plain fp32."""
+    rope_theta: float = Field(10000.0, gt=0)
+    """RoPE base frequency."""
+    norm_eps: float = Field(1e-5, gt=0)
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output head."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            data = {"preset": data}
+        if isinstance(data, dict) and data.get("preset") is not None:
+            name = data["preset"]
+            if name not in MODEL_PRESETS:
+                raise PydanticCustomError("preset", "{message}", {"message": (
+                    f"unknown model preset {name!r}; known presets: "
+                    + ", ".join(sorted(MODEL_PRESETS)))})
+            data = {**MODEL_PRESETS[name], **data}
+        return data
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> ModelSpec:
+        problems = []
+        if self.hidden % self.heads:
+            problems.append(_problem(("hidden",), self.hidden,
+                f"hidden = {self.hidden} must be divisible by heads = {self.heads} "
+                "(head_dim = hidden / heads); fix: change hidden or heads"))
+        if self.heads % self.kv_heads:
+            problems.append(_problem(("kv_heads",), self.kv_heads,
+                f"heads = {self.heads} must be divisible by kv_heads = {self.kv_heads} "
+                "(each K/V head serves a whole group of query heads); fix: pick kv_heads that "
+                "divides heads"))
+        elif self.hidden % self.heads == 0 and (self.hidden // self.heads) % 2:
+            problems.append(_problem(("hidden",), self.hidden,
+                f"head_dim = hidden / heads = {self.hidden // self.heads} must be even for "
+                "RoPE (it rotates pairs); fix: change hidden or heads"))
+        if problems:
+            raise ValidationError.from_exception_data(type(self).__name__, problems)
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_hidden(self) -> int:
+        """Width of K (and of V): kv_heads x head_dim."""
+        return self.kv_heads * self.head_dim
+
+
+# --------------------------------------------------------------------------------------------
+# training
+# --------------------------------------------------------------------------------------------
+class OptimizerSpec(_Strict):
+    """AdamW (decoupled weight decay) with linear warm-up then cosine decay."""
+
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(3e-4, gt=0)
+    """Peak learning rate."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final learning rate as a fraction of lr, reached at the last step."""
+    warmup_steps: int = Field(0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float = Field(1.0, ge=0)
+    """Global gradient-norm clip; 0 disables it."""
+
+
+class CheckpointSpec(_Strict):
+    """Distributed checkpoints (torch.distributed.checkpoint); resume is automatic."""
+
+    dir: str | None = None
+    """Where checkpoints go (shared by all ranks). None disables checkpointing."""
+    interval: int = Field(100, ge=1)
+    """Save every this many steps (and on a preemption signal)."""
+    keep: int = Field(2, ge=1)
+    """Keep the newest this many checkpoints."""
+
+
+class DataSpec(_Strict):
+    """Training tokens: synthetic (seeded random tokens) or a text file read byte-level."""
+
+    source: Literal["synthetic", "text"] = "synthetic"
+    path: str | None = None
+    """The text file for source: text; each byte is one token (vocab >= 256)."""
+
+    @model_validator(mode="after")
+    def _path_for_text(self) -> DataSpec:
+        if self.source == "text" and not self.path:
+            raise ValidationError.from_exception_data("DataSpec", [_problem(
+                ("path",), self.path,
+                "data.source = text needs data.path (the text file to read byte-level)")])
+        return self
+
+
+class TrainingSpec(_Strict):
+    """What one optimizer step looks like and how long to run."""
+
+    seq_len: PositiveInt
+    """Tokens per sequence (the whole sequence; CP splits it across ranks)."""
+    micro_batch: PositiveInt = 1
+    """Sequences per rank per forward/backward."""
+    global_batch: PositiveInt | None = None
+    """Sequences per optimizer step over all data-parallel replicas. Give this or grad_accum."""
+    grad_accum: PositiveInt | None = None
+    """Micro-batches per optimizer step per rank. Derived from global_batch when not given."""
+    steps: PositiveInt = 100
+    """Optimizer steps to run."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """none: keep all activations; selective: recompute each block's feed-forward half (cheap,
+    linear in s) and keep attention (quadratic to recompute); full: keep only each block's input
+    and recompute the block in backward."""
+    zero_stage: int = Field(0, ge=0, le=3)
+    """ZeRO stage (DeepSpeed): 0 none, 1 optimizer states, 2 + gradients, 3 + parameters,
+    each sharded over the DP x CP ranks."""
+    optimizer: OptimizerSpec = OptimizerSpec()
+    seed: int = Field(0, ge=0)
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    data: DataSpec = DataSpec()
+    log_interval: PositiveInt = 1
+    """Log (and export) metrics every this many steps."""
+    timeout_seconds: int = Field(600, ge=5)
+    """How long a collective waits for its peers: a dead or hung rank ends the job with an
+    error within this time, never a hang."""
+
+
+# --------------------------------------------------------------------------------------------
+# parallelism
+# --------------------------------------------------------------------------------------------
+class ParallelSpec(_Strict):
+    """The parallel layout. TP x PP x CP x EP x DP = nodes x gpus_per_node. Rank order (innermost
+    first): TP, CP, EP, DP, PP, so a CP group is consecutive ranks, inside a node where it fits."""
+
+    tp: PositiveInt = 1
+    """Tensor parallel degree."""
+    pp: PositiveInt = 1
+    """Pipeline parallel degree."""
+    virtual_stages: PositiveInt = 1
+    """Pipeline stages per PP rank: above 1 the trainer runs interleaved 1F1B over pp x
+    virtual_stages stages (rank r holds stages r, r + pp, ...), shrinking the bubble."""
+    stage_layers: list[PositiveInt] | None = None
+    """Optional: blocks per pipeline stage, first to last (pp x virtual_stages entries summing
+    to model.layers). Default: balanced, counting the embedding and the loss head as one layer
+    each on the end stages (see ctxlaunch.contract.stages)."""
+    cp: PositiveInt = 1
+    """Context parallel degree: the sequence is split across this many ranks."""
+    ep: PositiveInt = 1
+    """Expert parallel degree (needs a mixture-of-experts model; ctxlaunch models are dense)."""
+    dp: PositiveInt | None = None
+    """Data parallel degree; derived from the GPU count when not given."""
+    cp_algorithm: Literal["ring", "ulysses", "hybrid"] = "ring"
+    """ring: K/V blocks travel around the CP ranks; ulysses: all-to-all to head-sharded
+    attention (degree <= kv_heads); hybrid: Ulysses inside each group of ulysses_degree ranks x
+    ring across the groups."""
+    ulysses_degree: PositiveInt | None = None
+    """Hybrid only: the Ulysses (inner) degree; ring degree = cp / ulysses_degree."""
+    ring_degree: PositiveInt | None = None
+    """Hybrid only, optional: the ring (outer) degree; must equal cp / ulysses_degree."""
+    layout: Literal["zigzag", "contiguous"] = "zigzag"
+    """How the sequence is split across CP ranks: zigzag (rank i holds chunks i and 2N-1-i of
+    2N, balancing causal work; needs seq_len % 2N == 0) or contiguous (seq_len % N == 0)."""
+
+
+# --------------------------------------------------------------------------------------------
+# cluster
+# --------------------------------------------------------------------------------------------
+class SlurmSpec(_Strict):
+    """sbatch settings."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_limit: str = "04:00:00"
+    """Slurm time format: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS."""
+    exclusive: bool = True
+    """Whole nodes: long-context jobs want every GPU, NIC and CPU of a node."""
+    requeue: bool = True
+    """Requeue on preemption or node failure (the trainer resumes from its checkpoint)."""
+    max_restarts: int = Field(3, ge=0)
+    """Give up after this many requeues."""
+    signal_seconds: int = Field(120, ge=0)
+    """Ask Slurm for SIGUSR1 this many seconds before the time limit, to checkpoint; 0 = none."""
+    cpus_per_task: PositiveInt | None = None
+    """CPU cores per rank; default: Slurm's."""
+    mem: str | None = None
+    """Host memory per node (sbatch --mem), e.g. 0 for all of it or 512G."""
+    log_dir: str = "."
+    """Where sbatch writes the job's output (`<name>-<jobid>.out`), relative to the submit
+    directory; it must exist when the job starts (sbatch does not create it)."""
+
+    @field_validator("partition", "account", "qos")
+    @classmethod
+    def _slurm_name(cls, value: str | None) -> str | None:
+        if value is not None and not SLURM_NAME.match(value):
+            raise ValueError(
+                f"{value!r} is not a Slurm name: use letters, digits, '_', '.', '-' only")
+        return value
+
+    @field_validator("time_limit")
+    @classmethod
+    def _slurm_time(cls, value: str) -> str:
+        if not SLURM_TIME.match(value):
+            raise ValueError(
+                f"{value!r} is not a Slurm time: use MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
+                "D-HH:MM:SS")
+        return value
+
+    @field_validator("mem")
+    @classmethod
+    def _slurm_mem(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^\d+[KMGT]?$", value):
+            raise ValueError(f"{value!r} is not a Slurm memory size: e.g. 0, 512G, 480000M")
+        return value
+
+    @field_validator("log_dir")
+    @classmethod
+    def _log_dir(cls, value: str) -> str:
+        if not re.match(r"^[A-Za-z0-9_./\-]+$", value):
+            raise ValueError(f"{value!r}: use letters, digits, '_', '.', '-', '/' only")
+        return value
+
+
+class Toleration(_Strict):
+    """A Kubernetes toleration."""
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+
+
+class KubernetesSpec(_Strict):
+    """PyTorchJob settings (Kubeflow training-operator, kubeflow.org/v1)."""
+
+    namespace: str = "default"
+    image: str | None = None
+    """Container image with ctxlaunch installed (required for target: kubernetes)."""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    service_account: str | None = None
+    node_selector: dict[str, str] = {}
+    tolerations: list[Toleration] = []
+    image_pull_secrets: list[str] = []
+    """Names of Secrets for pulling the image."""
+    host_network: bool = False
+    """Run pods on the host network (RDMA without a CNI); sets dnsPolicy ClusterFirstWithHostNet."""
+    shm_size: str = "64Gi"
+    """Size limit of the memory-backed /dev/shm (the default 64 MiB breaks NCCL and dataloaders)."""
+    rdma_resource: str | None = None
+    """RDMA device-plugin resource name, e.g. rdma/ib; default: rdma/ib on InfiniBand/RoCE."""
+    rdma_per_node: PositiveInt | None = None
+    """RDMA resource count per pod; default: one per GPU."""
+    cpu: str | None = None
+    """CPU request/limit per pod (Kubernetes quantity)."""
+    memory: str | None = None
+    """Memory request/limit per pod (Kubernetes quantity)."""
+    backoff_limit: int = Field(3, ge=0)
+    active_deadline_seconds: PositiveInt | None = None
+    ttl_seconds_after_finished: int | None = Field(None, ge=0)
+    clean_pod_policy: Literal["None", "Running", "All"] = "None"
+    priority_class: str | None = None
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        if len(value) > 63 or not RFC1123_LABEL.match(value):
+            raise ValueError(
+                f"{value!r} is not a valid namespace: an RFC 1123 label (lowercase letters, "
+                "digits and '-', starting and ending with a letter or digit, at most 63)")
+        return value
+
+    @field_validator("service_account", "priority_class")
+    @classmethod
+    def _subdomain(cls, value: str | None) -> str | None:
+        if value is not None and (len(value) > 253 or not RFC1123_SUBDOMAIN.match(value)):
+            raise ValueError(
+                f"{value!r} is not a valid name: an RFC 1123 subdomain (lowercase letters, "
+                "digits, '-' and '.')")
+        return value
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _secrets(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if len(name) > 253 or not RFC1123_SUBDOMAIN.match(name):
+                raise ValueError(f"{name!r} is not a valid Secret name (RFC 1123 subdomain)")
+        return value
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, value: str | None) -> str | None:
+        if value is not None and not IMAGE_REF.match(value):
+            raise ValueError(f"{value!r} is not an image reference")
+        return value
+
+    @field_validator("shm_size", "cpu", "memory")
+    @classmethod
+    def _quantity(cls, value: str | None) -> str | None:
+        if value is not None and not K8S_QUANTITY.match(value):
+            raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 64Gi, 96, 1500Mi)")
+        return value
+
+    @field_validator("rdma_resource")
+    @classmethod
+    def _resource(cls, value: str | None) -> str | None:
+        if value is not None and not LABEL_KEY.match(value):
+            raise ValueError(f"{value!r} is not a resource name (e.g. rdma/ib)")
+        return value
+
+    @field_validator("node_selector")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, label in value.items():
+            if not LABEL_KEY.match(key) or not LABEL_VALUE.match(label) or len(label) > 63:
+                raise ValueError(f"{key!r}: {label!r} is not a valid label selector pair")
+        return value
+
+
+class ClusterSpec(_Strict):
+    """Where the job runs and on what."""
+
+    target: Literal["local", "slurm", "kubernetes"] = "local"
+    """local: this machine (torchrun); slurm: sbatch via submitit; kubernetes: a PyTorchJob."""
+    nodes: PositiveInt = 1
+    gpus_per_node: PositiveInt = 1
+    """GPUs per node, one rank each (for gpu: cpu, the number of CPU processes)."""
+    gpu: GpuType = "H100"
+    """GPU type; its memory and peak FLOP/s come from ctxlaunch.contract.hardware.GPUS."""
+    slurm: SlurmSpec = SlurmSpec()
+    kubernetes: KubernetesSpec = KubernetesSpec()
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def gpu_info(self) -> GpuInfo:
+        return gpu_info(self.gpu)
+
+
+# --------------------------------------------------------------------------------------------
+# fabric
+# --------------------------------------------------------------------------------------------
+class FabricSpec(_Strict):
+    """The interconnect, and the NCCL environment it needs."""
+
+    nvlink_domain: PositiveInt | None = None
+    """GPUs per NVLink/NVSwitch domain; default from the GPU type (8, or 1 for PCIe-only)."""
+    network: NetworkType = "infiniband-ndr"
+    """Inter-node network; picks the NCCL defaults (see ctxlaunch.contract.hardware.FABRIC_NCCL_ENV)."""
+    hcas: list[str] = []
+    """HCA names for NCCL_IB_HCA, matched exactly (rendered with a leading '=')."""
+    socket_ifname: str | None = None
+    """NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME for bootstrap (e.g. eth0, or ^lo,docker)."""
+    gid_index: int | None = Field(None, ge=0)
+    """NCCL_IB_GID_INDEX; default 3 on RoCE (RoCE v2)."""
+    gdr_level: str | None = None
+    """NCCL_NET_GDR_LEVEL (LOC, PIX, PXB, PHB, SYS)."""
+    topo_file: str | None = None
+    """NCCL_TOPO_FILE: a topology XML (cloud VMs)."""
+    nccl: dict[str, str] = {}
+    """Per-job NCCL/torch variables, overriding the fabric defaults key by key."""
+    env: dict[str, str] = {}
+    """Any other environment for the trainer (overrides everything else)."""
+
+    @field_validator("hcas")
+    @classmethod
+    def _hcas(cls, value: list[str]) -> list[str]:
+        for hca in value:
+            if not re.match(r"^[A-Za-z0-9_]+(:\d+)?$", hca):
+                raise ValueError(f"{hca!r} is not an HCA name (e.g. mlx5_0 or mlx5_0:1)")
+        return value
+
+    @field_validator("gdr_level")
+    @classmethod
+    def _gdr(cls, value: str | None) -> str | None:
+        if value is not None and value not in {"LOC", "PIX", "PXB", "PHB", "SYS"} \
+                and not value.isdigit():
+            raise ValueError(f"{value!r}: use LOC, PIX, PXB, PHB, SYS or a number")
+        return value
+
+    @field_validator("nccl", "env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, setting in value.items():
+            if not ENV_NAME.match(name):
+                raise ValueError(f"{name!r} is not an environment variable name")
+            if "\x00" in setting:
+                raise ValueError(f"{name}: the value contains a NUL byte")
+        return value
+
+
+# --------------------------------------------------------------------------------------------
+# telemetry
+# --------------------------------------------------------------------------------------------
+class TelemetrySpec(_Strict):
+    """Prometheus export from every rank."""
+
+    prometheus: Literal["off", "scrape", "push"] = "off"
+    """scrape: each rank serves /metrics on port + local rank; push: ranks push to a
+    Pushgateway (batch jobs, Slurm)."""
+    port: int = Field(9400, ge=1024, le=65535)
+    """First scrape port (rank r on a node uses port + local rank)."""
+    pushgateway_url: str | None = None
+    """e.g. http://pushgateway.monitoring:9091 (push mode)."""
+    push_interval_seconds: float = Field(15.0, gt=0)
+
+    @field_validator("pushgateway_url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^https?://[A-Za-z0-9._\-\[\]:]+(/[\w./\-]*)?$",
+                                              value):
+            raise ValueError(f"{value!r} is not an http(s) URL")
+        return value
+
+    @model_validator(mode="after")
+    def _push_needs_url(self) -> TelemetrySpec:
+        if self.prometheus == "push" and not self.pushgateway_url:
+            raise ValidationError.from_exception_data("TelemetrySpec", [_problem(
+                ("pushgateway_url",), None,
+                "telemetry.prometheus = push needs telemetry.pushgateway_url")])
+        return self
+
+
+# --------------------------------------------------------------------------------------------
+# the job
+# --------------------------------------------------------------------------------------------
+class JobSpec(_Strict):
+    """A long-context training job: model, training, parallel layout, cluster, fabric,
+    telemetry."""
+
+    name: str
+    """Job name: an RFC 1123 label of at most 48 characters (it names pods and Slurm jobs)."""
+    model: ModelSpec
+    training: TrainingSpec
+    parallel: ParallelSpec = ParallelSpec()
+    cluster: ClusterSpec = ClusterSpec()
+    fabric: FabricSpec = FabricSpec()
+    telemetry: TelemetrySpec = TelemetrySpec()
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if len(value) > MAX_JOB_NAME or not RFC1123_LABEL.match(value):
+            raise ValueError(
+                f"{value!r} is not a valid job name: lowercase letters, digits and '-', "
+                f"starting and ending with a letter or digit, at most {MAX_JOB_NAME} "
+                "characters (it names Slurm jobs and Kubernetes pods)")
+        return value
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> JobSpec:
+        problems = layout_problems(self)
+        if problems:
+            raise ValidationError.from_exception_data("JobSpec", problems)
+        return self
+
+    # Derived quantities used everywhere; computed, never stored.
+    @property
+    def dp(self) -> int:
+        p = self.parallel
+        return p.dp if p.dp is not None else self.cluster.world_size // (p.tp * p.pp * p.cp * p.ep)
+
+    @property
+    def ulysses_degree(self) -> int:
+        """Ulysses (inner) degree of the CP group: cp for ulysses, 1 for ring."""
+        p = self.parallel
+        if p.cp_algorithm == "ulysses":
+            return p.cp
+        if p.cp_algorithm == "hybrid":
+            return p.ulysses_degree or 1
+        return 1
+
+    @property
+    def ring_degree(self) -> int:
+        """Ring (outer) degree of the CP group."""
+        return self.parallel.cp // self.ulysses_degree
+
+    @property
+    def grad_accum(self) -> int:
+        t = self.training
+        if t.grad_accum is not None:
+            return t.grad_accum
+        if t.global_batch is not None:
+            return t.global_batch // (t.micro_batch * self.dp)
+        return 1
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.training.micro_batch * self.grad_accum * self.dp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.training.seq_len
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        """Blocks per pipeline stage (pp x virtual_stages entries), given or balanced."""
+        p = self.parallel
+        if p.stage_layers is not None:
+            return tuple(p.stage_layers)
+        return balanced_stage_layers(self.model.layers, p.pp * p.virtual_stages)
+
+    @property
+    def nvlink_domain(self) -> int:
+        return self.fabric.nvlink_domain or self.cluster.gpu_info.nvlink_domain
+
+    def warnings(self) -> list[str]:
+        """Legal but poor choices, worth a second look (not errors)."""
+        return layout_warnings(self)
+
+
+def json_schema() -> dict[str, Any]:
+    """The spec's JSON Schema, for editors. A model is a preset name, a preset with
+    overrides, or a full shape, so the shape fields are required only without a preset."""
+    schema = JobSpec.model_json_schema()
+    model = schema["$defs"]["ModelSpec"]
+    shape = model.pop("required", [])
+    presets = sorted(MODEL_PRESETS)
+    model["properties"]["preset"] = {
+        "anyOf": [{"enum": presets}, {"type": "null"}], "default": None,
+        "description": model["properties"]["preset"].get("description", "")}
+    model["anyOf"] = [{"required": ["preset"]}, {"required": shape}]
+    schema["properties"]["model"] = {"anyOf": [{"enum": presets},
+                                               {"$ref": "#/$defs/ModelSpec"}]}
+    return schema
+
+
+def layout_problems(spec: JobSpec) -> list[InitErrorDetails]:
+    """Every rule that ties the layout to the model and the cluster; all broken ones at once."""
+    m, t, p, c = spec.model, spec.training, spec.parallel, spec.cluster
+    out: list[InitErrorDetails] = []
+    world = c.world_size
+    non_dp = p.tp * p.pp * p.cp * p.ep
+    composition_ok = (world % non_dp == 0) if p.dp is None else (non_dp * p.dp == world)
+
+    # Composition: TP x PP x CP x EP x DP = nodes x gpus_per_node.
+    if p.dp is None:
+        if world % non_dp:
+            out.append(_problem(("parallel",), {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep},
+                f"tp x pp x cp x ep = {non_dp} must divide the GPU count nodes x gpus_per_node "
+                f"= {c.nodes} x {c.gpus_per_node} = {world} (dp is derived as the quotient); "
+                "fix: change a degree or the node count"))
+    elif non_dp * p.dp != world:
+        out.append(_problem(("parallel", "dp"), p.dp,
+            f"tp x pp x cp x ep x dp = {p.tp} x {p.pp} x {p.cp} x {p.ep} x {p.dp} = "
+            f"{non_dp * p.dp}, but nodes x gpus_per_node = {world}; fix: make them equal, or "
+            "omit dp to derive it"))
+
+    if m.heads % p.tp:
+        out.append(_problem(("parallel", "tp"), p.tp,
+            f"model.heads = {m.heads} must be divisible by tp = {p.tp}"))
+    if m.kv_heads % p.tp:
+        out.append(_problem(("parallel", "tp"), p.tp,
+            f"model.kv_heads = {m.kv_heads} must be divisible by tp = {p.tp} (each TP rank "
+            "needs whole K/V heads)"))
+    out.extend(pipeline_problems(m, p, spec.grad_accum if composition_ok else None))
+    out.extend(tensor_parallel_problems(m, p, t.seq_len))
+    if p.ep > 1:
+        out.append(_problem(("parallel", "ep"), p.ep,
+            "ep > 1 needs a mixture-of-experts model; ctxlaunch models are dense; fix: ep: 1"))
+
+    out.extend(cp_problems(m, p, t.seq_len))
+
+    # Batch arithmetic.
+    dp = spec.dp if composition_ok else None
+    if dp and t.global_batch is not None:
+        per_step = t.micro_batch * dp
+        if t.global_batch % per_step:
+            out.append(_problem(("training", "global_batch"), t.global_batch,
+                f"global_batch must be a multiple of micro_batch x dp = {t.micro_batch} x {dp} "
+                f"= {per_step}; fix: global_batch = {_round_up(t.global_batch, per_step)}"))
+        elif t.grad_accum is not None and t.grad_accum * per_step != t.global_batch:
+            out.append(_problem(("training", "grad_accum"), t.grad_accum,
+                f"grad_accum = {t.grad_accum} disagrees with global_batch / (micro_batch x dp) "
+                f"= {t.global_batch // per_step}; fix: give only one of them"))
+
+    if t.data.source == "text" and m.vocab < 256:
+        out.append(_problem(("model", "vocab"), m.vocab,
+            "byte-level text data needs vocab >= 256"))
+
+    # Targets.
+    if c.target == "local" and c.nodes != 1:
+        out.append(_problem(("cluster", "nodes"), c.nodes,
+            "target local runs on this machine: nodes must be 1"))
+    if c.target == "kubernetes" and not c.kubernetes.image:
+        out.append(_problem(("cluster", "kubernetes", "image"), None,
+            "target kubernetes needs an image with ctxlaunch installed"))
+    return out
+
+
+def pipeline_problems(m: ModelSpec, p: ParallelSpec,
+                      grad_accum: int | None) -> list[InitErrorDetails]:
+    """Stages: at least one block each, an explicit split that adds up, and enough
+    micro-batches to fill the schedule."""
+    out: list[InitErrorDetails] = []
+    stages = p.pp * p.virtual_stages
+    if p.virtual_stages > 1 and p.pp == 1:
+        out.append(_problem(("parallel", "virtual_stages"), p.virtual_stages,
+            "virtual_stages > 1 interleaves pipeline stages and needs pp > 1; fix: "
+            "virtual_stages: 1"))
+    if p.stage_layers is not None:
+        if len(p.stage_layers) != stages:
+            out.append(_problem(("parallel", "stage_layers"), p.stage_layers,
+                f"stage_layers has {len(p.stage_layers)} entries but there are pp x "
+                f"virtual_stages = {p.pp} x {p.virtual_stages} = {stages} stages; fix: one "
+                "entry per stage, or omit it for a balanced split"))
+        elif sum(p.stage_layers) != m.layers:
+            out.append(_problem(("parallel", "stage_layers"), p.stage_layers,
+                f"stage_layers sum to {sum(p.stage_layers)} but model.layers = {m.layers}; "
+                "fix: make them add up, or omit stage_layers for a balanced split"))
+    elif m.layers < stages:
+        out.append(_problem(("parallel", "pp"), p.pp,
+            f"model.layers = {m.layers} cannot fill pp x virtual_stages = {stages} stages "
+            "with at least one block each; fix: fewer stages"))
+    if p.pp > 1 and m.tie_embeddings:
+        out.append(_problem(("model", "tie_embeddings"), True,
+            "tied embeddings put one weight on the first and the last pipeline stage; the "
+            "trainer does not synchronise it across stages; fix: tie_embeddings: false or pp: 1"))
+    if p.pp > 1 and grad_accum is not None and 0 < grad_accum < p.pp:
+        out.append(_problem(("training", "grad_accum"), grad_accum,
+            f"the pipeline runs the step's {grad_accum} micro-batches (grad_accum) through "
+            f"pp = {p.pp} stages; 1F1B needs at least one per stage; fix: grad_accum (or "
+            f"global_batch / (micro_batch x dp)) >= {p.pp}"))
+    elif p.virtual_stages > 1 and grad_accum is not None and grad_accum % p.pp:
+        out.append(_problem(("training", "grad_accum"), grad_accum,
+            f"interleaved 1F1B runs the step's {grad_accum} micro-batches (grad_accum) in "
+            f"rounds of pp = {p.pp}; fix: grad_accum (or global_batch) a multiple of {p.pp}"))
+    return out
+
+
+def tensor_parallel_problems(m: ModelSpec, p: ParallelSpec,
+                             seq_len: int) -> list[InitErrorDetails]:
+    """TP splits heads, the SwiGLU width and the vocabulary; sequence parallelism splits each
+    CP rank's tokens."""
+    out: list[InitErrorDetails] = []
+    if p.tp == 1:
+        return out
+    if m.ffn_hidden % p.tp:
+        out.append(_problem(("parallel", "tp"), p.tp,
+            f"model.ffn_hidden = {m.ffn_hidden} must be divisible by tp = {p.tp} (the SwiGLU "
+            "width is split over the TP ranks)"))
+    if m.vocab % p.tp:
+        out.append(_problem(("parallel", "tp"), p.tp,
+            f"model.vocab = {m.vocab} must be divisible by tp = {p.tp} (the embedding and the "
+            "output head are split by vocabulary)"))
+    if seq_len % (p.cp * p.tp):
+        out.append(_problem(("training", "seq_len"), seq_len,
+            f"sequence parallelism splits each CP rank's seq_len / cp tokens over tp = {p.tp} "
+            f"ranks: seq_len must be divisible by cp x tp = {p.cp * p.tp}; fix: seq_len = "
+            f"{_round_up(seq_len, p.cp * p.tp)}"))
+    return out
+
+
+def cp_problems(m: ModelSpec, p: ParallelSpec, seq_len: int) -> list[InitErrorDetails]:
+    """The rules a CP degree, algorithm and layout must meet for this model and sequence."""
+    out: list[InitErrorDetails] = []
+    # Sequence divisibility, caught here instead of at run time. Hybrid and Ulysses shard the
+    # same way as the ring: a CP layout means the same token placement whatever the algorithm.
+    if p.cp > 1:
+        if p.layout == "zigzag" and seq_len % (2 * p.cp):
+            out.append(_problem(("training", "seq_len"), seq_len,
+                f"layout zigzag with cp = {p.cp} needs seq_len divisible by 2 x cp = "
+                f"{2 * p.cp} (each rank holds chunks i and 2N-1-i of 2N); fix: seq_len = "
+                f"{_round_up(seq_len, 2 * p.cp)}"))
+        if p.layout == "contiguous" and seq_len % p.cp:
+            out.append(_problem(("training", "seq_len"), seq_len,
+                f"layout contiguous with cp = {p.cp} needs seq_len divisible by cp; fix: "
+                f"seq_len = {_round_up(seq_len, p.cp)}"))
+    heads_per_tp, kv_per_tp = m.heads // p.tp or 1, m.kv_heads // p.tp or 1
+    if p.cp_algorithm != "hybrid" and (p.ulysses_degree is not None or p.ring_degree is not None):
+        field = "ulysses_degree" if p.ulysses_degree is not None else "ring_degree"
+        out.append(_problem(("parallel", field), getattr(p, field),
+            f"{field} applies to cp_algorithm hybrid only (this spec uses {p.cp_algorithm}); "
+            "fix: remove it, or use cp_algorithm: hybrid"))
+    if p.cp_algorithm == "ulysses":
+        out.extend(_ulysses_problems(("parallel", "cp"), p.cp, heads_per_tp, kv_per_tp, p.cp,
+                                     hybrid=False))
+    elif p.cp_algorithm == "hybrid":
+        if p.ulysses_degree is None:
+            out.append(_problem(("parallel", "ulysses_degree"), None,
+                "cp_algorithm hybrid needs ulysses_degree (the inner, all-to-all degree); "
+                f"the ring degree is cp / ulysses_degree; e.g. ulysses_degree: "
+                f"{_largest_common_divisor_at_most((p.cp, heads_per_tp, kv_per_tp), p.cp)}"))
+        else:
+            u = p.ulysses_degree
+            if p.cp % u:
+                out.append(_problem(("parallel", "ulysses_degree"), u,
+                    f"hybrid degrees multiply to cp: ulysses_degree = {u} must divide cp = "
+                    f"{p.cp}"))
+            elif p.ring_degree is not None and p.ring_degree * u != p.cp:
+                out.append(_problem(("parallel", "ring_degree"), p.ring_degree,
+                    f"hybrid degrees multiply to cp: ulysses_degree x ring_degree = {u} x "
+                    f"{p.ring_degree} = {u * p.ring_degree}, but cp = {p.cp}"))
+            out.extend(_ulysses_problems(("parallel", "ulysses_degree"), u, heads_per_tp,
+                                         kv_per_tp, p.cp, hybrid=True))
+    return out
+
+
+def _ulysses_problems(loc: tuple[str, ...], degree: int, heads: int, kv_heads: int,
+                      cp: int, *, hybrid: bool) -> list[InitErrorDetails]:
+    out = []
+    best = _largest_common_divisor_at_most((cp, heads, kv_heads), kv_heads)
+    if hybrid:
+        fix = f"ulysses_degree: {best} (ring degree {cp // best})"
+    elif best > 1:
+        fix = (f"use cp_algorithm: hybrid with ulysses_degree: {best} (ring degree "
+               f"{cp // best}), so Ulysses stays within the K/V heads and a ring covers the rest")
+    else:
+        fix = "use cp_algorithm: ring"
+    if heads % degree:
+        out.append(_problem(loc, degree,
+            f"the Ulysses degree {degree} must divide the query heads per TP rank ({heads}): "
+            f"the all-to-all hands each rank whole heads; fix: {fix}"))
+    if degree > kv_heads or kv_heads % degree:
+        out.append(_problem(loc, degree,
+            f"the Ulysses degree {degree} "
+            + (f"exceeds the K/V heads per TP rank ({kv_heads})" if degree > kv_heads
+               else f"does not divide the K/V heads per TP rank ({kv_heads})")
+            + f": each rank must receive whole K/V heads; fix: {fix}"))
+    return out
+
+
+def layout_warnings(spec: JobSpec) -> list[str]:
+    p, c = spec.parallel, spec.cluster
+    gpu = c.gpu_info
+    out = []
+    cp_span = p.tp * p.cp  # consecutive ranks one CP group (with its TP ranks) covers
+    if p.cp > 1 and c.gpu != "cpu" and not gpu.nvlink:
+        out.append(
+            f"parallel.cp = {p.cp} on {c.gpu}, a PCIe-only GPU: every K/V transfer crosses the "
+            "PCIe bus (and the network beyond a node); expect CP to be communication-bound. "
+            "Prefer fewer, larger-memory GPUs per CP group, or Ulysses to send less.")
+    elif p.cp > 1 and c.gpu != "cpu" and cp_span > spec.nvlink_domain:
+        out.append(
+            f"the CP group (tp x cp = {cp_span} ranks) spans beyond the NVLink domain "
+            f"({spec.nvlink_domain} GPUs): K/V traffic crosses the inter-node network.")
+    if (p.cp > 1 and p.cp_algorithm == "ring" and cp_span > c.gpus_per_node and c.nodes > 1):
+        kv_per_tp = max(spec.model.kv_heads // p.tp, 1)
+        heads_per_tp = max(spec.model.heads // p.tp, 1)
+        inner = _largest_common_divisor_at_most((p.cp, heads_per_tp, kv_per_tp),
+                                                c.gpus_per_node // p.tp)
+        if inner > 1:
+            out.append(
+                f"the ring CP group ({p.cp} ranks) is wider than a node ({c.gpus_per_node} "
+                f"GPUs) while Ulysses would fit in one: consider cp_algorithm: hybrid with "
+                f"ulysses_degree: {inner} (all-to-all inside the node, ring of "
+                f"{p.cp // inner} across nodes).")
+    if p.layout == "contiguous" and p.cp > 1:
+        out.append(
+            "layout contiguous with causal attention leaves CP ranks unbalanced (rank N-1 does "
+            "N times rank 0's work); zigzag balances it.")
+    return out
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _largest_common_divisor_at_most(values: tuple[int, ...], limit: int) -> int:
+    """The largest d <= limit dividing every value (at least 1)."""
+    for d in range(max(min(limit, *values), 1), 0, -1):
+        if all(v % d == 0 for v in values):
+            return d
+    return 1

@@ -1,0 +1,614 @@
+"""Kubernetes: submit the rendered ConfigMap and PyTorchJob (and the PodMonitor where the
+Prometheus Operator runs) with server-side apply, then watch, read, cancel and wait through the
+API server, with the official `kubernetes` client.
+
+The objects are parsed from the very text `ctxlaunch render --target kubernetes` writes (one
+code path, render.render_files), applied with field manager `ctxlaunch`. Before anything is
+created the server is asked everything that could make the submission fail half-way (reachable
+and accepting the credentials, PyTorchJob CRD installed, namespace there, RBAC allows the
+create, no job of that name), each with a one-line error; if an object is refused all the same,
+the ones created before it are deleted again, so no ConfigMap is orphaned.
+
+States come from the PyTorchJob's conditions, which the training operator keeps (one condition
+per type; Succeeded or Failed end it), refined by the pods' container statuses: an OOMKilled
+container or a trainer that exited with the OOM status is OOM, a trainer that refused its set-up
+is BAD_INPUT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract.fsutil import atomic_write_text
+from ctxlaunch.contract.spec import JobSpec
+from ctxlaunch.launch import jobstore
+from ctxlaunch.launch.backends.base import DryRun, Status, describe_layout
+from ctxlaunch.launch.plan import kubernetes_plan
+from ctxlaunch.launch.render import artifact_name, render_files
+
+FIELD_MANAGER = "ctxlaunch"
+OPERATOR_INSTALL = ("kubectl apply --server-side -k \"github.com/kubeflow/training-operator.git/"
+                    "manifests/overlays/standalone?ref=v1.9.0\"")
+# The training operator's pod labels (kubeflow.org/v1 common_types.go).
+JOB_NAME_LABEL = "training.kubeflow.org/job-name"
+REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
+REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
+CONTAINER = "pytorch"
+
+RESOURCES: dict[str, tuple[str, str]] = {
+    "PyTorchJob": ("/apis/kubeflow.org/v1", "pytorchjobs"),
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "PodMonitor": ("/apis/monitoring.coreos.com/v1", "podmonitors"),
+}
+"""kind -> (API group/version path, resource): every kind ctxlaunch creates (the pre-flight
+permission checks ask in this order)."""
+
+CONDITION_STATES: list[tuple[str, str]] = [
+    ("Succeeded", "COMPLETED"), ("Failed", "FAILED"), ("Suspended", "SUSPENDED"),
+    ("Restarting", "PENDING"), ("Running", "RUNNING"), ("Created", "PENDING"),
+]
+"""A PyTorchJob's conditions -> ctxlaunch's states, the first true one (in this order) wins:
+the operator keeps the older conditions (Created stays true while Running) and sets Running
+false only when the job ends. Restarting is a pod being replaced, like Slurm's REQUEUED."""
+
+
+class KubeError(RuntimeError):
+    """The API server refused or failed a request, or cannot be reached; one line."""
+
+
+class ApiError(KubeError):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+# --------------------------------------------------------------------------------------------
+# the connection
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Connection:
+    """An API client for the user's kubeconfig (KUBECONFIG or ~/.kube/config, its current
+    context or `context`), else the pod's service account when run inside a cluster."""
+
+    api: Any
+    host: str
+    context: str | None
+    kubeconfig: str | None
+
+    @classmethod
+    def open(cls, context: str | None = None, kubeconfig: str | None = None) -> Connection:
+        from kubernetes import client, config
+        from kubernetes.config.config_exception import ConfigException
+
+        kubeconfig = kubeconfig or os.environ.get("KUBECONFIG") or None
+        default = os.path.expanduser("~/.kube/config")
+        try:
+            if kubeconfig is None and not os.path.exists(default) \
+                    and os.environ.get("KUBERNETES_SERVICE_HOST"):
+                configuration = client.Configuration()
+                config.load_incluster_config(client_configuration=configuration)
+                context = "in-cluster"
+            else:
+                configuration = client.Configuration()
+                config.load_kube_config(config_file=kubeconfig or default, context=context,
+                                        client_configuration=configuration)
+                # Record the context by name, so that later status calls reach this server
+                # even after the kubeconfig's current context changed.
+                context = context or config.list_kube_config_contexts(
+                    kubeconfig or default)[1]["name"]
+        except (ConfigException, OSError, ValueError) as exc:
+            where = kubeconfig or default
+            raise KubeError(f"no usable Kubernetes credentials in {where}"
+                            f"{f' (context {context})' if context else ''}: {exc}") from None
+        configuration.retries = 0  # a refused connection is an answer: fail at once
+        return cls(client.ApiClient(configuration), configuration.host, context, kubeconfig)
+
+    @classmethod
+    def for_record(cls, record: jobstore.JobRecord) -> Connection:
+        """The same server and user the job was submitted with."""
+        extra = record.extra
+        if extra.get("context") == "in-cluster":
+            return cls.open()
+        return cls.open(extra.get("context"), extra.get("kubeconfig"))
+
+    def request(self, method: str, path: str, body: Any = None,
+                query: list[tuple[str, str]] | None = None, content_type: str | None = None,
+                timeout: float | None = 15.0, raw: bool = False) -> tuple[int, Any]:
+        """(HTTP status, decoded JSON body) of one request, or with `raw` the unread urllib3
+        response (a log to stream or decode); ApiError for an HTTP error, KubeError when the
+        server cannot be reached."""
+        from urllib3.exceptions import HTTPError
+
+        headers = {"Accept": "application/json"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        try:
+            method, url, headers, body, post = self.api.param_serialize(
+                method, path, query_params=query or [], header_params=headers, body=body,
+                auth_settings=["BearerToken"])
+            response = self.api.call_api(method, url, header_params=headers, body=body,
+                                         post_params=post, _request_timeout=timeout)
+            if raw and response.status < 400:
+                return response.status, response.response
+            data = response.read()
+        except (HTTPError, OSError) as exc:
+            reason = _connection_reason(exc)
+            if "CERTIFICATE_VERIFY_FAILED" in reason:
+                raise KubeError(f"the Kubernetes API server {self.host} presents a certificate "
+                                f"the kubeconfig's certificate-authority does not vouch for "
+                                f"({reason})") from None
+            raise KubeError(f"cannot reach the Kubernetes API server {self.host}: "
+                            f"{reason}") from None
+        if response.status >= 400:
+            raise ApiError(response.status, _api_message(response.status, response.reason,
+                                                         data))
+        return response.status, json.loads(data) if data else None
+
+    def get(self, path: str, **query: str) -> Any | None:
+        """The object at `path`, or None when it does not exist (404)."""
+        try:
+            return self.request("GET", path, query=list(query.items()))[1]
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def delete(self, path: str, propagation: str = "Background") -> bool:
+        """Delete the object at `path`; False when it was not there."""
+        try:
+            self.request("DELETE", path, body={"propagationPolicy": propagation},
+                         content_type="application/json")
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+
+def _api_message(status: int, reason: str, data: bytes) -> str:
+    """The server's own message (a Status object's), else the HTTP status line."""
+    try:
+        return str(json.loads(data).get("message") or f"{status} {reason}")
+    except (TypeError, ValueError, AttributeError):
+        return f"{status} {reason}"
+
+
+def _connection_reason(exc: Exception) -> str:
+    reason = getattr(exc, "reason", None) or exc
+    text = str(reason)
+    if "Connection refused" in text:
+        return "connection refused (is the server running?)"
+    return text.split(": ", 1)[-1] if "object at 0x" in text else text
+
+
+def object_path(kind: str, namespace: str, name: str | None = None) -> str:
+    prefix, resource = RESOURCES[kind]
+    path = f"{prefix}/namespaces/{namespace}/{resource}"
+    return f"{path}/{name}" if name else path
+
+
+def job_path(namespace: str, name: str) -> str:
+    return object_path("PyTorchJob", namespace, name)
+
+
+# --------------------------------------------------------------------------------------------
+# the objects and the pre-flight checks
+# --------------------------------------------------------------------------------------------
+def rendered(spec: JobSpec, sweep: str | None = None) -> dict[str, str]:
+    """The files `render --target kubernetes` writes for this spec (a sweep's points also carry
+    the sweep label)."""
+    return render_files(spec, "kubernetes", sweep=sweep)
+
+
+def objects_of(files: dict[str, str]) -> list[dict[str, Any]]:
+    """The objects in the rendered files, in file order (ConfigMap, PyTorchJob, PodMonitor)."""
+    import yaml
+
+    return [doc for text in files.values() for doc in yaml.safe_load_all(text) if doc]
+
+
+def has_resource(conn: Connection, group_version: str, resource: str) -> bool:
+    """Whether the server serves `resource` in `group_version` (API discovery)."""
+    found = conn.get(f"/apis/{group_version}")
+    return bool(found) and any(r.get("name") == resource for r in found.get("resources", []))
+
+
+def allowed(conn: Connection, namespace: str, group: str, resource: str, verb: str
+            ) -> tuple[bool, str]:
+    """Ask the server whether this user may `verb` `resource` here (SelfSubjectAccessReview)."""
+    review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+              "spec": {"resourceAttributes": {"namespace": namespace, "verb": verb,
+                                              "group": group, "resource": resource}}}
+    _, answer = conn.request("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+                             body=review, content_type="application/json")
+    status = answer.get("status", {})
+    return bool(status.get("allowed")), status.get("reason", "")
+
+
+def preflight(conn: Connection, namespace: str, name: str, kinds: list[str]) -> bool:
+    """Check, before anything is created, what would make the submission fail; raises KubeError
+    with one line for the user. Returns whether the PodMonitor kind exists."""
+    try:
+        crd = has_resource(conn, "kubeflow.org/v1", "pytorchjobs")
+    except ApiError as exc:
+        if exc.status == 401:
+            raise KubeError(f"the Kubernetes API server {conn.host} rejected the credentials "
+                            f"(401 Unauthorized){_context_note(conn)}: check the token or "
+                            "certificate in your kubeconfig") from None
+        raise KubeError(f"the Kubernetes API server {conn.host} answered {exc.status}: {exc}"
+                        ) from None
+    if not crd:
+        raise KubeError(f"the API server {conn.host} has no PyTorchJob kind (kubeflow.org/v1): "
+                        "the Kubeflow training operator is not installed there; install it "
+                        f"with: {OPERATOR_INSTALL}")
+    try:
+        if conn.get(f"/api/v1/namespaces/{namespace}") is None:
+            raise KubeError(f"namespace {namespace!r} does not exist on {conn.host}: create it "
+                            f"(kubectl create namespace {namespace}) or set "
+                            "cluster.kubernetes.namespace")
+    except ApiError as exc:
+        if exc.status != 403:  # may not read namespaces: the create will tell
+            raise
+    for kind in kinds:
+        group, resource = _group_resource(kind)
+        ok, reason = allowed(conn, namespace, group, resource, "create")
+        if not ok:
+            raise KubeError(f"this user may not create {resource}{'.' + group if group else ''}"
+                            f" in namespace {namespace!r} (RBAC){_context_note(conn)}"
+                            + (f": {reason}" if reason else "")
+                            + "; ask the cluster admin for a Role that allows it")
+    if conn.get(job_path(namespace, name)) is not None:
+        raise KubeError(f"a PyTorchJob {namespace}/{name} already exists: cancel it "
+                        f"(ctxlaunch cancel {namespace}/{name}) or change the job's name")
+    return has_resource(conn, "monitoring.coreos.com/v1", "podmonitors")
+
+
+def _group_resource(kind: str) -> tuple[str, str]:
+    prefix, resource = RESOURCES[kind]
+    group = prefix.removeprefix("/apis/").rsplit("/", 1)[0] if prefix.startswith("/apis/") else ""
+    return group, resource
+
+
+def _context_note(conn: Connection) -> str:
+    return f" for context {conn.context}" if conn.context else ""
+
+
+def apply_objects(conn: Connection, objects: list[dict[str, Any]], dry_run: bool = False
+                  ) -> list[dict[str, Any]]:
+    """Server-side apply each object in order (field manager ctxlaunch). If one is refused,
+    the objects this call created before it are deleted again, and KubeError says so."""
+    query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
+    if dry_run:
+        query.append(("dryRun", "All"))
+    created: list[dict[str, Any]] = []
+    applied = []
+    for obj in objects:
+        meta = obj["metadata"]
+        path = object_path(obj["kind"], meta["namespace"], meta["name"])
+        try:
+            status, answer = conn.request("PATCH", path, body=obj, query=query,
+                                          content_type="application/apply-patch+yaml")
+        except KubeError as exc:
+            removed = [o for o in reversed(created) if _delete_quietly(conn, o)]
+            undone = ("; removed what was created before it: "
+                      + ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in removed)
+                      ) if removed else ""
+            raise KubeError(f"the API server refused {obj['kind']} {meta['namespace']}/"
+                            f"{meta['name']}: {exc}{undone}") from None
+        if status == 201 and not dry_run:
+            created.append(obj)
+        applied.append(answer)
+    return applied
+
+
+def _delete_quietly(conn: Connection, obj: dict[str, Any]) -> bool:
+    meta = obj["metadata"]
+    try:
+        return conn.delete(object_path(obj["kind"], meta["namespace"], meta["name"]))
+    except KubeError:
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# the backend
+# --------------------------------------------------------------------------------------------
+class KubernetesBackend:
+    name = "kubernetes"
+
+    def __init__(self, context: str | None = None, kubeconfig: str | None = None):
+        self.context = context
+        self.kubeconfig = kubeconfig
+
+    def dryrun(self, spec: JobSpec, sweep: str | None = None) -> DryRun:
+        files = rendered(spec, sweep)
+        main = artifact_name(spec, "kubernetes")
+        record_id = jobstore.new_id("k8s", spec.name)
+        others = {name: text for name, text in files.items() if name != main}
+        return DryRun(target="kubernetes", spec=spec,
+                      command=["kubectl", "apply", "--server-side",
+                               f"--field-manager={FIELD_MANAGER}", "-f", main],
+                      env={"CTXLAUNCH_JOB_ID": record_id}, artifact=files[main],
+                      artifact_name=main, extra_artifacts=others)
+
+    def _connect(self) -> Connection:
+        return Connection.open(self.context, self.kubeconfig)
+
+    def server_dryrun(self, dryrun: DryRun, err: IO[str] | None = None) -> int:
+        """Pre-flight checks, then every object applied with dryRun=All: the server validates
+        and admits them, and stores nothing."""
+        err = err or sys.stderr
+        conn = self._connect()
+        objects = self._checked_objects(conn, dryrun, err)
+        apply_objects(conn, objects, dry_run=True)
+        for obj in objects:
+            print(f"{obj['kind']} {obj['metadata']['namespace']}/{obj['metadata']['name']} "
+                  "accepted by the server (dry run: nothing created)", file=err)
+        return exitcodes.OK
+
+    def _checked_objects(self, conn: Connection, dryrun: DryRun, err: IO[str]
+                         ) -> list[dict[str, Any]]:
+        files = {dryrun.artifact_name or "": dryrun.artifact or "", **dryrun.extra_artifacts}
+        objects = objects_of(files)
+        plan = kubernetes_plan(dryrun.spec)
+        kinds = [k for k in RESOURCES if any(o["kind"] == k for o in objects)]
+        monitors = preflight(conn, plan.namespace, plan.name, kinds)
+        if not monitors and any(o["kind"] == "PodMonitor" for o in objects):
+            print("ctxlaunch: note: the cluster has no PodMonitor kind (no Prometheus "
+                  "Operator): submitting the job without it; its ranks still serve /metrics",
+                  file=err, flush=True)
+            objects = [o for o in objects if o["kind"] != "PodMonitor"]
+        return objects
+
+    def schedule(self, dryrun: DryRun, err: IO[str] | None = None) -> int:
+        record = self.submit(dryrun, err)
+        print(record.backend_id, flush=True)
+        return exitcodes.OK
+
+    def submit(self, dryrun: DryRun, err: IO[str] | None = None) -> jobstore.JobRecord:
+        """Check, apply, record; returns the job's record."""
+        err = err or sys.stderr
+        conn = self._connect()
+        objects = self._checked_objects(conn, dryrun, err)
+        apply_objects(conn, objects)
+        spec = dryrun.spec
+        plan = kubernetes_plan(spec)
+        record = jobstore.JobRecord(
+            id=dryrun.env["CTXLAUNCH_JOB_ID"], name=spec.name, target="kubernetes",
+            created=time.time(), backend_id=f"{plan.namespace}/{plan.name}",
+            command=dryrun.command, artifact=dryrun.artifact_name,
+            extra={"namespace": plan.namespace, "name": plan.name, "context": conn.context,
+                   "kubeconfig": conn.kubeconfig, "server": conn.host,
+                   "objects": [[o["kind"], o["metadata"]["name"]] for o in objects],
+                   "ranks_per_pod": plan.nproc_per_node,
+                   "spec": spec.model_dump(mode="json")})
+        for name, text in {dryrun.artifact_name or "job.yaml": dryrun.artifact or "",
+                           **dryrun.extra_artifacts}.items():
+            atomic_write_text(record.directory / name, text)
+        jobstore.save(record)
+        print(f"ctxlaunch: submitted PyTorchJob {record.backend_id} to {conn.host} "
+              f"({record.id}); follow it with `ctxlaunch status {record.backend_id}`",
+              file=err, flush=True)
+        return record
+
+    # -- an existing job ------------------------------------------------------------------------
+    def status(self, record: jobstore.JobRecord) -> Status:
+        conn = Connection.for_record(record)
+        namespace, name = record.extra["namespace"], record.extra["name"]
+        job = conn.get(job_path(namespace, name))
+        if job is None:
+            if record.extra.get("cancelled"):
+                return Status(state="CANCELLED", scheduler_state="deleted")
+            raise KeyError(record.backend_id)
+        pods = job_pods(conn, namespace, name)
+        found = classify(job, pods, cancelled=bool(record.extra.get("cancelled")))
+        restarts = max(found.restarts, restart_events(conn, namespace, name))
+        return dataclasses.replace(found, restarts=restarts)
+
+    def read_log(self, record: jobstore.JobRecord, rank: int | None = None) -> list[str]:
+        conn = Connection.for_record(record)
+        pods = self._log_pods(conn, record, rank)
+        lines: list[str] = []
+        for pod in pods:
+            text = pod_log(conn, pod)
+            if rank is None:
+                if len(pods) > 1:
+                    lines.append(f"==> pod {pod['metadata']['name']} <==\n")
+                lines += text.splitlines(keepends=True)
+            else:
+                lines += rank_lines(text.splitlines(keepends=True), rank)
+        return lines
+
+    def follow_log(self, record: jobstore.JobRecord, rank: int | None = None
+                   ) -> Iterator[str]:
+        """The first pod's log (or rank's pod's) as it is written, until its container ends;
+        waits for the pod while the job has none yet."""
+        conn = Connection.for_record(record)
+        while True:
+            try:
+                pods = self._log_pods(conn, record, rank)
+                break
+            except NoPodsYet:
+                if self.status(record).terminal:
+                    raise
+                time.sleep(1.0)
+        pod = pods[0]
+        meta = pod["metadata"]
+        path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/log"
+        _, response = conn.request("GET", path, query=[("container", CONTAINER),
+                                                       ("follow", "true")],
+                                   raw=True, timeout=None)
+        for raw_line in response:
+            line = raw_line.decode(errors="replace")
+            if rank is None:
+                yield line
+            else:
+                yield from rank_lines([line], rank)
+
+    def _log_pods(self, conn: Connection, record: jobstore.JobRecord, rank: int | None
+                  ) -> list[dict[str, Any]]:
+        namespace, name = record.extra["namespace"], record.extra["name"]
+        pods = job_pods(conn, namespace, name)
+        if not pods:
+            raise NoPodsYet(f"PyTorchJob {namespace}/{name} has no pods yet: the training "
+                            "operator creates them once it sees the job (ctxlaunch status "
+                            f"{namespace}/{name} shows where it stands)")
+        if rank is None:
+            return pods
+        index = rank // int(record.extra.get("ranks_per_pod") or 1)
+        chosen = [p for p in pods if pod_index(p) == index]
+        if not chosen:
+            raise NoPodsYet(f"no pod of {namespace}/{name} runs rank {rank} (yet)")
+        return chosen
+
+    def cancel(self, record: jobstore.JobRecord) -> None:
+        """Delete the PyTorchJob with foreground propagation (its pods go first), then its
+        ConfigMap and PodMonitor."""
+        conn = Connection.for_record(record)
+        namespace, name = record.extra["namespace"], record.extra["name"]
+        if not conn.delete(job_path(namespace, name), propagation="Foreground"):
+            raise KubeError(f"there is no PyTorchJob {namespace}/{name} on {conn.host} "
+                            "(deleted already?)")
+        for kind, object_name in record.extra.get("objects", []):
+            if kind != "PyTorchJob":
+                conn.delete(object_path(kind, namespace, object_name))
+        record.extra["cancelled"] = True
+        jobstore.save(record)
+
+    def explain(self, record: jobstore.JobRecord, status: Status) -> list[str]:
+        """The OOM with the layout that caused it, or the failing pod's last lines."""
+        if status.state == "OOM":
+            return [f"out of memory with {describe_layout(record.extra.get('spec', {}))}"]
+        if status.state not in ("FAILED", "BAD_INPUT"):
+            return []
+        conn = Connection.for_record(record)
+        pods = job_pods(conn, record.extra["namespace"], record.extra["name"])
+        failed = [p for p in pods if (container_exit(p) or (None, ""))[0]]
+        if not failed:
+            return [status.reason] if status.reason else []
+        pod = failed[0]
+        code, _ = container_exit(pod) or (None, "")
+        out = [f"pod {pod['metadata']['name']} exited {code}; its last lines:"]
+        try:
+            text = pod_log(conn, pod, tail=15)
+        except KubeError as exc:
+            return out[:1] + [f"(its log cannot be read: {exc})"]
+        return out + (text.rstrip("\n").splitlines() or ["(its log is empty)"])
+
+    # -- a sweep ---------------------------------------------------------------------------------
+    def sweep_dryruns(self, sweep_id: str, specs: list[JobSpec]) -> list[DryRun]:
+        """One PyTorchJob per point, all labelled ctxlaunch/sweep=<sweep id>."""
+        return [self.dryrun(spec, sweep=sweep_id) for spec in specs]
+
+
+class NoPodsYet(KubeError):
+    """The job has no pods (yet): there is no log to read."""
+
+
+# --------------------------------------------------------------------------------------------
+# states, pods and logs
+# --------------------------------------------------------------------------------------------
+def job_pods(conn: Connection, namespace: str, name: str) -> list[dict[str, Any]]:
+    """The job's pods (the operator's job-name label), Master first, then Workers by index;
+    none when this user may not list pods."""
+    try:
+        found = conn.get(f"/api/v1/namespaces/{namespace}/pods",
+                         labelSelector=f"{JOB_NAME_LABEL}={name}")
+    except ApiError as exc:
+        if exc.status == 403:
+            return []
+        raise
+    return sorted((found or {}).get("items", []), key=pod_index)
+
+
+def restart_events(conn: Connection, namespace: str, name: str) -> int:
+    """How often the operator restarted the job: under restartPolicy ExitCode it replaces a
+    pod rather than restarting its container (no restartCount), and records a
+    PyTorchJobRestarting event on the job each time (events expire, after an hour by default)."""
+    selector = (f"involvedObject.kind=PyTorchJob,involvedObject.name={name},"
+                "reason=PyTorchJobRestarting")
+    try:
+        found = conn.get(f"/api/v1/namespaces/{namespace}/events", fieldSelector=selector)
+    except ApiError as exc:
+        if exc.status == 403:
+            return 0
+        raise
+    return sum(int(e.get("count") or 1) for e in (found or {}).get("items", []))
+
+
+def pod_index(pod: dict[str, Any]) -> int:
+    """The pod's node rank: Master 0, Worker i is i + 1."""
+    labels = pod["metadata"].get("labels", {})
+    index = int(labels.get(REPLICA_INDEX_LABEL, "0") or 0)
+    return index if labels.get(REPLICA_TYPE_LABEL, "master").lower() == "master" else index + 1
+
+
+def container_exit(pod: dict[str, Any]) -> tuple[int, str] | None:
+    """(exit code, reason) of the trainer container's last termination, if it terminated."""
+    for status in pod.get("status", {}).get("containerStatuses") or []:
+        if status.get("name") != CONTAINER:
+            continue
+        for key in ("state", "lastState"):
+            terminated = (status.get(key) or {}).get("terminated")
+            if terminated:
+                return int(terminated.get("exitCode", 0)), terminated.get("reason", "")
+    return None
+
+
+def classify(job: dict[str, Any], pods: list[dict[str, Any]], cancelled: bool = False
+             ) -> Status:
+    """A PyTorchJob and its pods -> ctxlaunch's Status."""
+    status = job.get("status") or {}
+    true = {c["type"]: c for c in status.get("conditions") or [] if c.get("status") == "True"}
+    condition = next((c for c in (true.get(t) for t, _ in CONDITION_STATES) if c), None)
+    state = dict(CONDITION_STATES)[condition["type"]] if condition else "PENDING"
+    raw = condition["type"] if condition else "Submitted"
+    if job["metadata"].get("deletionTimestamp") or cancelled:
+        state, raw = "CANCELLED", "Deleting"
+    exits = [e for e in (container_exit(p) for p in pods) if e]
+    code = next((c for c, _ in exits if c), None)
+    if state == "FAILED":
+        if any(r == "OOMKilled" or c == exitcodes.OOM for c, r in exits):
+            state = "OOM"
+        elif any(c == exitcodes.BAD_INPUT for c, _ in exits):
+            state = "BAD_INPUT"
+    restarts = sum(int(s.get("restartCount", 0)) for p in pods
+                   for s in p.get("status", {}).get("containerStatuses") or [])
+    replicas = "; ".join(
+        f"{role}: " + ", ".join(f"{n} {k}" for k in ("active", "succeeded", "failed")
+                                if (n := counts.get(k)))
+        for role, counts in sorted((status.get("replicaStatuses") or {}).items())
+        if any(counts.get(k) for k in ("active", "succeeded", "failed")))
+    reason = (condition or {}).get("reason", "") if state not in ("RUNNING", "PENDING") else ""
+    reason = "; ".join(part for part in (reason, replicas) if part)
+    nodes = ",".join(dict.fromkeys(p["spec"]["nodeName"] for p in pods
+                                   if p.get("spec", {}).get("nodeName")))
+    return Status(state=state, scheduler_state=raw, exit_code=code, restarts=restarts,
+                  reason=reason, nodes=nodes)
+
+
+def pod_log(conn: Connection, pod: dict[str, Any], tail: int | None = None) -> str:
+    meta = pod["metadata"]
+    query = [("container", CONTAINER)]
+    if tail:
+        query.append(("tailLines", str(tail)))
+    try:
+        _, response = conn.request("GET", f"/api/v1/namespaces/{meta['namespace']}/pods/"
+                                   f"{meta['name']}/log", query=query, raw=True)
+    except ApiError as exc:
+        raise KubeError(f"the log of pod {meta['name']} cannot be read: {exc}") from None
+    return response.read().decode(errors="replace")
+
+
+def rank_lines(lines: list[str], rank: int) -> list[str]:
+    """torchrun --role=rank --tee=3 prefixes rank r's lines with "[rank<r>]:"; keep one rank's,
+    unprefixed."""
+    prefix = f"[rank{rank}]:"
+    return [line[len(prefix):] for line in lines if line.startswith(prefix)]

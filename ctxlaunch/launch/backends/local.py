@@ -1,0 +1,151 @@
+"""The embedded default: run the job on this machine through torchrun, one process per rank,
+streaming rank 0's log, and exit with the job's status."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract.rundir import (
+    TRAINER_MODULE,
+    cpu_threads_per_rank,
+    rank_exit_codes,
+    spec_json,
+)
+from ctxlaunch.contract.spec import JobSpec
+from ctxlaunch.launch import jobstore
+from ctxlaunch.launch.backends.base import EXIT_STATES, DryRun, Status, combine_exit_codes
+from ctxlaunch.launch.plan import job_environment
+
+RANK_PREFIX = "[rank0]:"
+class LocalBackend:
+    name = "local"
+
+    def __init__(self, python: str | None = None):
+        self.python = python or sys.executable
+
+    def dryrun(self, spec: JobSpec) -> DryRun:
+        job_id = jobstore.new_id("local", spec.name)
+        directory = jobstore.jobs_root() / job_id
+        ranks = spec.cluster.gpus_per_node
+        command = [
+            self.python, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+            f"--nproc-per-node={ranks}", "--role=rank", "--tee=3",
+            f"--log-dir={directory / 'torchrun'}", "--local-ranks-filter=0",
+            "-m", TRAINER_MODULE, str(directory / "spec.json"), "--run-dir", str(directory),
+        ]
+        env = job_environment(spec)
+        if spec.cluster.gpu == "cpu":
+            env["OMP_NUM_THREADS"] = str(cpu_threads_per_rank(ranks))
+        env["CTXLAUNCH_JOB_ID"] = job_id
+        return DryRun(target="local", spec=spec, command=command, env=env,
+                      artifact=spec_json(spec) + "\n", artifact_name="spec.json")
+
+    def schedule(self, dryrun: DryRun, out: IO[str] | None = None, err: IO[str] | None = None
+                 ) -> int:
+        out = out or sys.stdout
+        err = err or sys.stderr
+        spec = dryrun.spec
+        job_id = dryrun.env["CTXLAUNCH_JOB_ID"]
+        record = jobstore.JobRecord(id=job_id, name=spec.name, target="local",
+                                    created=time.time(), backend_id=job_id,
+                                    command=dryrun.command, artifact="spec.json")
+        directory = record.directory
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "spec.json").write_text(dryrun.artifact or "")
+        jobstore.save(record)
+        print(f"ctxlaunch: local job {job_id} ({spec.cluster.gpus_per_node} ranks); logs and "
+              f"metrics in {directory}", file=err, flush=True)
+        agent_log = directory / "torchrun.log"
+        with open(agent_log, "w", encoding="utf-8") as agent:
+            process = subprocess.Popen(
+                dryrun.command, env={**os.environ, **dryrun.env}, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True, bufsize=1)
+            pumps = [
+                threading.Thread(target=_pump, args=(process.stdout, out, agent), daemon=True),
+                threading.Thread(target=_pump, args=(process.stderr, err, agent), daemon=True),
+            ]
+            for pump in pumps:
+                pump.start()
+            try:
+                process.wait()
+            except KeyboardInterrupt:
+                process.terminate()
+                process.wait()
+            for pump in pumps:
+                pump.join()
+        codes = rank_exit_codes(directory, spec.cluster.gpus_per_node)
+        status = combine_exit_codes(codes) if process.returncode else exitcodes.OK
+        record.extra["exit_status"] = status
+        record.extra["rank_exit_codes"] = codes
+        jobstore.save(record)
+        if status != exitcodes.OK:
+            _report_failure(directory, codes, status, err)
+        return status
+
+
+    # -- an existing job ------------------------------------------------------------------------
+    # A local job runs in the foreground of `ctxlaunch submit`; afterwards its record says how
+    # it ended and torchrun's log directory holds every rank's output.
+    def status(self, record: jobstore.JobRecord) -> Status:
+        code = record.extra.get("exit_status")
+        if code is None:
+            return Status(state="RUNNING")
+        return Status(state=EXIT_STATES.get(code, "FAILED"), exit_code=code)
+
+    def read_log(self, record: jobstore.JobRecord, rank: int | None = None) -> list[str]:
+        lines: list[str] = []
+        for stream in ("stdout", "stderr"):
+            for path in sorted(record.directory.glob(
+                    f"torchrun/*/attempt_*/{rank if rank is not None else 0}/{stream}.log")):
+                lines += path.read_text(errors="replace").splitlines(keepends=True)
+        return lines
+
+    def follow_log(self, record: jobstore.JobRecord, rank: int | None = None):  # type: ignore[no-untyped-def]
+        return iter(self.read_log(record, rank))
+
+    def cancel(self, record: jobstore.JobRecord) -> None:
+        raise RuntimeError("a local job runs in the foreground of `ctxlaunch submit`: stop it "
+                           "there (Ctrl-C)")
+
+    def explain(self, record: jobstore.JobRecord, status: Status) -> list[str]:
+        codes = record.extra.get("rank_exit_codes", [])
+        for rank, code in enumerate(codes):
+            if code not in (exitcodes.OK, exitcodes.PREEMPTED):
+                tail = [line.rstrip() for line in self.read_log(record, rank)[-15:]]
+                return [f"rank {rank} exited {code}; its last lines:"] + tail
+        return []
+
+
+def _pump(stream: IO[str], console: IO[str], agent: IO[str]) -> None:
+    """Rank 0's lines (prefixed by torchrun) go to the console without the prefix; the agent's
+    own chatter goes to torchrun.log."""
+    for line in stream:
+        if line.startswith(RANK_PREFIX):
+            console.write(line[len(RANK_PREFIX):])
+            console.flush()
+        else:
+            agent.write(line)
+            agent.flush()
+
+
+def _report_failure(directory: Path, codes: list[int | None], status: int, err: IO[str]) -> None:
+    names = {exitcodes.OOM: "out of memory", exitcodes.PREEMPTED: "preempted (checkpointed)",
+             exitcodes.BAD_INPUT: "rejected its input", exitcodes.FAILED: "failed"}
+    print(f"ctxlaunch: job {names.get(status, 'failed')} (exit {status}); rank exit codes: "
+          + ", ".join("killed" if c is None else str(c) for c in codes), file=err)
+    for rank, code in enumerate(codes):
+        if code in (exitcodes.OK, exitcodes.PREEMPTED) or rank == 0:
+            continue
+        logs = sorted(directory.glob(f"torchrun/*/attempt_*/{rank}/stderr.log"))
+        if logs:
+            tail = logs[-1].read_text(errors="replace").splitlines()[-15:]
+            print(f"--- rank {rank} stderr (last lines of {logs[-1]}) ---", file=err)
+            print("\n".join(tail), file=err)
+    err.flush()

@@ -1,0 +1,357 @@
+"""Slurm: submit the rendered sbatch script through submitit, then watch, read, cancel and wait.
+
+The script submitted is byte for byte what `ctxlaunch render --target slurm` writes for the same
+spec (the same plan and template), with the trainer started by this Python and the logs,
+metrics and exit statuses kept in the job's record directory. submitit runs sbatch and parses
+the job id; states come from Slurm itself (scontrol while the controller remembers the job,
+sacct after) through one table.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract.spec import JobSpec
+from ctxlaunch.launch import jobstore
+from ctxlaunch.launch.backends.base import DryRun, Status, describe_layout
+from ctxlaunch.launch.plan import slurm_plan
+from ctxlaunch.launch.render import render_plan
+
+# Slurm's job states -> ctxlaunch's. The trainer's own exit statuses refine FAILED below.
+STATES: dict[str, str] = {
+    "PENDING": "PENDING", "CONFIGURING": "PENDING", "REQUEUED": "PENDING",
+    "REQUEUE_HOLD": "PENDING", "REQUEUE_FED": "PENDING", "RESV_DEL_HOLD": "PENDING",
+    "RUNNING": "RUNNING", "COMPLETING": "RUNNING", "SIGNALING": "RUNNING",
+    "STAGE_OUT": "RUNNING", "RESIZING": "RUNNING",
+    "SUSPENDED": "SUSPENDED", "STOPPED": "SUSPENDED",
+    "COMPLETED": "COMPLETED",
+    "FAILED": "FAILED", "NODE_FAIL": "FAILED", "BOOT_FAIL": "FAILED", "SPECIAL_EXIT": "FAILED",
+    "REVOKED": "FAILED",
+    "CANCELLED": "CANCELLED",
+    "TIMEOUT": "TIMEOUT", "DEADLINE": "TIMEOUT",
+    "PREEMPTED": "PREEMPTED",
+    "OUT_OF_MEMORY": "OUT_OF_MEMORY",
+}
+
+
+class SlurmError(RuntimeError):
+    """Slurm refused or failed a request; the message is Slurm's own."""
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+def query_status(job_id: str) -> Status:
+    """The job's state: scontrol while the controller holds it, else the accounting database."""
+    result = _run(["scontrol", "show", "job", "--oneliner", job_id])
+    if result.returncode == 0 and result.stdout.strip():
+        fields = dict(re.findall(r"(\w+)=(\S*)", result.stdout))
+        raw = fields.get("JobState", "UNKNOWN")
+        exit_code = int(fields.get("ExitCode", "0:0").split(":")[0])
+        return _classify(raw, exit_code, int(fields.get("Restarts", "0") or 0),
+                         fields.get("Reason", ""), fields.get("NodeList", ""))
+    result = _run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode,NodeList"])
+    line = result.stdout.strip().splitlines()[-1:] if result.returncode == 0 else []
+    if not line:
+        raise KeyError(job_id)
+    state, exit_field, nodes = (line[0].split("|") + ["", "", ""])[:3]
+    raw = state.split()[0] if state else "UNKNOWN"  # "CANCELLED by 0"
+    return _classify(raw, int(exit_field.split(":")[0] or 0), 0, "", nodes)
+
+
+def run_states(job_id: str) -> list[str]:
+    """Slurm's state for each run of the job, oldest first (sacct --duplicates): a run that
+    Slurm requeued itself shows why (NODE_FAIL, PREEMPTED), one the script requeued REQUEUED."""
+    result = _run(["sacct", "-j", job_id, "-X", "-D", "-n", "-P", "-o", "State"])
+    if result.returncode != 0:
+        return []
+    return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
+
+
+# The batch script's and the trainer's lines that tell a requeued job's story.
+_RUN_START = re.compile(r"^ctxlaunch: job \S+ restart (\d+) on ")
+_REQUEUED = re.compile(r"^ctxlaunch: stopped by (.+?) \(exit \d+\); requeueing job ")
+_SAVED = re.compile(r"ctxlaunch: checkpoint \S*step-(\d+)\s*$")
+_CAUSE_WORDS = {"preemption": "PREEMPTED", "the time limit": "TIMEOUT"}
+
+
+def runs_from_log(lines: list[str]) -> list[dict]:
+    """One entry per run in the (appended) log: the newest checkpoint at its end, and the
+    cause when its batch script requeued it."""
+    runs: list[dict] = []
+    for line in lines:
+        if _RUN_START.match(line):
+            runs.append({"checkpoint": runs[-1]["checkpoint"] if runs else None, "cause": ""})
+        elif runs and (saved := _SAVED.search(line)):
+            runs[-1]["checkpoint"] = int(saved.group(1))
+        elif runs and (requeued := _REQUEUED.match(line)):
+            runs[-1]["cause"] = requeued.group(1)
+    return runs
+
+
+def tell_story(status: Status, log: list[str], states: list[str], max_restarts: int) -> Status:
+    """The status in words a user trusts: how each earlier run ended (from the batch script's
+    log lines, else from Slurm's record of that run) and what the current state means."""
+    import dataclasses
+
+    runs = runs_from_log(log)
+    restarts = max(status.restarts, len(states) - 1, 0)
+    history = []
+    for index in range(restarts):
+        run = runs[index] if index < len(runs) else {"checkpoint": None, "cause": ""}
+        state = states[index] if index < len(states) else ""
+        if run["cause"]:
+            word = _CAUSE_WORDS.get(run["cause"], f"STOPPED by {run['cause']}")
+        else:
+            word = state or "REQUEUED"
+        saved = (f"checkpoint at step {run['checkpoint']}" if run["checkpoint"] is not None
+                 else "no checkpoint yet")
+        history.append(f"run {index + 1}: {word}, {saved}, requeued")
+    newest = next((r["checkpoint"] for r in reversed(runs) if r["checkpoint"] is not None), None)
+    saved = (f"the newest checkpoint is step {newest}" if newest is not None
+             else "no checkpoint was written")
+    story = ""
+    if not status.terminal and restarts:
+        last = history[-1].split(": ", 1)[1].split(",")[0]
+        story = (f"{last} and requeued (restart {restarts} of {max_restarts}); "
+                 f"resumes from step {newest}" if newest is not None
+                 else f"{last} and requeued (restart {restarts} of {max_restarts})")
+    elif status.state == "COMPLETED" and restarts:
+        story = (f"COMPLETED after {restarts} restart(s): "
+                 + ", ".join(h.split(": ", 1)[1].split(",")[0] for h in history))
+    elif status.state == "CANCELLED":
+        story = f"CANCELLED by the user (scancel); {saved}"
+    elif status.state == "TIMEOUT":
+        story = (f"TIMEOUT after a checkpoint at step {newest}; resubmit to resume from it"
+                 if newest is not None else "TIMEOUT before any checkpoint")
+    elif status.scheduler_state == "NODE_FAIL":
+        story = f"NODE_FAIL: a node of the job failed and the job was not requeued; {saved}"
+    elif status.state == "PREEMPTED":
+        story = f"PREEMPTED and not requeued; {saved}"
+    elif status.state == "FAILED" and restarts >= max_restarts and restarts:
+        story = f"FAILED after {restarts} restart(s), the limit; {saved}"
+    return dataclasses.replace(status, restarts=restarts, story=story, history=tuple(history))
+
+
+def _classify(raw: str, exit_code: int, restarts: int, reason: str, nodes: str) -> Status:
+    state = STATES.get(raw, raw)
+    if state == "FAILED" and exit_code == exitcodes.OOM:
+        state = "OOM"
+    elif state == "FAILED" and exit_code == exitcodes.BAD_INPUT:
+        state = "BAD_INPUT"
+    return Status(state=state, scheduler_state=raw, exit_code=exit_code, restarts=restarts,
+                  reason=reason if reason not in ("None", "(null)") else "", nodes=nodes)
+
+
+def _executor(folder: Path, script_path: Path):  # type: ignore[no-untyped-def]
+    """submitit's Slurm executor, submitting ctxlaunch's own script instead of its template."""
+    import submitit
+
+    class ScriptExecutor(submitit.SlurmExecutor):
+        def _make_submission_file_text(self, command: str, uid: str) -> str:
+            return script_path.read_text()
+
+        def _make_submission_command(self, submission_file_path: Path) -> list[str]:
+            return ["sbatch", str(script_path)]
+
+    return ScriptExecutor(folder=folder)
+
+
+class SlurmBackend:
+    name = "slurm"
+
+    def __init__(self, python: str | None = None):
+        self.python = python or sys.executable
+
+    def dryrun(self, spec: JobSpec) -> DryRun:
+        return self._script_dryrun(spec.name, spec, None)
+
+    def _script_dryrun(self, name: str, spec: JobSpec, array: list[JobSpec] | None) -> DryRun:
+        """The script for one job (array None) or a job array, in a new record directory."""
+        record_id = jobstore.new_id("slurm", name)
+        directory = jobstore.jobs_root() / record_id
+        plan = slurm_plan(spec, python=self.python, run_dir=str(directory / "run"),
+                          log_dir=str(directory), array=array, job_name=name)
+        script_name = f"{name}.sbatch"
+        return DryRun(target="slurm", spec=spec, command=["sbatch", str(directory / script_name)],
+                      env={"CTXLAUNCH_JOB_ID": record_id},
+                      artifact=render_plan(plan, "slurm", script_name),
+                      artifact_name=script_name)
+
+    @staticmethod
+    def _submit(dryrun: DryRun) -> tuple[Path, str]:
+        """Write the dry run's script into its record directory and submit it through
+        submitit; returns (directory, Slurm job id). A refusal leaves no directory behind."""
+        directory = jobstore.jobs_root() / dryrun.env["CTXLAUNCH_JOB_ID"]
+        directory.mkdir(parents=True)
+        (directory / "run").mkdir()
+        (directory / "submitit").mkdir()
+        script_path = directory / (dryrun.artifact_name or "job.sbatch")
+        script_path.write_text(dryrun.artifact or "")
+        script_path.chmod(0o755)
+        try:
+            job = _executor(directory / "submitit", script_path)._submit_command("")
+        except Exception as exc:  # noqa: BLE001 - sbatch's refusal, reported as is
+            _remove_tree(directory)
+            raise SlurmError(_sbatch_message(exc)) from None
+        return directory, str(job.job_id)
+
+    def schedule(self, dryrun: DryRun, err: IO[str] | None = None) -> int:
+        err = err or sys.stderr
+        directory, slurm_id = self._submit(dryrun)
+        record = jobstore.JobRecord(
+            id=directory.name, name=dryrun.spec.name, target="slurm", created=time.time(),
+            backend_id=slurm_id, command=dryrun.command, artifact=dryrun.artifact_name,
+            extra={"log": str(directory / f"{dryrun.spec.name}-{slurm_id}.out"),
+                   "run_dir": str(directory / "run"),
+                   "spec": dryrun.spec.model_dump(mode="json")})
+        jobstore.save(record)
+        print(f"ctxlaunch: submitted Slurm job {slurm_id} ({record.id}); follow it with "
+              f"`ctxlaunch logs {slurm_id} --follow`", file=err, flush=True)
+        print(slurm_id, flush=True)
+        return exitcodes.OK
+
+    # -- a sweep's job array ---------------------------------------------------------------------
+    def array_dryrun(self, name: str, specs: list[JobSpec]) -> DryRun:
+        """One job array for specs that share resources and environment: task i runs
+        specs[i]."""
+        return self._script_dryrun(name, specs[0], specs)
+
+    def schedule_array(self, dryrun: DryRun, specs: list[JobSpec]) -> list[jobstore.JobRecord]:
+        """Submit the array; returns one record per task (ids <array>_<i>), so status, logs,
+        cancel and wait work on each task."""
+        directory, array_id = self._submit(dryrun)
+        array_name = Path(dryrun.artifact_name or "array.sbatch").stem
+        records = []
+        for index, spec in enumerate(specs):
+            task = f"{array_id}_{index}"
+            record = jobstore.JobRecord(
+                id=f"{directory.name}-{index}", name=spec.name, target="slurm",
+                created=time.time(), backend_id=task, command=dryrun.command,
+                artifact=str(directory / (dryrun.artifact_name or "array.sbatch")),
+                extra={"log": str(directory / f"{array_name}-{task}.out"),
+                       "run_dir": str(directory / "run" / str(index)),
+                       "spec": spec.model_dump(mode="json"), "array": array_id})
+            jobstore.save(record)
+            records.append(record)
+        return records
+
+    # -- an existing job ------------------------------------------------------------------------
+    def status(self, record: jobstore.JobRecord) -> Status:
+        status = query_status(record.backend_id)
+        max_restarts = record.extra.get("spec", {}).get("cluster", {}).get("slurm", {}).get(
+            "max_restarts", 0)
+        return tell_story(status, self.read_log(record), run_states(record.backend_id),
+                          max_restarts)
+
+    def read_log(self, record: jobstore.JobRecord, rank: int | None = None) -> list[str]:
+        path = log_path(record)
+        if not path.exists():
+            return []
+        return rank_lines(path.read_text(errors="replace").splitlines(keepends=True), rank)
+
+    def follow_log(self, record: jobstore.JobRecord, rank: int | None = None) -> Iterator[str]:
+        return follow(log_path(record), record.backend_id, rank)
+
+    def cancel(self, record: jobstore.JobRecord) -> None:
+        cancel(record.backend_id)
+
+    def explain(self, record: jobstore.JobRecord, status: Status) -> list[str]:
+        """What a user needs next to a failed state: the failing rank's last lines, or the OOM
+        with the layout that caused it."""
+        lines = self.read_log(record)
+        if status.state == "OOM":
+            layout = describe_layout(record.extra.get("spec", {}))
+            oom = [line.split("error: ", 1)[1].rstrip() for line in lines
+                   if "error: out of memory" in line]
+            return [f"out of device memory with {layout}"] + oom[:1]
+        if status.state in ("FAILED", "BAD_INPUT"):
+            ranks = failing_ranks(lines)
+            if not ranks:
+                return [line.rstrip() for line in lines[-15:]]
+            own = rank_lines(lines, ranks[0])
+            # Its error line first: a traceback can push it out of the last lines.
+            error = next((line.split("] error: ", 1)[1].rstrip() for line in own
+                          if "] error: " in line), "")
+            out = [f"rank {ranks[0]} error: {error}"] if error else []
+            out.append(f"rank {ranks[0]} failed; its last lines:")
+            return out + [line.rstrip() for line in own[-15:]]
+        return []
+
+
+def _sbatch_message(exc: Exception) -> str:
+    text = str(exc)
+    # submitit wraps sbatch's stderr in its own message; keep Slurm's words.
+    found = re.findall(r"sbatch: error: ([^\n]+)", text)
+    return "sbatch refused the job: " + ("; ".join(dict.fromkeys(found)) if found else text)
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# logs
+# --------------------------------------------------------------------------------------------
+_LABEL = re.compile(r"^\s*(\d+): ?")
+
+
+def log_path(record: jobstore.JobRecord) -> Path:
+    return Path(record.extra["log"])
+
+
+def rank_lines(lines: list[str], rank: int | None) -> list[str]:
+    """srun --label prefixes each task's lines with its rank; keep one rank's, unprefixed."""
+    if rank is None:
+        return lines
+    out = []
+    for line in lines:
+        match = _LABEL.match(line)
+        if match and int(match.group(1)) == rank:
+            out.append(line[match.end():])
+    return out
+
+
+def failing_ranks(lines: list[str]) -> list[int]:
+    ranks: list[int] = []
+    for line in lines:
+        match = _LABEL.match(line)
+        if match and "] error:" in line and int(match.group(1)) not in ranks:
+            ranks.append(int(match.group(1)))
+    return ranks
+
+
+def follow(path: Path, job_id: str, rank: int | None, poll_seconds: float = 0.5
+           ) -> Iterator[str]:
+    """Yield the log's lines as they are written, until the job is over."""
+    position = 0
+    while True:
+        done = query_status(job_id).terminal
+        if path.exists():
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                handle.seek(position)
+                chunk = handle.read()
+                position = handle.tell()
+            complete = chunk.splitlines(keepends=True)
+            if complete and not complete[-1].endswith("\n") and not done:
+                position -= len(complete.pop())  # a half-written line: next round
+            yield from rank_lines(complete, rank)
+        if done:
+            return
+        time.sleep(poll_seconds)
+
+
+def cancel(job_id: str) -> None:
+    result = _run(["scancel", job_id])
+    if result.returncode != 0:
+        raise SlurmError(result.stderr.strip() or f"scancel {job_id} failed")

@@ -1,0 +1,268 @@
+"""JobSpec -> launch plan: the environment, resources and command lines of a job.
+
+This is the one place that decides what a job's environment and resources are; the Slurm and
+Kubernetes templates (and the Slurm and local backends) only consume it. All arithmetic and
+every decision is here, so the templates hold none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract.hardware import COMMON_NCCL_ENV, FABRIC_NCCL_ENV, RDMA_NETWORKS
+from ctxlaunch.contract.rundir import (
+    POD_MODULE,
+    SLURM_BASE_PORT,
+    SPEC_ENV,
+    TRAINER_MODULE,
+    spec_json,
+)
+from ctxlaunch.contract.spec import JobSpec
+
+POD_RESTART_POLICY = "ExitCode"
+K8S_SPEC_DIR = "/etc/ctxlaunch"
+K8S_SPEC_FILE = "spec.json"
+K8S_MASTER_PORT = 23456
+
+
+def job_environment(spec: JobSpec) -> dict[str, str]:
+    """Environment every rank of the job gets, in precedence order: ctxlaunch's own, the
+    fabric's NCCL defaults, values derived from the fabric fields, the job's `fabric.nccl`
+    overrides, then `fabric.env`."""
+    fabric, cluster, parallel = spec.fabric, spec.cluster, spec.parallel
+    env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
+    if cluster.gpu != "cpu":
+        env.update(COMMON_NCCL_ENV)
+        env.update(FABRIC_NCCL_ENV[fabric.network])
+        if fabric.hcas and fabric.network in RDMA_NETWORKS:
+            # A leading '=' makes NCCL match the names exactly (mlx5_1 would also match mlx5_10).
+            env["NCCL_IB_HCA"] = "=" + ",".join(fabric.hcas)
+        gid = fabric.gid_index if fabric.gid_index is not None else (
+            3 if fabric.network == "roce" else None)
+        if gid is not None and fabric.network in RDMA_NETWORKS:
+            env["NCCL_IB_GID_INDEX"] = str(gid)
+        if fabric.gdr_level:
+            env["NCCL_NET_GDR_LEVEL"] = fabric.gdr_level
+        if fabric.topo_file:
+            env["NCCL_TOPO_FILE"] = fabric.topo_file
+        if parallel.tp > 1:
+            # Megatron-style TP/CP communication overlap needs kernels queued in issue order.
+            env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        if fabric.socket_ifname:
+            env["NCCL_SOCKET_IFNAME"] = fabric.socket_ifname
+    if fabric.socket_ifname:
+        env["GLOO_SOCKET_IFNAME"] = fabric.socket_ifname
+    env.update(fabric.nccl)
+    env.update(fabric.env)
+    return env
+
+
+# --------------------------------------------------------------------------------------------
+# Slurm
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SlurmPlan:
+    """What the sbatch script (and the submitit backend) is made of."""
+
+    job_name: str
+    directives: list[str]
+    """sbatch options, one per `#SBATCH` line (values are validated to need no quoting)."""
+    env: dict[str, str]
+    srun_args: list[str]
+    trainer_command: list[str]
+    max_restarts: int
+    requeue: bool
+    base_port: int
+    spec_env: str
+    spec_json: str
+    exit_preempted: int = exitcodes.PREEMPTED
+    exit_bad_input: int = exitcodes.BAD_INPUT
+    exit_oom: int = exitcodes.OOM
+    signal_seconds: int = 0
+    """The time limit's signal lead (--signal=B:USR1@N), 0 for none."""
+    log_dir: str = "."
+    array_specs: list[str] = field(default_factory=list)
+    """A job array: task i runs the i-th spec (JSON)."""
+    array_run_dir: str | None = None
+    """A job array: task i keeps its metrics and summary in <array_run_dir>/i."""
+
+
+def slurm_plan(spec: JobSpec, python: str = "python3", run_dir: str | None = None,
+               log_dir: str | None = None, array: list[JobSpec] | None = None,
+               job_name: str | None = None) -> SlurmPlan:
+    """The sbatch script's parts. `python` runs the trainer on the nodes; `run_dir` (metrics,
+    summary, exit statuses) and `log_dir` are set by the Slurm backend to the job's record
+    directory, and left to the defaults when rendering for plain sbatch.
+
+    With `array` (the specs of a sweep that share `spec`'s resources and environment), the
+    script is a job array: task i runs array[i], in `run_dir`/i."""
+    c, s = spec.cluster, spec.cluster.slurm
+    log_dir = log_dir or s.log_dir
+    ranks_per_node = c.gpus_per_node
+    directives = [
+        f"--job-name={job_name or spec.name}",
+        f"--nodes={c.nodes}",
+        f"--ntasks-per-node={ranks_per_node}",
+    ]
+    if c.gpu != "cpu":
+        directives.append(f"--gpus-per-node={c.gpus_per_node}")
+    if s.cpus_per_task:
+        directives.append(f"--cpus-per-task={s.cpus_per_task}")
+    if s.mem is not None:
+        directives.append(f"--mem={s.mem}")
+    for flag, value in (("partition", s.partition), ("account", s.account), ("qos", s.qos)):
+        if value:
+            directives.append(f"--{flag}={value}")
+    directives.append(f"--time={s.time_limit}")
+    if s.exclusive:
+        directives.append("--exclusive")
+    directives.append("--requeue" if s.requeue else "--no-requeue")
+    if s.signal_seconds:
+        # To the batch shell ("B:"), which passes it to the ranks: they checkpoint and exit 75,
+        # and the shell requeues the job.
+        directives.append(f"--signal=B:USR1@{s.signal_seconds}")
+    if array:
+        directives.append(f"--array=0-{len(array) - 1}")
+    directives += [
+        "--output=" + ("" if log_dir == "." else log_dir.rstrip("/") + "/")
+        + ("%x-%A_%a.out" if array else "%x-%j.out"),
+        # Requeued runs append to the same log rather than truncating the first run's.
+        "--open-mode=append",
+    ]
+    srun_args = [
+        "--kill-on-bad-exit=1",
+        f"--ntasks-per-node={ranks_per_node}",
+        "--label",
+    ]
+    env = job_environment(spec)
+    if run_dir and not array:
+        env["CTXLAUNCH_RUN_DIR"] = run_dir
+    return SlurmPlan(
+        job_name=job_name or spec.name,
+        directives=directives,
+        env=env,
+        srun_args=srun_args,
+        trainer_command=[python, "-u", "-m", TRAINER_MODULE],
+        max_restarts=s.max_restarts,
+        requeue=s.requeue,
+        signal_seconds=s.signal_seconds,
+        base_port=SLURM_BASE_PORT,
+        spec_env=SPEC_ENV,
+        spec_json=spec_json(spec),
+        log_dir=log_dir,
+        array_specs=[spec_json(member) for member in array or []],
+        array_run_dir=run_dir if array else None,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Kubernetes
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReplicaPlan:
+    role: str  # "Master" or "Worker"
+    replicas: int
+
+
+@dataclass(frozen=True)
+class KubernetesPlan:
+    """What the PyTorchJob manifest is made of."""
+
+    name: str
+    namespace: str
+    labels: dict[str, str]
+    replicas: list[ReplicaPlan]
+    nproc_per_node: int
+    image: str
+    image_pull_policy: str
+    command: list[str]
+    env: dict[str, str]
+    limits: dict[str, str]
+    requests: dict[str, str]
+    capabilities: list[str]
+    host_network: bool
+    dns_policy: str | None
+    shm_size: str
+    spec_dir: str
+    spec_file: str
+    spec_json: str
+    config_map: str
+    master_port: int
+    node_selector: dict[str, str]
+    tolerations: list[dict[str, Any]]
+    image_pull_secrets: list[str]
+    service_account: str | None
+    priority_class: str | None
+    restart_policy: str = POD_RESTART_POLICY
+    run_policy: dict[str, Any] = field(default_factory=dict)
+    metrics_ports: list[tuple[str, int]] = field(default_factory=list)
+    """(port name, container port) per local rank in scrape mode; the PodMonitor scrapes them."""
+
+
+SWEEP_LABEL = "ctxlaunch/sweep"
+
+
+def kubernetes_plan(spec: JobSpec, sweep: str | None = None) -> KubernetesPlan:
+    """The manifest's parts; `sweep` (a sweep id) adds the label every point of it shares."""
+    c, k = spec.cluster, spec.cluster.kubernetes
+    rdma = spec.fabric.network in RDMA_NETWORKS and c.gpu != "cpu"
+    limits: dict[str, str] = {}
+    if c.gpu != "cpu":
+        limits["nvidia.com/gpu"] = str(c.gpus_per_node)
+    if rdma:
+        limits[k.rdma_resource or "rdma/ib"] = str(k.rdma_per_node or c.gpus_per_node)
+    if k.cpu:
+        limits["cpu"] = k.cpu
+    if k.memory:
+        limits["memory"] = k.memory
+    # Requests equal limits: a training pod should be Guaranteed, never evicted for pressure.
+    requests = dict(limits)
+    replicas = [ReplicaPlan("Master", 1)]
+    if c.nodes > 1:
+        replicas.append(ReplicaPlan("Worker", c.nodes - 1))
+    run_policy: dict[str, Any] = {
+        "cleanPodPolicy": k.clean_pod_policy,
+        "backoffLimit": k.backoff_limit,
+    }
+    if k.active_deadline_seconds is not None:
+        run_policy["activeDeadlineSeconds"] = k.active_deadline_seconds
+    if k.ttl_seconds_after_finished is not None:
+        run_policy["ttlSecondsAfterFinished"] = k.ttl_seconds_after_finished
+    tolerations = [t.model_dump(exclude_none=True) for t in k.tolerations]
+    return KubernetesPlan(
+        name=spec.name,
+        namespace=k.namespace,
+        labels={"app.kubernetes.io/name": "ctxlaunch", "ctxlaunch/job": spec.name,
+                **({SWEEP_LABEL: sweep} if sweep else {})},
+        replicas=replicas,
+        nproc_per_node=c.gpus_per_node,
+        image=k.image or "",
+        image_pull_policy=k.image_pull_policy,
+        # The training-operator sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK and the
+        # master address; the torchrun that ctxlaunch.podentry starts reads them as defaults.
+        command=["python3", "-m", POD_MODULE, f"{K8S_SPEC_DIR}/{K8S_SPEC_FILE}"],
+        restart_policy=POD_RESTART_POLICY,
+        env=job_environment(spec),
+        limits=limits,
+        requests=requests,
+        capabilities=["IPC_LOCK"] if rdma else [],
+        host_network=k.host_network,
+        dns_policy="ClusterFirstWithHostNet" if k.host_network else None,
+        shm_size=k.shm_size,
+        spec_dir=K8S_SPEC_DIR,
+        spec_file=K8S_SPEC_FILE,
+        spec_json=spec_json(spec),
+        config_map=f"{spec.name}-spec",
+        master_port=K8S_MASTER_PORT,
+        node_selector=dict(k.node_selector),
+        tolerations=tolerations,
+        image_pull_secrets=list(k.image_pull_secrets),
+        service_account=k.service_account,
+        priority_class=k.priority_class,
+        run_policy=run_policy,
+        metrics_ports=[(f"metrics-{r}", spec.telemetry.port + r)
+                       for r in range(c.gpus_per_node)]
+        if spec.telemetry.prometheus == "scrape" else [],
+    )

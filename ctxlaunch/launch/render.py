@@ -1,0 +1,144 @@
+"""Launch plan -> artifact text (an sbatch script, a PyTorchJob manifest). Pure: no I/O but
+reading the templates.
+
+Safety is enforced, not hoped for: every `{{ ... }}` in a template must pass through a quoting
+filter (`sh` for bash, `yaml` for YAML, `envname`/`sbatch` for the validated bits) or be a
+number; anything else fails the render. So a job name or an env value carrying `$(...)`,
+quotes, newlines or `'; rm` either never validates or lands inert.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import jinja2
+
+from ctxlaunch import __version__
+from ctxlaunch.contract.spec import JobSpec
+from ctxlaunch.launch.plan import KubernetesPlan, SlurmPlan, kubernetes_plan, slurm_plan
+
+Target = Literal["slurm", "kubernetes"]
+TEMPLATES = {"slurm": "slurm.sbatch.j2", "kubernetes": "pytorchjob.yaml.j2"}
+SUFFIXES = {"slurm": ".sbatch", "kubernetes": ".yaml"}
+MONITOR_TEMPLATE = "podmonitor.yaml.j2"
+MONITORING_DIR = "monitoring"
+"""The PodMonitor goes to this subfolder of the output: `kubectl apply -f DIR` (not recursive)
+leaves it out, so a cluster without the Prometheus Operator's CRD takes the job cleanly;
+`kubectl apply -R -f DIR` applies it too."""
+
+_SBATCH_DIRECTIVE = re.compile(r"^--[a-z][a-z-]*(=[A-Za-z0-9_.:@%/\-]+)?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class RenderError(RuntimeError):
+    """A template tried to emit a value that is not quoted for its destination (a bug)."""
+
+
+class Quoted(str):
+    """Text already made safe for where a template puts it."""
+
+
+_SHELL_PLAIN = re.compile(r"^[A-Za-z0-9_./:@%+,-]+$")
+
+
+def shell_quote(value: Any) -> Quoted:
+    """A single bash word: plain when it holds only characters bash never interprets,
+    otherwise single-quoted (inside which nothing is expanded)."""
+    text = str(value)
+    if _SHELL_PLAIN.match(text):
+        return Quoted(text)
+    return Quoted("'" + text.replace("'", "'\"'\"'") + "'")
+
+
+def yaml_quote(value: Any) -> Quoted:
+    # JSON is YAML: strings come out double-quoted with every control character escaped, and
+    # mappings and lists in flow style.
+    return Quoted(json.dumps(value, ensure_ascii=True))
+
+
+def env_name(value: Any) -> Quoted:
+    if not isinstance(value, str) or not _ENV_NAME.match(value):
+        raise RenderError(f"not an environment variable name: {value!r}")
+    return Quoted(value)
+
+
+def sbatch_directive(value: Any) -> Quoted:
+    if not isinstance(value, str) or not _SBATCH_DIRECTIVE.match(value):
+        raise RenderError(f"not a safe sbatch directive: {value!r}")
+    return Quoted(value)
+
+
+def _finalize(value: Any) -> Any:
+    if isinstance(value, Quoted):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    raise RenderError(f"template emitted an unquoted value {value!r}: pass it through a "
+                      "quoting filter (sh, yaml, envname, sbatch)")
+
+
+def templates_dir() -> Path:
+    """The templates: inside the installed package (wheel), else the source tree's templates/."""
+    packaged = resources.files("ctxlaunch") / "templates"
+    if packaged.is_dir():
+        return Path(str(packaged))
+    return Path(__file__).resolve().parents[2] / "templates"
+
+
+@cache
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+        finalize=_finalize,
+    )
+    env.filters.update(sh=shell_quote, yaml=yaml_quote, envname=env_name, sbatch=sbatch_directive)
+    return env
+
+
+def artifact_name(spec: JobSpec, target: Target) -> str:
+    return spec.name + SUFFIXES[target]
+
+
+def monitor_name(job_name: str) -> str:
+    """Where the PodMonitor goes, relative to the output directory (scrape mode only)."""
+    return f"{MONITORING_DIR}/{job_name}-podmonitor.yaml"
+
+
+def render(spec: JobSpec, target: Target) -> str:
+    """The main artifact for `target` as text (the sbatch script; the ConfigMap and
+    PyTorchJob)."""
+    return render_files(spec, target)[artifact_name(spec, target)]
+
+
+def render_files(spec: JobSpec, target: Target, sweep: str | None = None) -> dict[str, str]:
+    """Every file `render --output DIR` writes, by path relative to DIR: the main artifact and,
+    for Kubernetes in scrape mode, the PodMonitor in its own subfolder. `sweep` labels a
+    sweep's Kubernetes objects."""
+    name = artifact_name(spec, target)
+    if target == "slurm":
+        return {name: render_plan(slurm_plan(spec), target, name)}
+    plan = kubernetes_plan(spec, sweep=sweep)
+    files = {name: render_plan(plan, target, name)}
+    if plan.metrics_ports:
+        monitor = monitor_name(spec.name)
+        files[monitor] = _environment().get_template(MONITOR_TEMPLATE).render(
+            plan=plan, version=__version__, filename=monitor)
+    return files
+
+
+def render_plan(plan: SlurmPlan | KubernetesPlan, target: Target, filename: str) -> str:
+    """Fill the target's template with a plan (the Slurm backend renders its own plan)."""
+    template = _environment().get_template(TEMPLATES[target])
+    return template.render(plan=plan, version=__version__, filename=filename,
+                           monitor_filename=monitor_name(plan.name)
+                           if isinstance(plan, KubernetesPlan) else None)

@@ -1,0 +1,466 @@
+"""The per-GPU memory model: will this job fit, and with which CP degree.
+
+Pure arithmetic over the slice of the spec it reads (`MemoryLayout`); no torch. The activation
+constants are derived from the block the trainer builds (ctxlaunch/trainer/model.py) and checked
+against memory measured with saved-tensor hooks (tests/test_memory_measured.py and
+benchmarks/activation_memory.py).
+
+Per rank, for one micro-batch of b sequences of s tokens, CP degree N, TP degree t:
+  tokens held  n = b * s / N            (sequence split by CP)
+  per-token activations are further divided by t (TP with Megatron-style sequence
+  parallelism shards the per-token tensors that TP would otherwise replicate), except what is
+  gathered over TP: the two norm outputs each block's column-parallel projections keep (a*h
+  per token of the CP shard each), and outside the blocks the loss input, the RoPE tables and
+  the token ids / targets.
+Pipeline stages (`stage_activation_bytes`): the first holds the embedding's saved ids, the last
+the final norm and the loss input; under 1F1B stage r keeps pp - r micro-batches in flight (at
+most grad_accum) and the planner takes the busiest stage. Interleaved schedules are planned as
+1F1B over each rank's blocks (an approximation). Measured: tests/test_memory_measured.py at
+TP 2 and on both stages of PP 2.
+
+Bytes saved for backward per token by one transformer block, with a = bytes of the compute
+dtype and r = bytes of the residual stream (both 2 in bf16 under DeepSpeed; r = 4 under ZeRO-0
+bf16, where torch autocast keeps fp32 weights and residual; both 4 in fp32):
+
+    tensor (who saves it)                         bytes/token
+    block input x (RMSNorm 1)                     r*h
+    RMSNorm 1 output (fused q/k/v projection)     a*h
+    q, k, v after RoPE (attention)                a*(h + 2*h_kv)
+    attention output (attention)                  a*h
+    log-sum-exp, fp32 (attention)                 4*heads
+    attention output, token-major (o projection)  a*h
+    x + attention (RMSNorm 2)                     r*h
+    RMSNorm 2 output (fused gate/up projection)   a*h
+    gate and up (SwiGLU)                          2*a*f
+    SwiGLU output (down projection)               a*f
+    two RMSNorm reciprocal RMS values, fp32       8
+
+    total: 2*r*h + a*(5*h + 2*h_kv + 3*f) + 4*heads + 8
+
+No s-by-s term: attention runs through flash kernels that keep only the log-sum-exp. For
+Llama-3-8B in bf16 (h 4096, h_kv 1024, f 14336, 32 heads) that is 147,592 bytes = 36.0*h per
+token, next to Korthikanti et al.'s 34*h for a GPT block with a 4h GELU MLP.
+
+Under ZeRO-0 bf16 (autocast) each block also keeps the bf16 copies of its matmul weights for
+backward: 2 bytes per weight, per block not recomputed.
+
+Activation checkpointing:
+- selective: the feed-forward half (RMSNorm 2 + SwiGLU, cheap and linear in s) is recomputed;
+  attention (quadratic to recompute) is kept. Saved per block: r*h + a*(4*h + 2*h_kv) + 4*heads
+  + 4, plus the feed-forward input r*h.
+- full: only each block's input r*h is kept; one block is recomputed at a time in backward.
+
+Model states per parameter held by the rank (the sharding group of ZeRO is DP x CP, since every
+CP rank holds a replica of the weights), mirroring how the trainer runs them:
+- ZeRO-0 (plain torch; bf16 through autocast): fp32 weights 4 + fp32 gradients 4 + Adam 8 = 16.
+- ZeRO-1..3 (DeepSpeed, bf16): 16-bit weights 2, 16-bit gradients 2, and per sharded parameter
+  an fp32 gradient 4 + fp32 master 4 + Adam 8. DeepSpeed keeps the fp32 gradient partition the
+  ZeRO paper's 2 + 14/Nd leaves out; we follow DeepSpeed's own estimators
+  (estimate_zero2/zero3_model_states_mem_needs), which a test checks:
+      ZeRO-1: 4 + 16/Nd,  ZeRO-2: 2 + 18/Nd,  ZeRO-3: 18/Nd (+ 4 bytes x the largest layer,
+      the gathered parameters)
+- fp32 under DeepSpeed: weights 4, gradients 4 (full for ZeRO-1), master copy 4, Adam 8:
+      ZeRO-1: 8 + 12/Nd,  ZeRO-2: 4 + 16/Nd,  ZeRO-3: 20/Nd (+ 4 x largest layer)
+
+What the model does not know precisely is an allowance, stated: on a GPU 1.5 GiB (CUDA context,
+cuBLAS workspaces, NCCL channels) plus 5 % of everything else for allocator fragmentation; on
+the CPU 0.4 GiB (the Python and torch runtime) plus 5 %.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from ctxlaunch.contract.hardware import GiB, GpuInfo
+from ctxlaunch.contract.stages import balanced_stage_layers
+from ctxlaunch.perf.flops import count_params
+
+if TYPE_CHECKING:
+    from ctxlaunch.contract.spec import JobSpec, ModelSpec
+
+# Constants the trainer uses too, so the planner and the run agree.
+LOSS_CHUNK_TOKENS = 2048
+"""The output head and cross-entropy run over chunks of this many tokens, each recomputed in
+backward, so the (tokens x vocab) logits never exist for the whole local sequence at once."""
+GRAD_BUCKET_ELEMENTS = 25_000_000
+"""ZeRO-0: gradients are all-reduced over DP x CP in flat buckets of this many elements."""
+ZERO_BUCKET_ELEMENTS = 200_000_000
+"""ZeRO-1/2: DeepSpeed reduce_bucket_size and allgather_bucket_size."""
+ZERO3_PREFETCH_ELEMENTS = 50_000_000
+"""ZeRO-3: DeepSpeed stage3_prefetch_bucket_size."""
+
+GPU_FIXED_ALLOWANCE = int(1.5 * GiB)
+CPU_FIXED_ALLOWANCE = int(0.4 * GiB)
+FRAGMENTATION = 0.05
+
+ActivationCheckpointing = Literal["none", "selective", "full"]
+Framework = Literal["ctxlaunch", "megatron"]
+
+
+@dataclass(frozen=True)
+class MemoryLayout:
+    """The slice of a spec the memory model reads."""
+
+    seq_len: int
+    micro_batch: int = 1
+    grad_accum: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    cp_algorithm: str = "ring"
+    zero_stage: int = 0
+    activation_checkpointing: ActivationCheckpointing = "none"
+    dtype: str = "bf16"
+    stage_layers: tuple[int, ...] = ()
+    """Blocks per pipeline stage (pp x virtual stages entries); empty: layers / pp each."""
+    framework: Framework = "ctxlaunch"
+    """Whose memory habits to plan: "ctxlaunch", the bundled trainer (FSDP2 under TP or PP keeps
+    fp32 weights and an fp32 residual under autocast; its TP keeps the gathered norm outputs
+    for backward), or "megatron", for runs published from Megatron-LM/NeMo (bf16 weights with
+    the fp32 master copy in the distributed optimizer, and sequence parallelism that
+    re-gathers a projection's input in backward rather than keeping it)."""
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec) -> MemoryLayout:
+        t, p = spec.training, spec.parallel
+        return cls(
+            seq_len=t.seq_len, micro_batch=t.micro_batch, grad_accum=spec.grad_accum,
+            tp=p.tp, pp=p.pp, cp=p.cp, dp=spec.dp, cp_algorithm=p.cp_algorithm,
+            zero_stage=t.zero_stage, activation_checkpointing=t.activation_checkpointing,
+            dtype=spec.model.dtype, stage_layers=spec.stage_layers,
+        )
+
+    def replace(self, **changes: object) -> MemoryLayout:
+        return dataclasses.replace(self, **changes)
+
+    def rank_layers(self, layers: int) -> list[int]:
+        """Blocks each PP rank holds (rank r holds stages r, r + pp, ... when interleaved)."""
+        if not self.stage_layers:
+            return default_rank_layers(layers, self.pp)
+        held = [0] * self.pp
+        for stage, count in enumerate(self.stage_layers):
+            held[stage % self.pp] += count
+        return held
+
+    @property
+    def fsdp(self) -> bool:
+        """ZeRO >= 1 with TP or PP runs through FSDP2 (DeepSpeed only without them)."""
+        return self.framework == "ctxlaunch" and self.zero_stage > 0 and (self.tp > 1
+                                                                          or self.pp > 1)
+
+    @property
+    def fp32_weights(self) -> bool:
+        """fp32 weights with bf16 compute through autocast: ZeRO-0 and FSDP2."""
+        if self.framework == "megatron":
+            return False
+        return self.zero_stage == 0 or self.fsdp
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks that ZeRO shards model states over: DP x CP."""
+        return self.dp * self.cp
+
+    @property
+    def compute_bytes(self) -> int:
+        return 2 if self.dtype == "bf16" else 4
+
+    @property
+    def residual_bytes(self) -> int:
+        # ZeRO-0 bf16 runs under autocast: fp32 weights, so the residual stream stays fp32.
+        return 4 if self.dtype == "fp32" or self.fp32_weights else 2
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens of one micro-batch held by one rank (sequence split by CP)."""
+        return self.micro_batch * self.seq_len // self.cp
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted peak memory of one rank, by part, in bytes."""
+
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+    """Saved for backward at the peak (the start of backward)."""
+    workspace: int
+    """The largest transient on top: the chunked loss, or one block's attention buffers and
+    recomputation in backward."""
+    communication_buffers: int
+    """Gradient all-reduce / ZeRO buckets."""
+    allowance: int
+    capacity: int
+
+    @property
+    def total(self) -> int:
+        return (self.parameters + self.gradients + self.optimizer_states + self.activations
+                + self.workspace + self.communication_buffers + self.allowance)
+
+    @property
+    def headroom(self) -> int:
+        return self.capacity - self.total
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    def parts(self) -> list[tuple[str, int]]:
+        return [
+            ("parameters", self.parameters),
+            ("gradients", self.gradients),
+            ("optimizer_states", self.optimizer_states),
+            ("activations", self.activations),
+            ("workspace", self.workspace),
+            ("communication_buffers", self.communication_buffers),
+            ("allowance", self.allowance),
+        ]
+
+    def to_dict(self) -> dict[str, int | bool]:
+        out: dict[str, int | bool] = {f"{name}_bytes": value for name, value in self.parts()}
+        out.update(total_bytes=self.total, capacity_bytes=self.capacity,
+                   headroom_bytes=self.headroom, fits=self.fits)
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# activations
+# --------------------------------------------------------------------------------------------
+def block_activation_bytes_per_token(model: ModelSpec, layout: MemoryLayout) -> float:
+    """Bytes one transformer block saves for backward per token, for the layout's
+    checkpointing mode (the table in the module docstring)."""
+    a, r = layout.compute_bytes, layout.residual_bytes
+    h, f = model.hidden, model.ffn_hidden
+    h_kv = model.kv_hidden
+    attention_half = r * h + a * (4 * h + 2 * h_kv) + 4 * model.heads + 4
+    feed_forward_half = r * h + a * (h + 3 * f) + 4
+    # TP with sequence parallelism divides every per-token tensor by t except the gathered
+    # norm outputs the column-parallel projections keep (a*h per token of the whole CP shard,
+    # one before attention and one before the feed-forward): per sequence-parallel token that
+    # is a*h*t instead of a*h.
+    gathered = a * h * (layout.tp - 1) if layout.framework == "ctxlaunch" else 0
+    mode = layout.activation_checkpointing
+    if mode == "none":
+        return attention_half + feed_forward_half + 2 * gathered
+    if mode == "selective":
+        return attention_half + gathered + r * h
+    return r * h
+
+
+def _recompute_bytes_per_token(model: ModelSpec, layout: MemoryLayout) -> float:
+    """What recomputing one block in backward adds back while it is being differentiated."""
+    mode = layout.activation_checkpointing
+    if mode == "none":
+        return 0.0
+    full = block_activation_bytes_per_token(model, layout.replace(activation_checkpointing="none"))
+    if mode == "full":
+        return full
+    selective = block_activation_bytes_per_token(model, layout)
+    return full - selective
+
+
+def _attention_workspace_bytes_per_token(model: ModelSpec, layout: MemoryLayout) -> float:
+    """Transient buffers of one attention call in backward (its peak), per local token:
+    fp32 dQ accumulator, K/V grads and their transfer buffers, kernel outputs."""
+    a = layout.compute_bytes
+    h, h_kv = model.hidden, model.kv_hidden
+    kernel_grads = a * 3 * h  # dq, dk, dv from the kernel, K/V expanded to all query heads
+    if layout.cp == 1:
+        return kernel_grads
+    if layout.cp_algorithm == "ulysses":
+        # all-to-all in and out buffers for q, k, v (and their grads): same size per rank.
+        return 2 * a * (h + 2 * h_kv) + kernel_grads
+    # ring (and the ring part of hybrid): fp32 dQ, fp32 dK/dV in hand and in flight, K/V in
+    # hand and in flight.
+    return 4 * h + 2 * 2 * 4 * h_kv + 2 * 2 * a * h_kv + kernel_grads
+
+
+def _loss_workspace_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
+    """One chunk of the output head and cross-entropy: logits in the compute dtype, their fp32
+    copy, the fp32 log-softmax kept for backward, and the fp32 logits gradient."""
+    tokens = min(layout.tokens_per_rank, LOSS_CHUNK_TOKENS)
+    vocab = model.vocab / layout.tp
+    return (layout.compute_bytes + 12) * vocab * tokens
+
+
+def autocast_weight_copy_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
+    """ZeRO-0 bf16 runs under autocast: each block's matmuls save the bf16 copies of their fp32
+    weights for backward (2 bytes per weight), except where the block is recomputed."""
+    if layout.dtype != "bf16" or not layout.fp32_weights:
+        return 0.0
+    h, h_kv, f = model.hidden, model.kv_hidden, model.ffn_hidden
+    attention = h * (h + 2 * h_kv) + h * h
+    feed_forward = 3 * h * f
+    kept = {"none": attention + feed_forward, "selective": attention, "full": 0}
+    return 2.0 * kept[layout.activation_checkpointing] / layout.tp
+
+
+def activation_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
+    """Bytes saved for backward on the busiest rank (the busiest pipeline stage) at the start
+    of backward."""
+    if layout.pp == 1:
+        return stage_activation_bytes(model, layout, model.layers, first=True, last=True)
+    # 1F1B: stage r holds the activations of up to pp - r micro-batches in flight.
+    return max(min(layout.pp - r, layout.grad_accum)
+               * stage_activation_bytes(model, layout, held, first=r == 0,
+                                        last=r == layout.pp - 1)
+               for r, held in enumerate(layout.rank_layers(model.layers)))
+
+
+def stage_activation_bytes(model: ModelSpec, layout: MemoryLayout, blocks: int, *,
+                           first: bool, last: bool) -> float:
+    """Bytes one micro-batch leaves saved for backward on a pipeline stage of `blocks` blocks
+    (with the embedding if `first`, the final norm and the loss if `last`)."""
+    t = layout.tp
+    tokens = layout.tokens_per_rank / t  # per rank, sequence-parallel under TP
+    r = layout.residual_bytes
+    # Outside the blocks, per sequence-parallel token: the RoPE cos/sin tables (one pair for
+    # every block, over the CP shard's tokens); on the first stage the int64 token ids (and,
+    # under TP, the vocabulary mask of the parallel embedding); on the last the final RMSNorm
+    # input and rstd, its output gathered over TP as the input of the chunked loss (recomputed
+    # chunk by chunk), and the int64 targets.
+    outside = 2 * model.head_dim * layout.compute_bytes * t
+    if first:
+        outside += 8 * t + (t if t > 1 else 0)
+    if last:
+        outside += r * model.hidden + 4 + r * model.hidden * t + 8 * t
+    per_block = block_activation_bytes_per_token(model, layout)
+    return tokens * (per_block * blocks + outside) \
+        + autocast_weight_copy_bytes(model, layout) * blocks
+
+
+def default_rank_layers(layers: int, pp: int) -> list[int]:
+    """Blocks per PP rank when the layout names no split: the balanced split a validated spec
+    gets (ctxlaunch.contract.stages), so a layout that never went through a spec (advise's candidates, a
+    published run) is planned as it would run. Llama 3 405B at PP 16: 7, 8 x 14, 7, not 7 x 16."""
+    if layers < pp:  # no legal split; the validator names the error, the plan stays defined
+        return [1] * pp
+    return list(balanced_stage_layers(layers, pp))
+
+
+# --------------------------------------------------------------------------------------------
+# model states
+# --------------------------------------------------------------------------------------------
+def params_per_rank(model: ModelSpec, tp: int, pp: int,
+                    rank_layers: list[int] | None = None) -> int:
+    """Parameters held by the busiest rank before ZeRO sharding: a pipeline stage's blocks
+    (plus the embedding or the head on the end stages) split by TP. `rank_layers`: blocks per
+    PP rank (default: the balanced split the validator gives a spec, `default_rank_layers`)."""
+    counts = count_params(model)
+    if pp == 1:
+        return -(-counts.total // tp)
+    layers = rank_layers or default_rank_layers(model.layers, pp)
+    held = [counts.per_layer * n for n in layers]
+    held[0] += counts.embedding
+    held[-1] += counts.final_norm + counts.head
+    return -(-max(held) // tp)
+
+
+def model_state_bytes(params: int, largest_layer_params: int, stage: int, shard_group: int,
+                      dtype: str) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer states) bytes per rank; see the module docstring."""
+    n = shard_group
+    if stage == 0:
+        return 4 * params, 4 * params, 8 * params
+    if dtype == "bf16":
+        if stage == 1:
+            return 2 * params, 2 * params, 16 * params // n
+        if stage == 2:
+            return 2 * params, 2 * params // n, 16 * params // n
+        return 2 * params // n + 4 * largest_layer_params, 2 * params // n, 14 * params // n
+    if stage == 1:
+        return 4 * params, 4 * params, 12 * params // n
+    if stage == 2:
+        return 4 * params, 4 * params // n, 12 * params // n
+    return 4 * params // n + 4 * largest_layer_params, 4 * params // n, 12 * params // n
+
+
+def fsdp_state_bytes(params: int, largest_layer_params: int, stage: int,
+                     shard_group: int) -> tuple[int, int, int]:
+    """FSDP2 over DP x CP (ZeRO >= 1 with TP or PP): fp32 weights, gradients and Adam states
+    sharded, 16/Nd per parameter; ZeRO 1-2 keep every block's gathered fp32 weights from
+    forward to backward (4 per parameter at the peak), ZeRO-3 one block's at a time (and the
+    next one's, prefetched)."""
+    n = shard_group
+    if n == 1:  # nothing to shard over: the trainer keeps plain fp32 states (ZeRO-0)
+        return 4 * params, 4 * params, 8 * params
+    gathered = 4 * params if stage < 3 else 2 * 4 * largest_layer_params
+    return 4 * params // n + gathered, 4 * params // n, 8 * params // n
+
+
+def largest_layer_params(model: ModelSpec, tp: int = 1) -> int:
+    counts = count_params(model)
+    return -(-max(counts.per_layer, counts.embedding, counts.head) // tp)
+
+
+def _communication_buffer_bytes(layout: MemoryLayout) -> int:
+    if layout.shard_group == 1:
+        return 0
+    if layout.zero_stage == 0:
+        return 4 * GRAD_BUCKET_ELEMENTS
+    if layout.zero_stage in (1, 2):
+        return 2 * ZERO_BUCKET_ELEMENTS * layout.compute_bytes
+    return 2 * ZERO3_PREFETCH_ELEMENTS * layout.compute_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# the estimate and the searches
+# --------------------------------------------------------------------------------------------
+def estimate(model: ModelSpec, layout: MemoryLayout, gpu: GpuInfo) -> MemoryEstimate:
+    """Predicted peak memory of the busiest rank."""
+    params = params_per_rank(model, layout.tp, layout.pp, layout.rank_layers(model.layers))
+    if layout.fsdp:
+        parameters, gradients, optimizer = fsdp_state_bytes(
+            params, largest_layer_params(model, layout.tp), layout.zero_stage,
+            layout.shard_group)
+    else:
+        parameters, gradients, optimizer = model_state_bytes(
+            params, largest_layer_params(model, layout.tp), layout.zero_stage,
+            layout.shard_group, layout.dtype)
+    activations = activation_bytes(model, layout)
+    tokens = layout.tokens_per_rank / layout.tp
+    workspace = max(
+        _loss_workspace_bytes(model, layout),
+        tokens * (_attention_workspace_bytes_per_token(model, layout)
+                  + _recompute_bytes_per_token(model, layout)
+                  # gradients flowing between blocks: d(out) and d(in) of the block
+                  + 2 * layout.residual_bytes * model.hidden),
+    )
+    comm = _communication_buffer_bytes(layout)
+    known = parameters + gradients + optimizer + activations + workspace + comm
+    fixed = CPU_FIXED_ALLOWANCE if gpu.name == "cpu" else GPU_FIXED_ALLOWANCE
+    return MemoryEstimate(
+        parameters=int(parameters), gradients=int(gradients), optimizer_states=int(optimizer),
+        activations=int(activations), workspace=int(workspace), communication_buffers=int(comm),
+        allowance=int(fixed + FRAGMENTATION * known), capacity=gpu.memory_bytes,
+    )
+
+
+def sequence_granularity(cp: int, layout_kind: str = "zigzag") -> int:
+    """Sequence lengths the planner tries are multiples of this (legal for the CP layout)."""
+    unit = 2 * cp if layout_kind == "zigzag" else cp
+    return max(unit, 1024) if 1024 % unit == 0 else unit
+
+
+def longest_sequence(model: ModelSpec, layout: MemoryLayout, gpu: GpuInfo,
+                     layout_kind: str = "zigzag", limit: int = 1 << 24) -> int:
+    """The longest sequence (a multiple of `sequence_granularity`) that fits at the layout's
+    CP degree; 0 when not even the shortest fits."""
+    unit = sequence_granularity(layout.cp, layout_kind)
+
+    def fits(n_units: int) -> bool:
+        return estimate(model, layout.replace(seq_len=n_units * unit), gpu).fits
+
+    lo, hi = 0, limit // unit
+    if fits(hi):
+        return hi * unit
+    while hi - lo > 1:  # invariant: lo fits (or is 0), hi does not
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo * unit

@@ -1,0 +1,407 @@
+"""`ctxlaunch advise`: every legal layout for a spec's model, sequence and cluster, ranked by the
+step-time model among those the planner says fit.
+
+The search holds what the user fixed (model, sequence length, tokens per step, GPU type,
+fabric, the CP sharding layout) and varies the rest: TP (within the NVLink domain), PP and its
+virtual stages, CP degree and algorithm (ring, Ulysses, hybrid with each Ulysses degree), DP
+(what is left), ZeRO stage, activation checkpointing and micro-batch. Legality is the spec
+validator's own (`spec.layout_problems`), never a copy of its rules.
+
+Pruning, so a 70B model on 512 GPUs answers in about a second:
+- one validator call per set of degrees, then per virtual-stage count and micro-batch;
+- memory first: if a layout does not fit with full checkpointing and ZeRO-3 at one sequence
+  per micro-batch, nothing of it fits (memory only grows with less of either or a larger
+  micro-batch), so nothing of it is timed;
+- of the (checkpointing, ZeRO) settings that fit, only the two lightest checkpointing modes
+  are timed: more recomputation than a setting that already fits only adds time.
+Every layout is accounted for: ranked (the fastest setting of each set of degrees), or
+rejected as illegal (the validator's reason), no fit (the planner's total), or dominated
+(fits, but slower than the ranked setting of the same degrees, or pruned as above).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from ctxlaunch.contract.hardware import GiB
+from ctxlaunch.contract.spec import JobSpec, layout_problems, problem_message
+from ctxlaunch.perf.memory import MemoryEstimate, estimate
+from ctxlaunch.perf.steptime import Machine, StepLayout, StepTime, machine_for_spec, predict
+
+CHECKPOINTING = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+MICRO_BATCHES = (1, 2, 4, 8)
+MAX_VIRTUAL_STAGES = 8
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """How the GPUs are split: the part of a layout that needs the validator."""
+
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    cp_algorithm: str
+    ulysses_degree: int
+
+    def describe(self) -> str:
+        algo = ("" if self.cp == 1 else f" {self.cp_algorithm}"
+                + (f" u{self.ulysses_degree}" if self.cp_algorithm == "hybrid" else ""))
+        return f"tp {self.tp} pp {self.pp} cp {self.cp}{algo} dp {self.dp}"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout that fits, with its predicted memory and step time."""
+
+    degrees: Degrees
+    layout: StepLayout
+    memory: MemoryEstimate
+    time: StepTime
+
+    def changes(self) -> dict[str, Any]:
+        """The spec fields that make a spec this layout (`--set` paths)."""
+        d, lay = self.degrees, self.layout
+        return {
+            "parallel.tp": d.tp, "parallel.pp": d.pp, "parallel.cp": d.cp, "parallel.dp": d.dp,
+            "parallel.cp_algorithm": d.cp_algorithm,
+            "parallel.ulysses_degree": d.ulysses_degree if d.cp_algorithm == "hybrid" else None,
+            "parallel.ring_degree": None,
+            "parallel.virtual_stages": lay.virtual_stages,
+            "training.micro_batch": lay.micro_batch,
+            "training.global_batch": lay.micro_batch * lay.grad_accum * d.dp,
+            "training.grad_accum": None,
+            "training.zero_stage": lay.zero_stage,
+            "training.activation_checkpointing": lay.activation_checkpointing,
+        }
+
+    def describe(self) -> str:
+        lay = self.layout
+        v = f" v{lay.virtual_stages}" if lay.virtual_stages > 1 else ""
+        return (f"{self.degrees.describe()}{v}, mb {lay.micro_batch}, ZeRO-{lay.zero_stage}, "
+                f"checkpointing {lay.activation_checkpointing}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": self.describe(), "changes": self.changes(),
+                "memory_total_bytes": self.memory.total, "fits": self.memory.fits,
+                **self.time.to_dict()}
+
+
+@dataclass(frozen=True)
+class Rejection:
+    kind: str
+    """illegal, no fit, or dominated."""
+    layout: str
+    reason: str
+
+
+@dataclass
+class Advice:
+    spec: JobSpec
+    nodes: int
+    gpus_per_node: int
+    ranked: list[Candidate]
+    rejected: list[Rejection]
+    layouts_timed: int = 0
+    """Step-time predictions made (what pruning keeps small)."""
+    memory_estimates: int = 0
+    validator_calls: int = 0
+    notes: list[str] = field(default_factory=list)
+    own: StepTime | None = None
+    """The spec's own layout, predicted, where it is legal and fits on the same GPUs."""
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.ranked[0] if self.ranked else None
+
+    def rejected_by_kind(self) -> dict[str, list[Rejection]]:
+        out: dict[str, list[Rejection]] = {"illegal": [], "no fit": [], "dominated": []}
+        for r in self.rejected:
+            out[r.kind].append(r)
+        return out
+
+    def to_dict(self, top: int | None = None) -> dict[str, Any]:
+        groups = self.rejected_by_kind()
+        return {
+            "job": self.spec.name, "gpu": self.spec.cluster.gpu, "nodes": self.nodes,
+            "gpus_per_node": self.gpus_per_node, "seq_len": self.spec.training.seq_len,
+            "tokens_per_step": self.spec.tokens_per_step,
+            "layouts_timed": self.layouts_timed, "memory_estimates": self.memory_estimates,
+            "validator_calls": self.validator_calls,
+            "ranked": [c.to_dict() for c in self.ranked[:top]],
+            "ranked_total": len(self.ranked),
+            "own_layout": self.own.to_dict() if self.own else None,
+            "rejected": {kind: {"count": len(items),
+                                "layouts": [{"layout": r.layout, "reason": r.reason}
+                                            for r in items]}
+                         for kind, items in groups.items()},
+            "notes": self.notes,
+        }
+
+
+def _rank_key(c: Candidate) -> tuple[float, int, int, int, int, int]:
+    """Fastest first; among layouts the model cannot tell apart (same step time to four
+    digits), the simpler one: less model parallelism (TP x PP x CP), lower ZeRO stage, smaller
+    micro-batch, fewer virtual stages, then less memory."""
+    lay = c.layout
+    return (float(f"{c.time.step_seconds:.4g}"), lay.tp * lay.pp * lay.cp, lay.zero_stage,
+            lay.micro_batch, lay.virtual_stages, c.memory.total)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _variant(spec: JobSpec, degrees: Degrees, *, virtual_stages: int = 1,
+             micro_batch: int = 1, global_batch: int) -> JobSpec:
+    """The spec with these degrees (not re-validated: `layout_problems` is the check)."""
+    parallel = spec.parallel.model_copy(update={
+        "tp": degrees.tp, "pp": degrees.pp, "cp": degrees.cp, "dp": degrees.dp,
+        "cp_algorithm": degrees.cp_algorithm,
+        "ulysses_degree": degrees.ulysses_degree if degrees.cp_algorithm == "hybrid" else None,
+        "ring_degree": None, "virtual_stages": virtual_stages})
+    training = spec.training.model_copy(update={
+        "micro_batch": micro_batch, "global_batch": global_batch, "grad_accum": None})
+    return spec.model_copy(update={"parallel": parallel, "training": training})
+
+
+def degree_options(spec: JobSpec, world: int, gpus_per_node: int,
+                   nvlink_domain: int) -> list[Degrees]:
+    """Every split of `world` GPUs into TP x PP x CP x DP with a CP algorithm; TP stays inside
+    the NVLink domain (and a node); PP up to one layer per stage."""
+    model = spec.model
+    tp_limit = min(nvlink_domain, gpus_per_node)
+    pp_limit = model.layers
+    out = []
+    for tp in _divisors(world):
+        if tp > tp_limit:
+            break
+        for pp in _divisors(world // tp):
+            if pp > pp_limit:
+                break
+            for cp in _divisors(world // (tp * pp)):
+                dp = world // (tp * pp * cp)
+                if cp == 1:
+                    out.append(Degrees(tp, pp, 1, dp, "ring", 1))
+                    continue
+                out.append(Degrees(tp, pp, cp, dp, "ring", 1))
+                out.append(Degrees(tp, pp, cp, dp, "ulysses", cp))
+                out.extend(Degrees(tp, pp, cp, dp, "hybrid", u)
+                           for u in _divisors(cp) if 1 < u < cp)
+    return out
+
+
+def advise(spec: JobSpec, *, nodes: int | None = None, gpus_per_node: int | None = None,
+           machine: Machine | None = None, matmul_precision: str | None = None) -> Advice:
+    """Rank every legal layout of `spec` on `nodes` x `gpus_per_node` GPUs (the spec's own by
+    default). The tokens per step (global batch x seq_len) are held. `matmul_precision` fp8
+    ranks as if the weight matmuls ran in FP8 (the bundled trainer runs bf16/fp32 only)."""
+    nodes = nodes or spec.cluster.nodes
+    gpn = gpus_per_node or spec.cluster.gpus_per_node
+    world = nodes * gpn
+    cluster = spec.cluster.model_copy(update={"nodes": nodes, "gpus_per_node": gpn})
+    base = spec.model_copy(update={"cluster": cluster})
+    machine = machine or machine_for_spec(base)
+    gpu = cluster.gpu_info
+    global_batch = spec.global_batch
+    model = spec.model
+    advice = Advice(spec=base, nodes=nodes, gpus_per_node=gpn, ranked=[], rejected=[])
+
+    def problem(variant: JobSpec) -> str | None:
+        advice.validator_calls += 1
+        problems = layout_problems(variant)
+        return problem_message(problems[0]) if problems else None
+
+    def memory(layout: StepLayout) -> MemoryEstimate:
+        advice.memory_estimates += 1
+        return estimate(model, layout.memory(), gpu)
+
+    for degrees in degree_options(base, world, gpn, machine.nvlink_domain):
+        why = problem(_variant(base, degrees, global_batch=global_batch))
+        if why is not None:
+            advice.rejected.append(Rejection("illegal", degrees.describe(), why))
+            continue
+        timed: list[Candidate] = []
+        for micro_batch in MICRO_BATCHES:
+            if global_batch % (micro_batch * degrees.dp):
+                continue
+            if micro_batch > 1 and problem(_variant(base, degrees, micro_batch=micro_batch,
+                                                    global_batch=global_batch)):
+                continue
+            layout = StepLayout(
+                seq_len=spec.training.seq_len, micro_batch=micro_batch,
+                grad_accum=global_batch // (micro_batch * degrees.dp), tp=degrees.tp,
+                pp=degrees.pp, cp=degrees.cp, dp=degrees.dp, cp_algorithm=degrees.cp_algorithm,
+                ulysses_degree=degrees.ulysses_degree, dtype=model.dtype,
+                matmul_precision=matmul_precision or (
+                    "bf16" if model.dtype == "bf16" else "fp32"))
+            leanest = memory(layout.replace(activation_checkpointing="full", zero_stage=3))
+            if not leanest.fits:
+                what = degrees.describe() + f", mb {micro_batch}"
+                advice.rejected.append(Rejection(
+                    "no fit", what, f"{leanest.total / GiB:.1f} GiB with full checkpointing "
+                    f"and ZeRO-3, of {leanest.capacity / GiB:.1f} GiB"))
+                break  # a larger micro-batch needs more
+            settings = []
+            for mode in CHECKPOINTING:
+                fitting = [(mode, z) for z in ZERO_STAGES
+                           if (e := memory(layout.replace(activation_checkpointing=mode,
+                                                          zero_stage=z))).fits]
+                if fitting:
+                    settings.append(fitting)
+            timed_modes, pruned = settings[:2], settings[2:]
+            for group in pruned:
+                for mode, z in group:
+                    advice.rejected.append(Rejection(
+                        "dominated", f"{degrees.describe()}, mb {micro_batch}, ZeRO-{z}, "
+                        f"checkpointing {mode}", "fits, but recomputes more than a lighter "
+                        "setting of the same layout that also fits"))
+            stages = [1]
+            if degrees.pp > 1:
+                stages = [v for v in _divisors(model.layers // degrees.pp)
+                          if v <= MAX_VIRTUAL_STAGES]
+            for v in stages:
+                if v > 1 and problem(_variant(base, degrees, virtual_stages=v,
+                                              micro_batch=micro_batch,
+                                              global_batch=global_batch)):
+                    continue
+                for mode, z in itertools.chain.from_iterable(timed_modes):
+                    candidate_layout = layout.replace(activation_checkpointing=mode,
+                                                      zero_stage=z, virtual_stages=v)
+                    advice.layouts_timed += 1
+                    timed.append(Candidate(degrees, candidate_layout, memory(candidate_layout),
+                                           predict(model, candidate_layout, machine)))
+        if not timed:
+            continue
+        timed.sort(key=_rank_key)
+        advice.ranked.append(timed[0])
+        for other in timed[1:]:
+            advice.rejected.append(Rejection(
+                "dominated", other.describe(),
+                f"{other.time.step_seconds / timed[0].time.step_seconds - 1:+.1%} step time "
+                f"against {timed[0].describe()}"))
+    advice.ranked.sort(key=_rank_key)
+    if (nodes, gpn) == (spec.cluster.nodes, spec.cluster.gpus_per_node) \
+            and not layout_problems(spec):
+        own = StepLayout.from_spec(spec)
+        if estimate(model, own.memory(), gpu).fits:
+            advice.own = predict(model, own, machine)
+    if not advice.ranked:
+        advice.notes.append("no layout fits on this many GPUs: add GPUs (--gpus, --nodes) or "
+                            "shorten the sequence")
+    return advice
+
+
+# --------------------------------------------------------------------------------------------
+# the command's input and output
+# --------------------------------------------------------------------------------------------
+def load_for_advice(path: Any, overrides: list[str] | None
+                    ) -> tuple[dict[str, Any], JobSpec, str | None]:
+    """(the spec's data with the overrides, the validated spec, a note). A spec whose only
+    problems are its layout is still advised on: its parallel section is reset to one GPU per
+    replica (the search varies it anyway) and the note says so. Anything else raises the
+    SpecError."""
+    from ctxlaunch.contract.loader import SpecError, apply_overrides, read_spec_data, validate_spec
+
+    data = apply_overrides(read_spec_data(path), overrides or ())
+    try:
+        return data, validate_spec(data, str(path)), None
+    except SpecError as exc:
+        layout_only = all(p.path.startswith(("parallel", "training.seq_len",
+                                             "training.global_batch", "training.grad_accum"))
+                          for p in exc.problems)
+        if not layout_only:
+            raise
+        reset = {k: v for k, v in (data.get("parallel") or {}).items() if k == "layout"}
+        try:
+            job = validate_spec({**data, "parallel": reset}, str(path))
+        except SpecError:
+            raise exc from None
+        return data, job, (f"the spec's own layout is illegal ({exc.problems[0]}); advising "
+                           "over every layout")
+
+
+def machine_for_advice(spec: JobSpec, nodes: int | None, gpus_per_node: int) -> Machine:
+    """The spec's machine on the asked-for allocation; on `gpu: cpu` the constants measured
+    here by `ctxlaunch calibrate`, where they exist."""
+    cluster = spec.cluster.model_copy(update={"nodes": nodes or spec.cluster.nodes,
+                                              "gpus_per_node": gpus_per_node})
+    variant = spec.model_copy(update={"cluster": cluster})
+    calibration = None
+    if spec.cluster.gpu == "cpu":
+        from ctxlaunch.perf.machine import load_calibration
+
+        calibration = load_calibration()
+    return machine_for_spec(variant, calibration)
+
+
+def advice_spec_text(data: dict[str, Any], advice: Advice, source: str) -> str:
+    """The user's spec (their own YAML mapping, presets kept) with the fastest layout set;
+    validated before it is written."""
+    import json
+
+    import yaml
+
+    from ctxlaunch.contract.loader import apply_overrides, validate_spec
+
+    assert advice.best is not None
+    changes = {**advice.best.changes(), "cluster.nodes": advice.nodes,
+               "cluster.gpus_per_node": advice.gpus_per_node}
+    new = apply_overrides(data, [f"{k}={json.dumps(v)}" for k, v in changes.items()])
+    for section in ("parallel", "training"):  # drop the nulls the changes set
+        new[section] = {k: v for k, v in new[section].items() if v is not None}
+    validate_spec(new, source)
+    header = (f"# ctxlaunch advise: {advice.best.describe()}; predicted "
+              f"{advice.best.time.step_seconds:.3g} s/step, "
+              f"{advice.best.time.tokens_per_second_per_gpu:,.0f} tokens/s/GPU, "
+              f"{advice.best.memory.total / GiB:.1f} GiB/GPU\n")
+    return header + yaml.safe_dump(new, sort_keys=False)
+
+
+def print_advice(console: Any, advice: Advice, top: int) -> None:
+    from rich.table import Table
+
+    s = advice.spec
+    for note in advice.notes:
+        console.print(f"note: {note}", markup=False)
+    console.print(f"[bold]{s.name}[/]: {s.model.preset or 'custom'} model, seq_len "
+                  f"{s.training.seq_len:,}, {s.tokens_per_step:,} tokens per step, "
+                  f"{advice.nodes} x {advice.gpus_per_node} {s.cluster.gpu} over "
+                  f"{s.fabric.network}")
+    table = Table(title=f"Fastest layouts that fit ({len(advice.ranked)} ranked)",
+                  title_justify="left")
+    for column in ("#", "layout", "GiB/GPU", "step s", "tokens/s/GPU", "MFU full",
+                   "MFU causal", "largest overhead"):
+        table.add_column(column, justify="left" if column in ("layout", "largest overhead")
+                         else "right")
+    compute = ("compute_matmul", "compute_attention", "compute_elementwise")
+    for i, c in enumerate(advice.ranked[:top], 1):
+        overheads = {k: v for k, v in c.time.terms.items()
+                     if k not in compute and v > 1e-3 * c.time.step_seconds}
+        worst = max(overheads, key=overheads.__getitem__) if overheads else None
+        worst_text = (f"{worst.replace('_', ' ')} {overheads[worst] / c.time.step_seconds:.1%}"
+                      if worst else "-")
+        table.add_row(str(i), c.describe(), f"{c.memory.total / GiB:,.1f}",
+                      f"{c.time.step_seconds:.4g}", f"{c.time.tokens_per_second_per_gpu:,.0f}",
+                      f"{c.time.mfu['full']:.1%}", f"{c.time.mfu['causal']:.1%}", worst_text)
+    console.print(table)
+    if advice.own is not None and advice.best is not None:
+        p = s.parallel
+        console.print(
+            f"the spec's own layout (tp {p.tp} pp {p.pp} cp {p.cp} {p.cp_algorithm}, "
+            f"ZeRO-{s.training.zero_stage}, checkpointing {s.training.activation_checkpointing}"
+            f"): {advice.own.step_seconds:.4g} s/step, "
+            f"{advice.own.tokens_per_second_per_gpu:,.0f} tokens/s/GPU; the fastest is "
+            f"{advice.own.step_seconds / advice.best.time.step_seconds - 1:.1%} faster",
+            markup=False)
+    for kind, items in advice.rejected_by_kind().items():
+        if not items:
+            continue
+        console.print(f"rejected, {kind}: {len(items)}", markup=False)
+        for r in items[:3]:
+            console.print(f"  {r.layout}: {r.reason}", markup=False)
+    console.print(f"timed {advice.layouts_timed} layouts ({advice.memory_estimates} memory "
+                  f"estimates, {advice.validator_calls} validator calls)", markup=False)

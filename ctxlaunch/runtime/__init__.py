@@ -1,0 +1,2 @@
+"""What runs inside the job: the trainer, its telemetry, the pod entry point and the calibration
+measurements."""

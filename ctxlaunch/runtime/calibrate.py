@@ -1,0 +1,323 @@
+"""Measuring this machine for the step-time model on `gpu: cpu`: matmul, attention through the
+trainer's kernels, memory, gloo loopback and the real model's fixed cost. The record and its
+file live in ctxlaunch.perf.machine."""
+
+from __future__ import annotations
+
+from ctxlaunch.perf.machine import Calibration, load_calibration, save_calibration
+
+__all__ = ["Calibration", "load_calibration", "measure", "save_calibration"]
+
+
+# --------------------------------------------------------------------------------------------
+# measuring (torch imported here only)
+# --------------------------------------------------------------------------------------------
+def _best_seconds(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    import time
+
+    fn()  # warm-up: thread pool, packing, allocator
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_compute(*, heads: int = 4, head_dim: int = 32, seq: int = 2048,
+                    dtype: str = "fp32", repeats: int = 5,
+                    projections: tuple[tuple[int, int], ...] = (), threads: int = 0
+                    ) -> tuple[float, float, float, float]:
+    """(matmul FLOP/s, attention FLOP/s forward + backward on a full block, the causal
+    diagonal's waste in tokens, copy bytes/s), each from the best of `repeats` runs with all of
+    this machine's cores in this process. The matmul rate is the model's own: forward and both
+    backward products of every (in, out) projection in `projections` over `seq` tokens (a
+    1024-square product where none are given); small inner dimensions run well below a large
+    square's rate. Attention runs through the trainer's own kernels (ctxlaunch.cp.kernels) at
+    the model's heads and head_dim: 12 x heads x head_dim x s x s FLOPs on a full block; a
+    causal block of s tokens takes as long as s*(s + T)/2 entries. `threads`: how many to use
+    (0: every core)."""
+    import os
+
+    import torch
+
+    from ctxlaunch.cp.kernels import attention_backward, attention_forward
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    kind = torch.float32 if dtype == "fp32" else torch.bfloat16
+    if projections:
+        weights = [torch.randn(i, o, dtype=kind) for i, o in projections]
+        inputs = [torch.randn(seq, i, dtype=kind) for i, _ in projections]
+        grads = [torch.randn(seq, o, dtype=kind) for _, o in projections]
+
+        def products() -> None:
+            for x, w, g in zip(inputs, weights, grads):
+                torch.mm(x, w)      # forward
+                torch.mm(g, w.t())  # input gradient
+                torch.mm(x.t(), g)  # weight gradient
+
+        flops = sum(6.0 * seq * i * o for i, o in projections)
+        matmul = flops / _best_seconds(products, repeats)
+    else:
+        n = 1024
+        a, b = torch.randn(n, n, dtype=kind), torch.randn(n, n, dtype=kind)
+        matmul = 2.0 * n**3 / _best_seconds(lambda: torch.mm(a, b), repeats)
+
+    q = torch.randn(1, heads, seq, head_dim, dtype=kind)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    scale = head_dim**-0.5
+
+    def attention(causal: bool) -> None:
+        out, lse = attention_forward(q, k, v, causal, scale)
+        attention_backward(torch.ones_like(out), q, k, v, out, lse, causal, scale)
+
+    full_seconds = _best_seconds(lambda: attention(False), repeats)
+    causal_seconds = _best_seconds(lambda: attention(True), repeats)
+    attention_rate = 12.0 * heads * head_dim * seq * seq / full_seconds
+    # causal / full = (s + T) / (2 s)
+    tile = max(seq * (2 * causal_seconds / full_seconds - 1), 0.0)
+
+    x = torch.empty(16 * 2**20, dtype=torch.float32)
+    y = torch.empty_like(x)
+    copy = 2 * x.numel() * 4 / _best_seconds(lambda: y.copy_(x), repeats)
+    return matmul, attention_rate, tile, copy
+
+
+def _run_ranks(target, ranks: int, args: tuple, expect: int, timeout_s: float,  # type: ignore[no-untyped-def]
+               what: str) -> list:
+    """Run `target(rank, init_file, *args, results)` in `ranks` spawned processes; collect
+    `expect` results. A process that dies or a run past `timeout_s` ends every process and
+    raises RuntimeError: a measurement never hangs."""
+    import os
+    import queue
+    import tempfile
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="ctxlaunch_calibrate_")
+    os.close(fd)
+    os.unlink(init_file)  # the file store creates it
+    procs = [ctx.Process(target=target, args=(r, init_file, *args, results), daemon=True)
+             for r in range(ranks)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    values: list = []
+    try:
+        while len(values) < expect:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not finish in {timeout_s:.0f} s")
+            try:
+                values.append(results.get(timeout=1.0))
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"{what}: a process died (exit codes "
+                                       f"{[p.exitcode for p in procs]})") from None
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    return values
+
+
+def _pingpong(rank: int, init_file: str, sizes: list[int], repeats: int, results) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    out = []
+    for size in sizes:
+        buffer = torch.empty(size // 4, dtype=torch.float32)
+        best = float("inf")
+        for _ in range(repeats + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, 1)
+                dist.recv(buffer, 1)
+            else:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+            best = min(best, (time.perf_counter() - start) / 2)
+        out.append(best)
+    if rank == 0:
+        results.put(out)
+    dist.destroy_process_group()
+
+
+def _sync_worker(rank: int, init_file: str, world: int, iterations: int, size: int,  # type: ignore[no-untyped-def]
+                 results) -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    a = torch.randn(size, size)
+    message = torch.zeros(1024)
+    incoming = torch.empty_like(message)
+
+    def run(exchange: bool) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iterations):
+            torch.mm(a, a)
+            if exchange:
+                ops = [dist.P2POp(dist.isend, message, (rank + 1) % world),
+                       dist.P2POp(dist.irecv, incoming, (rank - 1) % world)]
+                for request in dist.batch_isend_irecv(ops):
+                    request.wait()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    run(True)  # warm-up
+    alone = min(run(False) for _ in range(2))
+    synced = min(run(True) for _ in range(2))
+    results.put((rank, max(synced - alone, 0.0) / iterations))
+    dist.destroy_process_group()
+
+
+def measure_sync(ranks: int, *, iterations: int = 40, size: int = 192,
+                 timeout_s: float = 120.0) -> float:
+    """Seconds one ring exchange adds between compute steps when `ranks` processes (one thread
+    each) share the cores, as the trainer's ranks do: every rank computes, then sends to the
+    next and receives from the previous; less the same compute without the exchanges."""
+    values = [v for _, v in _run_ranks(_sync_worker, ranks, (ranks, iterations, size), ranks,
+                                       timeout_s, "sync measurement")]
+    return sum(values) / len(values)
+
+
+def measure_loopback(sizes: tuple[int, ...] = (4096, 262144, 4 * 2**20, 16 * 2**20),
+                     repeats: int = 5, timeout_s: float = 120.0) -> tuple[float, float]:
+    """(bytes/s, latency s) of gloo point-to-point between two processes over 127.0.0.1: the
+    least-squares line through the best one-way time at each message size."""
+    (times,) = _run_ranks(_pingpong, 2, (list(sizes), repeats), 1, timeout_s,
+                          "gloo loopback measurement")
+    n = len(sizes)
+    mean_x, mean_y = sum(sizes) / n, sum(times) / n
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, times))
+             / sum((x - mean_x) ** 2 for x in sizes))
+    # A burst of load elsewhere can tilt the line: never below the largest message's own rate.
+    bandwidth = max(1.0 / slope if slope > 0 else 0.0, sizes[-1] / times[-1])
+    # The smallest message's time less its transfer: the intercept of a line through points
+    # this far apart is too noisy to use.
+    latency = max(times[0] - sizes[0] / bandwidth, 1e-6)
+    return bandwidth, latency
+
+
+def _model_step_seconds(model, seq: int, repeats: int,  # type: ignore[no-untyped-def]
+                        threads: int = 0) -> float:
+    """Best time of the trainer's own model (forward, backward, AdamW step) at `seq` tokens,
+    with `threads` threads in this process (0: every core)."""
+    import os
+
+    import torch
+
+    from ctxlaunch.runtime.trainer.model import Transformer
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    net = Transformer.from_spec(model)
+    net.init_weights(0)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=True)
+    tokens = torch.randint(0, model.vocab, (1, seq))
+    positions = torch.arange(seq)
+
+    def step() -> None:
+        net(tokens, positions, tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return _best_seconds(step, repeats)
+
+
+def measure_model_residual(model, calibration: Calibration, *,  # type: ignore[no-untyped-def]
+                           lengths: tuple[int, int] = (256, 1024), repeats: int = 5,
+                           threads: int = 0) -> tuple[float, float]:
+    """(fixed seconds per micro-batch, elementwise bytes/s) from the real model's step at two
+    short lengths, where attention is small: what the matmul, attention and optimizer terms
+    (at the rates just measured) leave is a fixed cost plus a per-token one. The per-token part
+    is the elementwise work, which eager torch runs far below a copy's bandwidth on small
+    tensors; it sets the elementwise rate, and the intercept the fixed cost (never negative).
+    Measured at lengths the benchmark sweeps never use, so nothing is fitted on them. With
+    `threads` = 1 the one-thread rates of `calibration` stand in (one rank per core)."""
+    import dataclasses
+
+    from ctxlaunch.perf.steptime import StepLayout, predict
+
+    ranks = calibration.cores if threads == 1 else 1
+    # The elementwise term at the copy rate (as `rate` below starts from), whatever was fitted.
+    bare = dataclasses.replace(calibration, elementwise_bytes_per_second=0.0)
+    machine = dataclasses.replace(bare.machine(gpus_per_node=ranks),
+                                  microbatch_overhead_seconds=0.0, sync_seconds=0.0)
+    residual, modelled_elementwise = [], []
+    for seq in lengths:
+        seconds = _model_step_seconds(model, seq, repeats, threads)
+        terms = predict(model, StepLayout(seq_len=seq, dtype=model.dtype,
+                                          matmul_precision=model.dtype), machine).terms
+        elementwise = terms["compute_elementwise"]
+        residual.append(seconds - (sum(terms.values()) - elementwise))
+        modelled_elementwise.append(elementwise)
+    (s1, s2), (r1, r2), (e1, e2) = lengths, residual, modelled_elementwise
+    per_token = (r2 - r1) / (s2 - s1)
+    modelled_per_token = (e2 - e1) / (s2 - s1)
+    rate = calibration.memory_bytes_per_second / ranks
+    if per_token > 0.05 * modelled_per_token:  # a slope lost in noise keeps the copy rate
+        rate *= modelled_per_token / per_token
+    fixed = max(r1 - max(per_token, 0.0) * s1, 0.0)
+    return fixed, rate
+
+
+def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str = "fp32",
+            repeats: int = 5, sizes: tuple[int, ...] = (4096, 262144, 4 * 2**20, 16 * 2**20),
+            model=None, sync_ranks: tuple[int, ...] = (2, 4)
+            ) -> Calibration:  # type: ignore[no-untyped-def]
+    """Every constant the step-time model needs on this CPU; `model` (a ModelSpec, default the
+    tiny preset) is what the matmul rate, the elementwise rate and the per-micro-batch overhead
+    are measured on."""
+    import dataclasses
+    import datetime
+    import os
+
+    from ctxlaunch.contract.spec import ModelSpec
+
+    model = model or ModelSpec(preset="tiny", dtype=dtype)
+    projections = ((model.hidden, model.hidden + 2 * model.kv_hidden),  # fused q, k, v
+                   (model.hidden, model.hidden),                        # output
+                   (model.hidden, 2 * model.ffn_hidden),                # fused gate, up
+                   (model.ffn_hidden, model.hidden))                    # down
+    matmul, attention, tile, copy = measure_compute(heads=heads, head_dim=head_dim, seq=seq,
+                                                    dtype=dtype, repeats=repeats,
+                                                    projections=projections)
+    bandwidth, latency = measure_loopback(sizes=sizes, repeats=repeats)
+    calibration = Calibration(
+        matmul_flops_per_second=matmul, attention_flops_per_second=attention,
+        memory_bytes_per_second=copy, link_bytes_per_second=bandwidth,
+        link_latency_seconds=latency, cores=os.cpu_count() or 1, causal_tile_tokens=tile,
+        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    overhead, elementwise = measure_model_residual(model, calibration, repeats=repeats)
+    # One thread: what each rank gets when the ranks fill the cores.
+    matmul_1, attention_1, _, _ = measure_compute(heads=heads, head_dim=head_dim, seq=seq,
+                                                  dtype=dtype, repeats=repeats,
+                                                  projections=projections, threads=1)
+    calibration = dataclasses.replace(
+        calibration, one_thread={"matmul": matmul_1, "attention": attention_1})
+    overhead_1, elementwise_1 = measure_model_residual(model, calibration, repeats=repeats,
+                                                       threads=1)
+    syncs = {str(n): measure_sync(n) for n in sync_ranks}
+    return dataclasses.replace(
+        calibration, microbatch_overhead_seconds=overhead,
+        elementwise_bytes_per_second=elementwise, sync_seconds=syncs,
+        one_thread={"matmul": matmul_1, "attention": attention_1,
+                    "elementwise": elementwise_1, "microbatch_overhead": overhead_1})

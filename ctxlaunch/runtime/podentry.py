@@ -1,0 +1,64 @@
+"""`python3 -m ctxlaunch.podentry SPEC`: the container command of every PyTorchJob pod.
+
+It runs torchrun (which takes the node count, node rank, ranks per node and master address
+from the PET_* variables the training operator sets) on the bundled trainer, passes stop
+signals on (pod eviction and node drain send SIGTERM: every rank checkpoints and exits
+PREEMPTED), then exits with a status the operator's restartPolicy ExitCode reads right:
+torchrun itself reports 1 for any failure, so the ranks' own statuses (written to
+<run dir>/exit/rank-<r>) decide, through exitcodes.pod_exit_status: a checkpointed stop
+restarts the pod, a bad spec, an OOM or a failure ends the job.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract.rundir import EXIT_DIR, TRAINER_MODULE, combine_exit_codes, rank_exit_codes
+
+DEFAULT_RUN_DIR = "/tmp/ctxlaunch-run"
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def torchrun_command(spec_path: str, run_dir: Path) -> list[str]:
+    # --role=rank --tee=3: every line of rank r is prefixed "[rank<r>]:", so `ctxlaunch logs
+    # --rank` can pick one rank's lines out of a pod's log.
+    return [sys.executable, "-m", "torch.distributed.run", "--role=rank", "--tee=3",
+            "-m", TRAINER_MODULE, spec_path, "--run-dir", str(run_dir)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python3 -m ctxlaunch.podentry SPEC", file=sys.stderr)
+        return exitcodes.BAD_INPUT
+    run_dir = Path(os.environ.get("CTXLAUNCH_RUN_DIR") or DEFAULT_RUN_DIR)
+    # Statuses of an earlier attempt in this directory must not speak for this one.
+    shutil.rmtree(run_dir / EXIT_DIR, ignore_errors=True)
+    process = subprocess.Popen(torchrun_command(args[0], run_dir))
+
+    def forward(signum: int, _frame: object) -> None:
+        process.send_signal(signum)
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    returncode = process.wait()
+    if returncode == 0:
+        return exitcodes.OK
+    per_node = int(os.environ.get("PET_NPROC_PER_NODE") or 1)
+    node_rank = int(os.environ.get("PET_NODE_RANK") or 0)
+    codes = rank_exit_codes(run_dir, per_node, first=node_rank * per_node)
+    status = combine_exit_codes(codes)
+    print(f"ctxlaunch: torchrun exited {returncode}; rank exit statuses "
+          + ", ".join("killed" if c is None else str(c) for c in codes)
+          + f"; pod exits {exitcodes.pod_exit_status(status)}", file=sys.stderr, flush=True)
+    return exitcodes.pod_exit_status(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The metric names, units, types and labels ctxlaunch exports: one table that the exporter,
+the Grafana dashboard, the alert rules and the tests all read.
+
+Every series of a training rank carries LABELS; MFU and model FLOP/s also carry `convention`
+("full": the whole s x s score matrix counted, as PaLM, torchtitan and NeMo do; "causal":
+attention halved for causal masking, as Megatron-LM does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "ctxlaunch_"
+
+LABELS = ("job", "run", "rank", "node", "model", "cp", "cp_algorithm", "seq_len")
+"""Identity and layout of the rank: `job` is the spec's name, `run` one submission of it."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    kind: str  # gauge | counter
+    help: str
+    extra_labels: tuple[str, ...] = ()
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("ctxlaunch_step_duration_seconds", "gauge", "Wall time of the last optimizer step."),
+    Metric("ctxlaunch_tokens_per_second_per_gpu", "gauge",
+           "Tokens trained per second per GPU over the last step."),
+    Metric("ctxlaunch_model_flops_per_second_per_gpu", "gauge",
+           "Achieved model FLOP/s per GPU over the last step.", ("convention",)),
+    Metric("ctxlaunch_mfu_ratio", "gauge",
+           "Model FLOPs utilisation over the last step (achieved / peak). The full convention "
+           "counts the masked half of causal attention too, so where attention dominates "
+           "(long sequences, small models) it can read above 1; causal cannot.",
+           ("convention",)),
+    Metric("ctxlaunch_peak_flops_per_second", "gauge",
+           "The peak FLOP/s MFU is measured against: the GPU table's dense BF16/FP32 figure, or "
+           "on the CPU a matmul measured once at start.", ("source",)),
+    Metric("ctxlaunch_loss", "gauge", "Mean next-token loss of the last step."),
+    Metric("ctxlaunch_memory_peak_allocated_bytes", "gauge",
+           "Peak memory allocated by tensors on this rank (CPU: peak RSS)."),
+    Metric("ctxlaunch_memory_peak_reserved_bytes", "gauge",
+           "Peak memory reserved by the allocator on this rank (CPU: peak RSS)."),
+    Metric("ctxlaunch_memory_capacity_bytes", "gauge",
+           "Memory of the device (CPU: the host's memory)."),
+    Metric("ctxlaunch_planner_predicted_peak_bytes", "gauge",
+           "The planner's prediction of this rank's peak memory, for comparison."),
+    Metric("ctxlaunch_predicted_step_duration_seconds", "gauge",
+           "The step-time model's prediction of a step (ctxlaunch.perf.steptime; on the CPU with "
+           "the constants `ctxlaunch calibrate` measured), for comparison."),
+    Metric("ctxlaunch_allocator_retries_total", "counter",
+           "Times the CUDA caching allocator freed its cache and retried an allocation."),
+    Metric("ctxlaunch_oom_events_total", "counter", "Out-of-memory errors caught at a step."),
+    Metric("ctxlaunch_oom_event_info", "gauge",
+           "1 for an OOM that happened, labelled with the step, the planner's prediction and "
+           "what the planner says would fit.",
+           ("step", "predicted_peak_bytes", "capacity_bytes", "would_fit")),
+    Metric("ctxlaunch_last_step", "gauge", "The last completed optimizer step."),
+    Metric("ctxlaunch_target_steps", "gauge",
+           "The optimizer steps the run is to complete (training.steps): a run whose last step "
+           "reached it finished, and its silence is not a stall."),
+    Metric("ctxlaunch_last_step_timestamp_seconds", "gauge",
+           "Unix time the last step completed."),
+    Metric("ctxlaunch_cp_exposed_comm_seconds", "gauge",
+           "Time in the last step spent waiting for ring K/V (or dK/dV) transfers after the "
+           "block's compute had finished: communication that compute did not hide."),
+)
+
+BY_NAME = {m.name: m for m in METRICS}

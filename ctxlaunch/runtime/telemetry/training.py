@@ -1,0 +1,136 @@
+"""What a training rank reports: step metrics, MFU in both conventions, memory against capacity
+and the planner's prediction, exposed ring communication, and OOM events."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from ctxlaunch.contract.hardware import GiB
+from ctxlaunch.perf.memory import MemoryLayout, estimate
+from ctxlaunch.runtime.telemetry.exporter import Exporter, identity_from_spec
+
+
+def measure_cpu_peak_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 8) -> float:
+    """A CPU has no data-sheet peak here: measure a square matmul with this process's threads
+    once, and use the best of a few runs as the peak MFU is stated against."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)  # warm-up: thread pool, packing
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best
+
+
+def peak_flops(spec, device: torch.device) -> tuple[float, str]:  # type: ignore[no-untyped-def]
+    """(peak FLOP/s per GPU, where the figure comes from)."""
+    bf16 = spec.model.dtype == "bf16"
+    if device.type == "cuda":
+        gpu = spec.cluster.gpu_info
+        return (gpu.peak_bf16_flops if bf16 else gpu.peak_fp32_flops), "gpu_table"
+    return measure_cpu_peak_flops(torch.bfloat16 if bf16 else torch.float32), "measured_cpu_matmul"
+
+
+def predicted_step_seconds(spec) -> float:  # type: ignore[no-untyped-def]
+    """The step-time model's step for this job: the GPU and fabric tables, or on the CPU the
+    constants measured by `ctxlaunch calibrate` (the tables' placeholders without them)."""
+    from ctxlaunch.perf.steptime import machine_for_spec, predict_spec
+
+    calibration = None
+    if spec.cluster.gpu == "cpu":
+        from ctxlaunch.perf.machine import load_calibration
+
+        calibration = load_calibration()
+    return predict_spec(spec, machine_for_spec(spec, calibration)).step_seconds
+
+
+def device_capacity_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_stats(device: torch.device) -> tuple[int, int, int]:
+    """(peak allocated, peak reserved, allocator retries) of this rank."""
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        return (int(stats.get("allocated_bytes.all.peak", 0)),
+                int(stats.get("reserved_bytes.all.peak", 0)),
+                int(stats.get("num_alloc_retries", 0)))
+    from ctxlaunch.runtime.trainer.loop import peak_memory_bytes
+
+    peak = peak_memory_bytes(device)
+    return peak, peak, 0
+
+
+class TrainingTelemetry:
+    """The trainer's observer: `on_step(metrics)` each step, `on_oom(...)` on an OOM."""
+
+    def __init__(self, spec, *, rank: int, local_rank: int, device: torch.device,  # type: ignore[no-untyped-def]
+                 log=None):
+        t = spec.telemetry
+        self.spec, self.device, self.rank = spec, device, rank
+        self.exporter = Exporter(identity_from_spec(spec, rank, local_rank), mode=t.prometheus,
+                                 port=t.port, pushgateway_url=t.pushgateway_url,
+                                 push_interval_seconds=t.push_interval_seconds, log=log)
+        self.peak, source = peak_flops(spec, device)
+        self.exporter.set("ctxlaunch_peak_flops_per_second", self.peak, source=source)
+        self.capacity = device_capacity_bytes(device)
+        self.exporter.set("ctxlaunch_memory_capacity_bytes", self.capacity)
+        self.prediction = estimate(spec.model, MemoryLayout.from_spec(spec),
+                                   spec.cluster.gpu_info)
+        self.exporter.set("ctxlaunch_planner_predicted_peak_bytes", self.prediction.total)
+        self.exporter.set("ctxlaunch_predicted_step_duration_seconds",
+                          predicted_step_seconds(spec))
+        self.exporter.set("ctxlaunch_target_steps", spec.training.steps)
+        self._retries_seen = 0
+
+    def on_step(self, m) -> None:  # type: ignore[no-untyped-def]
+        e = self.exporter
+        e.set("ctxlaunch_step_duration_seconds", m.step_seconds)
+        e.set("ctxlaunch_tokens_per_second_per_gpu", m.tokens_per_second_per_gpu)
+        for convention, tflops in (("full", m.model_tflops_per_gpu_full),
+                                   ("causal", m.model_tflops_per_gpu_causal)):
+            e.set("ctxlaunch_model_flops_per_second_per_gpu", tflops * 1e12,
+                  convention=convention)
+            e.set("ctxlaunch_mfu_ratio", tflops * 1e12 / self.peak, convention=convention)
+        e.set("ctxlaunch_loss", m.loss)
+        allocated, reserved, retries = memory_stats(self.device)
+        e.set("ctxlaunch_memory_peak_allocated_bytes", allocated)
+        e.set("ctxlaunch_memory_peak_reserved_bytes", reserved)
+        if retries > self._retries_seen:
+            e.inc("ctxlaunch_allocator_retries_total", retries - self._retries_seen)
+            self._retries_seen = retries
+        e.set("ctxlaunch_cp_exposed_comm_seconds", m.exposed_comm_seconds)
+        e.set("ctxlaunch_last_step", m.step)
+        e.set("ctxlaunch_last_step_timestamp_seconds", time.time())
+
+    def on_oom(self, step: int) -> str:
+        """Record and push an OOM at `step`; returns the line for the log: the prediction and
+        what the planner says would fit."""
+        from ctxlaunch.planning.plan import plan_job
+
+        report = plan_job(self.spec)
+        fits = []
+        if report.smallest_fitting_cp is not None:
+            o = report.smallest_fitting_cp
+            fits.append(f"parallel.cp = {o.cp} ({o.gpus} GPUs)")
+        fits += [s.describe() for s in report.suggestions[:2]]
+        would_fit = " or ".join(fits) if fits else "nothing the planner can vary"
+        e = self.exporter
+        e.inc("ctxlaunch_oom_events_total")
+        e.set("ctxlaunch_oom_event_info", 1, step=str(step),
+              predicted_peak_bytes=str(self.prediction.total),
+              capacity_bytes=str(self.capacity), would_fit=would_fit)
+        e.push()  # now: the process is about to exit
+        return (f"out of memory on rank {self.rank} at step {step}: the planner predicted "
+                f"{self.prediction.total / GiB:.2f} GiB per rank against "
+                f"{self.prediction.capacity / GiB:.2f} GiB; would fit with {would_fit}")
+
+    def close(self) -> None:
+        self.exporter.close()

@@ -1,0 +1,9 @@
+import sys
+
+from ctxlaunch.runtime.trainer import stopsignal
+
+stopsignal.install()  # first: a stop signal during the imports below must not kill the rank
+
+from ctxlaunch.runtime.trainer.main import main  # noqa: E402
+
+sys.exit(main())

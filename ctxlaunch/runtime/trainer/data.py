@@ -1,0 +1,98 @@
+# Shapes: a sequence is seq_len + 1 tokens (inputs [:-1], targets [1:]); a micro-batch on one
+# rank is (micro_batch, seq_len / CP) tokens at the positions its CP shard holds.
+"""Training tokens, and which of them each rank sees.
+
+Sequences are numbered: step k's global batch is sequences k*G .. k*G+G-1 (G = global batch),
+so every layout (any DP, CP or gradient accumulation) trains on exactly the same tokens, and a
+resumed run continues where the interrupted one stopped without any data-loader state.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ctxlaunch.cp import shard_positions
+
+
+class SyntheticTokens:
+    """Seeded sequences with structure at two ranges: the first half is a walk on a sparse
+    random bigram chain (each token has 4 likely successors; learnable by any model), the second
+    half repeats the first (learnable only by attending half a sequence back, across CP shards).
+
+    The walk is generated once (one long chain); each sequence takes a seeded window of it, so
+    producing a 1M-token sequence costs a slice, not a million Python steps.
+    """
+
+    successors = 4
+
+    def __init__(self, vocab: int, seq_len: int, seed: int):
+        self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
+        self.half = (seq_len + 2) // 2
+        rng = random.Random(seed)
+        table = [[rng.randrange(vocab) for _ in range(self.successors)] for _ in range(vocab)]
+        chain = [rng.randrange(vocab)]
+        for _ in range(max(1 << 16, 2 * self.half) - 1):
+            chain.append(table[chain[-1]][rng.randrange(self.successors)])
+        self.chain = torch.tensor(chain, dtype=torch.long)
+
+    def sequence(self, index: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        start = int(torch.randint(0, self.chain.numel() - self.half + 1, (1,),
+                                  generator=generator))
+        first = self.chain[start: start + self.half]
+        return torch.cat([first, first])[: self.seq_len + 1]
+
+
+class ByteText:
+    """A text file read byte-level: one token per byte; sequence i starts at byte
+    (i * seq_len) modulo what fits."""
+
+    def __init__(self, path: str | Path, seq_len: int):
+        self.data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
+        self.seq_len = seq_len
+        if self.data.numel() < seq_len + 1:
+            raise ValueError(f"training.data.path {path}: {self.data.numel()} bytes is shorter "
+                             f"than one sequence (seq_len + 1 = {seq_len + 1})")
+        self.starts = self.data.numel() - seq_len
+
+    def sequence(self, index: int) -> torch.Tensor:
+        start = (index * self.seq_len) % self.starts
+        return self.data[start: start + self.seq_len + 1].long()
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    tokens: torch.Tensor  # (B, S_local)
+    targets: torch.Tensor  # (B, S_local)
+    positions: torch.Tensor  # (S_local,) global positions, for RoPE
+
+
+class Batches:
+    """This rank's micro-batches."""
+
+    def __init__(self, source: SyntheticTokens | ByteText, *, seq_len: int, micro_batch: int,
+                 global_batch: int, dp: int, dp_rank: int, cp: int, cp_rank: int, layout: str):
+        self.source = source
+        self.micro_batch, self.global_batch = micro_batch, global_batch
+        self.dp, self.dp_rank = dp, dp_rank
+        self.positions = shard_positions(seq_len, cp_rank, cp, layout)
+
+    def get(self, step: int, micro: int) -> MicroBatch:
+        first = step * self.global_batch + micro * self.micro_batch * self.dp \
+            + self.dp_rank * self.micro_batch
+        sequences = torch.stack([self.source.sequence(first + j)
+                                 for j in range(self.micro_batch)])
+        inputs, targets = sequences[:, :-1], sequences[:, 1:]
+        return MicroBatch(tokens=inputs[:, self.positions].contiguous(),
+                          targets=targets[:, self.positions].contiguous(),
+                          positions=self.positions)
+
+
+def make_source(data_spec, vocab: int, seq_len: int, seed: int):  # type: ignore[no-untyped-def]
+    if data_spec.source == "text":
+        return ByteText(data_spec.path, seq_len)
+    return SyntheticTokens(vocab, seq_len, seed)

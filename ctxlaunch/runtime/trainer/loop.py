@@ -1,0 +1,247 @@
+"""The training loop: one named call per step, checkpoints, resume, and a clean stop on a
+preemption signal."""
+
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ctxlaunch.contract import exitcodes
+from ctxlaunch.cp.comm import exposed_comm_seconds
+from ctxlaunch.perf.flops import flops_per_token
+from ctxlaunch.runtime.trainer import checkpoint, faults, stopsignal
+from ctxlaunch.runtime.trainer.data import Batches, make_source
+from ctxlaunch.runtime.trainer.engines import Engine, init_deepspeed, make_engine
+from ctxlaunch.runtime.trainer.model import Transformer
+from ctxlaunch.runtime.trainer.parallelize import (
+    ParallelContext,
+    apply_tensor_parallel,
+    parallelize,
+)
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    step: int
+    """Steps completed (1-based)."""
+    loss: float
+    """Mean next-token loss over every token of the global batch."""
+    step_seconds: float
+    tokens_per_second_per_gpu: float
+    model_tflops_per_gpu_full: float
+    model_tflops_per_gpu_causal: float
+    peak_memory_bytes: int
+    """This rank's peak: CUDA max allocated, or the process's peak RSS on the CPU."""
+    lr: float
+    grad_norm: float
+    exposed_comm_seconds: float
+    """Time this rank spent blocked on CP communication during the step (not hidden by
+    compute)."""
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Trainer:
+    """Builds the model, the engine and the data for one rank, and runs the steps."""
+
+    def __init__(self, spec, ctx: ParallelContext, device: torch.device,  # type: ignore[no-untyped-def]
+                 run_dir: Path | None = None, log=print):
+        self.spec, self.ctx, self.device, self.log = spec, ctx, device, log
+        self.run_dir = run_dir
+        t = spec.training
+        torch.manual_seed(t.seed)
+        model = Transformer.from_spec(spec.model)
+        model.init_weights(t.seed)
+        parallelize(model, ctx=ctx, algorithm=spec.parallel.cp_algorithm,
+                    checkpointing=t.activation_checkpointing)
+        self.engine: Engine
+        if ctx.tp > 1 or ctx.pp > 1:
+            from ctxlaunch.runtime.trainer.parallel_engine import ParallelEngine
+
+            plan = apply_tensor_parallel(model, ctx)
+            self.engine = ParallelEngine(model, plan, spec, ctx, device)
+        else:
+            if t.zero_stage and dist.is_initialized():
+                init_deepspeed(dist.get_backend())
+            self.engine = make_engine(model, spec, device)
+        self.batches = Batches(
+            make_source(t.data, spec.model.vocab, t.seq_len, t.seed), seq_len=t.seq_len,
+            micro_batch=t.micro_batch, global_batch=spec.global_batch, dp=ctx.dp,
+            dp_rank=ctx.dp_rank, cp=ctx.cp, cp_rank=ctx.cp_rank, layout=ctx.layout)
+        self.tokens_per_gpu = spec.tokens_per_step / ctx.world_size
+        self.flops_per_token = {c: flops_per_token(spec.model, t.seq_len, c)
+                                for c in ("full", "causal")}
+        self.step = 0
+        self._stop_agreed = False
+        self.fault = faults.from_env()
+
+    # -- one step ------------------------------------------------------------------------------
+    def train_step(self, on_gradients=None) -> StepMetrics:  # type: ignore[no-untyped-def]
+        """Forward and backward over the step's micro-batches, average the gradients over the
+        job, update. `on_gradients(engine)` runs between the two (checks read gradients)."""
+        if self.fault is not None:
+            self.fault.maybe_fire(self.ctx.rank, self.step + 1)
+        start = time.perf_counter()
+        exposed_before = exposed_comm_seconds()
+        if hasattr(self.engine, "run_micro_batches"):
+            losses = self.engine.run_micro_batches(
+                [self.batches.get(self.step, micro) for micro in range(self.spec.grad_accum)])
+        else:
+            losses = [self.engine.forward_backward(self.batches.get(self.step, micro), micro)
+                      for micro in range(self.spec.grad_accum)]
+        self.engine.finish_gradients()
+        if on_gradients is not None:
+            on_gradients(self.engine)
+        grad_norm = self.engine.apply()
+        lr = self.engine.lr()
+        local = torch.stack(losses).float().mean() if losses else torch.zeros(())
+        loss, self._stop_agreed = self._reduce(local)
+        seconds = time.perf_counter() - start
+        self.step += 1
+        tokens_per_second = self.tokens_per_gpu / seconds
+        return StepMetrics(
+            step=self.step, loss=loss, step_seconds=seconds,
+            tokens_per_second_per_gpu=tokens_per_second,
+            model_tflops_per_gpu_full=tokens_per_second * self.flops_per_token["full"] / 1e12,
+            model_tflops_per_gpu_causal=tokens_per_second * self.flops_per_token["causal"] / 1e12,
+            peak_memory_bytes=peak_memory_bytes(self.device), lr=lr, grad_norm=grad_norm,
+            exposed_comm_seconds=exposed_comm_seconds() - exposed_before)
+
+    def _reduce(self, loss: torch.Tensor) -> tuple[float, bool]:
+        """The job's mean loss, and whether any rank got a stop signal, in one collective.
+        Every rank that computes a loss (all of them, or the last pipeline stage's) has the
+        mean over the same number of tokens, so the job's mean is the mean of theirs; other
+        ranks add 0."""
+        stop = stopsignal.received() is not None
+        if not dist.is_initialized() or self.ctx.world_size == 1:
+            return float(loss), stop
+        packed = torch.stack([loss.detach().to(torch.float64).cpu(),
+                              torch.tensor(float(stop), dtype=torch.float64)])
+        dist.all_reduce(packed)
+        return float(packed[0]) / (self.ctx.world_size // self.ctx.pp), bool(packed[1] > 0)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> str | None:
+        return self.spec.training.checkpoint.dir
+
+    def resume(self) -> int:
+        """Load the newest committed checkpoint, if any; returns the step to start from."""
+        step = checkpoint.latest_step(self.checkpoint_dir)
+        if step is None:
+            return 0
+        self.engine.load(checkpoint.step_dir(self.checkpoint_dir, step))
+        self.step = step
+        self.log(f"ctxlaunch: resumed from {checkpoint.step_dir(self.checkpoint_dir, step)}")
+        return step
+
+    def save_checkpoint(self) -> None:
+        if self.checkpoint_dir is None:
+            return
+        path = checkpoint.step_dir(self.checkpoint_dir, self.step)
+        try:
+            self.engine.save(path)
+        except (Exception, CheckpointException) as exc:  # the latter is a BaseException
+            if not checkpoint.out_of_space(exc, self.checkpoint_dir):
+                raise
+            # Free what was written: without its marker it is never resumed from anyway.
+            shutil.rmtree(path, ignore_errors=True)
+            latest = checkpoint.latest_step(self.checkpoint_dir)
+            raise checkpoint.CheckpointWriteError(
+                f"checkpoint {path} not written: the disk is full (no space left on device; "
+                f"{checkpoint.free_mib(self.checkpoint_dir):.1f} MiB free in "
+                f"training.checkpoint.dir {self.checkpoint_dir}); "
+                + (f"the newest complete checkpoint, step {latest}, is intact and a rerun "
+                   f"resumes from it" if latest is not None else "no complete checkpoint yet")
+            ) from None
+        if self.fault is not None:
+            self.fault.maybe_fire_in_save(self.ctx.rank, self.step)
+        checkpoint.commit(self.checkpoint_dir, self.step, self.ctx.rank,
+                          self.spec.training.checkpoint.keep, {"job": self.spec.name})
+        self.log(f"ctxlaunch: checkpoint {path}")
+
+    # -- preemption ----------------------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        """SIGUSR1 (Slurm's warning before a time limit) and SIGTERM (preemption): finish the
+        step in hand, checkpoint, exit PREEMPTED so the job is requeued. main() installs them
+        earlier still; a signal received before this point stops the run after its first step."""
+        stopsignal.install()
+
+    # -- the run -------------------------------------------------------------------------------
+    def run(self, observers=()) -> int:  # type: ignore[no-untyped-def]
+        """Train to the spec's step count (or until a stop signal); returns the exit status."""
+        t = self.spec.training
+        self.install_signal_handlers()
+        self.resume()
+        history: list[StepMetrics] = []
+        while self.step < t.steps:
+            metrics = self.train_step()
+            history.append(metrics)
+            for observer in observers:
+                observer(metrics)
+            if metrics.step % t.log_interval == 0 or metrics.step == t.steps:
+                self._log_step(metrics)
+            # A stop signal during the last step stops nothing: the run is done, not requeued.
+            stop = self._stop_agreed and self.step < t.steps
+            if stop or metrics.step % t.checkpoint.interval == 0 or metrics.step == t.steps:
+                self.save_checkpoint()
+            if stop:
+                self.log(f"ctxlaunch: stop signal received; checkpointed at step {self.step}, "
+                         f"exiting {exitcodes.PREEMPTED} to be requeued")
+                return exitcodes.PREEMPTED
+        self._summarise(history)
+        return exitcodes.OK
+
+    def _log_step(self, m: StepMetrics) -> None:
+        self.log(f"step {m.step}/{self.spec.training.steps}  loss {m.loss:.4f}  "
+                 f"step {m.step_seconds:.2f} s  {m.tokens_per_second_per_gpu:,.0f} tokens/s/GPU  "
+                 f"{m.model_tflops_per_gpu_full:.3f} TFLOP/s/GPU (full)  "
+                 f"peak {m.peak_memory_bytes / 2**30:.2f} GiB  lr {m.lr:.2e}")
+        if self.run_dir is not None and self.ctx.rank == 0:
+            with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(asdict(m)) + "\n")
+
+    def _summarise(self, history: list[StepMetrics]) -> None:
+        peak = peak_memory_bytes(self.device)
+        peaks = [peak]
+        if dist.is_initialized() and self.ctx.world_size > 1:
+            peaks = [0] * self.ctx.world_size
+            dist.all_gather_object(peaks, peak)
+        if self.ctx.rank == 0 and not history:  # resumed from the final checkpoint
+            self.log(f"ctxlaunch: done: {self.step} steps, all before this run (resumed from "
+                     "the final checkpoint)")
+        if self.ctx.rank != 0 or not history:
+            return
+        # The first step includes warm-up (allocations, kernel selection): leave it out.
+        timed = history[1:] or history
+        summary = {
+            "job": self.spec.name,
+            "steps": self.step,
+            "final_loss": history[-1].loss,
+            "first_loss": history[0].loss,
+            "tokens_per_second_per_gpu": sum(m.tokens_per_second_per_gpu for m in timed)
+            / len(timed),
+            "step_seconds": sum(m.step_seconds for m in timed) / len(timed),
+            "peak_memory_bytes_per_rank": peaks,
+            "world_size": self.ctx.world_size,
+            "cp": self.ctx.cp,
+            "cp_algorithm": self.spec.parallel.cp_algorithm,
+        }
+        self.log(f"ctxlaunch: done: {summary['steps']} steps, loss {summary['first_loss']:.4f} "
+                 f"-> {summary['final_loss']:.4f}, "
+                 f"{summary['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, peak memory per "
+                 f"rank: " + ", ".join(f"{p / 2**30:.2f} GiB" for p in peaks))
+        if self.run_dir is not None:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

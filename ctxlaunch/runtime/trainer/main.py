@@ -1,0 +1,175 @@
+"""`python -m ctxlaunch.trainer [SPEC]`: one rank of a job.
+
+The spec comes from the SPEC path, else from $CTXLAUNCH_SPEC_JSON (what the Slurm script
+exports). Rank and world come from torchrun, Slurm or the PyTorchJob environment.
+Exit statuses: 0 done, 2 bad spec or set-up (before any work), 75 checkpointed after a stop
+signal (requeue me), 86 out of memory, 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract.loader import (
+    SpecError,
+    apply_overrides,
+    parse_yaml,
+    read_spec_data,
+    validate_spec,
+)
+from ctxlaunch.contract.rundir import SPEC_ENV, cpu_threads_per_rank, write_exit_code
+from ctxlaunch.runtime.trainer.checkpoint import CheckpointDirError, check_writable
+
+
+class SetupError(Exception):
+    """A problem found before any work started (exit 2)."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m ctxlaunch.trainer",
+                                     description="Run one rank of a ctxlaunch job.")
+    parser.add_argument("spec", nargs="?", help=f"job spec (YAML/JSON); default: ${SPEC_ENV}")
+    parser.add_argument("--set", "-s", dest="overrides", action="append", default=[],
+                        metavar="PATH=VALUE", help="override a spec field")
+    parser.add_argument("--run-dir", help="where metrics.jsonl and summary.json go "
+                        "(default: $CTXLAUNCH_RUN_DIR, else runs/<job name>)")
+    return parser.parse_args(argv)
+
+
+def load_job_spec(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    if args.spec:
+        data, source = read_spec_data(args.spec), args.spec
+    elif os.environ.get(SPEC_ENV):
+        data, source = parse_yaml(os.environ[SPEC_ENV], f"${SPEC_ENV}"), f"${SPEC_ENV}"
+    else:
+        raise SetupError(f"no spec: pass a spec file or set {SPEC_ENV}")
+    spec = validate_spec(apply_overrides(data, args.overrides), source)
+    return spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ctxlaunch.runtime.trainer import stopsignal
+
+    stopsignal.install()  # before the slow imports: a stop signal must not kill the rank
+    args = parse_args(argv)
+    rank_tag = "[rank ?]"
+    try:
+        spec = load_job_spec(args)
+        from ctxlaunch.runtime.trainer import distenv
+
+        denv = distenv.detect()
+        rank_tag = f"[rank {denv.rank}]"
+        expected = spec.cluster.world_size
+        if denv.world_size != expected:
+            raise SetupError(
+                f"the launcher started {denv.world_size} ranks but the spec describes "
+                f"{expected} (cluster.nodes x cluster.gpus_per_node); launch {expected}")
+        if spec.training.checkpoint.dir:
+            check_writable(spec.training.checkpoint.dir, denv.rank)
+        data = spec.training.data
+        if data.source == "text" and not Path(data.path).is_file():
+            raise SetupError(f"training.data.path {data.path!r} is not a readable file")
+        import torch
+
+        if spec.cluster.gpu != "cpu" and not torch.cuda.is_available():
+            raise SetupError(f"cluster.gpu = {spec.cluster.gpu} but no CUDA device is visible; "
+                             "use cluster.gpu: cpu to run on the CPU")
+        run_dir = Path(args.run_dir or os.environ.get("CTXLAUNCH_RUN_DIR")
+                       or Path("runs") / spec.name)
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except (SpecError, SetupError, CheckpointDirError) as exc:
+        print(f"{rank_tag} error: {exc}", file=sys.stderr, flush=True)
+        where = args.run_dir or os.environ.get("CTXLAUNCH_RUN_DIR")
+        if where:
+            rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
+            record_exit(Path(where), rank, exitcodes.BAD_INPUT)
+        return exitcodes.BAD_INPUT
+
+    return _run(spec, denv, run_dir, rank_tag)
+
+
+def record_exit(run_dir: Path, rank: int | str, code: int) -> None:
+    """Leave this rank's exit status where a launcher can read it (torchrun reports 1 for any
+    failure; the job's status must say OOM or preempted)."""
+    try:
+        write_exit_code(run_dir, rank, code)
+    except OSError:
+        pass
+
+
+def _run(spec, denv, run_dir: Path, rank_tag: str) -> int:  # type: ignore[no-untyped-def]
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ctxlaunch.cp.comm import set_wait_timeout
+    from ctxlaunch.runtime.telemetry.training import TrainingTelemetry
+    from ctxlaunch.runtime.trainer import heartbeat
+    from ctxlaunch.runtime.trainer.checkpoint import CheckpointWriteError
+    from ctxlaunch.runtime.trainer.distenv import export_for_torch
+    from ctxlaunch.runtime.trainer.loop import Trainer
+    from ctxlaunch.runtime.trainer.parallelize import build_context
+
+    use_cuda = spec.cluster.gpu != "cpu"  # main() checked that CUDA is there
+    device = torch.device("cuda", denv.local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    elif "OMP_NUM_THREADS" not in os.environ:  # srun sets no thread count
+        torch.set_num_threads(cpu_threads_per_rank(spec.cluster.gpus_per_node))
+    export_for_torch(denv)
+    heartbeat.start(run_dir, denv.rank)
+    dist.init_process_group(
+        backend="nccl" if use_cuda else "gloo", init_method="env://",
+        rank=denv.rank, world_size=denv.world_size,
+        timeout=datetime.timedelta(seconds=spec.training.timeout_seconds))
+    set_wait_timeout(spec.training.timeout_seconds)
+    log = (lambda text: print(text, flush=True)) if denv.rank == 0 else (lambda text: None)
+    code = exitcodes.FAILED
+    telemetry = TrainingTelemetry(spec, rank=denv.rank, local_rank=denv.local_rank,
+                                  device=device,
+                                  log=lambda text: print(f"{rank_tag} {text}", file=sys.stderr,
+                                                         flush=True))
+    trainer = None
+    try:
+        ctx = build_context(rank=denv.rank, world_size=denv.world_size, dp=spec.dp,
+                            cp=spec.parallel.cp, ulysses=spec.ulysses_degree,
+                            layout=spec.parallel.layout, tp=spec.parallel.tp,
+                            pp=spec.parallel.pp)
+        log(f"ctxlaunch: {spec.name}: {denv.world_size} ranks ({denv.launcher}), dp {ctx.dp} "
+            f"x cp {ctx.cp} ({spec.parallel.cp_algorithm}, {ctx.layout}) x tp {ctx.tp} x pp "
+            f"{ctx.pp} (blocks per stage {list(spec.stage_layers)}), "
+            f"ZeRO-{spec.training.zero_stage}, {spec.model.dtype}, device {device.type}")
+        trainer = Trainer(spec, ctx, device, run_dir if denv.rank == 0 else None, log=log)
+        code = trainer.run(observers=[telemetry.on_step])
+    except torch.OutOfMemoryError:
+        step = trainer.step + 1 if trainer is not None else 0
+        print(f"{rank_tag} error: {telemetry.on_oom(step)}\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)
+        code = exitcodes.OOM
+    except CheckpointWriteError as exc:
+        print(f"{rank_tag} error: {exc}", file=sys.stderr, flush=True)
+        code = exitcodes.FAILED
+    except (Exception, CheckpointException):  # torch's CheckpointException is a BaseException
+        # A dead peer surfaces here as a gloo/NCCL error or a timeout: report and leave at
+        # once, never wait on the group again. A peer that is alive but silent is named.
+        hang = heartbeat.describe_hang(run_dir, denv.rank, denv.world_size,
+                                       spec.training.timeout_seconds)
+        print(f"{rank_tag} error: " + (hang or "training failed")
+              + f"\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        code = exitcodes.FAILED
+    telemetry.close()
+    record_exit(run_dir, denv.rank, code)
+    if code in (exitcodes.OK, exitcodes.PREEMPTED):
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without interpreter teardown: after a failure it could block on a broken group, and
+    # even after success gloo's threads sometimes abort in C++ static destructors. Everything
+    # worth keeping (checkpoints, metrics, the exit status) is written and closed by now.
+    os._exit(code)

@@ -1,0 +1,261 @@
+# Shapes: tokens (B, S) with S the tokens this rank holds (S = seq_len / CP); hidden (B, S, h);
+# attention tensors in SDPA layout (B, H, S, D).
+"""A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+The model never touches a process group. Which attention runs (full, ring, Ulysses, hybrid) is
+`Attention.attend`, installed by `parallelize`; positions come in with the tokens, so RoPE
+follows each token's global position under any CP layout. Tensor parallelism enters the same
+way: `enter`/`exit` around attention and the feed-forward (identity by default; the sequence
+all-gather and reduce-scatter under TP), `cross_entropy` for the vocabulary-parallel loss.
+
+What each block saves for backward is deliberate (the planner's constants in
+ctxlaunch/memory.py are derived from it): RMSNorm keeps only its input and the fp32 reciprocal
+RMS; SwiGLU keeps gate and up and recomputes the SiLU in backward; attention keeps q, k, v, its
+output and the log-sum-exp (the flash kernels keep no s-by-s matrix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ctxlaunch.perf.memory import LOSS_CHUNK_TOKENS
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Hook = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, targets, reduction="sum")
+Checkpointing = Literal["none", "selective", "full"]
+
+
+class _RMSNorm(torch.autograd.Function):
+    """y = x / rms(x) * w, in fp32 inside; saves x and the fp32 1/rms only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (x32 * rstd * weight.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        x32, g32 = x.float(), grad_y.float()
+        normed = x32 * rstd
+        grad_weight = (g32 * normed).flatten(0, -2).sum(0).to(weight.dtype)
+        gw = g32 * weight.float()
+        # d/dx of x * rstd: rstd * (gw - normed * mean(gw * normed))
+        grad_x = rstd * (gw - normed * (gw * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Under autocast the norm runs in the input's dtype (fp32 residual), as the planner counts.
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return _RMSNorm.apply(x, self.weight, self.eps)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up; saves gate and up, recomputes the SiLU in backward."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        g32 = gate.float()
+        sig = torch.sigmoid(g32)
+        silu = g32 * sig
+        grad32 = grad.float()
+        grad_up = grad32 * silu
+        grad_gate = grad32 * up.float() * sig * (1 + g32 * (1 - sig))
+        return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (S, head_dim) for the given global token positions (rotate-half layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64,
+                                             device=positions.device) / head_dim))
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, S, H, D) by the tables (S, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.heads, self.kv_heads = heads, kv_heads
+        self.head_dim = hidden // heads
+        self.wqkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, hidden, bias=False)
+        self.attend: AttentionFn = _local_attention
+        self.enter: Hook = _identity
+        self.exit: Hook = _identity
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = self.enter(x)
+        b, s, _ = x.shape
+        d = self.head_dim
+        qkv = self.wqkv(x)
+        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
+        q = apply_rope(q.view(b, s, self.heads, d), cos, sin).transpose(1, 2).contiguous()
+        k = apply_rope(k.view(b, s, self.kv_heads, d), cos, sin).transpose(1, 2).contiguous()
+        v = v.view(b, s, self.kv_heads, d).transpose(1, 2).contiguous()
+        out = self.attend(q, k, v)
+        return self.exit(self.wo(out.transpose(1, 2).reshape(b, s, self.heads * d)))
+
+
+def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from ctxlaunch.cp import full_attention
+
+    return full_attention(q, k, v, causal=True)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, hidden: int, ffn_hidden: int):
+        super().__init__()
+        self.ffn_hidden = ffn_hidden
+        self.w_gate_up = nn.Linear(hidden, 2 * ffn_hidden, bias=False)
+        self.w_down = nn.Linear(ffn_hidden, hidden, bias=False)
+        self.enter: Hook = _identity
+        self.exit: Hook = _identity
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(self.enter(x)).chunk(2, dim=-1)
+        return self.exit(self.w_down(_SwiGLU.apply(gate, up)))
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn_hidden: int, eps: float):
+        super().__init__()
+        self.attn_norm = RMSNorm(hidden, eps)
+        self.attn = Attention(hidden, heads, kv_heads)
+        self.ffn_norm = RMSNorm(hidden, eps)
+        self.ffn = FeedForward(hidden, ffn_hidden)
+        self.checkpointing: Checkpointing = "none"
+
+    def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ffn(self.ffn_norm(x))
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        if self.checkpointing == "selective":
+            # Recompute the feed-forward half (linear in s, cheap); keep attention (quadratic
+            # in s to recompute).
+            return checkpoint(self._feed_forward, x, use_reentrant=False)
+        return self._feed_forward(x)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing == "full":
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+
+class Transformer(nn.Module):
+    """The decoder. `forward(tokens, positions, targets)` returns the mean next-token loss over
+    this rank's tokens."""
+
+    def __init__(self, *, layers: int, hidden: int, heads: int, kv_heads: int, ffn_hidden: int,
+                 vocab: int, rope_theta: float, norm_eps: float, tie_embeddings: bool):
+        super().__init__()
+        self.head_dim = hidden // heads
+        self.rope_theta = rope_theta
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(
+            Block(hidden, heads, kv_heads, ffn_hidden, norm_eps) for _ in range(layers))
+        self.norm = RMSNorm(hidden, norm_eps)
+        self.head = None if tie_embeddings else nn.Linear(hidden, vocab, bias=False)
+        self.loss_chunk_tokens = LOSS_CHUNK_TOKENS
+        self.enter_loss: Hook = _identity
+        """(B, S/t, h) -> (B, S, h) under TP: every TP rank scores every token."""
+        self.cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = \
+            _cross_entropy_sum
+
+    @classmethod
+    def from_spec(cls, model) -> Transformer:  # type: ignore[no-untyped-def]
+        return cls(layers=model.layers, hidden=model.hidden, heads=model.heads,
+                   kv_heads=model.kv_heads, ffn_hidden=model.ffn_hidden, vocab=model.vocab,
+                   rope_theta=model.rope_theta, norm_eps=model.norm_eps,
+                   tie_embeddings=model.tie_embeddings)
+
+    def init_weights(self, seed: int) -> None:
+        """Deterministic initialisation (every rank builds the same replica from the seed)."""
+        generator = torch.Generator().manual_seed(seed)
+        std = 0.02
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                    continue
+                scale = std
+                if name.endswith(("wo.weight", "w_down.weight")):
+                    scale = std / (2 * len(self.blocks)) ** 0.5  # residual branches, GPT-2 style
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+
+    def set_checkpointing(self, mode: Checkpointing) -> None:
+        for block in self.blocks:
+            block.checkpointing = mode
+
+    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor,
+                   blocks: Iterable[Block]) -> torch.Tensor:
+        # Tables in the dtype q and k will have (autocast's, if on), made once for all blocks.
+        dtype = (torch.get_autocast_dtype(x.device.type)
+                 if torch.is_autocast_enabled(x.device.type) else x.dtype)
+        cos, sin = rope_tables(positions, self.head_dim, self.rope_theta, dtype)
+        for block in blocks:
+            x = block(x, cos, sin)
+        return x
+
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.run_blocks(self.embed(tokens), positions, self.blocks))
+
+    def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        weight = self.embed.weight if self.head is None else self.head.weight
+        logits = F.linear(hidden, weight)
+        return self.cross_entropy(logits.float(), targets)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                targets: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.hidden_states(tokens, positions), targets)
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss of the final (normed) hidden states."""
+        hidden = self.enter_loss(hidden).flatten(0, 1)
+        targets = targets.flatten()
+        # The (tokens x vocab) logits exist one chunk at a time, recomputed in backward.
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, hidden.shape[0], self.loss_chunk_tokens):
+            end = start + self.loss_chunk_tokens
+            total = total + checkpoint(self._chunk_loss, hidden[start:end], targets[start:end],
+                                       use_reentrant=False)
+        return total / targets.numel()

@@ -1,0 +1,180 @@
+"""The TP x CP x DP x PP mesh and the attention it implies, applied to a built model.
+
+Rank order (innermost first): TP, CP, DP, PP, the order the spec documents and the renderers
+place on nodes. TP (a collective in every block, forward and backward, on the critical path)
+is consecutive ranks, inside a node; a CP group spans tp x cp consecutive ranks, inside a node
+(or an NVLink domain) where it fits; DP reduces gradients once a step and PP sends one
+activation per micro-batch and stage, the two that tolerate the slowest links, go outermost.
+Inside the CP group the Ulysses index is innermost:
+    rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index,
+    cp_index = ring_index * ulysses + ulysses_index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ctxlaunch import cp as cp_attention
+from ctxlaunch.runtime.trainer.model import AttentionFn, Checkpointing, Transformer
+from ctxlaunch.runtime.trainer.tensor_parallel import (
+    Sharding,
+    VocabParallelEmbedding,
+    gather_sequence,
+    scatter_sequence,
+    shardings,
+    vocab_parallel_cross_entropy,
+)
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    rank: int
+    world_size: int
+    dp: int
+    cp: int
+    ulysses: int
+    layout: str
+    cp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+    ulysses_group: dist.ProcessGroup | None
+    ring_group: dist.ProcessGroup | None
+    tp: int = 1
+    pp: int = 1
+    tp_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
+    dp_cp_group: dist.ProcessGroup | None = None
+    """The ranks holding the same weights (same TP and PP index): gradients average here."""
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank // self.tp % self.cp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.tp * self.cp) % self.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp * self.cp * self.dp)
+
+    def rank_of(self, *, tp: int, cp: int, dp: int, pp: int) -> int:
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+
+    @property
+    def ring(self) -> int:
+        return self.cp // self.ulysses
+
+
+def build_context(*, rank: int, world_size: int, dp: int, cp: int, ulysses: int,
+                  layout: str, tp: int = 1, pp: int = 1) -> ParallelContext:
+    """Create the process groups. Every rank creates every group in the same order
+    (`new_group` is collective over the whole job) and keeps the ones it belongs to."""
+    if tp * cp * dp * pp != world_size:
+        raise ValueError(f"tp x cp x dp x pp = {tp} x {cp} x {dp} x {pp} must equal the world "
+                         f"size {world_size}")
+    if cp % ulysses:
+        raise ValueError(f"the Ulysses degree {ulysses} must divide cp = {cp}")
+    ring = cp // ulysses
+    mine: dict[str, dist.ProcessGroup | None] = dict.fromkeys(
+        ("tp", "cp", "dp", "pp", "dp_cp", "ulysses", "ring"))
+
+    def at(t: int, c: int, d: int, p: int) -> int:
+        return ((p * dp + d) * cp + c) * tp + t
+
+    def make(name: str, ranks: list[int]) -> None:
+        if world_size == 1 or len(ranks) == 1:
+            return
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine[name] = group
+
+    # Group creation order is part of the protocol: every rank runs these same loops.
+    for p in range(pp):
+        for d in range(dp):
+            for c in range(cp):
+                make("tp", [at(t, c, d, p) for t in range(tp)])
+    for p in range(pp):
+        for t in range(tp):
+            for d in range(dp):
+                make("cp", [at(t, c, d, p) for c in range(cp)])
+            for c in range(cp):
+                make("dp", [at(t, c, d, p) for d in range(dp)])
+            if dp > 1 and cp > 1:
+                make("dp_cp", [at(t, c, d, p) for d in range(dp) for c in range(cp)])
+            if 1 < ulysses < cp:
+                for d in range(dp):
+                    for r in range(ring):
+                        make("ulysses", [at(t, r * ulysses + u, d, p) for u in range(ulysses)])
+                    for u in range(ulysses):
+                        make("ring", [at(t, r * ulysses + u, d, p) for r in range(ring)])
+    for t in range(tp):
+        for d in range(dp):
+            for c in range(cp):
+                make("pp", [at(t, c, d, p) for p in range(pp)])
+    dp_cp = mine["dp_cp"] or (mine["cp"] if dp == 1 else mine["dp"])
+    return ParallelContext(rank=rank, world_size=world_size, dp=dp, cp=cp, ulysses=ulysses,
+                           layout=layout, cp_group=mine["cp"], dp_group=mine["dp"],
+                           ulysses_group=mine["ulysses"], ring_group=mine["ring"], tp=tp, pp=pp,
+                           tp_group=mine["tp"], pp_group=mine["pp"], dp_cp_group=dp_cp)
+
+
+def attention_for(ctx: ParallelContext, algorithm: str) -> AttentionFn:
+    """The attention the layout calls for, bound to this rank's groups."""
+    if ctx.cp == 1:
+        return partial(cp_attention.full_attention, causal=True)
+    if algorithm == "ring" or (algorithm == "hybrid" and ctx.ulysses == 1):
+        return partial(cp_attention.ring_attention, group=ctx.cp_group, causal=True,
+                       layout=ctx.layout)
+    if algorithm == "ulysses" or (algorithm == "hybrid" and ctx.ulysses == ctx.cp):
+        return partial(cp_attention.ulysses_attention, group=ctx.cp_group, causal=True,
+                       layout=ctx.layout)
+    if algorithm == "hybrid":
+        return partial(cp_attention.hybrid_attention, ulysses_group=ctx.ulysses_group,
+                       ring_group=ctx.ring_group, causal=True, layout=ctx.layout)
+    raise ValueError(f"unknown CP algorithm {algorithm!r}")
+
+
+def parallelize(model: Transformer, *, ctx: ParallelContext, algorithm: str,
+                checkpointing: Checkpointing) -> None:
+    """Install the layout's attention in every block and set activation checkpointing."""
+    attend = attention_for(ctx, algorithm)
+    for block in model.blocks:
+        block.attn.attend = attend
+    model.set_checkpointing(checkpointing)
+
+
+def apply_tensor_parallel(model: Transformer, ctx: ParallelContext) -> dict[str, Sharding | None]:
+    """Keep this TP rank's slice of every split weight (the model was built and initialised
+    whole, so every layout starts from the same weights) and install the sequence-parallel
+    collectives. Returns the sharding of every parameter, by its name in the whole model."""
+    plan = shardings(model)
+    if ctx.tp == 1:
+        return plan
+    group, tp, rank = ctx.tp_group, ctx.tp, ctx.tp_rank
+    with torch.no_grad():
+        for name, param in list(model.named_parameters()):
+            if plan[name] is not None:
+                owner, leaf = name.rsplit(".", 1)
+                local = plan[name].shard(param.detach(), tp, rank).clone()
+                setattr(model.get_submodule(owner), leaf, nn.Parameter(local))
+    enter, leave = partial(gather_sequence, group=group), partial(scatter_sequence, group=group)
+    for block in model.blocks:
+        block.attn.heads //= tp
+        block.attn.kv_heads //= tp
+        block.attn.enter, block.attn.exit = enter, leave
+        block.ffn.enter, block.ffn.exit = enter, leave
+    vocab_start = rank * model.embed.weight.shape[0]
+    model.embed = VocabParallelEmbedding(model.embed.weight, vocab_start, group)
+    model.enter_loss = enter
+    model.cross_entropy = partial(vocab_parallel_cross_entropy, vocab_start=vocab_start,
+                                  group=group)
+    return plan

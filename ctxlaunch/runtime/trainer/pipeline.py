@@ -1,0 +1,105 @@
+# Shapes: between stages one micro-batch's hidden states (micro_batch, S / tp, h), S the tokens
+# of this CP rank; the first stage takes the token ids (micro_batch, S).
+"""Pipeline stages of the decoder and their schedule (torch.distributed.pipelining).
+
+The whole model is built and initialised on every rank (so every layout starts from the same
+weights), then each PP rank keeps its stages: stage i holds blocks by the spec's split
+(`JobSpec.stage_layers`), the first also the embedding, the last the final norm and the head.
+Parameter names are those of the whole model (`blocks.17.attn.wqkv.weight`), so gradients and
+checkpoints line up across layouts.
+
+Schedules: 1F1B, or interleaved 1F1B when the spec asks for virtual stages (rank r holds stages
+r, r + pp, ...). The step's micro-batches are the spec's gradient accumulation; the loss runs on
+the last stage (the chunked, vocabulary-parallel loss of `Transformer.loss`), and the schedule
+scales gradients by 1 / micro-batches, as plain accumulation does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ctxlaunch.runtime.trainer.model import Transformer
+
+
+class StageModule(nn.Module):
+    """Blocks [start, stop) of a model, with the embedding on the first stage and the final
+    norm (and, through `Transformer.loss`, the head) on the last."""
+
+    def __init__(self, model: Transformer, start: int, stop: int, *, first: bool, last: bool):
+        super().__init__()
+        self._model = [model]  # a list: not a submodule, its parameters are not ours twice
+        self.embed = model.embed if first else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(start, stop)})
+        self.norm = model.norm if last else None
+        self.head = model.head if last else None
+        self.positions: torch.Tensor | None = None
+        """This rank's token positions (the same for every micro-batch), set before a step."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        x = self._model[0].run_blocks(x, self.positions, self.blocks.values())
+        return self.norm(x) if self.norm is not None else x
+
+
+def stage_bounds(stage_layers: tuple[int, ...]) -> list[tuple[int, int]]:
+    """[start, stop) of the blocks of every stage."""
+    bounds, start = [], 0
+    for count in stage_layers:
+        bounds.append((start, start + count))
+        start += count
+    return bounds
+
+
+def build_pipeline(model: Transformer, *, stage_layers: tuple[int, ...], pp: int, pp_rank: int,
+                   group, device: torch.device, micro_batch: int, tokens: int,
+                   sp_tokens: int, n_micro: int, prepare=None):  # type: ignore[no-untyped-def]
+    """This rank's stage modules and the schedule that runs them. `tokens`: one CP rank's
+    tokens per sequence; `sp_tokens`: the share of them a TP rank holds between blocks;
+    `prepare(module)` runs on each stage module before it becomes a pipeline stage (FSDP)."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleInterleaved1F1B,
+    )
+
+    n_stages = len(stage_layers)
+    bounds = stage_bounds(stage_layers)
+    mine = list(range(pp_rank, n_stages, pp))
+    hidden = model.norm.weight.shape[0]
+    modules, stages = [], []
+    for index in mine:
+        start, stop = bounds[index]
+        module = StageModule(model, start, stop, first=index == 0, last=index == n_stages - 1)
+        if prepare is not None:
+            prepare(module)
+        modules.append(module)
+        # Explicit shapes: shape inference would run the stage on meta tensors, and the TP and
+        # CP collectives inside cannot.
+        if index == 0:
+            example_in = torch.zeros(micro_batch, tokens, dtype=torch.long, device=device)
+        else:
+            example_in = torch.zeros(micro_batch, sp_tokens, hidden, device=device,
+                                     requires_grad=True)
+        example_out = torch.zeros(micro_batch, sp_tokens, hidden, device=device,
+                                  requires_grad=True)
+        stages.append(PipelineStage(module, index, n_stages, device, input_args=(example_in,),
+                                    output_args=(example_out,), group=group))
+    held = {i for m in modules for i in (int(k) for k in m.blocks)}
+    for i in range(len(model.blocks)):
+        if i not in held:
+            model.blocks[i] = nn.Identity()  # free the blocks other ranks run
+    if 0 not in mine:
+        model.embed = None
+    if n_stages - 1 not in mine:
+        model.norm, model.head = None, None
+
+    def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return model.loss(output, targets)
+
+    if len(stages) == 1:
+        schedule = Schedule1F1B(stages[0], n_micro, loss_fn=loss_fn)
+    else:
+        schedule = ScheduleInterleaved1F1B(stages, n_micro, loss_fn=loss_fn)
+    return modules, schedule, 0 in mine, n_stages - 1 in mine

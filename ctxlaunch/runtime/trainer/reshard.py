@@ -1,0 +1,126 @@
+"""Checkpoints that resume at any layout (torch.distributed.checkpoint, ZeRO-0 and FSDP2).
+
+Every tensor is saved under its name in the whole model, so the same checkpoint reads back at
+any TP, PP, CP or DP degree: a job requeued onto a differently sized allocation goes on. A
+TP-split weight is saved as its TP parts (q, k, v of the fused projection; gate and up), each a
+DTensor sharded over the TP group along the split dimension; DCP maps the saved shards onto
+whatever split the loading layout has. A pipeline stage saves and loads only its own blocks'
+names. Under FSDP2 each rank first gathers its TP slice over DP x CP (one slice at a time).
+
+    model/<name>[#part]        weights
+    exp_avg/<name>[#part]      Adam first moments
+    exp_avg_sq/<name>[#part]   Adam second moments
+    step/<name>                Adam step count
+    scheduler                  the LR schedule's state
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ctxlaunch.runtime.trainer.tensor_parallel import Sharding
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _write_local(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy this rank's TP slice into a parameter or moment (its FSDP chunk if sharded)."""
+    if not hasattr(target, "_local_tensor"):
+        target.copy_(value)
+        return
+    mesh = target.device_mesh
+    chunks = value.chunk(mesh.size(), dim=0)
+    index = mesh.get_local_rank()
+    if index < len(chunks) and target._local_tensor.numel():
+        target._local_tensor.copy_(chunks[index])
+
+
+class CheckpointState:
+    """The state dict of one rank's slice of the model and its AdamW states."""
+
+    def __init__(self, named_parameters: list[tuple[str, nn.Parameter]],
+                 optimizer: torch.optim.Optimizer, scheduler, plan: dict[str, Sharding | None],  # type: ignore[no-untyped-def]
+                 tp: int, tp_group: dist.ProcessGroup | None, device: torch.device):
+        self.params, self.optimizer, self.scheduler = named_parameters, optimizer, scheduler
+        self.plan, self.tp = plan, tp
+        self.mesh = None
+        if tp > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self.mesh = DeviceMesh.from_group(tp_group, device.type)
+
+    def _ensure_moments(self) -> None:
+        """A fresh optimizer has no state yet; loading needs tensors to load into."""
+        for _, param in self.params:
+            state = self.optimizer.state[param]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                for key in MOMENTS:
+                    state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+    def _parts(self, name: str, local: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        sharding = self.plan[name]
+        if sharding is None:
+            return [(name, local)]
+        sizes = [size // self.tp for size in sharding.parts]
+        pieces = local.split(sizes, dim=sharding.dim)
+        if self.mesh is None:
+            return [(f"{name}#{i}", piece) for i, piece in enumerate(pieces)]
+        from torch.distributed.tensor import DTensor, Shard
+
+        return [(f"{name}#{i}", DTensor.from_local(piece.contiguous(), self.mesh,
+                                                    [Shard(sharding.dim)], run_check=False))
+                for i, piece in enumerate(pieces)]
+
+    def state_dict(self) -> dict:
+        self._ensure_moments()
+        out: dict = {"scheduler": self.scheduler.state_dict()}
+        with torch.no_grad():
+            for name, param in self.params:
+                state = self.optimizer.state[param]
+                for key, tensor in (("model", param), *((k, state[k]) for k in MOMENTS)):
+                    for part, value in self._parts(name, _whole(tensor.detach())):
+                        out[f"{key}/{part}"] = value
+                out[f"step/{name}"] = state["step"]
+        return out
+
+    def load_into_place(self, state: dict) -> None:
+        """Write a loaded state dict (made by `state_dict`, filled by DCP) back."""
+        with torch.no_grad():
+            for name, param in self.params:
+                opt_state = self.optimizer.state[param]
+                sharding = self.plan[name]
+                for key, target in (("model", param), *((k, opt_state[k]) for k in MOMENTS)):
+                    if sharding is None:
+                        value = state[f"{key}/{name}"]
+                    else:
+                        pieces = [state[f"{key}/{name}#{i}"] for i in range(len(sharding.parts))]
+                        pieces = [p.to_local() if hasattr(p, "to_local") else p for p in pieces]
+                        value = torch.cat(pieces, dim=sharding.dim)
+                    _write_local(target, value)
+                opt_state["step"].copy_(state[f"step/{name}"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        # The schedule's state holds its step, not the optimizer's current learning rate.
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(),
+                             strict=True):
+            group["lr"] = lr
+
+    def save(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.state_dict(), checkpoint_id=str(path))
+
+    def load(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        state = self.state_dict()
+        dcp.load(state, checkpoint_id=str(path))
+        self.load_into_place(state)

@@ -1,0 +1,108 @@
+"""The layers hold: each part of ctxlaunch imports only the layers before it, read from the
+code's own import statements (module level and inside functions alike).
+
+    contract -> perf -> planning -> launch | runtime -> cli        cp: torch only
+
+launch (what submits a job) and runtime (what runs inside it) never import each other: they meet
+in contract (the spec that travels with the job, the run directory, the exit files)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ctxlaunch"
+
+ALLOWED: dict[str, set[str]] = {
+    "contract": {"contract"},
+    "perf": {"contract", "perf"},
+    "planning": {"contract", "perf", "planning"},
+    "launch": {"contract", "perf", "planning", "launch"},
+    "runtime": {"contract", "perf", "planning", "runtime", "cp"},
+    "cp": {"cp"},
+    "cli": {"contract", "perf", "planning", "launch", "runtime", "cp", "cli"},
+}
+"""Layer -> the layers its modules may import. The package root (`ctxlaunch`, which holds only
+the version) is open to all."""
+
+ENTRY_SHIMS = {"trainer", "podentry"}
+"""`python -m ctxlaunch.trainer` / `ctxlaunch.podentry`: the published entry points that rendered
+scripts start; each runs its runtime module by name and imports nothing."""
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) for every ctxlaunch import in the file."""
+    tree = ast.parse(path.read_text(), str(path))
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target == "ctxlaunch":
+                # `from ctxlaunch import x`: x is the module (or the version)
+                found += [(node.lineno, f"ctxlaunch.{a.name}") for a in node.names]
+            else:
+                found.append((node.lineno, target))
+    return [(line, name) for line, name in found if name.split(".")[0] == "ctxlaunch"]
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else None
+
+
+def test_every_module_is_in_a_layer() -> None:
+    """Nothing loose at the top: each module belongs to a layer (or is an entry shim)."""
+    loose = [p.name for p in PACKAGE.glob("*.py")
+             if p.stem not in ENTRY_SHIMS and p.name != "__init__.py"]
+    loose += [p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name not in ALLOWED
+              and p.name != "__pycache__"]
+    assert loose == [], f"modules outside the layers: {loose}"
+
+
+def test_entry_shims_import_nothing_of_ctxlaunch() -> None:
+    for name in ENTRY_SHIMS:
+        assert _imports(PACKAGE / f"{name}.py") == [], name
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_layer_imports_only_earlier_layers(layer: str) -> None:
+    wrong = []
+    for path in sorted((PACKAGE / layer).rglob("*.py")):
+        for line, target in _imports(path):
+            if target == "ctxlaunch":
+                continue
+            target_layer = _layer(target)
+            if target_layer is None and target.split(".")[1] in ENTRY_SHIMS:
+                wrong.append(f"{path.relative_to(PACKAGE)}:{line} imports the entry shim {target}")
+            elif target_layer is not None and target_layer not in ALLOWED[layer]:
+                wrong.append(f"{path.relative_to(PACKAGE)}:{line} imports {target} "
+                             f"({layer} may import {', '.join(sorted(ALLOWED[layer]))})")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_the_rule_sees_a_violation() -> None:
+    """The checker itself: an upward import inside a function is found."""
+    bad = PACKAGE / "perf" / "_layer_probe.py"
+    bad.write_text("def f():\n    from ctxlaunch.launch import jobstore\n")
+    try:
+        assert _imports(bad) == [(2, "ctxlaunch.launch")]
+        with pytest.raises(AssertionError, match="imports ctxlaunch.launch"):
+            test_layer_imports_only_earlier_layers("perf")
+    finally:
+        bad.unlink()
