@@ -12,8 +12,8 @@ import torch
 
 from ctxlaunch.contract.loader import validate_spec
 from ctxlaunch.perf.commvolume import step_comm_bytes
+from tests.helpers.dist import run_distributed
 
-from .dist_utils import run_distributed
 from .test_trainer_exact import spec_for
 
 pytestmark = pytest.mark.slow

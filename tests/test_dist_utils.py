@@ -5,7 +5,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from .dist_utils import run_distributed
+from tests.helpers.dist import run_distributed
 
 
 def _rank1_fails_while_rank0_waits(rank, world_size):

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers.services import KUBE_ADMIN, KUBE_CRD, KUBE_VIEWER, require_kubernetes
+
 from .conftest import JOBS, free_port
-from .services import KUBE_ADMIN, KUBE_CRD, KUBE_VIEWER, require_kubernetes
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent

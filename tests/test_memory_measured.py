@@ -90,8 +90,7 @@ def test_predicted_activations_match_saved_tensors_at_tp2_and_per_pp_stage() -> 
     pipeline stages: the planner's per-stage activation bytes within 1 %. A 1F1B stage holds
     pp - r such micro-batches (arithmetic on the measured one, `activation_bytes`)."""
     from ctxlaunch.perf.memory import stage_activation_bytes
-
-    from .dist_utils import run_distributed
+    from tests.helpers.dist import run_distributed
 
     ranks = run_distributed(_measure_tp_pp, 2, TP_PP_CASES, timeout_s=200)
     for index, (kind, dtype, checkpointing) in enumerate(TP_PP_CASES):

@@ -4,7 +4,6 @@ rendering of hostile values."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,11 +15,11 @@ import yaml
 from ctxlaunch.contract.loader import SpecError, load_spec, read_spec_data, validate_spec
 from ctxlaunch.launch.render import RenderError, render, render_files
 from ctxlaunch.planning.plan import plan_job
+from tests.helpers.shell import shellcheck
 
 from .conftest import JOBS, ROOT
 
 EXAMPLES = sorted(JOBS.glob("*.yaml"))
-SHELLCHECK = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
 
 
 def example_targets(spec) -> list[str]:
@@ -53,13 +52,6 @@ def test_example_goldens(path: Path, check_golden) -> None:
 def test_every_example_exercised() -> None:
     names = {p.stem for p in EXAMPLES}
     assert {"demo", "llama3-8b-128k-slurm", "llama3-70b-1m-k8s", "invalid-ulysses-gqa"} <= names
-
-
-def shellcheck(path: Path) -> None:
-    subprocess.run(["bash", "-n", str(path)], check=True)
-    result = subprocess.run([SHELLCHECK, "--severity=style", str(path)],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("path", [p for p in EXAMPLES if not p.stem.startswith("invalid-")],
@@ -103,7 +95,7 @@ def sbatch_directives(text: str) -> list[str]:
 def crd_validator(crd: Path):
     import jsonschema
 
-    from .crd_schema import pytorchjob_schema
+    from tests.helpers.crd import pytorchjob_schema
 
     schema = pytorchjob_schema(crd)
     jsonschema.Draft7Validator.check_schema(schema)

@@ -8,23 +8,29 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.services import PUSHGATEWAY_URL, poll, require_prometheus, require_slurm
+from tests.helpers.slurm_jobs import (
+    BIN,
+    CTXLAUNCH,
+    QUICK,
+    ctx,
+    final_loss,
+    run,
+    status,
+    submit,
+    wait_for,
+    wait_for_log,
+)
+
 from .conftest import JOBS
-from .services import PUSHGATEWAY_URL, poll, require_prometheus, require_slurm
 
 pytestmark = pytest.mark.slow
-BIN = Path(sys.executable).parent
-CTXLAUNCH = str(BIN / "ctxlaunch")
-# Small and quick: 1,024-token sequences, two CPU ranks, a node shared with other tests' jobs.
-QUICK = ["training.seq_len=1024", "training.log_interval=1", "cluster.target=slurm",
-         "cluster.slurm.exclusive=false", "cluster.slurm.time_limit=10:00"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,65 +41,6 @@ def slurm() -> None:
 @pytest.fixture
 def home(tmp_path: Path) -> Path:
     return tmp_path / "home"
-
-
-def run(args: list[str], home: Path, cwd: Path, timeout: float = 120, **extra: str):
-    env = {**os.environ, "CTXLAUNCH_HOME": str(home), **extra}
-    if "CTXLAUNCH_INJECT_FAULT" not in extra:
-        env.pop("CTXLAUNCH_INJECT_FAULT", None)
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def submit(tmp_path: Path, home: Path, *sets: str, **extra: str) -> str:
-    """Submit the demo spec to Slurm; returns the Slurm job id."""
-    args = [CTXLAUNCH, "submit", str(JOBS / "demo.yaml")]
-    for item in [*QUICK, f"training.checkpoint.dir={tmp_path / 'ckpt'}", *sets]:
-        args += ["--set", item]
-    result = run(args, home, tmp_path, **extra)
-    assert result.returncode == 0, result.stdout + result.stderr
-    job_id = result.stdout.strip().splitlines()[-1]
-    assert job_id.isdigit(), result.stdout
-    assert f"submitted Slurm job {job_id}" in result.stderr
-    return job_id
-
-
-def ctx(home: Path, tmp_path: Path, *args: str, timeout: float = 120):
-    return run([CTXLAUNCH, *args], home, tmp_path, timeout=timeout)
-
-
-def status(home: Path, tmp_path: Path, job_id: str) -> dict:
-    result = ctx(home, tmp_path, "status", job_id, "--json")
-    assert result.returncode == 0, result.stdout + result.stderr
-    return json.loads(result.stdout)
-
-
-def wait_for(home: Path, tmp_path: Path, job_id: str, states: set[str],
-             timeout: float = 90) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        current = status(home, tmp_path, job_id)
-        if current["state"] in states:
-            return current
-        assert time.monotonic() < deadline, f"job {job_id} still {current} after {timeout} s"
-        time.sleep(0.5)
-
-
-def wait_for_log(home: Path, tmp_path: Path, job_id: str, pattern: str,
-                 timeout: float = 90) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        text = ctx(home, tmp_path, "logs", job_id).stdout
-        if re.search(pattern, text, re.M):
-            return text
-        assert time.monotonic() < deadline, f"{pattern!r} not in the log of {job_id}:\n{text}"
-        time.sleep(0.5)
-
-
-def job_dir(home: Path, job_id: str) -> Path:
-    (record,) = [p for p in (home / "jobs").iterdir()
-                 if json.loads((p / "job.json").read_text())["backend_id"] == job_id]
-    return record
 
 
 @pytest.mark.timeout(300)
@@ -189,10 +136,6 @@ def test_an_injected_oom_reports_oom_with_the_layout(tmp_path: Path, home: Path)
     assert "out of device memory with model tiny, seq_len 1024, cp 2 (ring, zigzag)" \
         in waited.stdout
     assert "out of memory on rank 0 at step 2: the planner predicted" in waited.stdout
-
-
-def final_loss(home: Path, job_id: str) -> float:
-    return json.loads((job_dir(home, job_id) / "run" / "summary.json").read_text())["final_loss"]
 
 
 @pytest.mark.timeout(420)

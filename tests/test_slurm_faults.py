@@ -18,9 +18,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.services import require_slurm
+from tests.helpers.slurm_jobs import (
+    ctx,
+    final_loss,
+    job_dir,
+    run,
+    status,
+    submit,
+    wait_for,
+    wait_for_log,
+)
+
 from .conftest import ROOT
-from .services import require_slurm
-from .test_slurm import ctx, final_loss, job_dir, run, status, submit, wait_for, wait_for_log
 
 pytestmark = pytest.mark.slow
 STEPS = 40

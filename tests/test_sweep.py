@@ -15,9 +15,9 @@ import yaml
 from ctxlaunch.launch.plan import slurm_plan
 from ctxlaunch.launch.render import render_plan
 from ctxlaunch.launch.sweep import load_sweep, point_name, slurm_groups
+from tests.helpers.shell import shellcheck
 
 from .conftest import JOBS
-from .test_render import shellcheck
 
 CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
 

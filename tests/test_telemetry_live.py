@@ -18,9 +18,15 @@ import pytest
 
 from ctxlaunch.runtime.telemetry.dashboard import panel_queries
 from ctxlaunch.runtime.telemetry.metrics import LABELS, METRICS
+from tests.helpers.services import (
+    PUSHGATEWAY_URL,
+    add_scrape_targets,
+    poll,
+    query,
+    require_prometheus,
+)
 
 from .conftest import JOBS, ROOT
-from .services import PUSHGATEWAY_URL, add_scrape_targets, poll, query, require_prometheus
 
 pytestmark = pytest.mark.slow
 CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ctxlaunch.contract.loader import validate_spec
+from tests.helpers.dist import run_distributed
 
-from .dist_utils import run_distributed
 from .test_trainer_exact import _train as run_layout
 from .test_trainer_exact import spec_for
 

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from ctxlaunch.contract.loader import apply_overrides, validate_spec
-
-from .dist_utils import run_distributed
+from tests.helpers.dist import run_distributed
 
 pytestmark = pytest.mark.slow
 

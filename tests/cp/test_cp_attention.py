@@ -18,9 +18,8 @@ from ctxlaunch.cp import (
     ulysses_attention,
     unshard_sequence,
 )
-
-from ..dist_utils import run_distributed
-from .cp_dist_utils import reference_with_grads
+from tests.helpers.attention import reference_with_grads
+from tests.helpers.dist import run_distributed
 
 # (out and gradients, lse) tolerances against the float64 reference on the same inputs. bf16:
 # out and gradients are rounded to bf16 (8-bit mantissa) and the kernel's bf16 backward works

@@ -9,8 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ctxlaunch.cp import ring_attention, shard_sequence, ulysses_attention
-
-from ..dist_utils import run_distributed
+from tests.helpers.dist import run_distributed
 
 TIGHT = dict(rtol=1e-5, atol=1e-5)
 BF16 = dict(rtol=1.6e-2, atol=1e-2)

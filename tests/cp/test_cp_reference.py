@@ -5,8 +5,7 @@ import torch
 
 from ctxlaunch.cp import full_attention
 from ctxlaunch.cp.merge import merge_block
-
-from .cp_dist_utils import math_attention, reference_with_grads
+from tests.helpers.attention import math_attention, reference_with_grads
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
 # bf16 inputs against the float64 reference computed from the same (rounded) inputs.

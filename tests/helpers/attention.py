@@ -1,5 +1,5 @@
 """The plain-math float64 attention reference of the cp tests (the multi-process launcher is
-tests/dist_utils.py, shared by every multi-process test)."""
+tests/helpers/dist.py, shared by every multi-process test)."""
 
 from __future__ import annotations
 
