@@ -77,7 +77,8 @@ def test_block_activation_constant_for_llama3_8b() -> None:
         per_token + 2 * 2 * 4096
     selective = block_activation_bytes_per_token(
         LLAMA_8B, layout.replace(activation_checkpointing="selective"))
-    full = block_activation_bytes_per_token(LLAMA_8B, layout.replace(activation_checkpointing="full"))
+    full = block_activation_bytes_per_token(LLAMA_8B,
+                                            layout.replace(activation_checkpointing="full"))
     assert full == 2 * 4096 and full < selective < per_token
 
 
@@ -162,7 +163,8 @@ def test_llama3_8b_example_plan() -> None:
 
 
 def test_not_fitting_says_by_how_much_and_what_fits() -> None:
-    spec = load_spec(JOBS / "llama3-8b-128k-slurm.yaml", ["parallel.cp=2", "training.global_batch=null"])
+    spec = load_spec(JOBS / "llama3-8b-128k-slurm.yaml",
+                     ["parallel.cp=2", "training.global_batch=null"])
     report = plan_job(spec)
     assert not report.fits
     verdict = report.verdict()

@@ -67,7 +67,7 @@ def predict_row(row: dict[str, Any], spec: Any, calibration: Any) -> None:
     from ctxlaunch.perf.memory import estimate
     from ctxlaunch.perf.steptime import predict_spec
 
-    machine = machine_for(spec, calibration=calibration)
+    machine = machine_for(spec, calibration=calibration, saved=False)
     time = predict_spec(spec, machine)
     memory = estimate(spec.model, Layout.from_spec(spec), spec.cluster.gpu_info)
     row["seq_len"] = spec.training.seq_len

@@ -186,14 +186,16 @@ def save_calibration(calibration: Calibration, path: Path | None = None) -> Path
 
 
 def machine_for(spec: JobSpec, *, gpus_per_node: int | None = None,
-                calibration: Calibration | None = None) -> Machine:
+                calibration: Calibration | None = None, saved: bool = True) -> Machine:
     """The machine `spec` runs on, with `gpus_per_node` (default: the spec's own; how many
-    nodes does not change a node's rates): the GPU and fabric tables, or on `gpu: cpu` the constants measured here
-    (`calibration`, else the saved ones; the tables' placeholders where none were measured)."""
+    nodes does not change a node's rates): the GPU and fabric tables, or on `gpu: cpu` the
+    constants measured here
+    (`calibration`, else the saved ones unless `saved` is False; the tables' placeholders
+    where none were measured)."""
     c = spec.cluster
     per_node = gpus_per_node or c.gpus_per_node
     if c.gpu == "cpu":
-        measured = calibration or load_calibration()
+        measured = calibration or (load_calibration() if saved else None)
         if measured is not None:
             return measured.machine(gpus_per_node=per_node)
     return Machine.from_gpu(c.gpu_info, network=spec.fabric.network, gpus_per_node=per_node,

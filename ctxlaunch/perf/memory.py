@@ -77,7 +77,7 @@ from ctxlaunch.perf.flops import count_params
 from ctxlaunch.perf.layout import Layout, default_rank_layers
 
 if TYPE_CHECKING:
-    from ctxlaunch.contract.spec import JobSpec, ModelSpec
+    from ctxlaunch.contract.spec import ModelSpec
 
 # Constants the trainer uses too, so the planner and the run agree.
 LOSS_CHUNK_TOKENS = 2048

@@ -18,8 +18,8 @@ from typing import Any
 
 from ctxlaunch.contract.hardware import GPUS
 from ctxlaunch.contract.spec import ModelSpec
-from ctxlaunch.perf.flops import flops_per_token
-from ctxlaunch.perf.layout import Layout
+from ctxlaunch.perf.flops import MfuConvention, flops_per_token
+from ctxlaunch.perf.layout import Layout, MatmulPrecision
 from ctxlaunch.perf.machine import Machine
 from ctxlaunch.perf.memory import MemoryEstimate, estimate
 from ctxlaunch.perf.steptime import StepTime, predict
@@ -34,10 +34,11 @@ LLAMA3 = ("Llama Team, AI @ Meta, 'The Llama 3 Herd of Models', arXiv:2407.21783
           "(405B pre-training on H100 80GB over 400 Gb/s RoCE, BF16); also "
           "../shared/docs/domain.md")
 
-LLAMA2_7B = ModelSpec(layers=32, hidden=4096, heads=32, kv_heads=32, ffn_hidden=11008,
-                      vocab=32000)
-LLAMA3_8B = ModelSpec(preset="llama3-8b")
-LLAMA3_405B = ModelSpec(preset="llama3-405b")
+# Through model_validate: the preset fills in the rest of the fields.
+LLAMA2_7B = ModelSpec.model_validate({"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 32,
+                                      "ffn_hidden": 11008, "vocab": 32000})
+LLAMA3_8B = ModelSpec.model_validate({"preset": "llama3-8b"})
+LLAMA3_405B = ModelSpec.model_validate({"preset": "llama3-405b"})
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,9 @@ class PublishedRun:
     pp: int
     cp: int
     dp: int
-    precision: str
+    precision: MatmulPrecision
     tflops_per_gpu: float
-    convention: str
+    convention: MfuConvention
     """Which MFU convention the source's TFLOP/s count (see ctxlaunch.perf.flops)."""
     zero_stage: int
     source: str

@@ -41,8 +41,9 @@ tokens held by the rank (CP splits the sequence), TP shards heads and weights:
 
 Collectives move bytes at eta_comm x the data-sheet bandwidth of the slowest link their group
 spans (NVLink inside the NVLink domain; the network beyond it, one NIC per GPU) plus one
-latency per ring step. Every constant is a data-sheet value (ctxlaunch.contract.hardware), measured on
-this machine (ctxlaunch.runtime.calibrate), or one of the fitted efficiencies below; the README lists
+latency per ring step. Every constant is a data-sheet value (ctxlaunch.contract.hardware),
+measured on this machine (ctxlaunch.runtime.calibrate), or one of the fitted efficiencies
+(ctxlaunch.perf.machine); the README lists
 which.
 """
 
@@ -53,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 from ctxlaunch.contract.hardware import LinkInfo
 from ctxlaunch.perf import commvolume
-from ctxlaunch.perf.flops import CONVENTIONS, count_params, flops_per_token
+from ctxlaunch.perf.flops import CONVENTIONS, MfuConvention, count_params, flops_per_token
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.machine import Machine, machine_for
 from ctxlaunch.perf.memory import block_activation_bytes_per_token, params_per_rank
@@ -72,8 +73,8 @@ class StepTime:
     terms: dict[str, float]
     step_seconds: float
     tokens_per_second_per_gpu: float
-    model_flops_per_second_per_gpu: dict[str, float]
-    mfu: dict[str, float]
+    model_flops_per_second_per_gpu: dict[MfuConvention, float]
+    mfu: dict[MfuConvention, float]
     detail: dict[str, float] = field(default_factory=dict)
     """Per-layer figures behind the terms (ring hop transfer vs hop compute, ...)."""
 
@@ -236,6 +237,6 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
 
 def predict_spec(spec: JobSpec, machine: Machine | None = None, **changes: Any) -> StepTime:
     """`predict` for a validated spec (its layout with `changes`) on `machine` (default: the
-    spec's own, `machine_for`)."""
+    spec's GPU and fabric tables)."""
     return predict(spec.model, Layout.from_spec(spec).replace(**changes),
-                   machine or machine_for(spec))
+                   machine or machine_for(spec, saved=False))

@@ -169,14 +169,15 @@ def degree_options(spec: JobSpec, world: int, gpus_per_node: int,
 def advise(spec: JobSpec, *, nodes: int | None = None, gpus_per_node: int | None = None,
            machine: Machine | None = None, matmul_precision: str | None = None) -> Advice:
     """Rank every legal layout of `spec` on `nodes` x `gpus_per_node` GPUs (the spec's own by
-    default). The tokens per step (global batch x seq_len) are held. `matmul_precision` fp8
-    ranks as if the weight matmuls ran in FP8 (the bundled trainer runs bf16/fp32 only)."""
+    default; on `machine`, else the spec's tables: the CLI passes `machine_for`'s choice, with
+    any saved CPU calibration). The tokens per step (global batch x seq_len) are held.
+    `matmul_precision` fp8 ranks as if the weight matmuls ran in FP8 (the bundled trainer runs bf16/fp32 only)."""
     nodes = nodes or spec.cluster.nodes
     gpn = gpus_per_node or spec.cluster.gpus_per_node
     world = nodes * gpn
     cluster = spec.cluster.model_copy(update={"nodes": nodes, "gpus_per_node": gpn})
     base = spec.model_copy(update={"cluster": cluster})
-    machine = machine or machine_for(base)
+    machine = machine or machine_for(base, saved=False)
     gpu = cluster.gpu_info
     global_batch = spec.global_batch
     model = spec.model
@@ -218,8 +219,8 @@ def advise(spec: JobSpec, *, nodes: int | None = None, gpus_per_node: int | None
             settings = []
             for mode in CHECKPOINTING:
                 fitting = [(mode, z) for z in ZERO_STAGES
-                           if (e := memory(layout.replace(activation_checkpointing=mode,
-                                                          zero_stage=z))).fits]
+                           if memory(layout.replace(activation_checkpointing=mode,
+                                                    zero_stage=z)).fits]
                 if fitting:
                     settings.append(fitting)
             timed_modes, pruned = settings[:2], settings[2:]

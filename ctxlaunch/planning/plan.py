@@ -123,7 +123,7 @@ class PlanReport:
 
 def plan_job(spec: JobSpec, machine: Machine | None = None) -> PlanReport:
     """Everything `ctxlaunch plan` reports for a (valid) spec; the step time on `machine`
-    (default: the spec's own, `machine_for`)."""
+    (default: the spec's GPU and fabric tables; the CLI passes `machine_for`'s choice)."""
     layout = Layout.from_spec(spec)
     gpu = spec.cluster.gpu_info
     current = estimate(spec.model, layout, gpu)
@@ -138,7 +138,7 @@ def plan_job(spec: JobSpec, machine: Machine | None = None) -> PlanReport:
         suggestions=suggestions(spec, layout),
         flops=flops_report(spec),
         warnings=spec.warnings(),
-        step_time=(predict(spec.model, layout, machine or machine_for(spec)).to_dict()
+        step_time=(predict(spec.model, layout, machine or machine_for(spec, saved=False)).to_dict()
                    if current.fits else None),
     )
 
