@@ -6,6 +6,7 @@ sends it."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -73,7 +74,7 @@ def _count(rank: int, world: int, specs: list[dict]) -> list[dict]:
         trainer.train_step()  # warm-up
         finish = trainer.engine.finish_gradients
 
-        def finishing(finish=finish) -> None:  # type: ignore[no-untyped-def]  # bound per spec
+        def finishing(finish: Callable[[], None] = finish) -> None:  # bound per spec
             state["phase"] = "reduce"
             finish()
             state["phase"] = "step"

@@ -171,7 +171,8 @@ def advise(spec: JobSpec, *, nodes: int | None = None, gpus_per_node: int | None
     """Rank every legal layout of `spec` on `nodes` x `gpus_per_node` GPUs (the spec's own by
     default; on `machine`, else the spec's tables: the CLI passes `machine_for`'s choice, with
     any saved CPU calibration). The tokens per step (global batch x seq_len) are held.
-    `matmul_precision` fp8 ranks as if the weight matmuls ran in FP8 (the bundled trainer runs bf16/fp32 only)."""
+    `matmul_precision` fp8 ranks as if the weight matmuls ran in FP8 (the bundled trainer runs
+    bf16/fp32 only)."""
     nodes = nodes or spec.cluster.nodes
     gpn = gpus_per_node or spec.cluster.gpus_per_node
     world = nodes * gpn
