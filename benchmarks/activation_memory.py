@@ -25,7 +25,8 @@ def worker(args: argparse.Namespace) -> None:
 
     from ctxlaunch.contract.spec import ModelSpec
     from ctxlaunch.cp import ring_attention, shard_positions
-    from ctxlaunch.perf.memory import MemoryLayout, block_activation_bytes_per_token
+    from ctxlaunch.perf.layout import Layout
+    from ctxlaunch.perf.memory import block_activation_bytes_per_token
     from ctxlaunch.runtime.trainer.memtrace import SavedTensorMeter
     from ctxlaunch.runtime.trainer.model import Block, rope_tables
 
@@ -50,7 +51,7 @@ def worker(args: argparse.Namespace) -> None:
                 y = block(x, cos, sin)
             y.float().sum().backward()
             # bf16 here is the DeepSpeed path (bf16 module, bf16 residual): zero_stage 2.
-            layout = MemoryLayout(seq_len=args.seq, cp=world, dtype=dtype_name,
+            layout = Layout(seq_len=args.seq, cp=world, dtype=dtype_name,
                                   zero_stage=0 if dtype_name == "fp32" else 2,
                                   activation_checkpointing=mode)
             predicted = block_activation_bytes_per_token(spec_model, layout) * tokens

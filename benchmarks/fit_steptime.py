@@ -17,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.test_published_runs import ROWS, best_fitting, machine_for  # noqa: E402
+from ctxlaunch.perf.published import ROWS, best_fitting  # noqa: E402
+from ctxlaunch.perf.published import row_machine as machine_for  # noqa: E402
 
 
 def errors(eta_bf16: float, eta_fp8: float, eta_attention: float) -> list[float]:

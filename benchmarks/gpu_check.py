@@ -61,10 +61,11 @@ def trainer_spec(model: str, seq: int, checkpointing: str, steps: int, gpu: str,
 
 def planner_figures(spec_data: dict) -> dict:
     from ctxlaunch.contract.loader import validate_spec
-    from ctxlaunch.perf.memory import MemoryLayout, estimate, longest_sequence
+    from ctxlaunch.perf.layout import Layout
+    from ctxlaunch.perf.memory import estimate, longest_sequence
 
     spec = validate_spec(spec_data)
-    layout = MemoryLayout.from_spec(spec)
+    layout = Layout.from_spec(spec)
     est = estimate(spec.model, layout, spec.cluster.gpu_info)
     return {"predicted_total_bytes": est.total,
             "predicted_without_allowance_bytes": est.total - est.allowance,
@@ -380,8 +381,8 @@ def saved_tensors_probe(device: str, model_name: str, seqs: tuple[int, ...]) -> 
     import torch
 
     from ctxlaunch.contract.loader import validate_spec
+    from ctxlaunch.perf.layout import Layout
     from ctxlaunch.perf.memory import (
-        MemoryLayout,
         activation_bytes,
         autocast_weight_copy_bytes,
         block_activation_bytes_per_token,
@@ -431,7 +432,7 @@ def saved_tensors_probe(device: str, model_name: str, seqs: tuple[int, ...]) -> 
                 if cuda:
                     torch.cuda.synchronize()
                     row["peak_over_weights"] = torch.cuda.max_memory_allocated() - base
-                layout = MemoryLayout.from_spec(spec)
+                layout = Layout.from_spec(spec)
                 row["planner_block_saved_per_token"] = block_activation_bytes_per_token(
                     spec.model, layout)
                 row["planner_autocast_copies_per_block"] = autocast_weight_copy_bytes(

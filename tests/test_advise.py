@@ -11,8 +11,10 @@ from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.contract.loader import load_spec
+from ctxlaunch.perf.layout import Layout
+from ctxlaunch.perf.machine import machine_for
 from ctxlaunch.perf.memory import estimate
-from ctxlaunch.perf.steptime import StepLayout, machine_for_spec, predict
+from ctxlaunch.perf.steptime import predict
 from ctxlaunch.planning.advise import advise, degree_options
 
 from .conftest import JOBS
@@ -41,17 +43,17 @@ def test_70b_on_512_gpus_is_pruned_and_accounts_for_every_layout() -> None:
     spec = load_spec(JOBS / "llama3-70b-1m-k8s.yaml")
     advice = advise(spec)
     assert advice.layouts_timed < 2500  # pruning: a count, never a wall time
-    options = degree_options(spec, 512, 8, machine_for_spec(spec).nvlink_domain)
-    seen = {c.degrees.describe() for c in advice.ranked}
+    options = degree_options(spec, 512, 8, machine_for(spec).nvlink_domain)
+    seen = {c.layout.describe_degrees() for c in advice.ranked}
     seen |= {r.layout.split(",")[0] for r in advice.rejected if r.kind != "dominated"}
-    assert {d.describe() for d in options} <= seen
+    assert {d.describe_degrees() for d in options} <= seen
     assert all(d.tp <= 8 for d in options)  # TP within the NVLink domain
     groups = advice.rejected_by_kind()
     assert groups["illegal"] and groups["no fit"] and groups["dominated"]
     # The spec's own layout fits; the top choice is predicted at least as fast.
-    own = StepLayout.from_spec(spec)
-    assert estimate(spec.model, own.memory(), spec.cluster.gpu_info).fits
-    own_time = predict(spec.model, own, machine_for_spec(spec)).step_seconds
+    own = Layout.from_spec(spec)
+    assert estimate(spec.model, own, spec.cluster.gpu_info).fits
+    own_time = predict(spec.model, own, machine_for(spec)).step_seconds
     assert advice.best is not None and advice.best.time.step_seconds <= own_time
 
 

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.contract.loader import load_spec
-from ctxlaunch.perf.steptime import machine_for_spec, predict_spec
+from ctxlaunch.perf.machine import machine_for
+from ctxlaunch.perf.steptime import predict_spec
 from ctxlaunch.planning.advise import advise
 from ctxlaunch.runtime.calibrate import Calibration, load_calibration, measure, save_calibration
 
@@ -33,7 +34,7 @@ def test_measured_constants_drive_the_cpu_prediction(tmp_path: Path,
     assert load_calibration() == calibration
 
     spec = load_spec(JOBS / "demo.yaml")
-    machine = machine_for_spec(spec, calibration)
+    machine = machine_for(spec, calibration=calibration)
     assert calibration.one_thread is not None
     assert all(calibration.one_thread[k] > 0 for k in ("matmul", "attention", "elementwise"))
     # Two ranks on this machine's cores: each runs one thread, at the one-thread rates scaled by

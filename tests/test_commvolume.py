@@ -6,12 +6,14 @@ sends it."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from ctxlaunch.contract.loader import validate_spec
 from ctxlaunch.perf.commvolume import step_comm_bytes
+from ctxlaunch.perf.layout import Layout
 from tests.helpers.dist import run_distributed
 
 from .test_trainer_exact import spec_for
@@ -72,7 +74,7 @@ def _count(rank: int, world: int, specs: list[dict]) -> list[dict]:
         trainer.train_step()  # warm-up
         finish = trainer.engine.finish_gradients
 
-        def finishing() -> None:
+        def finishing(finish: Callable[[], None] = finish) -> None:  # bound per spec
             state["phase"] = "reduce"
             finish()
             state["phase"] = "step"
@@ -117,10 +119,8 @@ def test_bytes_sent_per_rank_match_the_documented_formulas() -> None:
         for rank, results in enumerate(ranks):
             got = results[index]
             want = step_comm_bytes(
-                spec.model, seq_len=spec.training.seq_len, micro_batch=1,
-                grad_accum=spec.grad_accum, tp=p.tp, cp=p.cp, dp=spec.dp,
-                cp_algorithm=p.cp_algorithm, ulysses=spec.ulysses_degree, dtype="fp32",
-                stage_layers=spec.stage_layers[got["first"] and 0 or -1] if p.pp > 1 else None,
+                spec.model, Layout.from_spec(spec).replace(micro_batch=1, dtype="fp32"),
+                blocks=spec.stage_layers[got["first"] and 0 or -1] if p.pp > 1 else None,
                 first_stage=got["first"], last_stage=got["last"],
                 stage_params=got["params"], norm_params=got["norms"])
             print(f"{p.tp=} {p.cp=} {p.pp=} {p.cp_algorithm} rank {rank}: sent "

@@ -9,8 +9,8 @@ from ctxlaunch.contract.hardware import GPUS, GiB
 from ctxlaunch.contract.loader import load_spec, validate_spec
 from ctxlaunch.contract.spec import ModelSpec
 from ctxlaunch.perf.flops import count_params, flops_per_token, mfu
+from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.memory import (
-    MemoryLayout,
     block_activation_bytes_per_token,
     estimate,
     longest_sequence,
@@ -68,7 +68,7 @@ def test_mfu_by_hand() -> None:
 
 def test_block_activation_constant_for_llama3_8b() -> None:
     # 2*r*h + a*(5h + 2h_kv + 3f) + 4*heads + 8 with a = r = 2 (bf16 under DeepSpeed).
-    layout = MemoryLayout(seq_len=8192, dtype="bf16", zero_stage=2)
+    layout = Layout(seq_len=8192, dtype="bf16", zero_stage=2)
     per_token = block_activation_bytes_per_token(LLAMA_8B, layout)
     assert per_token == 2 * 2 * 4096 + 2 * (5 * 4096 + 2 * 1024 + 3 * 14336) + 4 * 32 + 8
     assert per_token == 147_592  # ~36 h, next to Korthikanti's 34 h for a GPT block
@@ -77,12 +77,13 @@ def test_block_activation_constant_for_llama3_8b() -> None:
         per_token + 2 * 2 * 4096
     selective = block_activation_bytes_per_token(
         LLAMA_8B, layout.replace(activation_checkpointing="selective"))
-    full = block_activation_bytes_per_token(LLAMA_8B, layout.replace(activation_checkpointing="full"))
+    full = block_activation_bytes_per_token(LLAMA_8B,
+                                            layout.replace(activation_checkpointing="full"))
     assert full == 2 * 4096 and full < selective < per_token
 
 
 def test_activations_divide_by_cp_and_tp() -> None:
-    base = MemoryLayout(seq_len=131072, dtype="bf16", zero_stage=2)
+    base = Layout(seq_len=131072, dtype="bf16", zero_stage=2)
     one = estimate(LLAMA_8B, base, H100).activations
     for n in (2, 4, 8):
         assert estimate(LLAMA_8B, base.replace(cp=n), H100).activations == pytest.approx(
@@ -129,7 +130,7 @@ def test_model_states_match_deepspeed_estimators() -> None:
 
 
 def test_longest_sequence_is_the_boundary() -> None:
-    layout = MemoryLayout(seq_len=8192, dtype="bf16", zero_stage=2, dp=4, cp=8,
+    layout = Layout(seq_len=8192, dtype="bf16", zero_stage=2, dp=4, cp=8,
                           activation_checkpointing="selective")
     longest = longest_sequence(LLAMA_8B, layout, H100)
     unit = sequence_granularity(8)
@@ -139,7 +140,7 @@ def test_longest_sequence_is_the_boundary() -> None:
 
 
 def test_memory_grows_with_sequence_and_shrinks_with_cp() -> None:
-    layout = MemoryLayout(seq_len=32768, dtype="bf16", zero_stage=1, dp=2)
+    layout = Layout(seq_len=32768, dtype="bf16", zero_stage=1, dp=2)
     totals = [estimate(LLAMA_8B, layout.replace(seq_len=s), H100).total
               for s in (8192, 32768, 131072)]
     assert totals == sorted(totals)
@@ -162,7 +163,8 @@ def test_llama3_8b_example_plan() -> None:
 
 
 def test_not_fitting_says_by_how_much_and_what_fits() -> None:
-    spec = load_spec(JOBS / "llama3-8b-128k-slurm.yaml", ["parallel.cp=2", "training.global_batch=null"])
+    spec = load_spec(JOBS / "llama3-8b-128k-slurm.yaml",
+                     ["parallel.cp=2", "training.global_batch=null"])
     report = plan_job(spec)
     assert not report.fits
     verdict = report.verdict()
@@ -189,12 +191,12 @@ def test_capacity_comes_from_the_gpu_table() -> None:
 def test_uneven_stages_plan_the_busiest_stage() -> None:
     """405B at PP 16: the balanced split (7, 8 x 14, 7) puts 8 blocks on the middle stages and
     7 beside the embedding / head; params and activations are those of the busiest rank."""
-    from ctxlaunch.perf.memory import MemoryLayout, activation_bytes, params_per_rank
+    from ctxlaunch.perf.memory import activation_bytes, params_per_rank
 
     model = ModelSpec(preset="llama3-405b")
     counts = count_params(model)
     split = (7,) + (8,) * 14 + (7,)
-    layout = MemoryLayout(seq_len=8192, grad_accum=16, tp=8, pp=16, stage_layers=split)
+    layout = Layout(seq_len=8192, grad_accum=16, tp=8, pp=16, stage_layers=split)
     held = params_per_rank(model, 8, 16, layout.rank_layers(model.layers))
     want = max(7 * counts.per_layer + counts.embedding, 8 * counts.per_layer,
                7 * counts.per_layer + counts.final_norm + counts.head)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ctxlaunch.contract.spec import ModelSpec
-from ctxlaunch.perf.memory import MemoryLayout, activation_bytes
+from ctxlaunch.perf.layout import Layout
+from ctxlaunch.perf.memory import activation_bytes
 from ctxlaunch.runtime.trainer.memtrace import SavedTensorMeter
 from ctxlaunch.runtime.trainer.model import Transformer
 
@@ -34,7 +35,7 @@ def test_predicted_activations_match_saved_tensors(dtype: str, zero: int,
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16" and zero == 0):
         with SavedTensorMeter(exclude=model.parameters()) as meter:
             loss = model(tokens, positions, targets)
-    layout = MemoryLayout(seq_len=seq, dtype=dtype, zero_stage=zero,
+    layout = Layout(seq_len=seq, dtype=dtype, zero_stage=zero,
                           activation_checkpointing=checkpointing)
     predicted = activation_bytes(MODEL, layout)
     # The goal is 10 %; the derivation is meant to be exact for the model the trainer builds.
@@ -94,7 +95,7 @@ def test_predicted_activations_match_saved_tensors_at_tp2_and_per_pp_stage() -> 
 
     ranks = run_distributed(_measure_tp_pp, 2, TP_PP_CASES, timeout_s=200)
     for index, (kind, dtype, checkpointing) in enumerate(TP_PP_CASES):
-        layout = MemoryLayout(seq_len=1024, dtype=dtype, zero_stage=0,
+        layout = Layout(seq_len=1024, dtype=dtype, zero_stage=0,
                               activation_checkpointing=checkpointing,
                               tp=2 if kind == "tp" else 1, pp=2 if kind == "pp" else 1)
         for rank in range(2):

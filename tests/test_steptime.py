@@ -7,7 +7,9 @@ import pytest
 from ctxlaunch.contract.hardware import GPUS
 from ctxlaunch.contract.loader import load_spec
 from ctxlaunch.contract.spec import ModelSpec
-from ctxlaunch.perf.steptime import Machine, StepLayout, predict, predict_spec
+from ctxlaunch.perf.layout import Layout
+from ctxlaunch.perf.machine import Machine
+from ctxlaunch.perf.steptime import predict, predict_spec
 
 from .conftest import JOBS
 
@@ -16,7 +18,7 @@ H100_NDR = Machine.from_gpu(GPUS["H100"], network="infiniband-ndr", gpus_per_nod
 
 
 def test_terms_add_up_and_mfu_uses_both_conventions() -> None:
-    st = predict(LLAMA_8B, StepLayout(seq_len=65536, cp=8, dp=4, grad_accum=2), H100_NDR)
+    st = predict(LLAMA_8B, Layout(seq_len=65536, cp=8, dp=4, grad_accum=2), H100_NDR)
     assert st.step_seconds == pytest.approx(sum(st.terms.values()))
     assert st.tokens_per_second_per_gpu == pytest.approx(65536 * 2 * 4 / st.step_seconds / 32)
     assert st.mfu["full"] > st.mfu["causal"] > 0
@@ -25,7 +27,7 @@ def test_terms_add_up_and_mfu_uses_both_conventions() -> None:
 
 
 def test_fp8_runs_the_matmuls_at_twice_the_peak() -> None:
-    layout = StepLayout(seq_len=8192, dp=8)
+    layout = Layout(seq_len=8192, dp=8)
     bf16 = predict(LLAMA_8B, layout, H100_NDR)
     fp8 = predict(LLAMA_8B, layout.replace(matmul_precision="fp8"), H100_NDR)
     eta = H100_NDR.eta_matmul
@@ -35,7 +37,7 @@ def test_fp8_runs_the_matmuls_at_twice_the_peak() -> None:
 
 
 def test_ring_transfer_is_exposed_only_where_it_outlasts_the_hop_compute() -> None:
-    layout = StepLayout(seq_len=131072, cp=16, dp=1)
+    layout = Layout(seq_len=131072, cp=16, dp=1)
     nvlink_like = Machine.from_gpu(GPUS["H100"], network="infiniband-ndr", gpus_per_node=16,
                                    nvlink_domain=16)
     hidden = predict(LLAMA_8B, layout, nvlink_like)
@@ -51,16 +53,16 @@ def test_ring_transfer_is_exposed_only_where_it_outlasts_the_hop_compute() -> No
 
 
 def test_ulysses_all_to_all_and_tp_collectives_appear_with_their_degree() -> None:
-    ring = predict(LLAMA_8B, StepLayout(seq_len=32768, cp=8, tp=1), H100_NDR)
-    ulysses = predict(LLAMA_8B, StepLayout(seq_len=32768, cp=8, cp_algorithm="ulysses",
+    ring = predict(LLAMA_8B, Layout(seq_len=32768, cp=8, tp=1), H100_NDR)
+    ulysses = predict(LLAMA_8B, Layout(seq_len=32768, cp=8, cp_algorithm="ulysses",
                                            ulysses_degree=8), H100_NDR)
     assert ring.terms["ulysses_all_to_all"] == 0 < ulysses.terms["ulysses_all_to_all"]
-    tp = predict(LLAMA_8B, StepLayout(seq_len=32768, tp=8), H100_NDR)
+    tp = predict(LLAMA_8B, Layout(seq_len=32768, tp=8), H100_NDR)
     assert tp.terms["tp_collectives"] > 0 and ring.terms["tp_collectives"] == 0
 
 
 def test_pipeline_bubble_follows_the_schedule() -> None:
-    base = StepLayout(seq_len=8192, pp=4, grad_accum=8, dp=2)
+    base = Layout(seq_len=8192, pp=4, grad_accum=8, dp=2)
     one_f_one_b = predict(LLAMA_8B, base, H100_NDR)
     micro = one_f_one_b.detail["microbatch_seconds"]
     assert one_f_one_b.terms["pp_bubble"] == pytest.approx(3 * micro)
@@ -69,7 +71,7 @@ def test_pipeline_bubble_follows_the_schedule() -> None:
 
 
 def test_full_recomputation_costs_a_forward() -> None:
-    layout = StepLayout(seq_len=8192, dp=8)
+    layout = Layout(seq_len=8192, dp=8)
     none = predict(LLAMA_8B, layout, H100_NDR)
     full = predict(LLAMA_8B, layout.replace(activation_checkpointing="full"), H100_NDR)
     ratio = full.terms["compute_attention"] / none.terms["compute_attention"]
@@ -85,7 +87,7 @@ def test_every_runnable_example_gets_a_prediction(name: str) -> None:
 
 
 def test_cpu_overheads_are_counted_where_measured_and_absent_on_gpus() -> None:
-    layout = StepLayout(seq_len=4096, cp=4, dp=1)
+    layout = Layout(seq_len=4096, cp=4, dp=1)
     gpu = predict(LLAMA_8B, layout, H100_NDR)
     assert gpu.terms["framework_overhead"] == gpu.terms["sync_overhead"] == 0
     import dataclasses

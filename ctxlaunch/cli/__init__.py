@@ -93,11 +93,11 @@ def plan(
 
     Fit or not and by how much, the smallest CP degree that fits, the longest sequence at each
     CP degree, and model FLOPs in both MFU conventions."""
-    from ctxlaunch.planning.advise import machine_for_advice
+    from ctxlaunch.perf.machine import machine_for
     from ctxlaunch.planning.plan import plan_job
 
     job = load(spec, set_)
-    report = plan_job(job, machine_for_advice(job, None, job.cluster.gpus_per_node))
+    report = plan_job(job, machine_for(job))
     if as_json:
         out.print_json(json.dumps(report.to_dict()))
         return
@@ -184,9 +184,9 @@ def advise(
     from ctxlaunch.planning.advise import (
         advice_spec_text,
         load_for_advice,
-        machine_for_advice,
         print_advice,
     )
+    from ctxlaunch.perf.machine import machine_for
     from ctxlaunch.planning.advise import advise as run_advice
 
     try:
@@ -210,7 +210,7 @@ def advise(
         fail(f"--nodes/--gpus: {n_nodes} nodes, but target local runs on one node; set "
              "cluster.target (e.g. --set cluster.target=slurm)")
     advice = run_advice(job, nodes=n_nodes, gpus_per_node=per_node,
-                        machine=machine_for_advice(job, n_nodes, per_node),
+                        machine=machine_for(job, gpus_per_node=per_node),
                         matmul_precision="fp8" if fp8 else None)
     if note:
         advice.notes.insert(0, note)
@@ -327,11 +327,12 @@ def submit(
     A job predicted not to fit is refused unless --force; --dry-run prints the exact command
     and the bytes that would be submitted."""
     from ctxlaunch.launch.backends import get_backend
+    from ctxlaunch.perf.machine import machine_for
     from ctxlaunch.planning.plan import plan_job
 
     job = load(spec, set_)
     print_warnings(job)
-    report = plan_job(job)
+    report = plan_job(job, machine_for(job))
     if not report.fits and not force:
         fail(f"{job.name} is predicted not to fit: {report.verdict()}. Change the spec (see "
              f"`ctxlaunch plan {spec}`), or pass --force to submit anyway.")

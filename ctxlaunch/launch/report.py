@@ -62,12 +62,14 @@ def _point_spec(entry: dict[str, Any], record: Any) -> Any:
 
 def predict_row(row: dict[str, Any], spec: Any, calibration: Any) -> None:
     """Add the predicted columns (and the measured MFU) to a result row, in place."""
-    from ctxlaunch.perf.memory import MemoryLayout, estimate
-    from ctxlaunch.perf.steptime import machine_for_spec, predict_spec
+    from ctxlaunch.perf.layout import Layout
+    from ctxlaunch.perf.machine import machine_for
+    from ctxlaunch.perf.memory import estimate
+    from ctxlaunch.perf.steptime import predict_spec
 
-    machine = machine_for_spec(spec, calibration)
+    machine = machine_for(spec, calibration=calibration, saved=False)
     time = predict_spec(spec, machine)
-    memory = estimate(spec.model, MemoryLayout.from_spec(spec), spec.cluster.gpu_info)
+    memory = estimate(spec.model, Layout.from_spec(spec), spec.cluster.gpu_info)
     row["seq_len"] = spec.training.seq_len
     row["cp"] = spec.parallel.cp
     row["cp_algorithm"] = spec.parallel.cp_algorithm

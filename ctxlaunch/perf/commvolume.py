@@ -11,8 +11,9 @@ algorithms), per rank, for a group of g ranks and a tensor of N bytes:
     point-to-point send                      N
 
 Per micro-batch, with n = micro_batch * seq_len / cp tokens on a CP rank, t = TP degree,
-h = hidden, h_kv = K/V width, a = compute-dtype bytes (2 bf16, 4 fp32), r = 4 (the residual
-stream: TP/PP engines keep fp32 weights, so it is fp32 under autocast too), per block:
+h = hidden, h_kv = K/V width, a = compute-dtype bytes (2 bf16, 4 fp32), r = bytes of the
+residual stream (4 in the bundled trainer: its TP/PP engines keep fp32 weights, so it is fp32
+under autocast too; a under Megatron), per block:
 
 - TP (sequence parallel): forward gathers the norm output twice (n*h*r each) and
   reduce-scatters the attention and feed-forward outputs (n*h*a each); backward runs the
@@ -24,19 +25,25 @@ stream: TP/PP engines keep fp32 weights, so it is fp32 under autocast too), per 
   per token, run again when the chunk is recomputed in backward:
       2 * 2 * (t-1)/t * n*3*4.
   Recomputation repeats the forward's share: full checkpointing 2 * (t-1)/t * n*h*(r + a)
-  more per block, selective (the feed-forward half) half that.
+  more per block, the bundled trainer's selective (the feed-forward half) half that; Megatron's
+  selective recomputes only core attention, which sends nothing over TP.
 - CP ring of N ranks: K and V of this TP rank's heads (n*h_kv/t*a each) travel N-1 hops in
   forward and again in backward, dK and dV (fp32) N-1 hops in backward:
-      2 * (N-1) * n*h_kv/t * (2*a + 4);   full recomputation adds 2*(N-1)*n*h_kv/t*a.
+      2 * (N-1) * n*h_kv/t * (2*a + 4);   full recomputation adds 2*(N-1)*n*h_kv/t*a
+  (selective checkpointing keeps attention: nothing more).
 - CP Ulysses of degree U: q, k, v to heads and the output back in forward, the same volume in
-  backward: 2 * (U-1)/U * n*(2*h + 2*h_kv)/t * a. Hybrid: the Ulysses term with U plus the ring
+  backward: 2 * (U-1)/U * n*(2*h + 2*h_kv)/t * a, half as much again under full
+  recomputation. Hybrid: the Ulysses term with U plus the ring
   term with N = cp / U.
-- PP: per micro-batch a stage sends its output activation (n/t*h*4) forward unless it is the
+- PP: per micro-batch a stage sends its output activation (n/t*h*r) forward unless it is the
   last stage and the gradient of its input backward unless it is the first.
 - DP x CP gradient reduction (ZeRO-0), g = dp * cp: an all-reduce of the rank's fp32 gradients
   once per step, 2*(g-1)/g * 4 * params; TP adds an all-reduce of the replicated RMSNorm gains'
-  gradients, 2*(t-1)/t * 4 * norm params. (FSDP2, ZeRO >= 1: a reduce-scatter per micro-batch
-  and parameter all-gathers instead; not modelled here.)
+  gradients, 2*(t-1)/t * 4 * norm params. ZeRO-1/2 (as DeepSpeed runs them): a reduce-scatter
+  of the a-byte gradients and an all-gather of the a-byte weights, (g-1)/g * 2*a * params;
+  ZeRO-3: weights gathered for every micro-batch's forward and backward and gradients
+  reduce-scattered, m * (g-1)/g * 3*a * params. (The bundled trainer's FSDP2 under TP or PP is
+  counted as DeepSpeed's.)
 """
 
 from __future__ import annotations
@@ -44,8 +51,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ctxlaunch.perf.layout import Layout
+
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import ModelSpec
+
+TRAINER_STREAM_BYTES = 4
+"""Bytes per element of the residual stream the bundled trainer sends over TP and PP: fp32, as
+its TP/PP engines keep fp32 weights (autocast leaves the residual in fp32)."""
 
 
 @dataclass(frozen=True)
@@ -62,42 +75,132 @@ class CommVolume:
         return self.tp + self.cp + self.pp + self.dp
 
 
-def step_comm_bytes(model: ModelSpec, *, seq_len: int, micro_batch: int = 1,
-                    grad_accum: int = 1, tp: int = 1, cp: int = 1, dp: int = 1,
-                    cp_algorithm: str = "ring", ulysses: int = 1, dtype: str = "bf16",
-                    activation_checkpointing: str = "none", stage_layers: int | None = None,
+def stream_bytes(layout: Layout) -> int:
+    """Bytes per element of the residual-stream tensors sent over TP and PP (r above)."""
+    return TRAINER_STREAM_BYTES if layout.framework == "ctxlaunch" else layout.compute_bytes
+
+
+def _local_tokens(layout: Layout) -> float:
+    """Tokens of one micro-batch on a CP rank."""
+    return layout.micro_batch * layout.seq_len / layout.cp
+
+
+def tp_collectives_per_block(layout: Layout) -> float:
+    """Ring collectives of each width (stream and compute dtype) one block runs over TP per
+    micro-batch: forward 2 + backward 2, plus what recomputation repeats (see the docstring)."""
+    mode = layout.activation_checkpointing
+    recompute = {"none": 0.0, "selective": 0.5, "full": 1.0}[mode]
+    if mode == "selective" and layout.framework != "ctxlaunch":
+        recompute = 0.0  # Megatron's selective recomputes core attention: nothing over TP
+    return 4 + 2 * recompute
+
+
+def tp_message_bytes(model: ModelSpec, layout: Layout, element_bytes: int) -> float:
+    """What one rank sends in one TP all-gather or reduce-scatter of the sequence-parallel
+    activations (n*h elements of `element_bytes`)."""
+    return (layout.tp - 1) / layout.tp * _local_tokens(layout) * model.hidden * element_bytes
+
+
+def tp_block_bytes(model: ModelSpec, layout: Layout, *, stream: int | None = None) -> float:
+    """Bytes one block sends over TP per micro-batch; `stream`: the residual stream's element
+    bytes (default `stream_bytes(layout)`)."""
+    width = stream_bytes(layout) if stream is None else stream
+    return tp_collectives_per_block(layout) * (tp_message_bytes(model, layout, width)
+                                               + tp_message_bytes(model, layout,
+                                                                  layout.compute_bytes))
+
+
+def tp_edge_bytes(model: ModelSpec, layout: Layout, *, first: bool, last: bool) -> float:
+    """Bytes a stage sends over TP per micro-batch outside its blocks: the embedding's and the
+    loss input's fp32 collectives, and the vocabulary-parallel cross-entropy's all-reduces."""
+    if layout.tp == 1:
+        return 0.0
+    frac_t = (layout.tp - 1) / layout.tp
+    n = _local_tokens(layout)
+    return (2 * frac_t * n * model.hidden * 4 * (first + last)
+            + 2 * 2 * frac_t * n * 3 * 4 * last)
+
+
+def ring_hop_bytes(model: ModelSpec, layout: Layout) -> tuple[float, float]:
+    """(forward, backward) bytes one rank sends per ring hop per block: K and V of its heads
+    forward; K and V again and fp32 dK/dV backward."""
+    kv_local = _local_tokens(layout) * model.kv_hidden / layout.tp
+    forward = 2 * kv_local * layout.compute_bytes
+    return forward, forward * (1 + 4 / layout.compute_bytes)
+
+
+def ring_forwards(layout: Layout) -> int:
+    """Forward passes of attention per micro-batch: two under full recomputation."""
+    return 2 if layout.activation_checkpointing == "full" else 1
+
+
+def ulysses_all_to_all_bytes(model: ModelSpec, layout: Layout) -> float:
+    """Bytes one rank sends in one direction of a block's Ulysses all-to-alls (q, k, v to
+    heads, or the output back): (U-1)/U * n*(2h + 2h_kv)/t * a."""
+    u = layout.ulysses_degree
+    return ((u - 1) / u * _local_tokens(layout) * (2 * model.hidden + 2 * model.kv_hidden)
+            / layout.tp * layout.compute_bytes)
+
+
+def ulysses_passes(layout: Layout) -> float:
+    """All-to-all passes per block and micro-batch: forward and backward, half again when
+    attention is recomputed."""
+    return 2 * (1.5 if layout.activation_checkpointing == "full" else 1.0)
+
+
+def cp_block_bytes(model: ModelSpec, layout: Layout) -> float:
+    """Bytes one block sends over CP per micro-batch: the ring's hops and the Ulysses
+    all-to-alls (hybrid: both)."""
+    if layout.cp == 1:
+        return 0.0
+    ring = layout.ring_degree
+    forward, backward = ring_hop_bytes(model, layout)
+    ring_bytes = (ring - 1) * (ring_forwards(layout) * forward + backward)
+    ulysses = (ulysses_passes(layout) * ulysses_all_to_all_bytes(model, layout)
+               if layout.ulysses_degree > 1 else 0.0)
+    return ring_bytes + ulysses
+
+
+def pp_message_bytes(model: ModelSpec, layout: Layout, *, stream: int | None = None) -> float:
+    """Bytes of one activation (or its gradient) sent between pipeline stages."""
+    width = stream_bytes(layout) if stream is None else stream
+    return _local_tokens(layout) * model.hidden / layout.tp * width
+
+
+def dp_step_bytes(layout: Layout, params: float, *, norm_params: float = 0,
+                  grad_bytes: int | None = None) -> float:
+    """Bytes one rank sends per step reducing gradients (and gathering weights) over the DP x CP
+    replicas, for `params` parameters held (`norm_params` of them replicated over TP);
+    `grad_bytes`: the gradients' element bytes (default fp32 under ZeRO-0, else the compute
+    dtype)."""
+    g = layout.dp * layout.cp
+    a = layout.compute_bytes
+    grads = (4 if layout.zero_stage == 0 else a) if grad_bytes is None else grad_bytes
+    share = (g - 1) / g
+    if layout.zero_stage == 0:
+        volume = 2 * share * params * grads
+    elif layout.zero_stage in (1, 2):
+        volume = share * params * (grads + a)
+    else:
+        volume = layout.grad_accum * share * params * (2 * a + grads)
+    frac_t = (layout.tp - 1) / layout.tp
+    return volume + (2 * frac_t * 4 * norm_params if norm_params else 0.0)
+
+
+def step_comm_bytes(model: ModelSpec, layout: Layout, *, blocks: int | None = None,
                     first_stage: bool = True, last_stage: bool = True,
                     stage_params: int = 0, norm_params: int = 0) -> CommVolume:
-    """Bytes sent per optimizer step by one rank of a pipeline stage holding `stage_layers`
-    blocks (default: all), per dimension; see the module docstring for each term.
+    """Bytes sent per optimizer step by one rank of a pipeline stage holding `blocks` blocks
+    (default: all), per dimension; see the module docstring for each term.
     `stage_params`: parameters this rank holds (its TP slice of its stages) for the DP term;
     `norm_params`: the RMSNorm gains among them (replicated over TP)."""
-    a = 2 if dtype == "bf16" else 4
-    r = 4
-    h, h_kv = model.hidden, model.kv_heads * (model.hidden // model.heads)
-    layers = model.layers if stage_layers is None else stage_layers
-    n = micro_batch * seq_len / cp
-    frac_t = (tp - 1) / tp
-    recompute = {"none": 0.0, "selective": 0.5, "full": 1.0}[activation_checkpointing]
-
-    tp_block = (4 + 2 * recompute) * frac_t * n * h * (r + a)
-    tp_edges = 0.0
-    if tp > 1:
-        tp_edges += 2 * frac_t * n * h * 4 * (first_stage + last_stage)
-        tp_edges += 2 * 2 * frac_t * n * 3 * 4 * last_stage
-    tp_bytes = grad_accum * (layers * tp_block + tp_edges)
-
-    u = ulysses if cp_algorithm == "hybrid" else (cp if cp_algorithm == "ulysses" else 1)
-    ring = cp // u
-    kv_local = n * h_kv / tp
-    ring_block = 2 * (ring - 1) * kv_local * (2 * a + 4) + recompute * 2 * (ring - 1) * kv_local * a
-    ulysses_block = (2 + 2 * recompute / 2) * (u - 1) / u * n * (2 * h + 2 * h_kv) / tp * a \
-        if u > 1 else 0.0
-    cp_bytes = grad_accum * layers * (ring_block + ulysses_block) if cp > 1 else 0.0
-
-    activation = n / tp * h * 4
-    pp_bytes = grad_accum * activation * ((not last_stage) + (not first_stage))
-
-    g = dp * cp
-    dp_bytes = 2 * (g - 1) / g * 4 * stage_params + 2 * frac_t * 4 * norm_params
+    layers = model.layers if blocks is None else blocks
+    m = layout.grad_accum
+    tp_bytes = 0.0
+    if layout.tp > 1:
+        tp_bytes = m * (layers * tp_block_bytes(model, layout)
+                        + tp_edge_bytes(model, layout, first=first_stage, last=last_stage))
+    cp_bytes = m * layers * cp_block_bytes(model, layout)
+    pp_bytes = m * pp_message_bytes(model, layout) * ((not last_stage) + (not first_stage))
+    dp_bytes = dp_step_bytes(layout, stage_params, norm_params=norm_params)
     return CommVolume(tp=tp_bytes, cp=cp_bytes, pp=pp_bytes, dp=dp_bytes)

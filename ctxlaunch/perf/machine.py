@@ -1,16 +1,98 @@
-"""The machine a prediction runs on: the CPU calibration record that `ctxlaunch calibrate`
-measures (ctxlaunch.runtime.calibrate) and `plan`, `advise`, `report` and telemetry read."""
+"""The machine a prediction runs on: its rates and links (`Machine`), the CPU calibration record
+that `ctxlaunch calibrate` measures (ctxlaunch.runtime.calibrate), and `machine_for`, the one
+place that resolves a spec's machine for `plan`, `advise`, `submit`, `report` and telemetry."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ctxlaunch.contract.fsutil import atomic_write_text
-from ctxlaunch.contract.hardware import LinkInfo
+from ctxlaunch.contract.hardware import LINKS, GpuInfo, LinkInfo
 from ctxlaunch.contract.rundir import home
-from ctxlaunch.perf.steptime import Machine
+
+if TYPE_CHECKING:
+    from ctxlaunch.contract.spec import JobSpec
+
+# Fitted on the published runs (ctxlaunch.perf.published; benchmarks/fit_steptime.py
+# prints the fit): the achievable fraction of the tensor-core peak for the weight matmuls, BF16
+# and FP8 (FP8 GEMMs reach a smaller share of their doubled peak, and FP8 recipes add scaling
+# and casts), and for causal flash attention. Three numbers for every row of every table, not
+# one per row.
+ETA_MATMUL: dict[str, float] = {"bf16": 0.86, "fp8": 0.50, "fp32": 0.86}
+ETA_ATTENTION = 0.31
+# Assumed, not fitted: NCCL bus bandwidth reaches ~80 % of the data-sheet link bandwidth for
+# large messages (nccl-tests all-reduce / all-gather bus bandwidth on NVLink and NDR).
+ETA_COMM = 0.8
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the model needs to know about the hardware: rates and links."""
+
+    name: str
+    peak_flops: dict[str, float]
+    """Dense peak by precision (bf16, fp8, fp32), FLOP/s; on the CPU the measured rates."""
+    memory_bytes_per_second: float
+    gpus_per_node: int
+    nvlink_domain: int
+    intra_node: LinkInfo
+    network: LinkInfo
+    eta_matmul: dict[str, float] = field(default_factory=lambda: dict(ETA_MATMUL))
+    eta_attention: float = ETA_ATTENTION
+    eta_comm: float = ETA_COMM
+    attention_flops_per_second: float | None = None
+    """Measured attention rate (CPU calibration); None: eta_attention x the BF16 peak."""
+    overlap_dp: bool = True
+    """Whether gradient/weight collectives overlap compute (Megatron, DeepSpeed overlap_comm);
+    the bundled trainer all-reduces after the last backward, so not on the CPU."""
+    peak_reference_flops: float = 0.0
+    """The peak MFU is stated against (BF16 on GPUs, as the published tables do)."""
+    causal_tile_tokens: float = 0.0
+    """A causal kernel computes its diagonal tiles whole: a causal call over S tokens costs
+    S*(S + T)/2 score entries, not S*S/2. Measured on the CPU (T ~ 600 for torch's CPU flash
+    kernel); 0 on GPUs, where T = 128 adds under 3 % at 4K and the fitted efficiency holds it.
+    With zigzag sharding every algorithm has one diagonal per rank, so the excess is T/s."""
+    sync_seconds: float = 0.0
+    """Cost of every blocking synchronisation (ring hop, all-to-all, all-reduce) beyond the
+    link's latency, never hidden by compute: on the CPU, where ranks can outnumber cores, the
+    wait for a peer that is not scheduled (measured); 0 on GPUs."""
+    microbatch_overhead_seconds: float = 0.0
+    """Fixed cost per micro-batch outside the modelled work (Python dispatch, data, loss and
+    optimizer bookkeeping): measured on the CPU; 0 on GPUs, where the fitted efficiencies
+    absorb it."""
+    elementwise_bytes_per_second: float | None = None
+    """Rate of the elementwise term (norms, RoPE, SwiGLU, residual adds) per modelled byte;
+    None: the memory bandwidth. On the CPU it is measured on the model itself: eager torch
+    runs those small kernels far below a large copy's bandwidth."""
+
+    @classmethod
+    def from_gpu(cls, gpu: GpuInfo, *, network: str, gpus_per_node: int,
+                 nvlink_domain: int | None = None, **changes: Any) -> Machine:
+        """The data-sheet machine of `gpu` over the `network` fabric."""
+        peaks = {"bf16": gpu.peak_bf16_flops, "fp32": gpu.peak_fp32_flops}
+        if gpu.fp8:
+            peaks["fp8"] = 2 * gpu.peak_bf16_flops
+        domain = nvlink_domain or gpu.nvlink_domain
+        machine = cls(name=gpu.name, peak_flops=peaks,
+                      memory_bytes_per_second=gpu.hbm_bytes_per_second,
+                      gpus_per_node=gpus_per_node, nvlink_domain=domain,
+                      intra_node=LINKS[gpu.intra_node_link], network=LINKS[network],
+                      peak_reference_flops=gpu.peak_bf16_flops)
+        return dataclasses.replace(machine, **changes) if changes else machine
+
+    def link_for_span(self, span: int) -> LinkInfo:
+        """The slowest link a group of `span` consecutive ranks crosses."""
+        if span <= min(self.gpus_per_node, max(self.nvlink_domain, 1)):
+            return self.intra_node
+        return self.network
+
+    def bandwidth(self, link: LinkInfo) -> float:
+        """Bytes per second a collective achieves over `link`."""
+        return self.eta_comm * link.bytes_per_second
 
 
 @dataclass(frozen=True)
@@ -60,8 +142,9 @@ class Calibration:
         rate = self._per_rank(self.matmul_flops_per_second, "matmul", share)
         # Ranks filling the cores run one thread each; more ranks than cores time-slice it.
         overhead = self.microbatch_overhead_seconds
-        if share >= self.cores and (self.one_thread or {}).get("microbatch_overhead"):
-            overhead = self.one_thread["microbatch_overhead"]  # type: ignore[index]
+        one_thread_overhead = (self.one_thread or {}).get("microbatch_overhead")
+        if share >= self.cores and one_thread_overhead:
+            overhead = one_thread_overhead
         overhead *= max(1.0, share / max(self.cores, 1))
         link = LinkInfo("gloo loopback (measured)", self.link_bytes_per_second,
                         self.link_latency_seconds, f"measured {self.measured_at}")
@@ -83,10 +166,12 @@ class Calibration:
 
 
 def calibration_path() -> Path:
+    """Where `ctxlaunch calibrate` saves the CPU constants."""
     return home() / "cpu_calibration.json"
 
 
 def load_calibration(path: Path | None = None) -> Calibration | None:
+    """The saved CPU constants; None where none are saved (or the file is unreadable)."""
     path = path or calibration_path()
     try:
         return Calibration(**json.loads(path.read_text()))
@@ -95,5 +180,23 @@ def load_calibration(path: Path | None = None) -> Calibration | None:
 
 
 def save_calibration(calibration: Calibration, path: Path | None = None) -> Path:
+    """Save the CPU constants atomically; returns the path written."""
     return atomic_write_text(path or calibration_path(),
                              json.dumps(asdict(calibration), indent=2) + "\n")
+
+
+def machine_for(spec: JobSpec, *, gpus_per_node: int | None = None,
+                calibration: Calibration | None = None, saved: bool = True) -> Machine:
+    """The machine `spec` runs on, with `gpus_per_node` (default: the spec's own; how many
+    nodes does not change a node's rates): the GPU and fabric tables, or on `gpu: cpu` the
+    constants measured here
+    (`calibration`, else the saved ones unless `saved` is False; the tables' placeholders
+    where none were measured)."""
+    c = spec.cluster
+    per_node = gpus_per_node or c.gpus_per_node
+    if c.gpu == "cpu":
+        measured = calibration or (load_calibration() if saved else None)
+        if measured is not None:
+            return measured.machine(gpus_per_node=per_node)
+    return Machine.from_gpu(c.gpu_info, network=spec.fabric.network, gpus_per_node=per_node,
+                            nvlink_domain=spec.nvlink_domain, overlap_dp=c.gpu != "cpu")

@@ -1,6 +1,6 @@
 """The per-GPU memory model: will this job fit, and with which CP degree.
 
-Pure arithmetic over the slice of the spec it reads (`MemoryLayout`); no torch. The activation
+Pure arithmetic over the slice of the spec it reads (`Layout`); no torch. The activation
 constants are derived from the block the trainer builds (ctxlaunch/trainer/model.py) and checked
 against memory measured with saved-tensor hooks (tests/test_memory_measured.py and
 benchmarks/activation_memory.py).
@@ -69,16 +69,15 @@ the CPU 0.4 GiB (the Python and torch runtime) plus 5 %.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from ctxlaunch.contract.hardware import GiB, GpuInfo
-from ctxlaunch.contract.stages import balanced_stage_layers
 from ctxlaunch.perf.flops import count_params
+from ctxlaunch.perf.layout import Layout, default_rank_layers
 
 if TYPE_CHECKING:
-    from ctxlaunch.contract.spec import JobSpec, ModelSpec
+    from ctxlaunch.contract.spec import ModelSpec
 
 # Constants the trainer uses too, so the planner and the run agree.
 LOSS_CHUNK_TOKENS = 2048
@@ -94,89 +93,6 @@ ZERO3_PREFETCH_ELEMENTS = 50_000_000
 GPU_FIXED_ALLOWANCE = int(1.5 * GiB)
 CPU_FIXED_ALLOWANCE = int(0.4 * GiB)
 FRAGMENTATION = 0.05
-
-ActivationCheckpointing = Literal["none", "selective", "full"]
-Framework = Literal["ctxlaunch", "megatron"]
-
-
-@dataclass(frozen=True)
-class MemoryLayout:
-    """The slice of a spec the memory model reads."""
-
-    seq_len: int
-    micro_batch: int = 1
-    grad_accum: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    dp: int = 1
-    cp_algorithm: str = "ring"
-    zero_stage: int = 0
-    activation_checkpointing: ActivationCheckpointing = "none"
-    dtype: str = "bf16"
-    stage_layers: tuple[int, ...] = ()
-    """Blocks per pipeline stage (pp x virtual stages entries); empty: layers / pp each."""
-    framework: Framework = "ctxlaunch"
-    """Whose memory habits to plan: "ctxlaunch", the bundled trainer (FSDP2 under TP or PP keeps
-    fp32 weights and an fp32 residual under autocast; its TP keeps the gathered norm outputs
-    for backward), or "megatron", for runs published from Megatron-LM/NeMo (bf16 weights with
-    the fp32 master copy in the distributed optimizer, and sequence parallelism that
-    re-gathers a projection's input in backward rather than keeping it)."""
-
-    @classmethod
-    def from_spec(cls, spec: JobSpec) -> MemoryLayout:
-        t, p = spec.training, spec.parallel
-        return cls(
-            seq_len=t.seq_len, micro_batch=t.micro_batch, grad_accum=spec.grad_accum,
-            tp=p.tp, pp=p.pp, cp=p.cp, dp=spec.dp, cp_algorithm=p.cp_algorithm,
-            zero_stage=t.zero_stage, activation_checkpointing=t.activation_checkpointing,
-            dtype=spec.model.dtype, stage_layers=spec.stage_layers,
-        )
-
-    def replace(self, **changes: object) -> MemoryLayout:
-        return dataclasses.replace(self, **changes)
-
-    def rank_layers(self, layers: int) -> list[int]:
-        """Blocks each PP rank holds (rank r holds stages r, r + pp, ... when interleaved)."""
-        if not self.stage_layers:
-            return default_rank_layers(layers, self.pp)
-        held = [0] * self.pp
-        for stage, count in enumerate(self.stage_layers):
-            held[stage % self.pp] += count
-        return held
-
-    @property
-    def fsdp(self) -> bool:
-        """ZeRO >= 1 with TP or PP runs through FSDP2 (DeepSpeed only without them)."""
-        return self.framework == "ctxlaunch" and self.zero_stage > 0 and (self.tp > 1
-                                                                          or self.pp > 1)
-
-    @property
-    def fp32_weights(self) -> bool:
-        """fp32 weights with bf16 compute through autocast: ZeRO-0 and FSDP2."""
-        if self.framework == "megatron":
-            return False
-        return self.zero_stage == 0 or self.fsdp
-
-    @property
-    def shard_group(self) -> int:
-        """Ranks that ZeRO shards model states over: DP x CP."""
-        return self.dp * self.cp
-
-    @property
-    def compute_bytes(self) -> int:
-        return 2 if self.dtype == "bf16" else 4
-
-    @property
-    def residual_bytes(self) -> int:
-        # ZeRO-0 bf16 runs under autocast: fp32 weights, so the residual stream stays fp32.
-        return 4 if self.dtype == "fp32" or self.fp32_weights else 2
-
-    @property
-    def tokens_per_rank(self) -> int:
-        """Tokens of one micro-batch held by one rank (sequence split by CP)."""
-        return self.micro_batch * self.seq_len // self.cp
-
 
 @dataclass(frozen=True)
 class MemoryEstimate:
@@ -229,7 +145,7 @@ class MemoryEstimate:
 # --------------------------------------------------------------------------------------------
 # activations
 # --------------------------------------------------------------------------------------------
-def block_activation_bytes_per_token(model: ModelSpec, layout: MemoryLayout) -> float:
+def block_activation_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
     """Bytes one transformer block saves for backward per token, for the layout's
     checkpointing mode (the table in the module docstring)."""
     a, r = layout.compute_bytes, layout.residual_bytes
@@ -250,7 +166,7 @@ def block_activation_bytes_per_token(model: ModelSpec, layout: MemoryLayout) -> 
     return r * h
 
 
-def _recompute_bytes_per_token(model: ModelSpec, layout: MemoryLayout) -> float:
+def _recompute_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
     """What recomputing one block in backward adds back while it is being differentiated."""
     mode = layout.activation_checkpointing
     if mode == "none":
@@ -262,7 +178,7 @@ def _recompute_bytes_per_token(model: ModelSpec, layout: MemoryLayout) -> float:
     return full - selective
 
 
-def _attention_workspace_bytes_per_token(model: ModelSpec, layout: MemoryLayout) -> float:
+def _attention_workspace_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
     """Transient buffers of one attention call in backward (its peak), per local token:
     fp32 dQ accumulator, K/V grads and their transfer buffers, kernel outputs."""
     a = layout.compute_bytes
@@ -278,7 +194,7 @@ def _attention_workspace_bytes_per_token(model: ModelSpec, layout: MemoryLayout)
     return 4 * h + 2 * 2 * 4 * h_kv + 2 * 2 * a * h_kv + kernel_grads
 
 
-def _loss_workspace_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
+def _loss_workspace_bytes(model: ModelSpec, layout: Layout) -> float:
     """One chunk of the output head and cross-entropy: logits in the compute dtype, their fp32
     copy, the fp32 log-softmax kept for backward, and the fp32 logits gradient."""
     tokens = min(layout.tokens_per_rank, LOSS_CHUNK_TOKENS)
@@ -286,7 +202,7 @@ def _loss_workspace_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
     return (layout.compute_bytes + 12) * vocab * tokens
 
 
-def autocast_weight_copy_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
+def autocast_weight_copy_bytes(model: ModelSpec, layout: Layout) -> float:
     """ZeRO-0 bf16 runs under autocast: each block's matmuls save the bf16 copies of their fp32
     weights for backward (2 bytes per weight), except where the block is recomputed."""
     if layout.dtype != "bf16" or not layout.fp32_weights:
@@ -298,7 +214,7 @@ def autocast_weight_copy_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
     return 2.0 * kept[layout.activation_checkpointing] / layout.tp
 
 
-def activation_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
+def activation_bytes(model: ModelSpec, layout: Layout) -> float:
     """Bytes saved for backward on the busiest rank (the busiest pipeline stage) at the start
     of backward."""
     if layout.pp == 1:
@@ -310,7 +226,7 @@ def activation_bytes(model: ModelSpec, layout: MemoryLayout) -> float:
                for r, held in enumerate(layout.rank_layers(model.layers)))
 
 
-def stage_activation_bytes(model: ModelSpec, layout: MemoryLayout, blocks: int, *,
+def stage_activation_bytes(model: ModelSpec, layout: Layout, blocks: int, *,
                            first: bool, last: bool) -> float:
     """Bytes one micro-batch leaves saved for backward on a pipeline stage of `blocks` blocks
     (with the embedding if `first`, the final norm and the loss if `last`)."""
@@ -330,15 +246,6 @@ def stage_activation_bytes(model: ModelSpec, layout: MemoryLayout, blocks: int, 
     per_block = block_activation_bytes_per_token(model, layout)
     return tokens * (per_block * blocks + outside) \
         + autocast_weight_copy_bytes(model, layout) * blocks
-
-
-def default_rank_layers(layers: int, pp: int) -> list[int]:
-    """Blocks per PP rank when the layout names no split: the balanced split a validated spec
-    gets (ctxlaunch.contract.stages), so a layout that never went through a spec (advise's candidates, a
-    published run) is planned as it would run. Llama 3 405B at PP 16: 7, 8 x 14, 7, not 7 x 16."""
-    if layers < pp:  # no legal split; the validator names the error, the plan stays defined
-        return [1] * pp
-    return list(balanced_stage_layers(layers, pp))
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,7 +303,7 @@ def largest_layer_params(model: ModelSpec, tp: int = 1) -> int:
     return -(-max(counts.per_layer, counts.embedding, counts.head) // tp)
 
 
-def _communication_buffer_bytes(layout: MemoryLayout) -> int:
+def _communication_buffer_bytes(layout: Layout) -> int:
     if layout.shard_group == 1:
         return 0
     if layout.zero_stage == 0:
@@ -409,7 +316,7 @@ def _communication_buffer_bytes(layout: MemoryLayout) -> int:
 # --------------------------------------------------------------------------------------------
 # the estimate and the searches
 # --------------------------------------------------------------------------------------------
-def estimate(model: ModelSpec, layout: MemoryLayout, gpu: GpuInfo) -> MemoryEstimate:
+def estimate(model: ModelSpec, layout: Layout, gpu: GpuInfo) -> MemoryEstimate:
     """Predicted peak memory of the busiest rank."""
     params = params_per_rank(model, layout.tp, layout.pp, layout.rank_layers(model.layers))
     if layout.fsdp:
@@ -445,7 +352,7 @@ def sequence_granularity(cp: int, layout_kind: str = "zigzag") -> int:
     return max(unit, 1024) if 1024 % unit == 0 else unit
 
 
-def longest_sequence(model: ModelSpec, layout: MemoryLayout, gpu: GpuInfo,
+def longest_sequence(model: ModelSpec, layout: Layout, gpu: GpuInfo,
                      layout_kind: str = "zigzag", limit: int = 1 << 24) -> int:
     """The longest sequence (a multiple of `sequence_granularity`) that fits at the layout's
     CP degree; 0 when not even the shortest fits."""

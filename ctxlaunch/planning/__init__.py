@@ -1,1 +1,2 @@
-"""What to pick: the fit verdict with its suggestions (plan), and the search over layouts (advise)."""
+"""What to pick: the fit verdict with its suggestions (plan), and the search over layouts
+(advise)."""

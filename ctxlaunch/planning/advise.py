@@ -27,8 +27,10 @@ from typing import Any
 
 from ctxlaunch.contract.hardware import GiB
 from ctxlaunch.contract.spec import JobSpec, layout_problems, problem_message
+from ctxlaunch.perf.layout import Layout
+from ctxlaunch.perf.machine import Machine, machine_for
 from ctxlaunch.perf.memory import MemoryEstimate, estimate
-from ctxlaunch.perf.steptime import Machine, StepLayout, StepTime, machine_for_spec, predict
+from ctxlaunch.perf.steptime import StepTime, predict
 
 CHECKPOINTING = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -37,55 +39,23 @@ MAX_VIRTUAL_STAGES = 8
 
 
 @dataclass(frozen=True)
-class Degrees:
-    """How the GPUs are split: the part of a layout that needs the validator."""
-
-    tp: int
-    pp: int
-    cp: int
-    dp: int
-    cp_algorithm: str
-    ulysses_degree: int
-
-    def describe(self) -> str:
-        algo = ("" if self.cp == 1 else f" {self.cp_algorithm}"
-                + (f" u{self.ulysses_degree}" if self.cp_algorithm == "hybrid" else ""))
-        return f"tp {self.tp} pp {self.pp} cp {self.cp}{algo} dp {self.dp}"
-
-
-@dataclass(frozen=True)
 class Candidate:
     """A layout that fits, with its predicted memory and step time."""
 
-    degrees: Degrees
-    layout: StepLayout
+    layout: Layout
     memory: MemoryEstimate
     time: StepTime
 
-    def changes(self) -> dict[str, Any]:
-        """The spec fields that make a spec this layout (`--set` paths)."""
-        d, lay = self.degrees, self.layout
-        return {
-            "parallel.tp": d.tp, "parallel.pp": d.pp, "parallel.cp": d.cp, "parallel.dp": d.dp,
-            "parallel.cp_algorithm": d.cp_algorithm,
-            "parallel.ulysses_degree": d.ulysses_degree if d.cp_algorithm == "hybrid" else None,
-            "parallel.ring_degree": None,
-            "parallel.virtual_stages": lay.virtual_stages,
-            "training.micro_batch": lay.micro_batch,
-            "training.global_batch": lay.micro_batch * lay.grad_accum * d.dp,
-            "training.grad_accum": None,
-            "training.zero_stage": lay.zero_stage,
-            "training.activation_checkpointing": lay.activation_checkpointing,
-        }
-
     def describe(self) -> str:
+        """The layout in one line, as the table and the rejections name it."""
         lay = self.layout
         v = f" v{lay.virtual_stages}" if lay.virtual_stages > 1 else ""
-        return (f"{self.degrees.describe()}{v}, mb {lay.micro_batch}, ZeRO-{lay.zero_stage}, "
+        return (f"{lay.describe_degrees()}{v}, mb {lay.micro_batch}, ZeRO-{lay.zero_stage}, "
                 f"checkpointing {lay.activation_checkpointing}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layout": self.describe(), "changes": self.changes(),
+        """The candidate for --json, with the `--set` overrides that make a spec run it."""
+        return {"layout": self.describe(), "changes": self.layout.overrides(),
                 "memory_total_bytes": self.memory.total, "fits": self.memory.fits,
                 **self.time.to_dict()}
 
@@ -155,24 +125,26 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _variant(spec: JobSpec, degrees: Degrees, *, virtual_stages: int = 1,
-             micro_batch: int = 1, global_batch: int) -> JobSpec:
-    """The spec with these degrees (not re-validated: `layout_problems` is the check)."""
-    parallel = spec.parallel.model_copy(update={
-        "tp": degrees.tp, "pp": degrees.pp, "cp": degrees.cp, "dp": degrees.dp,
-        "cp_algorithm": degrees.cp_algorithm,
-        "ulysses_degree": degrees.ulysses_degree if degrees.cp_algorithm == "hybrid" else None,
-        "ring_degree": None, "virtual_stages": virtual_stages})
-    training = spec.training.model_copy(update={
-        "micro_batch": micro_batch, "global_batch": global_batch, "grad_accum": None})
-    return spec.model_copy(update={"parallel": parallel, "training": training})
+def _with_global_batch(spec: JobSpec, global_batch: int) -> JobSpec:
+    """`spec` with this many sequences per step (not re-validated)."""
+    return spec.model_copy(update={"training": spec.training.model_copy(
+        update={"global_batch": global_batch, "grad_accum": None})})
 
 
 def degree_options(spec: JobSpec, world: int, gpus_per_node: int,
-                   nvlink_domain: int) -> list[Degrees]:
-    """Every split of `world` GPUs into TP x PP x CP x DP with a CP algorithm; TP stays inside
-    the NVLink domain (and a node); PP up to one layer per stage."""
+                   nvlink_domain: int) -> list[Layout]:
+    """Every split of `world` GPUs into TP x PP x CP x DP with a CP algorithm, as layouts of
+    `spec` (one sequence per micro-batch, the tokens per step held); TP stays inside the NVLink
+    domain (and a node); PP up to one layer per stage."""
     model = spec.model
+    global_batch = spec.global_batch
+    # What the search holds comes from the spec; the split and the pipeline are its own.
+    base = Layout.from_spec(spec).replace(micro_batch=1, virtual_stages=1, stage_layers=())
+
+    def split(tp: int, pp: int, cp: int, dp: int, algorithm: str, ulysses: int) -> Layout:
+        return base.replace(tp=tp, pp=pp, cp=cp, dp=dp, cp_algorithm=algorithm,
+                            ulysses_degree=ulysses, grad_accum=max(global_batch // dp, 1))
+
     tp_limit = min(nvlink_domain, gpus_per_node)
     pp_limit = model.layers
     out = []
@@ -185,11 +157,11 @@ def degree_options(spec: JobSpec, world: int, gpus_per_node: int,
             for cp in _divisors(world // (tp * pp)):
                 dp = world // (tp * pp * cp)
                 if cp == 1:
-                    out.append(Degrees(tp, pp, 1, dp, "ring", 1))
+                    out.append(split(tp, pp, 1, dp, "ring", 1))
                     continue
-                out.append(Degrees(tp, pp, cp, dp, "ring", 1))
-                out.append(Degrees(tp, pp, cp, dp, "ulysses", cp))
-                out.extend(Degrees(tp, pp, cp, dp, "hybrid", u)
+                out.append(split(tp, pp, cp, dp, "ring", 1))
+                out.append(split(tp, pp, cp, dp, "ulysses", cp))
+                out.extend(split(tp, pp, cp, dp, "hybrid", u)
                            for u in _divisors(cp) if 1 < u < cp)
     return out
 
@@ -197,14 +169,16 @@ def degree_options(spec: JobSpec, world: int, gpus_per_node: int,
 def advise(spec: JobSpec, *, nodes: int | None = None, gpus_per_node: int | None = None,
            machine: Machine | None = None, matmul_precision: str | None = None) -> Advice:
     """Rank every legal layout of `spec` on `nodes` x `gpus_per_node` GPUs (the spec's own by
-    default). The tokens per step (global batch x seq_len) are held. `matmul_precision` fp8
-    ranks as if the weight matmuls ran in FP8 (the bundled trainer runs bf16/fp32 only)."""
+    default; on `machine`, else the spec's tables: the CLI passes `machine_for`'s choice, with
+    any saved CPU calibration). The tokens per step (global batch x seq_len) are held.
+    `matmul_precision` fp8 ranks as if the weight matmuls ran in FP8 (the bundled trainer runs
+    bf16/fp32 only)."""
     nodes = nodes or spec.cluster.nodes
     gpn = gpus_per_node or spec.cluster.gpus_per_node
     world = nodes * gpn
     cluster = spec.cluster.model_copy(update={"nodes": nodes, "gpus_per_node": gpn})
     base = spec.model_copy(update={"cluster": cluster})
-    machine = machine or machine_for_spec(base)
+    machine = machine or machine_for(base, saved=False)
     gpu = cluster.gpu_info
     global_batch = spec.global_batch
     model = spec.model
@@ -215,32 +189,30 @@ def advise(spec: JobSpec, *, nodes: int | None = None, gpus_per_node: int | None
         problems = layout_problems(variant)
         return problem_message(problems[0]) if problems else None
 
-    def memory(layout: StepLayout) -> MemoryEstimate:
+    def memory(layout: Layout) -> MemoryEstimate:
         advice.memory_estimates += 1
-        return estimate(model, layout.memory(), gpu)
+        return estimate(model, layout, gpu)
 
     for degrees in degree_options(base, world, gpn, machine.nvlink_domain):
-        why = problem(_variant(base, degrees, global_batch=global_batch))
+        if matmul_precision is not None:
+            degrees = degrees.replace(matmul_precision=matmul_precision)
+        # The validator sees the global batch the search holds (a layout only names it as
+        # micro-batch x grad_accum x dp, which rounds where dp does not divide it).
+        why = problem(_with_global_batch(degrees.apply_to(base), global_batch))
         if why is not None:
-            advice.rejected.append(Rejection("illegal", degrees.describe(), why))
+            advice.rejected.append(Rejection("illegal", degrees.describe_degrees(), why))
             continue
         timed: list[Candidate] = []
         for micro_batch in MICRO_BATCHES:
             if global_batch % (micro_batch * degrees.dp):
                 continue
-            if micro_batch > 1 and problem(_variant(base, degrees, micro_batch=micro_batch,
-                                                    global_batch=global_batch)):
+            layout = degrees.replace(micro_batch=micro_batch,
+                                     grad_accum=global_batch // (micro_batch * degrees.dp))
+            if micro_batch > 1 and problem(layout.apply_to(base)):
                 continue
-            layout = StepLayout(
-                seq_len=spec.training.seq_len, micro_batch=micro_batch,
-                grad_accum=global_batch // (micro_batch * degrees.dp), tp=degrees.tp,
-                pp=degrees.pp, cp=degrees.cp, dp=degrees.dp, cp_algorithm=degrees.cp_algorithm,
-                ulysses_degree=degrees.ulysses_degree, dtype=model.dtype,
-                matmul_precision=matmul_precision or (
-                    "bf16" if model.dtype == "bf16" else "fp32"))
             leanest = memory(layout.replace(activation_checkpointing="full", zero_stage=3))
             if not leanest.fits:
-                what = degrees.describe() + f", mb {micro_batch}"
+                what = degrees.describe_degrees() + f", mb {micro_batch}"
                 advice.rejected.append(Rejection(
                     "no fit", what, f"{leanest.total / GiB:.1f} GiB with full checkpointing "
                     f"and ZeRO-3, of {leanest.capacity / GiB:.1f} GiB"))
@@ -248,15 +220,15 @@ def advise(spec: JobSpec, *, nodes: int | None = None, gpus_per_node: int | None
             settings = []
             for mode in CHECKPOINTING:
                 fitting = [(mode, z) for z in ZERO_STAGES
-                           if (e := memory(layout.replace(activation_checkpointing=mode,
-                                                          zero_stage=z))).fits]
+                           if memory(layout.replace(activation_checkpointing=mode,
+                                                    zero_stage=z)).fits]
                 if fitting:
                     settings.append(fitting)
             timed_modes, pruned = settings[:2], settings[2:]
             for group in pruned:
                 for mode, z in group:
                     advice.rejected.append(Rejection(
-                        "dominated", f"{degrees.describe()}, mb {micro_batch}, ZeRO-{z}, "
+                        "dominated", f"{degrees.describe_degrees()}, mb {micro_batch}, ZeRO-{z}, "
                         f"checkpointing {mode}", "fits, but recomputes more than a lighter "
                         "setting of the same layout that also fits"))
             stages = [1]
@@ -264,15 +236,13 @@ def advise(spec: JobSpec, *, nodes: int | None = None, gpus_per_node: int | None
                 stages = [v for v in _divisors(model.layers // degrees.pp)
                           if v <= MAX_VIRTUAL_STAGES]
             for v in stages:
-                if v > 1 and problem(_variant(base, degrees, virtual_stages=v,
-                                              micro_batch=micro_batch,
-                                              global_batch=global_batch)):
+                if v > 1 and problem(layout.replace(virtual_stages=v).apply_to(base)):
                     continue
                 for mode, z in itertools.chain.from_iterable(timed_modes):
                     candidate_layout = layout.replace(activation_checkpointing=mode,
                                                       zero_stage=z, virtual_stages=v)
                     advice.layouts_timed += 1
-                    timed.append(Candidate(degrees, candidate_layout, memory(candidate_layout),
+                    timed.append(Candidate(candidate_layout, memory(candidate_layout),
                                            predict(model, candidate_layout, machine)))
         if not timed:
             continue
@@ -286,8 +256,8 @@ def advise(spec: JobSpec, *, nodes: int | None = None, gpus_per_node: int | None
     advice.ranked.sort(key=_rank_key)
     if (nodes, gpn) == (spec.cluster.nodes, spec.cluster.gpus_per_node) \
             and not layout_problems(spec):
-        own = StepLayout.from_spec(spec)
-        if estimate(model, own.memory(), gpu).fits:
+        own = Layout.from_spec(spec)
+        if estimate(model, own, gpu).fits:
             advice.own = predict(model, own, machine)
     if not advice.ranked:
         advice.notes.append("no layout fits on this many GPUs: add GPUs (--gpus, --nodes) or "
@@ -324,20 +294,6 @@ def load_for_advice(path: Any, overrides: list[str] | None
                            "over every layout")
 
 
-def machine_for_advice(spec: JobSpec, nodes: int | None, gpus_per_node: int) -> Machine:
-    """The spec's machine on the asked-for allocation; on `gpu: cpu` the constants measured
-    here by `ctxlaunch calibrate`, where they exist."""
-    cluster = spec.cluster.model_copy(update={"nodes": nodes or spec.cluster.nodes,
-                                              "gpus_per_node": gpus_per_node})
-    variant = spec.model_copy(update={"cluster": cluster})
-    calibration = None
-    if spec.cluster.gpu == "cpu":
-        from ctxlaunch.perf.machine import load_calibration
-
-        calibration = load_calibration()
-    return machine_for_spec(variant, calibration)
-
-
 def advice_spec_text(data: dict[str, Any], advice: Advice, source: str) -> str:
     """The user's spec (their own YAML mapping, presets kept) with the fastest layout set;
     validated before it is written."""
@@ -348,7 +304,7 @@ def advice_spec_text(data: dict[str, Any], advice: Advice, source: str) -> str:
     from ctxlaunch.contract.loader import apply_overrides, validate_spec
 
     assert advice.best is not None
-    changes = {**advice.best.changes(), "cluster.nodes": advice.nodes,
+    changes = {**advice.best.layout.overrides(), "cluster.nodes": advice.nodes,
                "cluster.gpus_per_node": advice.gpus_per_node}
     new = apply_overrides(data, [f"{k}={json.dumps(v)}" for k, v in changes.items()])
     for section in ("parallel", "training"):  # drop the nulls the changes set

@@ -12,8 +12,10 @@ from typing import Any
 from ctxlaunch.contract.hardware import GiB
 from ctxlaunch.contract.spec import JobSpec, cp_problems, problem_message
 from ctxlaunch.perf.flops import CONVENTIONS, count_params, flops_per_token
-from ctxlaunch.perf.memory import MemoryEstimate, MemoryLayout, estimate, longest_sequence
-from ctxlaunch.perf.steptime import Machine, StepLayout, machine_for_spec, predict
+from ctxlaunch.perf.layout import Layout
+from ctxlaunch.perf.machine import Machine, machine_for
+from ctxlaunch.perf.memory import MemoryEstimate, estimate, longest_sequence
+from ctxlaunch.perf.steptime import predict
 
 MAX_CP = 256
 
@@ -51,7 +53,7 @@ class Suggestion:
 @dataclass(frozen=True)
 class PlanReport:
     spec: JobSpec
-    layout: MemoryLayout
+    layout: Layout
     estimate: MemoryEstimate
     cp_options: list[CpOption]
     smallest_fitting_cp: CpOption | None
@@ -121,8 +123,8 @@ class PlanReport:
 
 def plan_job(spec: JobSpec, machine: Machine | None = None) -> PlanReport:
     """Everything `ctxlaunch plan` reports for a (valid) spec; the step time on `machine`
-    (default: the spec's GPU and fabric tables)."""
-    layout = MemoryLayout.from_spec(spec)
+    (default: the spec's GPU and fabric tables; the CLI passes `machine_for`'s choice)."""
+    layout = Layout.from_spec(spec)
     gpu = spec.cluster.gpu_info
     current = estimate(spec.model, layout, gpu)
     options = cp_options(spec, layout)
@@ -136,13 +138,12 @@ def plan_job(spec: JobSpec, machine: Machine | None = None) -> PlanReport:
         suggestions=suggestions(spec, layout),
         flops=flops_report(spec),
         warnings=spec.warnings(),
-        step_time=(predict(spec.model, StepLayout.from_spec(spec),
-                           machine or machine_for_spec(spec)).to_dict()
+        step_time=(predict(spec.model, layout, machine or machine_for(spec, saved=False)).to_dict()
                    if current.fits else None),
     )
 
 
-def cp_options(spec: JobSpec, layout: MemoryLayout) -> list[CpOption]:
+def cp_options(spec: JobSpec, layout: Layout) -> list[CpOption]:
     """The job at CP 1, 2, 4, ... 256 (and the spec's own degree), DP held fixed."""
     gpu = spec.cluster.gpu_info
     p = spec.parallel
@@ -162,7 +163,7 @@ def cp_options(spec: JobSpec, layout: MemoryLayout) -> list[CpOption]:
     return out
 
 
-def suggestions(spec: JobSpec, layout: MemoryLayout) -> list[Suggestion]:
+def suggestions(spec: JobSpec, layout: Layout) -> list[Suggestion]:
     """Cheaper-to-run settings that fit at the spec's own CP degree: more activation
     checkpointing, then higher ZeRO stages, mildest change first."""
     modes = ["none", "selective", "full"]

@@ -254,7 +254,8 @@ def measure_model_residual(model, calibration: Calibration, *,  # type: ignore[n
     `threads` = 1 the one-thread rates of `calibration` stand in (one rank per core)."""
     import dataclasses
 
-    from ctxlaunch.perf.steptime import StepLayout, predict
+    from ctxlaunch.perf.layout import Layout
+    from ctxlaunch.perf.steptime import predict
 
     ranks = calibration.cores if threads == 1 else 1
     # The elementwise term at the copy rate (as `rate` below starts from), whatever was fitted.
@@ -264,8 +265,8 @@ def measure_model_residual(model, calibration: Calibration, *,  # type: ignore[n
     residual, modelled_elementwise = [], []
     for seq in lengths:
         seconds = _model_step_seconds(model, seq, repeats, threads)
-        terms = predict(model, StepLayout(seq_len=seq, dtype=model.dtype,
-                                          matmul_precision=model.dtype), machine).terms
+        terms = predict(model, Layout(seq_len=seq, dtype=model.dtype,
+                                      matmul_precision=model.dtype), machine).terms
         elementwise = terms["compute_elementwise"]
         residual.append(seconds - (sum(terms.values()) - elementwise))
         modelled_elementwise.append(elementwise)

@@ -9,7 +9,8 @@ import time
 import torch
 
 from ctxlaunch.contract.hardware import GiB
-from ctxlaunch.perf.memory import MemoryLayout, estimate
+from ctxlaunch.perf.layout import Layout
+from ctxlaunch.perf.memory import estimate
 from ctxlaunch.runtime.telemetry.exporter import Exporter, identity_from_spec
 
 
@@ -39,14 +40,10 @@ def peak_flops(spec, device: torch.device) -> tuple[float, str]:  # type: ignore
 def predicted_step_seconds(spec) -> float:  # type: ignore[no-untyped-def]
     """The step-time model's step for this job: the GPU and fabric tables, or on the CPU the
     constants measured by `ctxlaunch calibrate` (the tables' placeholders without them)."""
-    from ctxlaunch.perf.steptime import machine_for_spec, predict_spec
+    from ctxlaunch.perf.machine import machine_for
+    from ctxlaunch.perf.steptime import predict_spec
 
-    calibration = None
-    if spec.cluster.gpu == "cpu":
-        from ctxlaunch.perf.machine import load_calibration
-
-        calibration = load_calibration()
-    return predict_spec(spec, machine_for_spec(spec, calibration)).step_seconds
+    return predict_spec(spec, machine_for(spec)).step_seconds
 
 
 def device_capacity_bytes(device: torch.device) -> int:
@@ -82,7 +79,7 @@ class TrainingTelemetry:
         self.exporter.set("ctxlaunch_peak_flops_per_second", self.peak, source=source)
         self.capacity = device_capacity_bytes(device)
         self.exporter.set("ctxlaunch_memory_capacity_bytes", self.capacity)
-        self.prediction = estimate(spec.model, MemoryLayout.from_spec(spec),
+        self.prediction = estimate(spec.model, Layout.from_spec(spec),
                                    spec.cluster.gpu_info)
         self.exporter.set("ctxlaunch_planner_predicted_peak_bytes", self.prediction.total)
         self.exporter.set("ctxlaunch_predicted_step_duration_seconds",

@@ -1,0 +1,183 @@
+"""The parallel layout of a job: the one record the memory, step-time and communication-volume
+models read and the advisor searches over.
+
+A `Layout` is the slice of a spec those models need (degrees, pipeline split, CP algorithm,
+ZeRO stage, checkpointing, micro-batch, precision) plus what only a model needs to know (the
+matmul precision, whose framework's memory habits to plan). `Layout.from_spec` reads it from a
+validated spec; `overrides` turns it back into `--set` paths, so a spec variant is always
+written from the same fields it was read from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from ctxlaunch.contract.stages import balanced_stage_layers
+
+if TYPE_CHECKING:
+    from ctxlaunch.contract.spec import JobSpec
+
+ActivationCheckpointing = Literal["none", "selective", "full"]
+Framework = Literal["ctxlaunch", "megatron"]
+MatmulPrecision = Literal["bf16", "fp8", "fp32"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a job is split over its GPUs and run, as the performance models read it."""
+
+    seq_len: int
+    micro_batch: int = 1
+    grad_accum: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1
+    virtual_stages: int = 1
+    """Interleaved pipeline: model chunks per rank (1 = plain 1F1B)."""
+    stage_layers: tuple[int, ...] = ()
+    """Blocks per pipeline stage (pp x virtual stages entries); empty: the balanced split."""
+    cp_algorithm: str = "ring"
+    ulysses_degree: int = 1
+    """Ulysses (inner) degree: cp for ulysses, 1 for ring, the spec's for hybrid."""
+    cp_layout: str = "zigzag"
+    """How the sequence is sharded over CP ranks (spec `parallel.layout`)."""
+    zero_stage: int = 0
+    activation_checkpointing: ActivationCheckpointing = "none"
+    dtype: str = "bf16"
+    matmul_precision: MatmulPrecision = "bf16"
+    """Precision of the weight matmuls; fp8 runs them at twice the BF16 peak."""
+    framework: Framework = "ctxlaunch"
+    """Whose memory habits to plan: "ctxlaunch", the bundled trainer (FSDP2 under TP or PP keeps
+    fp32 weights and an fp32 residual under autocast; its TP keeps the gathered norm outputs
+    for backward), or "megatron", for runs published from Megatron-LM/NeMo (bf16 weights with
+    the fp32 master copy in the distributed optimizer, and sequence parallelism that
+    re-gathers a projection's input in backward rather than keeping it)."""
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec) -> Layout:
+        """The layout a validated spec runs with."""
+        t, p = spec.training, spec.parallel
+        return cls(
+            seq_len=t.seq_len, micro_batch=t.micro_batch, grad_accum=spec.grad_accum,
+            tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=spec.dp, virtual_stages=p.virtual_stages,
+            stage_layers=spec.stage_layers, cp_algorithm=p.cp_algorithm,
+            ulysses_degree=spec.ulysses_degree, cp_layout=p.layout, zero_stage=t.zero_stage,
+            activation_checkpointing=t.activation_checkpointing, dtype=spec.model.dtype,
+            matmul_precision="bf16" if spec.model.dtype == "bf16" else "fp32")
+
+    def replace(self, **changes: Any) -> Layout:
+        """This layout with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def overrides(self) -> dict[str, Any]:
+        """The spec fields (`--set` paths) that make a spec run this layout. None clears a field
+        the layout determines otherwise (the ring degree follows from cp and the Ulysses
+        degree, grad_accum from the global batch)."""
+        hybrid = self.cp_algorithm == "hybrid"
+        return {
+            "parallel.tp": self.tp, "parallel.pp": self.pp, "parallel.cp": self.cp,
+            "parallel.ep": self.ep, "parallel.dp": self.dp,
+            "parallel.cp_algorithm": self.cp_algorithm,
+            "parallel.ulysses_degree": self.ulysses_degree if hybrid else None,
+            "parallel.ring_degree": None,
+            "parallel.virtual_stages": self.virtual_stages,
+            "parallel.stage_layers": list(self.stage_layers) if self.stage_layers else None,
+            "parallel.layout": self.cp_layout,
+            "training.seq_len": self.seq_len,
+            "training.micro_batch": self.micro_batch,
+            "training.global_batch": self.micro_batch * self.grad_accum * self.dp,
+            "training.grad_accum": None,
+            "training.zero_stage": self.zero_stage,
+            "training.activation_checkpointing": self.activation_checkpointing,
+            "model.dtype": self.dtype,
+        }
+
+    def apply_to(self, spec: JobSpec) -> JobSpec:
+        """`spec` with this layout's fields set, not re-validated (`layout_problems` is the
+        check a caller runs on it)."""
+        sections: dict[str, dict[str, Any]] = {}
+        for path, value in self.overrides().items():
+            section, name = path.split(".")
+            sections.setdefault(section, {})[name] = value
+        return spec.model_copy(update={
+            section: getattr(spec, section).model_copy(update=fields)
+            for section, fields in sections.items()})
+
+    def describe_degrees(self) -> str:
+        """How the GPUs are split, in one phrase: "tp 8 pp 1 cp 4 hybrid u2 dp 2"."""
+        algo = ("" if self.cp == 1 else f" {self.cp_algorithm}"
+                + (f" u{self.ulysses_degree}" if self.cp_algorithm == "hybrid" else ""))
+        return f"tp {self.tp} pp {self.pp} cp {self.cp}{algo} dp {self.dp}"
+
+    # ----------------------------------------------------------------------------------------
+    # what the models derive from it
+    # ----------------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.ep * self.dp
+
+    @property
+    def ring_degree(self) -> int:
+        """Ring (outer) degree of the CP group."""
+        return self.cp // self.ulysses_degree
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.micro_batch * self.grad_accum * self.dp
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens of one micro-batch held by one rank (sequence split by CP)."""
+        return self.micro_batch * self.seq_len // self.cp
+
+    def rank_layers(self, layers: int) -> list[int]:
+        """Blocks each PP rank holds (rank r holds stages r, r + pp, ... when interleaved)."""
+        if not self.stage_layers:
+            return default_rank_layers(layers, self.pp)
+        held = [0] * self.pp
+        for stage, count in enumerate(self.stage_layers):
+            held[stage % self.pp] += count
+        return held
+
+    @property
+    def fsdp(self) -> bool:
+        """ZeRO >= 1 with TP or PP runs through FSDP2 (DeepSpeed only without them)."""
+        return self.framework == "ctxlaunch" and self.zero_stage > 0 and (self.tp > 1
+                                                                          or self.pp > 1)
+
+    @property
+    def fp32_weights(self) -> bool:
+        """fp32 weights with bf16 compute through autocast: ZeRO-0 and FSDP2."""
+        if self.framework == "megatron":
+            return False
+        return self.zero_stage == 0 or self.fsdp
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks that ZeRO shards model states over: DP x CP."""
+        return self.dp * self.cp
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of the compute dtype."""
+        return 2 if self.dtype == "bf16" else 4
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes per element of the residual stream."""
+        # ZeRO-0 bf16 runs under autocast: fp32 weights, so the residual stream stays fp32.
+        return 4 if self.dtype == "fp32" or self.fp32_weights else 2
+
+
+def default_rank_layers(layers: int, pp: int) -> list[int]:
+    """Blocks per PP rank when the layout names no split: the balanced split a validated spec
+    gets (ctxlaunch.contract.stages), so a layout that never went through a spec (advise's
+    candidates, a published run) is planned as it would run. Llama 3 405B at PP 16: 7, 8 x 14,
+    7, not 7 x 16."""
+    if layers < pp:  # no legal split; the validator names the error, the plan stays defined
+        return [1] * pp
+    return list(balanced_stage_layers(layers, pp))
