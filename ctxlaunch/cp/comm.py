@@ -63,7 +63,10 @@ class RingComm:
     """Non-blocking transfers around the ring of ``group``: rank i sends to i+1, receives from i-1."""
 
     def __init__(self, group: dist.ProcessGroup | None):
-        self.group = dist.group.WORLD if group is None else group
+        if group is None:
+            group = dist.group.WORLD
+            assert group is not None, "torch.distributed is not initialised"
+        self.group: dist.ProcessGroup = group
         rank = dist.get_rank(self.group)
         world_size = dist.get_world_size(self.group)
         # P2P ops address global ranks even when they run on a subgroup.

@@ -23,7 +23,11 @@ from .reference import full_attention
 _ALL = slice(None)
 
 
-def _block(rank: int, src: int, causal: bool, layout: str, s_local: int):
+Part = tuple[slice, slice, bool]
+"""(q_rows, kv_rows, causal) of one block piece."""
+
+
+def _block(rank: int, src: int, causal: bool, layout: str, s_local: int) -> Part | None:
     """Which local query rows attend to which rows of ``src``'s K/V shard, and whether causally.
 
     Returns ``(q_rows, kv_rows, causal)`` or None when the mask hides the whole block. Zigzag
@@ -47,7 +51,8 @@ def _block(rank: int, src: int, causal: bool, layout: str, s_local: int):
 def _ring_forward(q, k, v, group, causal, layout, scale):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     comm = RingComm(group)
-    out = lse = None
+    out: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
     for step in range(world_size):
         if step + 1 < world_size:
             next_k, next_v = comm.send_recv(k), comm.send_recv(v)
@@ -62,14 +67,16 @@ def _ring_forward(q, k, v, group, causal, layout, scale):
                 # Step 0 is the diagonal block, which covers every local query row.
                 out, lse = block_out.to(torch.float32), block_lse
             else:
+                assert lse is not None
                 merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
         if step + 1 < world_size:
             comm.wait()
             k, v = next_k, next_v
+    assert out is not None and lse is not None  # step 0's diagonal block always runs
     return out.to(q.dtype), lse
 
 
-def _diagonal_parts(causal: bool, s_local: int):
+def _diagonal_parts(causal: bool, s_local: int) -> tuple[list[Part], list[Part]]:
     """The local (diagonal) block cut in two lists of ``(q_rows, kv_rows, causal)`` pieces.
 
     Backward runs the first list while the first K/V transfer flies and the second while the
@@ -95,7 +102,8 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, layout, scale):
     dk_home = torch.zeros_like(k, dtype=torch.float32)
     dv_home = torch.zeros_like(v, dtype=torch.float32)
 
-    def backward_block(rows, kv_rows, block_causal, k_shard, v_shard, dk, dv):
+    def backward_block(rows: slice, kv_rows: slice, block_causal: bool, k_shard: torch.Tensor,
+                       v_shard: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
         block_dq, block_dk, block_dv = kernels.attention_backward(
             grad_out[:, :, rows], q[:, :, rows], k_shard[:, :, kv_rows], v_shard[:, :, kv_rows],
             out[:, :, rows], lse[:, :, rows], block_causal, scale,
@@ -106,6 +114,9 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, layout, scale):
 
     diagonal_first, diagonal_last = _diagonal_parts(causal, q.size(2))
     k_held, v_held = k, v  # the K/V shard in hand: rank (rank - step)'s
+    # The dK/dV accumulators in flight: sent at each step, received by the next.
+    next_dk: torch.Tensor | None = None
+    next_dv: torch.Tensor | None = None
     for step in range(world_size):
         if step + 1 < world_size:
             next_k, next_v = kv_comm.send_recv(k_held), kv_comm.send_recv(v_held)
@@ -120,6 +131,7 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, layout, scale):
             else:
                 # The accumulators of the shard in hand, sent by rank-1 while we computed.
                 grad_comm.wait()
+                assert next_dk is not None and next_dv is not None
                 dk, dv = next_dk, next_dv
             block = _block(rank, (rank - step) % world_size, causal, layout, q.size(2))
             if block is not None:
@@ -133,8 +145,10 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, layout, scale):
         backward_block(*part, k, v, dk_home, dv_home)
     # The other ranks' shares of our K/V gradient, home after N-1 hops.
     grad_comm.wait()
-    dk_home += next_dk
-    dv_home += next_dv
+    if world_size > 1:
+        assert next_dk is not None and next_dv is not None
+        dk_home += next_dk
+        dv_home += next_dv
     return dq.to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype)
 
 

@@ -51,7 +51,7 @@ def _seq_to_heads(xs: list[torch.Tensor], plan: HeadShardPlan) -> list[torch.Ten
     n = plan.size
     heads = [x.size(1) // n for x in xs]
     # Member j gets head group j of every tensor; all_to_all_single splits dim 0.
-    send = torch.cat([x.unflatten(1, (n, h)).movedim(1, 0) for x, h in zip(xs, heads)], dim=2)
+    send = torch.cat([x.unflatten(1, (n, h)).movedim(1, 0) for x, h in zip(xs, heads, strict=True)], dim=2)
     recv = torch.empty_like(send)
     with exposed():  # blocking: nothing overlaps an all-to-all here
         dist.all_to_all_single(recv, send, group=plan.group)
@@ -69,7 +69,7 @@ def _heads_to_seq(ys: list[torch.Tensor], plan: HeadShardPlan) -> list[torch.Ten
     heads = [y.size(1) for y in ys]
     b, _, seq, d = ys[0].shape
     send = ys[0].new_empty(n, b, sum(heads), seq // n, d)
-    for y, part in zip(ys, send.split(heads, dim=2)):
+    for y, part in zip(ys, send.split(heads, dim=2), strict=True):
         plan.copy_chunks(y, part, to_gathered=False)
     recv = torch.empty_like(send)
     with exposed():  # blocking: nothing overlaps an all-to-all here
