@@ -89,7 +89,7 @@ def require_kubernetes() -> None:
     import subprocess
     import sys
 
-    from .conftest import crd_path
+    from tests.conftest import crd_path
 
     if crd_path() is None:
         pytest.skip("the PyTorchJob CRD is absent (set CTXLAUNCH_PYTORCHJOB_CRD or provide "
