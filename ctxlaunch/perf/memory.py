@@ -74,6 +74,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from ctxlaunch.contract.hardware import GiB, GpuInfo
+from ctxlaunch.contract.spec import resolve_state_engine
 from ctxlaunch.contract.stages import balanced_stage_layers
 from ctxlaunch.perf.flops import count_params
 
@@ -114,6 +115,8 @@ class MemoryLayout:
     zero_stage: int = 0
     activation_checkpointing: ActivationCheckpointing = "none"
     dtype: str = "bf16"
+    engine: str = "auto"
+    """training.engine: what shards the model states (resolved by the spec's rule)."""
     stage_layers: tuple[int, ...] = ()
     """Blocks per pipeline stage (pp x virtual stages entries); empty: layers / pp each."""
     framework: Framework = "ctxlaunch"
@@ -130,7 +133,7 @@ class MemoryLayout:
             seq_len=t.seq_len, micro_batch=t.micro_batch, grad_accum=spec.grad_accum,
             tp=p.tp, pp=p.pp, cp=p.cp, dp=spec.dp, cp_algorithm=p.cp_algorithm,
             zero_stage=t.zero_stage, activation_checkpointing=t.activation_checkpointing,
-            dtype=spec.model.dtype, stage_layers=spec.stage_layers,
+            dtype=spec.model.dtype, engine=t.engine, stage_layers=spec.stage_layers,
         )
 
     def replace(self, **changes: object) -> MemoryLayout:
@@ -147,9 +150,9 @@ class MemoryLayout:
 
     @property
     def fsdp(self) -> bool:
-        """ZeRO >= 1 with TP or PP runs through FSDP2 (DeepSpeed only without them)."""
-        return self.framework == "ctxlaunch" and self.zero_stage > 0 and (self.tp > 1
-                                                                          or self.pp > 1)
+        """The bundled trainer shards model states with FSDP2 (training.engine, resolved)."""
+        return self.framework == "ctxlaunch" and resolve_state_engine(
+            self.engine, self.zero_stage, tp=self.tp, pp=self.pp) == "fsdp2"
 
     @property
     def fp32_weights(self) -> bool:

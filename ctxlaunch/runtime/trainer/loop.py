@@ -19,13 +19,9 @@ from ctxlaunch.cp.comm import exposed_comm_seconds
 from ctxlaunch.perf.flops import flops_per_token
 from ctxlaunch.runtime.trainer import checkpoint, faults, stopsignal
 from ctxlaunch.runtime.trainer.data import Batches, make_source
-from ctxlaunch.runtime.trainer.engines import Engine, init_deepspeed, make_engine
+from ctxlaunch.runtime.trainer.engines import Engine, make_engine
 from ctxlaunch.runtime.trainer.model import Transformer
-from ctxlaunch.runtime.trainer.parallelize import (
-    ParallelContext,
-    apply_tensor_parallel,
-    parallelize,
-)
+from ctxlaunch.runtime.trainer.parallelize import ParallelContext, ParallelSettings, parallelize
 
 
 @dataclass(frozen=True)
@@ -62,20 +58,11 @@ class Trainer:
         self.run_dir = run_dir
         t = spec.training
         torch.manual_seed(t.seed)
-        model = Transformer.from_spec(spec.model)
-        model.init_weights(t.seed)
-        parallelize(model, ctx=ctx, algorithm=spec.parallel.cp_algorithm,
-                    checkpointing=t.activation_checkpointing)
-        self.engine: Engine
-        if ctx.tp > 1 or ctx.pp > 1:
-            from ctxlaunch.runtime.trainer.parallel_engine import ParallelEngine
-
-            plan = apply_tensor_parallel(model, ctx)
-            self.engine = ParallelEngine(model, plan, spec, ctx, device)
-        else:
-            if t.zero_stage and dist.is_initialized():
-                init_deepspeed(dist.get_backend())
-            self.engine = make_engine(model, spec, device)
+        with torch.device("meta"):  # parallelize materialises only this rank's share
+            model = Transformer.from_spec(spec.model)
+        parts = parallelize(model, ctx=ctx, settings=ParallelSettings.from_spec(spec),
+                            device=device)
+        self.engine: Engine = make_engine(parts, spec, ctx, device)
         self.batches = Batches(
             make_source(t.data, spec.model.vocab, t.seq_len, t.seed), seq_len=t.seq_len,
             micro_batch=t.micro_batch, global_batch=spec.global_batch, dp=ctx.dp,
@@ -95,12 +82,8 @@ class Trainer:
             self.fault.maybe_fire(self.ctx.rank, self.step + 1)
         start = time.perf_counter()
         exposed_before = exposed_comm_seconds()
-        if hasattr(self.engine, "run_micro_batches"):
-            losses = self.engine.run_micro_batches(
-                [self.batches.get(self.step, micro) for micro in range(self.spec.grad_accum)])
-        else:
-            losses = [self.engine.forward_backward(self.batches.get(self.step, micro), micro)
-                      for micro in range(self.spec.grad_accum)]
+        losses = self.engine.run_micro_batches(
+            [self.batches.get(self.step, micro) for micro in range(self.spec.grad_accum)])
         self.engine.finish_gradients()
         if on_gradients is not None:
             on_gradients(self.engine)

@@ -16,6 +16,7 @@ output and the log-sum-exp (the flash kernels keep no s-by-s matrix).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable
 from typing import Literal
 
@@ -188,6 +189,7 @@ class Transformer(nn.Module):
     def __init__(self, *, layers: int, hidden: int, heads: int, kv_heads: int, ffn_hidden: int,
                  vocab: int, rope_theta: float, norm_eps: float, tie_embeddings: bool):
         super().__init__()
+        self.hidden = hidden
         self.head_dim = hidden // heads
         self.rope_theta = rope_theta
         self.embed = nn.Embedding(vocab, hidden)
@@ -208,19 +210,25 @@ class Transformer(nn.Module):
                    rope_theta=model.rope_theta, norm_eps=model.norm_eps,
                    tie_embeddings=model.tie_embeddings)
 
-    def init_weights(self, seed: int) -> None:
-        """Deterministic initialisation (every rank builds the same replica from the seed)."""
-        generator = torch.Generator().manual_seed(seed)
+    def initial_value(self, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+        """The initial fp32 value (CPU) of the whole parameter `name`, from a generator seeded
+        by (seed, name): the same at every layout, and computable for one parameter without
+        the others, so a rank draws only the parameters it holds."""
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
         std = 0.02
+        if name.endswith(("wo.weight", "w_down.weight")):
+            std = std / (2 * len(self.blocks)) ** 0.5  # residual branches, GPT-2 style
+        digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+        return torch.randn(shape, generator=generator) * std
+
+    def init_weights(self, seed: int) -> None:
+        """Initialise a whole (unsharded, materialised) model: `initial_value` of each
+        parameter."""
         with torch.no_grad():
             for name, param in self.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-                    continue
-                scale = std
-                if name.endswith(("wo.weight", "w_down.weight")):
-                    scale = std / (2 * len(self.blocks)) ** 0.5  # residual branches, GPT-2 style
-                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+                param.copy_(self.initial_value(name, param.shape, seed))
 
     def set_checkpointing(self, mode: Checkpointing) -> None:
         for block in self.blocks:

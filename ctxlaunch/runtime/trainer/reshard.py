@@ -31,7 +31,7 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _write_local(target: torch.Tensor, value: torch.Tensor) -> None:
+def write_local(target: torch.Tensor, value: torch.Tensor) -> None:
     """Copy this rank's TP slice into a parameter or moment (its FSDP chunk if sharded)."""
     if not hasattr(target, "_local_tensor"):
         target.copy_(value)
@@ -105,7 +105,7 @@ class CheckpointState:
                         pieces = [state[f"{key}/{name}#{i}"] for i in range(len(sharding.parts))]
                         pieces = [p.to_local() if hasattr(p, "to_local") else p for p in pieces]
                         value = torch.cat(pieces, dim=sharding.dim)
-                    _write_local(target, value)
+                    write_local(target, value)
                 opt_state["step"].copy_(state[f"step/{name}"])
         self.scheduler.load_state_dict(state["scheduler"])
         # The schedule's state holds its step, not the optimizer's current learning rate.
