@@ -291,7 +291,7 @@ def init_deepspeed(backend: str) -> None:
     """Bind DeepSpeed's comm layer to the process group torch already made."""
     # DeepSpeed compiles a shared-memory all-reduce op on first use (~75 s on CPU); gloo does
     # the job. Patch the module the name lives in (a plain import would bind a copy).
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    vars(importlib.import_module("deepspeed.comm.torch"))["build_shm_op"] = lambda: None
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)

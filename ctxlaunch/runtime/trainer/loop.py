@@ -7,8 +7,10 @@ import json
 import resource
 import shutil
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,9 @@ from ctxlaunch.runtime.trainer.data import Batches, make_source
 from ctxlaunch.runtime.trainer.engines import Engine, make_engine
 from ctxlaunch.runtime.trainer.model import Transformer
 from ctxlaunch.runtime.trainer.parallelize import ParallelContext, ParallelSettings, parallelize
+
+if TYPE_CHECKING:
+    from ctxlaunch.contract.spec import JobSpec
 
 
 @dataclass(frozen=True)
@@ -52,8 +57,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 class Trainer:
     """Builds the model, the engine and the data for one rank, and runs the steps."""
 
-    def __init__(self, spec, ctx: ParallelContext, device: torch.device,  # type: ignore[no-untyped-def]
-                 run_dir: Path | None = None, log=print):
+    def __init__(self, spec: JobSpec, ctx: ParallelContext, device: torch.device,
+                 run_dir: Path | None = None, log: Callable[[str], None] = print):
         self.spec, self.ctx, self.device, self.log = spec, ctx, device, log
         self.run_dir = run_dir
         t = spec.training
@@ -75,7 +80,8 @@ class Trainer:
         self.fault = faults.from_env()
 
     # -- one step ------------------------------------------------------------------------------
-    def train_step(self, on_gradients=None) -> StepMetrics:  # type: ignore[no-untyped-def]
+    def train_step(self, on_gradients: Callable[[Engine], object] | None = None
+                   ) -> StepMetrics:
         """Forward and backward over the step's micro-batches, average the gradients over the
         job, update. `on_gradients(engine)` runs between the two (checks read gradients)."""
         if self.fault is not None:
@@ -122,12 +128,13 @@ class Trainer:
 
     def resume(self) -> int:
         """Load the newest committed checkpoint, if any; returns the step to start from."""
-        step = checkpoint.latest_step(self.checkpoint_dir)
-        if step is None:
+        directory = self.checkpoint_dir
+        step = checkpoint.latest_step(directory)
+        if directory is None or step is None:
             return 0
-        self.engine.load(checkpoint.step_dir(self.checkpoint_dir, step))
+        self.engine.load(checkpoint.step_dir(directory, step))
         self.step = step
-        self.log(f"ctxlaunch: resumed from {checkpoint.step_dir(self.checkpoint_dir, step)}")
+        self.log(f"ctxlaunch: resumed from {checkpoint.step_dir(directory, step)}")
         return step
 
     def save_checkpoint(self) -> None:
@@ -163,7 +170,7 @@ class Trainer:
         stopsignal.install()
 
     # -- the run -------------------------------------------------------------------------------
-    def run(self, observers=()) -> int:  # type: ignore[no-untyped-def]
+    def run(self, observers: Iterable[Callable[[StepMetrics], object]] = ()) -> int:
         """Train to the spec's step count (or until a stop signal); returns the exit status."""
         t = self.spec.training
         self.install_signal_handlers()

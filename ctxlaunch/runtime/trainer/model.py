@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ctxlaunch.contract.spec import ModelSpec
 from ctxlaunch.perf.memory import LOSS_CHUNK_TOKENS
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -192,11 +193,14 @@ class Transformer(nn.Module):
         self.hidden = hidden
         self.head_dim = hidden // heads
         self.rope_theta = rope_theta
-        self.embed = nn.Embedding(vocab, hidden)
+        # The embedding, norm and head are None on pipeline ranks that do not run them; the
+        # embedding is vocabulary-parallel under TP.
+        self.embed: nn.Module | None = nn.Embedding(vocab, hidden)
         self.blocks = nn.ModuleList(
             Block(hidden, heads, kv_heads, ffn_hidden, norm_eps) for _ in range(layers))
-        self.norm = RMSNorm(hidden, norm_eps)
-        self.head = None if tie_embeddings else nn.Linear(hidden, vocab, bias=False)
+        self.norm: RMSNorm | None = RMSNorm(hidden, norm_eps)
+        self.head: nn.Linear | None = (None if tie_embeddings
+                                       else nn.Linear(hidden, vocab, bias=False))
         self.loss_chunk_tokens = LOSS_CHUNK_TOKENS
         self.enter_loss: Hook = _identity
         """(B, S/t, h) -> (B, S, h) under TP: every TP rank scores every token."""
@@ -204,7 +208,8 @@ class Transformer(nn.Module):
             _cross_entropy_sum
 
     @classmethod
-    def from_spec(cls, model) -> Transformer:  # type: ignore[no-untyped-def]
+    def from_spec(cls, model: ModelSpec) -> Transformer:
+        """The decoder the spec's model section describes (on the current default device)."""
         return cls(layers=model.layers, hidden=model.hidden, heads=model.heads,
                    kv_heads=model.kv_heads, ffn_hidden=model.ffn_hidden, vocab=model.vocab,
                    rope_theta=model.rope_theta, norm_eps=model.norm_eps,
@@ -230,8 +235,13 @@ class Transformer(nn.Module):
             for name, param in self.named_parameters():
                 param.copy_(self.initial_value(name, param.shape, seed))
 
+    def block_modules(self) -> list[Block]:
+        """The blocks this rank holds (after a pipeline split the others are Identity)."""
+        return [block for block in self.blocks if isinstance(block, Block)]
+
     def set_checkpointing(self, mode: Checkpointing) -> None:
-        for block in self.blocks:
+        """Activation checkpointing of every block (see `Block`)."""
+        for block in self.block_modules():
             block.checkpointing = mode
 
     def run_blocks(self, x: torch.Tensor, positions: torch.Tensor,
@@ -245,11 +255,21 @@ class Transformer(nn.Module):
         return x
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.run_blocks(self.embed(tokens), positions, self.blocks))
+        """The final (normed) hidden states of the whole model (no pipeline split)."""
+        if self.embed is None or self.norm is None:
+            raise RuntimeError("hidden_states needs the whole model; this one is a pipeline "
+                               "rank's part")
+        return self.norm(self.run_blocks(self.embed(tokens), positions, self.block_modules()))
+
+    def _output_weight(self) -> torch.Tensor:
+        owner = self.embed if self.head is None else self.head
+        weight = getattr(owner, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            raise RuntimeError("this pipeline rank holds no output head")
+        return weight
 
     def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        weight = self.embed.weight if self.head is None else self.head.weight
-        logits = F.linear(hidden, weight)
+        logits = F.linear(hidden, self._output_weight())
         return self.cross_entropy(logits.float(), targets)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,

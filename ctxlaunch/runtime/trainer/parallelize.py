@@ -25,7 +25,7 @@ from torch import nn
 from ctxlaunch import cp as cp_attention
 from ctxlaunch.contract.spec import JobSpec, StateEngine
 from ctxlaunch.runtime.trainer.model import AttentionFn, Checkpointing, Transformer
-from ctxlaunch.runtime.trainer.pipeline import pipeline_schedule, split_stages
+from ctxlaunch.runtime.trainer.pipeline import StageModule, pipeline_schedule, split_stages
 from ctxlaunch.runtime.trainer.reshard import write_local
 from ctxlaunch.runtime.trainer.tensor_parallel import (
     Sharding,
@@ -147,6 +147,7 @@ def attention_for(ctx: ParallelContext, algorithm: str) -> AttentionFn:
         return partial(cp_attention.ulysses_attention, group=ctx.cp_group, causal=True,
                        layout=ctx.layout)
     if algorithm == "hybrid":
+        assert ctx.ulysses_group is not None and ctx.ring_group is not None  # 1 < ulysses < cp
         return partial(cp_attention.hybrid_attention, ulysses_group=ctx.ulysses_group,
                        ring_group=ctx.ring_group, causal=True, layout=ctx.layout)
     raise ValueError(f"unknown CP algorithm {algorithm!r}")
@@ -215,7 +216,7 @@ def parallelize(model: Transformer, *, ctx: ParallelContext, settings: ParallelS
     parameter's name, so every layout starts from the same weights) and its TP slice."""
     full_shapes = {name: p.shape for name, p in model.named_parameters()}
     attend = attention_for(ctx, settings.cp_algorithm)
-    for block in model.blocks:
+    for block in model.block_modules():
         block.attn.attend = attend
     plan = apply_tensor_parallel(model, ctx)
     model.set_checkpointing(settings.checkpointing)
@@ -223,8 +224,9 @@ def parallelize(model: Transformer, *, ctx: ParallelContext, settings: ParallelS
                           pp_rank=ctx.pp_rank) if ctx.pp > 1 else []
     parts: list[nn.Module] = list(stages) or [model]
     sharded = settings.state_engine == "fsdp2" and ctx.dp_cp_group is not None
-    if sharded:
-        _fully_shard(parts, ctx, device, reshard_after_forward=settings.zero_stage == 3)
+    if ctx.dp_cp_group is not None and sharded:
+        _fully_shard(parts, ctx.dp_cp_group, device,
+                     reshard_after_forward=settings.zero_stage == 3)
     for part in parts:
         _materialise(part, model, full_shapes, plan, ctx, settings.seed, device)
     schedule = None
@@ -240,18 +242,19 @@ def parallelize(model: Transformer, *, ctx: ParallelContext, settings: ParallelS
                       last=not stages or stages[-1].stage_index == n_stages - 1)
 
 
-def _fully_shard(parts: list[nn.Module], ctx: ParallelContext, device: torch.device, *,
-                 reshard_after_forward: bool) -> None:
+def _fully_shard(parts: list[nn.Module], dp_cp_group: dist.ProcessGroup,
+                 device: torch.device, *, reshard_after_forward: bool) -> None:
     """FSDP2 over the ranks holding the same slice (DP x CP), each block a unit. ZeRO-1/2
     keep the gathered weights from forward to backward (gradients and optimizer states
     sharded), ZeRO-3 re-shards them after forward."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = DeviceMesh.from_group(ctx.dp_cp_group, device.type)
+    mesh = DeviceMesh.from_group(dp_cp_group, device.type)
     for part in parts:
-        blocks = part.blocks
-        for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
+        blocks = part.block_list if isinstance(part, StageModule) else (
+            part.block_modules() if isinstance(part, Transformer) else [])
+        for block in blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
         # The root's weights (embedding, final norm, head) stay gathered through backward: the
         # loss uses the head after the stage's forward returns.
@@ -273,27 +276,30 @@ def _materialise(part: nn.Module, model: Transformer, full_shapes: dict[str, tor
 
 
 def apply_tensor_parallel(model: Transformer, ctx: ParallelContext) -> dict[str, Sharding | None]:
-    """Keep this TP rank's slice of every split weight (the model was built and initialised
-    whole, so every layout starts from the same weights) and install the sequence-parallel
-    collectives. Returns the sharding of every parameter, by its name in the whole model."""
+    """Keep this TP rank's slice of every split weight (of a meta model: its shape; of a
+    materialised whole one: its values) and install the sequence-parallel collectives.
+    Returns the sharding of every parameter, by its name in the whole model."""
     plan = shardings(model)
     if ctx.tp == 1:
         return plan
     group, tp, rank = ctx.tp_group, ctx.tp, ctx.tp_rank
+    assert group is not None  # tp > 1
     with torch.no_grad():
         for name, param in list(model.named_parameters()):
-            if plan[name] is not None:
+            sharding = plan[name]
+            if sharding is not None:
                 owner, leaf = name.rsplit(".", 1)
-                local = plan[name].shard(param.detach(), tp, rank).clone()
+                local = sharding.shard(param.detach(), tp, rank).clone()
                 setattr(model.get_submodule(owner), leaf, nn.Parameter(local))
     enter, leave = partial(gather_sequence, group=group), partial(scatter_sequence, group=group)
-    for block in model.blocks:
+    for block in model.block_modules():
         block.attn.heads //= tp
         block.attn.kv_heads //= tp
         block.attn.enter, block.attn.exit = enter, leave
         block.ffn.enter, block.ffn.exit = enter, leave
-    vocab_start = rank * model.embed.weight.shape[0]
-    model.embed = VocabParallelEmbedding(model.embed.weight, vocab_start, group)
+    embedding = model.get_parameter("embed.weight")
+    vocab_start = rank * embedding.shape[0]
+    model.embed = VocabParallelEmbedding(embedding, vocab_start, group)
     model.enter_loss = enter
     model.cross_entropy = partial(vocab_parallel_cross_entropy, vocab_start=vocab_start,
                                   group=group)

@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ctxlaunch.runtime.trainer.model import Transformer
+from ctxlaunch.runtime.trainer.model import Block, Transformer
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import (
         PipelineScheduleMulti,
         PipelineScheduleSingle,
     )
+    from torch.distributed.pipelining.stage import _PipelineStageBase
 
 
 class StageModule(nn.Module):
@@ -40,6 +41,8 @@ class StageModule(nn.Module):
         self._model = [model]  # a list: not a submodule, its parameters are not ours twice
         self.embed = model.embed if first else None
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(start, stop)})
+        self.block_list = [block for block in self.blocks.values() if isinstance(block, Block)]
+        """The blocks, typed (a plain list: the ModuleDict registers them)."""
         self.norm = model.norm if last else None
         self.head = model.head if last else None
         self.positions: torch.Tensor | None = None
@@ -50,7 +53,9 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             x = self.embed(x)
-        x = self._model[0].run_blocks(x, self.positions, self.blocks.values())
+        if self.positions is None:
+            raise RuntimeError("set the stage's positions before running it")
+        x = self._model[0].run_blocks(x, self.positions, self.block_list)
         return self.norm(x) if self.norm is not None else x
 
 
@@ -100,7 +105,7 @@ def pipeline_schedule(model: Transformer, modules: list[StageModule], *, n_stage
         ScheduleInterleaved1F1B,
     )
 
-    stages = []
+    stages: list[_PipelineStageBase] = []
     for module in modules:
         # Explicit shapes: shape inference would run the stage on meta tensors, and the TP and
         # CP collectives inside cannot.

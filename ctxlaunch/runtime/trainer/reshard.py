@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ctxlaunch.runtime.trainer.tensor_parallel import Sharding
 
@@ -33,7 +34,7 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 def write_local(target: torch.Tensor, value: torch.Tensor) -> None:
     """Copy this rank's TP slice into a parameter or moment (its FSDP chunk if sharded)."""
-    if not hasattr(target, "_local_tensor"):
+    if not isinstance(target, DTensor):
         target.copy_(value)
         return
     mesh = target.device_mesh
@@ -47,7 +48,8 @@ class CheckpointState:
     """The state dict of one rank's slice of the model and its AdamW states."""
 
     def __init__(self, named_parameters: list[tuple[str, nn.Parameter]],
-                 optimizer: torch.optim.Optimizer, scheduler, plan: dict[str, Sharding | None],  # type: ignore[no-untyped-def]
+                 optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                 plan: dict[str, Sharding | None],
                  tp: int, tp_group: dist.ProcessGroup | None, device: torch.device):
         self.params, self.optimizer, self.scheduler = named_parameters, optimizer, scheduler
         self.plan, self.tp = plan, tp
@@ -55,6 +57,7 @@ class CheckpointState:
         if tp > 1:
             from torch.distributed.device_mesh import DeviceMesh
 
+            assert tp_group is not None  # tp > 1
             self.mesh = DeviceMesh.from_group(tp_group, device.type)
 
     def _ensure_moments(self) -> None:
