@@ -200,8 +200,14 @@ class TrainingSpec(_Strict):
     linear in s) and keep attention (quadratic to recompute); full: keep only each block's input
     and recompute the block in backward."""
     zero_stage: int = Field(0, ge=0, le=3)
-    """ZeRO stage (DeepSpeed): 0 none, 1 optimizer states, 2 + gradients, 3 + parameters,
-    each sharded over the DP x CP ranks."""
+    """ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters, each sharded
+    over the DP x CP ranks (by `engine`)."""
+    engine: Literal["auto", "fsdp2", "deepspeed"] = "auto"
+    """What shards the model states for zero_stage >= 1. fsdp2: torch FSDP2 over DP x CP, at
+    any layout, checkpoints that resume at any TP, PP, CP and DP degree. deepspeed: DeepSpeed
+    ZeRO, at TP 1 x PP 1 only, checkpoints in DeepSpeed's own format (they resume only at the
+    same layout). auto: deepspeed at TP 1 x PP 1, fsdp2 otherwise. ZeRO-0 is plain torch
+    whatever this says (`JobSpec.state_engine` resolves it)."""
     optimizer: OptimizerSpec = OptimizerSpec()
     seed: int = Field(0, ge=0)
     checkpoint: CheckpointSpec = CheckpointSpec()
@@ -591,12 +597,32 @@ class JobSpec(_Strict):
         return balanced_stage_layers(self.model.layers, p.pp * p.virtual_stages)
 
     @property
+    def state_engine(self) -> StateEngine:
+        """What keeps the model states: the one rule the trainer and the planner both read."""
+        t, p = self.training, self.parallel
+        return resolve_state_engine(t.engine, t.zero_stage, tp=p.tp, pp=p.pp)
+
+    @property
     def nvlink_domain(self) -> int:
         return self.fabric.nvlink_domain or self.cluster.gpu_info.nvlink_domain
 
     def warnings(self) -> list[str]:
         """Legal but poor choices, worth a second look (not errors)."""
         return layout_warnings(self)
+
+
+StateEngine = Literal["torch", "fsdp2", "deepspeed"]
+"""torch: every rank keeps whole fp32 states of its slice (ZeRO-0); fsdp2: FSDP2 shards them
+over DP x CP; deepspeed: DeepSpeed ZeRO does (bf16 weights, fp32 master copy)."""
+
+
+def resolve_state_engine(engine: str, zero_stage: int, *, tp: int, pp: int) -> StateEngine:
+    """The engine `training.engine` means at this ZeRO stage and layout (see TrainingSpec)."""
+    if zero_stage == 0:
+        return "torch"
+    if engine == "deepspeed" or (engine == "auto" and tp == 1 and pp == 1):
+        return "deepspeed"
+    return "fsdp2"
 
 
 def json_schema() -> dict[str, Any]:
@@ -643,6 +669,15 @@ def layout_problems(spec: JobSpec) -> list[InitErrorDetails]:
         out.append(_problem(("parallel", "tp"), p.tp,
             f"model.kv_heads = {m.kv_heads} must be divisible by tp = {p.tp} (each TP rank "
             "needs whole K/V heads)"))
+    if t.engine == "deepspeed" and (p.tp > 1 or p.pp > 1):
+        out.append(_problem(("training", "engine"), t.engine,
+            f"engine deepspeed shards whole-model states and knows nothing of TP slices or "
+            f"pipeline stages, but tp = {p.tp}, pp = {p.pp}; fix: engine: fsdp2 (or auto), or "
+            "tp: 1 and pp: 1"))
+    if t.engine == "deepspeed" and t.zero_stage == 0:
+        out.append(_problem(("training", "engine"), t.engine,
+            "engine deepspeed needs zero_stage >= 1 (ZeRO-0 is plain torch); fix: "
+            "zero_stage: 1, 2 or 3, or engine: auto"))
     out.extend(pipeline_problems(m, p, spec.grad_accum if composition_ok else None))
     out.extend(tensor_parallel_problems(m, p, t.seq_len))
     if p.ep > 1:

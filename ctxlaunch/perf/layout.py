@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from ctxlaunch.contract.spec import resolve_state_engine
 from ctxlaunch.contract.stages import balanced_stage_layers
 
 if TYPE_CHECKING:
@@ -46,6 +47,9 @@ class Layout:
     cp_layout: str = "zigzag"
     """How the sequence is sharded over CP ranks (spec `parallel.layout`)."""
     zero_stage: int = 0
+    engine: str = "auto"
+    """training.engine: what shards the model states at ZeRO >= 1 (resolved by the spec's
+    rule, `contract.spec.resolve_state_engine`, which the trainer reads too)."""
     activation_checkpointing: ActivationCheckpointing = "none"
     dtype: str = "bf16"
     matmul_precision: MatmulPrecision = "bf16"
@@ -66,7 +70,7 @@ class Layout:
             tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=spec.dp, virtual_stages=p.virtual_stages,
             stage_layers=spec.stage_layers, cp_algorithm=p.cp_algorithm,
             ulysses_degree=spec.ulysses_degree, cp_layout=p.layout, zero_stage=t.zero_stage,
-            activation_checkpointing=t.activation_checkpointing, dtype=spec.model.dtype,
+            engine=t.engine, activation_checkpointing=t.activation_checkpointing, dtype=spec.model.dtype,
             matmul_precision="bf16" if spec.model.dtype == "bf16" else "fp32")
 
     def replace(self, **changes: Any) -> Layout:
@@ -92,6 +96,7 @@ class Layout:
             "training.global_batch": self.micro_batch * self.grad_accum * self.dp,
             "training.grad_accum": None,
             "training.zero_stage": self.zero_stage,
+            "training.engine": self.engine,
             "training.activation_checkpointing": self.activation_checkpointing,
             "model.dtype": self.dtype,
         }
@@ -145,9 +150,9 @@ class Layout:
 
     @property
     def fsdp(self) -> bool:
-        """ZeRO >= 1 with TP or PP runs through FSDP2 (DeepSpeed only without them)."""
-        return self.framework == "ctxlaunch" and self.zero_stage > 0 and (self.tp > 1
-                                                                          or self.pp > 1)
+        """The bundled trainer shards model states with FSDP2 (training.engine, resolved)."""
+        return self.framework == "ctxlaunch" and resolve_state_engine(
+            self.engine, self.zero_stage, tp=self.tp, pp=self.pp) == "fsdp2"
 
     @property
     def fp32_weights(self) -> bool:

@@ -4,7 +4,15 @@ file live in ctxlaunch.perf.machine."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 from ctxlaunch.perf.machine import Calibration, load_calibration, save_calibration
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+
+    from ctxlaunch.contract.spec import ModelSpec
 
 __all__ = ["Calibration", "load_calibration", "measure", "save_calibration"]
 
@@ -12,7 +20,7 @@ __all__ = ["Calibration", "load_calibration", "measure", "save_calibration"]
 # --------------------------------------------------------------------------------------------
 # measuring (torch imported here only)
 # --------------------------------------------------------------------------------------------
-def _best_seconds(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
     import time
 
     fn()  # warm-up: thread pool, packing, allocator
@@ -51,7 +59,7 @@ def measure_compute(*, heads: int = 4, head_dim: int = 32, seq: int = 2048,
         grads = [torch.randn(seq, o, dtype=kind) for _, o in projections]
 
         def products() -> None:
-            for x, w, g in zip(inputs, weights, grads):
+            for x, w, g in zip(inputs, weights, grads, strict=True):
                 torch.mm(x, w)      # forward
                 torch.mm(g, w.t())  # input gradient
                 torch.mm(x.t(), g)  # weight gradient
@@ -83,8 +91,8 @@ def measure_compute(*, heads: int = 4, head_dim: int = 32, seq: int = 2048,
     return matmul, attention_rate, tile, copy
 
 
-def _run_ranks(target, ranks: int, args: tuple, expect: int, timeout_s: float,  # type: ignore[no-untyped-def]
-               what: str) -> list:
+def _run_ranks(target: Callable[..., None], ranks: int, args: tuple[Any, ...], expect: int,
+               timeout_s: float, what: str) -> list[Any]:
     """Run `target(rank, init_file, *args, results)` in `ranks` spawned processes; collect
     `expect` results. A process that dies or a run past `timeout_s` ends every process and
     raises RuntimeError: a measurement never hangs."""
@@ -127,7 +135,8 @@ def _run_ranks(target, ranks: int, args: tuple, expect: int, timeout_s: float,  
     return values
 
 
-def _pingpong(rank: int, init_file: str, sizes: list[int], repeats: int, results) -> None:  # type: ignore[no-untyped-def]
+def _pingpong(rank: int, init_file: str, sizes: list[int], repeats: int,
+              results: Queue[Any]) -> None:
     import time
 
     import torch
@@ -155,8 +164,8 @@ def _pingpong(rank: int, init_file: str, sizes: list[int], repeats: int, results
     dist.destroy_process_group()
 
 
-def _sync_worker(rank: int, init_file: str, world: int, iterations: int, size: int,  # type: ignore[no-untyped-def]
-                 results) -> None:
+def _sync_worker(rank: int, init_file: str, world: int, iterations: int, size: int,
+                 results: Queue[Any]) -> None:
     import time
 
     import torch
@@ -207,7 +216,7 @@ def measure_loopback(sizes: tuple[int, ...] = (4096, 262144, 4 * 2**20, 16 * 2**
                           "gloo loopback measurement")
     n = len(sizes)
     mean_x, mean_y = sum(sizes) / n, sum(times) / n
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, times))
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, times, strict=True))
              / sum((x - mean_x) ** 2 for x in sizes))
     # A burst of load elsewhere can tilt the line: never below the largest message's own rate.
     bandwidth = max(1.0 / slope if slope > 0 else 0.0, sizes[-1] / times[-1])
@@ -217,7 +226,7 @@ def measure_loopback(sizes: tuple[int, ...] = (4096, 262144, 4 * 2**20, 16 * 2**
     return bandwidth, latency
 
 
-def _model_step_seconds(model, seq: int, repeats: int,  # type: ignore[no-untyped-def]
+def _model_step_seconds(model: ModelSpec, seq: int, repeats: int,
                         threads: int = 0) -> float:
     """Best time of the trainer's own model (forward, backward, AdamW step) at `seq` tokens,
     with `threads` threads in this process (0: every core)."""
@@ -242,7 +251,7 @@ def _model_step_seconds(model, seq: int, repeats: int,  # type: ignore[no-untype
     return _best_seconds(step, repeats)
 
 
-def measure_model_residual(model, calibration: Calibration, *,  # type: ignore[no-untyped-def]
+def measure_model_residual(model: ModelSpec, calibration: Calibration, *,
                            lengths: tuple[int, int] = (256, 1024), repeats: int = 5,
                            threads: int = 0) -> tuple[float, float]:
     """(fixed seconds per micro-batch, elementwise bytes/s) from the real model's step at two
@@ -282,8 +291,8 @@ def measure_model_residual(model, calibration: Calibration, *,  # type: ignore[n
 
 def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str = "fp32",
             repeats: int = 5, sizes: tuple[int, ...] = (4096, 262144, 4 * 2**20, 16 * 2**20),
-            model=None, sync_ranks: tuple[int, ...] = (2, 4)
-            ) -> Calibration:  # type: ignore[no-untyped-def]
+            model: ModelSpec | None = None, sync_ranks: tuple[int, ...] = (2, 4)
+            ) -> Calibration:
     """Every constant the step-time model needs on this CPU; `model` (a ModelSpec, default the
     tiny preset) is what the matmul rate, the elementwise rate and the per-micro-batch overhead
     are measured on."""
@@ -293,7 +302,7 @@ def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str =
 
     from ctxlaunch.contract.spec import ModelSpec
 
-    model = model or ModelSpec(preset="tiny", dtype=dtype)
+    model = model or ModelSpec.model_validate({"preset": "tiny", "dtype": dtype})
     projections = ((model.hidden, model.hidden + 2 * model.kv_hidden),  # fused q, k, v
                    (model.hidden, model.hidden),                        # output
                    (model.hidden, 2 * model.ffn_hidden),                # fused gate, up

@@ -4,7 +4,8 @@ The panels are data (`ROWS`: title, unit, PromQL per target); `build_dashboard()
 the dashboard's JSON model with `grafana-foundation-sdk`, which only the generator needs, so it is
 imported inside that function. The committed file is regenerated with
 
-    python -m ctxlaunch.runtime.telemetry.dashboard [--output manifests/grafana/ctxlaunch-training.json]
+    python -m ctxlaunch.runtime.telemetry.dashboard \\
+        [--output manifests/grafana/ctxlaunch-training.json]
 
 and `panel_queries()` gives every target's PromQL with the dashboard variables filled in, so
 tests can run the exact queries against a real Prometheus.
@@ -294,6 +295,7 @@ def build_dashboard() -> dict:
         return q.instant() if target.instant else q.range()
 
     def panel(spec: PanelSpec):
+        builder: timeseries.Panel | stat.Panel | table.Panel
         if spec.kind == "timeseries":
             builder = (timeseries.Panel()
                        .legend(common_builders.VizLegendOptions()

@@ -13,11 +13,15 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import push_to_gateway, start_http_server
 
 from ctxlaunch.runtime.telemetry.metrics import LABELS, METRICS, Metric
+
+if TYPE_CHECKING:
+    from ctxlaunch.contract.spec import JobSpec
 
 PUSH_TIMEOUT_SECONDS = 3.0
 
@@ -42,8 +46,9 @@ class Identity:
                 "seq_len": str(self.seq_len)}
 
 
-def identity_from_spec(spec, rank: int, local_rank: int,  # type: ignore[no-untyped-def]
+def identity_from_spec(spec: JobSpec, rank: int, local_rank: int,
                        run: str | None = None) -> Identity:
+    """The labels of this rank's series, from the spec and the launcher's environment."""
     return Identity(job=spec.name, run=run or os.environ.get("CTXLAUNCH_RUN_ID")
                     or os.environ.get("CTXLAUNCH_JOB_ID") or os.environ.get("SLURM_JOB_ID")
                     or "manual", rank=rank, local_rank=local_rank, node=socket.gethostname(),
@@ -96,7 +101,10 @@ class Exporter:
         return self._series[name].labels(**self._labels, **extra)
 
     def set(self, name: str, value: float, **extra: str) -> None:
-        self.series(name, **extra).set(value)  # type: ignore[union-attr]
+        series = self.series(name, **extra)
+        if isinstance(series, Counter):
+            raise TypeError(f"{name} is a counter: inc() it, never set() it")
+        series.set(value)
 
     def inc(self, name: str, amount: float = 1.0) -> None:
         self.series(name).inc(amount)

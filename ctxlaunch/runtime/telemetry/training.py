@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +14,10 @@ from ctxlaunch.contract.hardware import GiB
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.memory import estimate
 from ctxlaunch.runtime.telemetry.exporter import Exporter, identity_from_spec
+
+if TYPE_CHECKING:
+    from ctxlaunch.contract.spec import JobSpec
+    from ctxlaunch.runtime.trainer.loop import StepMetrics
 
 
 def measure_cpu_peak_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 8) -> float:
@@ -28,7 +34,7 @@ def measure_cpu_peak_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 
     return 2.0 * size**3 / best
 
 
-def peak_flops(spec, device: torch.device) -> tuple[float, str]:  # type: ignore[no-untyped-def]
+def peak_flops(spec: JobSpec, device: torch.device) -> tuple[float, str]:
     """(peak FLOP/s per GPU, where the figure comes from)."""
     bf16 = spec.model.dtype == "bf16"
     if device.type == "cuda":
@@ -37,7 +43,7 @@ def peak_flops(spec, device: torch.device) -> tuple[float, str]:  # type: ignore
     return measure_cpu_peak_flops(torch.bfloat16 if bf16 else torch.float32), "measured_cpu_matmul"
 
 
-def predicted_step_seconds(spec) -> float:  # type: ignore[no-untyped-def]
+def predicted_step_seconds(spec: JobSpec) -> float:
     """The step-time model's step for this job: the GPU and fabric tables, or on the CPU the
     constants measured by `ctxlaunch calibrate` (the tables' placeholders without them)."""
     from ctxlaunch.perf.machine import machine_for
@@ -68,8 +74,8 @@ def memory_stats(device: torch.device) -> tuple[int, int, int]:
 class TrainingTelemetry:
     """The trainer's observer: `on_step(metrics)` each step, `on_oom(...)` on an OOM."""
 
-    def __init__(self, spec, *, rank: int, local_rank: int, device: torch.device,  # type: ignore[no-untyped-def]
-                 log=None):
+    def __init__(self, spec: JobSpec, *, rank: int, local_rank: int, device: torch.device,
+                 log: Callable[[str], None] | None = None):
         t = spec.telemetry
         self.spec, self.device, self.rank = spec, device, rank
         self.exporter = Exporter(identity_from_spec(spec, rank, local_rank), mode=t.prometheus,
@@ -87,7 +93,8 @@ class TrainingTelemetry:
         self.exporter.set("ctxlaunch_target_steps", spec.training.steps)
         self._retries_seen = 0
 
-    def on_step(self, m) -> None:  # type: ignore[no-untyped-def]
+    def on_step(self, m: StepMetrics) -> None:
+        """Export one step's metrics."""
         e = self.exporter
         e.set("ctxlaunch_step_duration_seconds", m.step_seconds)
         e.set("ctxlaunch_tokens_per_second_per_gpu", m.tokens_per_second_per_gpu)

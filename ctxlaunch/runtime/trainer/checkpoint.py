@@ -8,9 +8,9 @@ A checkpoint interrupted halfway (a preemption during the save) has no marker an
 so the previous one stays the resume point: no checkpointed work is ever lost.
 
 The state itself is written by the engine: `torch.distributed.checkpoint` in a layout-independent
-form (ctxlaunch/trainer/reshard.py) for ZeRO-0 and for every layout with TP or PP (FSDP2 for
-ZeRO >= 1 there), so those resume at other TP, PP, CP and DP degrees; DeepSpeed's own format for
-ZeRO-1..3 without TP and PP (its partitioned fp32 master weights and Adam states have no
+form (ctxlaunch/runtime/trainer/reshard.py) for ZeRO-0 and FSDP2, so those resume at other TP,
+PP, CP and DP degrees; DeepSpeed's own format under training.engine deepspeed (the default for
+ZeRO >= 1 at TP 1 x PP 1; its partitioned fp32 master weights and Adam states have no
 torch.distributed.checkpoint form).
 """
 

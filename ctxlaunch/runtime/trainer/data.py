@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ctxlaunch.contract.spec import DataSpec
 from ctxlaunch.cp import shard_positions
 
 
@@ -92,7 +93,11 @@ class Batches:
                           positions=self.positions)
 
 
-def make_source(data_spec, vocab: int, seq_len: int, seed: int):  # type: ignore[no-untyped-def]
+def make_source(data_spec: DataSpec, vocab: int, seq_len: int,
+                seed: int) -> SyntheticTokens | ByteText:
+    """The token source the spec's training.data names."""
     if data_spec.source == "text":
+        if data_spec.path is None:  # DataSpec refuses this; the check is for the type
+            raise ValueError("data.source = text needs data.path")
         return ByteText(data_spec.path, seq_len)
     return SyntheticTokens(vocab, seq_len, seed)

@@ -1,17 +1,27 @@
-"""How gradients become updates: plain torch for ZeRO-0, DeepSpeed for ZeRO-1..3.
+"""How gradients become updates. One `Engine` protocol; two engines behind it:
 
-Both average gradients over every rank of the job (DP x CP): each rank's loss is the mean over
-its own tokens, the ring and Ulysses backward passes carry each rank's contribution to the
-others' K/V, so the sum of the ranks' gradients divided by DP x CP is the gradient of the mean
-loss over all tokens.
+- `TorchEngine`, plain torch on whatever `parallelize` built: ZeRO-0 (every rank keeps fp32
+  weights, gradients and Adam states of its slice) or FSDP2 (training.engine fsdp2: those
+  states sharded over DP x CP), at any TP x CP x DP x PP layout;
+- `DeepSpeedEngine`, DeepSpeed ZeRO-1..3 (training.engine deepspeed), at TP 1 x PP 1.
+
+Both average gradients over the ranks holding the same weights (DP x CP): each rank's loss is
+the mean over its own tokens (every TP rank of a CP shard computes the same loss,
+vocabulary-parallel), the ring and Ulysses backward passes carry each rank's contribution to
+the others' K/V, so the sum of the ranks' gradients divided by DP x CP is the gradient of the
+mean loss over all tokens. The TP-split weights need nothing more; the weights TP replicates
+(the RMSNorm gains, which under sequence parallelism each see only their rank's tokens) are
+summed over TP. Clipping uses the norm of the whole model: squares summed over TP (replicated
+weights once) and over the pipeline.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,31 +33,41 @@ from ctxlaunch.perf.memory import (
     ZERO_BUCKET_ELEMENTS,
 )
 from ctxlaunch.runtime.trainer.data import MicroBatch
+from ctxlaunch.runtime.trainer.parallelize import ModelParts, ParallelContext
+from ctxlaunch.runtime.trainer.reshard import CheckpointState
+
+if TYPE_CHECKING:
+    from ctxlaunch.contract.spec import JobSpec, TrainingSpec
 
 
 class Engine(Protocol):
-    model: nn.Module
+    """One rank's side of a training step, whatever keeps the model states."""
 
-    def forward_backward(self, batch: MicroBatch, micro: int) -> torch.Tensor:
-        """Loss of one micro-batch (detached), gradients accumulated."""
+    def run_micro_batches(self, batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """Forward and backward over the step's micro-batches, gradients accumulated; their
+        losses (detached) on the ranks that compute a loss (every rank without PP, the last
+        stage with it)."""
 
     def finish_gradients(self) -> None:
         """Average the accumulated gradients over the job (a no-op where the backward did)."""
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
-        """The averaged, unsharded gradient of every parameter (for checks)."""
+        """The averaged, unsharded gradient of every parameter (collective; for checks)."""
 
     def apply(self) -> float:
         """Clip, step the optimizer and the schedule; returns the gradient norm."""
 
-    def lr(self) -> float: ...
+    def lr(self) -> float:
+        """The learning rate of the next update."""
 
-    def save(self, path: Path) -> None: ...
+    def save(self, path: Path) -> None:
+        """Write this rank's part of a checkpoint of model and optimizer states."""
 
-    def load(self, path: Path) -> None: ...
+    def load(self, path: Path) -> None:
+        """Read back what `save` wrote (at any layout, for `TorchEngine`)."""
 
 
-def lr_lambda(steps: int, warmup: int, min_ratio: float):  # type: ignore[no-untyped-def]
+def lr_lambda(steps: int, warmup: int, min_ratio: float) -> Callable[[int], float]:
     """Linear warm-up to 1, then cosine decay to min_ratio at the last step."""
 
     def factor(step: int) -> float:
@@ -60,7 +80,7 @@ def lr_lambda(steps: int, warmup: int, min_ratio: float):  # type: ignore[no-unt
     return factor
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices only, never on norm gains."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -68,86 +88,174 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def make_optimizer(model: nn.Module, training) -> tuple[  # type: ignore[no-untyped-def]
+def make_optimizer(model: nn.Module, training: TrainingSpec) -> tuple[
         torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW and its warm-up/cosine schedule, from the spec's training section."""
     opt = training.optimizer
     optimizer = torch.optim.AdamW(param_groups(model, opt.weight_decay), lr=opt.lr,
-                                  betas=tuple(opt.betas), eps=opt.eps, foreach=True)
+                                  betas=opt.betas, eps=opt.eps, foreach=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(training.steps, opt.warmup_steps, opt.min_lr_ratio))
     return optimizer, scheduler
 
 
-class PlainEngine:
-    """ZeRO-0: every rank holds fp32 weights, gradients and Adam states; bf16 compute through
-    autocast; gradients all-reduced in flat buckets after the last micro-batch."""
+def _all_reduce_buckets(grads: list[torch.Tensor], group: dist.ProcessGroup | None,
+                        divisor: int) -> None:
+    """Sum `grads` over `group` in flat buckets of GRAD_BUCKET_ELEMENTS, divided by
+    `divisor` (the planner counts one bucket's buffer)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
 
-    def __init__(self, model: nn.Module, spec, device: torch.device):  # type: ignore[no-untyped-def]
-        t = spec.training
-        self.model = model.to(device)
-        self.device = device
-        self.grad_accum = spec.grad_accum
-        self.grad_clip = t.optimizer.grad_clip
-        self.autocast_dtype = torch.bfloat16 if spec.model.dtype == "bf16" else None
-        self.optimizer, self.scheduler = make_optimizer(model, t)
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
-
-    def forward_backward(self, batch: MicroBatch, micro: int) -> torch.Tensor:
-        with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype or torch.float32,
-                            enabled=self.autocast_dtype is not None):
-            loss = self.model(batch.tokens.to(self.device), batch.positions.to(self.device),
-                              batch.targets.to(self.device))
-        (loss / self.grad_accum).backward()
-        return loss.detach()
-
-    def finish_gradients(self) -> None:
-        if self.world == 1:
-            return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for grad in grads:
-            bucket.append(grad)
-            size += grad.numel()
-            if size >= GRAD_BUCKET_ELEMENTS:
-                self._all_reduce(bucket)
-                bucket, size = [], 0
-        if bucket:
-            self._all_reduce(bucket)
-
-    def _all_reduce(self, bucket: list[torch.Tensor]) -> None:
+    def flush() -> None:
         flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat)
-        flat /= self.world
+        dist.all_reduce(flat, group=group)
+        if divisor != 1:
+            flat /= divisor
         offset = 0
         for grad in bucket:
             grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
             offset += grad.numel()
 
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        return {name: p.grad.detach().clone() for name, p in self.model.named_parameters()}
+    for grad in grads:
+        bucket.append(grad)
+        size += grad.numel()
+        if size >= GRAD_BUCKET_ELEMENTS:
+            flush()
+            bucket, size = [], 0
+    if bucket:
+        flush()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP (DTensor) gradient, or the tensor itself."""
+    local = getattr(tensor, "_local_tensor", None)
+    return local if local is not None else tensor
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP shard (collective over DP x CP), or the tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+class TorchEngine:
+    """Plain torch on this rank's model parts: fp32 weights, gradients and Adam states (sharded
+    over DP x CP by FSDP2 when `parallelize` wrapped the parts); bf16 compute through
+    autocast; the pipeline schedule, or a forward and backward per micro-batch."""
+
+    def __init__(self, parts: ModelParts, spec: JobSpec, ctx: ParallelContext,
+                 device: torch.device):
+        t = spec.training
+        self.parts, self.ctx, self.device, self.plan = parts, ctx, device, parts.plan
+        self.grad_accum = spec.grad_accum
+        self.grad_clip = t.optimizer.grad_clip
+        self.autocast_dtype = torch.bfloat16 if spec.model.dtype == "bf16" else None
+        self.module = parts.parts[0] if len(parts.parts) == 1 else nn.ModuleList(parts.parts)
+        self.optimizer, self.scheduler = make_optimizer(self.module, t)
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name in the whole model, parameter) for every parameter this rank holds."""
+        return self.parts.named_parameters()
+
+    # -- a step --------------------------------------------------------------------------------
+    def run_micro_batches(self, batches: list[MicroBatch]) -> list[torch.Tensor]:
+        autocast = torch.autocast(device_type=self.device.type,
+                                  dtype=self.autocast_dtype or torch.float32,
+                                  enabled=self.autocast_dtype is not None)
+        schedule = self.parts.schedule
+        if schedule is None:
+            losses = []
+            for batch in batches:
+                with autocast:
+                    loss = self.module(batch.tokens.to(self.device),
+                                       batch.positions.to(self.device),
+                                       batch.targets.to(self.device))
+                (loss / self.grad_accum).backward()
+                losses.append(loss.detach())
+            return losses
+        for part in self.parts.parts:
+            part.positions = batches[0].positions.to(self.device)
+        args = ((torch.cat([b.tokens for b in batches]).to(self.device),) if self.parts.first
+                else ())
+        kwargs: dict[str, Any] = {}
+        stage_losses: list[torch.Tensor] = []
+        if self.parts.last:
+            kwargs = {"target": torch.cat([b.targets for b in batches]).to(self.device),
+                      "losses": stage_losses}
+        with autocast:
+            schedule.step(*args, **kwargs)
+        return [loss.detach() for loss in stage_losses]
+
+    def finish_gradients(self) -> None:
+        params = [p for _, p in self.named_parameters() if p.grad is not None]
+        if self.ctx.dp_cp_group is not None and not self.parts.sharded:  # FSDP reduce-scattered
+            _all_reduce_buckets([p.grad for p in params if p.grad is not None],
+                                self.ctx.dp_cp_group, self.ctx.dp * self.ctx.cp)
+        if self.ctx.tp > 1:
+            replicated = [_local(p.grad) for name, p in self.named_parameters()
+                          if self.plan[name] is None and p.grad is not None]
+            if replicated:
+                _all_reduce_buckets(replicated, self.ctx.tp_group, 1)
+
+    def grad_norm(self) -> torch.Tensor:
+        """The 2-norm of the whole model's gradient."""
+        split = replicated = torch.zeros((), dtype=torch.float32, device=self.device)
+        for name, p in self.named_parameters():
+            if p.grad is None:
+                continue
+            square = _local(p.grad).detach().float().pow(2).sum()
+            if self.plan[name] is None:
+                replicated = replicated + square
+            else:
+                split = split + square
+        total = split + replicated / self.ctx.tp
+        groups = (self.ctx.dp_cp_group if self.parts.sharded else None, self.ctx.tp_group,
+                  self.ctx.pp_group)
+        for group in groups:
+            if group is not None:
+                dist.all_reduce(total, group=group)
+        return total.sqrt()
 
     def apply(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        norm = self.grad_norm()
+        if self.grad_clip > 0:
+            coef = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
+            for _, p in self.named_parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return float(norm)
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def _checkpoint(self):  # type: ignore[no-untyped-def]
-        # The layout-independent format the TP/PP engine writes too (ctxlaunch/trainer/
-        # reshard.py), so a ZeRO-0 job resumes across DP, CP, TP and PP degrees.
-        from ctxlaunch.runtime.trainer.reshard import CheckpointState
-        from ctxlaunch.runtime.trainer.tensor_parallel import shardings
+    # -- checks --------------------------------------------------------------------------------
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        grads = {name: _full(p.grad).detach().cpu().clone()
+                 for name, p in self.named_parameters() if p.grad is not None}
+        if self.ctx.world_size == 1:
+            return grads
+        mine = grads if self.ctx.dp_rank == 0 and self.ctx.cp_rank == 0 else {}
+        everyone: list[tuple[int, dict[str, torch.Tensor]] | None] = [None] * self.ctx.world_size
+        dist.all_gather_object(everyone, (self.ctx.tp_rank, mine))
+        pieces: dict[str, dict[int, torch.Tensor]] = {}
+        for entry in everyone:
+            assert entry is not None  # all_gather_object filled every slot
+            tp_rank, theirs = entry
+            for name, grad in theirs.items():
+                pieces.setdefault(name, {})[tp_rank] = grad
+        out = {}
+        for name, by_rank in pieces.items():
+            sharding = self.plan[name]
+            out[name] = (by_rank[0] if sharding is None or self.ctx.tp == 1
+                         else sharding.unshard([by_rank[r] for r in range(self.ctx.tp)]))
+        return out
 
-        return CheckpointState(list(self.model.named_parameters()), self.optimizer,
-                               self.scheduler, shardings(self.model), 1, None, self.device)
+    # -- checkpoints: the layout-independent format (reshard.py) -------------------------------
+    def _checkpoint(self) -> CheckpointState:
+        return CheckpointState(self.named_parameters(), self.optimizer, self.scheduler,
+                               self.plan, self.ctx.tp, self.ctx.tp_group, self.device)
 
     def save(self, path: Path) -> None:
         self._checkpoint().save(path)
@@ -156,9 +264,10 @@ class PlainEngine:
         self._checkpoint().load(path)
 
 
-def deepspeed_config(spec) -> dict:  # type: ignore[no-untyped-def]
+def deepspeed_config(spec: JobSpec) -> dict[str, Any]:
+    """DeepSpeed's configuration for the spec (its buckets the planner's constants)."""
     t = spec.training
-    zero: dict = {"stage": t.zero_stage}
+    zero: dict[str, Any] = {"stage": t.zero_stage}
     if t.zero_stage in (1, 2):
         zero.update(reduce_bucket_size=ZERO_BUCKET_ELEMENTS,
                     allgather_bucket_size=ZERO_BUCKET_ELEMENTS, overlap_comm=False)
@@ -182,35 +291,39 @@ def init_deepspeed(backend: str) -> None:
     """Bind DeepSpeed's comm layer to the process group torch already made."""
     # DeepSpeed compiles a shared-memory all-reduce op on first use (~75 s on CPU); gloo does
     # the job. Patch the module the name lives in (a plain import would bind a copy).
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    vars(importlib.import_module("deepspeed.comm.torch"))["build_shm_op"] = lambda: None
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
 class DeepSpeedEngine:
-    """ZeRO-1..3 through `deepspeed.initialize` with a torch AdamW."""
+    """ZeRO-1..3 through `deepspeed.initialize` with a torch AdamW, on the whole model (TP 1 x
+    PP 1: DeepSpeed knows nothing of TP slices or pipeline stages)."""
 
-    def __init__(self, model: nn.Module, spec, device: torch.device):  # type: ignore[no-untyped-def]
+    def __init__(self, parts: ModelParts, spec: JobSpec, device: torch.device):
         import deepspeed
 
         t = spec.training
         self.device = device
         self.grad_accum = spec.grad_accum
-        model = model.to(device)
+        model = parts.model
         optimizer, scheduler = make_optimizer(model, t)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler,
             config=deepspeed_config(spec), dist_init_required=False)
         self.model = self.engine.module
 
-    def forward_backward(self, batch: MicroBatch, micro: int) -> torch.Tensor:
-        loss = self.engine(batch.tokens.to(self.device), batch.positions.to(self.device),
-                           batch.targets.to(self.device))
-        self.engine.backward(loss)  # scales by 1/grad_accum itself
-        if micro < self.grad_accum - 1:
-            self.engine.step()  # not a boundary: only advances DeepSpeed's micro-step count
-        return loss.detach().float()
+    def run_micro_batches(self, batches: list[MicroBatch]) -> list[torch.Tensor]:
+        losses = []
+        for micro, batch in enumerate(batches):
+            loss = self.engine(batch.tokens.to(self.device), batch.positions.to(self.device),
+                               batch.targets.to(self.device))
+            self.engine.backward(loss)  # scales by 1/grad_accum itself
+            if micro < self.grad_accum - 1:
+                self.engine.step()  # not a boundary: only advances DeepSpeed's micro-step count
+            losses.append(loss.detach().float())
+        return losses
 
     def finish_gradients(self) -> None:
         pass  # reduced (and partitioned) inside the boundary micro-batch's backward
@@ -240,7 +353,11 @@ class DeepSpeedEngine:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {path}")
 
 
-def make_engine(model: nn.Module, spec, device: torch.device) -> Engine:  # type: ignore[no-untyped-def]
-    if spec.training.zero_stage == 0:
-        return PlainEngine(model, spec, device)
-    return DeepSpeedEngine(model, spec, device)
+def make_engine(parts: ModelParts, spec: JobSpec, ctx: ParallelContext,
+                device: torch.device) -> Engine:
+    """The engine `JobSpec.state_engine` names, on the parts `parallelize` built."""
+    if spec.state_engine == "deepspeed":
+        if dist.is_initialized():
+            init_deepspeed(dist.get_backend())
+        return DeepSpeedEngine(parts, spec, device)
+    return TorchEngine(parts, spec, ctx, device)

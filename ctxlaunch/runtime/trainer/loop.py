@@ -7,8 +7,10 @@ import json
 import resource
 import shutil
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,13 +21,12 @@ from ctxlaunch.cp.comm import exposed_comm_seconds
 from ctxlaunch.perf.flops import flops_per_token
 from ctxlaunch.runtime.trainer import checkpoint, faults, stopsignal
 from ctxlaunch.runtime.trainer.data import Batches, make_source
-from ctxlaunch.runtime.trainer.engines import Engine, init_deepspeed, make_engine
+from ctxlaunch.runtime.trainer.engines import Engine, make_engine
 from ctxlaunch.runtime.trainer.model import Transformer
-from ctxlaunch.runtime.trainer.parallelize import (
-    ParallelContext,
-    apply_tensor_parallel,
-    parallelize,
-)
+from ctxlaunch.runtime.trainer.parallelize import ParallelContext, ParallelSettings, parallelize
+
+if TYPE_CHECKING:
+    from ctxlaunch.contract.spec import JobSpec
 
 
 @dataclass(frozen=True)
@@ -56,26 +57,17 @@ def peak_memory_bytes(device: torch.device) -> int:
 class Trainer:
     """Builds the model, the engine and the data for one rank, and runs the steps."""
 
-    def __init__(self, spec, ctx: ParallelContext, device: torch.device,  # type: ignore[no-untyped-def]
-                 run_dir: Path | None = None, log=print):
+    def __init__(self, spec: JobSpec, ctx: ParallelContext, device: torch.device,
+                 run_dir: Path | None = None, log: Callable[[str], None] = print):
         self.spec, self.ctx, self.device, self.log = spec, ctx, device, log
         self.run_dir = run_dir
         t = spec.training
         torch.manual_seed(t.seed)
-        model = Transformer.from_spec(spec.model)
-        model.init_weights(t.seed)
-        parallelize(model, ctx=ctx, algorithm=spec.parallel.cp_algorithm,
-                    checkpointing=t.activation_checkpointing)
-        self.engine: Engine
-        if ctx.tp > 1 or ctx.pp > 1:
-            from ctxlaunch.runtime.trainer.parallel_engine import ParallelEngine
-
-            plan = apply_tensor_parallel(model, ctx)
-            self.engine = ParallelEngine(model, plan, spec, ctx, device)
-        else:
-            if t.zero_stage and dist.is_initialized():
-                init_deepspeed(dist.get_backend())
-            self.engine = make_engine(model, spec, device)
+        with torch.device("meta"):  # parallelize materialises only this rank's share
+            model = Transformer.from_spec(spec.model)
+        parts = parallelize(model, ctx=ctx, settings=ParallelSettings.from_spec(spec),
+                            device=device)
+        self.engine: Engine = make_engine(parts, spec, ctx, device)
         self.batches = Batches(
             make_source(t.data, spec.model.vocab, t.seq_len, t.seed), seq_len=t.seq_len,
             micro_batch=t.micro_batch, global_batch=spec.global_batch, dp=ctx.dp,
@@ -88,19 +80,16 @@ class Trainer:
         self.fault = faults.from_env()
 
     # -- one step ------------------------------------------------------------------------------
-    def train_step(self, on_gradients=None) -> StepMetrics:  # type: ignore[no-untyped-def]
+    def train_step(self, on_gradients: Callable[[Engine], object] | None = None
+                   ) -> StepMetrics:
         """Forward and backward over the step's micro-batches, average the gradients over the
         job, update. `on_gradients(engine)` runs between the two (checks read gradients)."""
         if self.fault is not None:
             self.fault.maybe_fire(self.ctx.rank, self.step + 1)
         start = time.perf_counter()
         exposed_before = exposed_comm_seconds()
-        if hasattr(self.engine, "run_micro_batches"):
-            losses = self.engine.run_micro_batches(
-                [self.batches.get(self.step, micro) for micro in range(self.spec.grad_accum)])
-        else:
-            losses = [self.engine.forward_backward(self.batches.get(self.step, micro), micro)
-                      for micro in range(self.spec.grad_accum)]
+        losses = self.engine.run_micro_batches(
+            [self.batches.get(self.step, micro) for micro in range(self.spec.grad_accum)])
         self.engine.finish_gradients()
         if on_gradients is not None:
             on_gradients(self.engine)
@@ -139,12 +128,13 @@ class Trainer:
 
     def resume(self) -> int:
         """Load the newest committed checkpoint, if any; returns the step to start from."""
-        step = checkpoint.latest_step(self.checkpoint_dir)
-        if step is None:
+        directory = self.checkpoint_dir
+        step = checkpoint.latest_step(directory)
+        if directory is None or step is None:
             return 0
-        self.engine.load(checkpoint.step_dir(self.checkpoint_dir, step))
+        self.engine.load(checkpoint.step_dir(directory, step))
         self.step = step
-        self.log(f"ctxlaunch: resumed from {checkpoint.step_dir(self.checkpoint_dir, step)}")
+        self.log(f"ctxlaunch: resumed from {checkpoint.step_dir(directory, step)}")
         return step
 
     def save_checkpoint(self) -> None:
@@ -180,7 +170,7 @@ class Trainer:
         stopsignal.install()
 
     # -- the run -------------------------------------------------------------------------------
-    def run(self, observers=()) -> int:  # type: ignore[no-untyped-def]
+    def run(self, observers: Iterable[Callable[[StepMetrics], object]] = ()) -> int:
         """Train to the spec's step count (or until a stop signal); returns the exit status."""
         t = self.spec.training
         self.install_signal_handlers()

@@ -14,6 +14,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.loader import (
@@ -25,6 +26,10 @@ from ctxlaunch.contract.loader import (
 )
 from ctxlaunch.contract.rundir import SPEC_ENV, cpu_threads_per_rank, write_exit_code
 from ctxlaunch.runtime.trainer.checkpoint import CheckpointDirError, check_writable
+
+if TYPE_CHECKING:
+    from ctxlaunch.contract.spec import JobSpec
+    from ctxlaunch.runtime.trainer.distenv import DistEnv
 
 
 class SetupError(Exception):
@@ -42,7 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def load_job_spec(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def load_job_spec(args: argparse.Namespace) -> JobSpec:
+    """The validated spec from the SPEC argument or $CTXLAUNCH_SPEC_JSON, with --set applied."""
     if args.spec:
         data, source = read_spec_data(args.spec), args.spec
     elif os.environ.get(SPEC_ENV):
@@ -73,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         if spec.training.checkpoint.dir:
             check_writable(spec.training.checkpoint.dir, denv.rank)
         data = spec.training.data
-        if data.source == "text" and not Path(data.path).is_file():
+        if data.source == "text" and (data.path is None or not Path(data.path).is_file()):
             raise SetupError(f"training.data.path {data.path!r} is not a readable file")
         import torch
 
@@ -98,12 +104,12 @@ def record_exit(run_dir: Path, rank: int | str, code: int) -> None:
     """Leave this rank's exit status where a launcher can read it (torchrun reports 1 for any
     failure; the job's status must say OOM or preempted)."""
     try:
-        write_exit_code(run_dir, rank, code)
+        write_exit_code(run_dir, int(rank), code)
     except OSError:
         pass
 
 
-def _run(spec, denv, run_dir: Path, rank_tag: str) -> int:  # type: ignore[no-untyped-def]
+def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.api import CheckpointException

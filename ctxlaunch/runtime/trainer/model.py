@@ -16,6 +16,7 @@ output and the log-sum-exp (the flash kernels keep no s-by-s matrix).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable
 from typing import Literal
 
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ctxlaunch.contract.spec import ModelSpec
 from ctxlaunch.perf.memory import LOSS_CHUNK_TOKENS
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -188,13 +190,17 @@ class Transformer(nn.Module):
     def __init__(self, *, layers: int, hidden: int, heads: int, kv_heads: int, ffn_hidden: int,
                  vocab: int, rope_theta: float, norm_eps: float, tie_embeddings: bool):
         super().__init__()
+        self.hidden = hidden
         self.head_dim = hidden // heads
         self.rope_theta = rope_theta
-        self.embed = nn.Embedding(vocab, hidden)
+        # The embedding, norm and head are None on pipeline ranks that do not run them; the
+        # embedding is vocabulary-parallel under TP.
+        self.embed: nn.Module | None = nn.Embedding(vocab, hidden)
         self.blocks = nn.ModuleList(
             Block(hidden, heads, kv_heads, ffn_hidden, norm_eps) for _ in range(layers))
-        self.norm = RMSNorm(hidden, norm_eps)
-        self.head = None if tie_embeddings else nn.Linear(hidden, vocab, bias=False)
+        self.norm: RMSNorm | None = RMSNorm(hidden, norm_eps)
+        self.head: nn.Linear | None = (None if tie_embeddings
+                                       else nn.Linear(hidden, vocab, bias=False))
         self.loss_chunk_tokens = LOSS_CHUNK_TOKENS
         self.enter_loss: Hook = _identity
         """(B, S/t, h) -> (B, S, h) under TP: every TP rank scores every token."""
@@ -202,28 +208,40 @@ class Transformer(nn.Module):
             _cross_entropy_sum
 
     @classmethod
-    def from_spec(cls, model) -> Transformer:  # type: ignore[no-untyped-def]
+    def from_spec(cls, model: ModelSpec) -> Transformer:
+        """The decoder the spec's model section describes (on the current default device)."""
         return cls(layers=model.layers, hidden=model.hidden, heads=model.heads,
                    kv_heads=model.kv_heads, ffn_hidden=model.ffn_hidden, vocab=model.vocab,
                    rope_theta=model.rope_theta, norm_eps=model.norm_eps,
                    tie_embeddings=model.tie_embeddings)
 
-    def init_weights(self, seed: int) -> None:
-        """Deterministic initialisation (every rank builds the same replica from the seed)."""
-        generator = torch.Generator().manual_seed(seed)
+    def initial_value(self, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+        """The initial fp32 value (CPU) of the whole parameter `name`, from a generator seeded
+        by (seed, name): the same at every layout, and computable for one parameter without
+        the others, so a rank draws only the parameters it holds."""
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
         std = 0.02
+        if name.endswith(("wo.weight", "w_down.weight")):
+            std = std / (2 * len(self.blocks)) ** 0.5  # residual branches, GPT-2 style
+        digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+        return torch.randn(shape, generator=generator) * std
+
+    def init_weights(self, seed: int) -> None:
+        """Initialise a whole (unsharded, materialised) model: `initial_value` of each
+        parameter."""
         with torch.no_grad():
             for name, param in self.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-                    continue
-                scale = std
-                if name.endswith(("wo.weight", "w_down.weight")):
-                    scale = std / (2 * len(self.blocks)) ** 0.5  # residual branches, GPT-2 style
-                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+                param.copy_(self.initial_value(name, param.shape, seed))
+
+    def block_modules(self) -> list[Block]:
+        """The blocks this rank holds (after a pipeline split the others are Identity)."""
+        return [block for block in self.blocks if isinstance(block, Block)]
 
     def set_checkpointing(self, mode: Checkpointing) -> None:
-        for block in self.blocks:
+        """Activation checkpointing of every block (see `Block`)."""
+        for block in self.block_modules():
             block.checkpointing = mode
 
     def run_blocks(self, x: torch.Tensor, positions: torch.Tensor,
@@ -237,11 +255,21 @@ class Transformer(nn.Module):
         return x
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.run_blocks(self.embed(tokens), positions, self.blocks))
+        """The final (normed) hidden states of the whole model (no pipeline split)."""
+        if self.embed is None or self.norm is None:
+            raise RuntimeError("hidden_states needs the whole model; this one is a pipeline "
+                               "rank's part")
+        return self.norm(self.run_blocks(self.embed(tokens), positions, self.block_modules()))
+
+    def _output_weight(self) -> torch.Tensor:
+        owner = self.embed if self.head is None else self.head
+        weight = getattr(owner, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            raise RuntimeError("this pipeline rank holds no output head")
+        return weight
 
     def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        weight = self.embed.weight if self.head is None else self.head.weight
-        logits = F.linear(hidden, weight)
+        logits = F.linear(hidden, self._output_weight())
         return self.cross_entropy(logits.float(), targets)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,

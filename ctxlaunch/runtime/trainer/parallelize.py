@@ -1,4 +1,6 @@
-"""The TP x CP x DP x PP mesh and the attention it implies, applied to a built model.
+"""The TP x CP x DP x PP mesh, and `parallelize`: the one place a layout is applied to the
+model (CP attention, TP, activation checkpointing, pipeline split, FSDP2, materialisation,
+pipeline schedule).
 
 Rank order (innermost first): TP, CP, DP, PP, the order the spec documents and the renderers
 place on nodes. TP (a collective in every block, forward and backward, on the critical path)
@@ -14,13 +16,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ctxlaunch import cp as cp_attention
+from ctxlaunch.contract.spec import JobSpec, StateEngine
 from ctxlaunch.runtime.trainer.model import AttentionFn, Checkpointing, Transformer
+from ctxlaunch.runtime.trainer.pipeline import StageModule, pipeline_schedule, split_stages
+from ctxlaunch.runtime.trainer.reshard import write_local
 from ctxlaunch.runtime.trainer.tensor_parallel import (
     Sharding,
     VocabParallelEmbedding,
@@ -29,6 +35,9 @@ from ctxlaunch.runtime.trainer.tensor_parallel import (
     shardings,
     vocab_parallel_cross_entropy,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule as PipelineSchedule
 
 
 @dataclass(frozen=True)
@@ -138,42 +147,159 @@ def attention_for(ctx: ParallelContext, algorithm: str) -> AttentionFn:
         return partial(cp_attention.ulysses_attention, group=ctx.cp_group, causal=True,
                        layout=ctx.layout)
     if algorithm == "hybrid":
+        assert ctx.ulysses_group is not None and ctx.ring_group is not None  # 1 < ulysses < cp
         return partial(cp_attention.hybrid_attention, ulysses_group=ctx.ulysses_group,
                        ring_group=ctx.ring_group, causal=True, layout=ctx.layout)
     raise ValueError(f"unknown CP algorithm {algorithm!r}")
 
 
-def parallelize(model: Transformer, *, ctx: ParallelContext, algorithm: str,
-                checkpointing: Checkpointing) -> None:
-    """Install the layout's attention in every block and set activation checkpointing."""
-    attend = attention_for(ctx, algorithm)
-    for block in model.blocks:
+@dataclass(frozen=True)
+class ParallelSettings:
+    """The slices of the spec that `parallelize` reads."""
+
+    cp_algorithm: str
+    checkpointing: Checkpointing
+    state_engine: StateEngine
+    """`JobSpec.state_engine`: FSDP2 wraps the parts only for "fsdp2"."""
+    zero_stage: int
+    stage_layers: tuple[int, ...]
+    seq_len: int
+    micro_batch: int
+    n_micro: int
+    """Micro-batches per step (the gradient accumulation): the pipeline schedule's count."""
+    seed: int
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec) -> ParallelSettings:
+        t = spec.training
+        return cls(cp_algorithm=spec.parallel.cp_algorithm,
+                   checkpointing=t.activation_checkpointing, state_engine=spec.state_engine,
+                   zero_stage=t.zero_stage, stage_layers=spec.stage_layers, seq_len=t.seq_len,
+                   micro_batch=t.micro_batch, n_micro=spec.grad_accum, seed=t.seed)
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """What an engine trains: this rank's modules, materialised, and how to run them."""
+
+    model: Transformer
+    """The whole model's shell: its loss; blocks other pipeline ranks hold are Identity."""
+    parts: list[nn.Module]
+    """The modules this rank runs: `[model]`, or its pipeline stages (`StageModule`s)."""
+    schedule: PipelineSchedule | None
+    """The pipeline schedule (PP > 1), else None: a plain forward and backward per
+    micro-batch."""
+    plan: dict[str, Sharding | None]
+    """TP sharding of every parameter, by its name in the whole model."""
+    sharded: bool
+    """FSDP2 shards the parts' states over DP x CP."""
+
+    first: bool
+    """This rank runs the first stage: it feeds the token ids."""
+    last: bool
+    """This rank runs the last stage: it computes the loss."""
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name in the whole model, parameter) for every parameter this rank holds."""
+        return [(name, p) for part in self.parts for name, p in part.named_parameters()]
+
+
+def parallelize(model: Transformer, *, ctx: ParallelContext, settings: ParallelSettings,
+                device: torch.device) -> ModelParts:
+    """Apply the layout to a model built on the meta device, in order: CP attention, TP,
+    activation checkpointing, the pipeline split, FSDP2; then materialise what this rank
+    holds and build the pipeline schedule.
+
+    Materialising allocates only this rank's share: its stages' modules, their TP slice, and
+    under FSDP2 its DP x CP shard of that. Transient, one parameter at a time: the whole
+    parameter's initial value on the CPU (`Transformer.initial_value`, seeded by the
+    parameter's name, so every layout starts from the same weights) and its TP slice."""
+    full_shapes = {name: p.shape for name, p in model.named_parameters()}
+    attend = attention_for(ctx, settings.cp_algorithm)
+    for block in model.block_modules():
         block.attn.attend = attend
-    model.set_checkpointing(checkpointing)
+    plan = apply_tensor_parallel(model, ctx)
+    model.set_checkpointing(settings.checkpointing)
+    stages = split_stages(model, stage_layers=settings.stage_layers, pp=ctx.pp,
+                          pp_rank=ctx.pp_rank) if ctx.pp > 1 else []
+    parts: list[nn.Module] = list(stages) or [model]
+    sharded = settings.state_engine == "fsdp2" and ctx.dp_cp_group is not None
+    if ctx.dp_cp_group is not None and sharded:
+        _fully_shard(parts, ctx.dp_cp_group, device,
+                     reshard_after_forward=settings.zero_stage == 3)
+    for part in parts:
+        _materialise(part, model, full_shapes, plan, ctx, settings.seed, device)
+    schedule = None
+    n_stages = len(settings.stage_layers)
+    if stages:
+        tokens = settings.seq_len // ctx.cp
+        schedule = pipeline_schedule(
+            model, stages, n_stages=n_stages, group=ctx.pp_group, device=device,
+            micro_batch=settings.micro_batch, tokens=tokens, sp_tokens=tokens // ctx.tp,
+            n_micro=settings.n_micro)
+    return ModelParts(model=model, parts=parts, schedule=schedule, plan=plan, sharded=sharded,
+                      first=not stages or stages[0].stage_index == 0,
+                      last=not stages or stages[-1].stage_index == n_stages - 1)
+
+
+def _fully_shard(parts: list[nn.Module], dp_cp_group: dist.ProcessGroup,
+                 device: torch.device, *, reshard_after_forward: bool) -> None:
+    """FSDP2 over the ranks holding the same slice (DP x CP), each block a unit. ZeRO-1/2
+    keep the gathered weights from forward to backward (gradients and optimizer states
+    sharded), ZeRO-3 re-shards them after forward."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(dp_cp_group, device.type)
+    for part in parts:
+        blocks = part.block_list if isinstance(part, StageModule) else (
+            part.block_modules() if isinstance(part, Transformer) else [])
+        for block in blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        # The root's weights (embedding, final norm, head) stay gathered through backward: the
+        # loss uses the head after the stage's forward returns.
+        fully_shard(part, mesh=mesh, reshard_after_forward=False)
+
+
+def _materialise(part: nn.Module, model: Transformer, full_shapes: dict[str, torch.Size],
+                 plan: dict[str, Sharding | None], ctx: ParallelContext, seed: int,
+                 device: torch.device) -> None:
+    """Allocate `part`'s parameters on `device` and write each its initial value's slice."""
+    part.to_empty(device=device)
+    with torch.no_grad():
+        for name, param in part.named_parameters():
+            value = model.initial_value(name, full_shapes[name], seed)
+            sharding = plan[name]
+            if sharding is not None and ctx.tp > 1:
+                value = sharding.shard(value, ctx.tp, ctx.tp_rank)
+            write_local(param, value)
 
 
 def apply_tensor_parallel(model: Transformer, ctx: ParallelContext) -> dict[str, Sharding | None]:
-    """Keep this TP rank's slice of every split weight (the model was built and initialised
-    whole, so every layout starts from the same weights) and install the sequence-parallel
-    collectives. Returns the sharding of every parameter, by its name in the whole model."""
+    """Keep this TP rank's slice of every split weight (of a meta model: its shape; of a
+    materialised whole one: its values) and install the sequence-parallel collectives.
+    Returns the sharding of every parameter, by its name in the whole model."""
     plan = shardings(model)
     if ctx.tp == 1:
         return plan
     group, tp, rank = ctx.tp_group, ctx.tp, ctx.tp_rank
+    assert group is not None  # tp > 1
     with torch.no_grad():
         for name, param in list(model.named_parameters()):
-            if plan[name] is not None:
+            sharding = plan[name]
+            if sharding is not None:
                 owner, leaf = name.rsplit(".", 1)
-                local = plan[name].shard(param.detach(), tp, rank).clone()
+                local = sharding.shard(param.detach(), tp, rank).clone()
                 setattr(model.get_submodule(owner), leaf, nn.Parameter(local))
     enter, leave = partial(gather_sequence, group=group), partial(scatter_sequence, group=group)
-    for block in model.blocks:
+    for block in model.block_modules():
         block.attn.heads //= tp
         block.attn.kv_heads //= tp
         block.attn.enter, block.attn.exit = enter, leave
         block.ffn.enter, block.ffn.exit = enter, leave
-    vocab_start = rank * model.embed.weight.shape[0]
-    model.embed = VocabParallelEmbedding(model.embed.weight, vocab_start, group)
+    embedding = model.get_parameter("embed.weight")
+    vocab_start = rank * embedding.shape[0]
+    model.embed = VocabParallelEmbedding(embedding, vocab_start, group)
     model.enter_loss = enter
     model.cross_entropy = partial(vocab_parallel_cross_entropy, vocab_start=vocab_start,
                                   group=group)

@@ -2,8 +2,8 @@
 # of this CP rank; the first stage takes the token ids (micro_batch, S).
 """Pipeline stages of the decoder and their schedule (torch.distributed.pipelining).
 
-The whole model is built and initialised on every rank (so every layout starts from the same
-weights), then each PP rank keeps its stages: stage i holds blocks by the spec's split
+The whole model is built on the meta device on every rank, then each PP rank keeps its stages
+(and materialises only them, `parallelize`): stage i holds blocks by the spec's split
 (`JobSpec.stage_layers`), the first also the embedding, the last the final norm and the head.
 Parameter names are those of the whole model (`blocks.17.attn.wqkv.weight`), so gradients and
 checkpoints line up across layouts.
@@ -16,10 +16,20 @@ scales gradients by 1 / micro-batches, as plain accumulation does.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from ctxlaunch.runtime.trainer.model import Transformer
+from ctxlaunch.runtime.trainer.model import Block, Transformer
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+    )
+    from torch.distributed.pipelining.stage import _PipelineStageBase
 
 
 class StageModule(nn.Module):
@@ -31,15 +41,21 @@ class StageModule(nn.Module):
         self._model = [model]  # a list: not a submodule, its parameters are not ours twice
         self.embed = model.embed if first else None
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(start, stop)})
+        self.block_list = [block for block in self.blocks.values() if isinstance(block, Block)]
+        """The blocks, typed (a plain list: the ModuleDict registers them)."""
         self.norm = model.norm if last else None
         self.head = model.head if last else None
         self.positions: torch.Tensor | None = None
         """This rank's token positions (the same for every micro-batch), set before a step."""
+        self.stage_index = 0
+        """Which pipeline stage this is (0 first), set by `split_stages`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             x = self.embed(x)
-        x = self._model[0].run_blocks(x, self.positions, self.blocks.values())
+        if self.positions is None:
+            raise RuntimeError("set the stage's positions before running it")
+        x = self._model[0].run_blocks(x, self.positions, self.block_list)
         return self.norm(x) if self.norm is not None else x
 
 
@@ -52,54 +68,61 @@ def stage_bounds(stage_layers: tuple[int, ...]) -> list[tuple[int, int]]:
     return bounds
 
 
-def build_pipeline(model: Transformer, *, stage_layers: tuple[int, ...], pp: int, pp_rank: int,
-                   group, device: torch.device, micro_batch: int, tokens: int,
-                   sp_tokens: int, n_micro: int, prepare=None):  # type: ignore[no-untyped-def]
-    """This rank's stage modules and the schedule that runs them. `tokens`: one CP rank's
-    tokens per sequence; `sp_tokens`: the share of them a TP rank holds between blocks;
-    `prepare(module)` runs on each stage module before it becomes a pipeline stage (FSDP)."""
+def split_stages(model: Transformer, *, stage_layers: tuple[int, ...], pp: int,
+                 pp_rank: int) -> list[StageModule]:
+    """This PP rank's stage modules (stages pp_rank, pp_rank + pp, ...), each knowing its
+    `stage_index`; the blocks, embedding, norm and head other ranks run are dropped from
+    `model` (on the meta device they were never allocated)."""
+    n_stages = len(stage_layers)
+    modules = []
+    for index, (start, stop) in enumerate(stage_bounds(stage_layers)):
+        if index % pp == pp_rank:
+            module = StageModule(model, start, stop, first=index == 0,
+                                 last=index == n_stages - 1)
+            module.stage_index = index
+            modules.append(module)
+    held = {int(k) for m in modules for k in m.blocks}
+    for i in range(len(model.blocks)):
+        if i not in held:
+            model.blocks[i] = nn.Identity()
+    if modules[0].stage_index != 0:
+        model.embed = None
+    if modules[-1].stage_index != n_stages - 1:
+        model.norm, model.head = None, None
+    return modules
+
+
+def pipeline_schedule(model: Transformer, modules: list[StageModule], *, n_stages: int,
+                      group: dist.ProcessGroup | None, device: torch.device, micro_batch: int,
+                      tokens: int, sp_tokens: int, n_micro: int) -> PipelineScheduleMulti | \
+        PipelineScheduleSingle:
+    """The schedule that runs this rank's (materialised) stage modules over `n_micro`
+    micro-batches. `tokens`: one CP rank's tokens per sequence; `sp_tokens`: the share of them
+    a TP rank holds between blocks."""
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
         ScheduleInterleaved1F1B,
     )
 
-    n_stages = len(stage_layers)
-    bounds = stage_bounds(stage_layers)
-    mine = list(range(pp_rank, n_stages, pp))
-    hidden = model.norm.weight.shape[0]
-    modules, stages = [], []
-    for index in mine:
-        start, stop = bounds[index]
-        module = StageModule(model, start, stop, first=index == 0, last=index == n_stages - 1)
-        if prepare is not None:
-            prepare(module)
-        modules.append(module)
+    stages: list[_PipelineStageBase] = []
+    for module in modules:
         # Explicit shapes: shape inference would run the stage on meta tensors, and the TP and
         # CP collectives inside cannot.
-        if index == 0:
+        if module.stage_index == 0:
             example_in = torch.zeros(micro_batch, tokens, dtype=torch.long, device=device)
         else:
-            example_in = torch.zeros(micro_batch, sp_tokens, hidden, device=device,
+            example_in = torch.zeros(micro_batch, sp_tokens, model.hidden, device=device,
                                      requires_grad=True)
-        example_out = torch.zeros(micro_batch, sp_tokens, hidden, device=device,
+        example_out = torch.zeros(micro_batch, sp_tokens, model.hidden, device=device,
                                   requires_grad=True)
-        stages.append(PipelineStage(module, index, n_stages, device, input_args=(example_in,),
-                                    output_args=(example_out,), group=group))
-    held = {i for m in modules for i in (int(k) for k in m.blocks)}
-    for i in range(len(model.blocks)):
-        if i not in held:
-            model.blocks[i] = nn.Identity()  # free the blocks other ranks run
-    if 0 not in mine:
-        model.embed = None
-    if n_stages - 1 not in mine:
-        model.norm, model.head = None, None
+        stages.append(PipelineStage(module, module.stage_index, n_stages, device,
+                                    input_args=(example_in,), output_args=(example_out,),
+                                    group=group))
 
     def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return model.loss(output, targets)
 
     if len(stages) == 1:
-        schedule = Schedule1F1B(stages[0], n_micro, loss_fn=loss_fn)
-    else:
-        schedule = ScheduleInterleaved1F1B(stages, n_micro, loss_fn=loss_fn)
-    return modules, schedule, 0 in mine, n_stages - 1 in mine
+        return Schedule1F1B(stages[0], n_micro, loss_fn=loss_fn)
+    return ScheduleInterleaved1F1B(stages, n_micro, loss_fn=loss_fn)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ctxlaunch.runtime.trainer.tensor_parallel import Sharding
 
@@ -31,9 +32,9 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _write_local(target: torch.Tensor, value: torch.Tensor) -> None:
+def write_local(target: torch.Tensor, value: torch.Tensor) -> None:
     """Copy this rank's TP slice into a parameter or moment (its FSDP chunk if sharded)."""
-    if not hasattr(target, "_local_tensor"):
+    if not isinstance(target, DTensor):
         target.copy_(value)
         return
     mesh = target.device_mesh
@@ -47,7 +48,8 @@ class CheckpointState:
     """The state dict of one rank's slice of the model and its AdamW states."""
 
     def __init__(self, named_parameters: list[tuple[str, nn.Parameter]],
-                 optimizer: torch.optim.Optimizer, scheduler, plan: dict[str, Sharding | None],  # type: ignore[no-untyped-def]
+                 optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                 plan: dict[str, Sharding | None],
                  tp: int, tp_group: dist.ProcessGroup | None, device: torch.device):
         self.params, self.optimizer, self.scheduler = named_parameters, optimizer, scheduler
         self.plan, self.tp = plan, tp
@@ -55,6 +57,7 @@ class CheckpointState:
         if tp > 1:
             from torch.distributed.device_mesh import DeviceMesh
 
+            assert tp_group is not None  # tp > 1
             self.mesh = DeviceMesh.from_group(tp_group, device.type)
 
     def _ensure_moments(self) -> None:
@@ -105,7 +108,7 @@ class CheckpointState:
                         pieces = [state[f"{key}/{name}#{i}"] for i in range(len(sharding.parts))]
                         pieces = [p.to_local() if hasattr(p, "to_local") else p for p in pieces]
                         value = torch.cat(pieces, dim=sharding.dim)
-                    _write_local(target, value)
+                    write_local(target, value)
                 opt_state["step"].copy_(state[f"step/{name}"])
         self.scheduler.load_state_dict(state["scheduler"])
         # The schedule's state holds its step, not the optimizer's current learning rate.

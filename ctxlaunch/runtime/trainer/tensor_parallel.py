@@ -24,11 +24,15 @@ over TP), one token chunk at a time, so no rank ever holds a whole row of logits
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from ctxlaunch.runtime.trainer.model import Transformer
 
 
 def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -151,14 +155,14 @@ class Sharding:
                           for i in range(len(self.parts))], dim=self.dim)
 
 
-def shardings(model) -> dict[str, Sharding | None]:  # type: ignore[no-untyped-def]
+def shardings(model: Transformer) -> dict[str, Sharding | None]:
     """Every parameter name of the full model -> its TP sharding (None: replicated)."""
     out: dict[str, Sharding | None] = {}
     for name, param in model.named_parameters():
         leaf = name.rsplit(".", 2)
         kind = ".".join(leaf[-2:])
         if kind == "wqkv.weight":
-            attn = model.blocks[0].attn
+            attn = model.block_modules()[0].attn
             d = attn.head_dim
             out[name] = Sharding(0, (attn.heads * d, attn.kv_heads * d, attn.kv_heads * d))
         elif kind == "w_gate_up.weight":
