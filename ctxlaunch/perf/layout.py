@@ -70,7 +70,8 @@ class Layout:
             tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=spec.dp, virtual_stages=p.virtual_stages,
             stage_layers=spec.stage_layers, cp_algorithm=p.cp_algorithm,
             ulysses_degree=spec.ulysses_degree, cp_layout=p.layout, zero_stage=t.zero_stage,
-            engine=t.engine, activation_checkpointing=t.activation_checkpointing, dtype=spec.model.dtype,
+            engine=t.engine, activation_checkpointing=t.activation_checkpointing,
+            dtype=spec.model.dtype,
             matmul_precision="bf16" if spec.model.dtype == "bf16" else "fp32")
 
     def replace(self, **changes: Any) -> Layout:
