@@ -105,7 +105,7 @@ def _count(rank: int, world: int, specs: list[dict]) -> list[dict]:
             if groups is not None:
                 by_dim[dim] -= 2 * (size(groups) - 1) / size(groups) * 4
         out.append({"sent": dict(by_dim), "params": params, "norms": norms,
-                    "first": trainer.engine.first, "last": trainer.engine.last})
+                    "first": trainer.engine.parts.first, "last": trainer.engine.parts.last})
     return out
 
 
