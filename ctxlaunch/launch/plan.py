@@ -14,9 +14,9 @@ from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.hardware import COMMON_NCCL_ENV, FABRIC_NCCL_ENV, RDMA_NETWORKS
 from ctxlaunch.contract.rundir import (
     POD_MODULE,
-    SLURM_BASE_PORT,
     SPEC_ENV,
     TRAINER_MODULE,
+    slurm_rendezvous_port_shell,
     spec_json,
 )
 from ctxlaunch.contract.spec import JobSpec
@@ -62,6 +62,11 @@ def job_environment(spec: JobSpec) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------
 # Slurm
 # --------------------------------------------------------------------------------------------
+class ShellCode(str):
+    """Shell text built here from ctxlaunch's own constants (the contract's rules), never from
+    spec values: the template's `code` filter emits only this type unquoted."""
+
+
 @dataclass(frozen=True)
 class SlurmPlan:
     """What the sbatch script (and the submitit backend) is made of."""
@@ -74,7 +79,9 @@ class SlurmPlan:
     trainer_command: list[str]
     max_restarts: int
     requeue: bool
-    base_port: int
+    rendezvous_port_shell: ShellCode
+    """The rendezvous port rule as shell arithmetic (contract.rundir), so the script and the
+    trainer's own fallback cannot drift apart."""
     spec_env: str
     spec_json: str
     exit_preempted: int = exitcodes.PREEMPTED
@@ -148,7 +155,7 @@ def slurm_plan(spec: JobSpec, python: str = "python3", run_dir: str | None = Non
         max_restarts=s.max_restarts,
         requeue=s.requeue,
         signal_seconds=s.signal_seconds,
-        base_port=SLURM_BASE_PORT,
+        rendezvous_port_shell=ShellCode(slurm_rendezvous_port_shell("SLURM_JOB_ID")),
         spec_env=SPEC_ENV,
         spec_json=spec_json(spec),
         log_dir=log_dir,
