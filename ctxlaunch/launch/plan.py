@@ -12,10 +12,13 @@ from typing import Any
 
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.hardware import COMMON_NCCL_ENV, FABRIC_NCCL_ENV, RDMA_NETWORKS
+from ctxlaunch.contract.events import EVENTS_FILE, requeue_printf
 from ctxlaunch.contract.rundir import (
     POD_MODULE,
+    RUN_DIR_ENV,
     SPEC_ENV,
     TRAINER_MODULE,
+    default_run_dir,
     slurm_rendezvous_port_shell,
     spec_json,
 )
@@ -82,6 +85,9 @@ class SlurmPlan:
     rendezvous_port_shell: ShellCode
     """The rendezvous port rule as shell arithmetic (contract.rundir), so the script and the
     trainer's own fallback cannot drift apart."""
+    requeue_event: ShellCode
+    """The batch script's line that reports a requeue and its cause to the job's events file
+    (contract.events)."""
     spec_env: str
     spec_json: str
     exit_preempted: int = exitcodes.PREEMPTED
@@ -93,6 +99,7 @@ class SlurmPlan:
     array_specs: list[str] = field(default_factory=list)
     """A job array: task i runs the i-th spec (JSON)."""
     array_run_dir: str | None = None
+    run_dir_env: str = RUN_DIR_ENV
     """A job array: task i keeps its metrics and summary in <array_run_dir>/i."""
 
 
@@ -145,7 +152,11 @@ def slurm_plan(spec: JobSpec, python: str = "python3", run_dir: str | None = Non
     ]
     env = job_environment(spec)
     if run_dir and not array:
-        env["CTXLAUNCH_RUN_DIR"] = run_dir
+        env[RUN_DIR_ENV] = run_dir
+    # The trainer's own run directory: $CTXLAUNCH_RUN_DIR (a job array's task sets its own),
+    # else its default. Job names are RFC 1123 labels: nothing in them needs quoting.
+    events_file = (f'"${{{RUN_DIR_ENV}:-{default_run_dir(job_name or spec.name)}}}"'
+                   f"/{EVENTS_FILE}")
     return SlurmPlan(
         job_name=job_name or spec.name,
         directives=directives,
@@ -156,6 +167,8 @@ def slurm_plan(spec: JobSpec, python: str = "python3", run_dir: str | None = Non
         requeue=s.requeue,
         signal_seconds=s.signal_seconds,
         rendezvous_port_shell=ShellCode(slurm_rendezvous_port_shell("SLURM_JOB_ID")),
+        requeue_event=ShellCode(requeue_printf(events_file, restart_var="restarts",
+                                               cause_var="cause", exit_var="status")),
         spec_env=SPEC_ENV,
         spec_json=spec_json(spec),
         log_dir=log_dir,

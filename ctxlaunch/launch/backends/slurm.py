@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract import events, exitcodes
 from ctxlaunch.contract.spec import JobSpec
 from ctxlaunch.launch import jobstore
 from ctxlaunch.launch.backends.base import DryRun, Status, describe_layout
@@ -76,33 +76,36 @@ def run_states(job_id: str) -> list[str]:
     return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
 
 
-# The batch script's and the trainer's lines that tell a requeued job's story.
-_RUN_START = re.compile(r"^ctxlaunch: job \S+ restart (\d+) on ")
-_REQUEUED = re.compile(r"^ctxlaunch: stopped by (.+?) \(exit \d+\); requeueing job ")
-_SAVED = re.compile(r"ctxlaunch: checkpoint \S*step-(\d+)\s*$")
 _CAUSE_WORDS = {"preemption": "PREEMPTED", "the time limit": "TIMEOUT"}
+"""The batch script's requeue causes that have a state's name."""
 
 
-def runs_from_log(lines: list[str]) -> list[dict]:
-    """One entry per run in the (appended) log: the newest checkpoint at its end, and the
-    cause when its batch script requeued it."""
+def runs_from_events(job_events: list[events.Event]) -> list[dict]:
+    """One entry per run of the job, by restart count: the newest checkpoint at its end, and
+    the cause when its batch script requeued it. A run that left no `started` event (it died
+    before the trainer came up) carries the checkpoint of the run before it."""
     runs: list[dict] = []
-    for line in lines:
-        if _RUN_START.match(line):
-            runs.append({"checkpoint": runs[-1]["checkpoint"] if runs else None, "cause": ""})
-        elif runs and (saved := _SAVED.search(line)):
-            runs[-1]["checkpoint"] = int(saved.group(1))
-        elif runs and (requeued := _REQUEUED.match(line)):
-            runs[-1]["cause"] = requeued.group(1)
+    for event in job_events:
+        if event.kind == events.STARTED:
+            restart = int(event.get("restart", len(runs)))
+            while len(runs) <= restart:
+                runs.append({"checkpoint": runs[-1]["checkpoint"] if runs else None,
+                             "cause": ""})
+        elif runs and event.kind == events.CHECKPOINT:
+            runs[-1]["checkpoint"] = int(event.get("step"))
+        elif runs and event.kind == events.REQUEUE:
+            runs[min(int(event.get("restart", len(runs) - 1)), len(runs) - 1)]["cause"] = (
+                str(event.get("cause", "")))
     return runs
 
 
-def tell_story(status: Status, log: list[str], states: list[str], max_restarts: int) -> Status:
-    """The status in words a user trusts: how each earlier run ended (from the batch script's
-    log lines, else from Slurm's record of that run) and what the current state means."""
+def tell_story(status: Status, job_events: list[events.Event], states: list[str],
+               max_restarts: int) -> Status:
+    """The status in words a user trusts: how each earlier run ended (from the job's events,
+    else from Slurm's record of that run) and what the current state means."""
     import dataclasses
 
-    runs = runs_from_log(log)
+    runs = runs_from_events(job_events)
     restarts = max(status.restarts, len(states) - 1, 0)
     history = []
     for index in range(restarts):
@@ -249,8 +252,8 @@ class SlurmBackend:
         status = query_status(record.backend_id)
         max_restarts = record.extra.get("spec", {}).get("cluster", {}).get("slurm", {}).get(
             "max_restarts", 0)
-        return tell_story(status, self.read_log(record), run_states(record.backend_id),
-                          max_restarts)
+        return tell_story(status, events.read_events(record.extra["run_dir"]),
+                          run_states(record.backend_id), max_restarts)
 
     def read_log(self, record: jobstore.JobRecord, rank: int | None = None) -> list[str]:
         path = log_path(record)
