@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ctxlaunch.contract import exitcodes
-from ctxlaunch.contract.hardware import COMMON_NCCL_ENV, FABRIC_NCCL_ENV, RDMA_NETWORKS
 from ctxlaunch.contract.events import EVENTS_FILE, requeue_printf
+from ctxlaunch.contract.hardware import COMMON_NCCL_ENV, FABRIC_NCCL_ENV, RDMA_NETWORKS
 from ctxlaunch.contract.rundir import (
     POD_MODULE,
     RUN_DIR_ENV,

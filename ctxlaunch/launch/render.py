@@ -3,8 +3,9 @@ reading the templates.
 
 Safety is enforced, not hoped for: every `{{ ... }}` in a template must pass through a quoting
 filter (`sh` for bash, `yaml` for YAML, `envname`/`sbatch` for the validated bits, `code`
-for shell the plan built from ctxlaunch's constants) or be a number; anything else fails the render. So a job name or an env value carrying `$(...)`,
-quotes, newlines or `'; rm` either never validates or lands inert.
+for shell the plan built from ctxlaunch's constants) or be a number; anything else fails
+the render. So a job name or an env value carrying `$(...)`, quotes, newlines or `'; rm`
+either never validates or lands inert.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from ctxlaunch.launch.plan import (
 )
 
 Target = Literal["slurm", "kubernetes"]
-TEMPLATES = {"slurm": "slurm.sbatch.j2", "kubernetes": "pytorchjob.yaml.j2"}
-SUFFIXES = {"slurm": ".sbatch", "kubernetes": ".yaml"}
+TEMPLATES: dict[Target, str] = {"slurm": "slurm.sbatch.j2", "kubernetes": "pytorchjob.yaml.j2"}
+SUFFIXES: dict[Target, str] = {"slurm": ".sbatch", "kubernetes": ".yaml"}
 MONITOR_TEMPLATE = "podmonitor.yaml.j2"
 MONITORING_DIR = "monitoring"
 """The PodMonitor goes to this subfolder of the output: `kubectl apply -f DIR` (not recursive)
