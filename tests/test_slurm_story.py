@@ -1,26 +1,28 @@
-"""`status` tells a requeued job's story from the batch script's log lines and Slurm's record
-of each run (the lines below are the ones the rendered script and the trainer print)."""
+"""`status` tells a requeued job's story from the job's events and Slurm's record of each run
+(the events below are the ones the trainer and the rendered script's requeue line write)."""
 
 from __future__ import annotations
 
 from ctxlaunch.launch.backends.base import Status
-from ctxlaunch.launch.backends.slurm import runs_from_log, tell_story
+from ctxlaunch.contract.events import parse_events
+from ctxlaunch.launch.backends.slurm import runs_from_events, tell_story
 
-LOG = """ctxlaunch: job 7 restart 0 on 2 node(s), rendezvous node1:20007
-0: ctxlaunch: checkpoint /c/step-00000004
-0: ctxlaunch: stop signal received; checkpointed at step 6, exiting 75 to be requeued
-0: ctxlaunch: checkpoint /c/step-00000006
-ctxlaunch: stopped by preemption (exit 75); requeueing job 7 (restart 1 of 3)
-ctxlaunch: job 7 restart 1 on 2 node(s), rendezvous node1:20007
-0: ctxlaunch: resumed from /c/step-00000006
-0: ctxlaunch: checkpoint /c/step-00000008
-srun: error: Node failure on node2
-ctxlaunch: job 7 restart 2 on 2 node(s), rendezvous node1:20007
-""".splitlines(keepends=True)
+# A job preempted in its first run (requeued by its script), then a node failure (requeued by
+# Slurm: no requeue event), now in its third run.
+LOG = parse_events([
+    '{"event":"started","time":1,"restart":0,"world_size":2}',
+    '{"event":"checkpoint","time":2,"step":4,"path":"/c/step-00000004"}',
+    '{"event":"stop_signal","time":3,"step":6}',
+    '{"event":"checkpoint","time":3,"step":6,"path":"/c/step-00000006"}',
+    '{"event":"requeue","time":4,"restart":0,"cause":"preemption","exit":75}',
+    '{"event":"started","time":5,"restart":1,"world_size":2}',
+    '{"event":"checkpoint","time":6,"step":8,"path":"/c/step-00000008"}',
+    '{"event":"started","time":7,"restart":2,"world_size":2}',
+])
 
 
-def test_runs_from_log_reads_checkpoints_and_causes() -> None:
-    assert runs_from_log(LOG) == [{"checkpoint": 6, "cause": "preemption"},
+def test_runs_from_events_reads_checkpoints_and_causes() -> None:
+    assert runs_from_events(LOG) == [{"checkpoint": 6, "cause": "preemption"},
                                   {"checkpoint": 8, "cause": ""},
                                   {"checkpoint": 8, "cause": ""}]
 

@@ -26,6 +26,9 @@ RUN_DIR_ENV = "CTXLAUNCH_RUN_DIR"
 """The run directory: logs, metrics, exit files and the job's events."""
 JOB_ID_ENV = "CTXLAUNCH_JOB_ID"
 """ctxlaunch's id of the job, in every rank's environment (telemetry labels, sweeps)."""
+DEFAULT_RUNS_DIR = "runs"
+"""Without a run directory given, a job keeps its run in runs/<job name> (relative to where it
+starts)."""
 HOME_ENV = "CTXLAUNCH_HOME"
 """Where job records and the CPU calibration live (default ~/.ctxlaunch)."""
 
@@ -43,6 +46,11 @@ def slurm_rendezvous_port(job_id: int) -> int:
 def slurm_rendezvous_port_shell(job_id_var: str = "SLURM_JOB_ID") -> str:
     """The same rule as a shell arithmetic expansion, for the batch script."""
     return f"$(( {SLURM_BASE_PORT} + {job_id_var} % {SLURM_PORT_SPAN} ))"
+
+
+def default_run_dir(job_name: str) -> Path:
+    """The run directory of a job started with neither --run-dir nor $CTXLAUNCH_RUN_DIR."""
+    return Path(DEFAULT_RUNS_DIR) / job_name
 
 
 def home() -> Path:

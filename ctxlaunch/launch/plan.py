@@ -11,12 +11,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract.events import EVENTS_FILE, requeue_printf
 from ctxlaunch.contract.hardware import COMMON_NCCL_ENV, FABRIC_NCCL_ENV, RDMA_NETWORKS
 from ctxlaunch.contract.rundir import (
     POD_MODULE,
-    SLURM_BASE_PORT,
+    RUN_DIR_ENV,
     SPEC_ENV,
     TRAINER_MODULE,
+    default_run_dir,
+    slurm_rendezvous_port_shell,
     spec_json,
 )
 from ctxlaunch.contract.spec import JobSpec
@@ -62,6 +65,11 @@ def job_environment(spec: JobSpec) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------
 # Slurm
 # --------------------------------------------------------------------------------------------
+class ShellCode(str):
+    """Shell text built here from ctxlaunch's own constants (the contract's rules), never from
+    spec values: the template's `code` filter emits only this type unquoted."""
+
+
 @dataclass(frozen=True)
 class SlurmPlan:
     """What the sbatch script (and the submitit backend) is made of."""
@@ -74,7 +82,12 @@ class SlurmPlan:
     trainer_command: list[str]
     max_restarts: int
     requeue: bool
-    base_port: int
+    rendezvous_port_shell: ShellCode
+    """The rendezvous port rule as shell arithmetic (contract.rundir), so the script and the
+    trainer's own fallback cannot drift apart."""
+    requeue_event: ShellCode
+    """The batch script's line that reports a requeue and its cause to the job's events file
+    (contract.events)."""
     spec_env: str
     spec_json: str
     exit_preempted: int = exitcodes.PREEMPTED
@@ -86,6 +99,7 @@ class SlurmPlan:
     array_specs: list[str] = field(default_factory=list)
     """A job array: task i runs the i-th spec (JSON)."""
     array_run_dir: str | None = None
+    run_dir_env: str = RUN_DIR_ENV
     """A job array: task i keeps its metrics and summary in <array_run_dir>/i."""
 
 
@@ -138,7 +152,11 @@ def slurm_plan(spec: JobSpec, python: str = "python3", run_dir: str | None = Non
     ]
     env = job_environment(spec)
     if run_dir and not array:
-        env["CTXLAUNCH_RUN_DIR"] = run_dir
+        env[RUN_DIR_ENV] = run_dir
+    # The trainer's own run directory: $CTXLAUNCH_RUN_DIR (a job array's task sets its own),
+    # else its default. Job names are RFC 1123 labels: nothing in them needs quoting.
+    events_file = (f'"${{{RUN_DIR_ENV}:-{default_run_dir(job_name or spec.name)}}}"'
+                   f"/{EVENTS_FILE}")
     return SlurmPlan(
         job_name=job_name or spec.name,
         directives=directives,
@@ -148,7 +166,9 @@ def slurm_plan(spec: JobSpec, python: str = "python3", run_dir: str | None = Non
         max_restarts=s.max_restarts,
         requeue=s.requeue,
         signal_seconds=s.signal_seconds,
-        base_port=SLURM_BASE_PORT,
+        rendezvous_port_shell=ShellCode(slurm_rendezvous_port_shell("SLURM_JOB_ID")),
+        requeue_event=ShellCode(requeue_printf(events_file, restart_var="restarts",
+                                               cause_var="cause", exit_var="status")),
         spec_env=SPEC_ENV,
         spec_json=spec_json(spec),
         log_dir=log_dir,

@@ -2,9 +2,10 @@
 reading the templates.
 
 Safety is enforced, not hoped for: every `{{ ... }}` in a template must pass through a quoting
-filter (`sh` for bash, `yaml` for YAML, `envname`/`sbatch` for the validated bits) or be a
-number; anything else fails the render. So a job name or an env value carrying `$(...)`,
-quotes, newlines or `'; rm` either never validates or lands inert.
+filter (`sh` for bash, `yaml` for YAML, `envname`/`sbatch` for the validated bits, `code`
+for shell the plan built from ctxlaunch's constants) or be a number; anything else fails
+the render. So a job name or an env value carrying `$(...)`, quotes, newlines or `'; rm`
+either never validates or lands inert.
 """
 
 from __future__ import annotations
@@ -20,11 +21,17 @@ import jinja2
 
 from ctxlaunch import __version__
 from ctxlaunch.contract.spec import JobSpec
-from ctxlaunch.launch.plan import KubernetesPlan, SlurmPlan, kubernetes_plan, slurm_plan
+from ctxlaunch.launch.plan import (
+    KubernetesPlan,
+    ShellCode,
+    SlurmPlan,
+    kubernetes_plan,
+    slurm_plan,
+)
 
 Target = Literal["slurm", "kubernetes"]
-TEMPLATES = {"slurm": "slurm.sbatch.j2", "kubernetes": "pytorchjob.yaml.j2"}
-SUFFIXES = {"slurm": ".sbatch", "kubernetes": ".yaml"}
+TEMPLATES: dict[Target, str] = {"slurm": "slurm.sbatch.j2", "kubernetes": "pytorchjob.yaml.j2"}
+SUFFIXES: dict[Target, str] = {"slurm": ".sbatch", "kubernetes": ".yaml"}
 MONITOR_TEMPLATE = "podmonitor.yaml.j2"
 MONITORING_DIR = "monitoring"
 """The PodMonitor goes to this subfolder of the output: `kubectl apply -f DIR` (not recursive)
@@ -73,13 +80,21 @@ def sbatch_directive(value: Any) -> Quoted:
     return Quoted(value)
 
 
+def shell_code(value: Any) -> Quoted:
+    """A shell fragment the plan built from ctxlaunch's own constants (never from the spec):
+    emitted as it is, and refused when it is any other string."""
+    if not isinstance(value, ShellCode):
+        raise RenderError(f"not shell code built by the plan: {value!r}")
+    return Quoted(value)
+
+
 def _finalize(value: Any) -> Any:
     if isinstance(value, Quoted):
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value
     raise RenderError(f"template emitted an unquoted value {value!r}: pass it through a "
-                      "quoting filter (sh, yaml, envname, sbatch)")
+                      "quoting filter (sh, yaml, envname, sbatch, code)")
 
 
 def templates_dir() -> Path:
@@ -101,7 +116,8 @@ def _environment() -> jinja2.Environment:
         autoescape=False,
         finalize=_finalize,
     )
-    env.filters.update(sh=shell_quote, yaml=yaml_quote, envname=env_name, sbatch=sbatch_directive)
+    env.filters.update(sh=shell_quote, yaml=yaml_quote, envname=env_name, sbatch=sbatch_directive,
+                       code=shell_code)
     return env
 
 

@@ -161,7 +161,7 @@ def plot_pngs(report: SweepReport) -> dict[str, bytes]:
             measured = [(r["seq_len"], r[measured_key]) for r in rows
                         if r.get(measured_key) is not None]
             if measured:
-                ax.plot(*zip(*measured), "o", color=colour, label=f"{tag} (measured)")
+                ax.plot(*zip(*measured, strict=False), "o", color=colour, label=f"{tag} (measured)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel(label)

@@ -20,7 +20,7 @@ import hashlib
 import itertools
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from ctxlaunch.contract.loader import (
     validate_spec,
 )
 from ctxlaunch.contract.spec import MAX_JOB_NAME, RFC1123_LABEL, JobSpec
+from ctxlaunch.launch.backends.base import DryRun
 
 
 class SweepDefinition(BaseModel):
@@ -100,7 +101,7 @@ def expand(definition: SweepDefinition, base: dict[str, Any]) -> list[Point]:
     axes = list(definition.axes.items())
     points = []
     for index, combination in enumerate(itertools.product(*(values for _, values in axes))):
-        values = dict(zip((path for path, _ in axes), combination))
+        values = dict(zip((path for path, _ in axes), combination, strict=True))
         name = point_name(definition.name, combination)
         data = apply_overrides(base, [f"{k}={json.dumps(v)}" for k, v in values.items()]
                                + [f"name={name}"])
@@ -125,17 +126,11 @@ def point_name(prefix: str, values: tuple[Any, ...]) -> str:
 def slurm_groups(points: list[Point]) -> list[list[Point]]:
     """Runnable points whose Slurm scripts differ only by spec and name: each group is one job
     array (same resources, same environment)."""
-    from ctxlaunch.launch.plan import slurm_plan
+    from ctxlaunch.launch.backends.slurm import SlurmBackend
 
-    groups: dict[tuple, list[Point]] = {}
-    for point in points:
-        if point.spec is None:
-            continue
-        plan = slurm_plan(point.spec, job_name="sweep")
-        key = (tuple(plan.directives), tuple(plan.env.items()), tuple(plan.srun_args),
-               plan.max_restarts, plan.requeue)
-        groups.setdefault(key, []).append(point)
-    return list(groups.values())
+    runnable = [point for point in points if point.spec is not None]
+    groups = SlurmBackend().sweep_groups([point.spec for point in runnable if point.spec])
+    return [[runnable[index] for index in group] for group in groups]
 
 
 RESULT_FIELDS = ("tokens_per_second_per_gpu", "step_seconds", "final_loss")
@@ -172,38 +167,39 @@ def triage(points: list[Point], force: bool = False) -> tuple[list[Point], dict[
 
 @dataclass(frozen=True)
 class Submission:
-    """What a sweep submits: the dry runs (one per Slurm array, or one per local point)."""
+    """What a sweep submits: one dry run per group of points the backend submits together
+    (a Slurm job array; elsewhere one point)."""
 
     target: str
     groups: list[list[Point]]
-    dryruns: list[Any]
+    dryruns: list[DryRun]
     sweep_id: str
 
 
+def _specs(points: list[Point]) -> list[JobSpec]:
+    return [point.spec for point in points if point.spec is not None]
+
+
 def prepare(name: str, runnable: list[Point]) -> Submission:
-    """Group the runnable points for their target and make the dry runs: one Slurm array per
-    group of points that can share one, one PyTorchJob per point on Kubernetes (all labelled
-    with the sweep), one local run per point."""
+    """Group the runnable points as their backend submits them and make the dry runs: one
+    Slurm array per group of points that can share one, one PyTorchJob per point on
+    Kubernetes (all labelled with the sweep), one local run per point."""
     from ctxlaunch.launch import jobstore
     from ctxlaunch.launch.backends import get_backend
 
-    target = runnable[0].spec.cluster.target  # type: ignore[union-attr]
+    target = _specs(runnable)[0].cluster.target
     backend = get_backend(target)
     sweep_id = jobstore.new_id("sweep", name)
-    if target == "slurm":
-        groups = slurm_groups(runnable)
-        dryruns = [backend.array_dryrun(f"{name}-{i}" if len(groups) > 1 else name,
-                                        [p.spec for p in group])
-                   for i, group in enumerate(groups)]
-    else:
-        groups = [[p] for p in runnable]
-        dryruns = (backend.sweep_dryruns(sweep_id, [p.spec for p in runnable])  # type: ignore
-                   if target == "kubernetes" else [backend.dryrun(p.spec) for p in runnable])
+    groups = [[runnable[index] for index in group]
+              for group in backend.sweep_groups(_specs(runnable))]
+    dryruns = [backend.sweep_dryrun(sweep_id, f"{name}-{i}" if len(groups) > 1 else name,
+                                    _specs(group))
+               for i, group in enumerate(groups)]
     return Submission(target, groups, dryruns, sweep_id)
 
 
 def submit(name: str, axes: Iterable[str], points: list[Point], reasons: dict[int, str],
-           submission: Submission, log=print) -> str:  # type: ignore[no-untyped-def]
+           submission: Submission, log: Callable[[str], object] = print) -> str:
     """Submit (Slurm arrays) or run (locally, one after another) the prepared points and save
     the sweep's record; returns the sweep id for `ctxlaunch report`. A scheduler's refusal
     raises RuntimeError (nothing of that group was submitted); a point refused on its own (a
@@ -213,6 +209,7 @@ def submit(name: str, axes: Iterable[str], points: list[Point], reasons: dict[in
 
     from ctxlaunch.launch import jobstore
     from ctxlaunch.launch.backends import get_backend
+    from ctxlaunch.launch.backends.base import Refused
 
     backend = get_backend(submission.target)
     sweep_id = submission.sweep_id
@@ -222,23 +219,19 @@ def submit(name: str, axes: Iterable[str], points: list[Point], reasons: dict[in
                          "spec": p.spec.model_dump(mode="json") if p.spec else None}
                for p in points}
     refused = 0
-    for group, dryrun in zip(submission.groups, submission.dryruns):
-        if submission.target == "slurm":
-            records = backend.schedule_array(dryrun, [p.spec for p in group])
-            for point, record in zip(group, records):
-                entries[point.index]["job"] = record.id
-            log(f"submitted job array {records[0].extra['array']} ({len(records)} tasks: "
-                f"{', '.join(p.name for p in group)})")
-            continue
+    for group, dryrun in zip(submission.groups, submission.dryruns, strict=True):
         try:
-            backend.schedule(dryrun)
-        except RuntimeError as exc:  # e.g. a job of that name exists: the others still go
+            jobs = backend.schedule_sweep(dryrun, _specs(group))
+        except Refused as exc:  # e.g. a job of that name exists: the others still go
             log(f"[yellow]warning:[/] {group[0].name} not submitted: {exc}")
             entries[group[0].index]["skipped"] = str(exc)
             refused += 1
             continue
-        entries[group[0].index]["job"] = dryrun.env["CTXLAUNCH_JOB_ID"]
-    if submission.target != "slurm" and refused == len(submission.groups):
+        for point, job_id in zip(group, jobs.job_ids, strict=False):
+            entries[point.index]["job"] = job_id
+        if jobs.note:
+            log(jobs.note)
+    if refused == len(submission.groups):
         raise RuntimeError("no point of the sweep was submitted")
     jobstore.save_sweep(sweep_id, {"id": sweep_id, "name": name, "target": submission.target,
                                    "created": time.time(), "axes": list(axes),

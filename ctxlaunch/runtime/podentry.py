@@ -19,7 +19,13 @@ import sys
 from pathlib import Path
 
 from ctxlaunch.contract import exitcodes
-from ctxlaunch.contract.rundir import EXIT_DIR, TRAINER_MODULE, combine_exit_codes, rank_exit_codes
+from ctxlaunch.contract.rundir import (
+    EXIT_DIR,
+    RUN_DIR_ENV,
+    TRAINER_MODULE,
+    combine_exit_codes,
+    rank_exit_codes,
+)
 
 DEFAULT_RUN_DIR = "/tmp/ctxlaunch-run"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -37,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python3 -m ctxlaunch.podentry SPEC", file=sys.stderr)
         return exitcodes.BAD_INPUT
-    run_dir = Path(os.environ.get("CTXLAUNCH_RUN_DIR") or DEFAULT_RUN_DIR)
+    run_dir = Path(os.environ.get(RUN_DIR_ENV) or DEFAULT_RUN_DIR)
     # Statuses of an earlier attempt in this directory must not speak for this one.
     shutil.rmtree(run_dir / EXIT_DIR, ignore_errors=True)
     process = subprocess.Popen(torchrun_command(args[0], run_dir))

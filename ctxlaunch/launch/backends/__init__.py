@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from ctxlaunch.launch.backends.base import Backend, DryRun, combine_exit_codes
+from ctxlaunch.launch.backends.base import (
+    Backend,
+    BackendOptions,
+    DryRun,
+    KubernetesOptions,
+    OptionsError,
+    combine_exit_codes,
+)
 
 BACKENDS: dict[str, tuple[str, str]] = {
     "local": ("local", "LocalBackend"),
@@ -18,13 +25,17 @@ BACKENDS: dict[str, tuple[str, str]] = {
 """cluster.target -> (module in this package, class)."""
 
 
-def get_backend(target: str) -> Backend:
+def get_backend(target: str, options: BackendOptions | None = None) -> Backend:
+    """The backend of `target`, with its options; NotImplementedError for an unknown target,
+    OptionsError for options of another backend."""
     try:
-        module, cls = BACKENDS[target]
+        module, name = BACKENDS[target]
     except KeyError:
         raise NotImplementedError(f"cluster.target {target!r}: no backend submits to {target}; "
                                   f"use one of {', '.join(BACKENDS)}") from None
-    return getattr(import_module(f".{module}", __name__), cls)()
+    cls: type[Backend] = getattr(import_module(f".{module}", __name__), name)
+    return cls() if options is None else cls.with_options(options)
 
 
-__all__ = ["BACKENDS", "Backend", "DryRun", "combine_exit_codes", "get_backend"]
+__all__ = ["BACKENDS", "Backend", "BackendOptions", "DryRun", "KubernetesOptions",
+           "OptionsError", "combine_exit_codes", "get_backend"]

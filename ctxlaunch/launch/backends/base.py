@@ -1,16 +1,26 @@
-"""What every backend offers, and the pieces they share."""
+"""What every backend offers, and the pieces they share.
+
+`Backend` covers the whole life of a job: its dry run, scheduling it (alone or as part of a
+sweep), its status, logs and cancellation, and what to tell a user about a failure. The CLI
+and sweeps call only these methods, so they never ask which target a job runs on; each
+backend's own settings come in as its typed options (KubernetesOptions), never as attributes
+set from outside."""
 
 from __future__ import annotations
 
 import shlex
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar
 
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.rundir import combine_exit_codes
 from ctxlaunch.contract.spec import JobSpec
+from ctxlaunch.launch.jobstore import JobRecord
 
-__all__ = ["Backend", "DryRun", "Status", "combine_exit_codes", "describe_layout"]
+__all__ = ["Backend", "BackendOptions", "DryRun", "KubernetesOptions", "OptionsError", "Refused",
+           "Status", "SweepJobs", "combine_exit_codes", "describe_layout"]
 
 
 @dataclass(frozen=True)
@@ -20,6 +30,8 @@ class DryRun:
 
     target: str
     spec: JobSpec
+    job_id: str
+    """ctxlaunch's id of the job this dry run becomes when scheduled (its record's id)."""
     command: list[str]
     """The exact command line that is run (torchrun, sbatch, ...)."""
     env: dict[str, str] = field(default_factory=dict)
@@ -31,6 +43,7 @@ class DryRun:
     """Further files submitted with the artifact, by name (the Kubernetes PodMonitor)."""
 
     def describe(self) -> str:
+        """What `submit --dry-run` prints: the environment, the command and the bytes."""
         lines = [f"# target: {self.target}"]
         for name, value in self.env.items():
             lines.append(f"export {name}={shlex.quote(value)}")
@@ -76,6 +89,7 @@ class Status:
 
     @property
     def terminal(self) -> bool:
+        """Whether the job is over (its state never changes again)."""
         return self.state in TERMINAL
 
 
@@ -88,11 +102,105 @@ def describe_layout(spec: dict) -> str:
             f"{t.get('activation_checkpointing')}, ZeRO-{t.get('zero_stage')}")
 
 
-class Backend(Protocol):
-    name: str
+@dataclass(frozen=True)
+class BackendOptions:
+    """Settings of one backend given on the command line; a backend takes only its own."""
 
-    def dryrun(self, spec: JobSpec) -> DryRun: ...
+    target: ClassVar[str] = ""
+    flags: ClassVar[str] = ""
+    """The command-line flags that set these options (for the error naming them)."""
 
+
+@dataclass(frozen=True)
+class KubernetesOptions(BackendOptions):
+    """How to reach the cluster, and whether to submit for real."""
+
+    target: ClassVar[str] = "kubernetes"
+    flags: ClassVar[str] = "--context and --dry-run=server"
+    context: str | None = None
+    """The kubeconfig context (default: the current one)."""
+    kubeconfig: str | None = None
+    """The kubeconfig file (default: $KUBECONFIG, else ~/.kube/config)."""
+    server_dry_run: bool = False
+    """Have the API server validate and admit the objects, and store nothing."""
+
+
+class OptionsError(ValueError):
+    """Options given to a backend that does not take them (another target's)."""
+
+
+class Refused(RuntimeError):
+    """The scheduler refused one job of a sweep; the sweep's other jobs still go."""
+
+
+@dataclass(frozen=True)
+class SweepJobs:
+    """What scheduling one dry run of a sweep made: the record id of each of its specs, and a
+    line for the user when the backend has one (a job array's id)."""
+
+    job_ids: list[str]
+    note: str | None = None
+
+
+class Backend(ABC):
+    """One scheduler (or this machine), for the whole life of a job."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def with_options(cls, options: BackendOptions) -> Backend:
+        """This backend with options from the command line; OptionsError unless they are its
+        own (by default a backend takes none)."""
+        raise OptionsError(f"{options.flags} are for cluster.target {options.target}, not "
+                           f"{cls.name}")
+
+    # -- submitting -----------------------------------------------------------------------------
+    @abstractmethod
+    def dryrun(self, spec: JobSpec) -> DryRun:
+        """Everything submitting `spec` would do, as data (nothing is written or started)."""
+
+    @abstractmethod
     def schedule(self, dryrun: DryRun) -> int:
         """Run or submit; returns the exit status for the `submit` command."""
 
+    # -- a sweep --------------------------------------------------------------------------------
+    def sweep_groups(self, specs: list[JobSpec]) -> list[list[int]]:
+        """The sweep's specs (by index) that go as one submission; by default each alone."""
+        return [[index] for index in range(len(specs))]
+
+    def sweep_dryrun(self, sweep_id: str, name: str, specs: list[JobSpec]) -> DryRun:
+        """The dry run of one group of a sweep (`name`: the group's, for backends that submit
+        a group as one job); by default the one spec's own."""
+        return self.dryrun(specs[0])
+
+    def schedule_sweep(self, dryrun: DryRun, specs: list[JobSpec]) -> SweepJobs:
+        """Schedule one group of a sweep; Refused when the scheduler refused it alone (the
+        sweep goes on), any other RuntimeError ends the sweep."""
+        try:
+            self.schedule(dryrun)
+        except RuntimeError as exc:
+            raise Refused(str(exc)) from None
+        return SweepJobs([dryrun.job_id])
+
+    # -- an existing job ------------------------------------------------------------------------
+    @abstractmethod
+    def status(self, record: JobRecord) -> Status:
+        """Where the job stands; KeyError when the scheduler no longer knows it, RuntimeError
+        when the scheduler cannot be asked."""
+
+    @abstractmethod
+    def read_log(self, record: JobRecord, rank: int | None = None) -> list[str]:
+        """The job's log so far (every rank's lines, or one rank's, unprefixed)."""
+
+    @abstractmethod
+    def follow_log(self, record: JobRecord, rank: int | None = None) -> Iterator[str]:
+        """The job's log lines as they are written, until the job is over."""
+
+    @abstractmethod
+    def cancel(self, record: JobRecord) -> None:
+        """Cancel the job; RuntimeError when that cannot be done."""
+
+    @abstractmethod
+    def explain(self, record: JobRecord, status: Status) -> list[str]:
+        """What a user needs next to a failed state (the failing rank's last lines, the OOM's
+        layout); nothing for any other state."""

@@ -28,9 +28,17 @@ from typing import IO, Any
 
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.fsutil import atomic_write_text
+from ctxlaunch.contract.rundir import JOB_ID_ENV
 from ctxlaunch.contract.spec import JobSpec
 from ctxlaunch.launch import jobstore
-from ctxlaunch.launch.backends.base import DryRun, Status, describe_layout
+from ctxlaunch.launch.backends.base import (
+    Backend,
+    BackendOptions,
+    DryRun,
+    KubernetesOptions,
+    Status,
+    describe_layout,
+)
 from ctxlaunch.launch.plan import kubernetes_plan
 from ctxlaunch.launch.render import artifact_name, render_files
 
@@ -218,7 +226,9 @@ def objects_of(files: dict[str, str]) -> list[dict[str, Any]]:
 def has_resource(conn: Connection, group_version: str, resource: str) -> bool:
     """Whether the server serves `resource` in `group_version` (API discovery)."""
     found = conn.get(f"/apis/{group_version}")
-    return bool(found) and any(r.get("name") == resource for r in found.get("resources", []))
+    if not found:
+        return False
+    return any(r.get("name") == resource for r in found.get("resources", []))
 
 
 def allowed(conn: Connection, namespace: str, group: str, resource: str, verb: str
@@ -320,26 +330,35 @@ def _delete_quietly(conn: Connection, obj: dict[str, Any]) -> bool:
 # --------------------------------------------------------------------------------------------
 # the backend
 # --------------------------------------------------------------------------------------------
-class KubernetesBackend:
+class KubernetesBackend(Backend):
+    """A Kubernetes cluster with the Kubeflow training operator, through its API server."""
+
     name = "kubernetes"
 
-    def __init__(self, context: str | None = None, kubeconfig: str | None = None):
-        self.context = context
-        self.kubeconfig = kubeconfig
+    def __init__(self, options: KubernetesOptions | None = None):
+        self.options = options or KubernetesOptions()
+
+    @classmethod
+    def with_options(cls, options: BackendOptions) -> Backend:
+        """The backend for this kubeconfig context, submitting or only dry-running."""
+        if not isinstance(options, KubernetesOptions):
+            return super().with_options(options)
+        return cls(options)
 
     def dryrun(self, spec: JobSpec, sweep: str | None = None) -> DryRun:
+        """The ConfigMap and PyTorchJob (and PodMonitor) as rendered; `sweep` labels them."""
         files = rendered(spec, sweep)
         main = artifact_name(spec, "kubernetes")
         record_id = jobstore.new_id("k8s", spec.name)
         others = {name: text for name, text in files.items() if name != main}
-        return DryRun(target="kubernetes", spec=spec,
+        return DryRun(target="kubernetes", spec=spec, job_id=record_id,
                       command=["kubectl", "apply", "--server-side",
                                f"--field-manager={FIELD_MANAGER}", "-f", main],
-                      env={"CTXLAUNCH_JOB_ID": record_id}, artifact=files[main],
+                      env={JOB_ID_ENV: record_id}, artifact=files[main],
                       artifact_name=main, extra_artifacts=others)
 
     def _connect(self) -> Connection:
-        return Connection.open(self.context, self.kubeconfig)
+        return Connection.open(self.options.context, self.options.kubeconfig)
 
     def server_dryrun(self, dryrun: DryRun, err: IO[str] | None = None) -> int:
         """Pre-flight checks, then every object applied with dryRun=All: the server validates
@@ -368,6 +387,10 @@ class KubernetesBackend:
         return objects
 
     def schedule(self, dryrun: DryRun, err: IO[str] | None = None) -> int:
+        """Submit the objects and print the job's namespace/name; with the server_dry_run
+        option only have the server validate them."""
+        if self.options.server_dry_run:
+            return self.server_dryrun(dryrun, err)
         record = self.submit(dryrun, err)
         print(record.backend_id, flush=True)
         return exitcodes.OK
@@ -381,7 +404,7 @@ class KubernetesBackend:
         spec = dryrun.spec
         plan = kubernetes_plan(spec)
         record = jobstore.JobRecord(
-            id=dryrun.env["CTXLAUNCH_JOB_ID"], name=spec.name, target="kubernetes",
+            id=dryrun.job_id, name=spec.name, target="kubernetes",
             created=time.time(), backend_id=f"{plan.namespace}/{plan.name}",
             command=dryrun.command, artifact=dryrun.artifact_name,
             extra={"namespace": plan.namespace, "name": plan.name, "context": conn.context,
@@ -400,6 +423,7 @@ class KubernetesBackend:
 
     # -- an existing job ------------------------------------------------------------------------
     def status(self, record: jobstore.JobRecord) -> Status:
+        """The PyTorchJob's conditions, refined by its pods' exits and restart events."""
         conn = Connection.for_record(record)
         namespace, name = record.extra["namespace"], record.extra["name"]
         job = conn.get(job_path(namespace, name))
@@ -413,6 +437,7 @@ class KubernetesBackend:
         return dataclasses.replace(found, restarts=restarts)
 
     def read_log(self, record: jobstore.JobRecord, rank: int | None = None) -> list[str]:
+        """Every pod's log (each headed by its pod's name), or one rank's lines."""
         conn = Connection.for_record(record)
         pods = self._log_pods(conn, record, rank)
         lines: list[str] = []
@@ -503,9 +528,9 @@ class KubernetesBackend:
         return out + (text.rstrip("\n").splitlines() or ["(its log is empty)"])
 
     # -- a sweep ---------------------------------------------------------------------------------
-    def sweep_dryruns(self, sweep_id: str, specs: list[JobSpec]) -> list[DryRun]:
-        """One PyTorchJob per point, all labelled ctxlaunch/sweep=<sweep id>."""
-        return [self.dryrun(spec, sweep=sweep_id) for spec in specs]
+    def sweep_dryrun(self, sweep_id: str, name: str, specs: list[JobSpec]) -> DryRun:
+        """One PyTorchJob per point, labelled ctxlaunch/sweep=<sweep id>."""
+        return self.dryrun(specs[0], sweep=sweep_id)
 
 
 class NoPodsYet(KubeError):

@@ -8,11 +8,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.rundir import (
+    JOB_ID_ENV,
     TRAINER_MODULE,
     cpu_threads_per_rank,
     rank_exit_codes,
@@ -20,17 +22,28 @@ from ctxlaunch.contract.rundir import (
 )
 from ctxlaunch.contract.spec import JobSpec
 from ctxlaunch.launch import jobstore
-from ctxlaunch.launch.backends.base import EXIT_STATES, DryRun, Status, combine_exit_codes
+from ctxlaunch.launch.backends.base import (
+    EXIT_STATES,
+    Backend,
+    DryRun,
+    Status,
+    combine_exit_codes,
+)
 from ctxlaunch.launch.plan import job_environment
 
 RANK_PREFIX = "[rank0]:"
-class LocalBackend:
+
+
+class LocalBackend(Backend):
+    """This machine: torchrun in the foreground of `ctxlaunch submit`."""
+
     name = "local"
 
     def __init__(self, python: str | None = None):
         self.python = python or sys.executable
 
     def dryrun(self, spec: JobSpec) -> DryRun:
+        """torchrun on the trainer, one process per rank, in a new record directory."""
         job_id = jobstore.new_id("local", spec.name)
         directory = jobstore.jobs_root() / job_id
         ranks = spec.cluster.gpus_per_node
@@ -43,16 +56,17 @@ class LocalBackend:
         env = job_environment(spec)
         if spec.cluster.gpu == "cpu":
             env["OMP_NUM_THREADS"] = str(cpu_threads_per_rank(ranks))
-        env["CTXLAUNCH_JOB_ID"] = job_id
-        return DryRun(target="local", spec=spec, command=command, env=env,
+        env[JOB_ID_ENV] = job_id
+        return DryRun(target="local", spec=spec, job_id=job_id, command=command, env=env,
                       artifact=spec_json(spec) + "\n", artifact_name="spec.json")
 
     def schedule(self, dryrun: DryRun, out: IO[str] | None = None, err: IO[str] | None = None
                  ) -> int:
+        """Run the job here, streaming rank 0's lines; returns the job's exit status."""
         out = out or sys.stdout
         err = err or sys.stderr
         spec = dryrun.spec
-        job_id = dryrun.env["CTXLAUNCH_JOB_ID"]
+        job_id = dryrun.job_id
         record = jobstore.JobRecord(id=job_id, name=spec.name, target="local",
                                     created=time.time(), backend_id=job_id,
                                     command=dryrun.command, artifact="spec.json")
@@ -89,17 +103,18 @@ class LocalBackend:
             _report_failure(directory, codes, status, err)
         return status
 
-
     # -- an existing job ------------------------------------------------------------------------
     # A local job runs in the foreground of `ctxlaunch submit`; afterwards its record says how
     # it ended and torchrun's log directory holds every rank's output.
     def status(self, record: jobstore.JobRecord) -> Status:
+        """How the job ended, from its record (RUNNING until `submit` wrote it)."""
         code = record.extra.get("exit_status")
         if code is None:
             return Status(state="RUNNING")
         return Status(state=EXIT_STATES.get(code, "FAILED"), exit_code=code)
 
     def read_log(self, record: jobstore.JobRecord, rank: int | None = None) -> list[str]:
+        """Rank `rank`'s (default 0) output, from torchrun's log directory."""
         lines: list[str] = []
         for stream in ("stdout", "stderr"):
             for path in sorted(record.directory.glob(
@@ -107,14 +122,18 @@ class LocalBackend:
                 lines += path.read_text(errors="replace").splitlines(keepends=True)
         return lines
 
-    def follow_log(self, record: jobstore.JobRecord, rank: int | None = None):  # type: ignore[no-untyped-def]
+    def follow_log(self, record: jobstore.JobRecord, rank: int | None = None
+                   ) -> Iterator[str]:
+        """The log as it is: a local job is over by the time another command can ask."""
         return iter(self.read_log(record, rank))
 
     def cancel(self, record: jobstore.JobRecord) -> None:
+        """A local job cannot be cancelled from another command."""
         raise RuntimeError("a local job runs in the foreground of `ctxlaunch submit`: stop it "
                            "there (Ctrl-C)")
 
     def explain(self, record: jobstore.JobRecord, status: Status) -> list[str]:
+        """The first failing rank's last lines."""
         codes = record.extra.get("rank_exit_codes", [])
         for rank, code in enumerate(codes):
             if code not in (exitcodes.OK, exitcodes.PREEMPTED):

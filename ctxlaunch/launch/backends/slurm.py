@@ -1,10 +1,12 @@
-"""Slurm: submit the rendered sbatch script through submitit, then watch, read, cancel and wait.
+"""Slurm: submit the rendered sbatch script with `sbatch --parsable`, then watch, read, cancel
+and wait.
 
 The script submitted is byte for byte what `ctxlaunch render --target slurm` writes for the same
 spec (the same plan and template), with the trainer started by this Python and the logs,
-metrics and exit statuses kept in the job's record directory. submitit runs sbatch and parses
-the job id; states come from Slurm itself (scontrol while the controller remembers the job,
-sacct after) through one table.
+metrics, exit statuses and events kept in the job's record directory. sbatch --parsable prints
+the job id alone (submitit's public API submits only its own generated script, so it is not
+used here); states come from Slurm itself (scontrol while the controller remembers the job,
+sacct after) through one table, and a requeued job's story from the job's events.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract import events, exitcodes
+from ctxlaunch.contract.rundir import JOB_ID_ENV
 from ctxlaunch.contract.spec import JobSpec
 from ctxlaunch.launch import jobstore
-from ctxlaunch.launch.backends.base import DryRun, Status, describe_layout
+from ctxlaunch.launch.backends.base import Backend, DryRun, Status, SweepJobs, describe_layout
 from ctxlaunch.launch.plan import slurm_plan
 from ctxlaunch.launch.render import render_plan
 
@@ -76,33 +79,36 @@ def run_states(job_id: str) -> list[str]:
     return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
 
 
-# The batch script's and the trainer's lines that tell a requeued job's story.
-_RUN_START = re.compile(r"^ctxlaunch: job \S+ restart (\d+) on ")
-_REQUEUED = re.compile(r"^ctxlaunch: stopped by (.+?) \(exit \d+\); requeueing job ")
-_SAVED = re.compile(r"ctxlaunch: checkpoint \S*step-(\d+)\s*$")
 _CAUSE_WORDS = {"preemption": "PREEMPTED", "the time limit": "TIMEOUT"}
+"""The batch script's requeue causes that have a state's name."""
 
 
-def runs_from_log(lines: list[str]) -> list[dict]:
-    """One entry per run in the (appended) log: the newest checkpoint at its end, and the
-    cause when its batch script requeued it."""
+def runs_from_events(job_events: list[events.Event]) -> list[dict]:
+    """One entry per run of the job, by restart count: the newest checkpoint at its end, and
+    the cause when its batch script requeued it. A run that left no `started` event (it died
+    before the trainer came up) carries the checkpoint of the run before it."""
     runs: list[dict] = []
-    for line in lines:
-        if _RUN_START.match(line):
-            runs.append({"checkpoint": runs[-1]["checkpoint"] if runs else None, "cause": ""})
-        elif runs and (saved := _SAVED.search(line)):
-            runs[-1]["checkpoint"] = int(saved.group(1))
-        elif runs and (requeued := _REQUEUED.match(line)):
-            runs[-1]["cause"] = requeued.group(1)
+    for event in job_events:
+        if event.kind == events.STARTED:
+            restart = int(event.get("restart", len(runs)))
+            while len(runs) <= restart:
+                runs.append({"checkpoint": runs[-1]["checkpoint"] if runs else None,
+                             "cause": ""})
+        elif runs and event.kind == events.CHECKPOINT:
+            runs[-1]["checkpoint"] = int(event.get("step"))
+        elif runs and event.kind == events.REQUEUE:
+            runs[min(int(event.get("restart", len(runs) - 1)), len(runs) - 1)]["cause"] = (
+                str(event.get("cause", "")))
     return runs
 
 
-def tell_story(status: Status, log: list[str], states: list[str], max_restarts: int) -> Status:
-    """The status in words a user trusts: how each earlier run ended (from the batch script's
-    log lines, else from Slurm's record of that run) and what the current state means."""
+def tell_story(status: Status, job_events: list[events.Event], states: list[str],
+               max_restarts: int) -> Status:
+    """The status in words a user trusts: how each earlier run ended (from the job's events,
+    else from Slurm's record of that run) and what the current state means."""
     import dataclasses
 
-    runs = runs_from_log(log)
+    runs = runs_from_events(job_events)
     restarts = max(status.restarts, len(states) - 1, 0)
     history = []
     for index in range(restarts):
@@ -151,27 +157,34 @@ def _classify(raw: str, exit_code: int, restarts: int, reason: str, nodes: str) 
                   reason=reason if reason not in ("None", "(null)") else "", nodes=nodes)
 
 
-def _executor(folder: Path, script_path: Path):  # type: ignore[no-untyped-def]
-    """submitit's Slurm executor, submitting ctxlaunch's own script instead of its template."""
-    import submitit
-
-    class ScriptExecutor(submitit.SlurmExecutor):
-        def _make_submission_file_text(self, command: str, uid: str) -> str:
-            return script_path.read_text()
-
-        def _make_submission_command(self, submission_file_path: Path) -> list[str]:
-            return ["sbatch", str(script_path)]
-
-    return ScriptExecutor(folder=folder)
+def sbatch_submit(script_path: Path) -> str:
+    """Submit a batch script; returns Slurm's job id. SlurmError with sbatch's own words when
+    it refuses."""
+    result = _run(["sbatch", "--parsable", str(script_path)])
+    if result.returncode != 0:
+        raise SlurmError(_sbatch_message(result.stderr or result.stdout))
+    # --parsable: "<job id>" or "<job id>;<cluster>" on the last line.
+    return result.stdout.strip().splitlines()[-1].split(";")[0]
 
 
-class SlurmBackend:
+def array_key(spec: JobSpec) -> tuple:
+    """What the scripts of specs that can share one job array have in common: resources,
+    environment, srun arguments and the requeue rule (their specs and names differ)."""
+    plan = slurm_plan(spec, job_name="sweep")
+    return (tuple(plan.directives), tuple(plan.env.items()), tuple(plan.srun_args),
+            plan.max_restarts, plan.requeue)
+
+
+class SlurmBackend(Backend):
+    """A Slurm cluster, through its commands (sbatch, scontrol, sacct, scancel)."""
+
     name = "slurm"
 
     def __init__(self, python: str | None = None):
         self.python = python or sys.executable
 
     def dryrun(self, spec: JobSpec) -> DryRun:
+        """The batch script for `spec`, in a new record directory."""
         return self._script_dryrun(spec.name, spec, None)
 
     def _script_dryrun(self, name: str, spec: JobSpec, array: list[JobSpec] | None) -> DryRun:
@@ -181,30 +194,32 @@ class SlurmBackend:
         plan = slurm_plan(spec, python=self.python, run_dir=str(directory / "run"),
                           log_dir=str(directory), array=array, job_name=name)
         script_name = f"{name}.sbatch"
-        return DryRun(target="slurm", spec=spec, command=["sbatch", str(directory / script_name)],
-                      env={"CTXLAUNCH_JOB_ID": record_id},
+        return DryRun(target="slurm", spec=spec, job_id=record_id,
+                      command=["sbatch", str(directory / script_name)],
+                      env={JOB_ID_ENV: record_id},
                       artifact=render_plan(plan, "slurm", script_name),
                       artifact_name=script_name)
 
     @staticmethod
     def _submit(dryrun: DryRun) -> tuple[Path, str]:
-        """Write the dry run's script into its record directory and submit it through
-        submitit; returns (directory, Slurm job id). A refusal leaves no directory behind."""
-        directory = jobstore.jobs_root() / dryrun.env["CTXLAUNCH_JOB_ID"]
+        """Write the dry run's script into its record directory and submit it; returns
+        (directory, Slurm job id). A refusal leaves no directory behind."""
+        directory = jobstore.jobs_root() / dryrun.job_id
         directory.mkdir(parents=True)
         (directory / "run").mkdir()
-        (directory / "submitit").mkdir()
         script_path = directory / (dryrun.artifact_name or "job.sbatch")
         script_path.write_text(dryrun.artifact or "")
         script_path.chmod(0o755)
         try:
-            job = _executor(directory / "submitit", script_path)._submit_command("")
-        except Exception as exc:  # noqa: BLE001 - sbatch's refusal, reported as is
+            return directory, sbatch_submit(script_path)
+        except (SlurmError, OSError) as exc:  # OSError: no sbatch on this machine
             _remove_tree(directory)
-            raise SlurmError(_sbatch_message(exc)) from None
-        return directory, str(job.job_id)
+            if isinstance(exc, SlurmError):
+                raise
+            raise SlurmError(f"sbatch cannot be run: {exc}") from None
 
     def schedule(self, dryrun: DryRun, err: IO[str] | None = None) -> int:
+        """Submit the script and record the job; prints Slurm's job id."""
         err = err or sys.stderr
         directory, slurm_id = self._submit(dryrun)
         record = jobstore.JobRecord(
@@ -219,11 +234,27 @@ class SlurmBackend:
         print(slurm_id, flush=True)
         return exitcodes.OK
 
-    # -- a sweep's job array ---------------------------------------------------------------------
-    def array_dryrun(self, name: str, specs: list[JobSpec]) -> DryRun:
+    # -- a sweep's job arrays --------------------------------------------------------------------
+    def sweep_groups(self, specs: list[JobSpec]) -> list[list[int]]:
+        """Specs whose scripts differ only by spec and name go as one job array."""
+        groups: dict[tuple, list[int]] = {}
+        for index, spec in enumerate(specs):
+            groups.setdefault(array_key(spec), []).append(index)
+        return list(groups.values())
+
+    def sweep_dryrun(self, sweep_id: str, name: str, specs: list[JobSpec]) -> DryRun:
         """One job array for specs that share resources and environment: task i runs
         specs[i]."""
         return self._script_dryrun(name, specs[0], specs)
+
+    def schedule_sweep(self, dryrun: DryRun, specs: list[JobSpec]) -> SweepJobs:
+        """Submit the array (sbatch's refusal ends the sweep: SlurmError); one record per
+        task."""
+        records = self.schedule_array(dryrun, specs)
+        return SweepJobs([record.id for record in records],
+                         note=f"submitted job array {records[0].extra['array']} "
+                              f"({len(records)} tasks: "
+                              f"{', '.join(spec.name for spec in specs)})")
 
     def schedule_array(self, dryrun: DryRun, specs: list[JobSpec]) -> list[jobstore.JobRecord]:
         """Submit the array; returns one record per task (ids <array>_<i>), so status, logs,
@@ -246,22 +277,26 @@ class SlurmBackend:
 
     # -- an existing job ------------------------------------------------------------------------
     def status(self, record: jobstore.JobRecord) -> Status:
+        """Slurm's state, with the story of a requeued job told from its events."""
         status = query_status(record.backend_id)
         max_restarts = record.extra.get("spec", {}).get("cluster", {}).get("slurm", {}).get(
             "max_restarts", 0)
-        return tell_story(status, self.read_log(record), run_states(record.backend_id),
-                          max_restarts)
+        return tell_story(status, events.read_events(record.extra["run_dir"]),
+                          run_states(record.backend_id), max_restarts)
 
     def read_log(self, record: jobstore.JobRecord, rank: int | None = None) -> list[str]:
+        """The job's output file (every rank's lines labelled by srun), or one rank's."""
         path = log_path(record)
         if not path.exists():
             return []
         return rank_lines(path.read_text(errors="replace").splitlines(keepends=True), rank)
 
     def follow_log(self, record: jobstore.JobRecord, rank: int | None = None) -> Iterator[str]:
+        """The output file's lines as they are written, until the job is over."""
         return follow(log_path(record), record.backend_id, rank)
 
     def cancel(self, record: jobstore.JobRecord) -> None:
+        """scancel the job."""
         cancel(record.backend_id)
 
     def explain(self, record: jobstore.JobRecord, status: Status) -> list[str]:
@@ -287,11 +322,10 @@ class SlurmBackend:
         return []
 
 
-def _sbatch_message(exc: Exception) -> str:
-    text = str(exc)
-    # submitit wraps sbatch's stderr in its own message; keep Slurm's words.
+def _sbatch_message(text: str) -> str:
+    # Keep Slurm's own words, each once (sbatch can repeat a line).
     found = re.findall(r"sbatch: error: ([^\n]+)", text)
-    return "sbatch refused the job: " + ("; ".join(dict.fromkeys(found)) if found else text)
+    return "sbatch refused the job: " + ("; ".join(dict.fromkeys(found)) if found else text.strip())
 
 
 def _remove_tree(path: Path) -> None:

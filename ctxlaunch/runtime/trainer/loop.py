@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract import events, exitcodes
 from ctxlaunch.cp.comm import exposed_comm_seconds
 from ctxlaunch.perf.flops import flops_per_token
 from ctxlaunch.runtime.trainer import checkpoint, faults, stopsignal
@@ -161,6 +161,8 @@ class Trainer:
         checkpoint.commit(self.checkpoint_dir, self.step, self.ctx.rank,
                           self.spec.training.checkpoint.keep, {"job": self.spec.name})
         self.log(f"ctxlaunch: checkpoint {path}")
+        if self.run_dir is not None:
+            events.append_event(self.run_dir, events.CHECKPOINT, step=self.step, path=str(path))
 
     # -- preemption ----------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -188,6 +190,8 @@ class Trainer:
             if stop or metrics.step % t.checkpoint.interval == 0 or metrics.step == t.steps:
                 self.save_checkpoint()
             if stop:
+                if self.run_dir is not None:
+                    events.append_event(self.run_dir, events.STOP_SIGNAL, step=self.step)
                 self.log(f"ctxlaunch: stop signal received; checkpointed at step {self.step}, "
                          f"exiting {exitcodes.PREEMPTED} to be requeued")
                 return exitcodes.PREEMPTED
@@ -202,6 +206,7 @@ class Trainer:
         if self.run_dir is not None and self.ctx.rank == 0:
             with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(asdict(m)) + "\n")
+            events.append_event(self.run_dir, events.STEP, step=m.step, loss=m.loss)
 
     def _summarise(self, history: list[StepMetrics]) -> None:
         peak = peak_memory_bytes(self.device)

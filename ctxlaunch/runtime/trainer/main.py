@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract import events, exitcodes
 from ctxlaunch.contract.loader import (
     SpecError,
     apply_overrides,
@@ -24,7 +24,13 @@ from ctxlaunch.contract.loader import (
     read_spec_data,
     validate_spec,
 )
-from ctxlaunch.contract.rundir import SPEC_ENV, cpu_threads_per_rank, write_exit_code
+from ctxlaunch.contract.rundir import (
+    RUN_DIR_ENV,
+    SPEC_ENV,
+    cpu_threads_per_rank,
+    default_run_dir,
+    write_exit_code,
+)
 from ctxlaunch.runtime.trainer.checkpoint import CheckpointDirError, check_writable
 
 if TYPE_CHECKING:
@@ -86,12 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         if spec.cluster.gpu != "cpu" and not torch.cuda.is_available():
             raise SetupError(f"cluster.gpu = {spec.cluster.gpu} but no CUDA device is visible; "
                              "use cluster.gpu: cpu to run on the CPU")
-        run_dir = Path(args.run_dir or os.environ.get("CTXLAUNCH_RUN_DIR")
-                       or Path("runs") / spec.name)
+        run_dir = Path(args.run_dir or os.environ.get(RUN_DIR_ENV) or default_run_dir(spec.name))
         run_dir.mkdir(parents=True, exist_ok=True)
     except (SpecError, SetupError, CheckpointDirError) as exc:
         print(f"{rank_tag} error: {exc}", file=sys.stderr, flush=True)
-        where = args.run_dir or os.environ.get("CTXLAUNCH_RUN_DIR")
+        where = args.run_dir or os.environ.get(RUN_DIR_ENV)
         if where:
             rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
             record_exit(Path(where), rank, exitcodes.BAD_INPUT)
@@ -151,15 +156,21 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
             f"x cp {ctx.cp} ({spec.parallel.cp_algorithm}, {ctx.layout}) x tp {ctx.tp} x pp "
             f"{ctx.pp} (blocks per stage {list(spec.stage_layers)}), "
             f"ZeRO-{spec.training.zero_stage}, {spec.model.dtype}, device {device.type}")
+        if denv.rank == 0:
+            events.append_event(run_dir, events.STARTED, restart=events.restart_count(),
+                                world_size=denv.world_size)
         trainer = Trainer(spec, ctx, device, run_dir if denv.rank == 0 else None, log=log)
         code = trainer.run(observers=[telemetry.on_step])
     except torch.OutOfMemoryError:
         step = trainer.step + 1 if trainer is not None else 0
-        print(f"{rank_tag} error: {telemetry.on_oom(step)}\n{traceback.format_exc()}",
+        message = telemetry.on_oom(step)
+        print(f"{rank_tag} error: {message}\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)
+        events.append_event(run_dir, events.OOM, rank=denv.rank, step=step, message=message)
         code = exitcodes.OOM
     except CheckpointWriteError as exc:
         print(f"{rank_tag} error: {exc}", file=sys.stderr, flush=True)
+        events.append_event(run_dir, events.FAILURE, rank=denv.rank, cause=str(exc))
         code = exitcodes.FAILED
     except (Exception, CheckpointException):  # torch's CheckpointException is a BaseException
         # A dead peer surfaces here as a gloo/NCCL error or a timeout: report and leave at
@@ -168,6 +179,8 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
                                        spec.training.timeout_seconds)
         print(f"{rank_tag} error: " + (hang or "training failed")
               + f"\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        events.append_event(run_dir, events.FAILURE, rank=denv.rank,
+                            cause=hang or "training failed")
         code = exitcodes.FAILED
     telemetry.close()
     record_exit(run_dir, denv.rank, code)

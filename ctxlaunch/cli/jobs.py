@@ -1,0 +1,209 @@
+"""`render`, `submit`, `status`, `logs`, `cancel`, `wait` and `list`: one job's life."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ctxlaunch.cli.common import (
+    JobArg,
+    SetOpt,
+    SpecArg,
+    err,
+    fail,
+    find_job,
+    load,
+    out,
+    print_warnings,
+)
+from ctxlaunch.cli.tables import jobs_table, status_line
+from ctxlaunch.contract import exitcodes
+
+
+def render(
+    spec: SpecArg,
+    target: Annotated[str, typer.Option("--target", "-t", help="slurm or kubernetes.")],
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Directory to write <name>.sbatch / <name>.yaml into "
+        "(atomically); default: print to stdout.")] = None,
+    set_: SetOpt = None,
+) -> None:
+    """Render a Slurm batch script or a Kubeflow PyTorchJob manifest.
+
+    In scrape mode the PodMonitor goes to monitoring/<name>-podmonitor.yaml under --output, out
+    of the way of a plain `kubectl apply -f DIR` on a cluster without the Prometheus Operator."""
+    from ctxlaunch.contract.fsutil import atomic_write_text
+    from ctxlaunch.launch.render import TEMPLATES, artifact_name, render_files
+
+    # The render targets by name, typed: what --target names must be one of them.
+    kind = next((known for known in TEMPLATES if known == target), None)
+    if kind is None:
+        fail(f"--target: {target!r} is not a target to render; use slurm or kubernetes")
+    job = load(spec, set_, **{"cluster.target": target})
+    print_warnings(job)
+    files = render_files(job, kind)
+    main_name = artifact_name(job, kind)
+    if output is None:
+        sys.stdout.write(files[main_name])
+        for extra in set(files) - {main_name}:
+            err.print(f"note: {extra} (the PodMonitor) is written only with --output DIR")
+        return
+    if output.exists() and not output.is_dir():
+        fail(f"--output: {output} exists and is not a directory")
+    for name, text in files.items():
+        path = atomic_write_text(output / name, text,
+                                 mode=0o755 if target == "slurm" else 0o644)
+        err.print(f"wrote {path}")
+
+
+def submit(
+    spec: SpecArg,
+    set_: SetOpt = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print the exact command and bytes that would be submitted "
+        "(Kubernetes: --dry-run=server has the API server validate the objects and store "
+        "nothing).")] = False,
+    server_dry_run: Annotated[bool, typer.Option("--dry-run-server", hidden=True)] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Submit even if the planner predicts the job will not fit.")] = False,
+    context: Annotated[str | None, typer.Option(
+        "--context", help="Kubernetes: the kubeconfig context (default: the current one).")
+    ] = None,
+) -> None:
+    """Run or submit the job on its cluster.target (local by default, Slurm or Kubernetes).
+
+    A job predicted not to fit is refused unless --force; --dry-run prints the exact command
+    and the bytes that would be submitted."""
+    from ctxlaunch.launch.backends import KubernetesOptions, OptionsError, get_backend
+    from ctxlaunch.perf.machine import machine_for
+    from ctxlaunch.planning.plan import plan_job
+
+    job = load(spec, set_)
+    print_warnings(job)
+    report = plan_job(job, machine_for(job))
+    if not report.fits and not force:
+        fail(f"{job.name} is predicted not to fit: {report.verdict()}. Change the spec (see "
+             f"`ctxlaunch plan {spec}`), or pass --force to submit anyway.")
+    options = (KubernetesOptions(context=context, server_dry_run=server_dry_run)
+               if context or server_dry_run else None)
+    try:
+        backend = get_backend(job.cluster.target, options)
+    except (NotImplementedError, OptionsError) as exc:
+        fail(str(exc))
+    dryrun = backend.dryrun(job)
+    if dry_run:
+        sys.stdout.write(dryrun.describe())
+        return
+    try:
+        code = backend.schedule(dryrun)
+    except RuntimeError as exc:  # the scheduler refused the job: nothing was submitted
+        fail(str(exc))
+    raise typer.Exit(code)
+
+
+def status(
+    job: JobArg,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Where a submitted job stands.
+
+    States come from the scheduler; for a failure the failing rank's last lines, for an OOM
+    the layout that caused it."""
+    import dataclasses
+
+    record, backend = find_job(job)
+    try:
+        state = backend.status(record)
+        detail = backend.explain(record, state)
+    except KeyError:
+        fail(f"the scheduler no longer knows job {record.backend_id}")
+    except RuntimeError as exc:  # the scheduler cannot be asked
+        fail(str(exc), code=exitcodes.FAILED)
+    if as_json:
+        out.print_json(json.dumps({"id": record.id, "backend_id": record.backend_id,
+                                   "name": record.name, "target": record.target,
+                                   **dataclasses.asdict(state), "detail": detail}))
+        return
+    out.print(status_line(record, state), markup=False)
+    for line in detail:
+        out.print(f"  {line}", markup=False)
+
+
+def logs(
+    job: JobArg,
+    follow_: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job "
+                                          "ends.")] = False,
+    rank: Annotated[int | None, typer.Option("--rank", help="Only this rank's lines.")] = None,
+) -> None:
+    """Print a job's log (every rank's lines, labelled), or one rank's."""
+    record, backend = find_job(job)
+    try:
+        lines = backend.follow_log(record, rank) if follow_ else backend.read_log(record, rank)
+        for line in lines:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+    except RuntimeError as exc:  # e.g. a Kubernetes job without pods yet
+        fail(str(exc), code=exitcodes.FAILED)
+
+
+def cancel(job: JobArg) -> None:
+    """Cancel a submitted job."""
+    record, backend = find_job(job)
+    try:
+        backend.cancel(record)
+    except RuntimeError as exc:
+        fail(str(exc), code=exitcodes.FAILED)
+    err.print(f"cancelled {record.backend_id or record.id}")
+
+
+def wait(
+    job: JobArg,
+    timeout: Annotated[float | None, typer.Option(help="Give up after this many seconds "
+                                                  "(exit 1).")] = None,
+    poll: Annotated[float, typer.Option(help="Seconds between checks.")] = 2.0,
+) -> None:
+    """Wait until a job ends; exit 0 if it completed, 86 on an OOM, 1 otherwise."""
+    import time
+
+    from ctxlaunch.launch.backends.base import WAIT_EXIT
+
+    record, backend = find_job(job)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            state = backend.status(record)
+        except KeyError:
+            fail(f"the scheduler no longer knows job {record.backend_id}")
+        except RuntimeError as exc:
+            fail(str(exc), code=exitcodes.FAILED)
+        if state.terminal:
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            out.print(status_line(record, state), markup=False)
+            fail(f"still {state.state} after {timeout:g} s", code=exitcodes.FAILED)
+        time.sleep(poll)
+    out.print(status_line(record, state), markup=False)
+    for line in backend.explain(record, state):
+        out.print(f"  {line}", markup=False)
+    raise typer.Exit(WAIT_EXIT.get(state.state, exitcodes.FAILED))
+
+
+def list_jobs(
+    limit: Annotated[int, typer.Option(help="Show the newest this many.")] = 20,
+) -> None:
+    """The jobs submitted from this machine, newest last, with their current state."""
+    from ctxlaunch.launch import jobstore
+    from ctxlaunch.launch.backends import get_backend
+
+    rows = []
+    for record in jobstore.all_records()[-limit:]:
+        try:
+            state = get_backend(record.target).status(record).state
+        except (KeyError, RuntimeError):  # NotImplementedError is a RuntimeError
+            state = "UNKNOWN"
+        rows.append((record, state))
+    out.print(jobs_table(rows))

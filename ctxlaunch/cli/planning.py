@@ -1,0 +1,142 @@
+"""`plan`, `advise` and `calibrate`: what a job needs, and how fast this machine is."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ctxlaunch.cli.common import SetOpt, SpecArg, err, fail, load, out, print_warnings
+from ctxlaunch.cli.tables import print_plan
+from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract.loader import SpecError
+
+
+def plan(
+    spec: SpecArg,
+    set_: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Predict per-GPU memory and FLOPs before submitting.
+
+    Fit or not and by how much, the smallest CP degree that fits, the longest sequence at each
+    CP degree, and model FLOPs in both MFU conventions."""
+    from ctxlaunch.perf.machine import machine_for
+    from ctxlaunch.planning.plan import plan_job
+
+    job = load(spec, set_)
+    report = plan_job(job, machine_for(job))
+    if as_json:
+        out.print_json(json.dumps(report.to_dict()))
+        return
+    print_warnings(job)
+    print_plan(report)
+
+
+def advise(
+    spec: SpecArg,
+    set_: SetOpt = None,
+    top: Annotated[int, typer.Option("--top", help="Show the N fastest layouts.", min=1)] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    gpus: Annotated[int | None, typer.Option(
+        "--gpus", help="Advise for this many GPUs instead of the spec's.", min=1)] = None,
+    nodes: Annotated[int | None, typer.Option(
+        "--nodes", help="Advise for this many nodes (of the spec's gpus_per_node).",
+        min=1)] = None,
+    fp8: Annotated[bool, typer.Option(
+        "--fp8", help="Time the weight matmuls in FP8 (Transformer Engine recipes; the "
+        "bundled trainer runs bf16/fp32).")] = False,
+    write: Annotated[Path | None, typer.Option(
+        "--write", help="Save the fastest layout as a spec to this file (atomically).")] = None,
+) -> None:
+    """Rank every legal layout that fits by predicted step time.
+
+    TP within the NVLink domain, PP and virtual stages, CP degree and algorithm, ZeRO stage,
+    activation checkpointing and micro-batch, each with predicted memory, step time,
+    tokens/s/GPU and MFU in both conventions; the rejected ones grouped by reason."""
+    from ctxlaunch.perf.machine import machine_for
+    from ctxlaunch.planning.advise import advice_spec_text, load_for_advice, print_advice
+    from ctxlaunch.planning.advise import advise as run_advice
+
+    try:
+        data, job, note = load_for_advice(spec, set_)
+    except SpecError as exc:
+        err.print(str(exc), markup=False)
+        raise typer.Exit(exitcodes.BAD_INPUT) from None
+    if gpus is not None and nodes is not None:
+        fail("--gpus and --nodes: give one of them")
+    per_node = job.cluster.gpus_per_node
+    n_nodes = nodes
+    if gpus is not None:
+        if gpus < per_node:
+            n_nodes, per_node = 1, gpus
+        elif gpus % per_node:
+            fail(f"--gpus {gpus}: not a whole number of nodes of {per_node} GPUs "
+                 "(cluster.gpus_per_node)")
+        else:
+            n_nodes = gpus // per_node
+    if n_nodes is not None and n_nodes > 1 and job.cluster.target == "local":
+        fail(f"--nodes/--gpus: {n_nodes} nodes, but target local runs on one node; set "
+             "cluster.target (e.g. --set cluster.target=slurm)")
+    advice = run_advice(job, nodes=n_nodes, gpus_per_node=per_node,
+                        machine=machine_for(job, gpus_per_node=per_node),
+                        matmul_precision="fp8" if fp8 else None)
+    if note:
+        advice.notes.insert(0, note)
+    if write is not None:
+        if advice.best is None:
+            fail(f"--write {write}: no layout fits, nothing written")
+        text = advice_spec_text(data, advice, str(spec))
+        from ctxlaunch.contract.fsutil import atomic_write_text
+
+        atomic_write_text(write, text)
+        err.print(f"wrote {write}: {advice.best.describe()}")
+    if as_json:
+        out.print_json(json.dumps(advice.to_dict(top)))
+        return
+    print_advice(out, advice, top)
+
+
+def calibrate(
+    spec: Annotated[Path | None, typer.Argument(
+        help="Measure attention at this spec's model shape and dtype (default: the tiny "
+        "preset, fp32).", show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Measure this CPU for the step-time model: matmul (at the model's shapes) and attention
+    throughput, memory bandwidth, the model's elementwise rate and fixed cost per micro-batch,
+    gloo loopback bandwidth and latency. `advise` and `report` on `gpu: cpu` use
+    them (saved in $CTXLAUNCH_HOME/cpu_calibration.json)."""
+    import dataclasses
+
+    from ctxlaunch.runtime.calibrate import measure, save_calibration
+
+    model = None
+    if spec is not None:
+        model = load(spec, None).model
+    try:
+        calibration = measure(heads=model.heads if model else 4,
+                              head_dim=model.head_dim if model else 32,
+                              dtype=model.dtype if model else "fp32", model=model)
+    except RuntimeError as exc:
+        fail(str(exc), code=exitcodes.FAILED)
+    path = save_calibration(calibration)
+    if as_json:
+        out.print_json(json.dumps(dataclasses.asdict(calibration)))
+    else:
+        c = calibration
+        out.print(f"matmul {c.matmul_flops_per_second / 1e9:.1f} GFLOP/s, attention "
+                  f"{c.attention_flops_per_second / 1e9:.1f} GFLOP/s, memory "
+                  f"{c.memory_bytes_per_second / 1e9:.1f} GB/s, elementwise "
+                  f"{c.elementwise_bytes_per_second / 1e9:.2f} GB/s, gloo loopback "
+                  f"{c.link_bytes_per_second / 1e9:.2f} GB/s + {c.link_latency_seconds * 1e6:.0f}"
+                  f" us, {c.microbatch_overhead_seconds * 1e3:.1f} ms fixed per micro-batch "
+                  f"({c.cores} cores)")
+        if c.one_thread:
+            one = c.one_thread
+            out.print(f"one thread: matmul {one['matmul'] / 1e9:.1f} GFLOP/s, attention "
+                      f"{one['attention'] / 1e9:.1f} GFLOP/s, elementwise "
+                      f"{one['elementwise'] / 1e9:.2f} GB/s")
+    err.print(f"wrote {path}")

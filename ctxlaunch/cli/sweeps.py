@@ -1,0 +1,97 @@
+"""`sweep` and `report`: many jobs over a grid of settings, and their results."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ctxlaunch.cli.common import SetOpt, err, fail, out
+from ctxlaunch.cli.tables import report_table, sweep_points_table
+from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract.loader import SpecError
+
+
+def sweep(
+    definition: Annotated[Path, typer.Argument(help="Sweep file (YAML, top-level `sweep:`).",
+                                               show_default=False)],
+    set_: SetOpt = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Show the points and what would be submitted.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Also submit points the planner predicts will not fit.")] = False,
+) -> None:
+    """Expand a sweep into jobs and submit them.
+
+    On Slurm the points that share resources go as one job array; locally they run one after
+    another. Prints the sweep id for `report`."""
+    from ctxlaunch.launch import sweep as sweeps
+
+    try:
+        spec_def, points = sweeps.load_sweep(definition, set_ or ())
+    except SpecError as exc:
+        err.print(str(exc), markup=False)
+        raise typer.Exit(exitcodes.BAD_INPUT) from None
+    runnable, reasons = sweeps.triage(points, force)
+    err.print(sweep_points_table(spec_def, points, len(runnable), reasons))
+    if not runnable:
+        fail("no point of the sweep can run")
+    submission = sweeps.prepare(spec_def.name, runnable)
+    if dry_run:
+        for dryrun in submission.dryruns:
+            sys.stdout.write(dryrun.describe())
+        return
+    try:
+        sweep_id = sweeps.submit(spec_def.name, spec_def.axes, points, reasons, submission,
+                                 log=err.print)
+    except RuntimeError as exc:  # the scheduler refused a group: nothing of it was submitted
+        fail(str(exc))
+    err.print(f"sweep {sweep_id}: `ctxlaunch report {sweep_id}` for the results")
+    print(sweep_id)
+
+
+def report(
+    sweep_id: Annotated[str, typer.Argument(help="The id `ctxlaunch sweep` printed.",
+                                            show_default=False)],
+    csv_path: Annotated[Path | None, typer.Option("--csv", help="Also write the table as "
+                                                   "CSV.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    plots: Annotated[Path | None, typer.Option(
+        "--plots", help="Write PNG plots (tokens/s/GPU, MFU, peak memory against sequence "
+        "length) into this directory.")] = None,
+    html_path: Annotated[Path | None, typer.Option(
+        "--html", help="Write one self-contained HTML page (plots and table).")] = None,
+) -> None:
+    """A sweep's results against the models' predictions, one row per point.
+
+    Each row: the point's axis values, its state, measured tokens/s/GPU, step time, final loss
+    and peak memory, and the predicted step time (its error), tokens/s/GPU, MFU in both
+    conventions and peak memory."""
+    from ctxlaunch.contract.fsutil import atomic_write_bytes, atomic_write_text
+    from ctxlaunch.launch import jobstore
+    from ctxlaunch.launch.report import build_report, html_page, plot_pngs
+    from ctxlaunch.perf.machine import load_calibration
+
+    try:
+        data = jobstore.load_sweep(sweep_id)
+    except KeyError:
+        fail(f"no sweep {sweep_id!r} in {jobstore.sweeps_root()}")
+    if plots is not None and plots.exists() and not plots.is_dir():
+        fail(f"--plots: {plots} exists and is not a directory")
+    result = build_report(data, load_calibration())
+    if csv_path is not None:
+        atomic_write_text(csv_path, result.csv_text())
+    if plots is not None or html_path is not None:
+        pngs = plot_pngs(result)
+        if plots is not None:
+            for name, png in pngs.items():
+                err.print(f"wrote {atomic_write_bytes(plots / name, png)}")
+        if html_path is not None:
+            err.print(f"wrote {atomic_write_text(html_path, html_page(result, pngs))}")
+    if as_json:
+        out.print_json(json.dumps(result.to_dict()))
+        return
+    out.print(report_table(data, result.rows))

@@ -1,0 +1,141 @@
+"""The tables and lines the commands print (rich tables to `out`, or `err` for a sweep's points
+before its submission)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+from ctxlaunch.cli.common import out
+from ctxlaunch.contract.hardware import GiB
+
+if TYPE_CHECKING:
+    from ctxlaunch.launch.backends.base import Status
+    from ctxlaunch.launch.jobstore import JobRecord
+    from ctxlaunch.launch.sweep import Point, SweepDefinition
+    from ctxlaunch.planning.plan import PlanReport
+
+
+def gib(value: float) -> str:
+    """Bytes as GiB, two decimals."""
+    return f"{value / GiB:,.2f}"
+
+
+def print_plan(report: PlanReport) -> None:
+    """`plan`'s tables: memory, other CP degrees, FLOPs, and the predicted step."""
+    job, e = report.spec, report.estimate
+    p, t = job.parallel, job.training
+    out.print(f"[bold]{job.name}[/]: {job.model.preset or 'custom'} model, "
+              f"seq_len {t.seq_len:,} x micro_batch {t.micro_batch}, {job.cluster.nodes} x "
+              f"{job.cluster.gpus_per_node} {job.cluster.gpu}, tp {p.tp} pp {p.pp} cp {p.cp} "
+              f"({p.cp_algorithm}, {p.layout}) dp {job.dp}, ZeRO-{t.zero_stage}, "
+              f"checkpointing {t.activation_checkpointing}, {job.model.dtype}")
+    table = Table(title="Per-GPU memory (busiest rank)", title_justify="left")
+    table.add_column("part")
+    table.add_column("GiB", justify="right")
+    for name, value in e.parts():
+        table.add_row(name.replace("_", " "), gib(value))
+    table.add_row("[bold]total[/]", f"[bold]{gib(e.total)}[/]")
+    table.add_row("capacity", gib(e.capacity))
+    table.add_row("headroom", gib(e.headroom))
+    out.print(table)
+    colour = "green" if e.fits else "red"
+    out.print(f"[bold {colour}]{report.verdict()}[/]")
+
+    cps = Table(title="At other CP degrees (TP, PP, DP held)", title_justify="left")
+    for column in ("cp", "GPUs", "nodes", "GiB/GPU", "fits", "longest seq that fits", "note"):
+        cps.add_column(column, justify="left" if column == "note" else "right")
+    for o in report.cp_options:
+        note = "" if o.legal else (o.reason or "")
+        cps.add_row(str(o.cp), str(o.gpus), str(o.nodes), gib(o.estimate.total),
+                    "yes" if o.fits else "no", f"{o.longest_seq_len:,}",
+                    note[:90] + ("..." if len(note) > 90 else ""))
+    out.print(cps)
+
+    f = report.flops
+    flops = Table(title="Model FLOPs (forward + backward)", title_justify="left")
+    flops.add_column("convention")
+    flops.add_column("per token", justify="right")
+    flops.add_column("per step", justify="right")
+    flops.add_column("per GPU per step", justify="right")
+    for conv in ("full", "causal"):
+        flops.add_row(f"{conv}: {f['conventions'][conv]}", f"{f['per_token'][conv]:.4g}",
+                      f"{f['per_step'][conv]:.4g}", f"{f['per_gpu_per_step'][conv]:.4g}")
+    out.print(flops)
+    out.print(f"parameters: {f['params_total']:,} ({f['params_matmul']:,} in matmuls); "
+              f"tokens per step: {f['tokens_per_step']:,}")
+    st = report.step_time
+    if st is not None:
+        out.print(f"predicted step: {st['step_seconds']:.4g} s, "
+                  f"{st['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, MFU "
+                  f"{st['mfu']['full']:.1%} (full) / {st['mfu']['causal']:.1%} (causal); "
+                  f"`ctxlaunch advise` ranks the other layouts")
+
+
+_SCHEDULERS = {"slurm": "Slurm", "kubernetes": "PyTorchJob"}
+
+
+def status_line(record: JobRecord, status: Status) -> str:
+    """One line for a job's state (and its story below it, when it has one)."""
+    parts = [f"{record.backend_id or record.id}: {status.state}"]
+    if status.scheduler_state and status.scheduler_state != status.state:
+        parts.append(f"({_SCHEDULERS.get(record.target, record.target)}: "
+                     f"{status.scheduler_state})")
+    if status.reason:
+        parts.append(f"reason {status.reason}")
+    if status.nodes:
+        parts.append(f"on {status.nodes}")
+    if status.exit_code:
+        parts.append(f"exit {status.exit_code}")
+    parts.append(f"restarts {status.restarts}")
+    line = " ".join(parts) + f"  [{record.name}, {record.target}, {record.id}]"
+    return line + (f"\n  {status.story}" if status.story else "")
+
+
+def jobs_table(rows: list[tuple[JobRecord, str]]) -> Table:
+    """`list`: each job with its current state."""
+    import time
+
+    table = Table()
+    for column in ("job", "name", "target", "scheduler id", "state", "submitted"):
+        table.add_column(column)
+    for record, state in rows:
+        table.add_row(record.id, record.name, record.target, record.backend_id, state,
+                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created)))
+    return table
+
+
+def sweep_points_table(definition: SweepDefinition, points: list[Point], runnable: int,
+                       reasons: dict[int, str]) -> Table:
+    """`sweep`: every point with its axis values and whether it runs (why not)."""
+    table = Table(title=f"sweep {definition.name}: {len(points)} points, {runnable} to run",
+                  title_justify="left")
+    for column in ("name", *definition.axes, "runs"):
+        table.add_column(column)
+    for point in points:
+        table.add_row(point.name, *(str(v) for v in point.values.values()),
+                      "yes" if point.index not in reasons else "no: " + reasons[point.index])
+    return table
+
+
+REPORT_COLUMNS = ("state", "step_seconds", "predicted_step_seconds", "step_error",
+                  "tokens_per_second_per_gpu", "predicted_tokens_per_second_per_gpu",
+                  "mfu_causal", "predicted_mfu_causal", "peak_memory_gib",
+                  "predicted_peak_memory_gib", "final_loss")
+"""`report`'s columns after the point's name and axis values."""
+
+
+def report_table(data: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
+    """`report`: one row per point, measured against predicted."""
+    table = Table(title=f"sweep {data['name']} ({data['id']})", title_justify="left")
+    shown = ["name", *data["axes"], *REPORT_COLUMNS]
+    for column in shown:
+        table.add_column(column.replace("predicted_", "pred. ").replace("_", " "),
+                         justify="left" if column in ("name", "state") else "right")
+    for row in rows:
+        table.add_row(*("" if row.get(c) is None else
+                        f"{row[c]:+.1%}" if c == "step_error" else
+                        f"{row[c]:,.4g}" if isinstance(row.get(c), float) else str(row[c])
+                        for c in shown))
+    return table
