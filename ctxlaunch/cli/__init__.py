@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ctxlaunch import __version__
+from ctxlaunch.cli.data import data as data_app
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.hardware import GiB
 from ctxlaunch.contract.loader import SpecError, apply_overrides, read_spec_data, validate_spec
@@ -32,6 +33,7 @@ out = Console(highlight=False, soft_wrap=True)
 if not out.is_terminal:
     out.width = 160  # tables piped to a file or a program should not wrap at 80 columns
 err = Console(stderr=True, highlight=False, soft_wrap=True)
+app.add_typer(data_app, name="data")
 
 SpecArg = Annotated[Path, typer.Argument(help="Job spec (YAML).", show_default=False)]
 SetOpt = Annotated[

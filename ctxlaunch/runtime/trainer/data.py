@@ -95,4 +95,9 @@ class Batches:
 def make_source(data_spec, vocab: int, seq_len: int, seed: int):  # type: ignore[no-untyped-def]
     if data_spec.source == "text":
         return ByteText(data_spec.path, seq_len)
+    if data_spec.source == "tokens":
+        from ctxlaunch.runtime.data.packing import PackedTokens
+
+        return PackedTokens(data_spec.paths or [data_spec.path], data_spec.weights, seq_len,
+                            vocab, data_spec.eval_fraction)
     return SyntheticTokens(vocab, seq_len, seed)
