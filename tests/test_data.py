@@ -17,7 +17,7 @@ import torch
 from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
-from ctxlaunch.contract.loader import SpecError, apply_overrides, validate_spec
+from ctxlaunch.contract.loader import SpecError, validate_spec
 from ctxlaunch.runtime.data.indexed import (
     IndexedDataError,
     IndexedDataset,
@@ -246,7 +246,7 @@ def test_prepare_documents_and_workers(inputs: list[Path], sentencepiece_model: 
     """Each JSON line and each text file is one document ending in the eos id; the empty record
     is skipped; two worker processes write the same bytes as one."""
     one = prepare(inputs, sentencepiece_model, tmp_path / "out" / "one")
-    two = prepare(inputs, sentencepiece_model, tmp_path / "out" / "two", workers=2)
+    prepare(inputs, sentencepiece_model, tmp_path / "out" / "two", workers=2)
     tokenizer = load_tokenizer(sentencepiece_model)
     expected = [tokenizer.encode(t) + [2] for t in
                 ("First document.", "Second, longer one.", TEXT[:20000])]

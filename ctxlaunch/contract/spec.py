@@ -195,7 +195,7 @@ class DataSpec(_Strict):
     weights: list[Annotated[float, Field(gt=0)]] | None = None
     """One positive weight per entry of `paths` (normalised to sum 1): the share of sequences
     drawn from each. Default: equal shares."""
-    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    eval_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
     """source: tokens only: the fraction of each file's documents held out for evaluation,
     chosen by a fixed hash of the document's index (never trained on)."""
 

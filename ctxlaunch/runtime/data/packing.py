@@ -121,8 +121,8 @@ class PackedFile:
 class BlendSchedule:
     """Which file, and which of its sequences, blend sequence i is: within each period of
     BLEND_PERIOD sequences, file f gets its share in Megatron's error-minimising order (each
-    next sequence to the file furthest below weight x sequences so far); a period is a pure
-    function of nothing, so sequence i is a lookup."""
+    next sequence to the file furthest below weight x sequences so far). The table is built
+    once, so sequence i is a lookup, never a replay of the sequences before it."""
 
     def __init__(self, weights: Sequence[float]):
         shares = np.asarray(weights, dtype=np.float64)

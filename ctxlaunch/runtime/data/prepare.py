@@ -188,6 +188,7 @@ def prepare(inputs: Sequence[str | Path], tokenizer_path: str | Path, output: st
                     sizes.append(size)
                     yield batch
 
+            encoded: Iterator[list[npt.NDArray[np.int64] | None]]
             if pool is not None:
                 encoded = pool.imap(_encode_batch, texts())
             else:
