@@ -203,12 +203,15 @@ def test_tiktoken_ids_equal_llama3s_own_tokenizer(tiktoken_bpe: Path) -> None:
 
 
 def test_tokenizer_json_ids_equal_tokenizers(tokenizer_json: Path, tiktoken_bpe: Path) -> None:
-    """A tokenizer.json: ids equal the tokenizers library's own, and (being Llama 3's BPE
-    converted) tiktoken's; <|end_of_text|> is found as the end of document."""
+    """A tokenizer.json: ids equal the tokenizers library's own (told to encode special tokens
+    found in the text as text, as we do), and (being Llama 3's BPE converted) tiktoken's;
+    <|end_of_text|> is found as the end of document and never produced from the text."""
     from tokenizers import Tokenizer as HfTokenizer
 
     ours = load_tokenizer(tokenizer_json.parent)
     theirs = HfTokenizer.from_file(str(tokenizer_json))
+    theirs.encode_special_tokens = True
+    assert "<|end_of_text|>" in TEXT and 128001 not in ours.encode(TEXT)
     assert ours.kind == "huggingface" and (ours.vocab_size, ours.eod_id) == (128256, 128001)
     ids = ours.encode(TEXT)
     assert ids == theirs.encode(TEXT, add_special_tokens=False).ids

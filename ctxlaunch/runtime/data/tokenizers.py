@@ -8,6 +8,7 @@ tokens included: the model's embedding must be at least this large) and `eod_id`
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,14 +71,18 @@ def _head(path: Path) -> bytes:
         return stream.read(64)
 
 
+def _library(module: str, path: Path) -> Any:
+    """Import a tokenizer library (imported only when its kind of file is loaded)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise TokenizerError(f"tokenizer {path}: needs the `{module.split('.')[0]}` package "
+                             f"({exc})") from None
+
+
 def _huggingface(path: Path, eod_token: str | None) -> Tokenizer:
     try:
-        from tokenizers import Tokenizer as HfTokenizer
-    except ImportError as exc:
-        raise TokenizerError(f"tokenizer {path}: needs the `tokenizers` package ({exc})") \
-            from None
-    try:
-        tokenizer = HfTokenizer.from_file(str(path))
+        tokenizer = _library("tokenizers", path).Tokenizer.from_file(str(path))
     except Exception as exc:  # the Rust side raises a bare Exception for every malformed file
         raise TokenizerError(f"tokenizer {path}: not a Hugging Face tokenizer.json ({exc})") \
             from None
@@ -88,6 +93,10 @@ def _huggingface(path: Path, eod_token: str | None) -> Tokenizer:
         raise TokenizerError(f"tokenizer {path}: no end-of-document token "
                              f"({name or ' / '.join(EOD_NAMES)} not in its vocabulary); "
                              "name one with --eod-token")
+
+    # Special tokens written in the text are encoded as text, as tiktoken's encode_ordinary
+    # and SentencePiece do: a document cannot end itself early by containing "</s>".
+    tokenizer.encode_special_tokens = True
 
     def encode(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False).ids)
@@ -109,11 +118,7 @@ def _configured_eos(path: Path) -> str | None:
 
 
 def _sentencepiece(path: Path, eod_token: str | None) -> Tokenizer:
-    try:
-        import sentencepiece
-    except ImportError as exc:
-        raise TokenizerError(f"tokenizer {path}: needs the `sentencepiece` package ({exc})") \
-            from None
+    sentencepiece = _library("sentencepiece", path)
     try:
         model = sentencepiece.SentencePieceProcessor(model_file=str(path))
     except (OSError, RuntimeError) as exc:
@@ -131,14 +136,9 @@ def _sentencepiece(path: Path, eod_token: str | None) -> Tokenizer:
 
 
 def _tiktoken(path: Path, eod_token: str | None) -> Tokenizer:
+    tiktoken = _library("tiktoken", path)
     try:
-        import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
-    except ImportError as exc:
-        raise TokenizerError(f"tokenizer {path}: needs the `tiktoken` package ({exc})") \
-            from None
-    try:
-        ranks = load_tiktoken_bpe(str(path))
+        ranks = _library("tiktoken.load", path).load_tiktoken_bpe(str(path))
     except Exception as exc:  # a binary or malformed file fails in base64 or int parsing
         raise TokenizerError(f"tokenizer {path}: not a tiktoken BPE file (base64 token, rank "
                              f"per line), a tokenizer.json or a SentencePiece model ({exc})") \
