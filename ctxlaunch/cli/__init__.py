@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from ctxlaunch import __version__
-from ctxlaunch.cli import jobs, planning, spec, sweeps, train
+from ctxlaunch.cli import data, jobs, planning, spec, sweeps, train
 from ctxlaunch.cli.common import out
 
 app = typer.Typer(
@@ -44,6 +44,7 @@ COMMANDS: list[tuple[str | None, Callable[..., None]]] = [
 """(name when it is not the function's, the command)."""
 for command_name, command in COMMANDS:
     app.command(name=command_name)(command)
+app.add_typer(data.data, name="data")
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ rule at once, each at the field it concerns, with the value, the rule and a fix.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -166,12 +167,37 @@ class CheckpointSpec(_Strict):
     """Keep the newest this many checkpoints."""
 
 
-class DataSpec(_Strict):
-    """Training tokens: synthetic (seeded random tokens) or a text file read byte-level."""
+def indexed_prefix(path: str | Path) -> Path:
+    """A Megatron indexed dataset's file prefix: `path` may name the prefix, the .bin or the
+    .idx; the data is PREFIX.bin and its index PREFIX.idx."""
+    path = Path(path)
+    return path.with_suffix("") if path.suffix in (".bin", ".idx") else path
 
-    source: Literal["synthetic", "text"] = "synthetic"
+
+def indexed_files(path: str | Path) -> tuple[Path, Path]:
+    """(PREFIX.bin, PREFIX.idx) for an indexed dataset named as `indexed_prefix` takes it."""
+    prefix = indexed_prefix(path)
+    return prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".idx")
+
+
+class DataSpec(_Strict):
+    """Training tokens: synthetic (seeded random tokens), a text file read byte-level, or
+    tokenized documents (Megatron indexed datasets, as `ctxlaunch data prepare` writes)."""
+
+    source: Literal["synthetic", "text", "tokens"] = "synthetic"
+    """synthetic: seeded random tokens; text: `path` read byte-level; tokens: `path` or
+    `paths`, indexed datasets packed into sequences at fixed offsets."""
     path: str | None = None
-    """The text file for source: text; each byte is one token (vocab >= 256)."""
+    """The text file for source: text; each byte is one token (vocab >= 256). For source:
+    tokens, one indexed dataset: its prefix, .bin or .idx."""
+    paths: list[str] | None = None
+    """source: tokens only: several indexed datasets, blended by `weights`."""
+    weights: list[Annotated[float, Field(gt=0)]] | None = None
+    """One positive weight per entry of `paths` (normalised to sum 1): the share of sequences
+    drawn from each. Default: equal shares."""
+    eval_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+    """source: tokens only: the fraction of each file's documents held out for evaluation,
+    chosen by a fixed hash of the document's index (never trained on)."""
 
     @model_validator(mode="after")
     def _path_for_text(self) -> DataSpec:
@@ -179,6 +205,37 @@ class DataSpec(_Strict):
             raise ValidationError.from_exception_data("DataSpec", [_problem(
                 ("path",), self.path,
                 "data.source = text needs data.path (the text file to read byte-level)")])
+        return self
+
+    @model_validator(mode="after")
+    def _files_for_tokens(self) -> DataSpec:
+        problems: list[InitErrorDetails] = []
+        if self.source != "tokens":
+            for name in ("paths", "weights"):
+                if getattr(self, name) is not None:
+                    problems.append(_problem((name,), getattr(self, name),
+                                             f"data.{name} needs data.source = tokens"))
+        elif (self.path is None) == (self.paths is None):
+            problems.append(_problem(("path",), self.path,
+                "data.source = tokens needs exactly one of data.path (one indexed dataset) "
+                "and data.paths (several, with data.weights)"))
+        elif self.weights is not None and (self.paths is None
+                                            or len(self.weights) != len(self.paths)):
+            problems.append(_problem(("weights",), self.weights,
+                f"data.weights has {len(self.weights)} entries but data.paths has "
+                f"{len(self.paths or [])}: give one weight per path"))
+        else:
+            entries: list[tuple[tuple[str | int, ...], str]] = (
+                [(("path",), str(self.path))] if self.paths is None
+                else [(("paths", i), p) for i, p in enumerate(self.paths)])
+            for loc, value in entries:
+                missing = [str(f) for f in indexed_files(value) if not f.is_file()]
+                if missing:
+                    problems.append(_problem(loc, value,
+                        f"no such file: {', '.join(missing)} (make it with `ctxlaunch data "
+                        "prepare`)"))
+        if problems:
+            raise ValidationError.from_exception_data("DataSpec", problems)
         return self
 
 

@@ -100,4 +100,9 @@ def make_source(data_spec: DataSpec, vocab: int, seq_len: int,
         if data_spec.path is None:  # DataSpec refuses this; the check is for the type
             raise ValueError("data.source = text needs data.path")
         return ByteText(data_spec.path, seq_len)
+    if data_spec.source == "tokens":
+        from ctxlaunch.runtime.data.packing import PackedTokens
+
+        return PackedTokens(data_spec.paths or [data_spec.path], data_spec.weights, seq_len,
+                            vocab, data_spec.eval_fraction)
     return SyntheticTokens(vocab, seq_len, seed)

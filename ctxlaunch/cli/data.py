@@ -1,0 +1,80 @@
+"""`ctxlaunch data ...`: training data. `data prepare` tokenizes text into a Megatron indexed
+dataset (PREFIX.bin + PREFIX.idx) that `training.data: {source: tokens, path: PREFIX}` trains
+on, and that Megatron trains on too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract.loader import SpecError, load_spec
+from ctxlaunch.runtime.data.prepare import PrepareError, prepare
+from ctxlaunch.runtime.data.tokenizers import TokenizerError
+
+data = typer.Typer(name="data", help="Training data: tokenize text for source: tokens.",
+                   no_args_is_help=True)
+_out = Console(highlight=False, soft_wrap=True)
+_err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _bad_input(message: str) -> typer.Exit:
+    _err.print(f"[bold red]error:[/] {message}", markup=True)
+    return typer.Exit(exitcodes.BAD_INPUT)
+
+
+@data.command("prepare")
+def prepare_command(
+    inputs: Annotated[list[Path], typer.Argument(
+        help="Text files (.txt: one document per file) or JSON lines (.jsonl/.json: one "
+             "document per line, its text in --json-field).", show_default=False)],
+    tokenizer: Annotated[Path, typer.Option(
+        "--tokenizer", "-t", help="A Hugging Face tokenizer.json (or its directory), a "
+        "SentencePiece .model or a tiktoken BPE file.", show_default=False)],
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", help="Output prefix: writes OUTPUT.bin and OUTPUT.idx.",
+        show_default=False)],
+    json_field: Annotated[str, typer.Option(help="The JSON lines field holding the text.")]
+    = "text",
+    workers: Annotated[int, typer.Option(min=1, help="Tokenizing processes.")] = 1,
+    model_vocab: Annotated[int | None, typer.Option(
+        min=1, help="The model's vocabulary: a tokenizer with more ids is refused.")] = None,
+    spec: Annotated[Path | None, typer.Option(
+        help="A job spec whose model.vocab the tokenizer must fit (instead of --model-vocab).")]
+    = None,
+    eod_token: Annotated[str | None, typer.Option(
+        help="The end-of-document token, when not the tokenizer's own eos.")] = None,
+) -> None:
+    """Tokenize INPUT files into OUTPUT.bin / OUTPUT.idx (Megatron's indexed dataset),
+    appending the end-of-document token to each document. Bad input exits 2, writing nothing."""
+    if spec is not None:
+        try:
+            vocab_from_spec = load_spec(spec).model.vocab
+        except SpecError as exc:
+            _err.print(str(exc), markup=False)
+            raise typer.Exit(exitcodes.BAD_INPUT) from None
+        if model_vocab is not None and model_vocab != vocab_from_spec:
+            raise _bad_input(f"--model-vocab {model_vocab} disagrees with {spec}'s model.vocab "
+                             f"= {vocab_from_spec}; give one of them")
+        model_vocab = vocab_from_spec
+    total_bytes = sum(p.stat().st_size for p in inputs if p.is_file())
+    progress = Progress("[progress.description]{task.description}", BarColumn(),
+                        DownloadColumn(), TimeRemainingColumn(), console=_err,
+                        transient=True)
+    try:
+        with progress:
+            task = progress.add_task("tokenizing", total=total_bytes)
+            result = prepare(inputs, tokenizer, output, json_field=json_field,
+                             workers=workers, model_vocab=model_vocab, eod_token=eod_token,
+                             on_progress=lambda done: progress.update(task, completed=done))
+    except (PrepareError, TokenizerError) as exc:
+        raise _bad_input(str(exc)) from None
+    skipped = f", {result.empty_skipped} empty skipped" if result.empty_skipped else ""
+    _out.print(f"wrote {result.bin_path} and {result.idx_path}: {result.documents} documents"
+               f"{skipped}, {result.tokens} tokens (vocab {result.vocab_size}, end of document "
+               f"{result.eod_id}) in {result.seconds:.2f} s, "
+               f"{result.tokens_per_second:,.0f} tokens/s")

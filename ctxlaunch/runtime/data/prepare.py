@@ -1,0 +1,217 @@
+"""`ctxlaunch data prepare`: text in, a Megatron indexed dataset out.
+
+Documents: a `.jsonl` or `.json` input is JSON lines, one document per line, its text in a
+named field; this is the only input Megatron's `tools/preprocess_data.py` reads (without
+--split-sentences it too makes one document of each line's field). Any other input (`.txt`)
+is one document per file: blank lines separate paragraphs, not documents, and a book or a
+source file is one document. Each document's ids get the end-of-document id appended (as
+preprocess_data's --append-eod does); a record whose text is empty is skipped and counted (it
+would have no tokens to train on).
+
+Several processes tokenize; the parent writes, in input order, so the output does not depend
+on the number of workers. Any bad input stops the run and removes what was written.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from ctxlaunch.contract.spec import indexed_files
+from ctxlaunch.runtime.data.indexed import IndexedWriter, token_dtype
+from ctxlaunch.runtime.data.tokenizers import Tokenizer, load_tokenizer
+
+JSON_SUFFIXES = (".jsonl", ".json")
+BATCH_BYTES = 1 << 20
+"""Text sent to a worker at a time: large enough to amortise the pickling, small enough that
+the progress bar moves and memory stays flat."""
+
+
+class PrepareError(ValueError):
+    """Bad input: the message names the input (file and line where there is one) and why."""
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    """What one `prepare` run wrote."""
+
+    bin_path: Path
+    idx_path: Path
+    documents: int
+    tokens: int
+    input_bytes: int
+    seconds: float
+    empty_skipped: int
+    vocab_size: int
+    eod_id: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Tokens written per second of the whole run (reading, tokenizing and writing)."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class _Record:
+    """One document's text as read: where it came from, and the raw text or JSON line."""
+
+    source: str
+    """file, or file:line for JSON lines."""
+    raw: str
+    is_json: bool
+
+
+def _records(path: Path) -> Iterator[_Record]:
+    """The documents of one input file, unparsed (workers parse JSON, in parallel)."""
+    try:
+        if path.suffix.lower() in JSON_SUFFIXES:
+            with open(path, encoding="utf-8") as stream:
+                for number, line in enumerate(stream, start=1):
+                    if line.strip():
+                        yield _Record(f"{path}:{number}", line, True)
+        else:
+            yield _Record(str(path), path.read_text(encoding="utf-8"), False)
+    except UnicodeDecodeError as exc:
+        raise PrepareError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start} of a "
+                           "read block)") from None
+
+
+_worker_tokenizer: Tokenizer | None = None
+_worker_field = "text"
+
+
+def _start_worker(tokenizer_path: str, eod_token: str | None, json_field: str) -> None:
+    """Pool initializer: each worker loads the tokenizer once."""
+    global _worker_tokenizer, _worker_field
+    _worker_tokenizer = load_tokenizer(tokenizer_path, eod_token)
+    _worker_field = json_field
+
+
+def _encode_batch(batch: list[_Record]) -> list[npt.NDArray[np.int64] | None]:
+    """Token ids (with the end-of-document id) per record; None for an empty text."""
+    tokenizer = _worker_tokenizer
+    assert tokenizer is not None, "worker used before _start_worker"
+    out: list[npt.NDArray[np.int64] | None] = []
+    for record in batch:
+        text = _text_of(record, _worker_field)
+        if not text:
+            out.append(None)
+            continue
+        ids = tokenizer.encode(text)
+        ids.append(tokenizer.eod_id)
+        out.append(np.asarray(ids, dtype=np.int64))
+    return out
+
+
+def _text_of(record: _Record, field: str) -> str:
+    if not record.is_json:
+        return record.raw
+    try:
+        data = json.loads(record.raw)
+    except ValueError as exc:
+        raise PrepareError(f"{record.source}: not a JSON object ({exc})") from None
+    if not isinstance(data, dict) or field not in data:
+        keys = ", ".join(sorted(data)) if isinstance(data, dict) else type(data).__name__
+        raise PrepareError(f"{record.source}: no field {field!r} (has: {keys}); "
+                           "choose the field with --json-field")
+    text = data[field]
+    if not isinstance(text, str):
+        raise PrepareError(f"{record.source}: field {field!r} is {type(text).__name__}, "
+                           "not text")
+    return text
+
+
+def _batches(inputs: Sequence[Path]) -> Iterator[tuple[list[_Record], int]]:
+    """Records in input order, in batches of about BATCH_BYTES, with the bytes each holds."""
+    batch: list[_Record] = []
+    size = 0
+    for path in inputs:
+        for record in _records(path):
+            batch.append(record)
+            size += len(record.raw.encode("utf-8"))
+            if size >= BATCH_BYTES:
+                yield batch, size
+                batch, size = [], 0
+    if batch:
+        yield batch, size
+
+
+def check_inputs(inputs: Sequence[str | Path]) -> list[Path]:
+    """Every input exists and holds something; the first problem is a PrepareError."""
+    paths = [Path(p) for p in inputs]
+    if not paths:
+        raise PrepareError("no input files")
+    for path in paths:
+        if not path.is_file():
+            raise PrepareError(f"{path}: no such file")
+        if path.stat().st_size == 0:
+            raise PrepareError(f"{path}: the file is empty (no documents)")
+    return paths
+
+
+def prepare(inputs: Sequence[str | Path], tokenizer_path: str | Path, output: str | Path, *,
+            json_field: str = "text", workers: int = 1, model_vocab: int | None = None,
+            eod_token: str | None = None,
+            on_progress: Callable[[int], None] | None = None) -> PrepareResult:
+    """Tokenize `inputs` into OUTPUT.bin / OUTPUT.idx (see the module docstring for what a
+    document is). `model_vocab`, when given, must hold every id the tokenizer can produce.
+    `on_progress(bytes)` is called as each batch of input text is written. Raises PrepareError
+    (or TokenizerError) on bad input, leaving nothing at OUTPUT."""
+    started = time.perf_counter()
+    paths = check_inputs(inputs)
+    tokenizer = load_tokenizer(tokenizer_path, eod_token)
+    if model_vocab is not None and tokenizer.vocab_size > model_vocab:
+        raise PrepareError(f"tokenizer {tokenizer.path}: vocabulary of {tokenizer.vocab_size} "
+                           f"ids is larger than the model's {model_vocab} (model.vocab)")
+    init_args = (str(tokenizer_path), eod_token, json_field)
+    documents = tokens = empty = read = 0
+    pool = None
+    with IndexedWriter(output, token_dtype(tokenizer.vocab_size)) as writer:
+        if workers > 1:
+            # spawn: the parent may hold threads (rich's live display, tokenizers' pool) that
+            # a fork would copy in an unknown state.
+            pool = multiprocessing.get_context("spawn").Pool(
+                workers, initializer=_start_worker, initargs=init_args)
+        try:
+            batches = _batches(paths)
+            sizes: list[int] = []
+
+            def texts() -> Iterator[list[_Record]]:
+                for batch, size in batches:
+                    sizes.append(size)
+                    yield batch
+
+            encoded: Iterator[list[npt.NDArray[np.int64] | None]]
+            if pool is not None:
+                encoded = pool.imap(_encode_batch, texts())
+            else:
+                _start_worker(*init_args)
+                encoded = map(_encode_batch, texts())
+            for number, batch_ids in enumerate(encoded):
+                for ids in batch_ids:
+                    if ids is None:
+                        empty += 1
+                        continue
+                    writer.add_document(ids)
+                    documents += 1
+                    tokens += ids.size
+                read += sizes[number]
+                if on_progress is not None:
+                    on_progress(read)
+            if documents == 0:
+                raise PrepareError(f"{', '.join(map(str, paths))}: no document has any text")
+        finally:
+            if pool is not None:
+                pool.terminate()
+                pool.join()
+    bin_path, idx_path = indexed_files(output)
+    return PrepareResult(bin_path, idx_path, documents, tokens, read,
+                         time.perf_counter() - started, empty, tokenizer.vocab_size,
+                         tokenizer.eod_id)

@@ -1,0 +1,162 @@
+"""Tokenizers from local files: a Hugging Face `tokenizer.json`, a SentencePiece model, or a
+tiktoken BPE file. Nothing is ever downloaded.
+
+Each gives `encode(text) -> ids` (no special tokens added: documents get exactly one
+end-of-document id, appended by the caller), `vocab_size` (every id it can produce, special
+tokens included: the model's embedding must be at least this large) and `eod_id`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be loaded; the message names the path and the reason."""
+
+
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+"""The pre-tokenizing split of Llama 3's tiktoken BPE (and of cl100k): a tiktoken file holds
+only the merges, so the split and the special tokens come from the convention it was made for."""
+
+LLAMA3_SPECIAL_COUNT = 256
+"""Llama 3 reserves 256 special ids after the BPE ranks: <|begin_of_text|> is the first,
+<|end_of_text|> (the end of a document) the second."""
+
+EOD_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>")
+"""End-of-document tokens looked for, in order, when a tokenizer.json has no tokenizer_config
+naming its eos_token."""
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """A loaded tokenizer: what `data prepare` needs and nothing else."""
+
+    path: Path
+    kind: str
+    """huggingface, sentencepiece or tiktoken."""
+    vocab_size: int
+    eod_id: int
+    encode: Callable[[str], list[int]]
+    """Text -> token ids, without any special token added."""
+
+
+def load_tokenizer(path: str | Path, eod_token: str | None = None) -> Tokenizer:
+    """Load the tokenizer at `path`, its kind told by the file: JSON is a Hugging Face
+    tokenizer.json (or a directory holding one), a SentencePiece model is a protobuf starting
+    with its piece list, and anything else is tried as a tiktoken BPE file (base64 token, rank
+    per line). `eod_token` names the end-of-document token when the file's own is not wanted."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise TokenizerError(f"tokenizer {path}: no such file")
+    head = _head(path)
+    if head.lstrip().startswith(b"{"):
+        return _huggingface(path, eod_token)
+    if head[:1] == b"\x0a":  # protobuf field 1 (pieces), length-delimited: a SentencePiece model
+        return _sentencepiece(path, eod_token)
+    return _tiktoken(path, eod_token)
+
+
+def _head(path: Path) -> bytes:
+    """The first bytes of a file, which tell its kind."""
+    with open(path, "rb") as stream:
+        return stream.read(64)
+
+
+def _library(module: str, path: Path) -> Any:
+    """Import a tokenizer library (imported only when its kind of file is loaded)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise TokenizerError(f"tokenizer {path}: needs the `{module.split('.')[0]}` package "
+                             f"({exc})") from None
+
+
+def _huggingface(path: Path, eod_token: str | None) -> Tokenizer:
+    try:
+        tokenizer = _library("tokenizers", path).Tokenizer.from_file(str(path))
+    except Exception as exc:  # the Rust side raises a bare Exception for every malformed file
+        raise TokenizerError(f"tokenizer {path}: not a Hugging Face tokenizer.json ({exc})") \
+            from None
+    name = eod_token or _configured_eos(path) or next(
+        (n for n in EOD_NAMES if tokenizer.token_to_id(n) is not None), None)
+    eod = tokenizer.token_to_id(name) if name else None
+    if eod is None:
+        raise TokenizerError(f"tokenizer {path}: no end-of-document token "
+                             f"({name or ' / '.join(EOD_NAMES)} not in its vocabulary); "
+                             "name one with --eod-token")
+
+    # Special tokens written in the text are encoded as text, as tiktoken's encode_ordinary
+    # and SentencePiece do: a document cannot end itself early by containing "</s>".
+    tokenizer.encode_special_tokens = True
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False).ids)
+
+    return Tokenizer(path, "huggingface", tokenizer.get_vocab_size(with_added_tokens=True),
+                     eod, encode)
+
+
+def _configured_eos(path: Path) -> str | None:
+    """The eos_token of a tokenizer_config.json beside a tokenizer.json, where there is one."""
+    config = path.with_name("tokenizer_config.json")
+    try:
+        eos: Any = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(eos, dict):  # transformers' AddedToken form
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) else None
+
+
+def _sentencepiece(path: Path, eod_token: str | None) -> Tokenizer:
+    sentencepiece = _library("sentencepiece", path)
+    try:
+        model = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    except (OSError, RuntimeError) as exc:
+        raise TokenizerError(f"tokenizer {path}: not a SentencePiece model ({exc})") from None
+    eod = model.piece_to_id(eod_token) if eod_token else model.eos_id()
+    if eod < 0 or (eod_token and model.id_to_piece(eod) != eod_token):
+        raise TokenizerError(f"tokenizer {path}: no end-of-document token "
+                             f"({eod_token or 'the model defines no eos'}); "
+                             "name one with --eod-token")
+
+    def encode(text: str) -> list[int]:
+        return list(model.encode(text))
+
+    return Tokenizer(path, "sentencepiece", model.get_piece_size(), eod, encode)
+
+
+def _tiktoken(path: Path, eod_token: str | None) -> Tokenizer:
+    tiktoken = _library("tiktoken", path)
+    try:
+        ranks = _library("tiktoken.load", path).load_tiktoken_bpe(str(path))
+    except Exception as exc:  # a binary or malformed file fails in base64 or int parsing
+        raise TokenizerError(f"tokenizer {path}: not a tiktoken BPE file (base64 token, rank "
+                             f"per line), a tokenizer.json or a SentencePiece model ({exc})") \
+            from None
+    base = len(ranks)
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"] + [
+        f"<|reserved_special_token_{i}|>" for i in range(LLAMA3_SPECIAL_COUNT - 2)]
+    special_ids = {name: base + i for i, name in enumerate(specials)}
+    name = eod_token or "<|end_of_text|>"
+    if name not in special_ids:
+        raise TokenizerError(f"tokenizer {path}: no end-of-document token {name!r} among the "
+                             "Llama 3 special tokens")
+    encoding = tiktoken.Encoding(name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
+                                 special_tokens=special_ids)
+
+    def encode(text: str) -> list[int]:
+        # Text that looks like a special token is encoded as text: a document cannot end
+        # itself early by containing "<|end_of_text|>".
+        return list(encoding.encode_ordinary(text))
+
+    return Tokenizer(path, "tiktoken", base + LLAMA3_SPECIAL_COUNT, special_ids[name], encode)
