@@ -267,7 +267,8 @@ def main():
         for seq_len in args.seq:
             for layout in ("zigzag", "contiguous"):
                 secs = [r[("kernel", layout, n, seq_len, "fp32")] for r in per_rank]
-                print(f"| {n} | {seq_len} | {layout} | {', '.join(f'{s:.2f}' for s in secs)} | {max(secs) / min(secs):.3f} |")
+                times = ", ".join(f"{s:.2f}" for s in secs)
+                print(f"| {n} | {seq_len} | {layout} | {times} | {max(secs) / min(secs):.3f} |")
 
     print(f"\nOverlap: ring zigzag fwd+bwd, fp32, S={min(args.seq)}, every transfer delayed by d = factor x "
           "(forward time / N); total delay = (2N-1) d, the transfer chain of one fwd+bwd\n")

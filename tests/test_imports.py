@@ -8,11 +8,16 @@ import subprocess
 import sys
 
 LAUNCHER_MODULES = [
-    "ctxlaunch", "ctxlaunch.cli", "ctxlaunch.contract.spec", "ctxlaunch.contract.loader", "ctxlaunch.planning.plan",
-    "ctxlaunch.perf.memory", "ctxlaunch.perf.flops", "ctxlaunch.launch.plan", "ctxlaunch.launch.render",
-    "ctxlaunch.launch.sweep", "ctxlaunch.launch.jobstore", "ctxlaunch.launch.backends", "ctxlaunch.launch.backends.local",
-    "ctxlaunch.launch.backends.slurm", "ctxlaunch.launch.backends.kubernetes", "ctxlaunch.podentry",
-    "ctxlaunch.runtime.telemetry.metrics", "ctxlaunch.runtime.telemetry.dashboard",
+    "ctxlaunch", "ctxlaunch.cli",
+    "ctxlaunch.contract.spec", "ctxlaunch.contract.loader", "ctxlaunch.contract.rundir",
+    "ctxlaunch.contract.events",
+    "ctxlaunch.perf.layout", "ctxlaunch.perf.memory", "ctxlaunch.perf.flops", "ctxlaunch.perf.steptime",
+    "ctxlaunch.perf.machine", "ctxlaunch.perf.commvolume",
+    "ctxlaunch.planning.plan", "ctxlaunch.planning.advise",
+    "ctxlaunch.launch.plan", "ctxlaunch.launch.render", "ctxlaunch.launch.sweep", "ctxlaunch.launch.jobstore",
+    "ctxlaunch.launch.backends", "ctxlaunch.launch.backends.local", "ctxlaunch.launch.backends.slurm",
+    "ctxlaunch.launch.backends.kubernetes",
+    "ctxlaunch.runtime.podentry", "ctxlaunch.runtime.telemetry.metrics", "ctxlaunch.runtime.telemetry.dashboard",
 ]
 HEAVY = ["torch", "kubernetes", "submitit", "deepspeed"]
 

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from ctxlaunch.launch.backends.base import Status
 from ctxlaunch.contract.events import parse_events
+from ctxlaunch.launch.backends.base import Status
 from ctxlaunch.launch.backends.slurm import runs_from_events, tell_story
 
 # A job preempted in its first run (requeued by its script), then a node failure (requeued by

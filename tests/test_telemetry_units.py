@@ -58,7 +58,7 @@ def test_exporter_series_carry_every_label() -> None:
     exporter.set("ctxlaunch_mfu_ratio", 0.5, convention="full")
     exporter.inc("ctxlaunch_oom_events_total")
     text = exporter.scrape_text()
-    line = next(l for l in text.splitlines() if l.startswith("ctxlaunch_mfu_ratio{"))
+    line = next(row for row in text.splitlines() if row.startswith("ctxlaunch_mfu_ratio{"))
     for label in LABELS:
         assert f'{label}="' in line
     assert 'convention="full"' in line and line.endswith(" 0.5")

@@ -1,4 +1,4 @@
-# Shapes: q (B, Hq, S/N, D), k, v (B, Hkv, S/N, D) local shards, N = U*R; inside: (B, H/U, S/R, D); lse (B, Hq, S/N) fp32.
+# Shapes: q (B, Hq, S/N, D), k, v (B, Hkv, S/N, D) local shards, N = U*R; inside (B, H/U, S/R, D); lse (B, Hq, S/N) fp32
 """Hybrid (USP) attention: Ulysses all-to-all inside groups of U consecutive CP ranks, ring
 attention across the R = N/U groups.
 

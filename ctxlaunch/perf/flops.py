@@ -23,13 +23,23 @@ CONVENTIONS: tuple[MfuConvention, ...] = ("full", "causal")
 
 
 class ModelShape(Protocol):
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn_hidden: int
-    vocab: int
-    tie_embeddings: bool
+    """What FLOP and parameter counts read of a model (a ModelSpec, or a published run's
+    shape); read-only, so frozen records satisfy it."""
+
+    @property
+    def layers(self) -> int: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def ffn_hidden(self) -> int: ...
+    @property
+    def vocab(self) -> int: ...
+    @property
+    def tie_embeddings(self) -> bool: ...
 
 
 @dataclass(frozen=True)

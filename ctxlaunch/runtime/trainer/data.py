@@ -12,11 +12,15 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
 from ctxlaunch.contract.spec import DataSpec
 from ctxlaunch.cp import shard_positions
+
+if TYPE_CHECKING:
+    from ctxlaunch.runtime.data.packing import PackedTokens
 
 
 class SyntheticTokens:
@@ -72,10 +76,14 @@ class MicroBatch:
     positions: torch.Tensor  # (S_local,) global positions, for RoPE
 
 
+TokenSource: TypeAlias = "SyntheticTokens | ByteText | PackedTokens"
+"""Where a run's sequences come from: `sequence(i)` gives sequence i (seq_len + 1 tokens)."""
+
+
 class Batches:
     """This rank's micro-batches."""
 
-    def __init__(self, source: SyntheticTokens | ByteText, *, seq_len: int, micro_batch: int,
+    def __init__(self, source: TokenSource, *, seq_len: int, micro_batch: int,
                  global_batch: int, dp: int, dp_rank: int, cp: int, cp_rank: int, layout: str):
         self.source = source
         self.micro_batch, self.global_batch = micro_batch, global_batch
@@ -94,7 +102,7 @@ class Batches:
 
 
 def make_source(data_spec: DataSpec, vocab: int, seq_len: int,
-                seed: int) -> SyntheticTokens | ByteText:
+                seed: int) -> TokenSource:
     """The token source the spec's training.data names."""
     if data_spec.source == "text":
         if data_spec.path is None:  # DataSpec refuses this; the check is for the type
@@ -103,6 +111,7 @@ def make_source(data_spec: DataSpec, vocab: int, seq_len: int,
     if data_spec.source == "tokens":
         from ctxlaunch.runtime.data.packing import PackedTokens
 
-        return PackedTokens(data_spec.paths or [data_spec.path], data_spec.weights, seq_len,
+        paths = data_spec.paths or ([data_spec.path] if data_spec.path else [])
+        return PackedTokens(paths, data_spec.weights, seq_len,
                             vocab, data_spec.eval_fraction)
     return SyntheticTokens(vocab, seq_len, seed)

@@ -1,0 +1,41 @@
+"""The code passes its own linters: ruff (pyflakes, pycodestyle, import order, pyupgrade,
+bugbear) over the package, the tests and the benchmarks, and mypy over the package, with the
+settings in pyproject.toml. A `type: ignore` must say why on its own line."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def _run(tool: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / tool), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_ruff() -> None:
+    result = _run("ruff", "check", "--no-cache", "ctxlaunch", "tests", "benchmarks")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.timeout(600)
+def test_mypy() -> None:
+    result = _run("mypy", "--no-incremental")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_type_ignore_gives_its_reason() -> None:
+    bare = []
+    for path in sorted((ROOT / "ctxlaunch").rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            match = re.search(r"#\s*type:\s*ignore(\[[^\]]*\])?(.*)$", line)
+            if match and not re.search(r"#\s*\S", match.group(2)):
+                bare.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert bare == [], "type: ignore without a reason:\n" + "\n".join(bare)
