@@ -43,7 +43,7 @@ def test_disk_full_is_found_in_wrapped_errors(tmp_path: Path) -> None:
 
 def test_a_stop_signal_during_start_up_does_not_kill_the_rank(tmp_path: Path) -> None:
     code = ("import os, signal, time\n"
-            "from ctxlaunch.trainer import stopsignal\n"
+            "from ctxlaunch.runtime.trainer import stopsignal\n"
             "stopsignal.install()\n"
             "os.kill(os.getpid(), signal.SIGUSR1)\n"
             "time.sleep(0.1)\n"
