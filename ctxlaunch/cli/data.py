@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
+from ctxlaunch.cli.common import err, fail, out
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.loader import SpecError, load_spec
 from ctxlaunch.runtime.data.prepare import PrepareError, prepare
@@ -18,14 +18,6 @@ from ctxlaunch.runtime.data.tokenizers import TokenizerError
 
 data = typer.Typer(name="data", help="Training data: tokenize text for source: tokens.",
                    no_args_is_help=True)
-_out = Console(highlight=False, soft_wrap=True)
-_err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-
-def _bad_input(message: str) -> typer.Exit:
-    _err.print(f"[bold red]error:[/] {message}", markup=True)
-    return typer.Exit(exitcodes.BAD_INPUT)
-
 
 @data.command("prepare")
 def prepare_command(
@@ -55,15 +47,15 @@ def prepare_command(
         try:
             vocab_from_spec = load_spec(spec).model.vocab
         except SpecError as exc:
-            _err.print(str(exc), markup=False)
+            err.print(str(exc), markup=False)
             raise typer.Exit(exitcodes.BAD_INPUT) from None
         if model_vocab is not None and model_vocab != vocab_from_spec:
-            raise _bad_input(f"--model-vocab {model_vocab} disagrees with {spec}'s model.vocab "
+            fail(f"--model-vocab {model_vocab} disagrees with {spec}'s model.vocab "
                              f"= {vocab_from_spec}; give one of them")
         model_vocab = vocab_from_spec
     total_bytes = sum(p.stat().st_size for p in inputs if p.is_file())
     progress = Progress("[progress.description]{task.description}", BarColumn(),
-                        DownloadColumn(), TimeRemainingColumn(), console=_err,
+                        DownloadColumn(), TimeRemainingColumn(), console=err,
                         transient=True)
     try:
         with progress:
@@ -72,9 +64,9 @@ def prepare_command(
                              workers=workers, model_vocab=model_vocab, eod_token=eod_token,
                              on_progress=lambda done: progress.update(task, completed=done))
     except (PrepareError, TokenizerError) as exc:
-        raise _bad_input(str(exc)) from None
+        fail(str(exc))
     skipped = f", {result.empty_skipped} empty skipped" if result.empty_skipped else ""
-    _out.print(f"wrote {result.bin_path} and {result.idx_path}: {result.documents} documents"
+    out.print(f"wrote {result.bin_path} and {result.idx_path}: {result.documents} documents"
                f"{skipped}, {result.tokens} tokens (vocab {result.vocab_size}, end of document "
                f"{result.eod_id}) in {result.seconds:.2f} s, "
                f"{result.tokens_per_second:,.0f} tokens/s")
