@@ -130,6 +130,9 @@ def report_table(data: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
     """`report`: one row per point, measured against predicted."""
     table = Table(title=f"sweep {data['name']} ({data['id']})", title_justify="left")
     shown = ["name", *data["axes"], *REPORT_COLUMNS]
+    # The evaluation's columns where some point evaluated (training.eval.interval).
+    shown += [c for c in ("eval_loss", "eval_loss_longest", "passkey_retrieved")
+              if any(row.get(c) is not None for row in rows)]
     for column in shown:
         table.add_column(column.replace("predicted_", "pred. ").replace("_", " "),
                          justify="left" if column in ("name", "state") else "right")

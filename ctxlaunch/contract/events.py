@@ -1,7 +1,7 @@
 """The job's report to the launcher: one JSON object a line in <run dir>/events.jsonl.
 
-The trainer appends what happened (it started, a step, a checkpoint, a stop signal, an OOM, a
-failure) and the Slurm batch script appends a requeue with its cause; `ctxlaunch status`
+The trainer appends what happened (it started, a step, a checkpoint, an evaluation, a stop
+signal, an OOM, a failure) and the Slurm batch script appends a requeue with its cause; `ctxlaunch status`
 reads them back instead of parsing log text. The kinds and their fields are defined here once:
 the writer, the reader and the batch script's printf line (built by `requeue_printf`) all
 come from EVENT_FIELDS, so the format cannot drift between Python and shell.
@@ -28,6 +28,7 @@ STOP_SIGNAL = "stop_signal"
 REQUEUE = "requeue"
 OOM = "oom"
 FAILURE = "failure"
+EVAL = "eval"
 
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     STARTED: ("restart", "world_size"),
@@ -37,6 +38,7 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     REQUEUE: ("restart", "cause", "exit"),
     OOM: ("rank", "step", "message"),
     FAILURE: ("rank", "cause"),
+    EVAL: ("step", "loss"),
 }
 """Event kind -> its fields, in the order they are written. `restart` is the scheduler's
 restart count of the run (0 for the first run); `exit` a process exit status."""

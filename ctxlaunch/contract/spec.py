@@ -239,6 +239,40 @@ class DataSpec(_Strict):
         return self
 
 
+class PasskeySpec(_Strict):
+    """The passkey-retrieval probe (Mohtashami & Jaggi, 2023): a random number hidden at a
+    given depth in filler text, asked for at the end; scored by whether the model's arg-max
+    reproduces every token of the number (teacher-forced, so one forward pass per probe)."""
+
+    enabled: bool = True
+    lengths: list[PositiveInt] | None = None
+    """Prompt lengths in tokens (each at most training.seq_len). Default: seq_len / 4,
+    seq_len / 2 and seq_len."""
+    depths: list[Annotated[float, Field(ge=0.0, le=1.0)]] = [0.0, 0.25, 0.5, 0.75, 1.0]
+    """Where the number sits in the filler: 0 at the start, 1 just before the question."""
+    trials: PositiveInt = 2
+    """Different numbers per (length, depth)."""
+
+
+class EvalSpec(_Strict):
+    """Evaluation at length on held-out data (`ctxlaunch eval`, and every `interval` steps
+    during training): loss and perplexity per context-length bucket, and the passkey probe.
+    Runs forward only, at the job's own layout (pp 1)."""
+
+    interval: int = Field(0, ge=0)
+    """Evaluate every this many training steps; 0: only through `ctxlaunch eval`."""
+    sequences: PositiveInt = 8
+    """Held-out sequences of seq_len tokens to score (fewer if the held-out data is shorter)."""
+    buckets: PositiveInt = 6
+    """Context-length buckets, doubling up to seq_len: with 6 at 8,192 tokens the buckets are
+    [0, 256), [256, 512), ... [4096, 8192). A token's context length is its position (the
+    RoPE position: in its document when positions restart per document)."""
+    tokenizer: str | None = None
+    """The tokenizer of the data (tokenizer.json, a SentencePiece model or a tiktoken file),
+    for the passkey prompts on source: tokens; byte-level text needs none."""
+    passkey: PasskeySpec = PasskeySpec()
+
+
 class TrainingSpec(_Strict):
     """What one optimizer step looks like and how long to run."""
 
@@ -269,6 +303,7 @@ class TrainingSpec(_Strict):
     seed: int = Field(0, ge=0)
     checkpoint: CheckpointSpec = CheckpointSpec()
     data: DataSpec = DataSpec()
+    eval: EvalSpec = EvalSpec()
     log_interval: PositiveInt = 1
     """Log (and export) metrics every this many steps."""
     timeout_seconds: int = Field(600, ge=5)
@@ -759,6 +794,7 @@ def layout_problems(spec: JobSpec) -> list[InitErrorDetails]:
     if t.data.source == "text" and m.vocab < 256:
         out.append(_problem(("model", "vocab"), m.vocab,
             "byte-level text data needs vocab >= 256"))
+    out.extend(eval_problems(t, p))
 
     # Targets.
     if c.target == "local" and c.nodes != 1:
@@ -767,6 +803,23 @@ def layout_problems(spec: JobSpec) -> list[InitErrorDetails]:
     if c.target == "kubernetes" and not c.kubernetes.image:
         out.append(_problem(("cluster", "kubernetes", "image"), None,
             "target kubernetes needs an image with ctxlaunch installed"))
+    return out
+
+
+def eval_problems(t: TrainingSpec, p: ParallelSpec) -> list[InitErrorDetails]:
+    """Evaluation runs forward only, on the job's layout, without a pipeline schedule."""
+    out: list[InitErrorDetails] = []
+    e = t.eval
+    if e.interval and p.pp > 1:
+        out.append(_problem(("training", "eval", "interval"), e.interval,
+            f"evaluation during training needs pp = 1 (it runs forward only, with no pipeline "
+            f"schedule), but pp = {p.pp}; fix: interval: 0, and run `ctxlaunch eval` on the "
+            "checkpoint with --set parallel.pp=1 (checkpoints load at any layout)"))
+    for i, length in enumerate(e.passkey.lengths or []):
+        if length > t.seq_len:
+            out.append(_problem(("training", "eval", "passkey", "lengths", i), length,
+                f"a passkey prompt of {length} tokens does not fit in training.seq_len = "
+                f"{t.seq_len}; fix: at most {t.seq_len}"))
     return out
 
 

@@ -14,6 +14,7 @@ import html
 import io
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ctxlaunch.contract.hardware import GiB
@@ -23,6 +24,9 @@ from ctxlaunch.perf.flops import CONVENTIONS, flops_per_token
 PREDICTED_FIELDS = ("predicted_step_seconds", "step_error", "predicted_tokens_per_second_per_gpu",
                     "mfu_causal", "predicted_mfu_causal", "mfu_full", "predicted_mfu_full",
                     "predicted_peak_memory_gib")
+EVAL_FIELDS = ("eval_loss", "eval_loss_longest", "passkey_retrieved")
+"""From the point's last evaluation (training.eval.interval): the held-out loss, the loss of
+the longest context-length bucket, and the share of passkey probes retrieved."""
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class SweepReport:
     @property
     def columns(self) -> list[str]:
         return ["name", *self.sweep["axes"], "state", *RESULT_FIELDS, "peak_memory_gib",
-                *PREDICTED_FIELDS]
+                *PREDICTED_FIELDS, *EVAL_FIELDS]
 
     def to_dict(self) -> dict[str, Any]:
         return {"sweep": self.sweep["id"], "rows": self.rows}
@@ -90,6 +94,22 @@ def predict_row(row: dict[str, Any], spec: Any, calibration: Any) -> None:
     row["step_error"] = step and time.step_seconds / step - 1
 
 
+def eval_columns(path: Path) -> dict[str, Any]:
+    """The EVAL_FIELDS of a run's last evaluation in its eval.jsonl (None where it has none)."""
+    row: dict[str, Any] = dict.fromkeys(EVAL_FIELDS)
+    lines = path.read_text().splitlines() if path.is_file() else []
+    if not lines:
+        return row
+    last = json.loads(lines[-1])
+    row["eval_loss"] = last["loss"]
+    scored = [b for b in last["buckets"] if b["tokens"]]
+    row["eval_loss_longest"] = scored[-1]["loss"] if scored else None
+    cells = last.get("passkey") or []
+    trials = sum(c["trials"] for c in cells)
+    row["passkey_retrieved"] = sum(c["retrieved"] for c in cells) / trials if trials else None
+    return row
+
+
 def build_report(sweep: dict[str, Any], calibration: Any = None) -> SweepReport:
     """Every point of a sweep record: state, measured results, predictions."""
     from ctxlaunch.launch import jobstore
@@ -109,6 +129,7 @@ def build_report(sweep: dict[str, Any], calibration: Any = None) -> SweepReport:
             summary_path = jobstore.run_dir(record) / "summary.json"
             summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
             row = result_row(entry, state, summary)
+            row.update(eval_columns(jobstore.run_dir(record) / "eval.jsonl"))
         spec = _point_spec(entry, record)
         if spec is not None:
             predict_row(row, spec, calibration)

@@ -243,6 +243,26 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                     table=True),),
             width=24, height=6),
     )),
+    ("Evaluation at length", (
+        PanelSpec(
+            "Held-out loss per context length",
+            "Next-token loss on held-out data at each evaluation (training.eval.interval), one "
+            "series per context-length bucket of token positions, and the mean (bucket all). "
+            "A model that uses its long context predicts late tokens better: the long buckets "
+            "lie below the short ones.",
+            "timeseries", "none",
+            (Target(f"max by (run, bucket) ({_q('ctxlaunch_eval_loss')})",
+                    "{{bucket}} ({{run}})"),),
+            width=12),
+        PanelSpec(
+            "Passkey retrieval by prompt length and depth",
+            "Share of passkey probes retrieved at the last evaluation (every answer token the "
+            "model's arg-max), per prompt length in tokens and depth of the number in the filler.",
+            "table", "percentunit",
+            (Target(f"max by (run, length, depth) ({_q('ctxlaunch_passkey_retrieval_ratio')})",
+                    "", instant=True, table=True),),
+            width=12),
+    )),
     ("Context parallelism", (
         PanelSpec(
             "Exposed ring communication per rank (seconds)",

@@ -63,6 +63,15 @@ METRICS: tuple[Metric, ...] = (
            "reached it finished, and its silence is not a stall."),
     Metric("ctxlaunch_last_step_timestamp_seconds", "gauge",
            "Unix time the last step completed."),
+    Metric("ctxlaunch_eval_loss", "gauge",
+           "Held-out next-token loss at the last evaluation (training.eval.interval), per "
+           "context-length bucket [start, stop) of token positions; bucket \"all\" is the "
+           "mean over every token.", ("bucket",)),
+    Metric("ctxlaunch_eval_step", "gauge", "The training step of the last evaluation."),
+    Metric("ctxlaunch_passkey_retrieval_ratio", "gauge",
+           "Share of passkey probes retrieved at the last evaluation (every answer token the "
+           "arg-max), per prompt length in tokens and depth of the number in the filler.",
+           ("length", "depth")),
     Metric("ctxlaunch_cp_exposed_comm_seconds", "gauge",
            "Time in the last step spent waiting for ring K/V (or dK/dV) transfers after the "
            "block's compute had finished: communication that compute did not hide."),

@@ -17,6 +17,7 @@ from ctxlaunch.runtime.telemetry.exporter import Exporter, identity_from_spec
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
+    from ctxlaunch.runtime.trainer.evaluate import EvalResult
     from ctxlaunch.runtime.trainer.loop import StepMetrics
 
 
@@ -113,6 +114,19 @@ class TrainingTelemetry:
         e.set("ctxlaunch_cp_exposed_comm_seconds", m.exposed_comm_seconds)
         e.set("ctxlaunch_last_step", m.step)
         e.set("ctxlaunch_last_step_timestamp_seconds", time.time())
+
+    def on_eval(self, result: EvalResult) -> None:
+        """Export an evaluation's loss per context-length bucket and passkey retrieval."""
+        e = self.exporter
+        for bucket in result.buckets:
+            if bucket.tokens:
+                e.set("ctxlaunch_eval_loss", bucket.loss, bucket=f"{bucket.start}-{bucket.stop}")
+        e.set("ctxlaunch_eval_loss", result.loss, bucket="all")
+        for cell in result.passkey:
+            e.set("ctxlaunch_passkey_retrieval_ratio", cell.retrieved / cell.trials,
+                  length=str(cell.length), depth=f"{cell.depth:g}")
+        if result.step is not None:
+            e.set("ctxlaunch_eval_step", result.step)
 
     def on_oom(self, step: int) -> str:
         """Record and push an OOM at `step`; returns the line for the log: the prediction and

@@ -27,6 +27,7 @@ from ctxlaunch.runtime.trainer.parallelize import ParallelContext, ParallelSetti
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
+    from ctxlaunch.runtime.trainer.evaluate import EvalResult
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,11 @@ class Trainer:
             make_source(t.data, spec.model.vocab, t.seq_len, t.seed), seq_len=t.seq_len,
             micro_batch=t.micro_batch, global_batch=spec.global_batch, dp=ctx.dp,
             dp_rank=ctx.dp_rank, cp=ctx.cp, cp_rank=ctx.cp_rank, layout=ctx.layout)
+        self.evaluator = None
+        if t.eval.interval:
+            from ctxlaunch.runtime.trainer.evaluate import Evaluator
+
+            self.evaluator = Evaluator(spec, ctx, parts.model, device)
         self.tokens_per_gpu = spec.tokens_per_step / ctx.world_size
         self.flops_per_token = {c: flops_per_token(spec.model, t.seq_len, c)
                                 for c in ("full", "causal")}
@@ -172,8 +178,10 @@ class Trainer:
         stopsignal.install()
 
     # -- the run -------------------------------------------------------------------------------
-    def run(self, observers: Iterable[Callable[[StepMetrics], object]] = ()) -> int:
-        """Train to the spec's step count (or until a stop signal); returns the exit status."""
+    def run(self, observers: Iterable[Callable[[StepMetrics], object]] = (),
+            eval_observers: Iterable[Callable[[EvalResult], object]] = ()) -> int:
+        """Train to the spec's step count (or until a stop signal); returns the exit status.
+        Every training.eval.interval steps, evaluate on the held-out data."""
         t = self.spec.training
         self.install_signal_handlers()
         self.resume()
@@ -185,6 +193,11 @@ class Trainer:
                 observer(metrics)
             if metrics.step % t.log_interval == 0 or metrics.step == t.steps:
                 self._log_step(metrics)
+            if self.evaluator is not None and metrics.step % t.eval.interval == 0:
+                result = self.evaluator.run(metrics.step)
+                self._log_eval(result)
+                for eval_observer in eval_observers:
+                    eval_observer(result)
             # A stop signal during the last step stops nothing: the run is done, not requeued.
             stop = self._stop_agreed and self.step < t.steps
             if stop or metrics.step % t.checkpoint.interval == 0 or metrics.step == t.steps:
@@ -207,6 +220,13 @@ class Trainer:
             with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(asdict(m)) + "\n")
             events.append_event(self.run_dir, events.STEP, step=m.step, loss=m.loss)
+
+    def _log_eval(self, result: EvalResult) -> None:
+        self.log(f"eval step {result.step}: " + "; ".join(result.lines()))
+        if self.run_dir is not None and self.ctx.rank == 0:
+            with open(self.run_dir / "eval.jsonl", "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(result.to_dict()) + "\n")
+            events.append_event(self.run_dir, events.EVAL, step=result.step, loss=result.loss)
 
     def _summarise(self, history: list[StepMetrics]) -> None:
         peak = peak_memory_bytes(self.device)

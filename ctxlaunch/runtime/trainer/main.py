@@ -160,7 +160,8 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
             events.append_event(run_dir, events.STARTED, restart=events.restart_count(),
                                 world_size=denv.world_size)
         trainer = Trainer(spec, ctx, device, run_dir if denv.rank == 0 else None, log=log)
-        code = trainer.run(observers=[telemetry.on_step])
+        code = trainer.run(observers=[telemetry.on_step],
+                           eval_observers=[telemetry.on_eval])
     except torch.OutOfMemoryError:
         step = trainer.step + 1 if trainer is not None else 0
         message = telemetry.on_oom(step)

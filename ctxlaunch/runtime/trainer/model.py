@@ -38,6 +38,15 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, targets, reduction="sum")
+
+
+def _token_scores(logits: torch.Tensor, targets: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss and whether the target is the arg-max (targets -100: loss 0, False)."""
+    loss = F.cross_entropy(logits, targets, reduction="none", ignore_index=-100)
+    return loss, logits.argmax(dim=-1) == targets
+
+
 Checkpointing = Literal["none", "selective", "full"]
 
 
@@ -206,6 +215,9 @@ class Transformer(nn.Module):
         """(B, S/t, h) -> (B, S, h) under TP: every TP rank scores every token."""
         self.cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = \
             _cross_entropy_sum
+        self.token_scorer: Callable[[torch.Tensor, torch.Tensor],
+                                    tuple[torch.Tensor, torch.Tensor]] = _token_scores
+        """Forward-only per-token scores of fp32 logits (vocabulary-parallel under TP)."""
 
     @classmethod
     def from_spec(cls, model: ModelSpec) -> Transformer:
@@ -272,9 +284,28 @@ class Transformer(nn.Module):
         logits = F.linear(hidden, self._output_weight())
         return self.cross_entropy(logits.float(), targets)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                targets: torch.Tensor) -> torch.Tensor:
-        return self.loss(self.hidden_states(tokens, positions), targets)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
+                scores: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The mean loss; with `scores`, forward-only per-token scores instead (evaluation;
+        through forward so that FSDP's and DeepSpeed's hooks gather the weights)."""
+        hidden = self.hidden_states(tokens, positions)
+        return self.token_scores(hidden, targets) if scores else self.loss(hidden, targets)
+
+    @torch.no_grad()
+    def token_scores(self, hidden: torch.Tensor, targets: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(next-token loss fp32, target is the arg-max) of every token of this CP rank, in
+        its order, flattened over the batch; one logits chunk at a time."""
+        hidden = self.enter_loss(hidden).flatten(0, 1)
+        targets = targets.flatten()
+        losses, hits = [], []
+        for start in range(0, hidden.shape[0], self.loss_chunk_tokens):
+            end = start + self.loss_chunk_tokens
+            logits = F.linear(hidden[start:end], self._output_weight()).float()
+            loss, hit = self.token_scorer(logits, targets[start:end])
+            losses.append(loss)
+            hits.append(hit)
+        return torch.cat(losses), torch.cat(hits)
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss of the final (normed) hidden states."""

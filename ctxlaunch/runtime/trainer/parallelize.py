@@ -34,6 +34,7 @@ from ctxlaunch.runtime.trainer.tensor_parallel import (
     scatter_sequence,
     shardings,
     vocab_parallel_cross_entropy,
+    vocab_parallel_token_scores,
 )
 
 if TYPE_CHECKING:
@@ -303,4 +304,6 @@ def apply_tensor_parallel(model: Transformer, ctx: ParallelContext) -> dict[str,
     model.enter_loss = enter
     model.cross_entropy = partial(vocab_parallel_cross_entropy, vocab_start=vocab_start,
                                   group=group)
+    model.token_scorer = partial(vocab_parallel_token_scores, vocab_start=vocab_start,
+                                 group=group)
     return plan

@@ -48,7 +48,8 @@ class CheckpointState:
     """The state dict of one rank's slice of the model and its AdamW states."""
 
     def __init__(self, named_parameters: list[tuple[str, nn.Parameter]],
-                 optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                 optimizer: torch.optim.Optimizer | None,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None,
                  plan: dict[str, Sharding | None],
                  tp: int, tp_group: dist.ProcessGroup | None, device: torch.device):
         self.params, self.optimizer, self.scheduler = named_parameters, optimizer, scheduler
@@ -62,6 +63,8 @@ class CheckpointState:
 
     def _ensure_moments(self) -> None:
         """A fresh optimizer has no state yet; loading needs tensors to load into."""
+        if self.optimizer is None:
+            return
         for _, param in self.params:
             state = self.optimizer.state[param]
             if not state:
@@ -83,25 +86,34 @@ class CheckpointState:
                                                     [Shard(sharding.dim)], run_check=False))
                 for i, piece in enumerate(pieces)]
 
+    def _tensors(self, param: nn.Parameter) -> list[tuple[str, torch.Tensor]]:
+        """(key, tensor) of what is saved for `param`: the weight, and its moments when an
+        optimizer is in hand (evaluation loads weights only)."""
+        if self.optimizer is None:
+            return [("model", param)]
+        state = self.optimizer.state[param]
+        return [("model", param), *((k, state[k]) for k in MOMENTS)]
+
     def state_dict(self) -> dict:
         self._ensure_moments()
-        out: dict = {"scheduler": self.scheduler.state_dict()}
+        out: dict = {}
+        if self.scheduler is not None:
+            out["scheduler"] = self.scheduler.state_dict()
         with torch.no_grad():
             for name, param in self.params:
-                state = self.optimizer.state[param]
-                for key, tensor in (("model", param), *((k, state[k]) for k in MOMENTS)):
+                for key, tensor in self._tensors(param):
                     for part, value in self._parts(name, _whole(tensor.detach())):
                         out[f"{key}/{part}"] = value
-                out[f"step/{name}"] = state["step"]
+                if self.optimizer is not None:
+                    out[f"step/{name}"] = self.optimizer.state[param]["step"]
         return out
 
     def load_into_place(self, state: dict) -> None:
         """Write a loaded state dict (made by `state_dict`, filled by DCP) back."""
         with torch.no_grad():
             for name, param in self.params:
-                opt_state = self.optimizer.state[param]
                 sharding = self.plan[name]
-                for key, target in (("model", param), *((k, opt_state[k]) for k in MOMENTS)):
+                for key, target in self._tensors(param):
                     if sharding is None:
                         value = state[f"{key}/{name}"]
                     else:
@@ -109,7 +121,10 @@ class CheckpointState:
                         pieces = [p.to_local() if hasattr(p, "to_local") else p for p in pieces]
                         value = torch.cat(pieces, dim=sharding.dim)
                     write_local(target, value)
-                opt_state["step"].copy_(state[f"step/{name}"])
+                if self.optimizer is not None:
+                    self.optimizer.state[param]["step"].copy_(state[f"step/{name}"])
+        if self.optimizer is None or self.scheduler is None:
+            return
         self.scheduler.load_state_dict(state["scheduler"])
         # The schedule's state holds its step, not the optimizer's current learning rate.
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(),

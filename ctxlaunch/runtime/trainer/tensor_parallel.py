@@ -134,6 +134,26 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group)
 
 
+@torch.no_grad()
+def vocab_parallel_token_scores(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                                group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss and whether the target is the arg-max, of fp32 logits sharded by
+    vocabulary (T, V/t); forward only. Targets -100 score loss 0 and False."""
+    peak = logits.max(dim=-1).values
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    local = targets - vocab_start
+    mine = (local >= 0) & (local < logits.shape[-1])
+    index = local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+    target_logit = logits.gather(-1, index).squeeze(-1)
+    hit = (mine & (target_logit >= peak)).float()
+    packed = torch.stack([(logits - peak.unsqueeze(-1)).exp().sum(-1),
+                          (target_logit - peak) * mine, hit])
+    dist.all_reduce(packed, group=group)
+    sum_exp, shifted_target, hit = packed
+    valid = targets != -100
+    return (sum_exp.log() - shifted_target) * valid, (hit > 0) & valid
+
+
 @dataclass(frozen=True)
 class Sharding:
     """How one parameter splits over TP: along `dim`, each of the consecutive `parts` of that
