@@ -397,14 +397,10 @@ def spec_with(data: dict) -> dict:
 
 
 def test_spec_validation_names_the_field(tmp_path: Path) -> None:
-    """Missing files, weights that do not match paths and path-with-paths name their field."""
+    """Weights that do not match paths and path-with-paths name their field."""
     prefix = str(corpus(tmp_path))
     validate_spec(spec_with({"source": "tokens", "path": prefix + ".idx"}))
     cases = [
-        ({"source": "tokens", "path": str(tmp_path / "gone")}, "training.data.path",
-         "no such file"),
-        ({"source": "tokens", "paths": [prefix, str(tmp_path / "gone")]},
-         "training.data.paths[1]", "gone.bin"),
         ({"source": "tokens", "paths": [prefix, prefix], "weights": [1.0]},
          "training.data.weights", "one weight per path"),
         ({"source": "tokens", "path": prefix, "paths": [prefix]}, "training.data.path",
@@ -416,6 +412,27 @@ def test_spec_validation_names_the_field(tmp_path: Path) -> None:
         with pytest.raises(SpecError) as caught:
             validate_spec(spec_with(data))
         assert field in str(caught.value) and message in str(caught.value), str(caught.value)
+
+
+def test_missing_data_files_warn_at_validation_and_stop_the_trainer(tmp_path: Path) -> None:
+    """A spec is rendered where its data may not be (a login node): validation warns; the
+    trainer, where it runs, refuses to start (exit 2) and names the field."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    prefix = str(corpus(tmp_path))
+    data = spec_with({"source": "tokens", "paths": [prefix, str(tmp_path / "gone")]})
+    spec = validate_spec(data)
+    assert any("training.data.paths[1]" in w and "gone.bin" in w for w in spec.warnings())
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    exe = Path(sys.executable).parent / "ctxlaunch"
+    done = subprocess.run([str(exe), "train", str(path), "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "training.data.paths[1]" in done.stderr and "no such file" in done.stderr
 
 
 def _train_tokens(rank: int, world: int, spec_data: dict) -> list[float]:

@@ -224,19 +224,26 @@ class DataSpec(_Strict):
             problems.append(_problem(("weights",), self.weights,
                 f"data.weights has {len(self.weights)} entries but data.paths has "
                 f"{len(self.paths or [])}: give one weight per path"))
-        else:
-            entries: list[tuple[tuple[str | int, ...], str]] = (
-                [(("path",), str(self.path))] if self.paths is None
-                else [(("paths", i), p) for i, p in enumerate(self.paths)])
-            for loc, value in entries:
-                missing = [str(f) for f in indexed_files(value) if not f.is_file()]
-                if missing:
-                    problems.append(_problem(loc, value,
-                        f"no such file: {', '.join(missing)} (make it with `ctxlaunch data "
-                        "prepare`)"))
         if problems:
             raise ValidationError.from_exception_data("DataSpec", problems)
         return self
+
+    def missing_files(self) -> list[str]:
+        """Each data file this machine lacks, as "training.data.<field>: <why>". Not a
+        validation error: a spec is rendered and submitted where the data may not be (a login
+        node, a laptop); the trainer refuses to start without it, and validation warns."""
+        out = []
+        if self.source == "text" and self.path is not None and not Path(self.path).is_file():
+            out.append(f"training.data.path {self.path}: no such file")
+        if self.source == "tokens":
+            entries = ([("path", str(self.path))] if self.paths is None
+                       else [(f"paths[{i}]", p) for i, p in enumerate(self.paths)])
+            for name, value in entries:
+                missing = [str(f) for f in indexed_files(value) if not f.is_file()]
+                if missing:
+                    out.append(f"training.data.{name} {value}: no such file: "
+                               f"{', '.join(missing)} (make it with `ctxlaunch data prepare`)")
+        return out
 
 
 class PasskeySpec(_Strict):
@@ -984,6 +991,8 @@ def layout_warnings(spec: JobSpec) -> list[str]:
         out.append(
             "layout contiguous with causal attention leaves CP ranks unbalanced (rank N-1 does "
             "N times rank 0's work); zigzag balances it.")
+    out += [f"{missing} on this machine; the trainer needs it where it runs"
+            for missing in spec.training.data.missing_files()]
     return out
 
 

@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{expected} (cluster.nodes x cluster.gpus_per_node); launch {expected}")
         if spec.training.checkpoint.dir:
             check_writable(spec.training.checkpoint.dir, denv.rank)
-        data = spec.training.data
-        if data.source == "text" and (data.path is None or not Path(data.path).is_file()):
-            raise SetupError(f"training.data.path {data.path!r} is not a readable file")
+        missing = spec.training.data.missing_files()
+        if missing:
+            raise SetupError("; ".join(missing))
         import torch
 
         if spec.cluster.gpu != "cpu" and not torch.cuda.is_available():
