@@ -44,6 +44,26 @@ def write_local(target: torch.Tensor, value: torch.Tensor) -> None:
         target._local_tensor.copy_(chunks[index])
 
 
+def local_rows(target: torch.Tensor, rows: int) -> tuple[int, int]:
+    """[start, stop) of the rows (dim 0) of a TP slice with `rows` rows that `write_local`
+    keeps in `target`: all of them, or its FSDP chunk (torch.chunk's split over DP x CP)."""
+    if not isinstance(target, DTensor):
+        return 0, rows
+    mesh = target.device_mesh
+    size = -(-rows // mesh.size())  # torch.chunk: chunks of ceil(rows / n), the last shorter
+    index = mesh.get_local_rank()
+    if not target._local_tensor.numel():
+        return 0, 0
+    return min(index * size, rows), min((index + 1) * size, rows)
+
+
+def write_rows(target: torch.Tensor, rows: torch.Tensor) -> None:
+    """Copy the rows `local_rows` named (read from elsewhere, not sliced here) into `target`."""
+    local = target._local_tensor if isinstance(target, DTensor) else target
+    if local.numel():
+        local.copy_(rows)
+
+
 class CheckpointState:
     """The state dict of one rank's slice of the model and its AdamW states."""
 
