@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from ctxlaunch import __version__
-from ctxlaunch.cli import data, jobs, planning, spec, sweeps, train
+from ctxlaunch.cli import data, export, jobs, planning, spec, sweeps, train
 from ctxlaunch.cli.common import out
 
 app = typer.Typer(
@@ -39,7 +39,8 @@ COMMANDS: list[tuple[str | None, Callable[..., None]]] = [
     (None, spec.validate), (None, planning.plan), (None, planning.advise),
     (None, planning.calibrate), (None, jobs.render), (None, jobs.submit), (None, jobs.status),
     (None, jobs.logs), (None, jobs.cancel), (None, jobs.wait), ("list", jobs.list_jobs),
-    (None, sweeps.sweep), (None, sweeps.report), (None, train.train), (None, spec.schema),
+    (None, sweeps.sweep), (None, sweeps.report), (None, train.train), (None, export.export),
+    (None, spec.schema),
 ]
 """(name when it is not the function's, the command)."""
 for command_name, command in COMMANDS:

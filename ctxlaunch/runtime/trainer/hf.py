@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -287,7 +288,9 @@ def read_dcp_weights(path: Path) -> dict[str, torch.Tensor]:
              if key.startswith("model/") and isinstance(meta, TensorStorageMetadata)}
     if not state:
         raise HFCheckpointError(f"{path}: no model weights in this checkpoint")
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     parts: dict[str, dict[int, torch.Tensor]] = {}
     for key, tensor in state.items():
         name, index = _whole_name(key)
@@ -334,3 +337,62 @@ def init_from_config(model: ModelSpec) -> dict[str, Any] | None:
     if model.init_from and Path(model.init_from, CONFIG_FILE).is_file():
         return read_config(model.init_from)
     return None
+
+
+def resolve_step_dir(path: Path) -> Path:
+    """A checkpoint step directory: `path` itself, or the newest committed step under it."""
+    from ctxlaunch.runtime.trainer.checkpoint import MARKER, latest_step, step_dir
+
+    if (path / MARKER).is_file():
+        return path
+    step = latest_step(path)
+    if step is None:
+        raise HFCheckpointError(f"{path} is neither a committed checkpoint (no {MARKER}) nor a "
+                                "checkpoint directory with one")
+    return step_dir(path, step)
+
+
+def saved_info(step: Path) -> dict[str, Any]:
+    """What the trainer recorded beside a checkpoint (its COMMITTED marker)."""
+    from ctxlaunch.runtime.trainer.checkpoint import MARKER
+
+    try:
+        return dict(json.loads((step / MARKER).read_text()))
+    except (OSError, ValueError) as exc:
+        raise HFCheckpointError(f"cannot read {step / MARKER}: {exc}") from None
+
+
+def export(checkpoint: Path, out: Path, *, model: ModelSpec | None = None,
+           dtype: str = "auto", shard_bytes: int = 5 * 2**30) -> tuple[Path, list[str]]:
+    """Write the checkpoint (a step directory, or the newest under a checkpoint directory) as
+    a Hugging Face Llama directory at `out`. The model section is `model`, else the one the
+    trainer stored with the checkpoint. Returns the step directory read and the files."""
+    step = resolve_step_dir(Path(checkpoint))
+    info = saved_info(step)
+    if model is None:
+        if "model" not in info:
+            raise HFCheckpointError(f"{step} does not record its model (written before ctxlaunch "
+                                    "stored it); pass --spec with the spec it was trained with")
+        model = ModelSpec.model_validate(info["model"])
+    weights = read_training_weights(step)
+    expected = _expected_names(model)
+    if set(weights) != expected:
+        missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
+        raise HFCheckpointError(f"{step} does not hold the model described: missing "
+                                f"{missing[:5]}, unexpected {extra[:5]}")
+    saved = next(iter(weights.values())).dtype
+    target = export_dtype(dtype, model, saved)
+    tensors = {k: v.to(target) for k, v in to_hf(weights, model).items()}
+    base = init_from_config(model)
+    config = hf_config(model, dtype=target, max_positions=info.get("seq_len"), base=base)
+    tokenizer = Path(model.init_from) if base is not None and model.init_from else None
+    return step, write_hf(out, tensors, config, shard_bytes=shard_bytes,
+                          tokenizer_from=tokenizer)
+
+
+def _expected_names(model: ModelSpec) -> set[str]:
+    names = {"embed.weight", "norm.weight"} | ({"head.weight"} if not model.tie_embeddings
+                                               else set())
+    for i in range(model.layers):
+        names |= {f"blocks.{i}.{leaf}" for leaf in _BLOCK_PARTS}
+    return names
