@@ -375,11 +375,15 @@ def export(checkpoint: Path, out: Path, *, model: ModelSpec | None = None,
                                     "stored it); pass --spec with the spec it was trained with")
         model = ModelSpec.model_validate(info["model"])
     weights = read_training_weights(step)
-    expected = _expected_names(model)
-    if set(weights) != expected:
-        missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
+    expected = _expected_shapes(model)
+    if set(weights) != set(expected):
+        missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
         raise HFCheckpointError(f"{step} does not hold the model described: missing "
                                 f"{missing[:5]}, unexpected {extra[:5]}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise HFCheckpointError(f"{step} does not hold the model described: {name} is "
+                                    f"{list(weights[name].shape)}, the model needs {list(shape)}")
     saved = next(iter(weights.values())).dtype
     target = export_dtype(dtype, model, saved)
     tensors = {k: v.to(target) for k, v in to_hf(weights, model).items()}
@@ -390,9 +394,15 @@ def export(checkpoint: Path, out: Path, *, model: ModelSpec | None = None,
                           tokenizer_from=tokenizer)
 
 
-def _expected_names(model: ModelSpec) -> set[str]:
-    names = {"embed.weight", "norm.weight"} | ({"head.weight"} if not model.tie_embeddings
-                                               else set())
+def _expected_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
+    h, f, v = model.hidden, model.ffn_hidden, model.vocab
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (v, h), "norm.weight": (h,)}
+    if not model.tie_embeddings:
+        shapes["head.weight"] = (v, h)
+    block = {"attn_norm.weight": (h,), "ffn_norm.weight": (h,),
+             "attn.wqkv.weight": (model.heads * model.head_dim + 2 * model.kv_hidden, h),
+             "attn.wo.weight": (h, model.heads * model.head_dim),
+             "ffn.w_gate_up.weight": (2 * f, h), "ffn.w_down.weight": (h, f)}
     for i in range(model.layers):
-        names |= {f"blocks.{i}.{leaf}" for leaf in _BLOCK_PARTS}
-    return names
+        shapes |= {f"blocks.{i}.{leaf}": shape for leaf, shape in block.items()}
+    return shapes
