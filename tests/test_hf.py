@@ -112,6 +112,18 @@ def reference_loss(reference: LlamaForCausalLM, data: dict) -> float:
     return float(torch.stack(losses).mean())
 
 
+def reference_sequences(reference: LlamaForCausalLM, data: dict) -> list[torch.Tensor]:
+    """transformers' logits of the first step's sequences, in order (micro-batch m of DP rank
+    r is sequence r at one micro-batch per rank: the layouts here run at most DP 2, the
+    one-process trainer reads them as its micro-batches 0, 1)."""
+    trainer = build_trainer(0, 1, apply_overrides(data, ["cluster.gpus_per_node=1",
+                                                          "parallel={}", "training.zero_stage=0",
+                                                          "training.engine=auto"]))
+    with torch.no_grad():
+        return [reference(trainer.batches.get(0, m).tokens).logits
+                for m in range(trainer.spec.grad_accum)]
+
+
 # -- RoPE --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rope", sorted(ROPES))
 def test_rope_tables_are_transformers_bit_for_bit(rope: str) -> None:
@@ -326,15 +338,38 @@ def test_export_refuses_and_leaves_nothing(tmp_path: Path) -> None:
 
 
 # -- import and export at multi-process layouts ------------------------------------------------
-def _first_losses(rank: int, world: int, cases: list[dict]) -> list[float]:
-    """For each spec: build the trainer, run one step (its loss is that of the imported
-    weights), checkpoint if the spec says where."""
-    losses = []
+def _local_logits(trainer) -> dict | None:
+    """This rank's logits (whole vocabulary, gathered over TP) of the first micro-batch's
+    tokens it holds, with their global positions; None under PP (no rank runs it all) and
+    FSDP2 (the root's weights are gathered only inside its forward): the loss covers those."""
+    import torch.distributed as dist
+
+    engine = trainer.engine
+    if trainer.ctx.pp > 1 or (hasattr(engine, "parts") and engine.parts.sharded):
+        return None
+    model = engine.parts.model if hasattr(engine, "parts") else engine.model
+    batch = trainer.batches.get(0, 0)
+    with torch.no_grad():
+        hidden = model.enter_loss(model.hidden_states(batch.tokens, batch.positions))
+        logits = F.linear(hidden, model._output_weight())
+    if trainer.ctx.tp > 1:
+        shards = [torch.empty_like(logits) for _ in range(trainer.ctx.tp)]
+        dist.all_gather(shards, logits.contiguous(), group=trainer.ctx.tp_group)
+        logits = torch.cat(shards, dim=-1)
+    return {"logits": logits.numpy(), "positions": batch.positions.numpy()}
+
+
+def _first_losses(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """For each spec: build the trainer, its logits of the imported weights, one step (its
+    loss is that of the imported weights), a checkpoint if the spec says where."""
+    results = []
     for data in cases:
         trainer = build_trainer(rank, world, data)
-        losses.append(trainer.train_step().loss)
+        logits = _local_logits(trainer)
+        results.append({"loss": trainer.train_step().loss, "logits": logits,
+                        "dp_rank": trainer.ctx.dp_rank})
         trainer.save_checkpoint()
-    return losses
+    return results
 
 
 LAYOUTS: dict[int, list[dict]] = {
@@ -368,10 +403,24 @@ def test_layouts_load_the_imported_weights(world: int, tmp_path: Path) -> None:
             changes["training.checkpoint.dir"] = str(tmp_path / f"ckpt-{number}")
             exports.append(number)
         cases.append(spec_data(source, world, **changes))
-    losses = run_distributed(_first_losses, world, cases, timeout_s=540)[0]
+    ranks = run_distributed(_first_losses, world, cases, timeout_s=540)
     want = reference_loss(reference, cases[0])
-    for layout, loss in zip(LAYOUTS[world], losses):
-        print(f"world {world} {layout}: |loss - transformers| {abs(loss - want):.1e}")
+    sequences = reference_sequences(reference, cases[0])
+    for number, layout in enumerate(LAYOUTS[world]):
+        loss = ranks[0][number]["loss"]
+        worst: float | None = None
+        for rank in ranks:
+            got = rank[number]["logits"]
+            if got is None:
+                continue
+            want_logits = sequences[rank[number]["dp_rank"]][:, got["positions"]]
+            torch.testing.assert_close(torch.from_numpy(got["logits"]), want_logits,
+                                       rtol=1e-5, atol=1e-5)
+            diff = float((torch.from_numpy(got["logits"]) - want_logits).abs().max())
+            worst = diff if worst is None else max(worst, diff)
+        shown = "not gathered (PP, FSDP2)" if worst is None else f"{worst:.1e}"
+        print(f"world {world} {layout}: |loss - transformers| {abs(loss - want):.1e}, "
+              f"max |logits - transformers| {shown}")
         assert abs(loss - want) < 1e-5, (layout, loss, want)
     # The one-process run of the same step, exported: what every layout's export must hold.
     single = tmp_path / "ckpt-single"
