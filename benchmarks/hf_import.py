@@ -8,8 +8,8 @@ First writes a random checkpoint of the preset's shape to DIR (bf16, as the rele
 files are; 5 GB shards with model.safetensors.index.json; kept for later runs). Then, in
 fresh processes (gloo over loopback), each rank builds the model on the meta device and runs
 `parallelize` (which materialises its share: from the checkpoint, or from the seeded
-generator), timing that call and reading the process's peak RSS (fp32 parameters: ctxlaunch's
-master weights). Layout tp splits every weight over the ranks (TP); fsdp keeps TP 1 and shards
+generator), timing that call and reading the process's peak RSS (VmHWM; fp32 parameters:
+ctxlaunch's master weights). Layout tp splits every weight over the ranks (TP); fsdp keeps TP 1 and shards
 each weight's rows over DP with FSDP2 (ZeRO-3). Prints one JSON line per (ranks, source).
 """
 
@@ -78,6 +78,16 @@ def make_checkpoint(directory: Path, preset: str) -> None:
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}))
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM): unlike getrusage's ru_maxrss it starts afresh
+    at exec, so a spawned rank does not inherit its parent's peak. It counts the checkpoint's
+    pages mapped by safetensors (file-backed, reclaimable) as well as the parameters."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _worker(rank, world, init_file, spec_data, results):  # type: ignore[no-untyped-def]
     import torch
     import torch.distributed as dist
@@ -101,14 +111,14 @@ def _worker(rank, world, init_file, spec_data, results):  # type: ignore[no-unty
                         ulysses=spec.ulysses_degree, layout=p.layout, tp=p.tp, pp=p.pp)
     with torch.device("meta"):
         model = Transformer.from_spec(spec.model)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = peak_rss_bytes()
     start = time.perf_counter()
     parts = parallelize(model, ctx=ctx, settings=ParallelSettings.from_spec(spec),
                         device=torch.device("cpu"))
     seconds = time.perf_counter() - start
     held = sum(getattr(q, "_local_tensor", q).numel() for _, q in parts.named_parameters())
     results.put({"rank": rank, "seconds": seconds, "params_held": held,
-                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                 "peak_rss_bytes": peak_rss_bytes(),
                  "rss_before_bytes": before})
     if world > 1:
         dist.destroy_process_group()
