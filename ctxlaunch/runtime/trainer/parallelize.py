@@ -217,7 +217,9 @@ def parallelize(model: Transformer, *, ctx: ParallelContext, settings: ParallelS
     Materialising allocates only this rank's share: its stages' modules, their TP slice, and
     under FSDP2 its DP x CP shard of that. Transient, one parameter at a time: the whole
     parameter's initial value on the CPU (`Transformer.initial_value`, seeded by the
-    parameter's name, so every layout starts from the same weights) and its TP slice."""
+    parameter's name, so every layout starts from the same weights) and its TP slice; or,
+    with `model.init_from`, just the rows (and columns) this rank keeps, read from the
+    Hugging Face checkpoint (`ctxlaunch.runtime.trainer.hf`)."""
     full_shapes = {name: p.shape for name, p in model.named_parameters()}
     attend = attention_for(ctx, settings.cp_algorithm)
     for block in model.block_modules():
