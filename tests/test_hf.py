@@ -375,11 +375,15 @@ def _first_losses(rank: int, world: int, cases: list[dict]) -> list[dict]:
 LAYOUTS: dict[int, list[dict]] = {
     2: [{"parallel.tp": 2}, {"parallel.pp": 2},
         {"parallel.cp": 2, "parallel.cp_algorithm": "ring", "parallel.layout": "zigzag"},
+        # Global positions under CP with the other scalings.
+        {"parallel.cp": 2, "parallel.cp_algorithm": "ring", "rope": "yarn"},
+        {"parallel.cp": 2, "parallel.cp_algorithm": "ring", "rope": "default"},
         # FSDP2 ZeRO-2 at DP 2 (each rank reads only its row chunk), checkpointed.
         {"training.zero_stage": 2, "training.engine": "fsdp2", "export": True},
         # DeepSpeed ZeRO-1 at DP 2 (TP 1 x PP 1), checkpointed in DeepSpeed's format.
         {"training.zero_stage": 1, "training.engine": "deepspeed", "export": True}],
-    8: [{"parallel.tp": 2, "parallel.pp": 2, "parallel.cp": 2, "export": True}],
+    8: [{"parallel.tp": 2, "parallel.pp": 2, "parallel.cp": 2, "export": True},
+        {"parallel.tp": 2, "parallel.cp": 4, "parallel.cp_algorithm": "ring", "rope": "yarn"}],
 }
 
 
@@ -391,22 +395,27 @@ def _layout_id(world: int) -> str:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", sorted(LAYOUTS), ids=_layout_id)
 def test_layouts_load_the_imported_weights(world: int, tmp_path: Path) -> None:
-    """At TP 2, PP 2, CP 2 (ring, zigzag), FSDP2 ZeRO-2, DeepSpeed ZeRO-1 and TP 2 x PP 2 x CP 2
-    the first step's loss is transformers' loss of the checkpoint (llama3 RoPE, GQA); the
+    """At TP 2, PP 2, CP 2 (ring, zigzag; llama3, YaRN and plain RoPE), FSDP2 ZeRO-2,
+    DeepSpeed ZeRO-1, TP 2 x PP 2 x CP 2 and TP 2 x CP 4 the first step's loss is transformers'
+    loss of the checkpoint (GQA), and the logits the ranks can gather are transformers'; the
     checkpoints those runs save export to the weights one process trains to."""
-    source = tmp_path / "source"
-    reference = save_hf(source, hf_config("llama3"))
+    sources: dict[str, tuple[Path, LlamaForCausalLM]] = {}
     cases, exports = [], []
     for number, layout in enumerate(LAYOUTS[world]):
-        changes = {k: v for k, v in layout.items() if k != "export"}
+        rope = layout.get("rope", "llama3")
+        if rope not in sources:
+            sources[rope] = (tmp_path / f"source-{rope}",
+                             save_hf(tmp_path / f"source-{rope}", hf_config(rope)))
+        changes = {k: v for k, v in layout.items() if k not in ("export", "rope")}
         if layout.get("export"):
             changes["training.checkpoint.dir"] = str(tmp_path / f"ckpt-{number}")
             exports.append(number)
-        cases.append(spec_data(source, world, **changes))
+        cases.append(spec_data(sources[rope][0], world, **changes))
     ranks = run_distributed(_first_losses, world, cases, timeout_s=540)
-    want = reference_loss(reference, cases[0])
-    sequences = reference_sequences(reference, cases[0])
     for number, layout in enumerate(LAYOUTS[world]):
+        reference = sources[layout.get("rope", "llama3")][1]
+        want = reference_loss(reference, cases[number])
+        sequences = reference_sequences(reference, cases[number])
         loss = ranks[0][number]["loss"]
         worst: float | None = None
         for rank in ranks:
@@ -422,6 +431,7 @@ def test_layouts_load_the_imported_weights(world: int, tmp_path: Path) -> None:
         print(f"world {world} {layout}: |loss - transformers| {abs(loss - want):.1e}, "
               f"max |logits - transformers| {shown}")
         assert abs(loss - want) < 1e-5, (layout, loss, want)
+    source = sources["llama3"][0]  # every exported layout is a llama3 one
     # The one-process run of the same step, exported: what every layout's export must hold.
     single = tmp_path / "ckpt-single"
     _first_losses(0, 1, [spec_data(source, **{"training.checkpoint.dir": str(single)})])
