@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ctxlaunch.contract.hfconfig import CONFIG_FILE, LLAMA_ARCHITECTURE, read_config
-from ctxlaunch.contract.spec import DefaultRope, ModelSpec
+from ctxlaunch.contract.spec import DefaultRope, ModelSpec, YarnRope
 from ctxlaunch.runtime.trainer.tensor_parallel import Sharding
 
 SINGLE_FILE = "model.safetensors"
@@ -209,6 +209,10 @@ def hf_config(model: ModelSpec, *, dtype: torch.dtype, max_positions: int | None
         "tie_word_embeddings": model.tie_embeddings, "attention_bias": False,
         "mlp_bias": False, "torch_dtype": str(dtype).removeprefix("torch."),
     })
+    if isinstance(scaling, YarnRope):
+        # transformers checks YaRN's factor against max_position_embeddings / the original
+        # length: the stretched context is the model's maximum.
+        positions = round(scaling.original_max_position_embeddings * scaling.factor)
     if positions is not None:
         config["max_position_embeddings"] = positions
     return dict(sorted(config.items()))
