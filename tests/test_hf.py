@@ -187,6 +187,46 @@ def test_llama31_style_model_needs_its_rope_scaling(tmp_path: Path) -> None:
     assert float((plain - want).abs().max()) > 1e-3
 
 
+def test_each_rank_reads_only_the_rows_it_keeps(tmp_path: Path, monkeypatch) -> None:
+    """read_local at every TP rank and FSDP chunk (uneven ones too) returns exactly that rank's
+    part of the full weight, and asks safetensors for those rows (and columns) alone."""
+    from ctxlaunch.runtime.trainer import hf
+    from ctxlaunch.runtime.trainer.model import Transformer
+    from ctxlaunch.runtime.trainer.reshard import chunk_rows
+    from ctxlaunch.runtime.trainer.tensor_parallel import shardings
+
+    save_hf(tmp_path, hf_config("llama3"))
+    spec = validate_spec(spec_data(tmp_path))
+    with torch.device("meta"):
+        model = Transformer.from_spec(spec.model)
+    plan = shardings(model)
+    checkpoint = hf.SafetensorsCheckpoint(tmp_path)
+    whole = {name: torch.cat([checkpoint.read(n, (0, checkpoint.shape(n)[0]))
+                              for n in hf.hf_names(name)]) for name in plan}
+    requested: list[int] = []
+    read = checkpoint.read
+
+    def counting(name, rows, cols=None):
+        piece = read(name, rows, cols)
+        requested.append(piece.numel())
+        return piece
+
+    monkeypatch.setattr(checkpoint, "read", counting)
+    for name, sharding in plan.items():
+        shape = whole[name].shape
+        for tp in (1, 2, 4):
+            for tp_rank in range(tp):
+                local = sharding.shard(whole[name], tp, tp_rank) if sharding else whole[name]
+                for chunks in (1, 2, 3):
+                    for index in range(chunks):
+                        rows = chunk_rows(local.shape[0], chunks, index)
+                        requested.clear()
+                        got = hf.read_local(checkpoint, name, shape, sharding, tp, tp_rank, rows)
+                        assert torch.equal(got, local[rows[0]:rows[1]]), (name, tp, tp_rank,
+                                                                          chunks, index)
+                        assert sum(requested) == got.numel()
+
+
 # -- the spec's rules --------------------------------------------------------------------------
 def test_spec_takes_shape_and_rope_from_config_json(tmp_path: Path) -> None:
     save_hf(tmp_path, hf_config("llama3", tied=True))

@@ -49,11 +49,16 @@ def local_rows(target: torch.Tensor, rows: int) -> tuple[int, int]:
     keeps in `target`: all of them, or its FSDP chunk (torch.chunk's split over DP x CP)."""
     if not isinstance(target, DTensor):
         return 0, rows
-    mesh = target.device_mesh
-    size = -(-rows // mesh.size())  # torch.chunk: chunks of ceil(rows / n), the last shorter
-    index = mesh.get_local_rank()
     if not target._local_tensor.numel():
         return 0, 0
+    mesh = target.device_mesh
+    return chunk_rows(rows, mesh.size(), mesh.get_local_rank())
+
+
+def chunk_rows(rows: int, chunks: int, index: int) -> tuple[int, int]:
+    """[start, stop) of chunk `index` of `rows` rows as torch.chunk splits them (chunks of
+    ceil(rows / chunks), the last shorter, possibly none)."""
+    size = -(-rows // chunks)
     return min(index * size, rows), min((index + 1) * size, rows)
 
 
