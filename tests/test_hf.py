@@ -488,3 +488,22 @@ def test_layouts_load_the_imported_weights(world: int, tmp_path: Path) -> None:
         for name, tensor in want_tensors.items():
             torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-5,
                                        msg=lambda m, n=name: f"{LAYOUTS[world][number]} {n}: {m}")
+
+
+def test_export_without_the_init_from_directory(tmp_path: Path) -> None:
+    """The source directory moved away after training: the stored model section stands on its
+    own; the export is fp32 (the saved weights') and has no tokenizer files to copy."""
+    source = tmp_path / "source"
+    save_hf(source, hf_config("llama3"), dtype=torch.bfloat16)
+    checkpoints = tmp_path / "ckpt"
+    build_trainer(0, 1, spec_data(source, **{
+        "training.checkpoint.dir": str(checkpoints)})).save_checkpoint()
+    source.rename(tmp_path / "moved")
+    result = runner.invoke(app, ["export", str(checkpoints), "--hf", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["torch_dtype"] == "float32" and config["rope_scaling"]["rope_type"] == "llama3"
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+    got, want = hf_tensors(tmp_path / "out"), hf_tensors(tmp_path / "moved")
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor.float()), name  # bf16 widened exactly

@@ -32,6 +32,8 @@ def export(
     Face LlamaForCausalLM directory: config.json with the RoPE it was trained with, safetensors
     shards and their index, the init_from checkpoint's tokenizer files. Written to a temporary
     directory and renamed into place; on an error nothing is left at --hf."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from ctxlaunch.runtime.trainer.hf import HFCheckpointError
     from ctxlaunch.runtime.trainer.hf import export as export_hf
 
@@ -51,4 +53,7 @@ def export(
                                 shard_bytes=shard_size_mib * 2**20)
     except (HFCheckpointError, ValueError, OSError) as exc:
         fail(f"export of {checkpoint} failed: {exc}")
+    except (Exception, CheckpointException) as exc:  # a damaged checkpoint: DCP's or DeepSpeed's
+        fail(f"export of {checkpoint} failed reading it: {type(exc).__name__}: {exc}",
+             exitcodes.FAILED)
     out.print(f"wrote {hf} from {step}: {', '.join(files)}")

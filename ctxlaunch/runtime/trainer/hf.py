@@ -377,7 +377,12 @@ def export(checkpoint: Path, out: Path, *, model: ModelSpec | None = None,
         if "model" not in info:
             raise HFCheckpointError(f"{step} does not record its model (written before ctxlaunch "
                                     "stored it); pass --spec with the spec it was trained with")
-        model = ModelSpec.model_validate(info["model"])
+        data = dict(info["model"])
+        if data.get("init_from") and not Path(data["init_from"], CONFIG_FILE).is_file():
+            # Moved or deleted since: the stored section is resolved, so it stands without it
+            # (and there are no tokenizer files to copy).
+            data["init_from"] = None
+        model = ModelSpec.model_validate(data)
     weights = read_training_weights(step)
     expected = _expected_shapes(model)
     if set(weights) != set(expected):
