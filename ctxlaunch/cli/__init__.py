@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from ctxlaunch import __version__
-from ctxlaunch.cli import data, evaluate, jobs, planning, spec, sweeps, train
+from ctxlaunch.cli import data, evaluate, export, jobs, planning, spec, sweeps, train
 from ctxlaunch.cli.common import out
 
 app = typer.Typer(
@@ -40,6 +40,7 @@ COMMANDS: list[tuple[str | None, Callable[..., None]]] = [
     (None, planning.calibrate), (None, jobs.render), (None, jobs.submit), (None, jobs.status),
     (None, jobs.logs), (None, jobs.cancel), (None, jobs.wait), ("list", jobs.list_jobs),
     (None, sweeps.sweep), (None, sweeps.report), (None, train.train), ("eval", evaluate.evaluate),
+    (None, export.export),
     (None, spec.schema),
 ]
 """(name when it is not the function's, the command)."""

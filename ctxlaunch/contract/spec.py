@@ -22,6 +22,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ctxlaunch.contract.hardware import GpuInfo, GpuType, NetworkType, gpu_info
+from ctxlaunch.contract.hfconfig import CONFIG_FILE, HFConfigError, model_fields
 from ctxlaunch.contract.presets import MODEL_PRESETS
 from ctxlaunch.contract.stages import balanced_stage_layers
 
@@ -67,11 +68,87 @@ def problem_message(detail: InitErrorDetails) -> str:
 # --------------------------------------------------------------------------------------------
 # model
 # --------------------------------------------------------------------------------------------
+class DefaultRope(_Strict):
+    """Plain RoPE: inverse frequencies theta^(-2i/d)."""
+
+    type: Literal["default"] = "default"
+
+
+class LinearRope(_Strict):
+    """Position interpolation: every inverse frequency divided by `factor`."""
+
+    type: Literal["linear"] = "linear"
+    factor: float = Field(ge=1)
+    """How many times the context is stretched."""
+
+
+class Llama3Rope(_Strict):
+    """Llama 3.1's scaling: low frequencies divided by `factor`, high ones kept, the band
+    between interpolated smoothly (transformers' `_compute_llama3_parameters`)."""
+
+    type: Literal["llama3"] = "llama3"
+    factor: float = Field(8.0, ge=1)
+    """Division of the low frequencies (8 in Llama 3.1)."""
+    low_freq_factor: float = Field(1.0, gt=0)
+    """Wavelengths above original_max_position_embeddings / low_freq_factor are scaled."""
+    high_freq_factor: float = Field(4.0, gt=0)
+    """Wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+    original_max_position_embeddings: PositiveInt = 8192
+    """The context length the model was pretrained at (8192 in Llama 3.1)."""
+
+    @model_validator(mode="after")
+    def _band(self) -> Llama3Rope:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"high_freq_factor = {self.high_freq_factor} must exceed "
+                             f"low_freq_factor = {self.low_freq_factor}")
+        return self
+
+
+class YarnRope(_Strict):
+    """YaRN (transformers' `_compute_yarn_parameters`): frequencies blended between
+    interpolation and extrapolation by a ramp between the beta_fast and beta_slow rotation
+    counts, and cos/sin multiplied by an attention factor."""
+
+    type: Literal["yarn"] = "yarn"
+    factor: float = Field(ge=1)
+    """How many times the context is stretched."""
+    original_max_position_embeddings: PositiveInt
+    """The context length the model was pretrained at."""
+    beta_fast: float = Field(32.0, gt=0)
+    """Rotations below which a dimension is interpolated fully."""
+    beta_slow: float = Field(1.0, gt=0)
+    """Rotations above which a dimension is extrapolated (kept)."""
+    attention_factor: float | None = Field(None, gt=0)
+    """The cos/sin multiplier; default 0.1 ln(factor) + 1 (or the mscale ratio)."""
+    mscale: float | None = None
+    """With mscale_all_dim, the default attention factor is
+    (0.1 mscale ln f + 1) / (0.1 mscale_all_dim ln f + 1) (DeepSeek's form)."""
+    mscale_all_dim: float | None = None
+    """See mscale."""
+    truncate: bool = True
+    """Round the ramp's ends to whole dimensions (transformers' default)."""
+
+
+RopeScaling = Annotated[DefaultRope | LinearRope | Llama3Rope | YarnRope,
+                        Field(discriminator="type")]
+"""RoPE frequency scaling, as transformers computes it, chosen by `type`."""
+
+SHAPE_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "norm_eps",
+                "tie_embeddings")
+"""What `init_from`'s config.json fixes: a spec may repeat these, but must agree."""
+
+
 class ModelSpec(_Strict):
     """A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
 
     preset: str | None = None
     """Start from a named shape (see `ctxlaunch.contract.presets`); fields given beside it override it."""
+    init_from: str | None = None
+    """A Hugging Face Llama checkpoint directory (config.json and model.safetensors, or shards
+    with model.safetensors.index.json): the shape, norm_eps, tie_embeddings, rope_theta and
+    rope_scaling come from its config.json, and training starts from its weights (each rank
+    reads only the slice it holds). Shape fields given beside it must agree with config.json;
+    rope_theta and rope_scaling given beside it override it (to extend the context)."""
     layers: PositiveInt
     """Transformer blocks."""
     hidden: PositiveInt
@@ -88,6 +165,11 @@ class ModelSpec(_Strict):
     """Training precision: bf16 (mixed precision with fp32 master weights) or plain fp32."""
     rope_theta: float = Field(10000.0, gt=0)
     """RoPE base frequency."""
+    rope_scaling: RopeScaling = DefaultRope()
+    """RoPE frequency scaling: {type: default}, {type: linear, factor}, {type: llama3, factor,
+    low_freq_factor, high_freq_factor, original_max_position_embeddings} (Llama 3.1) or
+    {type: yarn, factor, original_max_position_embeddings, beta_fast, beta_slow,
+    attention_factor, ...}, computed as transformers does."""
     norm_eps: float = Field(1e-5, gt=0)
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
@@ -106,6 +188,30 @@ class ModelSpec(_Strict):
                     + ", ".join(sorted(MODEL_PRESETS)))})
             data = {**MODEL_PRESETS[name], **data}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_init_from(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("init_from") is None:
+            return data
+        directory = str(data["init_from"])
+        where = str(Path(directory) / CONFIG_FILE)
+        if data.get("preset") is not None:
+            raise PydanticCustomError("init_from", "{message}", {"message": (
+                f"give model.preset or model.init_from, not both (init_from {directory!r} "
+                "fixes the shape)")})
+        try:
+            fields = model_fields(directory)
+        except HFConfigError as exc:
+            raise PydanticCustomError("init_from", "{message}", {"message": str(exc)}) from None
+        for name in SHAPE_FIELDS:
+            given = data.get(name)
+            if given is not None and given != fields[name]:
+                raise PydanticCustomError("init_from", "{message}", {"message": (
+                    f"model.{name} = {given!r} disagrees with {fields[name]!r} in {where} "
+                    f"(model.init_from); fix: remove model.{name} or make it agree")})
+        # rope_theta and rope_scaling in the spec win: that is how a context is extended.
+        return {**fields, **data}
 
     @model_validator(mode="after")
     def _check_shape(self) -> ModelSpec:
@@ -726,7 +832,8 @@ def resolve_state_engine(engine: str, zero_stage: int, *, tp: int, pp: int) -> S
 
 def json_schema() -> dict[str, Any]:
     """The spec's JSON Schema, for editors. A model is a preset name, a preset with
-    overrides, or a full shape, so the shape fields are required only without a preset."""
+    overrides, a Hugging Face checkpoint (init_from) or a full shape, so the shape fields are
+    required only without a preset or init_from."""
     schema = JobSpec.model_json_schema()
     model = schema["$defs"]["ModelSpec"]
     shape = model.pop("required", [])
@@ -734,7 +841,8 @@ def json_schema() -> dict[str, Any]:
     model["properties"]["preset"] = {
         "anyOf": [{"enum": presets}, {"type": "null"}], "default": None,
         "description": model["properties"]["preset"].get("description", "")}
-    model["anyOf"] = [{"required": ["preset"]}, {"required": shape}]
+    model["anyOf"] = [{"required": ["preset"]}, {"required": ["init_from"]},
+                      {"required": shape}]
     schema["properties"]["model"] = {"anyOf": [{"enum": presets},
                                                {"$ref": "#/$defs/ModelSpec"}]}
     return schema

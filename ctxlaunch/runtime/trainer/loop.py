@@ -164,8 +164,11 @@ class Trainer:
             ) from None
         if self.fault is not None:
             self.fault.maybe_fire_in_save(self.ctx.rank, self.step)
+        # The resolved model section travels with the weights: `ctxlaunch export` needs it.
         checkpoint.commit(self.checkpoint_dir, self.step, self.ctx.rank,
-                          self.spec.training.checkpoint.keep, {"job": self.spec.name})
+                          self.spec.training.checkpoint.keep,
+                          {"job": self.spec.name, "model": self.spec.model.model_dump(mode="json"),
+                           "seq_len": self.spec.training.seq_len})
         self.log(f"ctxlaunch: checkpoint {path}")
         if self.run_dir is not None:
             events.append_event(self.run_dir, events.CHECKPOINT, step=self.step, path=str(path))

@@ -17,6 +17,7 @@ output and the log-sum-exp (the flash kernels keep no s-by-s matrix).
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Iterable
 from typing import Literal
 
@@ -25,7 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ctxlaunch.contract.spec import ModelSpec
+from ctxlaunch.contract.spec import (
+    DefaultRope,
+    LinearRope,
+    Llama3Rope,
+    ModelSpec,
+    RopeScaling,
+    YarnRope,
+)
 from ctxlaunch.perf.memory import LOSS_CHUNK_TOKENS
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -104,14 +112,78 @@ class _SwiGLU(torch.autograd.Function):
         return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (S, head_dim) for the given global token positions (rotate-half layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64,
-                                             device=positions.device) / head_dim))
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+def inverse_frequencies(head_dim: int, theta: float,
+                        scaling: RopeScaling) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies (head_dim / 2, fp32) and the factor cos and sin are
+    multiplied by, computed as transformers' `ROPE_INIT_FUNCTIONS` do, in fp32 like them, so
+    an imported model's logits match transformers' (modeling_rope_utils.py, 5.x)."""
+    dim = head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if isinstance(scaling, LinearRope):
+        return inv_freq / scaling.factor, 1.0
+    if isinstance(scaling, Llama3Rope):
+        factor, old_len = scaling.factor, scaling.original_max_position_embeddings
+        low, high = scaling.low_freq_factor, scaling.high_freq_factor
+        low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if isinstance(scaling, YarnRope):
+        return _yarn(dim, theta, scaling)
+    return inv_freq, 1.0
+
+
+def _yarn(dim: int, theta: float, scaling: YarnRope) -> tuple[torch.Tensor, float]:
+    factor = scaling.factor
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = scaling.attention_factor
+    if attention_factor is None:
+        if scaling.mscale and scaling.mscale_all_dim:
+            attention_factor = get_mscale(factor, scaling.mscale) / get_mscale(
+                factor, scaling.mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(scaling.original_max_position_embeddings
+                               / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(torch.float32) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_share = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_share) + extrapolation * extrapolation_share
+    return inv_freq, float(attention_factor)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (S, head_dim) for the given global token positions (rotate-half layout).
+
+    Computed exactly as transformers' LlamaRotaryEmbedding does, in fp32 throughout (inverse
+    frequencies, position x frequency, cos/sin times the attention factor): an imported model
+    then sees the tables it was trained and is served with, bit for bit. (fp64 angles would be
+    closer to the true rotation at long context, but differ from those tables by up to
+    position x 6e-8 radians.) Each token's table depends only on its own position, so every CP
+    layout gets the same values."""
+    inv_freq, attention_factor = inverse_frequencies(head_dim, theta, scaling or DefaultRope())
+    angles = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos() * attention_factor, angles.sin() * attention_factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -197,11 +269,13 @@ class Transformer(nn.Module):
     this rank's tokens."""
 
     def __init__(self, *, layers: int, hidden: int, heads: int, kv_heads: int, ffn_hidden: int,
-                 vocab: int, rope_theta: float, norm_eps: float, tie_embeddings: bool):
+                 vocab: int, rope_theta: float, norm_eps: float, tie_embeddings: bool,
+                 rope_scaling: RopeScaling | None = None):
         super().__init__()
         self.hidden = hidden
         self.head_dim = hidden // heads
         self.rope_theta = rope_theta
+        self.rope_scaling: RopeScaling = rope_scaling or DefaultRope()
         # The embedding, norm and head are None on pipeline ranks that do not run them; the
         # embedding is vocabulary-parallel under TP.
         self.embed: nn.Module | None = nn.Embedding(vocab, hidden)
@@ -225,7 +299,7 @@ class Transformer(nn.Module):
         return cls(layers=model.layers, hidden=model.hidden, heads=model.heads,
                    kv_heads=model.kv_heads, ffn_hidden=model.ffn_hidden, vocab=model.vocab,
                    rope_theta=model.rope_theta, norm_eps=model.norm_eps,
-                   tie_embeddings=model.tie_embeddings)
+                   tie_embeddings=model.tie_embeddings, rope_scaling=model.rope_scaling)
 
     def initial_value(self, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
         """The initial fp32 value (CPU) of the whole parameter `name`, from a generator seeded
@@ -261,7 +335,8 @@ class Transformer(nn.Module):
         # Tables in the dtype q and k will have (autocast's, if on), made once for all blocks.
         dtype = (torch.get_autocast_dtype(x.device.type)
                  if torch.is_autocast_enabled(x.device.type) else x.dtype)
-        cos, sin = rope_tables(positions, self.head_dim, self.rope_theta, dtype)
+        cos, sin = rope_tables(positions, self.head_dim, self.rope_theta, dtype,
+                               self.rope_scaling)
         for block in blocks:
             x = block(x, cos, sin)
         return x

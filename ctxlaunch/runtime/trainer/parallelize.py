@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ctxlaunch import cp as cp_attention
-from ctxlaunch.contract.spec import JobSpec, StateEngine
+from ctxlaunch.contract.spec import JobSpec, ModelSpec, StateEngine
 from ctxlaunch.runtime.trainer.model import AttentionFn, Checkpointing, Transformer
 from ctxlaunch.runtime.trainer.pipeline import StageModule, pipeline_schedule, split_stages
-from ctxlaunch.runtime.trainer.reshard import write_local
+from ctxlaunch.runtime.trainer.reshard import local_rows, write_local, write_rows
 from ctxlaunch.runtime.trainer.tensor_parallel import (
     Sharding,
     VocabParallelEmbedding,
@@ -169,6 +169,9 @@ class ParallelSettings:
     n_micro: int
     """Micro-batches per step (the gradient accumulation): the pipeline schedule's count."""
     seed: int
+    init_from: ModelSpec | None = None
+    """The model section when it names a Hugging Face checkpoint (`model.init_from`): the
+    initial weights are read from it instead of drawn."""
 
     @classmethod
     def from_spec(cls, spec: JobSpec) -> ParallelSettings:
@@ -176,7 +179,8 @@ class ParallelSettings:
         return cls(cp_algorithm=spec.parallel.cp_algorithm,
                    checkpointing=t.activation_checkpointing, state_engine=spec.state_engine,
                    zero_stage=t.zero_stage, stage_layers=spec.stage_layers, seq_len=t.seq_len,
-                   micro_batch=t.micro_batch, n_micro=spec.grad_accum, seed=t.seed)
+                   micro_batch=t.micro_batch, n_micro=spec.grad_accum, seed=t.seed,
+                   init_from=spec.model if spec.model.init_from else None)
 
 
 @dataclass(frozen=True)
@@ -214,7 +218,9 @@ def parallelize(model: Transformer, *, ctx: ParallelContext, settings: ParallelS
     Materialising allocates only this rank's share: its stages' modules, their TP slice, and
     under FSDP2 its DP x CP shard of that. Transient, one parameter at a time: the whole
     parameter's initial value on the CPU (`Transformer.initial_value`, seeded by the
-    parameter's name, so every layout starts from the same weights) and its TP slice."""
+    parameter's name, so every layout starts from the same weights) and its TP slice; or,
+    with `model.init_from`, just the rows (and columns) this rank keeps, read from the
+    Hugging Face checkpoint (`ctxlaunch.runtime.trainer.hf`)."""
     full_shapes = {name: p.shape for name, p in model.named_parameters()}
     attend = attention_for(ctx, settings.cp_algorithm)
     for block in model.block_modules():
@@ -228,8 +234,11 @@ def parallelize(model: Transformer, *, ctx: ParallelContext, settings: ParallelS
     if ctx.dp_cp_group is not None and sharded:
         _fully_shard(parts, ctx.dp_cp_group, device,
                      reshard_after_forward=settings.zero_stage == 3)
-    for part in parts:
-        _materialise(part, model, full_shapes, plan, ctx, settings.seed, device)
+    if settings.init_from is not None:
+        _materialise_from_hf(parts, full_shapes, plan, ctx, settings.init_from, device)
+    else:
+        for part in parts:
+            _materialise(part, model, full_shapes, plan, ctx, settings.seed, device)
     schedule = None
     n_stages = len(settings.stage_layers)
     if stages:
@@ -274,6 +283,32 @@ def _materialise(part: nn.Module, model: Transformer, full_shapes: dict[str, tor
             if sharding is not None and ctx.tp > 1:
                 value = sharding.shard(value, ctx.tp, ctx.tp_rank)
             write_local(param, value)
+
+
+def _materialise_from_hf(parts: list[nn.Module], full_shapes: dict[str, torch.Size],
+                         plan: dict[str, Sharding | None], ctx: ParallelContext,
+                         model: ModelSpec, device: torch.device) -> None:
+    """Allocate the parts' parameters and read each one's value from the Hugging Face
+    checkpoint: only this rank's TP slice, FSDP chunk and pipeline stages."""
+    from ctxlaunch.runtime.trainer import hf
+
+    assert model.init_from is not None  # settings.init_from is set only with it
+    checkpoint = hf.SafetensorsCheckpoint(model.init_from)
+    hf.check_shapes(checkpoint, full_shapes, model)
+    try:
+        for part in parts:
+            part.to_empty(device=device)
+            with torch.no_grad():
+                for name, param in part.named_parameters():
+                    sharding = plan[name]
+                    tp, tp_rank = (ctx.tp, ctx.tp_rank) if sharding is not None else (1, 0)
+                    slice_rows = full_shapes[name][0] // tp if sharding and not sharding.dim \
+                        else full_shapes[name][0]
+                    rows = local_rows(param, slice_rows)
+                    write_rows(param, hf.read_local(checkpoint, name, full_shapes[name],
+                                                    sharding, tp, tp_rank, rows))
+    finally:
+        checkpoint.close()
 
 
 def apply_tensor_parallel(model: Transformer, ctx: ParallelContext) -> dict[str, Sharding | None]:

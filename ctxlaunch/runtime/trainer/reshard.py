@@ -44,6 +44,31 @@ def write_local(target: torch.Tensor, value: torch.Tensor) -> None:
         target._local_tensor.copy_(chunks[index])
 
 
+def local_rows(target: torch.Tensor, rows: int) -> tuple[int, int]:
+    """[start, stop) of the rows (dim 0) of a TP slice with `rows` rows that `write_local`
+    keeps in `target`: all of them, or its FSDP chunk (torch.chunk's split over DP x CP)."""
+    if not isinstance(target, DTensor):
+        return 0, rows
+    if not target._local_tensor.numel():
+        return 0, 0
+    mesh = target.device_mesh
+    return chunk_rows(rows, mesh.size(), mesh.get_local_rank())
+
+
+def chunk_rows(rows: int, chunks: int, index: int) -> tuple[int, int]:
+    """[start, stop) of chunk `index` of `rows` rows as torch.chunk splits them (chunks of
+    ceil(rows / chunks), the last shorter, possibly none)."""
+    size = -(-rows // chunks)
+    return min(index * size, rows), min((index + 1) * size, rows)
+
+
+def write_rows(target: torch.Tensor, rows: torch.Tensor) -> None:
+    """Copy the rows `local_rows` named (read from elsewhere, not sliced here) into `target`."""
+    local = target._local_tensor if isinstance(target, DTensor) else target
+    if local.numel():
+        local.copy_(rows)
+
+
 class CheckpointState:
     """The state dict of one rank's slice of the model and its AdamW states."""
 

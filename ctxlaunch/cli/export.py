@@ -1,0 +1,59 @@
+"""`export`: a trained checkpoint as a Hugging Face directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ctxlaunch.cli.common import err, fail, out
+from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract.loader import SpecError, load_spec
+
+
+def export(
+    checkpoint: Annotated[Path, typer.Argument(
+        help="A checkpoint step directory (step-NNNNNNNN), or training.checkpoint.dir for its "
+             "newest committed step.", show_default=False)],
+    hf: Annotated[Path, typer.Option(
+        "--hf", help="The Hugging Face directory to write (must not exist).",
+        show_default=False)],
+    spec: Annotated[Path | None, typer.Option(
+        help="The job spec the checkpoint was trained with (default: the model the trainer "
+             "stored with the checkpoint).")] = None,
+    dtype: Annotated[str, typer.Option(
+        help="auto (the init_from checkpoint's dtype, else fp32), fp32, bf16 or fp16.")]
+    = "auto",
+    shard_size_mib: Annotated[int, typer.Option(
+        min=1, help="Largest safetensors shard, MiB.")] = 5 * 1024,
+) -> None:
+    """Write CHECKPOINT (any layout: torch.distributed.checkpoint or DeepSpeed) as a Hugging
+    Face LlamaForCausalLM directory: config.json with the RoPE it was trained with, safetensors
+    shards and their index, the init_from checkpoint's tokenizer files. Written to a temporary
+    directory and renamed into place; on an error nothing is left at --hf."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ctxlaunch.runtime.trainer.hf import HFCheckpointError
+    from ctxlaunch.runtime.trainer.hf import export as export_hf
+
+    if dtype not in ("auto", "fp32", "bf16", "fp16"):
+        fail(f"--dtype {dtype!r}: use auto, fp32, bf16 or fp16")
+    model = None
+    if spec is not None:
+        try:
+            model = load_spec(spec).model
+        except SpecError as exc:
+            err.print(str(exc), markup=False)
+            raise typer.Exit(exitcodes.BAD_INPUT) from None
+    if not checkpoint.is_dir():
+        fail(f"{checkpoint} is not a directory")
+    try:
+        step, files = export_hf(checkpoint, hf, model=model, dtype=dtype,
+                                shard_bytes=shard_size_mib * 2**20)
+    except (HFCheckpointError, ValueError, OSError) as exc:
+        fail(f"export of {checkpoint} failed: {exc}")
+    except (Exception, CheckpointException) as exc:  # a damaged checkpoint: DCP's or DeepSpeed's
+        fail(f"export of {checkpoint} failed reading it: {type(exc).__name__}: {exc}",
+             exitcodes.FAILED)
+    out.print(f"wrote {hf} from {step}: {', '.join(files)}")

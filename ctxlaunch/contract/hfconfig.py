@@ -1,0 +1,132 @@
+"""A Hugging Face Llama checkpoint's config.json, read into the model section's fields.
+
+`model.init_from: DIR` takes the shape, the norm epsilon, tied embeddings and RoPE from
+DIR/config.json (the spec validates them, so this lives in contract); the weights are read by
+the trainer (ctxlaunch/runtime/trainer/hf.py). Only plain Llama decoders are accepted: Llama 2,
+3, 3.1 and 3.2 (grouped-query attention, tied embeddings, llama3/YaRN/linear RoPE scaling);
+anything whose weights would not mean the same in ctxlaunch's model is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "config.json"
+LLAMA_ARCHITECTURE = "LlamaForCausalLM"
+
+SHAPE_KEYS: dict[str, str] = {
+    "layers": "num_hidden_layers",
+    "hidden": "hidden_size",
+    "heads": "num_attention_heads",
+    "ffn_hidden": "intermediate_size",
+    "vocab": "vocab_size",
+}
+"""ModelSpec field -> config.json key (kv_heads, tie_embeddings and norm_eps have defaults in
+transformers and are read apart)."""
+
+ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+             "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
+"""The RoPE-scaling parameters ctxlaunch reproduces (see `RopeScaling` in spec.py)."""
+
+
+class HFConfigError(ValueError):
+    """config.json is missing, unreadable, or describes a model ctxlaunch cannot train."""
+
+
+def read_config(directory: str | Path) -> dict[str, Any]:
+    """DIR/config.json as a mapping."""
+    path = Path(directory) / CONFIG_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise HFConfigError(f"model.init_from: no {CONFIG_FILE} in {directory} (a Hugging Face "
+                            "checkpoint directory holds config.json and model.safetensors)"
+                            ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HFConfigError(f"model.init_from: cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise HFConfigError(f"model.init_from: {path} is not a JSON object")
+    return data
+
+
+def rope_from_config(config: dict[str, Any], where: str) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, the `rope_scaling` section in ctxlaunch's form) of a config.json, in either
+    of transformers' spellings: `rope_theta` + `rope_scaling` (4.x, the released Llama 3.1
+    files) or `rope_parameters` (5.x)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise HFConfigError(f"{where}: rope_scaling must be an object, got {params!r}")
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "linear", "llama3", "yarn"):
+        raise HFConfigError(f"{where}: RoPE type {kind!r} is not supported (ctxlaunch has "
+                            "default, linear, llama3 and yarn)")
+    scaling: dict[str, Any] = {"type": kind}
+    for key in ROPE_KEYS:
+        if params.get(key) is not None:
+            scaling[key] = params[key]
+    if kind in ("llama3", "yarn") and "original_max_position_embeddings" not in scaling \
+            and "max_position_embeddings" in config:
+        # transformers' default: the pretraining length is the config's maximum.
+        scaling["original_max_position_embeddings"] = config["max_position_embeddings"]
+    if kind == "yarn" and "factor" not in scaling:
+        orig = scaling.get("original_max_position_embeddings")
+        if orig and config.get("max_position_embeddings"):
+            scaling["factor"] = config["max_position_embeddings"] / orig
+    if kind == "default":
+        scaling = {"type": "default"}
+    return float(theta), scaling
+
+
+def model_fields(directory: str | Path) -> dict[str, Any]:
+    """The ModelSpec fields DIR/config.json determines, after refusing what ctxlaunch cannot
+    reproduce (another architecture, biases, a head_dim other than hidden / heads, an
+    activation other than SiLU)."""
+    config = read_config(directory)
+    where = str(Path(directory) / CONFIG_FILE)
+    architectures = config.get("architectures") or []
+    model_type = config.get("model_type")
+    if architectures and architectures != [LLAMA_ARCHITECTURE]:
+        raise HFConfigError(f"{where}: architecture {', '.join(map(str, architectures))} is not "
+                            f"supported; model.init_from takes {LLAMA_ARCHITECTURE} checkpoints "
+                            "(Llama 2, 3, 3.1, 3.2)")
+    if model_type != "llama":
+        raise HFConfigError(f"{where}: model_type {model_type!r} is not supported; model.init_from "
+                            "takes Llama checkpoints (model_type llama)")
+    missing = [key for key in SHAPE_KEYS.values() if not isinstance(config.get(key), int)]
+    if missing:
+        raise HFConfigError(f"{where}: missing or non-integer {', '.join(missing)}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag):
+            raise HFConfigError(f"{where}: {flag} is true; ctxlaunch's projections have no "
+                                "biases")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise HFConfigError(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu "
+                            "only)")
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim")
+    if head_dim is not None and head_dim * heads != hidden:
+        raise HFConfigError(f"{where}: head_dim = {head_dim} differs from hidden_size / "
+                            f"num_attention_heads = {hidden} / {heads}; ctxlaunch's heads are "
+                            "hidden / heads wide")
+    if config.get("pretraining_tp", 1) not in (1, None):
+        raise HFConfigError(f"{where}: pretraining_tp = {config['pretraining_tp']} is not "
+                            "supported (1 only)")
+    theta, scaling = rope_from_config(config, where)
+    fields: dict[str, Any] = {name: config[key] for name, key in SHAPE_KEYS.items()}
+    fields.update(
+        kv_heads=config.get("num_key_value_heads") or heads,
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        rope_theta=theta, rope_scaling=scaling)
+    return fields
+
+
+def checkpoint_dtype(directory: str | Path) -> str | None:
+    """The dtype config.json records (torch's name, e.g. bfloat16), if any."""
+    config = read_config(directory)
+    value = config.get("dtype") or config.get("torch_dtype")
+    return str(value) if value else None

@@ -1,0 +1,417 @@
+"""Hugging Face Llama checkpoints in and out: the name mapping, reading one rank's slice of
+each weight lazily from safetensors, and writing a trained checkpoint back as a Hugging Face
+directory.
+
+    ctxlaunch                        Hugging Face (LlamaForCausalLM)
+    embed.weight                     model.embed_tokens.weight
+    blocks.{i}.attn_norm.weight      model.layers.{i}.input_layernorm.weight
+    blocks.{i}.attn.wqkv.weight      model.layers.{i}.self_attn.{q,k,v}_proj.weight (dim 0)
+    blocks.{i}.attn.wo.weight        model.layers.{i}.self_attn.o_proj.weight
+    blocks.{i}.ffn_norm.weight       model.layers.{i}.post_attention_layernorm.weight
+    blocks.{i}.ffn.w_gate_up.weight  model.layers.{i}.mlp.{gate,up}_proj.weight (dim 0)
+    blocks.{i}.ffn.w_down.weight     model.layers.{i}.mlp.down_proj.weight
+    norm.weight                      model.norm.weight
+    head.weight                      lm_head.weight (absent when tied)
+
+Hugging Face's Llama q/k projections are already permuted to the rotate-half layout that
+`apply_rope` uses, so they are copied as they are.
+
+Reading: each rank asks safetensors for the rows (and, for wo and w_down, the columns) of its
+TP slice of each part, and under FSDP2 only the DP x CP row chunk it keeps (`local_rows`), so
+no rank reads or holds more than its share. Writing: the whole model in one process, fp32 (or
+the dtype asked for), in shards with model.safetensors.index.json, written to a temporary
+directory that is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ctxlaunch.contract.hfconfig import CONFIG_FILE, LLAMA_ARCHITECTURE, read_config
+from ctxlaunch.contract.spec import DefaultRope, ModelSpec, YarnRope
+from ctxlaunch.runtime.trainer.tensor_parallel import Sharding
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "generation_config.json")
+"""Copied from the init_from directory into an export, when there."""
+
+_BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
+_BLOCK_PARTS: dict[str, tuple[str, ...]] = {
+    "attn_norm.weight": ("input_layernorm.weight",),
+    "attn.wqkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                         "self_attn.v_proj.weight"),
+    "attn.wo.weight": ("self_attn.o_proj.weight",),
+    "ffn_norm.weight": ("post_attention_layernorm.weight",),
+    "ffn.w_gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "ffn.w_down.weight": ("mlp.down_proj.weight",),
+}
+_TOP: dict[str, str] = {"embed.weight": "model.embed_tokens.weight",
+                        "norm.weight": "model.norm.weight", "head.weight": "lm_head.weight"}
+
+
+class HFCheckpointError(RuntimeError):
+    """A Hugging Face checkpoint cannot be read, or an export cannot be written."""
+
+
+def hf_names(name: str) -> tuple[str, ...]:
+    """The Hugging Face tensors that make up ctxlaunch parameter `name`, in order (the fused
+    projections are several, concatenated along dim 0)."""
+    if name in _TOP:
+        return (_TOP[name],)
+    match = _BLOCK.match(name)
+    if match and match.group(2) in _BLOCK_PARTS:
+        return tuple(f"model.layers.{match.group(1)}.{part}"
+                     for part in _BLOCK_PARTS[match.group(2)])
+    raise KeyError(f"no Hugging Face name for parameter {name!r}")
+
+
+def part_sizes(name: str, model: ModelSpec) -> tuple[int, ...]:
+    """Rows of each Hugging Face part of parameter `name` (dim 0)."""
+    if name.endswith("wqkv.weight"):
+        return (model.heads * model.head_dim, model.kv_hidden, model.kv_hidden)
+    if name.endswith("w_gate_up.weight"):
+        return (model.ffn_hidden, model.ffn_hidden)
+    return ()
+
+
+class SafetensorsCheckpoint:
+    """The tensors of a Hugging Face checkpoint directory, read a slice at a time."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        index = self.directory / INDEX_FILE
+        single = self.directory / SINGLE_FILE
+        from safetensors import safe_open
+
+        if single.is_file():
+            with safe_open(str(single), framework="pt") as handle:
+                self.files = dict.fromkeys(handle.keys(), SINGLE_FILE)
+        elif index.is_file():
+            try:
+                self.files = dict(json.loads(index.read_text())["weight_map"])
+            except (OSError, ValueError, KeyError) as exc:
+                raise HFCheckpointError(f"cannot read {index}: {exc}") from None
+        else:
+            raise HFCheckpointError(f"model.init_from: {self.directory} holds neither "
+                                    f"{SINGLE_FILE} nor {INDEX_FILE}")
+        self._handles: dict[str, Any] = {}
+
+    def _slice(self, hf_name: str) -> Any:
+        if hf_name not in self.files:
+            raise HFCheckpointError(f"{self.directory} has no tensor {hf_name!r}")
+        file = self.files[hf_name]
+        if file not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[file] = safe_open(str(self.directory / file), framework="pt")
+        return self._handles[file].get_slice(hf_name)
+
+    def shape(self, hf_name: str) -> tuple[int, ...]:
+        return tuple(self._slice(hf_name).get_shape())
+
+    def read(self, hf_name: str, rows: tuple[int, int],
+             cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """Rows [start, stop) (and columns, if given) of one tensor, read from disk alone."""
+        piece = self._slice(hf_name)
+        if cols is None:
+            return piece[rows[0]:rows[1]]
+        return piece[rows[0]:rows[1], cols[0]:cols[1]]
+
+    def dtype(self) -> torch.dtype:
+        """The dtype of the checkpoint's tensors (of its embedding)."""
+        return self.read("model.embed_tokens.weight", (0, 1)).dtype
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def check_shapes(checkpoint: SafetensorsCheckpoint, shapes: dict[str, torch.Size],
+                 model: ModelSpec) -> None:
+    """Every parameter's parts are in the checkpoint with the shapes the spec implies."""
+    for name, shape in shapes.items():
+        sizes = part_sizes(name, model) or (shape[0],)
+        for hf_name, rows in zip(hf_names(name), sizes, strict=True):
+            want = (rows, *shape[1:])
+            got = checkpoint.shape(hf_name)
+            if got != want:
+                raise HFCheckpointError(f"{checkpoint.directory}: {hf_name} has shape "
+                                        f"{list(got)}, the model needs {list(want)}")
+
+
+def read_local(checkpoint: SafetensorsCheckpoint, name: str, full_shape: torch.Size,
+               sharding: Sharding | None, tp: int, tp_rank: int,
+               rows: tuple[int, int]) -> torch.Tensor:
+    """Rows [start, stop) of this TP rank's slice of parameter `name` (the rows it keeps
+    under FSDP2), read from the checkpoint without reading the rest."""
+    parts = hf_names(name)
+    lo, hi = rows
+    if sharding is None:
+        return checkpoint.read(parts[0], (lo, hi))
+    if sharding.dim == 1:
+        width = full_shape[1] // tp
+        return checkpoint.read(parts[0], (lo, hi), (tp_rank * width, (tp_rank + 1) * width))
+    pieces, offset = [], 0
+    for hf_name, size in zip(parts, sharding.parts, strict=True):
+        local = size // tp  # this part's rows in the TP slice: [offset, offset + local)
+        start, stop = max(lo, offset), min(hi, offset + local)
+        if start < stop:
+            base = tp_rank * local - offset
+            pieces.append(checkpoint.read(hf_name, (base + start, base + stop)))
+        offset += local
+    if not pieces:
+        return torch.empty((0, *full_shape[1:]))
+    return torch.cat(pieces, dim=0)
+
+
+# -- export ------------------------------------------------------------------------------------
+def to_hf(state: dict[str, torch.Tensor], model: ModelSpec) -> dict[str, torch.Tensor]:
+    """ctxlaunch's whole-model state (name -> tensor) as Hugging Face tensors."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        sizes = part_sizes(name, model)
+        pieces = tensor.split(list(sizes), dim=0) if sizes else (tensor,)
+        for hf_name, piece in zip(hf_names(name), pieces, strict=True):
+            out[hf_name] = piece.contiguous()
+    return out
+
+
+def hf_config(model: ModelSpec, *, dtype: torch.dtype, max_positions: int | None,
+              base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json of a LlamaForCausalLM with the spec's shape and RoPE (rope_theta and
+    rope_scaling, the spelling transformers 4.x and 5.x both read). Keys of `base` (the
+    init_from config: token ids and the like) are kept unless the model decides them."""
+    config = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "dtype")}
+    scaling = model.rope_scaling
+    rope: dict[str, Any] | None = None
+    if not isinstance(scaling, DefaultRope):
+        rope = scaling.model_dump(exclude_none=True)
+        rope["rope_type"] = rope.pop("type")
+    positions = max(filter(None, (config.get("max_position_embeddings"), max_positions)),
+                    default=None)
+    config.update({
+        "architectures": [LLAMA_ARCHITECTURE], "model_type": "llama",
+        "vocab_size": model.vocab, "hidden_size": model.hidden,
+        "intermediate_size": model.ffn_hidden, "num_hidden_layers": model.layers,
+        "num_attention_heads": model.heads, "num_key_value_heads": model.kv_heads,
+        "head_dim": model.head_dim, "hidden_act": "silu", "rms_norm_eps": model.norm_eps,
+        "rope_theta": model.rope_theta, "rope_scaling": rope,
+        "tie_word_embeddings": model.tie_embeddings, "attention_bias": False,
+        "mlp_bias": False, "torch_dtype": str(dtype).removeprefix("torch."),
+    })
+    if isinstance(scaling, YarnRope):
+        # transformers checks YaRN's factor against max_position_embeddings / the original
+        # length: the stretched context is the model's maximum.
+        positions = round(scaling.original_max_position_embeddings * scaling.factor)
+    if positions is not None:
+        config["max_position_embeddings"] = positions
+    return dict(sorted(config.items()))
+
+
+def _shards(tensors: dict[str, torch.Tensor], shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def write_hf(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], *,
+             shard_bytes: int, tokenizer_from: Path | None = None) -> list[str]:
+    """Write a Hugging Face directory at `out` (which must not exist): config.json, the
+    safetensors shards and their index, and the tokenizer files of `tokenizer_from`. Written
+    in a temporary directory beside `out` and renamed into place, so `out` is never half
+    written. Returns the files written."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.exists():
+        raise HFCheckpointError(f"{out} already exists; export writes a new directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        shards = _shards(tensors, shard_bytes)
+        weight_map: dict[str, str] = {}
+        total = 0
+        for number, shard in enumerate(shards, 1):
+            file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / file), metadata={"format": "pt"})
+            for name, tensor in shard.items():
+                weight_map[name] = file
+                total += tensor.numel() * tensor.element_size()
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        if tokenizer_from is not None:
+            for name in TOKENIZER_FILES:
+                if (tokenizer_from / name).is_file():
+                    shutil.copy2(tokenizer_from / name, tmp / name)
+        written = sorted(p.name for p in tmp.iterdir())
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return written
+
+
+# -- reading a training checkpoint -------------------------------------------------------------
+def _whole_name(key: str) -> tuple[str, int]:
+    name, _, part = key.removeprefix("model/").partition("#")
+    return name, int(part) if part else 0
+
+
+def _dim_of(name: str) -> int:
+    return 1 if name.endswith(("wo.weight", "w_down.weight")) else 0
+
+
+def read_dcp_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The whole model's weights of a torch.distributed.checkpoint checkpoint (reshard.py's
+    `model/<name>[#part]` keys), read in this one process, no process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(path))
+    metadata = reader.read_metadata()
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith("model/") and isinstance(meta, TensorStorageMetadata)}
+    if not state:
+        raise HFCheckpointError(f"{path}: no model weights in this checkpoint")
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        name, index = _whole_name(key)
+        parts.setdefault(name, {})[index] = tensor
+    return {name: torch.cat([by_index[i] for i in sorted(by_index)], dim=_dim_of(name))
+            for name, by_index in sorted(parts.items())}
+
+
+def read_deepspeed_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The whole model's fp32 weights of a DeepSpeed checkpoint (zero_to_fp32)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+    return {name.removeprefix("module."): tensor for name, tensor in state.items()}
+
+
+def read_training_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The weights of one checkpoint step directory, whichever engine wrote it."""
+    if (path / ".metadata").is_file():
+        return read_dcp_weights(path)
+    if any(path.glob("*model_states.pt")):
+        return read_deepspeed_weights(path)
+    raise HFCheckpointError(f"{path} is not a ctxlaunch checkpoint (no torch.distributed."
+                            "checkpoint .metadata, no DeepSpeed *model_states.pt)")
+
+
+def export_dtype(name: str, model: ModelSpec, saved: torch.dtype) -> torch.dtype:
+    """The dtype an export writes: `name` (fp32, bf16, fp16) or, for auto, the dtype of the
+    init_from checkpoint when there is one (so import then export is bitwise identical, bf16
+    in, bf16 out), else the saved weights' (fp32: ctxlaunch keeps fp32 master weights)."""
+    table = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if name != "auto":
+        return table[name]
+    if model.init_from and Path(model.init_from, CONFIG_FILE).is_file():
+        try:
+            return SafetensorsCheckpoint(model.init_from).dtype()
+        except HFCheckpointError:
+            pass
+    return saved
+
+
+def init_from_config(model: ModelSpec) -> dict[str, Any] | None:
+    """The init_from directory's config.json, if it is still there."""
+    if model.init_from and Path(model.init_from, CONFIG_FILE).is_file():
+        return read_config(model.init_from)
+    return None
+
+
+def resolve_step_dir(path: Path) -> Path:
+    """A checkpoint step directory: `path` itself, or the newest committed step under it."""
+    from ctxlaunch.runtime.trainer.checkpoint import MARKER, latest_step, step_dir
+
+    if (path / MARKER).is_file():
+        return path
+    step = latest_step(path)
+    if step is None:
+        raise HFCheckpointError(f"{path} is neither a committed checkpoint (no {MARKER}) nor a "
+                                "checkpoint directory with one")
+    return step_dir(path, step)
+
+
+def saved_info(step: Path) -> dict[str, Any]:
+    """What the trainer recorded beside a checkpoint (its COMMITTED marker)."""
+    from ctxlaunch.runtime.trainer.checkpoint import MARKER
+
+    try:
+        return dict(json.loads((step / MARKER).read_text()))
+    except (OSError, ValueError) as exc:
+        raise HFCheckpointError(f"cannot read {step / MARKER}: {exc}") from None
+
+
+def export(checkpoint: Path, out: Path, *, model: ModelSpec | None = None,
+           dtype: str = "auto", shard_bytes: int = 5 * 2**30) -> tuple[Path, list[str]]:
+    """Write the checkpoint (a step directory, or the newest under a checkpoint directory) as
+    a Hugging Face Llama directory at `out`. The model section is `model`, else the one the
+    trainer stored with the checkpoint. Returns the step directory read and the files."""
+    step = resolve_step_dir(Path(checkpoint))
+    info = saved_info(step)
+    if model is None:
+        if "model" not in info:
+            raise HFCheckpointError(f"{step} does not record its model (written before ctxlaunch "
+                                    "stored it); pass --spec with the spec it was trained with")
+        data = dict(info["model"])
+        if data.get("init_from") and not Path(data["init_from"], CONFIG_FILE).is_file():
+            # Moved or deleted since: the stored section is resolved, so it stands without it
+            # (and there are no tokenizer files to copy).
+            data["init_from"] = None
+        model = ModelSpec.model_validate(data)
+    weights = read_training_weights(step)
+    expected = _expected_shapes(model)
+    if set(weights) != set(expected):
+        missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+        raise HFCheckpointError(f"{step} does not hold the model described: missing "
+                                f"{missing[:5]}, unexpected {extra[:5]}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise HFCheckpointError(f"{step} does not hold the model described: {name} is "
+                                    f"{list(weights[name].shape)}, the model needs {list(shape)}")
+    saved = next(iter(weights.values())).dtype
+    target = export_dtype(dtype, model, saved)
+    tensors = {k: v.to(target) for k, v in to_hf(weights, model).items()}
+    base = init_from_config(model)
+    config = hf_config(model, dtype=target, max_positions=info.get("seq_len"), base=base)
+    tokenizer = Path(model.init_from) if base is not None and model.init_from else None
+    return step, write_hf(out, tensors, config, shard_bytes=shard_bytes,
+                          tokenizer_from=tokenizer)
+
+
+def _expected_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
+    h, f, v = model.hidden, model.ffn_hidden, model.vocab
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (v, h), "norm.weight": (h,)}
+    if not model.tie_embeddings:
+        shapes["head.weight"] = (v, h)
+    block = {"attn_norm.weight": (h,), "ffn_norm.weight": (h,),
+             "attn.wqkv.weight": (model.heads * model.head_dim + 2 * model.kv_hidden, h),
+             "attn.wo.weight": (h, model.heads * model.head_dim),
+             "ffn.w_gate_up.weight": (2 * f, h), "ffn.w_down.weight": (h, f)}
+    for i in range(model.layers):
+        shapes |= {f"blocks.{i}.{leaf}": shape for leaf, shape in block.items()}
+    return shapes
