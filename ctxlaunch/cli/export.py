@@ -27,6 +27,10 @@ def export(
     = "auto",
     shard_size_mib: Annotated[int, typer.Option(
         min=1, help="Largest safetensors shard, MiB.")] = 5 * 1024,
+    tokenizer: Annotated[Path | None, typer.Option(
+        help="A tokenizer to ship with it (tokenizer.json, a SentencePiece model or a tiktoken "
+             "file: written as tokenizer.json or tokenizer.model), beside the init_from "
+             "checkpoint's own tokenizer files.")] = None,
 ) -> None:
     """Write CHECKPOINT (any layout: torch.distributed.checkpoint or DeepSpeed) as a Hugging
     Face LlamaForCausalLM directory: config.json with the RoPE it was trained with, safetensors
@@ -50,7 +54,7 @@ def export(
         fail(f"{checkpoint} is not a directory")
     try:
         step, files = export_hf(checkpoint, hf, model=model, dtype=dtype,
-                                shard_bytes=shard_size_mib * 2**20)
+                                shard_bytes=shard_size_mib * 2**20, tokenizer=tokenizer)
     except (HFCheckpointError, ValueError, OSError) as exc:
         fail(f"export of {checkpoint} failed: {exc}")
     except (Exception, CheckpointException) as exc:  # a damaged checkpoint: DCP's or DeepSpeed's

@@ -200,6 +200,13 @@ class ModelSpec(_Strict):
             raise PydanticCustomError("init_from", "{message}", {"message": (
                 f"give model.preset or model.init_from, not both (init_from {directory!r} "
                 "fixes the shape)")})
+        required = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
+        if not (Path(directory) / CONFIG_FILE).exists() and all(
+                data.get(name) is not None for name in required):
+            # Not on this machine (a login node renders a job whose checkpoint lives on the
+            # cluster): the spec's own shape stands here; validation warns, and the trainer,
+            # where the directory is, validates again against its config.json.
+            return data
         try:
             fields = model_fields(directory)
         except HFConfigError as exc:
@@ -1101,6 +1108,11 @@ def layout_warnings(spec: JobSpec) -> list[str]:
             "N times rank 0's work); zigzag balances it.")
     out += [f"{missing} on this machine; the trainer needs it where it runs"
             for missing in spec.training.data.missing_files()]
+    init_from = spec.model.init_from
+    if init_from is not None and not (Path(init_from) / CONFIG_FILE).is_file():
+        out.append(f"model.init_from {init_from}: no {CONFIG_FILE} on this machine; the shape "
+                   "the spec gives is used here, and the trainer checks it against the "
+                   "checkpoint where it runs")
     return out
 
 

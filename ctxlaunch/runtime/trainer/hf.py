@@ -232,9 +232,11 @@ def _shards(tensors: dict[str, torch.Tensor], shard_bytes: int) -> list[dict[str
 
 
 def write_hf(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], *,
-             shard_bytes: int, tokenizer_from: Path | None = None) -> list[str]:
+             shard_bytes: int, tokenizer_from: Path | None = None,
+             tokenizer_file: tuple[Path, str] | None = None) -> list[str]:
     """Write a Hugging Face directory at `out` (which must not exist): config.json, the
-    safetensors shards and their index, and the tokenizer files of `tokenizer_from`. Written
+    safetensors shards and their index, the tokenizer files of `tokenizer_from` and
+    `tokenizer_file` (a file and the name it takes in `out`). Written
     in a temporary directory beside `out` and renamed into place, so `out` is never half
     written. Returns the files written."""
     from safetensors.torch import save_file
@@ -261,6 +263,8 @@ def write_hf(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]
             for name in TOKENIZER_FILES:
                 if (tokenizer_from / name).is_file():
                     shutil.copy2(tokenizer_from / name, tmp / name)
+        if tokenizer_file is not None:
+            shutil.copy2(tokenizer_file[0], tmp / tokenizer_file[1])
         written = sorted(p.name for p in tmp.iterdir())
         os.rename(tmp, out)
     except BaseException:
@@ -367,10 +371,21 @@ def saved_info(step: Path) -> dict[str, Any]:
 
 
 def export(checkpoint: Path, out: Path, *, model: ModelSpec | None = None,
-           dtype: str = "auto", shard_bytes: int = 5 * 2**30) -> tuple[Path, list[str]]:
+           dtype: str = "auto", shard_bytes: int = 5 * 2**30,
+           tokenizer: Path | None = None) -> tuple[Path, list[str]]:
     """Write the checkpoint (a step directory, or the newest under a checkpoint directory) as
     a Hugging Face Llama directory at `out`. The model section is `model`, else the one the
-    trainer stored with the checkpoint. Returns the step directory read and the files."""
+    trainer stored with the checkpoint. The tokenizer files are the init_from directory's, and
+    `tokenizer` (a tokenizer.json, SentencePiece model or tiktoken file) when given. Returns
+    the step directory read and the files."""
+    tokenizer_file, tokenizer_vocab = None, 0
+    if tokenizer is not None:
+        from ctxlaunch.runtime.data.tokenizers import load_tokenizer
+
+        loaded = load_tokenizer(tokenizer)  # TokenizerError (a ValueError) names the problem
+        tokenizer_vocab = loaded.vocab_size
+        tokenizer_file = (loaded.path, "tokenizer.json" if loaded.kind == "huggingface"
+                          else "tokenizer.model")
     step = resolve_step_dir(Path(checkpoint))
     info = saved_info(step)
     if model is None:
@@ -383,6 +398,9 @@ def export(checkpoint: Path, out: Path, *, model: ModelSpec | None = None,
             # (and there are no tokenizer files to copy).
             data["init_from"] = None
         model = ModelSpec.model_validate(data)
+    if tokenizer_file is not None and tokenizer_vocab > model.vocab:
+        raise HFCheckpointError(f"--tokenizer {tokenizer}: {tokenizer_vocab} ids, more than "
+                                f"the model's vocab {model.vocab}")
     weights = read_training_weights(step)
     expected = _expected_shapes(model)
     if set(weights) != set(expected):
@@ -398,9 +416,9 @@ def export(checkpoint: Path, out: Path, *, model: ModelSpec | None = None,
     tensors = {k: v.to(target) for k, v in to_hf(weights, model).items()}
     base = init_from_config(model)
     config = hf_config(model, dtype=target, max_positions=info.get("seq_len"), base=base)
-    tokenizer = Path(model.init_from) if base is not None and model.init_from else None
+    tokenizer_dir = Path(model.init_from) if base is not None and model.init_from else None
     return step, write_hf(out, tensors, config, shard_bytes=shard_bytes,
-                          tokenizer_from=tokenizer)
+                          tokenizer_from=tokenizer_dir, tokenizer_file=tokenizer_file)
 
 
 def _expected_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:

@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         if spec.training.checkpoint.dir:
             check_writable(spec.training.checkpoint.dir, denv.rank)
         missing = spec.training.data.missing_files()
+        init_from = spec.model.init_from
+        if init_from is not None and not (Path(init_from) / "config.json").is_file():
+            missing.append(f"model.init_from {init_from}: no config.json (a Hugging Face "
+                           "checkpoint directory holds config.json and model.safetensors)")
         if missing:
             raise SetupError("; ".join(missing))
         import torch
