@@ -208,6 +208,11 @@ class DataSpec(_Strict):
     computed exactly as if it ran alone, which is what Hugging Face's packing with position ids
     (DataCollatorWithFlattening) and varlen flash-attention training do. false keeps the global
     positions of the packed sequence, as Llama 3's long-context stage reports."""
+    mean_document_tokens: PositiveInt | None = None
+    """With document_mask, for the planner's attention cost: the token-weighted mean document
+    length (sum of squared lengths over the sum of lengths: the length of the document an
+    average token belongs to; `ctxlaunch.perf.flops.token_weighted_document_tokens` computes it
+    from a dataset's document lengths). Unset: attention is costed as unmasked causal."""
 
     @model_validator(mode="after")
     def _path_for_text(self) -> DataSpec:
@@ -248,6 +253,10 @@ class DataSpec(_Strict):
                     problems.append(_problem(loc, value,
                         f"no such file: {', '.join(missing)} (make it with `ctxlaunch data "
                         "prepare`)"))
+        if self.mean_document_tokens is not None and not self.document_mask:
+            problems.append(_problem(("mean_document_tokens",), self.mean_document_tokens,
+                "data.mean_document_tokens costs a document mask: it needs "
+                "data.document_mask: true"))
         if problems:
             raise ValidationError.from_exception_data("DataSpec", problems)
         return self

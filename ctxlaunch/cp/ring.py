@@ -144,7 +144,7 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, layout, scale, do
     kv_comm, grad_comm = RingComm(group), RingComm(group)
     dq = torch.zeros_like(q, dtype=_accumulator(q))
     # Gradients of this rank's own K/V from its own queries stay here; the other ranks' shares
-    # ride along with the K/V in an fp32 accumulator and come home after N-1 hops.
+    # ride along with the K/V in an fp32 (fp64 for fp64) accumulator and come home after N-1 hops.
     dk_home = torch.zeros_like(k, dtype=_accumulator(q))
     dv_home = torch.zeros_like(v, dtype=_accumulator(q))
 
