@@ -311,6 +311,21 @@ class DataSpec(_Strict):
     eval_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
     """source: tokens only: the fraction of each file's documents held out for evaluation,
     chosen by a fixed hash of the document's index (never trained on)."""
+    document_mask: bool = False
+    """source: tokens only: attention never crosses a document boundary inside a packed
+    sequence (under every CP algorithm and layout; pairs of shards that share no document are
+    skipped, not computed), and a token whose target opens the next document is not predicted
+    (its target is ignored, -100). The loss is the mean over the predicted tokens of the step."""
+    restart_positions: bool = True
+    """With document_mask: positions (RoPE) restart at 0 at each document, so each document is
+    computed exactly as if it ran alone, which is what Hugging Face's packing with position ids
+    (DataCollatorWithFlattening) and varlen flash-attention training do. false keeps the global
+    positions of the packed sequence, as Llama 3's long-context stage reports."""
+    mean_document_tokens: PositiveInt | None = None
+    """With document_mask, for the planner's attention cost: the token-weighted mean document
+    length (sum of squared lengths over the sum of lengths: the length of the document an
+    average token belongs to; `ctxlaunch.perf.flops.token_weighted_document_tokens` computes it
+    from a dataset's document lengths). Unset: attention is costed as unmasked causal."""
 
     @model_validator(mode="after")
     def _path_for_text(self) -> DataSpec:
@@ -328,6 +343,10 @@ class DataSpec(_Strict):
                 if getattr(self, name) is not None:
                     problems.append(_problem((name,), getattr(self, name),
                                              f"data.{name} needs data.source = tokens"))
+            if self.document_mask:
+                problems.append(_problem(("document_mask",), self.document_mask,
+                    f"data.document_mask needs data.source = tokens (documents packed into "
+                    f"sequences); source {self.source} has no documents"))
         elif (self.path is None) == (self.paths is None):
             problems.append(_problem(("path",), self.path,
                 "data.source = tokens needs exactly one of data.path (one indexed dataset) "
@@ -337,6 +356,10 @@ class DataSpec(_Strict):
             problems.append(_problem(("weights",), self.weights,
                 f"data.weights has {len(self.weights)} entries but data.paths has "
                 f"{len(self.paths or [])}: give one weight per path"))
+        if self.mean_document_tokens is not None and not self.document_mask:
+            problems.append(_problem(("mean_document_tokens",), self.mean_document_tokens,
+                "data.mean_document_tokens costs a document mask: it needs "
+                "data.document_mask: true"))
         if problems:
             raise ValidationError.from_exception_data("DataSpec", problems)
         return self

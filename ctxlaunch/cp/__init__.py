@@ -6,6 +6,7 @@ and returns this rank's output shard; all are differentiable and support GQA.
 """
 
 from .comm import simulated_link_delay
+from .documents import AttentionArea, attention_area
 from .hybrid import hybrid_attention, new_hybrid_groups
 from .layout import (
     LAYOUTS,
@@ -24,6 +25,8 @@ from .ulysses import ulysses_attention
 
 __all__ = [
     "LAYOUTS",
+    "AttentionArea",
+    "attention_area",
     "check_seq_len",
     "full_attention",
     "hybrid_attention",

@@ -7,14 +7,19 @@ ranks, the tokens that Ulysses group r (CP ranks rU..rU+U-1) gathers are, in asc
 exactly ring rank r's shard of a ring of R ranks under the same layout with U-times longer
 chunks (zigzag: chunks rU..rU+U-1 and (2R-1-r)U..(2R-r)U-1 of 2N, i.e. chunks r and 2R-1-r of
 2R). So: all-to-all in the Ulysses group, ring over the ring group on the head shards, back.
+The same holds for a document mask: the inner ring's shards are pieces of the same global
+sequence, so the global document boundaries apply to it unchanged.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import kernels
+from .documents import check_documents
 from .layout import check_shard_len
 from .ring import ring_attention
 from .ulysses import HeadShardPlan, check_head_split, head_sharded_attention
@@ -54,6 +59,7 @@ def hybrid_attention(
     layout: str = "zigzag",
     scale: float | None = None,
     return_lse: bool = False,
+    documents: Sequence[Sequence[int]] | None = None,
 ):
     """Ulysses x ring attention; differentiable.
 
@@ -64,6 +70,7 @@ def hybrid_attention(
     (B, Hq, S/N, D) and k, v (B, Hkv, S/N, D) as ``shard_sequence`` over the whole CP group cuts
     them, and gets its output shard. Needs Hq % U == 0 and Hkv % U == 0 (the ring has no head
     constraint, which is how GQA with few K/V heads reaches degrees beyond Hkv).
+    ``documents``: a document mask, the global boundaries as ``ring_attention`` takes them.
     """
     kernels.check_qkv(q, k, v)
     ulysses_size, ring_size = dist.get_world_size(ulysses_group), dist.get_world_size(ring_group)
@@ -71,11 +78,13 @@ def hybrid_attention(
     check_shard_len(q.size(2), k.size(2), cp_world_size, layout)
     check_head_split(q, k, ulysses_size, "hybrid_attention")
     scale = kernels.resolve_scale(q, scale)
+    check_documents(documents, causal, q.size(0), q.size(2) * cp_world_size)
     first = dist.get_rank(ring_group) * ulysses_size
     members = list(range(first, first + ulysses_size))
     plan = HeadShardPlan(ulysses_group, members, cp_world_size, layout, q.size(2))
 
     def attend(qh, kh, vh):
-        return ring_attention(qh, kh, vh, ring_group, causal, layout, scale, return_lse=True)
+        return ring_attention(qh, kh, vh, ring_group, causal, layout, scale, return_lse=True,
+                              documents=documents)
 
     return head_sharded_attention(q, k, v, plan, attend, return_lse)

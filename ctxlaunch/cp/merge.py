@@ -1,4 +1,4 @@
-# Shapes: out, block_out (B, H, Sq, D); lse, block_lse (B, H, Sq); out and lse are fp32 accumulators.
+# Shapes: out, block_out (B, H, Sq, D); lse, block_lse (B, H, Sq); out and lse: fp32 (fp64 for fp64) accumulators.
 """Merge a block's partial attention into the running result through the log-sum-exp."""
 
 from __future__ import annotations
@@ -16,5 +16,5 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     lse' = lse - logsigmoid(lse - blk). ``out`` and ``lse`` may be views (a zigzag half-block).
     """
     weight = torch.sigmoid(block_lse - lse).unsqueeze(-1)
-    out.lerp_(block_out.to(torch.float32), weight)
+    out.lerp_(block_out.to(out.dtype), weight)
     lse.sub_(F.logsigmoid(lse - block_lse))

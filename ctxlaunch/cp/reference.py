@@ -4,9 +4,12 @@ the local attention inside Ulysses."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from . import kernels
+from .documents import CuSeqlens, batch_groups, check_documents
 
 
 class _FullAttention(torch.autograd.Function):
@@ -25,6 +28,41 @@ class _FullAttention(torch.autograd.Function):
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
+class _DocumentAttention(torch.autograd.Function):
+    """Causal attention within each document of a packed sequence: one kernel call per
+    (batch group, document), on row slices; each row lies in one document, so forward writes
+    and backward reads each piece's own final out and lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, documents: CuSeqlens, scale):
+        out = torch.empty_like(q)
+        # The kernels' lse is fp32, or fp64 for fp64 inputs.
+        lse = q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
+        for batch, rows in _document_rows(documents):
+            out[batch, :, rows], lse[batch, :, rows] = kernels.attention_forward(
+                q[batch, :, rows], k[batch, :, rows], v[batch, :, rows], True, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (documents, scale)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        documents, scale = ctx.args
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for batch, rows in _document_rows(documents):
+            dq[batch, :, rows], dk[batch, :, rows], dv[batch, :, rows] = kernels.attention_backward(
+                grad_out[batch, :, rows], q[batch, :, rows], k[batch, :, rows], v[batch, :, rows],
+                out[batch, :, rows], lse[batch, :, rows], True, scale)
+        return dq, dk, dv, None, None
+
+
+def _document_rows(documents: CuSeqlens) -> list[tuple[slice, slice]]:
+    return [(batch, slice(start, stop)) for batch, bounds in batch_groups(documents)
+            for start, stop in zip(bounds, bounds[1:], strict=False)]
+
+
 def full_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -32,12 +70,19 @@ def full_attention(
     causal: bool = True,
     scale: float | None = None,
     return_lse: bool = False,
+    documents: Sequence[Sequence[int]] | None = None,
 ):
     """Attention over the whole sequence in one process; differentiable.
 
     q (B, Hq, S, D), k and v (B, Hkv, S, D) with Hq % Hkv == 0 (GQA). ``scale`` defaults to
     1/sqrt(D). Returns out (q's dtype) or, with ``return_lse``, (out, lse fp32 (B, Hq, S)).
+    ``documents`` (per batch element the document boundaries ``[0, ..., S]``): attend causally
+    within each document only, each computed exactly as if run alone.
     """
     kernels.check_qkv(q, k, v)
+    cu = check_documents(documents, causal, q.size(0), q.size(2))
+    if cu is not None:
+        out, lse = _DocumentAttention.apply(q, k, v, cu, kernels.resolve_scale(q, scale))
+        return (out, lse) if return_lse else out
     out, lse = _FullAttention.apply(q, k, v, causal, kernels.resolve_scale(q, scale))
     return (out, lse) if return_lse else out

@@ -7,15 +7,23 @@ into its fp32 running output through the log-sum-exp, then waits for the next sh
 rotates K/V the same way, and with them fp32 dK/dV accumulators that end at their owner; the
 local block's backward is split around the loop so that the first and last transfers overlap
 compute too.
+
+Under a document mask (``documents``: the global boundaries of a packed sequence's documents)
+each block is the rectangles of ``documents.block_pieces``, computed on row and column slices
+and merged the same way; blocks that share no document compute nothing (their K/V still pass
+through, since the ring's later ranks need them).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import kernels
 from .comm import RingComm
+from .documents import CuSeqlens, batch_groups, block_pieces, check_documents, shard_runs
 from .layout import check_shard_len
 from .merge import merge_block
 from .reference import full_attention
@@ -25,6 +33,9 @@ _ALL = slice(None)
 
 Part = tuple[slice, slice, bool]
 """(q_rows, kv_rows, causal) of one block piece."""
+
+BatchPart = tuple[slice, slice, slice, bool]
+"""(batch rows, q_rows, kv_rows, causal) of one block piece."""
 
 
 def _block(rank: int, src: int, causal: bool, layout: str, s_local: int) -> Part | None:
@@ -48,7 +59,25 @@ def _block(rank: int, src: int, causal: bool, layout: str, s_local: int) -> Part
     return (_ALL, _ALL, False) if src < rank else None
 
 
-def _ring_forward(q, k, v, group, causal, layout, scale):
+def _accumulator(q: torch.Tensor) -> torch.dtype:
+    """The dtype of the running out and the dq/dk/dv sums: fp32, or fp64 for fp64 inputs."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
+def _pieces(rank: int, src: int, world_size: int, causal: bool, layout: str, s_local: int,
+            documents: CuSeqlens | None) -> list[BatchPart]:
+    """The pieces of the block of ``src``'s K/V for this rank's queries. Unmasked: at most one
+    (``_block``); under a document mask the rectangles of each batch group, diagonal first."""
+    if documents is None:
+        block = _block(rank, src, causal, layout, s_local)
+        return [] if block is None else [(_ALL, *block)]
+    q_runs = shard_runs(rank, world_size, layout, s_local)
+    kv_runs = q_runs if src == rank else shard_runs(src, world_size, layout, s_local)
+    return [(batch, *piece) for batch, bounds in batch_groups(documents)
+            for piece in block_pieces(bounds, q_runs, kv_runs)]
+
+
+def _ring_forward(q, k, v, group, causal, layout, scale, documents=None):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     comm = RingComm(group)
     out: torch.Tensor | None = None
@@ -57,18 +86,25 @@ def _ring_forward(q, k, v, group, causal, layout, scale):
         if step + 1 < world_size:
             next_k, next_v = comm.send_recv(k), comm.send_recv(v)
             comm.commit()
-        block = _block(rank, (rank - step) % world_size, causal, layout, q.size(2))
-        if block is not None:
-            rows, kv_rows, block_causal = block
+        src = (rank - step) % world_size
+        for batch, rows, kv_rows, block_causal in _pieces(rank, src, world_size, causal, layout,
+                                                          q.size(2), documents):
             block_out, block_lse = kernels.attention_forward(
-                q[:, :, rows], k[:, :, kv_rows], v[:, :, kv_rows], block_causal, scale
+                q[batch, :, rows], k[batch, :, kv_rows], v[batch, :, kv_rows], block_causal, scale
             )
-            if out is None:
-                # Step 0 is the diagonal block, which covers every local query row.
-                out, lse = block_out.to(torch.float32), block_lse
+            if step == 0 and block_causal == causal:
+                # Step 0's diagonal piece(s) cover every local query row exactly once.
+                if batch == _ALL and rows == _ALL:
+                    out, lse = block_out.to(_accumulator(q)), block_lse
+                    continue
+                if out is None or lse is None:
+                    out = q.new_empty(q.shape, dtype=_accumulator(q))
+                    lse = q.new_empty(q.shape[:3], dtype=block_lse.dtype)
+                out[batch, :, rows] = block_out
+                lse[batch, :, rows] = block_lse
             else:
-                assert lse is not None
-                merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+                assert out is not None and lse is not None
+                merge_block(out[batch, :, rows], lse[batch, :, rows], block_out, block_lse)
         if step + 1 < world_size:
             comm.wait()
             k, v = next_k, next_v
@@ -93,26 +129,44 @@ def _diagonal_parts(causal: bool, s_local: int) -> tuple[list[Part], list[Part]]
     return [(second, first, False)], [(first, first, True), (second, second, True)]
 
 
-def _ring_backward(grad_out, q, k, v, out, lse, group, causal, layout, scale):
+def _split_diagonal(pieces: list[BatchPart]) -> tuple[list[BatchPart], list[BatchPart]]:
+    """A masked diagonal block's rectangles in two lists, as ``_diagonal_parts`` cuts the
+    unmasked one: the full (off-diagonal) rectangles first, else half of the causal ones."""
+    full = [p for p in pieces if not p[3]]
+    causal = [p for p in pieces if p[3]]
+    if full:
+        return full, causal
+    return causal[: len(causal) // 2], causal[len(causal) // 2:]
+
+
+def _ring_backward(grad_out, q, k, v, out, lse, group, causal, layout, scale, documents=None):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     kv_comm, grad_comm = RingComm(group), RingComm(group)
-    dq = torch.zeros_like(q, dtype=torch.float32)
+    dq = torch.zeros_like(q, dtype=_accumulator(q))
     # Gradients of this rank's own K/V from its own queries stay here; the other ranks' shares
-    # ride along with the K/V in an fp32 accumulator and come home after N-1 hops.
-    dk_home = torch.zeros_like(k, dtype=torch.float32)
-    dv_home = torch.zeros_like(v, dtype=torch.float32)
+    # ride along with the K/V in an fp32 (fp64 for fp64) accumulator and come home after N-1 hops.
+    dk_home = torch.zeros_like(k, dtype=_accumulator(q))
+    dv_home = torch.zeros_like(v, dtype=_accumulator(q))
 
-    def backward_block(rows: slice, kv_rows: slice, block_causal: bool, k_shard: torch.Tensor,
-                       v_shard: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    def backward_block(batch: slice, rows: slice, kv_rows: slice, block_causal: bool,
+                       k_shard: torch.Tensor, v_shard: torch.Tensor, dk: torch.Tensor,
+                       dv: torch.Tensor) -> None:
         block_dq, block_dk, block_dv = kernels.attention_backward(
-            grad_out[:, :, rows], q[:, :, rows], k_shard[:, :, kv_rows], v_shard[:, :, kv_rows],
-            out[:, :, rows], lse[:, :, rows], block_causal, scale,
+            grad_out[batch, :, rows], q[batch, :, rows], k_shard[batch, :, kv_rows],
+            v_shard[batch, :, kv_rows], out[batch, :, rows], lse[batch, :, rows], block_causal,
+            scale,
         )
-        dq[:, :, rows] += block_dq
-        dk[:, :, kv_rows] += block_dk
-        dv[:, :, kv_rows] += block_dv
+        dq[batch, :, rows] += block_dq
+        dk[batch, :, kv_rows] += block_dk
+        dv[batch, :, kv_rows] += block_dv
 
-    diagonal_first, diagonal_last = _diagonal_parts(causal, q.size(2))
+    if documents is None:
+        first, last = _diagonal_parts(causal, q.size(2))
+        diagonal_first = [(_ALL, *part) for part in first]
+        diagonal_last = [(_ALL, *part) for part in last]
+    else:
+        diagonal_first, diagonal_last = _split_diagonal(
+            _pieces(rank, rank, world_size, causal, layout, q.size(2), documents))
     k_held, v_held = k, v  # the K/V shard in hand: rank (rank - step)'s
     # The dK/dV accumulators in flight: sent at each step, received by the next.
     next_dk: torch.Tensor | None = None
@@ -126,16 +180,16 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, layout, scale):
                 backward_block(*part, k, v, dk_home, dv_home)
         else:
             if step == 1:
-                dk = torch.zeros_like(k, dtype=torch.float32)
-                dv = torch.zeros_like(v, dtype=torch.float32)
+                dk = torch.zeros_like(k, dtype=_accumulator(q))
+                dv = torch.zeros_like(v, dtype=_accumulator(q))
             else:
                 # The accumulators of the shard in hand, sent by rank-1 while we computed.
                 grad_comm.wait()
                 assert next_dk is not None and next_dv is not None
                 dk, dv = next_dk, next_dv
-            block = _block(rank, (rank - step) % world_size, causal, layout, q.size(2))
-            if block is not None:
-                backward_block(*block, k_held, v_held, dk, dv)
+            src = (rank - step) % world_size
+            for piece in _pieces(rank, src, world_size, causal, layout, q.size(2), documents):
+                backward_block(*piece, k_held, v_held, dk, dv)
             next_dk, next_dv = grad_comm.send_recv(dk), grad_comm.send_recv(dv)
             grad_comm.commit()
         if step + 1 < world_size:
@@ -154,19 +208,19 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, layout, scale):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale):
+    def forward(ctx, q, k, v, group, causal, layout, scale, documents):
         # gloo sends only contiguous buffers.
         k, v = k.contiguous(), v.contiguous()
-        out, lse = _ring_forward(q, k, v, group, causal, layout, scale)
+        out, lse = _ring_forward(q, k, v, group, causal, layout, scale, documents)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, causal, layout, scale)
+        ctx.args = (group, causal, layout, scale, documents)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         dq, dk, dv = _ring_backward(grad_out, *ctx.saved_tensors, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def ring_attention(
@@ -178,6 +232,7 @@ def ring_attention(
     layout: str = "zigzag",
     scale: float | None = None,
     return_lse: bool = False,
+    documents: Sequence[Sequence[int]] | None = None,
 ):
     """Ring attention over the ranks of ``group`` (None: the default group); differentiable.
 
@@ -186,12 +241,18 @@ def ring_attention(
     its shard of the output (q's dtype). ``group`` is the whole CP group and ring order is rank
     order in it. GQA: Hq % Hkv == 0; K/V travel with their Hkv heads. ``scale`` defaults to
     1/sqrt(D). With ``return_lse`` also returns the fp32 log-sum-exp (B, Hq, S/N) of each row.
+
+    ``documents``: a document mask for packed sequences, one list per batch element of the
+    global document boundaries ``[0, end of doc 0, ..., S]`` (cumulative sequence lengths of
+    the whole sequence, S = N * S/N); queries then attend causally within their document only,
+    and blocks that share no document are skipped (see ``documents.py``). Needs ``causal``.
     """
     kernels.check_qkv(q, k, v)
     world_size = dist.get_world_size(group)
     check_shard_len(q.size(2), k.size(2), world_size, layout)
     scale = kernels.resolve_scale(q, scale)
     if world_size == 1:
-        return full_attention(q, k, v, causal, scale, return_lse)
-    out, lse = _RingAttention.apply(q, k, v, group, causal, layout, scale)
+        return full_attention(q, k, v, causal, scale, return_lse, documents)
+    cu = check_documents(documents, causal, q.size(0), q.size(2) * world_size)
+    out, lse = _RingAttention.apply(q, k, v, group, causal, layout, scale, cu)
     return (out, lse) if return_lse else out

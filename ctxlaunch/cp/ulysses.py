@@ -8,11 +8,14 @@ rank order, which under zigzag is not token order), so causal attention needs no
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
 from . import kernels
 from .comm import exposed
+from .documents import check_documents
 from .layout import check_shard_len, group_chunk_plan
 from .reference import full_attention
 
@@ -132,6 +135,7 @@ def ulysses_attention(
     layout: str = "zigzag",
     scale: float | None = None,
     return_lse: bool = False,
+    documents: Sequence[Sequence[int]] | None = None,
 ):
     """Ulysses (all-to-all) attention over the ranks of ``group`` (None: default group); differentiable.
 
@@ -140,15 +144,19 @@ def ulysses_attention(
     ``group`` is the whole CP group; ``layout`` must be the one the shards were cut with. Needs
     Hq % N == 0 and Hkv % N == 0 (K/V heads are sent as they are; for fewer K/V heads than N use
     ``hybrid_attention``). With ``return_lse`` also returns the fp32 lse (B, Hq, S/N).
+    ``documents`` (the global document boundaries per batch element, as ``ring_attention``
+    takes them): after the all-to-all each rank holds the whole sequence in token order for
+    its heads, so each document is plain causal attention on its rows.
     """
     kernels.check_qkv(q, k, v)
     world_size = dist.get_world_size(group)
     check_shard_len(q.size(2), k.size(2), world_size, layout)
     check_head_split(q, k, world_size, "ulysses_attention")
     scale = kernels.resolve_scale(q, scale)
+    check_documents(documents, causal, q.size(0), q.size(2) * world_size)
     plan = HeadShardPlan(group, list(range(world_size)), world_size, layout, q.size(2))
 
     def attend(qh, kh, vh):
-        return full_attention(qh, kh, vh, causal, scale, return_lse=True)
+        return full_attention(qh, kh, vh, causal, scale, return_lse=True, documents=documents)
 
     return head_sharded_attention(q, k, v, plan, attend, return_lse)

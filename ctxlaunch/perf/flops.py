@@ -11,10 +11,16 @@ Two conventions are in use and differ by up to ~1.8x at 128K+ tokens, so both ar
 - "full": the whole score matrix is counted (PaLM, torchtitan, NeMo);
 - "causal": the attention term is halved for causal masking (Megatron-LM).
 Neither counts activation recomputation (that would be hardware FLOPs, not model FLOPs).
+
+A document mask (training.data.document_mask) computes only each document's causal triangle:
+`document_attention_fraction` is that share of the causal area, which the step-time model
+applies to the attention it executes (the MFU conventions above stay those of the published
+runs: they count the score matrix of the whole sequence).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -100,3 +106,24 @@ def mfu(tokens_per_second_per_gpu: float, model: ModelShape, seq_len: int,
         raise ValueError(f"peak_flops_per_gpu must be positive, got {peak_flops_per_gpu}")
     return tokens_per_second_per_gpu * flops_per_token(model, seq_len, convention) \
         / peak_flops_per_gpu
+
+
+def token_weighted_document_tokens(document_lengths: Iterable[int]) -> float:
+    """Sum of squared document lengths over the sum of lengths: the length of the document an
+    average token belongs to (what a document mask's attention cost follows)."""
+    lengths = [int(n) for n in document_lengths]
+    total = sum(lengths)
+    if total <= 0:
+        raise ValueError("document lengths must include at least one token")
+    return sum(n * n for n in lengths) / total
+
+
+def document_attention_fraction(seq_len: int, document_tokens: float) -> float:
+    """The share of the causal score area (S(S+1)/2 pairs) a document mask computes when the
+    token-weighted mean document length is `document_tokens`: sum over documents of
+    L(L+1)/2 over S(S+1)/2 = (m + 1) / (S + 1) with m = sum L^2 / S, m capped at S (documents
+    longer than a sequence are cut into whole sequences). 1 when m >= S."""
+    if seq_len < 1 or document_tokens <= 0:
+        raise ValueError(f"seq_len ({seq_len}) and document_tokens ({document_tokens}) must be "
+                         "positive")
+    return (min(float(document_tokens), seq_len) + 1) / (seq_len + 1)

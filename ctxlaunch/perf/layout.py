@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ctxlaunch.contract.spec import resolve_state_engine
 from ctxlaunch.contract.stages import balanced_stage_layers
+from ctxlaunch.perf.flops import document_attention_fraction
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
@@ -54,6 +55,10 @@ class Layout:
     dtype: str = "bf16"
     matmul_precision: MatmulPrecision = "bf16"
     """Precision of the weight matmuls; fp8 runs them at twice the BF16 peak."""
+    attended_fraction: float = 1.0
+    """The share of the causal attention area computed: below 1 under a document mask with a
+    known document length (`flops.document_attention_fraction`), else 1. A property of the
+    data, not of the split, so `overrides` leaves it out."""
     framework: Framework = "ctxlaunch"
     """Whose memory habits to plan: "ctxlaunch", the bundled trainer (FSDP2 under TP or PP keeps
     fp32 weights and an fp32 residual under autocast; its TP keeps the gathered norm outputs
@@ -72,7 +77,9 @@ class Layout:
             ulysses_degree=spec.ulysses_degree, cp_layout=p.layout, zero_stage=t.zero_stage,
             engine=t.engine, activation_checkpointing=t.activation_checkpointing,
             dtype=spec.model.dtype,
-            matmul_precision="bf16" if spec.model.dtype == "bf16" else "fp32")
+            matmul_precision="bf16" if spec.model.dtype == "bf16" else "fp32",
+            attended_fraction=(document_attention_fraction(t.seq_len, t.data.mean_document_tokens)
+                               if t.data.document_mask and t.data.mean_document_tokens else 1.0))
 
     def replace(self, **changes: Any) -> Layout:
         """This layout with some fields changed."""

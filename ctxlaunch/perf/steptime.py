@@ -118,10 +118,12 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
     head_matmul = 6 * n * head_weights / t
     matmul_flops = block_matmul + head_matmul
     # Causal attention with balanced (zigzag) sharding: each token attends to s/2 keys on
-    # average; forward 4*h*s_keys, backward 8*h*s_keys, a recomputed forward 4 more.
+    # average; forward 4*h*s_keys, backward 8*h*s_keys, a recomputed forward 4 more. A document
+    # mask computes `attended_fraction` of that area; the diagonal tiles a causal kernel wastes
+    # stay the same in total (each document's causal call wastes in proportion to its length).
     keys = layout.seq_len / 2
     attention_flops = (n * layers * h * keys * (12 + (4 if mode == "full" else 0)) / t
-                       * (1 + machine.causal_tile_tokens / layout.seq_len))
+                       * (layout.attended_fraction + machine.causal_tile_tokens / layout.seq_len))
     peak_mm = machine.peak_flops[layout.matmul_precision]
     attention_rate = machine.attention_flops_per_second or (
         machine.eta_attention * machine.peak_flops["bf16" if layout.dtype == "bf16" else "fp32"])

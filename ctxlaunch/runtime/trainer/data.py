@@ -10,6 +10,7 @@ resumed run continues where the interrupted one stopped without any data-loader 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
@@ -20,7 +21,7 @@ from ctxlaunch.contract.spec import DataSpec
 from ctxlaunch.cp import shard_positions
 
 if TYPE_CHECKING:
-    from ctxlaunch.runtime.data.packing import PackedTokens
+    from ctxlaunch.runtime.data.packing import PackedSequence, PackedTokens
 
 
 class SyntheticTokens:
@@ -69,11 +70,26 @@ class ByteText:
         return self.data[start: start + self.seq_len + 1].long()
 
 
+IGNORE_INDEX = -100
+"""The target of a token that is not predicted (cross-entropy's default ignore_index)."""
+
+
 @dataclass(frozen=True)
 class MicroBatch:
     tokens: torch.Tensor  # (B, S_local)
-    targets: torch.Tensor  # (B, S_local)
-    positions: torch.Tensor  # (S_local,) global positions, for RoPE
+    targets: torch.Tensor  # (B, S_local); IGNORE_INDEX where a target opens the next document
+    positions: torch.Tensor
+    """RoPE positions: (S_local,) global positions, or (B, S_local) restarted at each document."""
+    documents: tuple[tuple[int, ...], ...] | None = None
+    """Under a document mask: per sequence, the global document boundaries (0, ..., seq_len)
+    of its inputs, what the CP attention functions take; None: no mask."""
+
+    @property
+    def predicted_tokens(self) -> int:
+        """How many of this rank's targets are predicted (not IGNORE_INDEX)."""
+        if self.documents is None:
+            return self.targets.numel()
+        return int((self.targets != IGNORE_INDEX).sum())
 
 
 TokenSource: TypeAlias = "SyntheticTokens | ByteText | PackedTokens"
@@ -81,24 +97,55 @@ TokenSource: TypeAlias = "SyntheticTokens | ByteText | PackedTokens"
 
 
 class Batches:
-    """This rank's micro-batches."""
+    """This rank's micro-batches. With `document_mask` (a source of packed documents) each
+    carries its document boundaries, ignores the targets that open the next document and,
+    with `restart_positions`, numbers positions from 0 in each document."""
 
     def __init__(self, source: TokenSource, *, seq_len: int, micro_batch: int,
-                 global_batch: int, dp: int, dp_rank: int, cp: int, cp_rank: int, layout: str):
+                 global_batch: int, dp: int, dp_rank: int, cp: int, cp_rank: int, layout: str,
+                 document_mask: bool = False, restart_positions: bool = True):
         self.source = source
         self.micro_batch, self.global_batch = micro_batch, global_batch
         self.dp, self.dp_rank = dp, dp_rank
         self.positions = shard_positions(seq_len, cp_rank, cp, layout)
+        self._packed: Callable[[int], PackedSequence] | None = getattr(source, "packed", None)
+        if document_mask and self._packed is None:
+            raise ValueError("training.data.document_mask needs a source of packed documents "
+                             "(source: tokens)")
+        self.document_mask, self.restart_positions = document_mask, restart_positions
 
     def get(self, step: int, micro: int) -> MicroBatch:
         first = step * self.global_batch + micro * self.micro_batch * self.dp \
             + self.dp_rank * self.micro_batch
-        sequences = torch.stack([self.source.sequence(first + j)
-                                 for j in range(self.micro_batch)])
+        indices = range(first, first + self.micro_batch)
+        if self.document_mask and self._packed is not None:
+            return self._masked([self._packed(i) for i in indices])
+        sequences = torch.stack([self.source.sequence(i) for i in indices])
         inputs, targets = sequences[:, :-1], sequences[:, 1:]
         return MicroBatch(tokens=inputs[:, self.positions].contiguous(),
                           targets=targets[:, self.positions].contiguous(),
                           positions=self.positions)
+
+    def _masked(self, packed: list[PackedSequence]) -> MicroBatch:
+        sequences = torch.stack([torch.from_numpy(p.tokens) for p in packed])
+        document_ids = torch.stack([torch.from_numpy(p.document_ids) for p in packed])
+        inputs, targets = sequences[:, :-1], sequences[:, 1:].clone()
+        # A target from the next document is not predicted (nothing before it in its own
+        # document to predict it from).
+        targets[document_ids[:, 1:] != document_ids[:, :-1]] = IGNORE_INDEX
+        own = document_ids[:, :-1]
+        opens = torch.ones_like(own, dtype=torch.bool)
+        opens[:, 1:] = own[:, 1:] != own[:, :-1]
+        seq_len = own.size(1)
+        documents = tuple(tuple(row.nonzero().flatten().tolist()) + (seq_len,) for row in opens)
+        positions = self.positions
+        if self.restart_positions:
+            index = torch.arange(seq_len).expand_as(own)
+            start = torch.where(opens, index, 0).cummax(dim=1).values
+            positions = (index - start)[:, self.positions].contiguous()
+        return MicroBatch(tokens=inputs[:, self.positions].contiguous(),
+                          targets=targets[:, self.positions].contiguous(),
+                          positions=positions, documents=documents)
 
 
 def make_source(data_spec: DataSpec, vocab: int, seq_len: int,

@@ -5,11 +5,15 @@
   states sharded over DP x CP), at any TP x CP x DP x PP layout;
 - `DeepSpeedEngine`, DeepSpeed ZeRO-1..3 (training.engine deepspeed), at TP 1 x PP 1.
 
-Both average gradients over the ranks holding the same weights (DP x CP): each rank's loss is
-the mean over its own tokens (every TP rank of a CP shard computes the same loss,
-vocabulary-parallel), the ring and Ulysses backward passes carry each rank's contribution to
-the others' K/V, so the sum of the ranks' gradients divided by DP x CP is the gradient of the
-mean loss over all tokens. The TP-split weights need nothing more; the weights TP replicates
+Both average gradients over the ranks holding the same weights (DP x CP) and over the
+micro-batches (1 / grad_accum). Each rank's loss is its summed loss over its predicted tokens
+divided by P / (DP x CP x grad_accum), where P is the step's predicted-token count over all of
+them (`run_micro_batches` gets it; every TP rank of a CP shard computes the same loss,
+vocabulary-parallel), and the ring and Ulysses backward passes carry each rank's contribution
+to the others' K/V, so the averaged gradient is that of (sum of all losses) / P: the token
+mean over the step, however the tokens (and the ignored ones of a document mask) fall on the
+ranks. Without ignored tokens P / (DP x CP x grad_accum) is each rank's token count, the plain
+per-rank mean. The TP-split weights need nothing more; the weights TP replicates
 (the RMSNorm gains, which under sequence parallelism each see only their rank's tokens) are
 summed over TP. Clipping uses the norm of the whole model: squares summed over TP (replicated
 weights once) and over the pipeline.
@@ -34,6 +38,7 @@ from ctxlaunch.perf.memory import (
 )
 from ctxlaunch.runtime.trainer.data import MicroBatch
 from ctxlaunch.runtime.trainer.parallelize import ModelParts, ParallelContext
+from ctxlaunch.runtime.trainer.pipeline import StageModule
 from ctxlaunch.runtime.trainer.reshard import CheckpointState
 
 if TYPE_CHECKING:
@@ -43,10 +48,11 @@ if TYPE_CHECKING:
 class Engine(Protocol):
     """One rank's side of a training step, whatever keeps the model states."""
 
-    def run_micro_batches(self, batches: list[MicroBatch]) -> list[torch.Tensor]:
+    def run_micro_batches(self, batches: list[MicroBatch], predicted_tokens: int) -> list[torch.Tensor]:
         """Forward and backward over the step's micro-batches, gradients accumulated; their
         losses (detached) on the ranks that compute a loss (every rank without PP, the last
-        stage with it)."""
+        stage with it). `predicted_tokens`: the step's count of predicted targets over every
+        DP x CP rank and micro-batch (see the module docstring)."""
 
     def finish_gradients(self) -> None:
         """Average the accumulated gradients over the job (a no-op where the backward did)."""
@@ -126,6 +132,12 @@ def _all_reduce_buckets(grads: list[torch.Tensor], group: dist.ProcessGroup | No
         flush()
 
 
+def loss_divisor(predicted_tokens: int, replicas: int, grad_accum: int) -> float:
+    """What each rank divides its summed loss by so that gradients averaged over `replicas`
+    (DP x CP) ranks and `grad_accum` micro-batches are those of the step's token mean."""
+    return max(predicted_tokens, 1) / (replicas * grad_accum)
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of an FSDP (DTensor) gradient, or the tensor itself."""
     local = getattr(tensor, "_local_tensor", None)
@@ -157,7 +169,9 @@ class TorchEngine:
         return self.parts.named_parameters()
 
     # -- a step --------------------------------------------------------------------------------
-    def run_micro_batches(self, batches: list[MicroBatch]) -> list[torch.Tensor]:
+    def run_micro_batches(self, batches: list[MicroBatch], predicted_tokens: int) -> list[torch.Tensor]:
+        self.parts.model.loss_divisor = loss_divisor(predicted_tokens, self.ctx.dp * self.ctx.cp,
+                                                     self.grad_accum)
         autocast = torch.autocast(device_type=self.device.type,
                                   dtype=self.autocast_dtype or torch.float32,
                                   enabled=self.autocast_dtype is not None)
@@ -168,12 +182,13 @@ class TorchEngine:
                 with autocast:
                     loss = self.module(batch.tokens.to(self.device),
                                        batch.positions.to(self.device),
-                                       batch.targets.to(self.device))
+                                       batch.targets.to(self.device), batch.documents)
                 (loss / self.grad_accum).backward()
                 losses.append(loss.detach())
             return losses
         for part in self.parts.parts:
-            part.positions = batches[0].positions.to(self.device)
+            assert isinstance(part, StageModule)  # a schedule runs stages
+            part.set_micro_inputs([(b.positions.to(self.device), b.documents) for b in batches])
         args = ((torch.cat([b.tokens for b in batches]).to(self.device),) if self.parts.first
                 else ())
         kwargs: dict[str, Any] = {}
@@ -307,6 +322,7 @@ class DeepSpeedEngine:
         t = spec.training
         self.device = device
         self.grad_accum = spec.grad_accum
+        self.replicas = spec.dp * spec.parallel.cp  # DeepSpeed's data-parallel world (TP 1 x PP 1)
         model = parts.model
         optimizer, scheduler = make_optimizer(model, t)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -314,11 +330,12 @@ class DeepSpeedEngine:
             config=deepspeed_config(spec), dist_init_required=False)
         self.model = self.engine.module
 
-    def run_micro_batches(self, batches: list[MicroBatch]) -> list[torch.Tensor]:
+    def run_micro_batches(self, batches: list[MicroBatch], predicted_tokens: int) -> list[torch.Tensor]:
+        self.model.loss_divisor = loss_divisor(predicted_tokens, self.replicas, self.grad_accum)
         losses = []
         for micro, batch in enumerate(batches):
             loss = self.engine(batch.tokens.to(self.device), batch.positions.to(self.device),
-                               batch.targets.to(self.device))
+                               batch.targets.to(self.device), batch.documents)
             self.engine.backward(loss)  # scales by 1/grad_accum itself
             if micro < self.grad_accum - 1:
                 self.engine.step()  # not a boundary: only advances DeepSpeed's micro-step count

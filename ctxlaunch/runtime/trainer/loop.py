@@ -20,7 +20,7 @@ from ctxlaunch.contract import events, exitcodes
 from ctxlaunch.cp.comm import exposed_comm_seconds
 from ctxlaunch.perf.flops import flops_per_token
 from ctxlaunch.runtime.trainer import checkpoint, faults, stopsignal
-from ctxlaunch.runtime.trainer.data import Batches, make_source
+from ctxlaunch.runtime.trainer.data import Batches, MicroBatch, make_source
 from ctxlaunch.runtime.trainer.engines import Engine, make_engine
 from ctxlaunch.runtime.trainer.model import Transformer
 from ctxlaunch.runtime.trainer.parallelize import ParallelContext, ParallelSettings, parallelize
@@ -35,7 +35,7 @@ class StepMetrics:
     step: int
     """Steps completed (1-based)."""
     loss: float
-    """Mean next-token loss over every token of the global batch."""
+    """Mean next-token loss over every predicted token of the global batch."""
     step_seconds: float
     tokens_per_second_per_gpu: float
     model_tflops_per_gpu_full: float
@@ -72,7 +72,8 @@ class Trainer:
         self.batches = Batches(
             make_source(t.data, spec.model.vocab, t.seq_len, t.seed), seq_len=t.seq_len,
             micro_batch=t.micro_batch, global_batch=spec.global_batch, dp=ctx.dp,
-            dp_rank=ctx.dp_rank, cp=ctx.cp, cp_rank=ctx.cp_rank, layout=ctx.layout)
+            dp_rank=ctx.dp_rank, cp=ctx.cp, cp_rank=ctx.cp_rank, layout=ctx.layout,
+            document_mask=t.data.document_mask, restart_positions=t.data.restart_positions)
         self.evaluator = None
         if t.eval.interval:
             from ctxlaunch.runtime.trainer.evaluate import Evaluator
@@ -94,8 +95,8 @@ class Trainer:
             self.fault.maybe_fire(self.ctx.rank, self.step + 1)
         start = time.perf_counter()
         exposed_before = exposed_comm_seconds()
-        losses = self.engine.run_micro_batches(
-            [self.batches.get(self.step, micro) for micro in range(self.spec.grad_accum)])
+        batches = [self.batches.get(self.step, micro) for micro in range(self.spec.grad_accum)]
+        losses = self.engine.run_micro_batches(batches, self._predicted_tokens(batches))
         self.engine.finish_gradients()
         if on_gradients is not None:
             on_gradients(self.engine)
@@ -114,10 +115,23 @@ class Trainer:
             peak_memory_bytes=peak_memory_bytes(self.device), lr=lr, grad_norm=grad_norm,
             exposed_comm_seconds=exposed_comm_seconds() - exposed_before)
 
+    def _predicted_tokens(self, batches: list[MicroBatch]) -> int:
+        """The step's predicted-token count over every DP x CP rank and micro-batch (one
+        all-reduce over the ranks holding the same weights; TP and PP peers count the same
+        tokens in their own groups)."""
+        local = sum(batch.predicted_tokens for batch in batches)
+        if self.ctx.dp_cp_group is None:
+            return local
+        count = torch.tensor(local, dtype=torch.int64)
+        dist.all_reduce(count, group=self.ctx.dp_cp_group)
+        return int(count)
+
     def _reduce(self, loss: torch.Tensor) -> tuple[float, bool]:
         """The job's mean loss, and whether any rank got a stop signal, in one collective.
-        Every rank that computes a loss (all of them, or the last pipeline stage's) has the
-        mean over the same number of tokens, so the job's mean is the mean of theirs; other
+        Every rank that computes a loss (all of them, or the last pipeline stage's) holds the
+        mean of its micro-batches' losses, each its summed loss over P / (DP x CP x
+        grad_accum) (P the step's predicted tokens, see engines.py), so their sum over the
+        DP x CP x TP loss ranks divided by their number is (sum of all losses) / P; other
         ranks add 0."""
         stop = stopsignal.received() is not None
         if not dist.is_initialized() or self.ctx.world_size == 1:

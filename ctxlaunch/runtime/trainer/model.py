@@ -4,9 +4,11 @@
 
 The model never touches a process group. Which attention runs (full, ring, Ulysses, hybrid) is
 `Attention.attend`, installed by `parallelize`; positions come in with the tokens, so RoPE
-follows each token's global position under any CP layout. Tensor parallelism enters the same
-way: `enter`/`exit` around attention and the feed-forward (identity by default; the sequence
-all-gather and reduce-scatter under TP), `cross_entropy` for the vocabulary-parallel loss.
+follows each token's global position under any CP layout (or, per sequence, its position in
+its document); a packed batch's document boundaries, when given, pass through to `attend`.
+Tensor parallelism enters the same way: `enter`/`exit` around attention and the feed-forward
+(identity by default; the sequence all-gather and reduce-scatter under TP), `cross_entropy`
+for the vocabulary-parallel loss.
 
 What each block saves for backward is deliberate (the planner's constants in
 ctxlaunch/memory.py are derived from it): RMSNorm keeps only its input and the fp32 reciprocal
@@ -36,7 +38,10 @@ from ctxlaunch.contract.spec import (
 )
 from ctxlaunch.perf.memory import LOSS_CHUNK_TOKENS
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+AttentionFn = Callable[..., torch.Tensor]
+"""attend(q, k, v) or, under a document mask, attend(q, k, v, documents=...) -> out."""
+Documents = tuple[tuple[int, ...], ...] | None
+"""Per sequence, the global document boundaries of a packed batch (None: no document mask)."""
 Hook = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -45,6 +50,7 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 
 def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # Targets of -100 (cross_entropy's default ignore_index) add nothing.
     return F.cross_entropy(logits, targets, reduction="sum")
 
 
@@ -171,7 +177,8 @@ def _yarn(dim: int, theta: float, scaling: YarnRope) -> tuple[torch.Tensor, floa
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
                 scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (S, head_dim) for the given global token positions (rotate-half layout).
+    """cos and sin (S, head_dim), or (B, S, head_dim) for per-sequence positions (B, S), for
+    the given token positions (rotate-half layout).
 
     Computed exactly as transformers' LlamaRotaryEmbedding does, in fp32 throughout (inverse
     frequencies, position x frequency, cos/sin times the attention factor): an imported model
@@ -180,17 +187,17 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: tor
     position x 6e-8 radians.) Each token's table depends only on its own position, so every CP
     layout gets the same values."""
     inv_freq, attention_factor = inverse_frequencies(head_dim, theta, scaling or DefaultRope())
-    angles = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
+    angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
     angles = torch.cat([angles, angles], dim=-1)
     cos, sin = angles.cos() * attention_factor, angles.sin() * attention_factor
     return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, S, H, D) by the tables (S, D)."""
+    """Rotate x (B, S, H, D) by the tables (S, D) or (B, S, D)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
 
 
 class Attention(nn.Module):
@@ -204,7 +211,8 @@ class Attention(nn.Module):
         self.enter: Hook = _identity
         self.exit: Hook = _identity
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents = None) -> torch.Tensor:
         x = self.enter(x)
         b, s, _ = x.shape
         d = self.head_dim
@@ -214,14 +222,15 @@ class Attention(nn.Module):
         q = apply_rope(q.view(b, s, self.heads, d), cos, sin).transpose(1, 2).contiguous()
         k = apply_rope(k.view(b, s, self.kv_heads, d), cos, sin).transpose(1, 2).contiguous()
         v = v.view(b, s, self.kv_heads, d).transpose(1, 2).contiguous()
-        out = self.attend(q, k, v)
+        out = self.attend(q, k, v) if documents is None else self.attend(q, k, v, documents=documents)
         return self.exit(self.wo(out.transpose(1, 2).reshape(b, s, self.heads * d)))
 
 
-def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     documents: Documents = None) -> torch.Tensor:
     from ctxlaunch.cp import full_attention
 
-    return full_attention(q, k, v, causal=True)
+    return full_attention(q, k, v, causal=True, documents=documents)
 
 
 class FeedForward(nn.Module):
@@ -250,18 +259,20 @@ class Block(nn.Module):
     def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.ffn(self.ffn_norm(x))
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 documents: Documents = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, documents)
         if self.checkpointing == "selective":
             # Recompute the feed-forward half (linear in s, cheap); keep attention (quadratic
             # in s to recompute).
             return checkpoint(self._feed_forward, x, use_reentrant=False)
         return self._feed_forward(x)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents = None) -> torch.Tensor:
         if self.checkpointing == "full":
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
+            return checkpoint(self._forward, x, cos, sin, documents, use_reentrant=False)
+        return self._forward(x, cos, sin, documents)
 
 
 class Transformer(nn.Module):
@@ -292,6 +303,10 @@ class Transformer(nn.Module):
         self.token_scorer: Callable[[torch.Tensor, torch.Tensor],
                                     tuple[torch.Tensor, torch.Tensor]] = _token_scores
         """Forward-only per-token scores of fp32 logits (vocabulary-parallel under TP)."""
+        self.loss_divisor: float | None = None
+        """What `loss` divides its summed loss by; an engine sets it each step (the step's
+        global predicted-token count over the ranks and micro-batches whose gradients are
+        averaged), so the averaged gradient is that of the step's token mean."""
 
     @classmethod
     def from_spec(cls, model: ModelSpec) -> Transformer:
@@ -330,23 +345,25 @@ class Transformer(nn.Module):
         for block in self.block_modules():
             block.checkpointing = mode
 
-    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor,
-                   blocks: Iterable[Block]) -> torch.Tensor:
+    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor, blocks: Iterable[Block],
+                   documents: Documents = None) -> torch.Tensor:
         # Tables in the dtype q and k will have (autocast's, if on), made once for all blocks.
         dtype = (torch.get_autocast_dtype(x.device.type)
                  if torch.is_autocast_enabled(x.device.type) else x.dtype)
         cos, sin = rope_tables(positions, self.head_dim, self.rope_theta, dtype,
                                self.rope_scaling)
         for block in blocks:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, documents)
         return x
 
-    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor,
+                      documents: Documents = None) -> torch.Tensor:
         """The final (normed) hidden states of the whole model (no pipeline split)."""
         if self.embed is None or self.norm is None:
             raise RuntimeError("hidden_states needs the whole model; this one is a pipeline "
                                "rank's part")
-        return self.norm(self.run_blocks(self.embed(tokens), positions, self.block_modules()))
+        return self.norm(self.run_blocks(self.embed(tokens), positions, self.block_modules(),
+                                         documents))
 
     def _output_weight(self) -> torch.Tensor:
         owner = self.embed if self.head is None else self.head
@@ -360,10 +377,11 @@ class Transformer(nn.Module):
         return self.cross_entropy(logits.float(), targets)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
-                scores: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                documents: Documents = None, scores: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The mean loss; with `scores`, forward-only per-token scores instead (evaluation;
         through forward so that FSDP's and DeepSpeed's hooks gather the weights)."""
-        hidden = self.hidden_states(tokens, positions)
+        hidden = self.hidden_states(tokens, positions, documents)
         return self.token_scores(hidden, targets) if scores else self.loss(hidden, targets)
 
     @torch.no_grad()
@@ -383,7 +401,9 @@ class Transformer(nn.Module):
         return torch.cat(losses), torch.cat(hits)
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token loss of the final (normed) hidden states."""
+        """Next-token loss of the final (normed) hidden states: the sum over the predicted
+        targets (those not -100) divided by `loss_divisor`, or by their count when it is
+        None (the mean over this rank's predicted tokens)."""
         hidden = self.enter_loss(hidden).flatten(0, 1)
         targets = targets.flatten()
         # The (tokens x vocab) logits exist one chunk at a time, recomputed in backward.
@@ -392,4 +412,6 @@ class Transformer(nn.Module):
             end = start + self.loss_chunk_tokens
             total = total + checkpoint(self._chunk_loss, hidden[start:end], targets[start:end],
                                        use_reentrant=False)
-        return total / targets.numel()
+        if self.loss_divisor is not None:
+            return total / self.loss_divisor
+        return total / max(int((targets != -100).sum()), 1)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ctxlaunch.runtime.trainer.model import Block, Transformer
+from ctxlaunch.runtime.trainer.model import Block, Documents, Transformer
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import (
@@ -46,16 +46,29 @@ class StageModule(nn.Module):
         self.norm = model.norm if last else None
         self.head = model.head if last else None
         self.positions: torch.Tensor | None = None
-        """This rank's token positions (the same for every micro-batch), set before a step."""
+        """This rank's token positions (the same for every micro-batch), or set
+        `set_micro_inputs` before a step."""
+        self.micro_inputs: list[tuple[torch.Tensor, Documents]] | None = None
+        self._next_micro = 0
         self.stage_index = 0
         """Which pipeline stage this is (0 first), set by `split_stages`."""
+
+    def set_micro_inputs(self, inputs: list[tuple[torch.Tensor, Documents]]) -> None:
+        """Each micro-batch's positions and document boundaries, in order: a schedule runs a
+        stage's forwards in micro-batch order, so forward call i of the step gets entry i."""
+        self.micro_inputs, self._next_micro = inputs, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             x = self.embed(x)
-        if self.positions is None:
+        documents: Documents = None
+        positions = self.positions
+        if self.micro_inputs is not None:
+            positions, documents = self.micro_inputs[self._next_micro % len(self.micro_inputs)]
+            self._next_micro += 1
+        if positions is None:
             raise RuntimeError("set the stage's positions before running it")
-        x = self._model[0].run_blocks(x, self.positions, self.block_list)
+        x = self._model[0].run_blocks(x, positions, self.block_list, documents)
         return self.norm(x) if self.norm is not None else x
 
 

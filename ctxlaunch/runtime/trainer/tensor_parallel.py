@@ -101,7 +101,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of fp32 logits sharded by vocabulary (T, V/t)."""
+    """Summed cross-entropy of fp32 logits sharded by vocabulary (T, V/t); targets of -100
+    add nothing (cross_entropy's ignore_index)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
@@ -117,15 +118,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         packed = torch.stack([exp.sum(-1), target_logit])
         dist.all_reduce(packed, group=group)
         sum_exp, target_logit = packed
-        ctx.save_for_backward(exp, sum_exp, index, mine)
-        return (sum_exp.log() - target_logit).sum()
+        predicted = targets != -100
+        ctx.save_for_backward(exp, sum_exp, index, mine, predicted)
+        return ((sum_exp.log() - target_logit) * predicted).sum()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        exp, sum_exp, index, mine = ctx.saved_tensors
+        exp, sum_exp, index, mine, predicted = ctx.saved_tensors
         softmax = exp / sum_exp.unsqueeze(-1)
         softmax.scatter_add_(-1, index, -mine.to(softmax.dtype).unsqueeze(-1))
-        return softmax * grad, None, None, None
+        return softmax * (predicted.unsqueeze(-1) * grad), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,

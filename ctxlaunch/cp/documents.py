@@ -1,0 +1,196 @@
+# Shapes: cu_seqlens: one tuple per batch element of global document boundaries 0 = b_0 < ... < b_n = S.
+"""Document masks over context parallelism: which rectangles of a block a packed sequence needs.
+
+A packed sequence holds documents as contiguous runs of tokens, described by their global
+boundaries (cumulative sequence lengths over the whole sequence, ``cu_seqlens``, one tuple per
+batch element). Under a document mask a query attends only to keys of its own document, causally.
+
+A rank's shard is one contiguous run of the sequence (contiguous layout) or two (zigzag: chunks
+i and 2N-1-i). For a block (these queries over some rank's K/V shard) the visible area is a set
+of rectangles, one per (q run, kv run, document) intersection: a document's rows in the q run
+see that document's rows in the kv run fully when the kv run lies wholly before the q run, and
+causally when it is the same run (the diagonal, where a top-left causal mask is exact because
+the rectangle is square). Block pairs and run pairs that share no document yield no rectangle:
+they are skipped, never computed and masked. Each rectangle runs through the dense kernels on
+row/column slices, so no mask tensor exists on CPU or CUDA.
+
+Unmasked causal attention is the special case of one document; ``ring._block`` computes it
+without the bookkeeping. Future work: on CUDA, many short documents make many small kernel
+calls; a varlen flash call over the cumulative sequence lengths would do a block's rectangles in
+one launch.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .layout import check_seq_len, num_chunks, shard_chunk_ids
+
+CuSeqlens = tuple[tuple[int, ...], ...]
+"""Per batch element, the global document boundaries: (0, end of doc 0, ..., seq_len)."""
+
+Piece = tuple[slice, slice, bool]
+"""(q_rows, kv_rows, causal) of one rectangle, in local row indices of the two shards."""
+
+Run = tuple[int, int, int]
+"""(local start, global start, length) of a contiguous run of a shard."""
+
+
+def normalise_documents(documents: Sequence[Sequence[int]], batch: int, seq_len: int) -> CuSeqlens:
+    """Check ``documents`` (one boundary list per batch element) and return it as tuples.
+
+    Raises ValueError unless there are ``batch`` lists, each strictly increasing from 0 to
+    ``seq_len`` (the global sequence length).
+    """
+    if len(documents) != batch:
+        raise ValueError(f"documents has {len(documents)} boundary lists for a batch of {batch}")
+    result = []
+    for b, bounds in enumerate(documents):
+        bounds = tuple(int(x) for x in bounds)
+        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != seq_len:
+            raise ValueError(f"documents[{b}] = {bounds} must run from 0 to the sequence length {seq_len}")
+        if any(a >= c for a, c in zip(bounds, bounds[1:], strict=False)):
+            raise ValueError(f"documents[{b}] = {bounds} must be strictly increasing")
+        result.append(bounds)
+    return tuple(result)
+
+
+def check_documents(documents: Sequence[Sequence[int]] | None, causal: bool, batch: int,
+                    seq_len: int) -> CuSeqlens | None:
+    """``normalise_documents`` for the attention functions (None passes through); a document
+    mask is causal, so ``causal=False`` with documents is a ValueError."""
+    if documents is None:
+        return None
+    if not causal:
+        raise ValueError("documents (a document mask) needs causal=True")
+    return normalise_documents(documents, batch, seq_len)
+
+
+def batch_groups(documents: CuSeqlens) -> list[tuple[slice, tuple[int, ...]]]:
+    """Consecutive batch elements with the same boundaries, as (batch slice, boundaries):
+    one kernel call serves them all."""
+    groups: list[tuple[slice, tuple[int, ...]]] = []
+    start = 0
+    for b in range(1, len(documents) + 1):
+        if b == len(documents) or documents[b] != documents[start]:
+            groups.append((slice(start, b), documents[start]))
+            start = b
+    return groups
+
+
+def shard_runs(rank: int, world_size: int, layout: str, s_local: int) -> list[Run]:
+    """The contiguous runs of ``rank``'s shard: (local start, global start, length)."""
+    chunk = s_local * world_size // num_chunks(world_size, layout)
+    return [(i * chunk, c * chunk, chunk) for i, c in enumerate(shard_chunk_ids(rank, world_size, layout))]
+
+
+def _documents_in(bounds: tuple[int, ...], start: int, stop: int) -> range:
+    """Indices of the documents overlapping global tokens [start, stop)."""
+    return range(bisect.bisect_right(bounds, start) - 1, bisect.bisect_left(bounds, stop))
+
+
+def _overlap(run: Run, bounds: tuple[int, ...], doc: int) -> slice:
+    """Local rows of ``run`` that belong to document ``doc``."""
+    local, first, length = run
+    lo, hi = max(bounds[doc], first), min(bounds[doc + 1], first + length)
+    return slice(local + lo - first, local + hi - first)
+
+
+def block_pieces(bounds: tuple[int, ...], q_runs: list[Run], kv_runs: list[Run]) -> list[Piece]:
+    """The rectangles of a block under a document mask, the diagonal (causal) ones first.
+
+    Every query row lies in exactly one diagonal rectangle when ``q_runs`` are ``kv_runs`` (a
+    rank's own block), so the diagonal pieces cover each local row once and can initialise the
+    output before the others are merged into it.
+    """
+    diagonal: list[Piece] = []
+    full: list[Piece] = []
+    for q_run in q_runs:
+        q_start, q_stop = q_run[1], q_run[1] + q_run[2]
+        for kv_run in kv_runs:
+            kv_start, kv_stop = kv_run[1], kv_run[1] + kv_run[2]
+            if kv_start == q_start:  # the same run: each of its documents, causally
+                for doc in _documents_in(bounds, q_start, q_stop):
+                    rows = _overlap(q_run, bounds, doc)
+                    diagonal.append((rows, rows, True))  # only a rank's own block has it
+            elif kv_stop <= q_start:
+                # Runs are whole chunks, so an earlier run ends before this one starts: only the
+                # document holding this run's first token can reach back into it.
+                doc = bisect.bisect_right(bounds, q_start) - 1
+                if bounds[doc] < kv_stop:
+                    full.append((_overlap(q_run, bounds, doc), _overlap(kv_run, bounds, doc), False))
+            # else the K/V run comes later: hidden by causality.
+    return diagonal + full
+
+
+def _area(piece: Piece) -> int:
+    rows, cols, causal = piece
+    n_rows, n_cols = rows.stop - rows.start, cols.stop - cols.start
+    return n_rows * (n_rows + 1) // 2 if causal else n_rows * n_cols
+
+
+@dataclass(frozen=True)
+class AttentionArea:
+    """How much of the attention score matrix a document-masked CP schedule computes, counted
+    in (query, key) pairs summed over the batch; causal squares of n rows count n(n+1)/2."""
+
+    computed: int
+    """Pairs the document-masked schedule computes (exactly each document's causal triangle)."""
+    unmasked: int
+    """Pairs the unmasked causal schedule computes (the whole causal triangle)."""
+    per_rank_computed: tuple[int, ...]
+    """Pairs each CP rank computes under the mask (the slowest rank sets the step time)."""
+    per_rank_unmasked: tuple[int, ...]
+    blocks_computed: int
+    """(rank, K/V shard) blocks with at least one rectangle, over all ranks and the batch."""
+    blocks_skipped: int
+    """Blocks the unmasked schedule computes that share no document, so are skipped."""
+    pieces: int
+    """Kernel calls (rectangles) of the forward pass over all ranks."""
+
+    @property
+    def computed_fraction(self) -> float:
+        """Computed area over the unmasked causal area."""
+        return self.computed / self.unmasked
+
+    @property
+    def skipped_fraction(self) -> float:
+        return 1.0 - self.computed_fraction
+
+    @property
+    def critical_fraction(self) -> float:
+        """The busiest rank's masked area over the busiest rank's unmasked area."""
+        return max(self.per_rank_computed) / max(self.per_rank_unmasked)
+
+
+def attention_area(documents: Sequence[Sequence[int]], seq_len: int, world_size: int,
+                   layout: str = "zigzag") -> AttentionArea:
+    """The attention area the document-masked ring schedule computes, and what it saves against
+    the unmasked causal schedule, for one boundary list per batch element. Pure (no process
+    group); Ulysses computes the same per-document triangles on head shards."""
+    check_seq_len(seq_len, world_size, layout)
+    cu = normalise_documents(documents, len(documents), seq_len)
+    s_local = seq_len // world_size
+    single = (0, seq_len)
+    computed = [0] * world_size
+    unmasked = [0] * world_size
+    blocks_computed = blocks_skipped = pieces = 0
+    for bounds in cu:
+        for rank in range(world_size):
+            q_runs = shard_runs(rank, world_size, layout, s_local)
+            for src in range(world_size):
+                kv_runs = shard_runs(src, world_size, layout, s_local)
+                plain = block_pieces(single, q_runs, kv_runs)
+                masked = block_pieces(bounds, q_runs, kv_runs)
+                unmasked[rank] += sum(map(_area, plain))
+                computed[rank] += sum(map(_area, masked))
+                pieces += len(masked)
+                if masked:
+                    blocks_computed += 1
+                elif plain:
+                    blocks_skipped += 1
+    return AttentionArea(computed=sum(computed), unmasked=sum(unmasked),
+                         per_rank_computed=tuple(computed), per_rank_unmasked=tuple(unmasked),
+                         blocks_computed=blocks_computed, blocks_skipped=blocks_skipped, pieces=pieces)
