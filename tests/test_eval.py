@@ -307,3 +307,86 @@ def test_the_eval_command_without_a_checkpoint_says_so(tmp_path) -> None:
                           capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 2
     assert "no checkpoint to evaluate" in done.stderr
+
+
+def packed_corpus(path: Path) -> Path:
+    """Documents of 20..300 ids below 256, each ending in 0 (end of document)."""
+    import numpy as np
+
+    from ctxlaunch.runtime.data.indexed import IndexedWriter, token_dtype
+
+    rng = np.random.default_rng(5)
+    with IndexedWriter(path, token_dtype(256)) as writer:
+        for _ in range(60):
+            writer.add_document(np.append(rng.integers(1, 256, rng.integers(20, 300)), 0))
+        writer.commit()
+    return path
+
+
+def _evaluate_fresh(rank: int, world: int, spec_data: dict) -> dict:
+    """The evaluator on the seeded initial weights (the same at every layout)."""
+    from ctxlaunch.runtime.trainer.evaluate import Evaluator
+    from ctxlaunch.runtime.trainer.model import Transformer
+    from ctxlaunch.runtime.trainer.parallelize import ParallelSettings, build_context, parallelize
+
+    spec = validate_spec(spec_data)
+    p = spec.parallel
+    ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
+                        ulysses=spec.ulysses_degree, layout=p.layout)
+    with torch.device("meta"):
+        model = Transformer.from_spec(spec.model)
+    parts = parallelize(model, ctx=ctx, settings=ParallelSettings.from_spec(spec),
+                        device=torch.device("cpu"))
+    return Evaluator(spec, ctx, parts.model, torch.device("cpu")).run().to_dict()
+
+
+@pytest.mark.timeout(300)
+def test_document_masked_evaluation_scores_each_document_alone(tmp_path) -> None:
+    """Under training.data.document_mask the held-out loss is each held-out document's own
+    loss, run alone from position 0 (the targets that open the next document not counted),
+    bucketed by the position in its document; CP 2 ring scores the same."""
+    from ctxlaunch.runtime.trainer.evaluate import held_out
+    from ctxlaunch.runtime.trainer.model import Transformer
+
+    prefix = packed_corpus(tmp_path / "docs")
+    changes = {"training.data": {"source": "tokens", "path": str(prefix), "eval_fraction": 0.5,
+                                 "document_mask": True},
+               "training.eval.passkey": {"enabled": False}, "training.seq_len": 256,
+               "training.eval.sequences": 2}
+    spec = validate_spec(base_spec(**changes))
+    got = EvalResult.from_dict(run_distributed(_evaluate_fresh, 1, spec.model_dump(mode="json"),
+                                               timeout_s=120)[0])
+    model = Transformer.from_spec(spec.model)
+    model.init_weights(spec.training.seed)
+    data = held_out(spec)
+    assert data.document_ids is not None
+    edges = bucket_edges(256, 3)
+    sums = [0.0] * (len(edges) - 1)
+    counts = [0] * (len(edges) - 1)
+    with torch.no_grad():
+        for sequence, ids in zip(data.sequences, data.document_ids, strict=True):
+            starts = [0] + [i for i in range(1, 257) if ids[i] != ids[i - 1]] + [257]
+            for start, stop in zip(starts, starts[1:], strict=False):
+                piece = sequence[start:stop]
+                if piece.numel() < 2:
+                    continue
+                hidden = model.hidden_states(piece[None, :-1], torch.arange(piece.numel() - 1))
+                logits = torch.nn.functional.linear(hidden, model.head.weight)[0]
+                losses = torch.nn.functional.cross_entropy(logits, piece[1:], reduction="none")
+                for position, loss in enumerate(losses.tolist()):
+                    if start + position >= 256:
+                        break  # beyond the inputs: the window's last target
+                    bucket = sum(position >= e for e in edges[1:-1])
+                    sums[bucket] += loss
+                    counts[bucket] += 1
+    assert [b.tokens for b in got.buckets] == counts
+    for bucket, total, count in zip(got.buckets, sums, counts, strict=True):
+        assert bucket.loss == pytest.approx(total / count, rel=1e-5)
+    assert "no passkey" not in (got.passkey_note or "") and got.passkey == []
+    ring = EvalResult.from_dict(run_distributed(
+        _evaluate_fresh, 2, validate_spec(base_spec(**changes, **{
+            "parallel.cp": 2, "cluster.gpus_per_node": 2})).model_dump(mode="json"),
+        timeout_s=180)[0])
+    assert [b.tokens for b in ring.buckets] == counts
+    for mine, theirs in zip(ring.buckets, got.buckets, strict=True):
+        assert mine.loss == pytest.approx(theirs.loss, rel=1e-5)

@@ -127,25 +127,34 @@ class Batches:
                           positions=self.positions)
 
     def _masked(self, packed: list[PackedSequence]) -> MicroBatch:
-        sequences = torch.stack([torch.from_numpy(p.tokens) for p in packed])
-        document_ids = torch.stack([torch.from_numpy(p.document_ids) for p in packed])
-        inputs, targets = sequences[:, :-1], sequences[:, 1:].clone()
-        # A target from the next document is not predicted (nothing before it in its own
-        # document to predict it from).
-        targets[document_ids[:, 1:] != document_ids[:, :-1]] = IGNORE_INDEX
-        own = document_ids[:, :-1]
-        opens = torch.ones_like(own, dtype=torch.bool)
-        opens[:, 1:] = own[:, 1:] != own[:, :-1]
-        seq_len = own.size(1)
-        documents = tuple(tuple(row.nonzero().flatten().tolist()) + (seq_len,) for row in opens)
-        positions = self.positions
-        if self.restart_positions:
-            index = torch.arange(seq_len).expand_as(own)
-            start = torch.where(opens, index, 0).cummax(dim=1).values
-            positions = (index - start)[:, self.positions].contiguous()
-        return MicroBatch(tokens=inputs[:, self.positions].contiguous(),
-                          targets=targets[:, self.positions].contiguous(),
-                          positions=positions, documents=documents)
+        return masked_micro_batch([torch.from_numpy(p.tokens) for p in packed],
+                                  [torch.from_numpy(p.document_ids) for p in packed],
+                                  self.positions, self.restart_positions)
+
+
+def masked_micro_batch(sequences: list[torch.Tensor], document_ids: list[torch.Tensor],
+                       shard: torch.Tensor, restart_positions: bool) -> MicroBatch:
+    """A document-masked micro-batch of whole sequences (seq_len + 1 tokens, with each token's
+    document id), at the positions `shard` of this CP rank: document boundaries, targets that
+    open the next document ignored, positions restarted per document if asked."""
+    tokens, ids = torch.stack(sequences), torch.stack(document_ids)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
+    # A target from the next document is not predicted (nothing before it in its own
+    # document to predict it from).
+    targets[ids[:, 1:] != ids[:, :-1]] = IGNORE_INDEX
+    own = ids[:, :-1]
+    opens = torch.ones_like(own, dtype=torch.bool)
+    opens[:, 1:] = own[:, 1:] != own[:, :-1]
+    seq_len = own.size(1)
+    documents = tuple(tuple(row.nonzero().flatten().tolist()) + (seq_len,) for row in opens)
+    positions = shard
+    if restart_positions:
+        index = torch.arange(seq_len).expand_as(own)
+        start = torch.where(opens, index, 0).cummax(dim=1).values
+        positions = (index - start)[:, shard].contiguous()
+    return MicroBatch(tokens=inputs[:, shard].contiguous(),
+                      targets=targets[:, shard].contiguous(),
+                      positions=positions, documents=documents)
 
 
 def make_source(data_spec: DataSpec, vocab: int, seq_len: int,

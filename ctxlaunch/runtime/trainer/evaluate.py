@@ -134,6 +134,8 @@ class HeldOut:
     encode: Callable[[str], list[int]] | None
     """Text to token ids for the passkey prompts, or None (then `passkey_note` says why)."""
     passkey_note: str | None = None
+    document_ids: list[torch.Tensor] | None = None
+    """Each sequence's per-token document ids (source: tokens), for document masks."""
 
 
 def held_out(spec: JobSpec) -> HeldOut:
@@ -169,14 +171,16 @@ def _held_out_documents(spec: JobSpec) -> HeldOut:
     paths = data.paths or ([data.path] if data.path else [])
     streams = []
     for path in paths:
-        documents = [torch.as_tensor(tokens, dtype=torch.long)
-                     for _, tokens in PackedFile(path, seq_len, data.eval_fraction)
-                     .eval_documents()]
-        stream = torch.cat(documents) if documents else torch.zeros(0, dtype=torch.long)
-        streams.append([stream[i: i + seq_len + 1]
-                        for i in range(0, stream.numel() - seq_len, seq_len)])
+        held = list(PackedFile(path, seq_len, data.eval_fraction).eval_documents())
+        tokens = torch.cat([torch.from_numpy(t.astype("int64")) for _, t in held]) \
+            if held else torch.zeros(0, dtype=torch.long)
+        ids = torch.cat([torch.full((len(t),), d, dtype=torch.long) for d, t in held]) \
+            if held else torch.zeros(0, dtype=torch.long)
+        streams.append([(tokens[i: i + seq_len + 1], ids[i: i + seq_len + 1])
+                        for i in range(0, tokens.numel() - seq_len, seq_len)])
     # Round-robin over the files, up to the count asked for.
-    sequences = [s for group in _interleave(streams) for s in group][: e.sequences]
+    windows = [w for group in _interleave(streams) for w in group][: e.sequences]
+    sequences = [tokens for tokens, _ in windows]
     if not sequences:
         raise ValueError(f"training.data: the held-out documents (eval_fraction "
                          f"{data.eval_fraction}) hold fewer than seq_len + 1 = {seq_len + 1} "
@@ -188,10 +192,12 @@ def _held_out_documents(spec: JobSpec) -> HeldOut:
         from ctxlaunch.runtime.data.tokenizers import load_tokenizer
 
         encode = load_tokenizer(e.tokenizer).encode
-    return HeldOut(sequences, f"{len(sequences)} sequences of held-out documents", encode, note)
+    return HeldOut(sequences, f"{len(sequences)} sequences of held-out documents", encode, note,
+                   [ids for _, ids in windows])
 
 
-def _interleave(streams: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+def _interleave(streams: list[list[tuple[torch.Tensor, torch.Tensor]]]
+                ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     longest = max((len(s) for s in streams), default=0)
     return [[s[i] for s in streams if i < len(s)] for i in range(longest)]
 
@@ -279,6 +285,8 @@ class Evaluator:
         self.edges = bucket_edges(t.seq_len, t.eval.buckets)
         data = held_out(spec)
         self.sequences, self.data = data.sequences, data.source
+        self.document_ids = data.document_ids if t.data.document_mask else None
+        self.restart_positions = t.data.restart_positions
         self.passkey_note = data.passkey_note
         self.probes: list[PasskeyProbe] = []
         if t.eval.passkey.enabled and data.encode is not None:
@@ -295,16 +303,28 @@ class Evaluator:
         return [i if i < count else None
                 for i in range(self.ctx.dp_rank, per_replica * self.ctx.dp, self.ctx.dp)]
 
-    def _score(self, sequence: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token (loss, hit) of this rank's shard of one sequence."""
-        tokens = sequence[:-1][self.positions].unsqueeze(0).to(self.device)
-        targets = sequence[1:][self.positions].unsqueeze(0).to(self.device)
+    def _score(self, sequence: torch.Tensor, document_ids: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-token (loss, hit, predicted, context length) of this rank's shard of one
+        sequence; under a document mask attention stays in each document, the targets that
+        open the next are not predicted, and context lengths restart (restart_positions)."""
+        from ctxlaunch.runtime.trainer.data import MicroBatch, masked_micro_batch
+
+        if document_ids is not None:
+            batch = masked_micro_batch([sequence], [document_ids], self.positions,
+                                       self.restart_positions)
+        else:
+            batch = MicroBatch(tokens=sequence[:-1][self.positions].unsqueeze(0),
+                               targets=sequence[1:][self.positions].unsqueeze(0),
+                               positions=self.positions)
         autocast = torch.autocast(device_type=self.device.type,
                                   dtype=self.autocast_dtype or torch.float32,
                                   enabled=self.autocast_dtype is not None)
         with torch.no_grad(), autocast:
-            loss, hit = self.model(tokens, self.positions.to(self.device), targets, scores=True)
-        return loss.float().cpu(), hit.cpu()
+            loss, hit = self.model(batch.tokens.to(self.device), batch.positions.to(self.device),
+                                   batch.targets.to(self.device), batch.documents, scores=True)
+        return (loss.float().cpu(), hit.cpu(), batch.targets.flatten() != -100,
+                batch.positions.flatten())
 
     def _padded(self, tokens: list[int]) -> torch.Tensor:
         """A probe's prompt padded with filler after the answer to seq_len + 1 (causal: what
@@ -317,17 +337,19 @@ class Evaluator:
         n_buckets = len(self.edges) - 1
         sums = torch.zeros(2, n_buckets, dtype=torch.float64)  # loss sum, tokens
         edges = torch.tensor(self.edges[1:-1])
-        bucket_of = torch.bucketize(self.positions, edges, right=True)
         for index in self._mine(len(self.sequences)):
-            sequence = self.sequences[index if index is not None else 0]
-            loss, _ = self._score(sequence)
+            chosen = index if index is not None else 0
+            loss, _, predicted, context = self._score(
+                self.sequences[chosen],
+                self.document_ids[chosen] if self.document_ids is not None else None)
             if index is not None and counts:
-                sums[0].index_add_(0, bucket_of, loss.double())
-                sums[1].index_add_(0, bucket_of, torch.ones_like(loss, dtype=torch.float64))
+                bucket_of = torch.bucketize(context, edges, right=True)
+                sums[0].index_add_(0, bucket_of, (loss * predicted).double())
+                sums[1].index_add_(0, bucket_of, predicted.double())
         probe_sums = torch.zeros(2, len(self.probes), dtype=torch.float64)  # hits, answer tokens
         for index in self._mine(len(self.probes)):
             probe = self.probes[index if index is not None else 0]
-            _, hit = self._score(self._padded(probe.tokens))
+            _, hit, _, _ = self._score(self._padded(probe.tokens))
             if index is not None and counts:
                 answer = torch.isin(self.positions, torch.tensor(list(probe.answer_targets)))
                 probe_sums[0, index] = float(hit[answer].sum())
