@@ -197,7 +197,6 @@ def test_single_process_evaluation_is_the_direct_forward(checkpoint, single) -> 
 
 LAYOUTS = [
     (2, {"parallel.cp": 2, "parallel.cp_algorithm": "ring"}),
-    (2, {"parallel.cp": 2, "parallel.cp_algorithm": "ulysses"}),
     (2, {"parallel.tp": 2}),
     (2, {"training.zero_stage": 2, "training.engine": "fsdp2"}),  # DP 2, FSDP2 shards
 ]
