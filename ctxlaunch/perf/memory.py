@@ -83,6 +83,9 @@ if TYPE_CHECKING:
 LOSS_CHUNK_TOKENS = 2048
 """The output head and cross-entropy run over chunks of this many tokens, each recomputed in
 backward, so the (tokens x vocab) logits never exist for the whole local sequence at once."""
+BACKWARD_CHUNK_TOKENS = 1024
+"""The RMSNorm and SwiGLU backward passes compute their fp32 pointwise math over chunks of this
+many tokens, so those temporaries do not grow with the sequence."""
 GRAD_BUCKET_ELEMENTS = 25_000_000
 """ZeRO-0: gradients are all-reduced over DP x CP in flat buckets of this many elements."""
 ZERO_BUCKET_ELEMENTS = 200_000_000
