@@ -24,8 +24,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ctxlaunch.contract.spec import JobSpec
+    from ctxlaunch.runtime.trainer.data import MicroBatch
+    from ctxlaunch.runtime.trainer.parallelize import ParallelContext
 
 PHASE_PREFIX = "ctxlaunch.phase:"
 
@@ -81,6 +87,8 @@ class AllocatorTrace:
         self.final_bytes = 0
         self.phase_peaks: dict[str, int] = {}
         self.live_at_peak: list[tuple[int, str, str]] = []
+        self.curve: list[tuple[int, int, str, str]] = []
+        """Every allocation (+) and free (-) in order: (bytes, live bytes after it, op, phase)."""
 
     def __enter__(self) -> AllocatorTrace:
         self._profiler.__enter__()
@@ -115,6 +123,7 @@ class AllocatorTrace:
         held: dict[int, tuple[int, str, str]] = {}
         for _, _, size, address, op, name in events:
             live += size
+            self.curve.append((size, live, op, name))
             if size > 0:
                 held[address] = (size, op, name)
             else:
@@ -126,3 +135,36 @@ class AllocatorTrace:
                 self.phase_peaks[name] = live
         self.final_bytes = live
         self.live_at_peak.sort(reverse=True)
+
+
+def measure_training_peak(spec: JobSpec, ctx: ParallelContext, steps: int = 2) -> AllocatorTrace:
+    """Build the trainer for this rank and run `steps` steps (CPU) inside an `AllocatorTrace`:
+    everything the rank allocates is in the record, from the model's weights on. Phases: "build",
+    then "step N/micro-batches" (forward and backward), "step N/gradients" (their reduction)
+    and "step N/optimizer" (clipping, AdamW, zero_grad). The steady-state peak is step 2's:
+    the Adam states exist from the first step on."""
+    from ctxlaunch.runtime.trainer.loop import Trainer
+
+    with AllocatorTrace() as trace:
+        with phase("build"):
+            trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
+        engine = trainer.engine
+        run, finish, apply = engine.run_micro_batches, engine.finish_gradients, engine.apply
+        for step in range(1, steps + 1):
+            def run_marked(batches: list[MicroBatch], step: int = step) -> list[torch.Tensor]:
+                with phase(f"step {step}/micro-batches"):
+                    return run(batches)
+
+            def finish_marked(step: int = step) -> None:
+                with phase(f"step {step}/gradients"):
+                    finish()
+
+            def apply_marked(step: int = step) -> float:
+                with phase(f"step {step}/optimizer"):
+                    return apply()
+
+            engine.run_micro_batches = run_marked  # type: ignore[method-assign]
+            engine.finish_gradients = finish_marked  # type: ignore[method-assign]
+            engine.apply = apply_marked  # type: ignore[method-assign]
+            trainer.train_step()
+    return trace
