@@ -492,9 +492,10 @@ def estimate(model: ModelSpec, layout: Layout, gpu: GpuInfo) -> MemoryEstimate:
                   + 2 * layout.residual_bytes * model.hidden),
     )
     # The phase-by-phase peak (issue 18): never plan below what is live at the highest moment
-    # of a steady-state step, whatever the sum of the parts above says.
-    workspace = max(workspace, peak(model, layout).total
-                    - (parameters + gradients + optimizer + activations))
+    # of a steady-state step of the bundled trainer, whatever the sum of the parts above says.
+    if layout.framework == "ctxlaunch":
+        workspace = max(workspace, peak(model, layout).total
+                        - (parameters + gradients + optimizer + activations))
     comm = _communication_buffer_bytes(layout)
     known = parameters + gradients + optimizer + activations + workspace + comm
     fixed = CPU_FIXED_ALLOWANCE if gpu.name == "cpu" else GPU_FIXED_ALLOWANCE + \
