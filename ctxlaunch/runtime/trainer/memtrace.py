@@ -23,6 +23,7 @@ caching allocator's rounding and fragmentation come on top (ctxlaunch/perf/memor
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -91,6 +92,7 @@ class AllocatorTrace:
         """Every allocation (+) and free (-) in order: (bytes, live bytes after it, op, phase)."""
 
     def __enter__(self) -> AllocatorTrace:
+        gc.collect()  # what earlier work left to the collector is freed outside the record
         self._profiler.__enter__()
         return self
 
@@ -122,12 +124,12 @@ class AllocatorTrace:
         live = 0
         held: dict[int, tuple[int, str, str]] = {}
         for _, _, size, address, op, name in events:
-            live += size
-            self.curve.append((size, live, op, name))
             if size > 0:
                 held[address] = (size, op, name)
-            else:
-                held.pop(address, None)
+            elif held.pop(address, None) is None:
+                continue  # allocated before the trace began (a previous run's, freed by gc)
+            live += size
+            self.curve.append((size, live, op, name))
             if live > self.peak_bytes:
                 self.peak_bytes, self.peak_phase = live, name
                 self.live_at_peak = list(held.values())
