@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Literal
 
 import torch
@@ -36,7 +36,7 @@ from ctxlaunch.contract.spec import (
     RopeScaling,
     YarnRope,
 )
-from ctxlaunch.perf.memory import LOSS_CHUNK_TOKENS
+from ctxlaunch.perf.memory import BACKWARD_CHUNK_TOKENS, LOSS_CHUNK_TOKENS
 
 AttentionFn = Callable[..., torch.Tensor]
 """attend(q, k, v) or, under a document mask, attend(q, k, v, documents=...) -> out."""
@@ -64,26 +64,49 @@ def _token_scores(logits: torch.Tensor, targets: torch.Tensor
 Checkpointing = Literal["none", "selective", "full"]
 
 
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32, or as it is if wider (float64, for exactness checks)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _row_chunks(rows: int) -> Iterator[slice]:
+    """Token rows in chunks of BACKWARD_CHUNK_TOKENS: the fp32 temporaries of the pointwise
+    backward passes below exist for one chunk at a time."""
+    for start in range(0, rows, BACKWARD_CHUNK_TOKENS):
+        yield slice(start, start + BACKWARD_CHUNK_TOKENS)
+
+
 class _RMSNorm(torch.autograd.Function):
-    """y = x / rms(x) * w, in fp32 inside; saves x and the fp32 1/rms only."""
+    """y = x / rms(x) * w, in fp32 inside; saves x and the fp32 1/rms only. Backward computes
+    in fp32 over chunks of tokens, so its fp32 temporaries are (chunk x h), not (tokens x h)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x32 = x.float()
+        x32 = _upcast(x)
         rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (x32 * rstd * weight.float()).to(x.dtype)
+        return (x32 * rstd * _upcast(weight)).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        x32, g32 = x.float(), grad_y.float()
-        normed = x32 * rstd
-        grad_weight = (g32 * normed).flatten(0, -2).sum(0).to(weight.dtype)
-        gw = g32 * weight.float()
-        # d/dx of x * rstd: rstd * (gw - normed * mean(gw * normed))
-        grad_x = rstd * (gw - normed * (gw * normed).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_weight, None
+        h = x.shape[-1]
+        x2, g2, rstd2 = x.reshape(-1, h), grad_y.reshape(-1, h), rstd.reshape(-1, 1)
+        grad_x = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        grad_weight = torch.zeros(h, dtype=rstd.dtype, device=x.device)
+        w32 = _upcast(weight)
+        for rows in _row_chunks(x2.shape[0]):
+            r = rstd2[rows]
+            normed = _upcast(x2[rows]) * r
+            g32 = _upcast(g2[rows])
+            gw = g32 * normed
+            grad_weight += gw.sum(0)
+            torch.mul(g32, w32, out=gw)
+            # d/dx of x * rstd: rstd * (gw - normed * mean(gw * normed))
+            mean = (gw * normed).mean(-1, keepdim=True)
+            grad_x[rows] = gw.sub_(normed.mul_(mean)).mul_(r)
+            del normed, g32, gw, mean  # before the next chunk's, not after
+        return grad_x.view(x.shape), grad_weight.to(weight.dtype), None
 
 
 class RMSNorm(nn.Module):
@@ -99,7 +122,9 @@ class RMSNorm(nn.Module):
 
 
 class _SwiGLU(torch.autograd.Function):
-    """silu(gate) * up; saves gate and up, recomputes the SiLU in backward."""
+    """silu(gate) * up; saves gate and up, recomputes the SiLU in backward. Backward computes
+    in fp32 over chunks of tokens, in place, so its fp32 temporaries are two (chunk x ffn)
+    tensors (four in 16-bit, with the upcasts of gate and grad), not eight (tokens x ffn)."""
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -109,13 +134,23 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up = ctx.saved_tensors
-        g32 = gate.float()
-        sig = torch.sigmoid(g32)
-        silu = g32 * sig
-        grad32 = grad.float()
-        grad_up = grad32 * silu
-        grad_gate = grad32 * up.float() * sig * (1 + g32 * (1 - sig))
-        return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
+        f = gate.shape[-1]
+        gate2, up2, grad2 = gate.reshape(-1, f), up.reshape(-1, f), grad.reshape(-1, f)
+        grad_gate = torch.empty(gate2.shape, dtype=gate.dtype, device=gate.device)
+        grad_up = torch.empty(up2.shape, dtype=up.dtype, device=up.device)
+        for rows in _row_chunks(gate2.shape[0]):
+            g32 = _upcast(gate2[rows])
+            sig = torch.sigmoid(g32)
+            dy = _upcast(grad2[rows])
+            work = torch.mul(g32, sig)  # silu
+            grad_up[rows] = work.mul_(dy)
+            # d silu / d gate = sig * (1 + gate * (1 - sig))
+            work.fill_(1).sub_(sig).mul_(g32).add_(1).mul_(sig)
+            del g32, sig  # an in-place op with a 16-bit operand would upcast it into a new
+            # temporary: upcast up explicitly, once these two are gone
+            grad_gate[rows] = work.mul_(dy).mul_(_upcast(up2[rows]))
+            del dy, work  # before the next chunk's, not after
+        return grad_gate.view(gate.shape), grad_up.view(up.shape)
 
 
 def inverse_frequencies(head_dim: int, theta: float,
