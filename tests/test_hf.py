@@ -531,3 +531,33 @@ def test_export_without_the_init_from_directory(tmp_path: Path) -> None:
     got, want = hf_tensors(tmp_path / "out"), hf_tensors(tmp_path / "moved")
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor.float()), name  # bf16 widened exactly
+
+
+@pytest.mark.parametrize("rope", ["default", "llama3"])
+def test_packed_documents_under_a_mask_score_what_transformers_scores_each_alone(
+        tmp_path: Path, rope: str) -> None:
+    """Three documents packed in one sequence, document-masked with restarted positions: each
+    token's loss through init_from equals transformers' loss of its document run alone, and
+    the packed mean (the targets that open the next document not counted) equals their
+    token-weighted mean."""
+    from ctxlaunch.runtime.trainer.data import masked_micro_batch
+
+    reference = save_hf(tmp_path, hf_config(rope))
+    generator = torch.Generator().manual_seed(11)
+    lengths = (7, 12, SEQ + 1 - 19)
+    docs = [torch.randint(0, VOCAB, (n,), generator=generator) for n in lengths]
+    sequence = torch.cat(docs)
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    batch = masked_micro_batch([sequence], [ids], torch.arange(SEQ), restart_positions=True)
+    model = build_trainer(0, 1, spec_data(tmp_path)).engine.parts.model
+    with torch.no_grad():
+        ours, _ = model(batch.tokens, batch.positions, batch.targets, batch.documents, scores=True)
+    with torch.no_grad():
+        want = torch.cat([F.cross_entropy(reference(doc[None, :-1]).logits[0], doc[1:],
+                                          reduction="none") for doc in docs])
+    # The last token of each of the first two documents would predict the next one's first
+    # token: not counted; every other target is its own document's.
+    mine = ours[batch.targets[0] != -100]
+    assert mine.numel() == want.numel() == SEQ - 2
+    torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-5)
+    assert float(mine.mean()) == pytest.approx(float(want.mean()), rel=1e-5)
