@@ -64,13 +64,3 @@ def pytorchjob_crd() -> Path:
                     f"{DEFAULT_CRD}")
     return path
 
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, what scripts/test runs), each test file runs
-    whole on one worker, so its module fixtures are built once; the Slurm files share one
-    worker, since they share the test cluster's three nodes."""
-    for item in items:
-        module = getattr(item, "module", None)
-        name = module.__name__.rsplit(".", 1)[-1] if module is not None else item.nodeid
-        item.add_marker(pytest.mark.xdist_group("slurm" if name.startswith("test_slurm")
-                                                 else name))

@@ -138,7 +138,7 @@ def test_a_dead_rank_ends_the_others_with_an_error_not_a_hang(tmp_path: Path) ->
     (["parallel.pp=2", "cluster.gpus_per_node=2", "model.tie_embeddings=true"],
      "tied embeddings put one weight on the first and the last pipeline stage"),
     (["training.data.source=text"], "needs data.path"),
-    (["training.data.source=text", "training.data.path=/nonexistent.txt"], "not a readable file"),
+    (["training.data.source=text", "training.data.path=/nonexistent.txt"], "no such file"),
 ])
 def test_bad_set_up_fails_before_any_work(tmp_path: Path, overrides: list[str],
                                           message: str) -> None:

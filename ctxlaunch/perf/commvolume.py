@@ -183,6 +183,8 @@ def dp_step_bytes(layout: Layout, params: float, *, norm_params: float = 0,
         volume = share * params * (grads + a)
     else:
         volume = layout.grad_accum * share * params * (2 * a + grads)
+    # The step's predicted-token count (the loss's divisor): one int64 all-reduced over DP x CP.
+    volume += 2 * share * 8
     frac_t = (layout.tp - 1) / layout.tp
     return volume + (2 * frac_t * 4 * norm_params if norm_params else 0.0)
 
