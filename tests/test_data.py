@@ -417,20 +417,13 @@ def test_spec_validation_names_the_field(tmp_path: Path) -> None:
 def test_missing_data_files_warn_at_validation_and_stop_the_trainer(tmp_path: Path) -> None:
     """A spec is rendered where its data may not be (a login node): validation warns; the
     trainer, where it runs, refuses to start (exit 2) and names the field."""
-    import subprocess
-    import sys
-
-    import yaml
+    from tests.helpers.trainer_cli import train_once
 
     prefix = str(corpus(tmp_path))
     data = spec_with({"source": "tokens", "paths": [prefix, str(tmp_path / "gone")]})
     spec = validate_spec(data)
     assert any("training.data.paths[1]" in w and "gone.bin" in w for w in spec.warnings())
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(data))
-    exe = Path(sys.executable).parent / "ctxlaunch"
-    done = subprocess.run([str(exe), "train", str(path), "--run-dir", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = train_once(data, tmp_path)
     assert done.returncode == 2, done.stderr
     assert "training.data.paths[1]" in done.stderr and "no such file" in done.stderr
 

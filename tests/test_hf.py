@@ -285,10 +285,7 @@ def test_a_checkpoint_absent_here_with_the_shape_given_warns_and_the_trainer_ref
         tmp_path: Path) -> None:
     """A login node renders a job whose checkpoint lives on the cluster: the spec's shape
     stands, validation warns, and the trainer where it runs refuses without config.json."""
-    import subprocess
-    import sys
-
-    import yaml
+    from tests.helpers.trainer_cli import train_once
 
     shape = {"model.layers": 2, "model.hidden": 64, "model.heads": 4, "model.kv_heads": 2,
              "model.ffn_hidden": 128, "model.vocab": 256}
@@ -296,11 +293,7 @@ def test_a_checkpoint_absent_here_with_the_shape_given_warns_and_the_trainer_ref
     spec = validate_spec(data)
     assert spec.model.hidden == 64
     assert any("model.init_from" in w and "no config.json" in w for w in spec.warnings())
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(data))
-    exe = Path(sys.executable).parent / "ctxlaunch"
-    done = subprocess.run([str(exe), "train", str(path), "--run-dir", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = train_once(data, tmp_path)
     assert done.returncode == 2, done.stderr
     assert "model.init_from" in done.stderr and "no config.json" in done.stderr
 
