@@ -115,7 +115,9 @@ def checkpoint(tmp_path_factory) -> Path:
     return directory / "step-00000002"
 
 
-def _evaluate(rank: int, world: int, spec_data: dict, path: str) -> dict:
+def _evaluate(rank: int, world: int, spec_data: dict, path: str | None = None) -> dict:
+    """One rank's evaluation at the spec's layout: of the checkpoint at `path`, else of the
+    seeded initial weights (the same at every layout)."""
     from ctxlaunch.runtime.trainer.evaluate import Evaluator, load_weights
     from ctxlaunch.runtime.trainer.model import Transformer
     from ctxlaunch.runtime.trainer.parallelize import ParallelSettings, build_context, parallelize
@@ -128,7 +130,8 @@ def _evaluate(rank: int, world: int, spec_data: dict, path: str) -> dict:
         model = Transformer.from_spec(spec.model)
     parts = parallelize(model, ctx=ctx, settings=ParallelSettings.from_spec(spec),
                         device=torch.device("cpu"))
-    load_weights(parts, spec, ctx, torch.device("cpu"), Path(path))
+    if path is not None:
+        load_weights(parts, spec, ctx, torch.device("cpu"), Path(path))
     return Evaluator(spec, ctx, parts.model, torch.device("cpu")).run().to_dict()
 
 
@@ -322,23 +325,6 @@ def packed_corpus(path: Path) -> Path:
     return path
 
 
-def _evaluate_fresh(rank: int, world: int, spec_data: dict) -> dict:
-    """The evaluator on the seeded initial weights (the same at every layout)."""
-    from ctxlaunch.runtime.trainer.evaluate import Evaluator
-    from ctxlaunch.runtime.trainer.model import Transformer
-    from ctxlaunch.runtime.trainer.parallelize import ParallelSettings, build_context, parallelize
-
-    spec = validate_spec(spec_data)
-    p = spec.parallel
-    ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                        ulysses=spec.ulysses_degree, layout=p.layout)
-    with torch.device("meta"):
-        model = Transformer.from_spec(spec.model)
-    parts = parallelize(model, ctx=ctx, settings=ParallelSettings.from_spec(spec),
-                        device=torch.device("cpu"))
-    return Evaluator(spec, ctx, parts.model, torch.device("cpu")).run().to_dict()
-
-
 @pytest.mark.timeout(300)
 def test_document_masked_evaluation_scores_each_document_alone(tmp_path) -> None:
     """Under training.data.document_mask the held-out loss is each held-out document's own
@@ -353,7 +339,7 @@ def test_document_masked_evaluation_scores_each_document_alone(tmp_path) -> None
                "training.eval.passkey": {"enabled": False}, "training.seq_len": 256,
                "training.eval.sequences": 2}
     spec = validate_spec(base_spec(**changes))
-    got = EvalResult.from_dict(run_distributed(_evaluate_fresh, 1, spec.model_dump(mode="json"),
+    got = EvalResult.from_dict(run_distributed(_evaluate, 1, spec.model_dump(mode="json"),
                                                timeout_s=120)[0])
     model = Transformer.from_spec(spec.model)
     model.init_weights(spec.training.seed)
@@ -383,7 +369,7 @@ def test_document_masked_evaluation_scores_each_document_alone(tmp_path) -> None
         assert bucket.loss == pytest.approx(total / count, rel=1e-5)
     assert "no passkey" not in (got.passkey_note or "") and got.passkey == []
     ring = EvalResult.from_dict(run_distributed(
-        _evaluate_fresh, 2, validate_spec(base_spec(**changes, **{
+        _evaluate, 2, validate_spec(base_spec(**changes, **{
             "parallel.cp": 2, "cluster.gpus_per_node": 2})).model_dump(mode="json"),
         timeout_s=180)[0])
     assert [b.tokens for b in ring.buckets] == counts

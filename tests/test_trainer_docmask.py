@@ -17,6 +17,7 @@ from ctxlaunch.runtime.data.indexed import IndexedWriter, token_dtype
 from ctxlaunch.runtime.data.packing import PackedTokens
 from ctxlaunch.runtime.trainer.data import IGNORE_INDEX, Batches
 from tests.helpers.dist import run_distributed
+from tests.helpers.trainer_steps import train_steps
 
 SEQ_LEN = 128
 
@@ -86,24 +87,8 @@ def test_document_mask_needs_packed_documents() -> None:
         assert "needs data.source = tokens" in str(caught.value)
 
 
-def _train(rank: int, world: int, spec_data: dict, steps: int) -> dict:
-    from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
-
-    spec = validate_spec(spec_data)
-    p = spec.parallel
-    ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                        ulysses=spec.ulysses_degree, layout=p.layout, tp=p.tp, pp=p.pp)
-    trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
-    grads: list[dict[str, torch.Tensor]] = []
-    losses = [trainer.train_step(on_gradients=lambda e: grads.append(e.full_gradients())).loss
-              for _ in range(steps)]
-    return {"losses": losses,
-            "grads": {k: v.numpy() for k, v in grads[0].items()} if rank == 0 else None}
-
-
 def _train_all(rank: int, world: int, specs: list[dict]) -> list[dict]:
-    return [_train(rank, world, spec, 2) for spec in specs]
+    return [train_steps(rank, world, spec, 2) for spec in specs]
 
 
 def compare(got: dict, want: dict, what: str) -> float:
@@ -140,7 +125,7 @@ LAYOUTS = [
 def test_packed_step_matches_single_process(tmp_path: Path, restart: bool) -> None:
     prefix = corpus(tmp_path)
     common = {"training.data.restart_positions": restart}
-    want = _train(0, 1, spec_for(1, prefix, **common), 2)
+    want = train_steps(0, 1, spec_for(1, prefix, **common), 2)
     specs = [spec_for(2, prefix, **common, **changes) for changes in LAYOUTS]
     got = run_distributed(_train_all, 2, specs, timeout_s=380)[0]
     for changes, result in zip(LAYOUTS, got):
@@ -158,7 +143,7 @@ def test_packed_step_is_each_document_alone_averaged_by_tokens(tmp_path: Path) -
 
     prefix = corpus(tmp_path)
     spec = validate_spec(spec_for(1, prefix))
-    got = _train(0, 1, spec.model_dump(mode="json"), 1)
+    got = train_steps(0, 1, spec.model_dump(mode="json"), 1)
     model = Transformer.from_spec(spec.model)
     model.init_weights(spec.training.seed)
     model.loss_divisor = 1.0  # sums

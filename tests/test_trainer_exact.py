@@ -13,6 +13,7 @@ import torch
 
 from ctxlaunch.contract.loader import apply_overrides, validate_spec
 from tests.helpers.dist import run_distributed
+from tests.helpers.trainer_steps import train_steps
 
 pytestmark = pytest.mark.slow
 
@@ -32,26 +33,8 @@ def spec_for(world: int, **changes):
     return validate_spec(data).model_dump(mode="json")
 
 
-def _train(rank: int, world: int, spec_data: dict, steps: int) -> dict:
-    from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
-
-    spec = validate_spec(spec_data)
-    p = spec.parallel
-    ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                        ulysses=spec.ulysses_degree, layout=p.layout, tp=p.tp, pp=p.pp)
-    trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
-    grads: list[dict[str, torch.Tensor]] = []
-    losses = [trainer.train_step(on_gradients=lambda e: grads.append(e.full_gradients())).loss
-              for _ in range(steps)]
-    # numpy, not tensors: torch would pass tensors through shared memory that vanishes with
-    # the worker process.
-    return {"losses": losses,
-            "grads": {k: v.numpy() for k, v in grads[0].items()} if rank == 0 else None}
-
-
 def train(world: int, spec_data: dict, steps: int = 3) -> dict:
-    return run_distributed(_train, world, spec_data, steps, timeout_s=240)[0]
+    return run_distributed(train_steps, world, spec_data, steps, timeout_s=240)[0]
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
 import os
@@ -439,16 +438,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ctxlaunch.contract import exitcodes
     from ctxlaunch.contract.loader import SpecError
     from ctxlaunch.runtime.trainer import distenv
-    from ctxlaunch.runtime.trainer.main import SetupError, load_job_spec
+    from ctxlaunch.runtime.trainer.main import SetupError, check_world_size, load_job_spec
 
     args = parse_args(argv)
     try:
         spec = load_job_spec(args)
         path = checkpoint_to_load(spec, args.checkpoint)
         denv = distenv.detect()
-        if denv.world_size != spec.cluster.world_size:
-            raise SetupError(f"the launcher started {denv.world_size} ranks but the spec "
-                             f"describes {spec.cluster.world_size}")
+        check_world_size(spec, denv)
     except (SpecError, SetupError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return exitcodes.BAD_INPUT
@@ -467,29 +464,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _evaluate(spec: JobSpec, denv: Any, path: Path) -> EvalResult:
-    from ctxlaunch.contract.rundir import cpu_threads_per_rank
-    from ctxlaunch.runtime.trainer.distenv import export_for_torch
+    from ctxlaunch.runtime.trainer.main import join_process_group, rank_context
     from ctxlaunch.runtime.trainer.model import Transformer
-    from ctxlaunch.runtime.trainer.parallelize import (
-        ParallelSettings,
-        build_context,
-        parallelize,
-    )
+    from ctxlaunch.runtime.trainer.parallelize import ParallelSettings, parallelize
 
-    use_cuda = spec.cluster.gpu != "cpu"
-    device = torch.device("cuda", denv.local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    elif "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(cpu_threads_per_rank(spec.cluster.gpus_per_node))
-    export_for_torch(denv)
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo", init_method="env://",
-                            rank=denv.rank, world_size=denv.world_size,
-                            timeout=datetime.timedelta(seconds=spec.training.timeout_seconds))
+    device = join_process_group(spec, denv)
     try:
-        ctx = build_context(rank=denv.rank, world_size=denv.world_size, dp=spec.dp,
-                            cp=spec.parallel.cp, ulysses=spec.ulysses_degree,
-                            layout=spec.parallel.layout, tp=spec.parallel.tp, pp=spec.parallel.pp)
+        ctx = rank_context(spec, denv)
         with torch.device("meta"):
             model = Transformer.from_spec(spec.model)
         settings = ParallelSettings.from_spec(spec)

@@ -34,7 +34,10 @@ from ctxlaunch.contract.rundir import (
 from ctxlaunch.runtime.trainer.checkpoint import CheckpointDirError, check_writable
 
 if TYPE_CHECKING:
+    import torch
+
     from ctxlaunch.contract.spec import JobSpec
+    from ctxlaunch.runtime.trainer.parallelize import ParallelContext
     from ctxlaunch.runtime.trainer.distenv import DistEnv
 
 
@@ -65,6 +68,49 @@ def load_job_spec(args: argparse.Namespace) -> JobSpec:
     return spec
 
 
+def check_world_size(spec: JobSpec, denv: DistEnv) -> None:
+    """The launcher started as many ranks as the spec describes, else SetupError."""
+    expected = spec.cluster.world_size
+    if denv.world_size != expected:
+        raise SetupError(
+            f"the launcher started {denv.world_size} ranks but the spec describes "
+            f"{expected} (cluster.nodes x cluster.gpus_per_node); launch {expected}")
+
+
+def join_process_group(spec: JobSpec, denv: DistEnv) -> torch.device:
+    """Pick this rank's device (the local GPU, else the CPU with its share of the threads),
+    join the job's process group (NCCL or gloo, with the spec's timeout), and return the
+    device. The trainer and `ctxlaunch eval` start each rank this way."""
+    import torch
+    import torch.distributed as dist
+
+    from ctxlaunch.cp.comm import set_wait_timeout
+    from ctxlaunch.runtime.trainer.distenv import export_for_torch
+
+    use_cuda = spec.cluster.gpu != "cpu"  # main() checked that CUDA is there
+    device = torch.device("cuda", denv.local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    elif "OMP_NUM_THREADS" not in os.environ:  # srun sets no thread count
+        torch.set_num_threads(cpu_threads_per_rank(spec.cluster.gpus_per_node))
+    export_for_torch(denv)
+    dist.init_process_group(
+        backend="nccl" if use_cuda else "gloo", init_method="env://",
+        rank=denv.rank, world_size=denv.world_size,
+        timeout=datetime.timedelta(seconds=spec.training.timeout_seconds))
+    set_wait_timeout(spec.training.timeout_seconds)
+    return device
+
+
+def rank_context(spec: JobSpec, denv: DistEnv) -> ParallelContext:
+    """This rank's place in the spec's DP x CP x TP x PP layout (its groups)."""
+    from ctxlaunch.runtime.trainer.parallelize import build_context
+
+    return build_context(rank=denv.rank, world_size=denv.world_size, dp=spec.dp,
+                         cp=spec.parallel.cp, ulysses=spec.ulysses_degree,
+                         layout=spec.parallel.layout, tp=spec.parallel.tp, pp=spec.parallel.pp)
+
+
 def main(argv: list[str] | None = None) -> int:
     from ctxlaunch.runtime.trainer import stopsignal
 
@@ -77,11 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
         denv = distenv.detect()
         rank_tag = f"[rank {denv.rank}]"
-        expected = spec.cluster.world_size
-        if denv.world_size != expected:
-            raise SetupError(
-                f"the launcher started {denv.world_size} ranks but the spec describes "
-                f"{expected} (cluster.nodes x cluster.gpus_per_node); launch {expected}")
+        check_world_size(spec, denv)
         if spec.training.checkpoint.dir:
             check_writable(spec.training.checkpoint.dir, denv.rank)
         missing = spec.training.data.missing_files()
@@ -123,27 +165,13 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
     import torch.distributed as dist
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ctxlaunch.cp.comm import set_wait_timeout
     from ctxlaunch.runtime.telemetry.training import TrainingTelemetry
     from ctxlaunch.runtime.trainer import heartbeat
     from ctxlaunch.runtime.trainer.checkpoint import CheckpointWriteError
-    from ctxlaunch.runtime.trainer.distenv import export_for_torch
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
 
-    use_cuda = spec.cluster.gpu != "cpu"  # main() checked that CUDA is there
-    device = torch.device("cuda", denv.local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    elif "OMP_NUM_THREADS" not in os.environ:  # srun sets no thread count
-        torch.set_num_threads(cpu_threads_per_rank(spec.cluster.gpus_per_node))
-    export_for_torch(denv)
     heartbeat.start(run_dir, denv.rank)
-    dist.init_process_group(
-        backend="nccl" if use_cuda else "gloo", init_method="env://",
-        rank=denv.rank, world_size=denv.world_size,
-        timeout=datetime.timedelta(seconds=spec.training.timeout_seconds))
-    set_wait_timeout(spec.training.timeout_seconds)
+    device = join_process_group(spec, denv)
     log = (lambda text: print(text, flush=True)) if denv.rank == 0 else (lambda text: None)
     code = exitcodes.FAILED
     telemetry = TrainingTelemetry(spec, rank=denv.rank, local_rank=denv.local_rank,
@@ -152,10 +180,7 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
                                                          flush=True))
     trainer = None
     try:
-        ctx = build_context(rank=denv.rank, world_size=denv.world_size, dp=spec.dp,
-                            cp=spec.parallel.cp, ulysses=spec.ulysses_degree,
-                            layout=spec.parallel.layout, tp=spec.parallel.tp,
-                            pp=spec.parallel.pp)
+        ctx = rank_context(spec, denv)
         log(f"ctxlaunch: {spec.name}: {denv.world_size} ranks ({denv.launcher}), dp {ctx.dp} "
             f"x cp {ctx.cp} ({spec.parallel.cp_algorithm}, {ctx.layout}) x tp {ctx.tp} x pp "
             f"{ctx.pp} (blocks per stage {list(spec.stage_layers)}), "
