@@ -4,6 +4,7 @@ compute while they fly, then wait (``send_recv`` / ``commit`` / ``wait``)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import time
@@ -48,6 +49,16 @@ def exposed_comm_seconds() -> float:
     """Cumulative seconds this process spent waiting on context-parallel communication after
     its own compute was done (ring ``wait``, Ulysses all-to-all)."""
     return _exposed_s
+
+
+# How many ring commits moved how many bytes each (sends only; a hop receives as much), since
+# the process started: what the per-hop transfer test reads.
+_commit_bytes: collections.Counter[int] = collections.Counter()
+
+
+def commit_sizes() -> dict[int, int]:
+    """Bytes sent per ring commit -> how many commits sent that many, so far in this process."""
+    return dict(_commit_bytes)
 
 
 @contextlib.contextmanager
@@ -108,6 +119,7 @@ class RingComm:
 
     def commit(self) -> None:
         """Start every queued transfer."""
+        _commit_bytes[sum(op.tensor.nbytes for op in self._ops if op.op is dist.isend)] += 1
         if self._stream is None:
             self._reqs = dist.batch_isend_irecv(self._ops)
         else:
