@@ -55,11 +55,11 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
         return
     scratch = scratch if scratch is not None else MergeScratch(out)
     weight = MergeScratch.take(scratch.rows, lse.shape)
-    diff = MergeScratch.take(scratch.block, out.shape)
+    block = MergeScratch.take(scratch.block, out.shape)
     torch.sub(block_lse, lse, out=weight)
     weight.sigmoid_()
-    torch.sub(block_out, out, out=diff)
-    out.addcmul_(diff, weight.unsqueeze(-1))
+    block.copy_(block_out)  # lerp_ takes one dtype
+    out.lerp_(block, weight.unsqueeze(-1))
     torch.logaddexp(lse, block_lse, out=lse)
 
 
