@@ -230,7 +230,7 @@ class RingRun:
             ranks, causal, layout, staged["q"][0].size(2))
         acc = torch.promote_types(staged["q"][0].dtype, torch.float32)
         self.out = [torch.empty_like(x, dtype=acc) for x in staged["q"]]
-        self.lse = [x.new_empty(x.shape[:3], dtype=torch.float32) for x in staged["q"]]
+        self.lse = [x.new_empty(x.shape[:3], dtype=acc) for x in staged["q"]]
         self.scratch = [MergeScratch(o) for o in self.out]
         self.out_final = [torch.empty_like(x) for x in staged["q"]]
         self.dq = [torch.empty_like(x, dtype=acc) for x in staged["q"]]

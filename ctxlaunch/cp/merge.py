@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 
 import torch
 
@@ -50,9 +51,16 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     ``block_out`` may have a lower dtype. Without ``scratch`` the eager form allocates its two
     temporaries per call; the fused CUDA form needs none.
     """
+    global _fused_enabled
     if out.is_cuda and _fused_enabled:
-        fused_merge()(out, lse, block_out, block_lse)
-        return
+        try:
+            fused_merge()(out, lse, block_out, block_lse)
+            return
+        except Exception as exc:  # noqa: BLE001 - no compiler here: the eager merge is exact too
+            # Compiling fails before the compiled pass has written anything.
+            _fused_enabled = False
+            warnings.warn(f"ctxlaunch.cp: the compiled ring merge failed ({exc!r}); merging "
+                          "eagerly from now on", RuntimeWarning, stacklevel=2)
     scratch = scratch if scratch is not None else MergeScratch(out)
     weight = MergeScratch.take(scratch.rows, lse.shape)
     block = MergeScratch.take(scratch.block, out.shape)

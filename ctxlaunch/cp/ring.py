@@ -6,7 +6,9 @@ shard to rank i+1, computes attention of its queries over the shard in hand, mer
 into its fp32 running output through the log-sum-exp, then waits for the next shard. Backward
 rotates K/V the same way, and with them fp32 dK/dV accumulators that end at their owner; the
 local block's backward is split around the loop so that the first and last transfers overlap
-compute too.
+compute too. Every transfer buffer, accumulator and merge scratch is allocated before the first
+hop (two sets take turns receiving), so a hop allocates only what the kernels return; on CUDA
+the transfers run on a side stream (``comm.side_stream``).
 
 Under a document mask (``documents``: the global boundaries of a packed sequence's documents)
 each block is the rectangles of ``documents.block_pieces``, computed on row and column slices
@@ -121,7 +123,7 @@ def _ring_forward(q, k, v, group, causal, layout, scale, documents=None):
     comm = RingComm(group, side_stream(q.device))
     # The running fp32 out and lse, and the merge's scratch: allocated once, before the first hop.
     out = q.new_empty(q.shape, dtype=_accumulator(q))
-    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    lse = q.new_empty(q.shape[:3], dtype=_accumulator(q))
     scratch = MergeScratch(out)
     kv = _Rotation((k, v), world_size, keep_first=True)
     for step in range(world_size):
