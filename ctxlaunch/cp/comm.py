@@ -4,6 +4,7 @@ compute while they fly, then wait (``send_recv`` / ``commit`` / ``wait``)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import time
@@ -17,6 +18,20 @@ _link_delay_s = 0.0
 # How long a ring transfer may take. Gloo's point-to-point waits have no timeout of their own: a
 # stopped peer would hang its neighbours forever. timedelta(0) = no limit (the default).
 _wait_timeout = datetime.timedelta(0)
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream ring transfers run on: one side stream per CUDA device, None elsewhere (gloo on
+    the CPU overlaps through its own threads)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(device=index)
+    return _side_streams[index]
+
+
+_side_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def set_wait_timeout(seconds: float) -> None:
@@ -34,6 +49,16 @@ def exposed_comm_seconds() -> float:
     """Cumulative seconds this process spent waiting on context-parallel communication after
     its own compute was done (ring ``wait``, Ulysses all-to-all)."""
     return _exposed_s
+
+
+# How many ring commits moved how many bytes each (sends only; a hop receives as much), since
+# the process started: what the per-hop transfer test reads.
+_commit_bytes: collections.Counter[int] = collections.Counter()
+
+
+def commit_sizes() -> dict[int, int]:
+    """Bytes sent per ring commit -> how many commits sent that many, so far in this process."""
+    return dict(_commit_bytes)
 
 
 @contextlib.contextmanager
@@ -60,9 +85,15 @@ def simulated_link_delay(seconds: float):
 
 
 class RingComm:
-    """Non-blocking transfers around the ring of ``group``: rank i sends to i+1, receives from i-1."""
+    """Non-blocking transfers around the ring of ``group``: rank i sends to i+1, receives from i-1.
 
-    def __init__(self, group: dist.ProcessGroup | None):
+    With a CUDA ``stream`` the transfers are issued on it: at ``commit`` it first waits for the
+    compute stream (the data to send is ready), the buffers are marked as used on it
+    (``record_stream``), and ``wait`` makes the compute stream wait for it, so the next block's
+    compute is ordered after its data arrived while the current one runs beside the transfer.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, stream: torch.cuda.Stream | None = None):
         if group is None:
             group = dist.group.WORLD
             assert group is not None, "torch.distributed is not initialised"
@@ -75,6 +106,7 @@ class RingComm:
         self._ops: list[dist.P2POp] = []
         self._reqs: list = []
         self._committed_at = 0.0
+        self._stream = stream
 
     def send_recv(self, to_send: torch.Tensor, recv_buffer: torch.Tensor | None = None) -> torch.Tensor:
         """Queue sending ``to_send`` (contiguous) and receiving a tensor like it; return the receive
@@ -87,7 +119,15 @@ class RingComm:
 
     def commit(self) -> None:
         """Start every queued transfer."""
-        self._reqs = dist.batch_isend_irecv(self._ops)
+        _commit_bytes[sum(op.tensor.nbytes for op in self._ops if op.op is dist.isend)] += 1
+        if self._stream is None:
+            self._reqs = dist.batch_isend_irecv(self._ops)
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                self._reqs = dist.batch_isend_irecv(self._ops)
+            for op in self._ops:
+                op.tensor.record_stream(self._stream)
         self._ops = []
         self._committed_at = time.perf_counter()
 
@@ -97,6 +137,8 @@ class RingComm:
             for req in self._reqs:
                 req.wait(_wait_timeout)
             self._reqs = []
+            if self._stream is not None:
+                torch.cuda.current_stream().wait_stream(self._stream)
             remaining = self._committed_at + _link_delay_s - time.perf_counter()
             if remaining > 0:
                 time.sleep(remaining)

@@ -67,7 +67,8 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of one block given the final ``out`` and ``lse`` of its query rows.
 
-    dk and dv have k's Hkv heads (GQA heads summed); on CUDA with GQA they come back in fp32.
+    dk and dv have k's Hkv heads (GQA heads summed), in k's dtype; only CUDA's memory-efficient
+    path (fp32 inputs) returns them in fp32 under GQA.
     """
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -77,7 +78,9 @@ def attention_backward(
 
 
 # --- CUDA ----------------------------------------------------------------------------------------
-# Exercised only on GPU (this project's CI has none); written from the op schemas of torch 2.13:
+# Exercised only on GPU (this project's CI has none; `benchmarks/ring_counts.py` runs this code on
+# meta tensors, whose kernels are torch's own shape functions). Written from the op schemas of
+# torch 2.13:
 #   _scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, return_debug_mask, *, scale)
 #     -> (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_attn_mask)
 #   _scaled_dot_product_flash_attention_backward(grad_out, q, k, v, out, lse, cum_seq_q, cum_seq_k,
@@ -85,8 +88,12 @@ def attention_backward(
 #   _efficient_attention_forward / _efficient_attention_backward take (B, S, H, D) tensors and pad
 #     lse to a multiple of 32 rows.
 # Flash needs fp16/bf16 and head dim <= 256 divisible by 8; anything else (fp32) goes to the
-# memory-efficient kernel. Neither is asked for GQA here: K/V heads are expanded first and their
-# gradients summed back, in fp32.
+# memory-efficient kernel. Flash (FlashAttention-2 inside torch) takes Hq % Hkv == 0 natively and
+# returns dk/dv with k's Hkv heads in k's dtype, and it takes any strides whose last dimension is
+# 1, so zigzag half-row slices go in as views: no K/V expansion and no copies on this path. Only
+# the lse must be dense (the kernel indexes it as (B, H, Sq)); a half-row slice of it is B*H*Sq
+# fp32 values. The memory-efficient kernel (the fp32 fallback) has no GQA and gets dense
+# copies with expanded K/V; its dK/dV are summed back over each K/V head's query heads in fp32.
 
 
 def _use_flash(q: torch.Tensor) -> bool:
@@ -100,7 +107,7 @@ def cuda_kernel_name(q: torch.Tensor) -> str:
 
 def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     if n_rep == 1:
-        return x.contiguous()
+        return x
     b, h, s, d = x.shape
     return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
 
@@ -112,11 +119,11 @@ def _reduce_kv_grad(dx: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def _cuda_forward(q, k, v, causal, scale):
-    n_rep = q.size(1) // k.size(1)
-    q, k, v = q.contiguous(), _expand_kv(k, n_rep), _expand_kv(v, n_rep)
     if _use_flash(q):
         out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return out, lse
+    n_rep = q.size(1) // k.size(1)
+    q, k, v = q.contiguous(), _expand_kv(k, n_rep).contiguous(), _expand_kv(v, n_rep).contiguous()
     out, lse, *_ = aten._efficient_attention_forward(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         None, None, None, None, None, 0.0, int(causal), True, scale=scale,
@@ -125,24 +132,24 @@ def _cuda_forward(q, k, v, causal, scale):
 
 
 def _cuda_backward(grad_out, q, k, v, out, lse, causal, scale):
-    n_rep = q.size(1) // k.size(1)
-    q, k, v = q.contiguous(), _expand_kv(k, n_rep), _expand_kv(v, n_rep)
-    grad_out, out, lse = grad_out.contiguous(), out.contiguous(), lse.contiguous()
     sq, sk = q.size(2), k.size(2)
+    lse = lse.contiguous()
     # Dropout is 0, so the kernels never read the RNG state.
     no_rng = torch.empty((), dtype=torch.int64, device=q.device)
     if _use_flash(q):
         # cum_seq_q/k are None for dense (non-nested) inputs.
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+        return aten._scaled_dot_product_flash_attention_backward(
             grad_out, q, k, v, out, lse, None, None, sq, sk, 0.0, causal, no_rng, no_rng, scale=scale
         )
-    else:
-        padded = -(-sq // _EFFICIENT_LSE_ALIGN) * _EFFICIENT_LSE_ALIGN
-        lse = torch.nn.functional.pad(lse, (0, padded - sq))
-        dq, dk, dv, _ = aten._efficient_attention_backward(
-            grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            None, out.transpose(1, 2), None, None, sq, sk, lse, 0.0, no_rng, no_rng,
-            int(causal), False, scale=scale,
-        )
-        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    n_rep = q.size(1) // k.size(1)
+    q, k, v = q.contiguous(), _expand_kv(k, n_rep).contiguous(), _expand_kv(v, n_rep).contiguous()
+    grad_out, out = grad_out.contiguous(), out.contiguous()
+    padded = -(-sq // _EFFICIENT_LSE_ALIGN) * _EFFICIENT_LSE_ALIGN
+    lse = torch.nn.functional.pad(lse, (0, padded - sq))
+    dq, dk, dv, _ = aten._efficient_attention_backward(
+        grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        None, out.transpose(1, 2), None, None, sq, sk, lse, 0.0, no_rng, no_rng,
+        int(causal), False, scale=scale,
+    )
+    dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     return dq, _reduce_kv_grad(dk, n_rep), _reduce_kv_grad(dv, n_rep)

@@ -6,7 +6,9 @@ shard to rank i+1, computes attention of its queries over the shard in hand, mer
 into its fp32 running output through the log-sum-exp, then waits for the next shard. Backward
 rotates K/V the same way, and with them fp32 dK/dV accumulators that end at their owner; the
 local block's backward is split around the loop so that the first and last transfers overlap
-compute too.
+compute too. Every transfer buffer, accumulator and merge scratch is allocated before the first
+hop (two sets take turns receiving), so a hop allocates only what the kernels return; on CUDA
+the transfers run on a side stream (``comm.side_stream``).
 
 Under a document mask (``documents``: the global boundaries of a packed sequence's documents)
 each block is the rectangles of ``documents.block_pieces``, computed on row and column slices
@@ -22,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
-from .comm import RingComm
+from .comm import RingComm, side_stream
 from .documents import CuSeqlens, batch_groups, block_pieces, check_documents, shard_runs
 from .layout import check_shard_len
-from .merge import merge_block
+from .merge import MergeScratch, merge_block
 from .reference import full_attention
 
 _ALL = slice(None)
@@ -77,38 +79,74 @@ def _pieces(rank: int, src: int, world_size: int, causal: bool, layout: str, s_l
             for piece in block_pieces(bounds, q_runs, kv_runs)]
 
 
+class _Rotation:
+    """Two preallocated buffer sets that take turns receiving what the ring passes along.
+
+    ``first`` is what the rank starts with. With ``keep_first`` (its own K/V, which backward
+    still needs) it is sent and never written, and two spare sets take turns: each received set
+    is sent on and, once that send is done, receives again two hops later. Without it (a dK/dV
+    accumulator, overwritten by what arrives) ``first`` joins the turns after its send and one
+    spare suffices. The spares are allocated here, before the first hop, so hops allocate nothing.
+    """
+
+    def __init__(self, first: tuple[torch.Tensor, ...], world_size: int, keep_first: bool):
+        spares = min(world_size - 1, 2 if keep_first else 1)
+        self._free = [tuple(torch.empty_like(t) for t in first) for _ in range(spares)]
+        self._first = first if keep_first else None
+        self.held = first
+
+    def post(self, comm: RingComm) -> tuple[torch.Tensor, ...]:
+        """Queue sending the held set and receiving into a free one; commit; return the latter."""
+        incoming = self._free.pop()
+        for send, recv in zip(self.held, incoming, strict=True):
+            comm.send_recv(send, recv)
+        comm.commit()
+        self._incoming = incoming
+        return incoming
+
+    def advance(self) -> None:
+        """After the wait: the received set is held; the one just sent is free again (unless it
+        is a kept ``first``)."""
+        if self.held is not self._first:
+            self._free.insert(0, self.held)
+        self.held = self._incoming
+
+
+def _hop(direction: str, step: int):
+    """A profiler range around one ring step (``cp.ring.forward.step3``): what traces show, and
+    what the per-hop allocation test reads."""
+    return torch.profiler.record_function(f"cp.ring.{direction}.step{step}")
+
+
 def _ring_forward(q, k, v, group, causal, layout, scale, documents=None):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    comm = RingComm(group)
-    out: torch.Tensor | None = None
-    lse: torch.Tensor | None = None
+    comm = RingComm(group, side_stream(q.device))
+    # The running fp32 out and lse, and the merge's scratch: allocated once, before the first hop.
+    out = q.new_empty(q.shape, dtype=_accumulator(q))
+    lse = q.new_empty(q.shape[:3], dtype=_accumulator(q))
+    scratch = MergeScratch(out)
+    kv = _Rotation((k, v), world_size, keep_first=True)
     for step in range(world_size):
-        if step + 1 < world_size:
-            next_k, next_v = comm.send_recv(k), comm.send_recv(v)
-            comm.commit()
-        src = (rank - step) % world_size
-        for batch, rows, kv_rows, block_causal in _pieces(rank, src, world_size, causal, layout,
-                                                          q.size(2), documents):
-            block_out, block_lse = kernels.attention_forward(
-                q[batch, :, rows], k[batch, :, kv_rows], v[batch, :, kv_rows], block_causal, scale
-            )
-            if step == 0 and block_causal == causal:
-                # Step 0's diagonal piece(s) cover every local query row exactly once.
-                if batch == _ALL and rows == _ALL:
-                    out, lse = block_out.to(_accumulator(q)), block_lse
-                    continue
-                if out is None or lse is None:
-                    out = q.new_empty(q.shape, dtype=_accumulator(q))
-                    lse = q.new_empty(q.shape[:3], dtype=block_lse.dtype)
-                out[batch, :, rows] = block_out
-                lse[batch, :, rows] = block_lse
-            else:
-                assert out is not None and lse is not None
-                merge_block(out[batch, :, rows], lse[batch, :, rows], block_out, block_lse)
-        if step + 1 < world_size:
-            comm.wait()
-            k, v = next_k, next_v
-    assert out is not None and lse is not None  # step 0's diagonal block always runs
+        with _hop("forward", step):
+            if step + 1 < world_size:
+                kv.post(comm)
+            k_held, v_held = kv.held
+            src = (rank - step) % world_size
+            for batch, rows, kv_rows, block_causal in _pieces(rank, src, world_size, causal, layout,
+                                                              q.size(2), documents):
+                block_out, block_lse = kernels.attention_forward(
+                    q[batch, :, rows], k_held[batch, :, kv_rows], v_held[batch, :, kv_rows],
+                    block_causal, scale,
+                )
+                if step == 0 and block_causal == causal:
+                    # Step 0's diagonal piece(s) cover every local query row exactly once.
+                    out[batch, :, rows].copy_(block_out)
+                    lse[batch, :, rows].copy_(block_lse)
+                else:
+                    merge_block(out[batch, :, rows], lse[batch, :, rows], block_out, block_lse, scratch)
+            if step + 1 < world_size:
+                comm.wait()
+                kv.advance()
     return out.to(q.dtype), lse
 
 
@@ -141,12 +179,14 @@ def _split_diagonal(pieces: list[BatchPart]) -> tuple[list[BatchPart], list[Batc
 
 def _ring_backward(grad_out, q, k, v, out, lse, group, causal, layout, scale, documents=None):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    kv_comm, grad_comm = RingComm(group), RingComm(group)
-    dq = torch.zeros_like(q, dtype=_accumulator(q))
+    stream = side_stream(q.device)
+    kv_comm, grad_comm = RingComm(group, stream), RingComm(group, stream)
+    acc = _accumulator(q)
+    dq = torch.zeros_like(q, dtype=acc)
     # Gradients of this rank's own K/V from its own queries stay here; the other ranks' shares
     # ride along with the K/V in an fp32 (fp64 for fp64) accumulator and come home after N-1 hops.
-    dk_home = torch.zeros_like(k, dtype=_accumulator(q))
-    dv_home = torch.zeros_like(v, dtype=_accumulator(q))
+    dk_home = torch.zeros_like(k, dtype=acc)
+    dv_home = torch.zeros_like(v, dtype=acc)
 
     def backward_block(batch: slice, rows: slice, kv_rows: slice, block_causal: bool,
                        k_shard: torch.Tensor, v_shard: torch.Tensor, dk: torch.Tensor,
@@ -156,6 +196,7 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, layout, scale, do
             v_shard[batch, :, kv_rows], out[batch, :, rows], lse[batch, :, rows], block_causal,
             scale,
         )
+        # In place, the kernel's dtype converted on the fly (CUDA casts inside the add kernel).
         dq[batch, :, rows] += block_dq
         dk[batch, :, kv_rows] += block_dk
         dv[batch, :, kv_rows] += block_dv
@@ -167,42 +208,39 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, layout, scale, do
     else:
         diagonal_first, diagonal_last = _split_diagonal(
             _pieces(rank, rank, world_size, causal, layout, q.size(2), documents))
-    k_held, v_held = k, v  # the K/V shard in hand: rank (rank - step)'s
-    # The dK/dV accumulators in flight: sent at each step, received by the next.
-    next_dk: torch.Tensor | None = None
-    next_dv: torch.Tensor | None = None
+    kv = _Rotation((k, v), world_size, keep_first=True)
+    # The dK/dV accumulators in flight: this rank's first travelling pair is filled at step 1;
+    # from step 2 on each pair in hand is what rank-1 sent while we computed.
+    grads = _Rotation((torch.zeros_like(dk_home), torch.zeros_like(dv_home)), world_size,
+                      keep_first=False)
     for step in range(world_size):
-        if step + 1 < world_size:
-            next_k, next_v = kv_comm.send_recv(k_held), kv_comm.send_recv(v_held)
-            kv_comm.commit()
-        if step == 0:
-            for part in diagonal_first:
-                backward_block(*part, k, v, dk_home, dv_home)
-        else:
-            if step == 1:
-                dk = torch.zeros_like(k, dtype=_accumulator(q))
-                dv = torch.zeros_like(v, dtype=_accumulator(q))
+        with _hop("backward", step):
+            if step + 1 < world_size:
+                kv.post(kv_comm)
+            k_held, v_held = kv.held
+            if step == 0:
+                for part in diagonal_first:
+                    backward_block(*part, k, v, dk_home, dv_home)
             else:
-                # The accumulators of the shard in hand, sent by rank-1 while we computed.
-                grad_comm.wait()
-                assert next_dk is not None and next_dv is not None
-                dk, dv = next_dk, next_dv
-            src = (rank - step) % world_size
-            for piece in _pieces(rank, src, world_size, causal, layout, q.size(2), documents):
-                backward_block(*piece, k_held, v_held, dk, dv)
-            next_dk, next_dv = grad_comm.send_recv(dk), grad_comm.send_recv(dv)
-            grad_comm.commit()
-        if step + 1 < world_size:
-            kv_comm.wait()
-            k_held, v_held = next_k, next_v
+                if step > 1:
+                    grad_comm.wait()
+                    grads.advance()
+                dk, dv = grads.held
+                src = (rank - step) % world_size
+                for piece in _pieces(rank, src, world_size, causal, layout, q.size(2), documents):
+                    backward_block(*piece, k_held, v_held, dk, dv)
+                grads.post(grad_comm)
+            if step + 1 < world_size:
+                kv_comm.wait()
+                kv.advance()
     for part in diagonal_last:
         backward_block(*part, k, v, dk_home, dv_home)
     # The other ranks' shares of our K/V gradient, home after N-1 hops.
-    grad_comm.wait()
     if world_size > 1:
-        assert next_dk is not None and next_dv is not None
-        dk_home += next_dk
-        dv_home += next_dv
+        grad_comm.wait()
+        grads.advance()
+        dk_home += grads.held[0]
+        dv_home += grads.held[1]
     return dq.to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype)
 
 
