@@ -738,9 +738,10 @@ def classify_trainjob(job: dict[str, Any], pods: list[dict[str, Any]], jobset_re
                                                           "failed", "suspended")
                                      if (n := j.get(k)))
         for j in jobs if any(j.get(k) for k in ("active", "succeeded", "failed")))
-    reason = (condition or {}).get("reason", "") if state not in ("RUNNING", "PENDING") else ""
-    if reason and (condition or {}).get("message"):
-        reason = f"{reason}: {condition['message']}"  # type: ignore[index]
+    said = condition or {}
+    reason = said.get("reason", "") if state not in ("RUNNING", "PENDING") else ""
+    if reason and said.get("message"):
+        reason = f"{reason}: {said['message']}"
     return Status(state=state, scheduler_state=raw, exit_code=code,
                   restarts=max(restarts, jobset_restarts),
                   reason="; ".join(part for part in (reason, counts) if part),
