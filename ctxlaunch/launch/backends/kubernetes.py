@@ -313,7 +313,7 @@ def version_warning(conn: Connection, api: JobApi) -> str | None:
     need = ".".join(map(str, api.min_server))
     return (f"ctxlaunch: warning: the Kubernetes API server {conn.host} is "
             f"{version[0]}.{version[1]}; {api.operator} {api.version} needs {need} or newer for a "
-            f"{api.kind}: the job is submitted, but its operator may not run it")
+            f"{api.kind}: going on, but that operator may not run it there")
 
 
 def preflight(conn: Connection, namespace: str, name: str, kinds: list[str],
