@@ -1,14 +1,15 @@
 """`ctxlaunch submit` against plain `kubectl apply -f` of the same rendered files, on the same
 Kubernetes API server.
 
-    .venv/bin/python benchmarks/k8s_submit.py [--reps 5]
+    .venv/bin/python benchmarks/k8s_submit.py [--reps 5] [--api pytorchjob|trainjob]
 
 Needs the test API server (scripts/services/kubernetes.sh start; it uses its admin
 kubeconfig) and the project's kubectl (.venv/bin/kubectl). Renders the demo spec for
 Kubernetes once per repetition (a job name of its own each time); then, alternating, submits
-the spec with `ctxlaunch submit` and applies the rendered folder with `kubectl apply -f`, each
-in a fresh namespace, and measures from the moment the command is started until the
-PyTorchJob exists on the server (polled every 10 ms with the kubernetes client) and until the
+the spec with `ctxlaunch submit` and applies the rendered folder with `kubectl apply -f`
+(server-side for a TrainJob, whose runtime exceeds nothing but is applied as ctxlaunch does),
+each in a fresh namespace, and measures from the moment the command is started until the
+PyTorchJob (or TrainJob) exists on the server (polled every 10 ms with the kubernetes client) and until the
 command returns. ctxlaunch also runs its pre-flight checks (discovery, namespace, two access
 reviews, job exists, PodMonitor kind) before it applies: that is part of what is measured.
 """
@@ -33,9 +34,9 @@ KUBECONFIG = SERVICES / "kubernetes" / "admin.kubeconfig"
 SETS = ["cluster.target=kubernetes", "cluster.kubernetes.image=example/ctxlaunch:1"]
 
 
-def measure(command: list[str], env: dict[str, str], conn, namespace: str, name: str
-            ) -> dict[str, float]:
-    """Seconds from starting `command` until the PyTorchJob exists, and until it returns."""
+def measure(command: list[str], env: dict[str, str], conn, namespace: str, name: str,
+            kind: str = "PyTorchJob") -> dict[str, float]:
+    """Seconds from starting `command` until the job exists, and until it returns."""
     from ctxlaunch.launch.backends.kubernetes import job_path
 
     exists: list[float] = []
@@ -43,7 +44,7 @@ def measure(command: list[str], env: dict[str, str], conn, namespace: str, name:
 
     def poll(start: float) -> None:
         while not stop.is_set():
-            if conn.get(job_path(namespace, name)) is not None:
+            if conn.get(job_path(namespace, name, kind)) is not None:
                 exists.append(time.perf_counter() - start)
                 return
             time.sleep(0.01)
@@ -59,15 +60,18 @@ def measure(command: list[str], env: dict[str, str], conn, namespace: str, name:
     poller.join(timeout=30)
     stop.set()
     if not exists:
-        raise RuntimeError(f"PyTorchJob {namespace}/{name} did not appear")
+        raise RuntimeError(f"{kind} {namespace}/{name} did not appear")
     return {"exists": exists[0], "returns": returned}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--api", choices=["pytorchjob", "trainjob"], default="pytorchjob")
     args = parser.parse_args()
-    from ctxlaunch.launch.backends.kubernetes import Connection
+    from ctxlaunch.launch.backends.kubernetes import JOB_APIS, Connection
+
+    kind = JOB_APIS[args.api].kind
 
     conn = Connection.open(kubeconfig=str(KUBECONFIG))
     kubectl = [str(BIN / "kubectl"), "--kubeconfig", str(KUBECONFIG)]
@@ -85,7 +89,8 @@ def main() -> None:
                                capture_output=True)
                 namespaces.append(namespace)
                 name = f"bench-{rep}"
-                sets = SETS + [f"cluster.kubernetes.namespace={namespace}", f"name={name}"]
+                sets = SETS + [f"cluster.kubernetes.namespace={namespace}", f"name={name}",
+                               f"cluster.kubernetes.api={args.api}"]
                 flags = [arg for item in sets for arg in ("--set", item)]
                 if how == "ctxlaunch submit":
                     command = [str(BIN / "ctxlaunch"), "submit", str(ROOT / "jobs/demo.yaml"),
@@ -96,15 +101,19 @@ def main() -> None:
                                     "-t", "kubernetes", "-o", str(out), *flags], check=True,
                                    capture_output=True, env=env)
                     command = kubectl + ["apply", "-f", str(out)]
-                results[how].append(measure(command, env, conn, namespace, name))
+                    if args.api == "trainjob":
+                        command.insert(-2, "--server-side")
+                results[how].append(measure(command, env, conn, namespace, name, kind))
     for namespace in namespaces:  # the objects go with it where a controller manager runs
-        subprocess.run(kubectl + ["delete", "pytorchjobs,configmaps", "--all", "-n", namespace],
+        subprocess.run(kubectl + ["delete", f"{JOB_APIS[args.api].resource},configmaps"
+                                  + (",trainingruntimes" if args.api == "trainjob" else ""),
+                                  "--all", "-n", namespace],
                        capture_output=True)
         subprocess.run(kubectl + ["delete", "namespace", namespace, "--wait=false"],
                        capture_output=True)
     print(f"median of {args.reps} (all runs: seconds), from starting the command; demo spec "
-          "rendered for Kubernetes, same API server")
-    print("| | PyTorchJob exists | command returns |")
+          f"rendered for Kubernetes as a {kind}, same API server")
+    print(f"| | {kind} exists | command returns |")
     print("|---|---|---|")
     medians = {}
     for how, runs in results.items():

@@ -64,3 +64,17 @@ def pytorchjob_crd() -> Path:
                     f"{DEFAULT_CRD}")
     return path
 
+
+
+TRAINER_CRDS = {kind: ROOT.parent / "shared" / "crds" / f"trainer.kubeflow.org_{plural}.yaml"
+                for kind, plural in [("TrainJob", "trainjobs"),
+                                     ("TrainingRuntime", "trainingruntimes")]}
+
+
+@pytest.fixture(scope="session")
+def trainer_crds() -> dict[str, Path]:
+    """Kubeflow Trainer v2.3.0's TrainJob and TrainingRuntime CRDs (../shared/crds)."""
+    missing = [str(p) for p in TRAINER_CRDS.values() if not p.is_file()]
+    if missing:
+        pytest.skip(f"the Trainer v2 CRDs are absent: {', '.join(missing)}")
+    return TRAINER_CRDS

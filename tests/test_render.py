@@ -3,6 +3,7 @@ rendering of hostile values."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -47,6 +48,10 @@ def test_example_goldens(path: Path, check_golden) -> None:
     for target in example_targets(spec):
         for name, text in render_files(load_example(path, target), target).items():
             check_golden(f"{path.stem}/{name}", text)
+    if example_targets(spec) == ["kubernetes"]:
+        trainjob = load_spec(path, ["cluster.kubernetes.api=trainjob"])
+        for name, text in render_files(trainjob, "kubernetes").items():
+            check_golden(f"{path.stem}/trainjob/{name}", text)
 
 
 def test_every_example_exercised() -> None:
@@ -100,6 +105,18 @@ def crd_validator(crd: Path):
     schema = pytorchjob_schema(crd)
     jsonschema.Draft7Validator.check_schema(schema)
     return jsonschema.Draft7Validator(schema)
+
+
+def trainjob_docs(text: str) -> tuple[dict, dict]:
+    """The TrainingRuntime and the TrainJob of a rendered trainjob file."""
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "TrainingRuntime", "TrainJob"]
+    return docs[1], docs[2]
+
+
+def trainjob_pod(runtime: dict) -> dict:
+    (node,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    return node["template"]["spec"]["template"]
 
 
 def pytorchjob_doc(text: str) -> dict:
@@ -268,3 +285,96 @@ def test_templates_ship_inside_the_wheel(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     for template in ("slurm.sbatch.j2", "pytorchjob.yaml.j2", "podmonitor.yaml.j2"):
         assert f"ctxlaunch/templates/{template}" in names
+
+
+@functools.cache
+def trainer_validator(crd: Path):
+    """A strict validator for one Trainer v2 CRD (read once: the files are near 1 MB)."""
+    import jsonschema
+
+    from tests.helpers.crd import pytorchjob_schema
+
+    return jsonschema.Draft7Validator(pytorchjob_schema(crd, "v1alpha1"))
+
+
+GANGS = [[], ["cluster.kubernetes.queue=team-a"],
+         ["cluster.kubernetes.scheduler=volcano", "cluster.kubernetes.scheduler_queue=gpu",
+          "cluster.kubernetes.priority_class=high"],
+         ["cluster.kubernetes.scheduler=coscheduling",
+          "cluster.kubernetes.schedule_timeout_seconds=600"]]
+
+
+@pytest.mark.parametrize("sets", GANGS, ids=["plain", "kueue", "volcano", "coscheduling"])
+def test_trainjob_and_runtime_validate_against_the_trainer_crds(
+        sets: list[str], trainer_crds: dict[str, Path]) -> None:
+    """TrainJob and TrainingRuntime against Trainer v2.3.0's schemas (unknown fields refused),
+    and the runtime's pod template is the PyTorchJob's, container name and port aside."""
+    spec = load_spec(JOBS / "llama3-70b-1m-k8s.yaml", ["cluster.kubernetes.api=trainjob", *sets])
+    runtime, trainjob = trainjob_docs(render(spec, "kubernetes"))
+    for doc in (runtime, trainjob):
+        validator = trainer_validator(trainer_crds[doc["kind"]])
+        errors = sorted(validator.iter_errors(doc), key=str)
+        assert not errors, "\n".join(f"{e.message} at {'/'.join(map(str, e.path))}"
+                                     for e in errors)
+    pod = trainjob_pod(runtime)
+    legacy = load_spec(JOBS / "llama3-70b-1m-k8s.yaml", sets)
+    master = pytorchjob_doc(render(legacy, "kubernetes"))["spec"]["pytorchReplicaSpecs"]["Master"]
+    expected = json.loads(json.dumps(master["template"]))
+    container = expected["spec"]["containers"][0]
+    container["name"] = "node"
+    container["ports"][0] = {"name": "rendezvous", "containerPort": 29400}
+    expected["spec"]["restartPolicy"] = "Never"
+    assert pod == expected
+    assert trainjob["spec"]["trainer"] == {"numNodes": 64, "numProcPerNode": 8}
+    assert trainjob["spec"]["runtimeRef"]["name"] == runtime["metadata"]["name"]
+    queued = "cluster.kubernetes.queue=team-a" in sets
+    assert trainjob["spec"].get("suspend", False) is queued
+    assert ("kueue.x-k8s.io/queue-name" in trainjob["metadata"]["labels"]) is queued
+    group = runtime["spec"].get("podGroupPolicy", {})
+    if "cluster.kubernetes.scheduler=volcano" in sets:
+        assert group == {"volcano": {}} and pod["spec"]["schedulerName"] == "volcano"
+        assert runtime["spec"]["template"]["metadata"]["annotations"] == {
+            "scheduling.volcano.sh/queue-name": "gpu"}
+    elif "cluster.kubernetes.scheduler=coscheduling" in sets:
+        assert group == {"coscheduling": {"scheduleTimeoutSeconds": 600}}
+        assert pod["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
+    else:
+        assert group == {} and "schedulerName" not in pod["spec"]
+    # The strict schema really refuses unknown fields (so the checks above mean something).
+    runtime["spec"]["podGroupPolicy"] = {"kai": {}}
+    assert list(trainer_validator(trainer_crds["TrainingRuntime"]).iter_errors(runtime))
+
+
+@pytest.mark.parametrize("sets", GANGS[1:], ids=["kueue", "volcano", "coscheduling"])
+def test_pytorchjob_queue_and_gang_validate_against_the_real_crd(
+        sets: list[str], pytorchjob_crd: Path) -> None:
+    spec = load_spec(JOBS / "llama3-70b-1m-k8s.yaml", sets)
+    job = pytorchjob_doc(render(spec, "kubernetes"))
+    assert not list(crd_validator(pytorchjob_crd).iter_errors(job))
+    policy = job["spec"]["runPolicy"]
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    if "cluster.kubernetes.queue=team-a" in sets:
+        assert policy["suspend"] is True and "schedulingPolicy" not in policy
+        assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+        assert "kueue.x-k8s.io/queue-name" not in pod.get("labels", {})
+    elif "cluster.kubernetes.scheduler=volcano" in sets:
+        assert policy["schedulingPolicy"] == {"minAvailable": 64, "queue": "gpu",
+                                              "priorityClass": "high"}
+        assert pod["schedulerName"] == "volcano" and "suspend" not in policy
+    else:
+        assert policy["schedulingPolicy"] == {"minAvailable": 64,
+                                              "scheduleTimeoutSeconds": 600}
+        assert pod["schedulerName"] == "scheduler-plugins-scheduler"
+
+
+@pytest.mark.parametrize("sets,field", [
+    (["cluster.kubernetes.api=jobset"], "cluster.kubernetes.api"),
+    (["cluster.kubernetes.scheduler=kai"], "cluster.kubernetes.scheduler"),
+    (["cluster.kubernetes.scheduler_queue=gpu"], "cluster.kubernetes"),
+    (["cluster.kubernetes.queue=Team_A"], "cluster.kubernetes.queue"),
+])
+def test_bad_kubernetes_api_and_gang_settings_name_the_field(sets: list[str], field: str
+                                                             ) -> None:
+    with pytest.raises(SpecError) as caught:
+        load_spec(JOBS / "llama3-70b-1m-k8s.yaml", sets)
+    assert f"  - {field} (value:" in str(caught.value), str(caught.value)

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from ctxlaunch import __version__
-from ctxlaunch.cli import data, evaluate, export, jobs, planning, spec, sweeps, train
+from ctxlaunch.cli import data, evaluate, export, image, jobs, planning, spec, sweeps, train
 from ctxlaunch.cli.common import out
 
 app = typer.Typer(
@@ -47,6 +47,7 @@ COMMANDS: list[tuple[str | None, Callable[..., None]]] = [
 for command_name, command in COMMANDS:
     app.command(name=command_name)(command)
 app.add_typer(data.data, name="data")
+app.add_typer(image.image, name="image")
 
 
 def main() -> None:

@@ -8,13 +8,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
 from ctxlaunch.cli.common import err, fail, out
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.loader import SpecError, load_spec
-from ctxlaunch.runtime.data.prepare import PrepareError, prepare
-from ctxlaunch.runtime.data.tokenizers import TokenizerError
 
 data = typer.Typer(name="data", help="Training data: tokenize text for source: tokens.",
                    no_args_is_help=True)
@@ -43,6 +40,13 @@ def prepare_command(
 ) -> None:
     """Tokenize INPUT files into OUTPUT.bin / OUTPUT.idx (Megatron's indexed dataset),
     appending the end-of-document token to each document. Bad input exits 2, writing nothing."""
+    # Imported here: numpy and the tokenizers would otherwise load for every command (submit's
+    # start-up is measured, BENCHMARKS.md section 5).
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    from ctxlaunch.runtime.data.prepare import PrepareError, prepare
+    from ctxlaunch.runtime.data.tokenizers import TokenizerError
+
     if spec is not None:
         try:
             vocab_from_spec = load_spec(spec).model.vocab

@@ -80,7 +80,9 @@ def status_line(record: JobRecord, status: Status) -> str:
     """One line for a job's state (and its story below it, when it has one)."""
     parts = [f"{record.backend_id or record.id}: {status.state}"]
     if status.scheduler_state and status.scheduler_state != status.state:
-        parts.append(f"({_SCHEDULERS.get(record.target, record.target)}: "
+        scheduler = "TrainJob" if record.extra.get("api") == "trainjob" else \
+            _SCHEDULERS.get(record.target, record.target)
+        parts.append(f"({scheduler}: "
                      f"{status.scheduler_state})")
     if status.reason:
         parts.append(f"reason {status.reason}")

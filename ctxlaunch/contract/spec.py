@@ -560,8 +560,23 @@ class Toleration(_Strict):
 
 
 class KubernetesSpec(_Strict):
-    """PyTorchJob settings (Kubeflow training-operator, kubeflow.org/v1)."""
+    """Kubernetes settings: a PyTorchJob (Kubeflow training-operator, kubeflow.org/v1) or a
+    TrainJob (Kubeflow Trainer v2, trainer.kubeflow.org/v1alpha1)."""
 
+    api: Literal["pytorchjob", "trainjob"] = "pytorchjob"
+    """pytorchjob: a PyTorchJob (training-operator 1.9, Kubernetes 1.28+); trainjob: a TrainJob
+    and its own TrainingRuntime (Kubeflow Trainer 2.3, JobSet, Kubernetes 1.31+)."""
+    queue: str | None = None
+    """Kueue LocalQueue: sets the kueue.x-k8s.io/queue-name label and submits the job
+    suspended, for Kueue to admit (PyTorchJob runPolicy.suspend, TrainJob spec.suspend)."""
+    scheduler: Literal["volcano", "coscheduling"] | None = None
+    """Gang scheduling, so that all nodes start together or none does: volcano (Volcano's
+    scheduler and PodGroup) or coscheduling (scheduler-plugins' PodGroup); default none."""
+    scheduler_queue: str | None = None
+    """Volcano queue of the job's PodGroup (scheduler: volcano only)."""
+    schedule_timeout_seconds: PositiveInt | None = None
+    """How long the gang may wait for all its pods to be schedulable (coscheduling only;
+    Trainer's default 60 s)."""
     namespace: str = "default"
     image: str | None = None
     """Container image with ctxlaunch installed (required for target: kubernetes)."""
@@ -597,6 +612,23 @@ class KubernetesSpec(_Strict):
                 f"{value!r} is not a valid namespace: an RFC 1123 label (lowercase letters, "
                 "digits and '-', starting and ending with a letter or digit, at most 63)")
         return value
+
+    @field_validator("queue", "scheduler_queue")
+    @classmethod
+    def _queue(cls, value: str | None) -> str | None:
+        if value is not None and (len(value) > 63 or not RFC1123_LABEL.match(value)):
+            raise ValueError(
+                f"{value!r} is not a valid queue name: an RFC 1123 label (lowercase letters, "
+                "digits and '-', at most 63)")
+        return value
+
+    @model_validator(mode="after")
+    def _scheduler_options(self) -> KubernetesSpec:
+        if self.scheduler_queue is not None and self.scheduler != "volcano":
+            raise ValueError("scheduler_queue is a Volcano queue: it needs scheduler: volcano")
+        if self.schedule_timeout_seconds is not None and self.scheduler != "coscheduling":
+            raise ValueError("schedule_timeout_seconds needs scheduler: coscheduling")
+        return self
 
     @field_validator("service_account", "priority_class")
     @classmethod
@@ -649,7 +681,8 @@ class ClusterSpec(_Strict):
     """Where the job runs and on what."""
 
     target: Literal["local", "slurm", "kubernetes"] = "local"
-    """local: this machine (torchrun); slurm: sbatch via submitit; kubernetes: a PyTorchJob."""
+    """local: this machine (torchrun); slurm: sbatch via submitit; kubernetes: a PyTorchJob or
+    a TrainJob (cluster.kubernetes.api)."""
     nodes: PositiveInt = 1
     gpus_per_node: PositiveInt = 1
     """GPUs per node, one rank each (for gpu: cpu, the number of CPU processes)."""

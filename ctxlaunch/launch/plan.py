@@ -22,12 +22,26 @@ from ctxlaunch.contract.rundir import (
     slurm_rendezvous_port_shell,
     spec_json,
 )
-from ctxlaunch.contract.spec import JobSpec
+from ctxlaunch.contract.spec import JobSpec, KubernetesSpec
 
 POD_RESTART_POLICY = "ExitCode"
 K8S_SPEC_DIR = "/etc/ctxlaunch"
 K8S_SPEC_FILE = "spec.json"
 K8S_MASTER_PORT = 23456
+TRAINJOB_MASTER_PORT = 29400
+"""Trainer v2's torch plugin sets PET_MASTER_PORT to this (constants.ContainerTrainerPort)."""
+TRAINJOB_CONTAINER = "node"
+"""The container Trainer v2 injects the PET_* variables into (constants.Node), in the
+replicated job named the same."""
+PERMANENT_EXITS = sorted({exitcodes.FAILED, exitcodes.BAD_INPUT, exitcodes.OOM})
+"""Pod exits that end a TrainJob at once (its Job's podFailurePolicy FailJob, then the JobSet's
+FailJobSet rule); any other failure, POD_RETRY included, restarts the JobSet up to
+backoff_limit times: the same split as the training operator's restartPolicy ExitCode."""
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+VOLCANO_QUEUE_ANNOTATION = "scheduling.volcano.sh/queue-name"
+SCHEDULER_NAMES = {"volcano": "volcano", "coscheduling": "scheduler-plugins-scheduler"}
+"""The pods' schedulerName per gang scheduler (coscheduling: the name scheduler-plugins'
+second-scheduler deployment runs under)."""
 
 
 def job_environment(spec: JobSpec) -> dict[str, str]:
@@ -217,8 +231,36 @@ class KubernetesPlan:
     priority_class: str | None
     restart_policy: str = POD_RESTART_POLICY
     run_policy: dict[str, Any] = field(default_factory=dict)
+    api: str = "pytorchjob"
+    container: str = "pytorch"
+    port_name: str = "pytorchjob-port"
+    job_labels: dict[str, str] = field(default_factory=dict)
+    """The job object's labels: the pods' plus Kueue's queue label."""
+    scheduler_name: str | None = None
+    pod_restart_policy: str | None = None
+    """Set in the pod spec itself (TrainJob: Never, as a Job's podFailurePolicy needs)."""
+    trainjob: TrainJobPlan | None = None
     metrics_ports: list[tuple[str, int]] = field(default_factory=list)
     """(port name, container port) per local rank in scrape mode; the PodMonitor scrapes them."""
+
+
+@dataclass(frozen=True)
+class TrainJobPlan:
+    """The TrainJob's and its TrainingRuntime's own parts (the pod spec is the plan's)."""
+
+    runtime: str
+    runtime_labels: dict[str, str]
+    num_nodes: int
+    suspend: bool
+    spec: dict[str, Any]
+    """TrainJob spec fields besides runtimeRef and trainer (suspend, activeDeadlineSeconds)."""
+    jobset: dict[str, Any]
+    """JobSet template spec fields besides replicatedJobs (failurePolicy, ttl)."""
+    job: dict[str, Any]
+    """The replicated Job's spec fields besides its pod template."""
+    pod_group_policy: dict[str, Any]
+    annotations: dict[str, str]
+    """The JobSet template's annotations, which Trainer propagates (Volcano's queue)."""
 
 
 SWEEP_LABEL = "ctxlaunch/sweep"
@@ -250,12 +292,19 @@ def kubernetes_plan(spec: JobSpec, sweep: str | None = None) -> KubernetesPlan:
         run_policy["activeDeadlineSeconds"] = k.active_deadline_seconds
     if k.ttl_seconds_after_finished is not None:
         run_policy["ttlSecondsAfterFinished"] = k.ttl_seconds_after_finished
+    if k.queue:
+        run_policy["suspend"] = True  # Kueue admits the job by unsuspending it
+    if k.scheduler:
+        run_policy["schedulingPolicy"] = scheduling_policy(k, c.nodes)
     tolerations = [t.model_dump(exclude_none=True) for t in k.tolerations]
+    labels = {"app.kubernetes.io/name": "ctxlaunch", "ctxlaunch/job": spec.name,
+              **({SWEEP_LABEL: sweep} if sweep else {})}
+    trainjob = k.api == "trainjob"
     return KubernetesPlan(
         name=spec.name,
         namespace=k.namespace,
-        labels={"app.kubernetes.io/name": "ctxlaunch", "ctxlaunch/job": spec.name,
-                **({SWEEP_LABEL: sweep} if sweep else {})},
+        labels=labels,
+        job_labels={**labels, **({QUEUE_LABEL: k.queue} if k.queue else {})},
         replicas=replicas,
         nproc_per_node=c.gpus_per_node,
         image=k.image or "",
@@ -275,7 +324,13 @@ def kubernetes_plan(spec: JobSpec, sweep: str | None = None) -> KubernetesPlan:
         spec_file=K8S_SPEC_FILE,
         spec_json=spec_json(spec),
         config_map=f"{spec.name}-spec",
-        master_port=K8S_MASTER_PORT,
+        master_port=TRAINJOB_MASTER_PORT if trainjob else K8S_MASTER_PORT,
+        api=k.api,
+        container=TRAINJOB_CONTAINER if trainjob else "pytorch",
+        port_name="rendezvous" if trainjob else "pytorchjob-port",
+        scheduler_name=SCHEDULER_NAMES[k.scheduler] if k.scheduler else None,
+        pod_restart_policy="Never" if trainjob else None,
+        trainjob=trainjob_plan(k, spec.name, c.nodes, labels) if trainjob else None,
         node_selector=dict(k.node_selector),
         tolerations=tolerations,
         image_pull_secrets=list(k.image_pull_secrets),
@@ -286,3 +341,48 @@ def kubernetes_plan(spec: JobSpec, sweep: str | None = None) -> KubernetesPlan:
                        for r in range(c.gpus_per_node)]
         if spec.telemetry.prometheus == "scrape" else [],
     )
+
+
+def scheduling_policy(k: KubernetesSpec, nodes: int) -> dict[str, Any]:
+    """A PyTorchJob's runPolicy.schedulingPolicy: the operator makes a PodGroup of every pod
+    (minAvailable: all nodes), for Volcano in its queue, at the pods' priority."""
+    policy: dict[str, Any] = {"minAvailable": nodes}
+    if k.scheduler_queue:
+        policy["queue"] = k.scheduler_queue
+    if k.priority_class:
+        policy["priorityClass"] = k.priority_class
+    if k.schedule_timeout_seconds:
+        policy["scheduleTimeoutSeconds"] = k.schedule_timeout_seconds
+    return policy
+
+
+def trainjob_plan(k: KubernetesSpec, name: str, nodes: int, labels: dict[str, str]
+                  ) -> TrainJobPlan:
+    """What a TrainJob needs beside the pod spec: suspension for Kueue, the JobSet's restarts
+    (failurePolicy) and the Job's permanent exits (podFailurePolicy), the gang's PodGroup."""
+    spec: dict[str, Any] = {}
+    if k.queue:
+        spec["suspend"] = True
+    if k.active_deadline_seconds is not None:
+        spec["activeDeadlineSeconds"] = k.active_deadline_seconds
+    jobset: dict[str, Any] = {"failurePolicy": {
+        "maxRestarts": k.backoff_limit,
+        "rules": [{"name": "permanent-exit", "action": "FailJobSet",
+                   "onJobFailureReasons": ["PodFailurePolicy"]}]}}
+    if k.ttl_seconds_after_finished is not None:
+        jobset["ttlSecondsAfterFinished"] = k.ttl_seconds_after_finished
+    # backoffLimit 0: one failed pod fails its Job and the JobSet restarts every node together,
+    # as torchrun's rendezvous needs.
+    job = {"backoffLimit": 0, "podFailurePolicy": {"rules": [
+        {"action": "FailJob", "onExitCodes": {"containerName": TRAINJOB_CONTAINER,
+                                              "operator": "In", "values": PERMANENT_EXITS}}]}}
+    pod_group: dict[str, Any] = {}
+    if k.scheduler == "volcano":
+        pod_group = {"volcano": {}}
+    elif k.scheduler == "coscheduling":
+        pod_group = {"coscheduling": {"scheduleTimeoutSeconds": k.schedule_timeout_seconds or 60}}
+    return TrainJobPlan(
+        runtime=f"{name}-runtime", num_nodes=nodes, suspend=bool(k.queue),
+        runtime_labels={**labels, "trainer.kubeflow.org/framework": "torch"}, spec=spec, jobset=jobset, job=job,
+        pod_group_policy=pod_group,
+        annotations={VOLCANO_QUEUE_ANNOTATION: k.scheduler_queue} if k.scheduler_queue else {})

@@ -32,6 +32,8 @@ from ctxlaunch.launch.plan import (
 Target = Literal["slurm", "kubernetes"]
 TEMPLATES: dict[Target, str] = {"slurm": "slurm.sbatch.j2", "kubernetes": "pytorchjob.yaml.j2"}
 SUFFIXES: dict[Target, str] = {"slurm": ".sbatch", "kubernetes": ".yaml"}
+TRAINJOB_TEMPLATE = "trainjob.yaml.j2"
+"""cluster.kubernetes.api: trainjob (same pod template as the PyTorchJob's, _pod.yaml.j2)."""
 MONITOR_TEMPLATE = "podmonitor.yaml.j2"
 MONITORING_DIR = "monitoring"
 """The PodMonitor goes to this subfolder of the output: `kubectl apply -f DIR` (not recursive)
@@ -154,7 +156,9 @@ def render_files(spec: JobSpec, target: Target, sweep: str | None = None) -> dic
 
 def render_plan(plan: SlurmPlan | KubernetesPlan, target: Target, filename: str) -> str:
     """Fill the target's template with a plan (the Slurm backend renders its own plan)."""
-    template = _environment().get_template(TEMPLATES[target])
+    template = _environment().get_template(
+        TRAINJOB_TEMPLATE if isinstance(plan, KubernetesPlan) and plan.api == "trainjob"
+        else TEMPLATES[target])
     return template.render(plan=plan, version=__version__, filename=filename,
                            monitor_filename=monitor_name(plan.name)
                            if isinstance(plan, KubernetesPlan) else None)

@@ -390,6 +390,34 @@ EOF
         fail_daemon kube-apiserver "the PyTorchJob CRD is not established within ${TIMEOUT}s" "$LOG_DIR/crd.log"
 }
 
+# Kubeflow Trainer v2.3.0's CRDs (TrainJob, TrainingRuntime, ClusterTrainingRuntime) and its
+# stock torch-distributed ClusterTrainingRuntime, from the same ../shared/crds, less what a 1.20
+# server cannot hold (crd_for_1_20.py: the CEL x-kubernetes-validations rules and empty-string
+# defaults). Absent files: a note, and the TrainJob tests fail saying so.
+readonly TRAINER_CRD_DIR="${CTXLAUNCH_TRAINER_CRDS:-$(dirname "$CRD_FILE")}"
+install_trainer_crds() {
+    local stripped="$STATE_DIR/trainer-crds.yaml" plural crds=()
+    for plural in trainjobs trainingruntimes clustertrainingruntimes; do
+        crds+=("$TRAINER_CRD_DIR/trainer.kubeflow.org_$plural.yaml")
+    done
+    if ! [ -r "${crds[0]}" ] || ! [ -r "${crds[1]}" ] || ! [ -r "${crds[2]}" ]; then
+        log "Trainer v2 CRDs not found in $TRAINER_CRD_DIR (set CTXLAUNCH_TRAINER_CRDS): TrainJobs cannot be stored"
+        return 0
+    fi
+    "$REPO_ROOT/.venv/bin/python" "$REPO_ROOT/scripts/services/crd_for_1_20.py" "${crds[@]}" "$stripped" ||
+        die "could not read the Trainer CRDs in $TRAINER_CRD_DIR"
+    kubectl_admin apply --server-side --force-conflicts -f "$stripped" >"$LOG_DIR/trainer-crds.log" 2>&1 ||
+        fail_daemon kube-apiserver "could not install the Trainer v2 CRDs" "$LOG_DIR/trainer-crds.log"
+    wait_for "$TIMEOUT" kubectl_admin wait --for=condition=Established --timeout=2s \
+        crd/trainjobs.trainer.kubeflow.org crd/trainingruntimes.trainer.kubeflow.org \
+        crd/clustertrainingruntimes.trainer.kubeflow.org ||
+        fail_daemon kube-apiserver "the Trainer v2 CRDs are not established within ${TIMEOUT}s" "$LOG_DIR/trainer-crds.log"
+    kubectl_admin apply --server-side --force-conflicts \
+        -f "$TRAINER_CRD_DIR/trainer.kubeflow.org_clustertrainingruntime_torch-distributed.yaml" \
+        >>"$LOG_DIR/trainer-crds.log" 2>&1 ||
+        fail_daemon kube-apiserver "could not install the torch-distributed runtime" "$LOG_DIR/trainer-crds.log"
+}
+
 cmd_start() {
     if [ ! -r "$CRD_FILE" ]; then
         # The CRD is read from ../shared, never copied into the project: without it there is
@@ -411,6 +439,7 @@ cmd_start() {
     start_apiserver
     apply_rbac
     install_crd
+    install_trainer_crds
     log "kube-apiserver $KUBE_URL (etcd $ETCD_URL) ready with the PyTorchJob CRD in $(elapsed_since "$start")"
     log "kubeconfigs: $ADMIN_KUBECONFIG (admin), $VIEWER_KUBECONFIG (viewer: read-only)"
     log "logs:        $LOG_DIR"

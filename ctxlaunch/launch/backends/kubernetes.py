@@ -1,6 +1,7 @@
-"""Kubernetes: submit the rendered ConfigMap and PyTorchJob (and the PodMonitor where the
-Prometheus Operator runs) with server-side apply, then watch, read, cancel and wait through the
-API server, with the official `kubernetes` client.
+"""Kubernetes: submit the rendered ConfigMap and PyTorchJob, or the ConfigMap, TrainingRuntime
+and TrainJob (cluster.kubernetes.api: trainjob), and the PodMonitor where the Prometheus
+Operator runs, with server-side apply, then watch, read, cancel and wait through the API server,
+with the official `kubernetes` client.
 
 The objects are parsed from the very text `ctxlaunch render --target kubernetes` writes (one
 code path, render.render_files), applied with field manager `ctxlaunch`. Before anything is
@@ -10,9 +11,10 @@ create, no job of that name), each with a one-line error; if an object is refuse
 the ones created before it are deleted again, so no ConfigMap is orphaned.
 
 States come from the PyTorchJob's conditions, which the training operator keeps (one condition
-per type; Succeeded or Failed end it), refined by the pods' container statuses: an OOMKilled
-container or a trainer that exited with the OOM status is OOM, a trainer that refused its set-up
-is BAD_INPUT.
+per type; Succeeded or Failed end it), or the TrainJob's, which Trainer v2 copies from its
+JobSet (Complete, Failed) beside its own Suspended; both are refined by the pods' container
+statuses: an OOMKilled container or a trainer that exited with the OOM status is OOM, a trainer
+that refused its set-up is BAD_INPUT.
 """
 
 from __future__ import annotations
@@ -44,16 +46,52 @@ from ctxlaunch.launch.render import artifact_name, render_files
 
 FIELD_MANAGER = "ctxlaunch"
 OPERATOR_INSTALL = ("kubectl apply --server-side -k \"github.com/kubeflow/training-operator.git/"
-                    "manifests/overlays/standalone?ref=v1.9.0\"")
+                    "manifests/overlays/standalone?ref=v1.9.4\"")
+TRAINER_INSTALL = ("kubectl apply --server-side -k \"github.com/kubeflow/trainer.git/"
+                   "manifests/overlays/manager?ref=v2.3.0\"")
 # The training operator's pod labels (kubeflow.org/v1 common_types.go).
 JOB_NAME_LABEL = "training.kubeflow.org/job-name"
 REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
 REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
+# JobSet's pod label (Trainer v2 runs a TrainJob as a JobSet of the same name) and the Job
+# controller's index of an Indexed Job's pod (Trainer's PET_NODE_RANK).
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 CONTAINER = "pytorch"
+TRAINER_CONTAINERS = ("pytorch", "node")
+"""The trainer's container: PyTorchJob's and TrainJob's (Trainer v2 constants.Node)."""
+
+
+@dataclass(frozen=True)
+class JobApi:
+    """One of the two job kinds ctxlaunch submits, and what the cluster needs for it."""
+
+    kind: str
+    group_version: str
+    resource: str
+    operator: str
+    version: str
+    install: str
+    min_server: tuple[int, int]
+    pod_label: str
+
+
+JOB_APIS: dict[str, JobApi] = {
+    "pytorchjob": JobApi("PyTorchJob", "kubeflow.org/v1", "pytorchjobs",
+                         "the Kubeflow training operator", "v1.9.4", OPERATOR_INSTALL, (1, 28),
+                         JOB_NAME_LABEL),
+    "trainjob": JobApi("TrainJob", "trainer.kubeflow.org/v1alpha1", "trainjobs",
+                       "Kubeflow Trainer (with JobSet)", "v2.3.0", TRAINER_INSTALL, (1, 31),
+                       JOBSET_NAME_LABEL),
+}
+"""cluster.kubernetes.api -> the job kind; min_server: the Kubernetes version its operator
+supports (training-operator 1.9: 1.28+; Trainer 2.3: 1.31+); older servers get a warning."""
 
 RESOURCES: dict[str, tuple[str, str]] = {
     "PyTorchJob": ("/apis/kubeflow.org/v1", "pytorchjobs"),
     "ConfigMap": ("/api/v1", "configmaps"),
+    "TrainingRuntime": ("/apis/trainer.kubeflow.org/v1alpha1", "trainingruntimes"),
+    "TrainJob": ("/apis/trainer.kubeflow.org/v1alpha1", "trainjobs"),
     "PodMonitor": ("/apis/monitoring.coreos.com/v1", "podmonitors"),
 }
 """kind -> (API group/version path, resource): every kind ctxlaunch creates (the pre-flight
@@ -66,6 +104,21 @@ CONDITION_STATES: list[tuple[str, str]] = [
 """A PyTorchJob's conditions -> ctxlaunch's states, the first true one (in this order) wins:
 the operator keeps the older conditions (Created stays true while Running) and sets Running
 false only when the job ends. Restarting is a pod being replaced, like Slurm's REQUEUED."""
+
+
+TRAINJOB_STATES: list[tuple[str, str]] = [
+    ("Complete", "COMPLETED"), ("Failed", "FAILED"), ("Suspended", "SUSPENDED"),
+]
+"""A TrainJob's true conditions -> ctxlaunch's states, the first wins; with none of them the job
+is RUNNING once a child Job is active (status.jobsStatus, copied from the JobSet), else
+PENDING. A JobSet restart (status.restarts) shows as restarts, like PyTorchJob's Restarting."""
+
+
+def job_api(record_or_api: jobstore.JobRecord | str) -> JobApi:
+    """The job kind of a record (older records are PyTorchJobs) or of an api name."""
+    if isinstance(record_or_api, str):
+        return JOB_APIS[record_or_api]
+    return JOB_APIS[record_or_api.extra.get("api", "pytorchjob")]
 
 
 class KubeError(RuntimeError):
@@ -203,8 +256,8 @@ def object_path(kind: str, namespace: str, name: str | None = None) -> str:
     return f"{path}/{name}" if name else path
 
 
-def job_path(namespace: str, name: str) -> str:
-    return object_path("PyTorchJob", namespace, name)
+def job_path(namespace: str, name: str, kind: str = "PyTorchJob") -> str:
+    return object_path(kind, namespace, name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,11 +296,32 @@ def allowed(conn: Connection, namespace: str, group: str, resource: str, verb: s
     return bool(status.get("allowed")), status.get("reason", "")
 
 
-def preflight(conn: Connection, namespace: str, name: str, kinds: list[str]) -> bool:
+def server_version(conn: Connection) -> tuple[int, int] | None:
+    """The API server's (major, minor), None when it does not say."""
+    try:
+        found = conn.get("/version") or {}
+        return int(found["major"]), int(str(found["minor"]).rstrip("+"))
+    except (ApiError, KeyError, ValueError):
+        return None
+
+
+def version_warning(conn: Connection, api: JobApi) -> str | None:
+    """A warning when the server is older than the job kind's operator supports."""
+    version = server_version(conn)
+    if version is None or version >= api.min_server:
+        return None
+    need = ".".join(map(str, api.min_server))
+    return (f"ctxlaunch: warning: the Kubernetes API server {conn.host} is "
+            f"{version[0]}.{version[1]}; {api.operator} {api.version} needs {need} or newer for a "
+            f"{api.kind}: going on, but that operator may not run it there")
+
+
+def preflight(conn: Connection, namespace: str, name: str, kinds: list[str],
+              api: JobApi = JOB_APIS["pytorchjob"]) -> bool:
     """Check, before anything is created, what would make the submission fail; raises KubeError
     with one line for the user. Returns whether the PodMonitor kind exists."""
     try:
-        crd = has_resource(conn, "kubeflow.org/v1", "pytorchjobs")
+        crd = has_resource(conn, api.group_version, api.resource)
     except ApiError as exc:
         if exc.status == 401:
             raise KubeError(f"the Kubernetes API server {conn.host} rejected the credentials "
@@ -256,9 +330,10 @@ def preflight(conn: Connection, namespace: str, name: str, kinds: list[str]) -> 
         raise KubeError(f"the Kubernetes API server {conn.host} answered {exc.status}: {exc}"
                         ) from None
     if not crd:
-        raise KubeError(f"the API server {conn.host} has no PyTorchJob kind (kubeflow.org/v1): "
-                        "the Kubeflow training operator is not installed there; install it "
-                        f"with: {OPERATOR_INSTALL}")
+        raise KubeError(f"the API server {conn.host} has no {api.kind} kind "
+                        f"({api.group_version}): {api.operator} is not installed there; "
+                        f"install {api.version} with: {api.install} (it needs Kubernetes "
+                        f"{'.'.join(map(str, api.min_server))} or newer)")
     try:
         if conn.get(f"/api/v1/namespaces/{namespace}") is None:
             raise KubeError(f"namespace {namespace!r} does not exist on {conn.host}: create it "
@@ -275,8 +350,8 @@ def preflight(conn: Connection, namespace: str, name: str, kinds: list[str]) -> 
                             f" in namespace {namespace!r} (RBAC){_context_note(conn)}"
                             + (f": {reason}" if reason else "")
                             + "; ask the cluster admin for a Role that allows it")
-    if conn.get(job_path(namespace, name)) is not None:
-        raise KubeError(f"a PyTorchJob {namespace}/{name} already exists: cancel it "
+    if conn.get(job_path(namespace, name, api.kind)) is not None:
+        raise KubeError(f"a {api.kind} {namespace}/{name} already exists: cancel it "
                         f"(ctxlaunch cancel {namespace}/{name}) or change the job's name")
     return has_resource(conn, "monitoring.coreos.com/v1", "podmonitors")
 
@@ -378,7 +453,11 @@ class KubernetesBackend(Backend):
         objects = objects_of(files)
         plan = kubernetes_plan(dryrun.spec)
         kinds = [k for k in RESOURCES if any(o["kind"] == k for o in objects)]
-        monitors = preflight(conn, plan.namespace, plan.name, kinds)
+        api = job_api(plan.api)
+        monitors = preflight(conn, plan.namespace, plan.name, kinds, api)
+        warning = version_warning(conn, api)
+        if warning:
+            print(warning, file=err, flush=True)
         if not monitors and any(o["kind"] == "PodMonitor" for o in objects):
             print("ctxlaunch: note: the cluster has no PodMonitor kind (no Prometheus "
                   "Operator): submitting the job without it; its ranks still serve /metrics",
@@ -408,6 +487,7 @@ class KubernetesBackend(Backend):
             created=time.time(), backend_id=f"{plan.namespace}/{plan.name}",
             command=dryrun.command, artifact=dryrun.artifact_name,
             extra={"namespace": plan.namespace, "name": plan.name, "context": conn.context,
+                   "api": plan.api,
                    "kubeconfig": conn.kubeconfig, "server": conn.host,
                    "objects": [[o["kind"], o["metadata"]["name"]] for o in objects],
                    "ranks_per_pod": plan.nproc_per_node,
@@ -416,23 +496,29 @@ class KubernetesBackend(Backend):
                            **dryrun.extra_artifacts}.items():
             atomic_write_text(record.directory / name, text)
         jobstore.save(record)
-        print(f"ctxlaunch: submitted PyTorchJob {record.backend_id} to {conn.host} "
+        print(f"ctxlaunch: submitted {job_api(plan.api).kind} {record.backend_id} to {conn.host} "
               f"({record.id}); follow it with `ctxlaunch status {record.backend_id}`",
               file=err, flush=True)
         return record
 
     # -- an existing job ------------------------------------------------------------------------
     def status(self, record: jobstore.JobRecord) -> Status:
-        """The PyTorchJob's conditions, refined by its pods' exits and restart events."""
+        """The PyTorchJob's conditions, refined by its pods' exits and restart events; or the
+        TrainJob's, refined by its pods and its JobSet's restarts."""
         conn = Connection.for_record(record)
         namespace, name = record.extra["namespace"], record.extra["name"]
-        job = conn.get(job_path(namespace, name))
+        api = job_api(record)
+        job = conn.get(job_path(namespace, name, api.kind))
         if job is None:
             if record.extra.get("cancelled"):
                 return Status(state="CANCELLED", scheduler_state="deleted")
             raise KeyError(record.backend_id)
-        pods = job_pods(conn, namespace, name)
-        found = classify(job, pods, cancelled=bool(record.extra.get("cancelled")))
+        pods = job_pods(conn, namespace, name, api)
+        cancelled = bool(record.extra.get("cancelled"))
+        if api.kind == "TrainJob":
+            return classify_trainjob(job, pods, jobset_restarts(conn, namespace, name),
+                                     cancelled=cancelled)
+        found = classify(job, pods, cancelled=cancelled)
         restarts = max(found.restarts, restart_events(conn, namespace, name))
         return dataclasses.replace(found, restarts=restarts)
 
@@ -467,7 +553,7 @@ class KubernetesBackend(Backend):
         pod = pods[0]
         meta = pod["metadata"]
         path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/log"
-        _, response = conn.request("GET", path, query=[("container", CONTAINER),
+        _, response = conn.request("GET", path, query=[("container", trainer_container(pod)),
                                                        ("follow", "true")],
                                    raw=True, timeout=None)
         for raw_line in response:
@@ -480,10 +566,11 @@ class KubernetesBackend(Backend):
     def _log_pods(self, conn: Connection, record: jobstore.JobRecord, rank: int | None
                   ) -> list[dict[str, Any]]:
         namespace, name = record.extra["namespace"], record.extra["name"]
-        pods = job_pods(conn, namespace, name)
+        api = job_api(record)
+        pods = job_pods(conn, namespace, name, api)
         if not pods:
-            raise NoPodsYet(f"PyTorchJob {namespace}/{name} has no pods yet: the training "
-                            "operator creates them once it sees the job (ctxlaunch status "
+            raise NoPodsYet(f"{api.kind} {namespace}/{name} has no pods yet: "
+                            f"{api.operator} creates them once it sees the job (ctxlaunch status "
                             f"{namespace}/{name} shows where it stands)")
         if rank is None:
             return pods
@@ -494,16 +581,17 @@ class KubernetesBackend(Backend):
         return chosen
 
     def cancel(self, record: jobstore.JobRecord) -> None:
-        """Delete the PyTorchJob with foreground propagation (its pods go first), then its
-        ConfigMap and PodMonitor."""
+        """Delete the job (PyTorchJob or TrainJob) with foreground propagation (its pods go
+        first), then its ConfigMap, TrainingRuntime and PodMonitor."""
         conn = Connection.for_record(record)
         namespace, name = record.extra["namespace"], record.extra["name"]
-        if not conn.delete(job_path(namespace, name), propagation="Foreground"):
-            raise KubeError(f"there is no PyTorchJob {namespace}/{name} on {conn.host} "
+        kind = job_api(record).kind
+        if not conn.delete(job_path(namespace, name, kind), propagation="Foreground"):
+            raise KubeError(f"there is no {kind} {namespace}/{name} on {conn.host} "
                             "(deleted already?)")
-        for kind, object_name in record.extra.get("objects", []):
-            if kind != "PyTorchJob":
-                conn.delete(object_path(kind, namespace, object_name))
+        for other, object_name in record.extra.get("objects", []):
+            if other != kind:
+                conn.delete(object_path(other, namespace, object_name))
         record.extra["cancelled"] = True
         jobstore.save(record)
 
@@ -514,7 +602,7 @@ class KubernetesBackend(Backend):
         if status.state not in ("FAILED", "BAD_INPUT"):
             return []
         conn = Connection.for_record(record)
-        pods = job_pods(conn, record.extra["namespace"], record.extra["name"])
+        pods = job_pods(conn, record.extra["namespace"], record.extra["name"], job_api(record))
         failed = [p for p in pods if (container_exit(p) or (None, ""))[0]]
         if not failed:
             return [status.reason] if status.reason else []
@@ -529,7 +617,7 @@ class KubernetesBackend(Backend):
 
     # -- a sweep ---------------------------------------------------------------------------------
     def sweep_dryrun(self, sweep_id: str, name: str, specs: list[JobSpec]) -> DryRun:
-        """One PyTorchJob per point, labelled ctxlaunch/sweep=<sweep id>."""
+        """One PyTorchJob (or TrainJob) per point, labelled ctxlaunch/sweep=<sweep id>."""
         return self.dryrun(specs[0], sweep=sweep_id)
 
 
@@ -540,12 +628,14 @@ class NoPodsYet(KubeError):
 # --------------------------------------------------------------------------------------------
 # states, pods and logs
 # --------------------------------------------------------------------------------------------
-def job_pods(conn: Connection, namespace: str, name: str) -> list[dict[str, Any]]:
-    """The job's pods (the operator's job-name label), Master first, then Workers by index;
-    none when this user may not list pods."""
+def job_pods(conn: Connection, namespace: str, name: str,
+             api: JobApi = JOB_APIS["pytorchjob"]) -> list[dict[str, Any]]:
+    """The job's pods (the operator's job-name label, or JobSet's), by node rank (Master first,
+    then Workers by index; a TrainJob's by completion index); none when this user may not list
+    pods."""
     try:
         found = conn.get(f"/api/v1/namespaces/{namespace}/pods",
-                         labelSelector=f"{JOB_NAME_LABEL}={name}")
+                         labelSelector=f"{api.pod_label}={name}")
     except ApiError as exc:
         if exc.status == 403:
             return []
@@ -568,9 +658,24 @@ def restart_events(conn: Connection, namespace: str, name: str) -> int:
     return sum(int(e.get("count") or 1) for e in (found or {}).get("items", []))
 
 
+def jobset_restarts(conn: Connection, namespace: str, name: str) -> int:
+    """How often the TrainJob's JobSet was recreated after a failed pod (status.restarts;
+    0 when there is no JobSet, or no JobSet kind, or this user may not read it)."""
+    try:
+        found = conn.get(f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{namespace}/jobsets/{name}")
+    except ApiError:
+        return 0
+    return int(((found or {}).get("status") or {}).get("restarts") or 0)
+
+
 def pod_index(pod: dict[str, Any]) -> int:
-    """The pod's node rank: Master 0, Worker i is i + 1."""
-    labels = pod["metadata"].get("labels", {})
+    """The pod's node rank: Master 0, Worker i is i + 1; a TrainJob's pod its Job completion
+    index (Trainer's PET_NODE_RANK)."""
+    meta = pod["metadata"]
+    for where in (meta.get("labels") or {}, meta.get("annotations") or {}):
+        if COMPLETION_INDEX in where:
+            return int(where[COMPLETION_INDEX])
+    labels = meta.get("labels", {})
     index = int(labels.get(REPLICA_INDEX_LABEL, "0") or 0)
     return index if labels.get(REPLICA_TYPE_LABEL, "master").lower() == "master" else index + 1
 
@@ -578,7 +683,7 @@ def pod_index(pod: dict[str, Any]) -> int:
 def container_exit(pod: dict[str, Any]) -> tuple[int, str] | None:
     """(exit code, reason) of the trainer container's last termination, if it terminated."""
     for status in pod.get("status", {}).get("containerStatuses") or []:
-        if status.get("name") != CONTAINER:
+        if status.get("name") not in TRAINER_CONTAINERS:
             continue
         for key in ("state", "lastState"):
             terminated = (status.get(key) or {}).get("terminated")
@@ -587,16 +692,18 @@ def container_exit(pod: dict[str, Any]) -> tuple[int, str] | None:
     return None
 
 
-def classify(job: dict[str, Any], pods: list[dict[str, Any]], cancelled: bool = False
-             ) -> Status:
-    """A PyTorchJob and its pods -> ctxlaunch's Status."""
+def first_condition(job: dict[str, Any], table: list[tuple[str, str]]
+                    ) -> tuple[dict[str, Any] | None, str]:
+    """The first true condition of `table`'s types and its state (PENDING when none)."""
     status = job.get("status") or {}
     true = {c["type"]: c for c in status.get("conditions") or [] if c.get("status") == "True"}
-    condition = next((c for c in (true.get(t) for t, _ in CONDITION_STATES) if c), None)
-    state = dict(CONDITION_STATES)[condition["type"]] if condition else "PENDING"
-    raw = condition["type"] if condition else "Submitted"
-    if job["metadata"].get("deletionTimestamp") or cancelled:
-        state, raw = "CANCELLED", "Deleting"
+    condition = next((c for c in (true.get(t) for t, _ in table) if c), None)
+    return condition, dict(table)[condition["type"]] if condition else "PENDING"
+
+
+def refine(state: str, pods: list[dict[str, Any]]) -> tuple[str, int | None, int]:
+    """(state, first non-zero exit, container restarts) from the pods: a failed job whose
+    trainer was OOMKilled or exited OOM is OOM, one that exited BAD_INPUT is BAD_INPUT."""
     exits = [e for e in (container_exit(p) for p in pods) if e]
     code = next((c for c, _ in exits if c), None)
     if state == "FAILED":
@@ -606,6 +713,50 @@ def classify(job: dict[str, Any], pods: list[dict[str, Any]], cancelled: bool = 
             state = "BAD_INPUT"
     restarts = sum(int(s.get("restartCount", 0)) for p in pods
                    for s in p.get("status", {}).get("containerStatuses") or [])
+    return state, code, restarts
+
+
+def pod_nodes(pods: list[dict[str, Any]]) -> str:
+    return ",".join(dict.fromkeys(p["spec"]["nodeName"] for p in pods
+                                  if p.get("spec", {}).get("nodeName")))
+
+
+def classify_trainjob(job: dict[str, Any], pods: list[dict[str, Any]], jobset_restarts: int = 0,
+                      cancelled: bool = False) -> Status:
+    """A TrainJob (its conditions and jobsStatus), its pods and its JobSet's restart count ->
+    ctxlaunch's Status, in the same states as a PyTorchJob's."""
+    condition, state = first_condition(job, TRAINJOB_STATES)
+    jobs = (job.get("status") or {}).get("jobsStatus") or []
+    raw = condition["type"] if condition else "Submitted"
+    if condition is None and any(int(j.get("active") or 0) for j in jobs):
+        state, raw = "RUNNING", "Active"
+    if job["metadata"].get("deletionTimestamp") or cancelled:
+        state, raw = "CANCELLED", "Deleting"
+    state, code, restarts = refine(state, pods)
+    counts = "; ".join(
+        f"{j['name']}: " + ", ".join(f"{n} {k}" for k in ("active", "ready", "succeeded",
+                                                          "failed", "suspended")
+                                     if (n := j.get(k)))
+        for j in jobs if any(j.get(k) for k in ("active", "succeeded", "failed")))
+    said = condition or {}
+    reason = said.get("reason", "") if state not in ("RUNNING", "PENDING") else ""
+    if reason and said.get("message"):
+        reason = f"{reason}: {said['message']}"
+    return Status(state=state, scheduler_state=raw, exit_code=code,
+                  restarts=max(restarts, jobset_restarts),
+                  reason="; ".join(part for part in (reason, counts) if part),
+                  nodes=pod_nodes(pods))
+
+
+def classify(job: dict[str, Any], pods: list[dict[str, Any]], cancelled: bool = False
+             ) -> Status:
+    """A PyTorchJob and its pods -> ctxlaunch's Status."""
+    status = job.get("status") or {}
+    condition, state = first_condition(job, CONDITION_STATES)
+    raw = condition["type"] if condition else "Submitted"
+    if job["metadata"].get("deletionTimestamp") or cancelled:
+        state, raw = "CANCELLED", "Deleting"
+    state, code, restarts = refine(state, pods)
     replicas = "; ".join(
         f"{role}: " + ", ".join(f"{n} {k}" for k in ("active", "succeeded", "failed")
                                 if (n := counts.get(k)))
@@ -613,15 +764,19 @@ def classify(job: dict[str, Any], pods: list[dict[str, Any]], cancelled: bool = 
         if any(counts.get(k) for k in ("active", "succeeded", "failed")))
     reason = (condition or {}).get("reason", "") if state not in ("RUNNING", "PENDING") else ""
     reason = "; ".join(part for part in (reason, replicas) if part)
-    nodes = ",".join(dict.fromkeys(p["spec"]["nodeName"] for p in pods
-                                   if p.get("spec", {}).get("nodeName")))
     return Status(state=state, scheduler_state=raw, exit_code=code, restarts=restarts,
-                  reason=reason, nodes=nodes)
+                  reason=reason, nodes=pod_nodes(pods))
+
+
+def trainer_container(pod: dict[str, Any]) -> str:
+    """The name of the pod's trainer container (pytorch, or a TrainJob's node)."""
+    names = [c.get("name") for c in (pod.get("spec") or {}).get("containers") or []]
+    return next((n for n in names if n in TRAINER_CONTAINERS), CONTAINER)
 
 
 def pod_log(conn: Connection, pod: dict[str, Any], tail: int | None = None) -> str:
     meta = pod["metadata"]
-    query = [("container", CONTAINER)]
+    query = [("container", trainer_container(pod))]
     if tail:
         query.append(("tailLines", str(tail)))
     try:
