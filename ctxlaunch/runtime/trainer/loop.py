@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ctxlaunch.contract import events, exitcodes
 from ctxlaunch.cp.comm import exposed_comm_seconds
 from ctxlaunch.perf.flops import flops_per_token
-from ctxlaunch.runtime.trainer import checkpoint, faults, stopsignal
+from ctxlaunch.runtime.trainer import checkpoint, fastpath, faults, stopsignal
+from ctxlaunch.runtime.trainer import model as model_module
 from ctxlaunch.runtime.trainer.data import Batches, MicroBatch, make_source
 from ctxlaunch.runtime.trainer.engines import Engine, make_engine
 from ctxlaunch.runtime.trainer.model import Transformer
@@ -64,6 +65,7 @@ class Trainer:
         self.run_dir = run_dir
         t = spec.training
         torch.manual_seed(t.seed)
+        model_module.set_compiled(fastpath.resolve(t.compile, device))
         with torch.device("meta"):  # parallelize materialises only this rank's share
             model = Transformer.from_spec(spec.model)
         parts = parallelize(model, ctx=ctx, settings=ParallelSettings.from_spec(spec),
