@@ -61,8 +61,10 @@ class Engine(Protocol):
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The averaged, unsharded gradient of every parameter (collective; for checks)."""
 
-    def apply(self) -> float:
-        """Clip, step the optimizer and the schedule; returns the gradient norm."""
+    def apply(self) -> float | torch.Tensor:
+        """Clip, step the optimizer and the schedule; returns the gradient norm (a 0-d tensor
+        on the device where reading it would wait for the device: the loop reads it with the
+        loss, in the step's one host synchronisation)."""
 
     def lr(self) -> float:
         """The learning rate of the next update."""
@@ -234,7 +236,7 @@ class TorchEngine:
                 dist.all_reduce(total, group=group)
         return total.sqrt()
 
-    def apply(self) -> float:
+    def apply(self) -> torch.Tensor:
         norm = self.grad_norm()
         if self.grad_clip > 0:
             coef = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
@@ -244,7 +246,7 @@ class TorchEngine:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm.detach()
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
