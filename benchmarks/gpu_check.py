@@ -17,6 +17,9 @@
    summed at their owner) in bf16 and fp16 against a float64 reference: out, lse, dq, dk, dv;
    GQA; head dim 64 and 128; causal and not; the kernel the code picks named. Each schedule's
    error is judged against one kernel call over the whole sequence on the same inputs.
+2b. The same step's matmuls and attention calls alone (`kernels_alone`: staged inputs, CUDA
+   events over 20 back-to-back iterations): the MFU they reach by themselves at 16K and 64K,
+   and the trainer's MFU over it (goal: >= 0.9), with the attention kernel named.
 4. Ring schedule efficiency: the zigzag 8-way ring's forward+backward at 16K and 64K tokens
    against one flash call over the whole sequence (goal: >= 0.90 at 64K, 0.75 at 16K) and
    against the same blocks run alone with staged inputs and no merges (the kernel-only
@@ -180,6 +183,96 @@ def mfu_run(gpu: str, model: str, seq: int, steps: int, workdir: Path,
         out["predicted_total_over_reserved"] = (out["predicted_total_bytes"]
                                                 / out["max_reserved_bytes"])
     return out
+
+
+def kernels_alone(device: str, gpu: str, model: str, seq: int, checkpointing: str,
+                  repeats: int) -> dict:
+    """The matmuls and attention calls one trainer step at `seq` makes (every block's
+    projections forward and backward, the feed-forward's forward again under selective
+    checkpointing, the output head, causal attention forward and backward through the
+    trainer's own kernels), timed alone back to back on staged inputs: the MFU those kernels
+    reach by themselves, the ceiling the trainer's MFU is compared with. No pointwise work, no
+    loss, no optimizer, no allocation inside the timed region."""
+    import torch
+
+    from ctxlaunch.contract.hardware import gpu_info
+    from ctxlaunch.contract.loader import validate_spec
+    from ctxlaunch.cp import kernels
+    from ctxlaunch.perf.flops import flops_per_token
+
+    spec = validate_spec(trainer_spec(model, seq, checkpointing, 1, gpu, None))
+    m = spec.model
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    d = m.hidden // m.heads
+    shapes = [(m.hidden, (m.heads + 2 * m.kv_heads) * d), (m.heads * d, m.hidden),
+              (m.hidden, 2 * m.ffn_hidden), (m.ffn_hidden, m.hidden)]
+    recomputed = shapes[2:] if checkpointing == "selective" else shapes if \
+        checkpointing == "full" else []
+    make = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)  # noqa: E731
+    staged = [(make(seq, k), make(k, n), make(seq, n)) for k, n in shapes]
+    recompute = [(make(seq, k), make(k, n)) for k, n in recomputed]
+    head = (make(seq, m.hidden), make(m.hidden, m.vocab), make(seq, m.vocab))
+    q = make(1, m.heads, seq, d)
+    k, v = make(1, m.kv_heads, seq, d), make(1, m.kv_heads, seq, d)
+    grad = make(1, m.heads, seq, d)
+    scale = d ** -0.5
+
+    def layer_matmuls() -> None:
+        for x, w, g in staged:
+            x @ w
+            g @ w.t()
+            x.t() @ g
+        for x, w in recompute:
+            x @ w
+
+    def head_matmuls() -> None:
+        x, w, g = head
+        x @ w
+        g @ w.t()
+        x.t() @ g
+
+    def attention() -> None:
+        out, lse = kernels.attention_forward(q, k, v, True, scale)
+        kernels.attention_backward(grad, q, k, v, out, lse, True, scale)
+
+    def timed(fn) -> float:
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / repeats
+        begin = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - begin) / repeats
+
+    t_matmul, t_head, t_attention = timed(layer_matmuls), timed(head_matmuls), timed(attention)
+    step = m.layers * (t_matmul + t_attention) + t_head
+    peak = gpu_info(gpu).peak_bf16_flops
+    return {"seq_len": seq, "checkpointing": checkpointing, "dtype": str(dtype),
+            "repeats": repeats, "attention_kernel": (kernels.cuda_kernel_name(q)
+                                                     if device == "cuda" else "cpu flash"),
+            "block_matmuls_s": t_matmul, "block_attention_s": t_attention, "head_s": t_head,
+            "step_s": step, "tokens_per_second": seq / step,
+            "mfu_causal": seq * flops_per_token(m, seq, "causal") / step / peak,
+            "mfu_full": seq * flops_per_token(m, seq, "full") / step / peak}
+
+
+def trainer_against_kernels(trainer: list[dict], alone: list[dict]) -> list[dict]:
+    """Per length, the trainer's MFU over the MFU of its kernels alone (goal: >= 0.9)."""
+    rows = []
+    for run, kern in zip(trainer, alone, strict=True):
+        row = {"seq_len": kern["seq_len"], "kernels_mfu_causal": kern["mfu_causal"],
+               "trainer_mfu_causal": run.get("mfu_causal")}
+        if run.get("mfu_causal") is not None:
+            row["trainer_over_kernels"] = run["mfu_causal"] / kern["mfu_causal"]
+        rows.append(row)
+    return rows
 
 
 # --- 3 and 4: the CP block schedules in one process ---------------------------------------------
@@ -605,7 +698,7 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, toy sizes, an injected OOM: check the script itself")
     parser.add_argument("--pushgateway-binary", help="start this Pushgateway for the OOM check")
-    parser.add_argument("--only", nargs="*", default=["fit", "mfu", "exact", "ring"])
+    parser.add_argument("--only", nargs="*", default=["fit", "mfu", "kernels", "exact", "ring"])
     parser.add_argument("--output", help="also write the results as JSON here")
     args = parser.parse_args()
     dry = args.dry_run
@@ -634,6 +727,14 @@ def main() -> None:
             seqs = (2048, 4096) if dry else (16384, 65536)
             section("trainer", lambda: [mfu_run(gpu, model, s, 2 if dry else 4, work, pushgateway)
                                         for s in seqs])
+    if "kernels" in args.only:
+        seqs = (2048, 4096) if dry else (16384, 65536)
+        section("kernels_alone", lambda: [kernels_alone(device, gpu, model, s, "selective",
+                                                        2 if dry else 20) for s in seqs])
+        trainer_rows = results.get("trainer")
+        if isinstance(trainer_rows, list) and isinstance(results.get("kernels_alone"), list):
+            section("trainer_against_kernels", lambda: trainer_against_kernels(
+                trainer_rows, results["kernels_alone"]))
     if "exact" in args.only:
         section("exactness", lambda: exactness(device, ["float32"] if dry else
                                                ["bfloat16", "float16"], 256 if dry else 2048, 4))

@@ -449,6 +449,15 @@ class TrainingSpec(_Strict):
     eval: EvalSpec = EvalSpec()
     log_interval: PositiveInt = 1
     """Log (and export) metrics every this many steps."""
+    compile: bool | Literal["auto"] = "auto"
+    """torch.compile each block's pointwise work (RMSNorm, RoPE, SwiGLU and the fp32 math of
+    their backward passes; attention and the matmuls stay as they are). auto: on for CUDA, off
+    on the CPU (where inductor needs a C++ compiler and tens of seconds per shape); true or
+    false forces it. Compiled and eager agree within fp32 rounding."""
+    fused_optimizer: bool | Literal["auto"] = "auto"
+    """AdamW as one fused kernel per step (`torch.optim.AdamW(fused=True)`) instead of
+    `foreach`. auto: fused on CUDA, foreach on the CPU; true or false forces it (torch fuses on
+    the CPU too). The DeepSpeed engine always uses foreach (its path is unchanged)."""
     timeout_seconds: int = Field(600, ge=5)
     """How long a collective waits for its peers: a dead or hung rank ends the job with an
     error within this time, never a hang."""

@@ -36,6 +36,7 @@ from ctxlaunch.perf.memory import (
     ZERO3_PREFETCH_ELEMENTS,
     ZERO_BUCKET_ELEMENTS,
 )
+from ctxlaunch.runtime.trainer import fastpath
 from ctxlaunch.runtime.trainer.data import MicroBatch
 from ctxlaunch.runtime.trainer.parallelize import ModelParts, ParallelContext
 from ctxlaunch.runtime.trainer.pipeline import StageModule
@@ -60,8 +61,10 @@ class Engine(Protocol):
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The averaged, unsharded gradient of every parameter (collective; for checks)."""
 
-    def apply(self) -> float:
-        """Clip, step the optimizer and the schedule; returns the gradient norm."""
+    def apply(self) -> float | torch.Tensor:
+        """Clip, step the optimizer and the schedule; returns the gradient norm (a 0-d tensor
+        on the device where reading it would wait for the device: the loop reads it with the
+        loss, in the step's one host synchronisation)."""
 
     def lr(self) -> float:
         """The learning rate of the next update."""
@@ -94,12 +97,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def make_optimizer(model: nn.Module, training: TrainingSpec) -> tuple[
+def make_optimizer(model: nn.Module, training: TrainingSpec, fused: bool = False) -> tuple[
         torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW and its warm-up/cosine schedule, from the spec's training section."""
+    """AdamW and its warm-up/cosine schedule, from the spec's training section: one fused
+    kernel per step with `fused` (training.fused_optimizer), else `foreach`."""
     opt = training.optimizer
+    kernel: dict[str, bool] = {"fused": True} if fused else {"foreach": True}
     optimizer = torch.optim.AdamW(param_groups(model, opt.weight_decay), lr=opt.lr,
-                                  betas=opt.betas, eps=opt.eps, foreach=True)
+                                  betas=opt.betas, eps=opt.eps, **kernel)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(training.steps, opt.warmup_steps, opt.min_lr_ratio))
     return optimizer, scheduler
@@ -162,7 +167,8 @@ class TorchEngine:
         self.grad_clip = t.optimizer.grad_clip
         self.autocast_dtype = torch.bfloat16 if spec.model.dtype == "bf16" else None
         self.module = parts.parts[0] if len(parts.parts) == 1 else nn.ModuleList(parts.parts)
-        self.optimizer, self.scheduler = make_optimizer(self.module, t)
+        self.fused_optimizer = fastpath.resolve(t.fused_optimizer, device)
+        self.optimizer, self.scheduler = make_optimizer(self.module, t, self.fused_optimizer)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """(name in the whole model, parameter) for every parameter this rank holds."""
@@ -230,7 +236,7 @@ class TorchEngine:
                 dist.all_reduce(total, group=group)
         return total.sqrt()
 
-    def apply(self) -> float:
+    def apply(self) -> torch.Tensor:
         norm = self.grad_norm()
         if self.grad_clip > 0:
             coef = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
@@ -240,7 +246,7 @@ class TorchEngine:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm.detach()
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

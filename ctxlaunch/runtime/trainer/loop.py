@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ctxlaunch.contract import events, exitcodes
 from ctxlaunch.cp.comm import exposed_comm_seconds
 from ctxlaunch.perf.flops import flops_per_token
-from ctxlaunch.runtime.trainer import checkpoint, faults, stopsignal
+from ctxlaunch.runtime.trainer import checkpoint, fastpath, faults, stopsignal
+from ctxlaunch.runtime.trainer import model as model_module
 from ctxlaunch.runtime.trainer.data import Batches, MicroBatch, make_source
 from ctxlaunch.runtime.trainer.engines import Engine, make_engine
 from ctxlaunch.runtime.trainer.model import Transformer
@@ -64,6 +65,7 @@ class Trainer:
         self.run_dir = run_dir
         t = spec.training
         torch.manual_seed(t.seed)
+        model_module.set_compiled(fastpath.resolve(t.compile, device))
         with torch.device("meta"):  # parallelize materialises only this rank's share
             model = Transformer.from_spec(spec.model)
         parts = parallelize(model, ctx=ctx, settings=ParallelSettings.from_spec(spec),
@@ -100,10 +102,16 @@ class Trainer:
         self.engine.finish_gradients()
         if on_gradients is not None:
             on_gradients(self.engine)
-        grad_norm = self.engine.apply()
+        norm = self.engine.apply()
         lr = self.engine.lr()
-        local = torch.stack(losses).float().mean() if losses else torch.zeros(())
-        loss, self._stop_agreed = self._reduce(local)
+        local = (torch.stack(losses).float().mean() if losses
+                 else torch.zeros((), device=self.device))
+        # The step's one host synchronisation: the loss and the gradient norm read together.
+        host = torch.stack([local.detach().float(),
+                            torch.as_tensor(norm, dtype=torch.float32, device=local.device)]
+                           ).cpu()
+        grad_norm = float(host[1])
+        loss, self._stop_agreed = self._reduce(host[0])
         seconds = time.perf_counter() - start
         self.step += 1
         tokens_per_second = self.tokens_per_gpu / seconds
@@ -127,7 +135,8 @@ class Trainer:
         return int(count)
 
     def _reduce(self, loss: torch.Tensor) -> tuple[float, bool]:
-        """The job's mean loss, and whether any rank got a stop signal, in one collective.
+        """The job's mean loss (from this rank's, a CPU tensor), and whether any rank got a
+        stop signal, in one collective.
         Every rank that computes a loss (all of them, or the last pipeline stage's) holds the
         mean of its micro-batches' losses, each its summed loss over P / (DP x CP x
         grad_accum) (P the step's predicted tokens, see engines.py), so their sum over the
@@ -136,7 +145,7 @@ class Trainer:
         stop = stopsignal.received() is not None
         if not dist.is_initialized() or self.ctx.world_size == 1:
             return float(loss), stop
-        packed = torch.stack([loss.detach().to(torch.float64).cpu(),
+        packed = torch.stack([loss.detach().to(torch.float64),
                               torch.tensor(float(stop), dtype=torch.float64)])
         dist.all_reduce(packed)
         return float(packed[0]) / (self.ctx.world_size // self.ctx.pp), bool(packed[1] > 0)

@@ -166,7 +166,7 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from ctxlaunch.runtime.telemetry.training import TrainingTelemetry
-    from ctxlaunch.runtime.trainer import heartbeat
+    from ctxlaunch.runtime.trainer import fastpath, heartbeat
     from ctxlaunch.runtime.trainer.checkpoint import CheckpointWriteError
     from ctxlaunch.runtime.trainer.loop import Trainer
 
@@ -184,7 +184,8 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
         log(f"ctxlaunch: {spec.name}: {denv.world_size} ranks ({denv.launcher}), dp {ctx.dp} "
             f"x cp {ctx.cp} ({spec.parallel.cp_algorithm}, {ctx.layout}) x tp {ctx.tp} x pp "
             f"{ctx.pp} (blocks per stage {list(spec.stage_layers)}), "
-            f"ZeRO-{spec.training.zero_stage}, {spec.model.dtype}, device {device.type}")
+            f"ZeRO-{spec.training.zero_stage}, {spec.model.dtype}, device {device.type}, "
+            + fastpath.describe(spec, device))
         if denv.rank == 0:
             events.append_event(run_dir, events.STARTED, restart=events.restart_count(),
                                 world_size=denv.world_size)

@@ -162,7 +162,7 @@ def measure_training_peak(spec: JobSpec, ctx: ParallelContext, steps: int = 2) -
                 with phase(f"step {step}/gradients"):
                     finish()
 
-            def apply_marked(step: int = step) -> float:
+            def apply_marked(step: int = step) -> float | torch.Tensor:
                 with phase(f"step {step}/optimizer"):
                     return apply()
 

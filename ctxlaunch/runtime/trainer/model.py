@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -76,16 +76,87 @@ def _row_chunks(rows: int) -> Iterator[slice]:
         yield slice(start, start + BACKWARD_CHUNK_TOKENS)
 
 
+# -- compiled pointwise math (training.compile) -----------------------------------------------
+# Each function below is the whole pointwise body of one step of RMSNorm, SwiGLU or RoPE, so
+# that inductor fuses it into one kernel (no fp32 temporaries in memory). The autograd
+# Functions keep what they save and their token chunks: compiling changes only how one chunk
+# is computed, so the planner's constants still hold (its count of the eager backward's fp32
+# temporaries becomes an upper bound). Attention and the matmuls are never compiled.
+def _rms_forward_math(x: torch.Tensor, weight: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    x32 = _upcast(x)
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * rstd * _upcast(weight)).to(x.dtype), rstd
+
+
+def _rms_backward_math(x: torch.Tensor, grad_y: torch.Tensor, rstd: torch.Tensor,
+                       weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_x in x's dtype, the gain's gradient summed over these rows, fp32) of rows."""
+    normed = _upcast(x) * rstd
+    g32 = _upcast(grad_y)
+    gw = g32 * _upcast(weight)
+    mean = (gw * normed).mean(-1, keepdim=True)
+    return ((gw - normed * mean) * rstd).to(x.dtype), (g32 * normed).sum(0)
+
+
+def _swiglu_forward_math(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _swiglu_backward_math(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_gate, grad_up) of rows, computed in fp32, in the inputs' dtype."""
+    g32, dy32 = _upcast(gate), _upcast(dy)
+    sig = torch.sigmoid(g32)
+    grad_up = g32 * sig * dy32
+    grad_gate = sig * (1 + g32 * (1 - sig)) * dy32 * _upcast(up)
+    return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
+
+
+def _apply_rope_math(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+
+
+_EAGER_POINTWISE: dict[str, Callable[..., Any]] = {
+    "rms_forward": _rms_forward_math, "rms_backward": _rms_backward_math,
+    "swiglu_forward": _swiglu_forward_math, "swiglu_backward": _swiglu_backward_math,
+    "rope": _apply_rope_math}
+_compiled_pointwise: dict[str, Callable[..., Any]] = {}
+_POINTWISE: dict[str, Callable[..., Any]] | None = None
+"""The compiled kernels while `set_compiled(True)` holds, else None (the eager code below)."""
+
+
+def set_compiled(enabled: bool) -> None:
+    """Run the pointwise work of every block through torch.compile (`enabled`) or eagerly.
+    Process-wide: the autograd Functions are static. Each function is compiled once per input
+    shape and dtype, on first use (fullgraph; attention stays outside every compiled region)."""
+    global _POINTWISE
+    if enabled and not _compiled_pointwise:
+        for name, fn in _EAGER_POINTWISE.items():
+            _compiled_pointwise[name] = torch.compile(fn, fullgraph=True, dynamic=False)
+    _POINTWISE = _compiled_pointwise if enabled else None
+
+
+def _pointwise(name: str) -> Callable[..., Any]:
+    return (_POINTWISE or _EAGER_POINTWISE)[name]
+
+
+def compiled() -> bool:
+    """Whether the pointwise work runs compiled (`set_compiled`)."""
+    return _POINTWISE is not None
+
+
 class _RMSNorm(torch.autograd.Function):
     """y = x / rms(x) * w, in fp32 inside; saves x and the fp32 1/rms only. Backward computes
     in fp32 over chunks of tokens, so its fp32 temporaries are (chunk x h), not (tokens x h)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x32 = _upcast(x)
-        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        y, rstd = _pointwise("rms_forward")(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (x32 * rstd * _upcast(weight)).to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
@@ -94,8 +165,13 @@ class _RMSNorm(torch.autograd.Function):
         x2, g2, rstd2 = x.reshape(-1, h), grad_y.reshape(-1, h), rstd.reshape(-1, 1)
         grad_x = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         grad_weight = torch.zeros(h, dtype=rstd.dtype, device=x.device)
+        kernel = None if _POINTWISE is None else _POINTWISE["rms_backward"]
         w32 = _upcast(weight)
         for rows in _row_chunks(x2.shape[0]):
+            if kernel is not None:
+                grad_x[rows], gw_rows = kernel(x2[rows], g2[rows], rstd2[rows], weight)
+                grad_weight += gw_rows
+                continue
             r = rstd2[rows]
             normed = _upcast(x2[rows]) * r
             g32 = _upcast(g2[rows])
@@ -129,7 +205,7 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+        return _pointwise("swiglu_forward")(gate, up)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -138,7 +214,11 @@ class _SwiGLU(torch.autograd.Function):
         gate2, up2, grad2 = gate.reshape(-1, f), up.reshape(-1, f), grad.reshape(-1, f)
         grad_gate = torch.empty(gate2.shape, dtype=gate.dtype, device=gate.device)
         grad_up = torch.empty(up2.shape, dtype=up.dtype, device=up.device)
+        kernel = None if _POINTWISE is None else _POINTWISE["swiglu_backward"]
         for rows in _row_chunks(gate2.shape[0]):
+            if kernel is not None:
+                grad_gate[rows], grad_up[rows] = kernel(gate2[rows], up2[rows], grad2[rows])
+                continue
             g32 = _upcast(gate2[rows])
             sig = torch.sigmoid(g32)
             dy = _upcast(grad2[rows])
@@ -230,9 +310,7 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: tor
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (B, S, H, D) by the tables (S, D) or (B, S, D)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+    return _pointwise("rope")(x, cos, sin)
 
 
 class Attention(nn.Module):
