@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     import torch
 
     from ctxlaunch.contract.spec import JobSpec
-    from ctxlaunch.runtime.trainer.parallelize import ParallelContext
     from ctxlaunch.runtime.trainer.distenv import DistEnv
+    from ctxlaunch.runtime.trainer.parallelize import ParallelContext
 
 
 class SetupError(Exception):
