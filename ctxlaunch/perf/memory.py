@@ -292,6 +292,17 @@ class Phase:
         return (self.parameters + self.gradients + self.optimizer_states + self.activations
                 + self.workspace)
 
+    def parts(self) -> list[tuple[str, float]]:
+        return [("parameters", self.parameters), ("gradients", self.gradients),
+                ("optimizer_states", self.optimizer_states), ("activations", self.activations),
+                ("workspace", self.workspace)]
+
+    def to_dict(self) -> dict[str, str | int]:
+        out: dict[str, str | int] = {"name": self.name}
+        out.update({f"{name}_bytes": int(value) for name, value in self.parts()})
+        out["total_bytes"] = int(self.total)
+        return out
+
 
 def _states(model: ModelSpec, layout: Layout) -> tuple[float, float, float]:
     params = params_per_rank(model, layout.tp, layout.pp, layout.rank_layers(model.layers))
