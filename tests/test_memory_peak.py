@@ -101,7 +101,7 @@ def test_peak_within_2_percent_dp_zero_and_cp() -> None:
                {"parallel.cp": 2, "training.activation_checkpointing": "full"}], 0.04)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1100)
 def test_peak_deepspeed_zero1_and_zero2_within_2_percent() -> None:
     """DeepSpeed ZeRO-1 and ZeRO-2 in bf16 at dp 2, both ranks: the reduce bucket
     (reduce_bucket_size = 200 M elements of bf16, one: overlap_comm is off), the bf16
@@ -109,8 +109,9 @@ def test_peak_deepspeed_zero1_and_zero2_within_2_percent() -> None:
     only inside the step). The bucket is 400 MB of the 505 MB peak, so 2 % of the peak is 10 MB:
     without it the rest reads -0.55 % (ZeRO-1) and -0.32 % (ZeRO-2) (seen 2026-12-02), and the
     bound a wrong bucket size or count would break is far tighter than any term's size."""
-    _check(2, [{"training.global_batch": 2, "training.zero_stage": z, "model.dtype": "bf16"}
-               for z in (1, 2)], 0.02)
+    for stage in (1, 2):  # one world each: DeepSpeed's start-up is slow on a shared CPU
+        _check(2, [{"training.global_batch": 2, "training.zero_stage": stage,
+                    "model.dtype": "bf16"}], 0.02)
 
 
 @pytest.mark.timeout(600)
@@ -130,9 +131,11 @@ def test_peak_at_pp2_four_micro_batches_and_tp2_within_what_is_modelled_today() 
     - PP 2 at 4 micro-batches (full checkpointing): the last stage within 1 %, the first 2.5 to
       3.5 % low (seen 2026-12-02: -3.53 % at 4,096 tokens, -2.49 % at 2,048), about one
       (tokens x h) fp32 tensor of 1F1B's steady phase not yet identified: bound 5 %;
-    - TP 2: 8 to 16 % low (the sequence-parallel collectives' gathered gradients, and the
-      ranks' peaks move by up to 10 MB between runs, with when gloo's collectives complete):
-      bound 20 %."""
+    - TP 2: the record misses frees made on gloo's threads; since memtrace takes a block off
+      the curve when its address is reused, seen -8.13 % / -0.61 % (ranks 0 / 1) in one run and
+      -2.61 % on both in the next (before: -6.4 to -16.1 %); rank 0's -8 % is missed frees
+      whose address was not reused before the peak (its blocks live at the peak sum to 0.6 %
+      above the plan): bound 15 %."""
     _check(2, [{"parallel.pp": 2, "training.global_batch": 4,
                 "training.activation_checkpointing": "full"}], 0.05)
-    _check(2, [{"parallel.tp": 2}], 0.20)
+    _check(2, [{"parallel.tp": 2}], 0.15)
