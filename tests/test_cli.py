@@ -51,6 +51,26 @@ def test_plan_json_is_machine_readable() -> None:
     assert set(data["flops"]["per_token"]) == {"full", "causal"}
 
 
+def test_plan_names_the_peak_phase_and_its_parts() -> None:
+    """`plan` (text and --json) names the phase of the step that is the peak, with its parts
+    adding up to its total, and the estimate never plans below it."""
+    path = str(JOBS / "llama3-8b-128k-slurm.yaml")
+    data = json.loads(run("plan", path, "--json").stdout)
+    phases = data["memory_phases"]["phases"]
+    names = [p["name"] for p in phases]
+    assert names[:3] == ["forward", "loss backward", "block backward"], names
+    assert names[-1] == "optimizer step", names
+    top = max(phases, key=lambda p: p["total_bytes"])
+    assert data["memory_phases"]["peak"] == top["name"]
+    for p in phases:
+        parts = sum(v for k, v in p.items() if k.endswith("_bytes") and k != "total_bytes")
+        assert abs(parts - p["total_bytes"]) <= 5, p  # each part rounded to whole bytes
+    memory = data["memory"]
+    assert memory["total_bytes"] - memory["allowance_bytes"] >= top["total_bytes"]
+    text = run("plan", path).stdout
+    assert "phase by phase" in text and f"{top['name']} (peak)" in text
+
+
 def test_plan_table_names_both_conventions() -> None:
     result = run("plan", str(JOBS / "llama3-8b-128k-slurm.yaml"))
     assert result.exit_code == 0

@@ -8,9 +8,10 @@ Modelled: model states, what autograd saves, the loss chunk, the last block's fe
 backward (the step's peak: gate and up's gradients, the chunked SwiGLU backward's fp32
 temporaries, recomputation under checkpointing), the gradients produced so far, the optimizer
 step. Not modelled here: what the CPU does not allocate through c10 (gloo's and oneDNN's own
-buffers), and what CUDA adds (the stated `cuda_kernel_allowance`). TP 2 and PP 2 are not yet
-modelled to 2 % (the TP collectives' gathered gradients, 1F1B's in-flight micro-batch gradients
-per stage): their test asserts the bound they reach today, named, so it can only tighten."""
+buffers), and what CUDA adds (the stated `cuda_kernel_allowance`). PP is planned stage by stage
+(`peak(..., stage=r)`, torch's Schedule1F1B as the trainer runs it) and checked on every stage.
+TP 2, and PP 2's first stage at 4 micro-batches, are not yet within 2 %: their test asserts
+the bound they reach today, named, so it can only tighten."""
 
 from __future__ import annotations
 
@@ -61,8 +62,12 @@ def _check(world: int, cases: list[dict[str, object]], tolerance: float) -> None
     failures = []
     for index, case in enumerate(cases):
         spec = validate_spec(specs[index])
-        predicted = peak(spec.model, Layout.from_spec(spec))
+        layout = Layout.from_spec(spec)
         for rank in range(world):
+            # Under PP each rank is planned as its own stage: pp is the outermost dimension of
+            # the trainer's rank order (ParallelContext.pp_rank).
+            stage = rank // (world // layout.pp) if layout.pp > 1 else None
+            predicted = peak(spec.model, layout, stage)
             measured, where = ranks[rank][index]
             error = predicted.total / measured - 1
             print(f"{case} rank {rank}: predicted {predicted.total:,.0f} ({predicted.name}) "
@@ -96,7 +101,41 @@ def test_peak_within_2_percent_dp_zero_and_cp() -> None:
                {"parallel.cp": 2, "training.activation_checkpointing": "full"}], 0.04)
 
 
+@pytest.mark.timeout(1100)
+def test_peak_deepspeed_zero1_and_zero2_within_2_percent() -> None:
+    """DeepSpeed ZeRO-1 and ZeRO-2 in bf16 at dp 2, both ranks: the reduce bucket
+    (reduce_bucket_size = 200 M elements of bf16, one: overlap_comm is off), the bf16
+    parameters and gradients, the fp32 master and Adam partitions (the fp32 gradient partition
+    only inside the step). The bucket is 400 MB of the 505 MB peak, so 2 % of the peak is 10 MB:
+    without it the rest reads -0.55 % (ZeRO-1) and -0.32 % (ZeRO-2) (seen 2026-12-02), and the
+    bound a wrong bucket size or count would break is far tighter than any term's size."""
+    for stage in (1, 2):  # one world each: DeepSpeed's start-up is slow on a shared CPU
+        _check(2, [{"training.global_batch": 2, "training.zero_stage": stage,
+                    "model.dtype": "bf16"}], 0.02)
+
+
 @pytest.mark.timeout(600)
-def test_peak_at_tp2_and_pp2_within_what_is_modelled_today() -> None:
-    """TP 2 and PP 2: not yet within 2 % (see the module docstring); the bound they reach."""
-    _check(2, [{"parallel.tp": 2}, {"parallel.pp": 2, "training.global_batch": 2}], 0.35)
+def test_peak_at_pp2_within_2_percent_on_each_stage() -> None:
+    """PP 2 (torch's Schedule1F1B) at 2 micro-batches, no checkpointing and selective: each
+    stage against its own plan (`peak(..., stage=r)`): the first holding both micro-batches
+    and its outputs, the last one micro-batch, every output until the step ends, and the
+    receive buffers on both."""
+    _check(2, [{"parallel.pp": 2, "training.global_batch": 2},
+               {"parallel.pp": 2, "training.global_batch": 2,
+                "training.activation_checkpointing": "selective"}], 0.02)
+
+
+@pytest.mark.timeout(600)
+def test_peak_at_pp2_four_micro_batches_and_tp2_within_what_is_modelled_today() -> None:
+    """Not yet within 2 %, the bound each reaches asserted so it can only tighten:
+    - PP 2 at 4 micro-batches (full checkpointing): the last stage within 1 %, the first 2.5 to
+      3.5 % low (seen 2026-12-02: -3.53 % at 4,096 tokens, -2.49 % at 2,048), about one
+      (tokens x h) fp32 tensor of 1F1B's steady phase not yet identified: bound 5 %;
+    - TP 2: the record misses frees made on gloo's threads; since memtrace takes a block off
+      the curve when its address is reused, seen -8.13 % / -0.61 % (ranks 0 / 1) in one run and
+      -2.61 % on both in the next (before: -6.4 to -16.1 %); rank 0's -8 % is missed frees
+      whose address was not reused before the peak (its blocks live at the peak sum to 0.6 %
+      above the plan): bound 15 %."""
+    _check(2, [{"parallel.pp": 2, "training.global_batch": 4,
+                "training.activation_checkpointing": "full"}], 0.05)
+    _check(2, [{"parallel.tp": 2}], 0.15)

@@ -42,6 +42,7 @@ def print_plan(report: PlanReport) -> None:
     out.print(table)
     colour = "green" if e.fits else "red"
     out.print(f"[bold {colour}]{report.verdict()}[/]")
+    print_phases(report)
 
     cps = Table(title="At other CP degrees (TP, PP, DP held)", title_justify="left")
     for column in ("cp", "GPUs", "nodes", "GiB/GPU", "fits", "longest seq that fits", "note"):
@@ -71,6 +72,24 @@ def print_plan(report: PlanReport) -> None:
                   f"{st['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, MFU "
                   f"{st['mfu']['full']:.1%} (full) / {st['mfu']['causal']:.1%} (causal); "
                   f"`ctxlaunch advise` ranks the other layouts")
+
+
+def print_phases(report: PlanReport) -> None:
+    """What the busiest rank holds at the highest moment of each phase of a steady-state step,
+    by part (before the allowance), the step's peak marked."""
+    top = report.peak_phase
+    if top is None:
+        return
+    table = Table(title="The step, phase by phase (busiest rank, GiB, before the allowance)",
+                  title_justify="left")
+    table.add_column("phase")
+    for name, _ in top.parts():
+        table.add_column(name.replace("_", " "), justify="right")
+    table.add_column("total", justify="right")
+    for phase in report.phases:
+        label = f"[bold]{phase.name} (peak)[/]" if phase is top else phase.name
+        table.add_row(label, *(gib(v) for _, v in phase.parts()), gib(phase.total))
+    out.print(table)
 
 
 _SCHEDULERS = {"slurm": "Slurm", "kubernetes": "PyTorchJob"}

@@ -74,6 +74,15 @@ phase of a steady-state step (step 2 on: AdamW creates its states at the first s
   the block (r*h), under checkpointing the recomputed half (and its bf16 weight copies), and
   the gradients produced so far (head, final norm, down projection);
 - the optimizer step: every gradient, and foreach AdamW's fp32 denominator per parameter.
+Under PP each stage is planned on its own (`peak_phases(..., stage=r)`; the step's peak is the
+highest stage's), after torch.distributed.pipelining's Schedule1F1B as the trainer runs it:
+stage r holds its own parameters, runs min(pp - r, micro-batches) forwards before its first
+backward, keeps each forward's output (stages before the last) for the backward, and keeps one
+receive buffer per micro-batch of the step for activations (stages after the first) and for
+gradients (stages before the last); the last stage keeps every micro-batch's output until the
+step ends (return_outputs), and a stage after the first the previous backward's input gradient.
+Backward j of the step runs with min(j + in-flight, micro-batches) - j micro-batches saved and,
+from the second on, with every gradient of the stage.
 Before the chunked backward passes (model.py), SwiGLU's backward held 7 fp32 (tokens x f)
 temporaries in bf16 (28 bytes per token per f; 32 with its outputs), which no term counted.
 Measured against the allocator's own record (memtrace.AllocatorTrace) on the CPU in
@@ -285,12 +294,26 @@ class Phase:
     activations: float
     """Saved for backward and not yet released, recomputed parts included."""
     workspace: float
-    """Transients: gradients in flight between ops, kernel temporaries, the loss chunk."""
+    """Transients: gradients in flight between ops, kernel temporaries, the loss chunk (and the
+    pipeline schedule's receive buffers)."""
+    stage: int = 0
+    """The pipeline stage (PP rank) this is the phase of."""
 
     @property
     def total(self) -> float:
         return (self.parameters + self.gradients + self.optimizer_states + self.activations
                 + self.workspace)
+
+    def parts(self) -> list[tuple[str, float]]:
+        return [("parameters", self.parameters), ("gradients", self.gradients),
+                ("optimizer_states", self.optimizer_states), ("activations", self.activations),
+                ("workspace", self.workspace)]
+
+    def to_dict(self) -> dict[str, str | int]:
+        out: dict[str, str | int] = {"name": self.name, "stage": self.stage}
+        out.update({f"{name}_bytes": int(value) for name, value in self.parts()})
+        out["total_bytes"] = int(self.total)
+        return out
 
 
 def _states(model: ModelSpec, layout: Layout) -> tuple[float, float, float]:
@@ -346,46 +369,133 @@ def _last_block_grad_bytes(model: ModelSpec, layout: Layout, params_bytes_per_pa
         / layout.tp
 
 
-def peak_phases(model: ModelSpec, layout: Layout) -> list[Phase]:
-    """The highest moment of each phase of a steady-state step on the busiest rank: the end of
-    forward, the loss chunk in backward, the last block's feed-forward backward (SwiGLU), and
-    the optimizer step. The peak of the step is the largest (`peak`)."""
-    parameters, gradients, optimizer = _states(model, layout)
-    saved = activation_bytes(model, layout)
+def stage_params(model: ModelSpec, layout: Layout, stage: int) -> int:
+    """Parameters PP rank `stage` holds before ZeRO sharding (its blocks, the embedding on the
+    first, the final norm and head on the last), split by TP."""
+    if layout.pp == 1:
+        return params_per_rank(model, layout.tp, 1)
+    counts = count_params(model)
+    held = counts.per_layer * layout.rank_layers(model.layers)[stage]
+    if stage == 0:
+        held += counts.embedding
+    if stage == layout.pp - 1:
+        held += counts.final_norm + counts.head
+    return -(-held // layout.tp)
+
+
+def _stage_states(model: ModelSpec, layout: Layout, stage: int) -> tuple[float, float, float]:
+    params = stage_params(model, layout, stage)
+    if layout.fsdp:
+        return fsdp_state_bytes(params, largest_layer_params(model, layout.tp),
+                                layout.zero_stage, layout.shard_group)
+    return model_state_bytes(params, largest_layer_params(model, layout.tp), layout.zero_stage,
+                             layout.shard_group, layout.dtype)
+
+
+def pipeline_buffer_bytes(model: ModelSpec, layout: Layout, stage: int) -> float:
+    """The schedule's receive buffers on PP rank `stage` (torch.distributed.pipelining): one
+    (micro_batch, tokens / tp, h) buffer per micro-batch of the step for the activations coming
+    in (every stage but the first) and one for the gradients coming back (every stage but the
+    last), allocated at the first step and kept; in the residual stream's dtype (fp32: the
+    trainer's pipeline runs fp32 weights)."""
+    if layout.pp == 1:
+        return 0.0
+    one = layout.residual_bytes * model.hidden * layout.tokens_per_rank / layout.tp
+    return layout.grad_accum * one * ((stage > 0) + (stage < layout.pp - 1))
+
+
+def peak_phases(model: ModelSpec, layout: Layout, stage: int | None = None) -> list[Phase]:
+    """The highest moment of each phase of a steady-state step on PP rank `stage` (default:
+    the rank whose peak is highest): the end of forward, the loss chunk in backward (last
+    stage), the feed-forward backward of the stage's last block (SwiGLU), and the optimizer
+    step. The peak of the step is the largest (`peak`)."""
+    if stage is not None or layout.pp == 1:
+        return _stage_phases(model, layout, stage or 0)
+    per_stage = [_stage_phases(model, layout, r) for r in range(layout.pp)]
+    return max(per_stage, key=lambda phases: max(p.total for p in phases))
+
+
+def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
+    pp = layout.pp
+    first, last = stage == 0, stage == pp - 1
+    blocks = layout.rank_layers(model.layers)[stage] if pp > 1 else model.layers
+    parameters, gradients, optimizer = _stage_states(model, layout, stage)
     a, r, h = layout.compute_bytes, layout.residual_bytes, model.hidden
     tokens = layout.tokens_per_rank / layout.tp  # sequence-parallel tokens
     full_tokens = layout.tokens_per_rank  # tokens of the CP shard (TP-gathered)
-    grad_per_param = gradients / max(params_per_rank(model, layout.tp, layout.pp,
-                                                     layout.rank_layers(model.layers)), 1)
-    phases = [Phase("forward", parameters, 0.0, optimizer, saved, 0.0)]
-    # The loss, chunk by chunk in backward: the gradient of its whole input exists from the
-    # first chunk on, next to one chunk's logits (recomputed) and their fp32 work.
-    loss_input_grad = r * h * full_tokens
-    phases.append(Phase("loss backward", parameters, 0.0, optimizer, saved,
-                        loss_input_grad + _loss_workspace_bytes(model, layout)))
-    # The last block's feed-forward backward: the loss's saved tensors released, the SwiGLU
-    # output replaced by its gradient (same bytes), gate and up's gradients and the chunk's
-    # fp32 temporaries on top, with the gradient flowing into the block.
+    grad_per_param = gradients / max(stage_params(model, layout, stage), 1)
+    # 1F1B: stage r runs pp - r forwards before its first backward (at most the step's
+    # micro-batches), each leaving what it saved, and on a stage that sends its output on,
+    # that output, which the schedule keeps for the stage's backward. On every stage but the
+    # first the blocks' input is the schedule's receive buffer (`pipeline_buffer_bytes`),
+    # not a tensor of its own.
+    in_flight = min(pp - stage, layout.grad_accum) if pp > 1 else 1
+    one = stage_activation_bytes(model, layout, blocks, first=first, last=last)
+    if pp > 1:
+        one += r * h * tokens * ((not last) - (not first))
+    buffers = pipeline_buffer_bytes(model, layout, stage)
+    # DeepSpeed ZeRO-1/2 (bf16): the fp32 gradient partition exists only inside the optimizer
+    # step, and backward fills one reduce bucket (`deepspeed_bucket_bytes`).
+    bucket = deepspeed_bucket_bytes(layout)
+    held_states = optimizer - (4 * stage_params(model, layout, stage) // layout.shard_group
+                               if bucket else 0)
+    saved = in_flight * one
+    phases = [Phase("forward", parameters, 0.0, held_states, saved, buffers, stage)]
+    buffers += bucket  # from the first backward hook to the end of backward
+    if last:
+        # The loss, chunk by chunk in backward: the gradient of its whole input exists from
+        # the first chunk on, next to one chunk's logits (recomputed) and their fp32 work.
+        loss_input_grad = r * h * full_tokens
+        phases.append(Phase("loss backward", parameters, 0.0, held_states, saved,
+                            buffers + loss_input_grad + _loss_workspace_bytes(model, layout),
+                            stage))
+    # The last block's feed-forward backward: the loss's saved tensors released (last stage),
+    # the SwiGLU output replaced by its gradient (same bytes), gate and up's gradients and the
+    # chunk's fp32 temporaries on top, with the gradient flowing into the block (on a stage
+    # that is not the last it arrived in a receive buffer). Backward j of the step (1F1B) runs
+    # with min(j + in_flight, n) - j micro-batches still saved, the current one included, and
+    # from the second on with every gradient of the stage (accumulated). On the last stage the
+    # schedule keeps every micro-batch's output until the step ends (torch's
+    # return_outputs=True, which the trainer does not turn off), and on every stage but the
+    # first the previous backward's input gradient stays referenced (the stage's grads_input)
+    # until the next one replaces it.
     f = model.ffn_hidden / layout.tp
     recompute = tokens * (_feed_forward_recompute_bytes_per_token(model, layout)
                           + _attention_recompute_bytes_per_token(model, layout))
     if layout.activation_checkpointing != "none" and layout.fp32_weights and layout.dtype == "bf16":
         recompute += 2.0 * 3 * h * model.ffn_hidden / layout.tp  # bf16 weight copies again
-    held = saved - tokens * _loss_released_bytes_per_token(model, layout) + recompute
-    ffn_work = r * h * tokens + 2 * a * f * full_tokens + _swiglu_backward_temporaries(model,
-                                                                                        layout)
-    phases.append(Phase("block backward", parameters,
-                        _last_block_grad_bytes(model, layout, grad_per_param), optimizer, held,
-                        ffn_work))
+    if last:
+        released = tokens * _loss_released_bytes_per_token(model, layout)
+        produced = _last_block_grad_bytes(model, layout, grad_per_param)
+    else:
+        released = 0.0
+        produced = grad_per_param * h * model.ffn_hidden / layout.tp  # the down projection
+    ffn_work = (r * h * tokens if last else 0.0) + 2 * a * f * full_tokens \
+        + _swiglu_backward_temporaries(model, layout)
+    n = layout.grad_accum
+    between = r * h * tokens  # one micro-batch's hidden states between stages
+    # Later backwards only hold fewer micro-batches, except the last stage's kept outputs.
+    for j in sorted({0, min(1, n - 1)} | ({n - 1} if pp > 1 and last else set())):
+        held = (min(j + in_flight, n) - j) * one + recompute - released
+        extra = 0.0
+        if pp > 1 and last:
+            extra += (j + 1) * between
+        if pp > 1 and not first and j > 0:
+            extra += between
+        name = "block backward" if j == 0 else f"block backward (micro-batch {j + 1} of {n})"
+        phases.append(Phase(name, parameters, produced if j == 0 else gradients, held_states,
+                            held, buffers + ffn_work + extra, stage))
     # The optimizer step: every gradient, and foreach AdamW's fp32 denominator for every
     # parameter (sqrt of the second moment, divided, plus eps) before the update.
-    phases.append(Phase("optimizer step", parameters, gradients, optimizer, 0.0, parameters))
+    phases.append(Phase("optimizer step", parameters, gradients, optimizer, 0.0,
+                        buffers - bucket + parameters, stage))
     return phases
 
 
-def peak(model: ModelSpec, layout: Layout) -> Phase:
-    """The highest phase of a steady-state step (see `peak_phases`)."""
-    return max(peak_phases(model, layout), key=lambda p: p.total)
+def peak(model: ModelSpec, layout: Layout, stage: int | None = None) -> Phase:
+    """The highest phase of a steady-state step on PP rank `stage` (default: the busiest;
+    see `peak_phases`)."""
+    return max(peak_phases(model, layout, stage), key=lambda p: p.total)
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,11 +553,25 @@ def largest_layer_params(model: ModelSpec, tp: int = 1) -> int:
     return -(-max(counts.per_layer, counts.embedding, counts.head) // tp)
 
 
+def deepspeed_bucket_bytes(layout: Layout) -> int:
+    """The bundled trainer under DeepSpeed ZeRO-1/2 in bf16: backward reduces gradients through
+    one contiguous bucket of reduce_bucket_size elements in the compute dtype (ipg_buffer in
+    deepspeed/runtime/zero/stage_1_and_2.py; one, since the trainer sets overlap_comm false),
+    allocated at the first gradient hook of every micro-batch and dropped before the step.
+    Measured: 400,000,000 bytes at 200 M elements (tests/test_memory_peak.py)."""
+    if (layout.framework != "ctxlaunch" or layout.fsdp or layout.zero_stage not in (1, 2)
+            or layout.shard_group == 1 or layout.dtype != "bf16"):
+        return 0
+    return ZERO_BUCKET_ELEMENTS * layout.compute_bytes
+
+
 def _communication_buffer_bytes(layout: Layout) -> int:
     if layout.shard_group == 1:
         return 0
     if layout.zero_stage == 0:
         return 4 * GRAD_BUCKET_ELEMENTS
+    if deepspeed_bucket_bytes(layout):
+        return deepspeed_bucket_bytes(layout)  # in the phases too: counted once (`estimate`)
     if layout.zero_stage in (1, 2):
         return 2 * ZERO_BUCKET_ELEMENTS * layout.compute_bytes
     return 2 * ZERO3_PREFETCH_ELEMENTS * layout.compute_bytes
@@ -493,10 +617,11 @@ def estimate(model: ModelSpec, layout: Layout, gpu: GpuInfo) -> MemoryEstimate:
     )
     # The phase-by-phase peak (issue 18): never plan below what is live at the highest moment
     # of a steady-state step of the bundled trainer, whatever the sum of the parts above says.
+    comm = _communication_buffer_bytes(layout)
     if layout.framework == "ctxlaunch":
         workspace = max(workspace, peak(model, layout).total
-                        - (parameters + gradients + optimizer + activations))
-    comm = _communication_buffer_bytes(layout)
+                        - (parameters + gradients + optimizer + activations
+                           + deepspeed_bucket_bytes(layout)))
     known = parameters + gradients + optimizer + activations + workspace + comm
     fixed = CPU_FIXED_ALLOWANCE if gpu.name == "cpu" else GPU_FIXED_ALLOWANCE + \
         cuda_kernel_allowance(model, layout)

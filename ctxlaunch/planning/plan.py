@@ -14,7 +14,13 @@ from ctxlaunch.contract.spec import JobSpec, cp_problems, problem_message
 from ctxlaunch.perf.flops import CONVENTIONS, count_params, flops_per_token
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.machine import Machine, machine_for
-from ctxlaunch.perf.memory import MemoryEstimate, estimate, longest_sequence
+from ctxlaunch.perf.memory import (
+    MemoryEstimate,
+    Phase,
+    estimate,
+    longest_sequence,
+    peak_phases,
+)
 from ctxlaunch.perf.steptime import predict
 
 MAX_CP = 256
@@ -62,6 +68,13 @@ class PlanReport:
     warnings: list[str] = field(default_factory=list)
     step_time: dict[str, Any] | None = None
     """The step-time model's prediction for this layout (ctxlaunch.perf.steptime), where it fits."""
+    phases: list[Phase] = field(default_factory=list)
+    """What the busiest rank holds at the highest moment of each phase of a steady-state step
+    (`memory.peak_phases`), before the allowance; the largest is the step's peak."""
+
+    @property
+    def peak_phase(self) -> Phase | None:
+        return max(self.phases, key=lambda p: p.total) if self.phases else None
 
     @property
     def fits(self) -> bool:
@@ -104,6 +117,10 @@ class PlanReport:
                 "dtype": s.model.dtype,
             },
             "memory": self.estimate.to_dict(),
+            "memory_phases": {
+                "peak": self.peak_phase.name if self.peak_phase else None,
+                "phases": [p.to_dict() for p in self.phases],
+            },
             "verdict": self.verdict(),
             "cp_options": [
                 {"cp": o.cp, "gpus": o.gpus, "nodes": o.nodes, "legal": o.legal,
@@ -138,6 +155,7 @@ def plan_job(spec: JobSpec, machine: Machine | None = None) -> PlanReport:
         suggestions=suggestions(spec, layout),
         flops=flops_report(spec),
         warnings=spec.warnings(),
+        phases=peak_phases(spec.model, layout),
         step_time=(predict(spec.model, layout, machine or machine_for(spec, saved=False)).to_dict()
                    if current.fits else None),
     )

@@ -18,6 +18,11 @@ of the c10 allocator with its time, so the running sum is the allocated bytes at
 its maximum the peak that `torch.cuda.max_memory_allocated` reports on a GPU. Memory outside the
 c10 allocator (gloo's and oneDNN's own scratch, the Python heap) is not seen; on CUDA the
 caching allocator's rounding and fragmentation come on top (ctxlaunch/perf/memory.py).
+The profiler records memory events per thread: a tensor freed on another thread (gloo's work
+threads drop their references there) shows no free. Its block is taken off the curve when the
+allocator hands the same address out again (which it does only once the block is free); until
+then the curve reads high by its size (`unseen_frees` counts them). Before this, TP 2's
+measured peaks moved by up to 10 MB between identical runs.
 """
 
 from __future__ import annotations
@@ -87,6 +92,9 @@ class AllocatorTrace:
         self.peak_phase = ""
         self.final_bytes = 0
         self.phase_peaks: dict[str, int] = {}
+        self.unseen_frees = 0
+        """Blocks whose free the record missed (freed on a thread the profiler does not
+        follow), taken off the curve when the allocator hands their address out again."""
         self.live_at_peak: list[tuple[int, str, str]] = []
         self.curve: list[tuple[int, int, str, str]] = []
         """Every allocation (+) and free (-) in order: (bytes, live bytes after it, op, phase)."""
@@ -125,6 +133,14 @@ class AllocatorTrace:
         held: dict[int, tuple[int, str, str]] = {}
         for _, _, size, address, op, name in events:
             if size > 0:
+                stale = held.pop(address, None)
+                if stale is not None:
+                    # The allocator hands out an address only once it is free: this block's
+                    # free happened where the profiler does not record (its memory events are
+                    # per thread: a tensor released on gloo's or the autograd engine's own
+                    # thread), so it leaves the curve here, at the latest.
+                    live -= stale[0]
+                    self.unseen_frees += 1
                 held[address] = (size, op, name)
             elif held.pop(address, None) is None:
                 continue  # allocated before the trace began (a previous run's, freed by gc)
