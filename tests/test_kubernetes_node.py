@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.kube_node import (
+    CONTAINERD_SOCK,
     NODE_ADMIN,
     NODE_TAINT_KEY,
     kubectl,
@@ -193,3 +194,53 @@ def test_cancel_leaves_nothing_behind(image, namespace, operator, home):
     assert result.returncode == 0, result.stderr
     wait_for(lambda: not owned_left(namespace, "gone"), 180, "the garbage collection")
     assert status(home, job)["state"] == "CANCELLED"
+
+
+def with_checkpoint_volume(namespace: str, job: str, host_dir: Path) -> None:
+    """Give the submitted PyTorchJob's pod template a hostPath volume at the checkpoint
+    directory (the spec has no volume field yet; on a real cluster this is a PVC), before the
+    operator stand-in makes its pods."""
+    found = json.loads(kubectl("get", "pytorchjob", job, "-n", namespace, "-o", "json").stdout)
+    template = found["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    template["volumes"].append({"name": "checkpoints",
+                                "hostPath": {"path": str(host_dir), "type": "Directory"}})
+    template["containers"][0]["volumeMounts"].append({"name": "checkpoints",
+                                                      "mountPath": "/checkpoints"})
+    patch = {"spec": {"pytorchReplicaSpecs": {"Master": {"template": {"spec": template}}}}}
+    kubectl("patch", "pytorchjob", job, "-n", namespace, "--type", "merge", "-p",
+            json.dumps(patch))
+
+
+@pytest.mark.timeout(900)
+def test_a_checkpointed_stop_is_retried_and_the_new_pod_resumes(image, namespace, home,
+                                                                 tmp_path):
+    """A SIGTERM to the running container (as a node drain sends it, here through containerd)
+    makes the trainer checkpoint and the pod exit 143: the operator stand-in deletes and
+    recreates it (Restarting, a PyTorchJobRestarting event), the new pod resumes from the
+    checkpoint on the hostPath volume and the job succeeds with one restart."""
+    host_dir = tmp_path / "checkpoints"
+    host_dir.mkdir()
+    job = submit(home, image, namespace, "requeue", "cluster.nodes=1", "cluster.gpus_per_node=1",
+                 "parallel.cp=1", "training.steps=30", "training.checkpoint.interval=1000",
+                 "training.checkpoint.dir=/checkpoints")
+    with_checkpoint_volume(namespace, "requeue", host_dir)
+    stand_in = PyTorchJobOperator(str(NODE_ADMIN), namespace, init_image=image).start()
+    try:
+        wait_for(lambda: "step 2/" in kubectl("logs", "requeue-master-0", "-n", namespace,
+                                              check=False).stdout, 300, "step 2 in the log")
+        (first,) = pods(namespace, "requeue")
+        container = first["status"]["containerStatuses"][0]["containerID"].split("//", 1)[1]
+        subprocess.run(["ctr", "--address", str(CONTAINERD_SOCK), "-n", "k8s.io", "tasks",
+                        "kill", "-s", "SIGTERM", container], check=True, timeout=30)
+        waited = ctx(home, "wait", job, "--timeout", "600", "--poll", "1", timeout=620)
+        assert waited.returncode == 0, waited.stdout + waited.stderr
+    finally:
+        stand_in.stop()
+    assert not stand_in.errors, stand_in.errors
+    found = status(home, job)
+    assert found["state"] == "COMPLETED" and found["restarts"] >= 1, found
+    (second,) = pods(namespace, "requeue")
+    assert second["metadata"]["uid"] != first["metadata"]["uid"]
+    log = kubectl("logs", "requeue-master-0", "-n", namespace).stdout
+    assert "resumed from /checkpoints/step-" in log, log[-3000:]
+    assert any(host_dir.glob("step-*"))

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every real service the tests use: Slurm (with accounting), Prometheus + Pushgateway, and a
-# Kubernetes API server (etcd + kube-apiserver with the PyTorchJob CRD).
+# Kubernetes API server (etcd + kube-apiserver with the PyTorchJob CRD), and a single-node
+# Kubernetes cluster beside it (kubernetes-node.sh: the same with a kubelet, a scheduler, a
+# controller manager and containerd).
 #
 # Usage: scripts/services/all.sh install|start|stop|restart|status
 #
@@ -16,7 +18,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 readonly SCRIPT_DIR
-readonly SERVICES=(slurm prometheus kubernetes)
+readonly SERVICES=(slurm prometheus kubernetes kubernetes-node)
 
 run_in_order() { # action service...: stop at the first failure
     local action="$1" service
