@@ -383,7 +383,8 @@ start_apiserver() {
         authorization=Node,RBAC
         node_args=(--allow-privileged=true
             --kubelet-client-certificate "$PKI_DIR/apiserver-kubelet-client.crt"
-            --kubelet-client-key "$PKI_DIR/apiserver-kubelet-client.key")
+            --kubelet-client-key "$PKI_DIR/apiserver-kubelet-client.key"
+            --kubelet-preferred-address-types InternalIP)
     fi
     pid="$(spawn_detached "$(pidfile_of kube-apiserver)" "$(logfile_of kube-apiserver)" "$binary" \
         --etcd-servers "$ETCD_URL" \

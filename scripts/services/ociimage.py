@@ -332,7 +332,7 @@ def source_files(repo: Path) -> list[Path]:
 
 
 def source_key(repo: Path) -> str:
-    h = hashlib.sha256()
+    h = hashlib.sha256(NSLOOKUP)
     for path in source_files(repo):
         h.update(str(path.relative_to(repo)).encode() + b"\0" + path.read_bytes() + b"\0")
     return "src-" + h.hexdigest()[:16]
@@ -386,7 +386,16 @@ def fill_env(layer: Layer, venv: Path) -> None:
             layer.symlink(str(named), str(real))
 
 
+NSLOOKUP = b"""#!/bin/sh
+# The training operator's init container runs `nslookup <job>-master-0` until it answers.
+# busybox 1.35's nslookup queries every search domain and fails when any says NXDOMAIN, even
+# after one answered; this one resolves as the trainer will, through glibc (search, ndots).
+exec python3 -c 'import socket, sys; print(sys.argv[1], socket.gethostbyname(sys.argv[1]))' "$1"
+"""
+
+
 def fill_source(layer: Layer, repo: Path) -> None:
+    layer.file("/usr/local/bin/nslookup", data=NSLOOKUP, mode=0o755)
     for path in source_files(repo):
         layer.file(str(Path("/opt/ctxlaunch") / path.relative_to(repo)), source=path)
 
