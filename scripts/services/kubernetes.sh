@@ -4,9 +4,11 @@
 #
 # Usage: scripts/services/kubernetes.sh install|start|stop|restart|status|env
 #
-#   install  apt-get etcd and the build tools, then build kube-apiserver from Debian's source
-#            package (no registry ships the binary; ~5-8 min cold on 2 cores) and cache it under
-#            $CACHE_DIR keyed by the Debian version: later installs reuse it
+#   install  apt-get etcd, containerd, runc, the CNI plugins, dnsmasq and the build tools, then
+#            build kube-apiserver, kube-controller-manager, kube-scheduler and kubelet from
+#            Debian's source package in one make (no registry ships them; 30 min measured on
+#            the busy 2-core machine) and cache them under $CACHE_DIR keyed by the Debian
+#            version: later installs reuse them
 #   start    start etcd and kube-apiserver fresh (empty etcd), wait for /readyz, write the
 #            kubeconfig, create the restricted user's RBAC role, install the PyTorchJob CRD and
 #            wait until it is established; a no-op (that still checks health) when running
@@ -23,6 +25,18 @@
 # training operator runs: objects are stored, never acted on. Here
 # DIR=$CTXLAUNCH_SERVICES_DIR/kubernetes (default /var/tmp/ctxlaunch-services/kubernetes).
 #
+# With CTXLAUNCH_KUBE_NODE=1 (scripts/services/kubernetes-node.sh) it runs a whole single-node
+# cluster instead, in DIR=$CTXLAUNCH_SERVICES_DIR/kubernetes-node on ports 6543 (etcd 2479), beside
+# the API-server-only one: the same API server (plus the Node authorizer and a kubelet client
+# cert), kube-controller-manager (service-account tokens, Endpoints, garbage collection; one
+# admin identity), kube-scheduler, containerd + runc (CRI; the pause image written from the
+# tree's build/pause/linux/pause.c and imported), the bridge CNI plugin on $CNI_BRIDGE with pods
+# in 10.244.0.0/24, dnsmasq on the bridge's gateway as the service DNS (a stand-in for CoreDNS,
+# which nothing here packages), fed from Services/Endpoints by kube_dns_feed.py, and a kubelet
+# (cgroupfs on cgroup v1, no swap check, eviction thresholds of 1 % disk) tainted
+# ctxlaunch.dev/node-tests=true:NoSchedule. `install` builds all four binaries in one make,
+# cached as $CACHE_DIR/kube-node-<Debian version>/ (kube-apiserver from there serves both).
+#
 # Environment:
 #   CTXLAUNCH_SERVICES_DIR      base state directory (default /var/tmp/ctxlaunch-services)
 #   CTXLAUNCH_KUBE_PORT         kube-apiserver port on 127.0.0.1 (default 6443)
@@ -33,6 +47,11 @@
 #                               relative to the repository root)
 #   CTXLAUNCH_KUBECTL           the kubectl to use (default .venv/bin/kubectl of the repository)
 #   CTXLAUNCH_SERVICES_TIMEOUT  seconds to wait for each daemon (default 30)
+#   CTXLAUNCH_KUBE_NODE         1: the single-node cluster (above); default 0
+#   CTXLAUNCH_KUBE_POD_CIDR     the pods' addresses (default 10.244.0.0/24; Slurm's bridge is 10.77.0.0/24)
+#   CTXLAUNCH_KUBE_CNI_BRIDGE   the pod bridge's name (default ctxlcni0)
+#   CTXLAUNCH_KUBELET_PORT      the kubelet's port on the bridge's gateway (default 10250)
+#   CTXLAUNCH_KUBE_NODE_NAME    the node's name (default ctxlaunch-node)
 set -euo pipefail
 
 readonly PROG="kubernetes.sh"
