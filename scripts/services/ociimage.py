@@ -332,7 +332,7 @@ def source_files(repo: Path) -> list[Path]:
 
 
 def source_key(repo: Path) -> str:
-    h = hashlib.sha256(NSLOOKUP)
+    h = hashlib.sha256(NSLOOKUP + DASH.read_bytes())
     for path in source_files(repo):
         h.update(str(path.relative_to(repo)).encode() + b"\0" + path.read_bytes() + b"\0")
     return "src-" + h.hexdigest()[:16]
@@ -394,8 +394,13 @@ exec python3 -c 'import socket, sys; print(sys.argv[1], socket.gethostbyname(sys
 """
 
 
+DASH = Path("/usr/bin/dash")
+"""The image's /bin/sh: busybox's sh runs its own nslookup applet whatever PATH says."""
+
+
 def fill_source(layer: Layer, repo: Path) -> None:
     layer.file("/usr/local/bin/nslookup", data=NSLOOKUP, mode=0o755)
+    layer.file("/usr/bin/sh", source=DASH, mode=0o755)  # replaces the busybox link below it
     for path in source_files(repo):
         layer.file(str(Path("/opt/ctxlaunch") / path.relative_to(repo)), source=path)
 
