@@ -144,7 +144,10 @@ def test_two_pods_train_through_the_pod_network_and_succeed(image, namespace, op
     init = worker["status"]["initContainerStatuses"][0]
     assert init["name"] == "init-pytorch" and init["state"]["terminated"]["exitCode"] == 0
     logs = ctx(home, "logs", job)
-    assert "==> pod train2-master-0 <==" in logs.stdout and "[rank1]:" in logs.stdout, logs
+    # Each pod's log under its name; only rank 0 reports the steps.
+    assert "==> pod train2-master-0 <==" in logs.stdout, logs
+    assert "==> pod train2-worker-0 <==" in logs.stdout, logs
+    assert "[rank0]:step 4/4" in logs.stdout, logs
 
 
 @pytest.mark.timeout(600)
