@@ -8,8 +8,9 @@ tarballs and an OCI image archive (oci-layout, index.json, blobs), streamed into
 
 The project image holds the project's Python (the interpreter the venv was made from, less its
 test suite and its own site-packages), the venv at its own path, the shared libraries both link
-against (ldd), busybox (sh, nslookup: the training operator's init container runs them) and the
-source tree's ctxlaunch/ and templates/ under /opt/ctxlaunch (first on PYTHONPATH). It is two
+against (ldd), busybox (seq, sleep, ...: the training operator's init container runs them), dash
+as /bin/sh, an nslookup that resolves through glibc (see NSLOOKUP), and the source tree's
+ctxlaunch/ and templates/ under /opt/ctxlaunch (first on PYTHONPATH). It is two
 layers, each cached under --cache keyed by what it holds: the environment layer by the
 pyproject.toml hash, the Python version and the venv's installed distributions (torch's
 version among them), the source layer by the hash of the source files. The tag is the digest of
