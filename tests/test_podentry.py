@@ -98,3 +98,18 @@ def test_a_bad_spec_and_an_oom_end_the_pod_with_a_permanent_status(tmp_path: Pat
     assert exitcodes.pod_exit_status(exitcodes.OOM) < 128
     assert exitcodes.pod_exit_status(exitcodes.BAD_INPUT) < 128
     assert exitcodes.pod_exit_status(exitcodes.PREEMPTED) >= 128
+
+
+def test_oom_kills_reads_the_memory_cgroup_v1_and_v2_counters(tmp_path: Path) -> None:
+    """The counters as the kernel writes them (memory.oom_control under v1's memory
+    controller, memory.events at v2's root): what the pod command compares before and after
+    its ranks ran. On the node, tests/test_kubernetes_node.py sees the real ones."""
+    from ctxlaunch.runtime.podentry import oom_kills
+
+    assert oom_kills(tmp_path) == 0
+    (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    assert oom_kills(tmp_path) == 1
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.oom_control").write_text(
+        "oom_kill_disable 0\nunder_oom 0\noom_kill 4\n")
+    assert oom_kills(tmp_path) == 4

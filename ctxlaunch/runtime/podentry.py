@@ -6,7 +6,8 @@ signals on (pod eviction and node drain send SIGTERM: every rank checkpoints and
 PREEMPTED), then exits with a status the operator's restartPolicy ExitCode reads right:
 torchrun itself reports 1 for any failure, so the ranks' own statuses (written to
 <run dir>/exit/rank-<r>) decide, through exitcodes.pod_exit_status: a checkpointed stop
-restarts the pod, a bad spec, an OOM or a failure ends the job.
+restarts the pod, a bad spec, an OOM or a failure ends the job. A rank that the container's
+memory cgroup killed (it leaves no status; the cgroup's oom_kill count rose) counts as an OOM.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ctxlaunch.contract.rundir import (
 )
 
 DEFAULT_RUN_DIR = "/tmp/ctxlaunch-run"
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
@@ -38,6 +40,22 @@ def torchrun_command(spec_path: str, run_dir: Path) -> list[str]:
             "-m", TRAINER_MODULE, spec_path, "--run-dir", str(run_dir)]
 
 
+def oom_kills(root: Path = CGROUP_ROOT) -> int:
+    """How many processes the memory cgroup's OOM killer has killed in this container (cgroup
+    v1 memory/memory.oom_control, v2 memory.events: their `oom_kill` line); 0 where neither
+    can be read (not in a container, an older kernel)."""
+    for path in (root / "memory" / "memory.oom_control", root / "memory.events"):
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
@@ -46,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(os.environ.get(RUN_DIR_ENV) or DEFAULT_RUN_DIR)
     # Statuses of an earlier attempt in this directory must not speak for this one.
     shutil.rmtree(run_dir / EXIT_DIR, ignore_errors=True)
+    kills_before = oom_kills()
     process = subprocess.Popen(torchrun_command(args[0], run_dir))
 
     def forward(signum: int, _frame: object) -> None:
@@ -59,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     per_node = int(os.environ.get("PET_NPROC_PER_NODE") or 1)
     node_rank = int(os.environ.get("PET_NODE_RANK") or 0)
     codes = rank_exit_codes(run_dir, per_node, first=node_rank * per_node)
+    if None in codes and oom_kills() > kills_before:
+        # A rank the memory cgroup killed leaves no status: its story is the OOM (not
+        # retryable), not a failure.
+        codes = [exitcodes.OOM if c is None else c for c in codes]
     status = combine_exit_codes(codes)
     print(f"ctxlaunch: torchrun exited {returncode}; rank exit statuses "
           + ", ".join("killed" if c is None else str(c) for c in codes)

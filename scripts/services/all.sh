@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Every real service the tests use: Slurm (with accounting), Prometheus + Pushgateway, and a
-# Kubernetes API server (etcd + kube-apiserver with the PyTorchJob CRD).
+# Kubernetes API server (etcd + kube-apiserver with the PyTorchJob CRD), and, with
+# CTXLAUNCH_KUBE_NODE_TESTS=1, a single-node Kubernetes cluster beside it (kubernetes-node.sh:
+# the same with a kubelet, a scheduler, a controller manager and containerd; its build and the
+# project image take about 40 min the first time on 2 cores, its tests about 12 min).
 #
 # Usage: scripts/services/all.sh install|start|stop|restart|status
 #
@@ -16,7 +19,13 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 readonly SCRIPT_DIR
-readonly SERVICES=(slurm prometheus kubernetes)
+case "${CTXLAUNCH_KUBE_NODE_TESTS:-0}" in
+    0) readonly SERVICES=(slurm prometheus kubernetes) ;;
+    1) readonly SERVICES=(slurm prometheus kubernetes kubernetes-node) ;;
+    *) die "CTXLAUNCH_KUBE_NODE_TESTS must be 0 or 1, got '$CTXLAUNCH_KUBE_NODE_TESTS'" ;;
+esac
+# kubernetes.sh runs the API server alone; kubernetes-node.sh sets CTXLAUNCH_KUBE_NODE=1 itself.
+export CTXLAUNCH_KUBE_NODE=0
 
 run_in_order() { # action service...: stop at the first failure
     local action="$1" service

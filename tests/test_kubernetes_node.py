@@ -1,0 +1,247 @@
+"""Kubernetes end to end on a real single-node cluster (scripts/services/kubernetes.sh with
+CTXLAUNCH_KUBE_NODE=1): etcd, kube-apiserver, kube-controller-manager (service-account tokens,
+Endpoints, garbage collection), kube-scheduler, and a kubelet running containerd + runc with the
+bridge CNI plugin. Service names resolve through dnsmasq fed from the Endpoints by
+scripts/services/kube_dns_feed.py: a stand-in for CoreDNS, which nothing here packages. The pods
+run the project's own image, written here without any registry (scripts/services/ociimage.py)
+and imported into containerd.
+
+No training operator can be installed here (nothing this machine reaches ships it), so
+tests/helpers/pytorchjob_operator.py plays training-operator 1.9's part: pods and headless
+services from the PyTorchJob's replica templates, their environment and init container,
+restartPolicy ExitCode, and the conditions it writes. Everything below it is real: the
+scheduler binds the pods, the kubelet runs them, exit codes and OOMKilled come from the runtime
+and the memory cgroup. The tests share one cluster and one image; each uses its own namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.kube_node import (
+    CONTAINERD_SOCK,
+    NODE_ADMIN,
+    NODE_TAINT_KEY,
+    kubectl,
+    project_image,
+    require_node,
+)
+from tests.helpers.pytorchjob_operator import PyTorchJobOperator, wait_for
+
+from .conftest import JOBS
+
+pytestmark = pytest.mark.slow
+CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
+TOLERATION = json.dumps([{"key": NODE_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}])
+TINY = ("training.seq_len=1024", "training.steps=4", "training.log_interval=1",
+        "cluster.kubernetes.shm_size=256Mi")
+"""The demo model, a few short steps: seconds of training once the pods run."""
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    require_node()
+    return project_image()
+
+
+@pytest.fixture
+def namespace(image: str) -> Iterator[str]:
+    """A fresh namespace, once the controller manager has made its default service account."""
+    name = f"node-{uuid.uuid4().hex[:8]}"
+    kubectl("create", "namespace", name)
+    wait_for(lambda: kubectl("get", "serviceaccount", "default", "-n", name,
+                             check=False).returncode == 0, 60,
+             "the controller manager's default service account")
+    yield name
+    kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture
+def operator(namespace: str, image: str) -> Iterator[PyTorchJobOperator]:
+    stand_in = PyTorchJobOperator(str(NODE_ADMIN), namespace, init_image=image).start()
+    yield stand_in
+    stand_in.stop()
+    assert not stand_in.errors, stand_in.errors
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
+
+
+def ctx(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CTXLAUNCH_HOME": str(home), "KUBECONFIG": str(NODE_ADMIN)}
+    return subprocess.run([CTXLAUNCH, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def submit(home: Path, image: str, namespace: str, name: str, *sets: str) -> str:
+    args = [str(JOBS / "demo.yaml")]
+    for item in ("cluster.target=kubernetes", f"cluster.kubernetes.image={image}",
+                 f"cluster.kubernetes.namespace={namespace}", f"name={name}",
+                 f"cluster.kubernetes.tolerations={TOLERATION}", *TINY, *sets):
+        args += ["--set", item]
+    result = ctx(home, "submit", *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.strip()
+
+
+def status(home: Path, job: str) -> dict:
+    result = ctx(home, "status", job, "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout)
+
+
+def pods(namespace: str, job: str) -> list[dict]:
+    result = kubectl("get", "pods", "-n", namespace, "-l",
+                     f"training.kubeflow.org/job-name={job}", "-o", "json")
+    return json.loads(result.stdout)["items"]
+
+
+def owned_left(namespace: str, job: str) -> list[str]:
+    result = kubectl("get", "pods,services,configmaps", "-n", namespace, "-o", "name", "-l",
+                     f"training.kubeflow.org/job-name={job}")
+    spec = kubectl("get", "configmap", f"{job}-spec", "-n", namespace, "-o", "name",
+                   check=False)
+    return result.stdout.split() + spec.stdout.split()
+
+
+@pytest.mark.timeout(900)
+def test_two_pods_train_through_the_pod_network_and_succeed(image, namespace, operator, home):
+    """Master + Worker, one gloo rank each (CP 2 across the two pods), over the bridge: the
+    Worker's init container waits for the Master's name, torchrun rendezvous at
+    <job>-master-0, and `wait`, `status` and `logs` (--follow too, once it ended) follow the job
+    to Succeeded."""
+    job = submit(home, image, namespace, "train2", "cluster.nodes=2", "cluster.gpus_per_node=1")
+    assert job == f"{namespace}/train2"
+    waited = ctx(home, "wait", job, "--timeout", "780", "--poll", "1", timeout=800)
+    assert waited.returncode == 0, waited.stdout + waited.stderr + ctx(home, "status", job).stdout
+    # `logs --follow` started while the job ran did not end within 120 s of the job's end in the
+    # one run so far (an open issue); on the ended job it must print the log and return.
+    follow = ctx(home, "logs", job, "--follow", timeout=120)
+    assert follow.returncode == 0, follow.stderr
+    followed = follow.stdout
+    found = status(home, job)
+    assert found["state"] == "COMPLETED", found
+    assert "rank0" in followed and "step" in followed, followed[-2000:]
+    running = pods(namespace, "train2")
+    assert sorted(p["metadata"]["name"] for p in running) == ["train2-master-0",
+                                                             "train2-worker-0"]
+    ips = {p["status"]["podIP"] for p in running}
+    assert len(ips) == 2 and all(ip.startswith("10.244.0.") for ip in ips), ips
+    for pod in running:
+        assert pod["status"]["phase"] == "Succeeded", pod["status"]
+        assert pod["spec"]["nodeName"] == "ctxlaunch-node"
+    worker = next(p for p in running if p["metadata"]["name"] == "train2-worker-0")
+    init = worker["status"]["initContainerStatuses"][0]
+    assert init["name"] == "init-pytorch" and init["state"]["terminated"]["exitCode"] == 0
+    logs = ctx(home, "logs", job)
+    # Each pod's log under its name; only rank 0 reports the steps.
+    assert "==> pod train2-master-0 <==" in logs.stdout, logs
+    assert "==> pod train2-worker-0 <==" in logs.stdout, logs
+    assert "[rank0]:step 4/4" in logs.stdout, logs
+
+
+@pytest.mark.timeout(600)
+def test_a_too_small_memory_limit_ends_oomkilled(image, namespace, operator, home):
+    """The memory cgroup kills a rank, containerd reports OOMKilled, and status says OOM with
+    the layout."""
+    job = submit(home, image, namespace, "oom", "cluster.nodes=1", "cluster.gpus_per_node=1",
+                 "parallel.cp=1", "cluster.kubernetes.memory=700Mi", "training.seq_len=65536")
+    found = wait_for(lambda: (s := status(home, job))["state"] not in ("PENDING", "RUNNING")
+                     and s, 540, "the job's end")
+    assert found["state"] == "OOM", found
+    pod = pods(namespace, "oom")[0]
+    terminated = pod["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert terminated["reason"] == "OOMKilled", terminated
+    shown = ctx(home, "status", job)
+    assert "out of memory with" in shown.stdout + shown.stderr, shown
+
+
+@pytest.mark.timeout(600)
+def test_a_bad_input_exit_is_not_retried(image, namespace, operator, home):
+    """The trainer refuses a spec whose data file is missing (exit 2, below 128): the job fails
+    BAD_INPUT and its pod is never replaced."""
+    job = submit(home, image, namespace, "bad", "cluster.nodes=1", "cluster.gpus_per_node=1",
+                 "parallel.cp=1", "training.data.source=text",
+                 "training.data.path=/no/such/corpus.txt")
+    found = wait_for(lambda: (s := status(home, job))["state"] not in ("PENDING", "RUNNING")
+                     and s, 540, "the job's end")
+    assert found["state"] == "BAD_INPUT", found
+    assert found["restarts"] == 0, found
+    (pod,) = pods(namespace, "bad")
+    assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 2
+
+
+@pytest.mark.timeout(600)
+def test_cancel_leaves_nothing_behind(image, namespace, operator, home):
+    """`ctxlaunch cancel` deletes the PyTorchJob; the controller manager's garbage collector
+    removes the pods and services it owned, and the ConfigMap goes with it: nothing orphaned."""
+    job = submit(home, image, namespace, "gone", "cluster.nodes=2", "cluster.gpus_per_node=1",
+                 "training.steps=100000")
+    wait_for(lambda: len([p for p in pods(namespace, "gone")
+                          if p["status"].get("phase") == "Running"]) == 2, 300,
+             "both pods running")
+    assert len(owned_left(namespace, "gone")) == 5  # 2 pods, 2 services, the ConfigMap
+    result = ctx(home, "cancel", job)
+    assert result.returncode == 0, result.stderr
+    wait_for(lambda: not owned_left(namespace, "gone"), 180, "the garbage collection")
+    assert status(home, job)["state"] == "CANCELLED"
+
+
+def with_checkpoint_volume(namespace: str, job: str, host_dir: Path) -> None:
+    """Give the submitted PyTorchJob's pod template a hostPath volume at the checkpoint
+    directory (the spec has no volume field yet; on a real cluster this is a PVC), before the
+    operator stand-in makes its pods."""
+    found = json.loads(kubectl("get", "pytorchjob", job, "-n", namespace, "-o", "json").stdout)
+    template = found["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    template["volumes"].append({"name": "checkpoints",
+                                "hostPath": {"path": str(host_dir), "type": "Directory"}})
+    template["containers"][0]["volumeMounts"].append({"name": "checkpoints",
+                                                      "mountPath": "/checkpoints"})
+    patch = {"spec": {"pytorchReplicaSpecs": {"Master": {"template": {"spec": template}}}}}
+    kubectl("patch", "pytorchjob", job, "-n", namespace, "--type", "merge", "-p",
+            json.dumps(patch))
+
+
+@pytest.mark.timeout(900)
+def test_a_checkpointed_stop_is_retried_and_the_new_pod_resumes(image, namespace, home,
+                                                                 tmp_path):
+    """A SIGTERM to the running container (as a node drain sends it, here through containerd)
+    makes the trainer checkpoint and the pod exit 143: the operator stand-in deletes and
+    recreates it (Restarting, a PyTorchJobRestarting event), the new pod resumes from the
+    checkpoint on the hostPath volume and the job succeeds with one restart."""
+    host_dir = tmp_path / "checkpoints"
+    host_dir.mkdir()
+    job = submit(home, image, namespace, "requeue", "cluster.nodes=1", "cluster.gpus_per_node=1",
+                 "parallel.cp=1", "training.steps=30", "training.checkpoint.interval=1000",
+                 "training.checkpoint.dir=/checkpoints")
+    with_checkpoint_volume(namespace, "requeue", host_dir)
+    stand_in = PyTorchJobOperator(str(NODE_ADMIN), namespace, init_image=image).start()
+    try:
+        wait_for(lambda: "step 2/" in kubectl("logs", "requeue-master-0", "-n", namespace,
+                                              check=False).stdout, 300, "step 2 in the log")
+        (first,) = pods(namespace, "requeue")
+        container = first["status"]["containerStatuses"][0]["containerID"].split("//", 1)[1]
+        subprocess.run(["ctr", "--address", str(CONTAINERD_SOCK), "-n", "k8s.io", "tasks",
+                        "kill", "-s", "SIGTERM", container], check=True, timeout=30)
+        waited = ctx(home, "wait", job, "--timeout", "600", "--poll", "1", timeout=620)
+        assert waited.returncode == 0, waited.stdout + waited.stderr
+    finally:
+        stand_in.stop()
+    assert not stand_in.errors, stand_in.errors
+    found = status(home, job)
+    assert found["state"] == "COMPLETED" and found["restarts"] >= 1, found
+    (second,) = pods(namespace, "requeue")
+    assert second["metadata"]["uid"] != first["metadata"]["uid"]
+    log = kubectl("logs", "requeue-master-0", "-n", namespace).stdout
+    assert "resumed from /checkpoints/step-" in log, log[-3000:]
+    assert any(host_dir.glob("step-*"))
