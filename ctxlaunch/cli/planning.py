@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -13,21 +13,41 @@ from ctxlaunch.cli.tables import print_plan
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.loader import SpecError
 
+if TYPE_CHECKING:
+    from ctxlaunch.contract.spec import JobSpec
+    from ctxlaunch.perf.machine import Machine
+
+FrameworkOpt = Annotated[str, typer.Option(
+    "--framework", help="Whose kernels and overlap to time: ctxlaunch (the bundled trainer, "
+    "the default) or megatron (Megatron-LM/NeMo: fused kernels, FP8 recipe, overlapped "
+    "gradient collectives); README, \"The step-time model's constants\".")]
+
+
+def _machine(job: JobSpec, framework: str, **kwargs: Any) -> Machine:
+    """machine_for with a framework profile; an unknown name is bad input."""
+    from ctxlaunch.perf.machine import machine_for
+    from ctxlaunch.perf.profiles import PROFILES
+
+    if framework not in PROFILES:
+        fail(f"--framework {framework}: not a known profile (known: "
+             f"{', '.join(sorted(PROFILES))})")
+    return machine_for(job, framework=framework, **kwargs)
+
 
 def plan(
     spec: SpecArg,
     set_: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    framework: FrameworkOpt = "ctxlaunch",
 ) -> None:
     """Predict per-GPU memory and FLOPs before submitting.
 
     Fit or not and by how much, the smallest CP degree that fits, the longest sequence at each
     CP degree, and model FLOPs in both MFU conventions."""
-    from ctxlaunch.perf.machine import machine_for
     from ctxlaunch.planning.plan import plan_job
 
     job = load(spec, set_)
-    report = plan_job(job, machine_for(job))
+    report = plan_job(job, _machine(job, framework))
     if as_json:
         out.print_json(json.dumps(report.to_dict()))
         return
@@ -50,13 +70,13 @@ def advise(
         "bundled trainer runs bf16/fp32).")] = False,
     write: Annotated[Path | None, typer.Option(
         "--write", help="Save the fastest layout as a spec to this file (atomically).")] = None,
+    framework: FrameworkOpt = "ctxlaunch",
 ) -> None:
     """Rank every legal layout that fits by predicted step time.
 
     TP within the NVLink domain, PP and virtual stages, CP degree and algorithm, ZeRO stage,
     activation checkpointing and micro-batch, each with predicted memory, step time,
     tokens/s/GPU and MFU in both conventions; the rejected ones grouped by reason."""
-    from ctxlaunch.perf.machine import machine_for
     from ctxlaunch.planning.advise import advice_spec_text, load_for_advice, print_advice
     from ctxlaunch.planning.advise import advise as run_advice
 
@@ -81,7 +101,7 @@ def advise(
         fail(f"--nodes/--gpus: {n_nodes} nodes, but target local runs on one node; set "
              "cluster.target (e.g. --set cluster.target=slurm)")
     advice = run_advice(job, nodes=n_nodes, gpus_per_node=per_node,
-                        machine=machine_for(job, gpus_per_node=per_node),
+                        machine=_machine(job, framework, gpus_per_node=per_node),
                         matmul_precision="fp8" if fp8 else None)
     if note:
         advice.notes.insert(0, note)

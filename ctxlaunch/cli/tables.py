@@ -71,6 +71,11 @@ def print_plan(report: PlanReport) -> None:
                   f"{st['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, MFU "
                   f"{st['mfu']['full']:.1%} (full) / {st['mfu']['causal']:.1%} (causal); "
                   f"`ctxlaunch advise` ranks the other layouts")
+        error = st.get("expected_error") or 0.0
+        framework = st.get("framework", "ctxlaunch")
+        out.print(f"expected error: +/-{error:.0%} ({framework} profile, from its held-out "
+                  "check)" if error else f"expected error: not measured ({framework} profile)",
+                  markup=False)
 
 
 _SCHEDULERS = {"slurm": "Slurm", "kubernetes": "PyTorchJob"}
