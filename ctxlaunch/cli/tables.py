@@ -73,9 +73,10 @@ def print_plan(report: PlanReport) -> None:
                   f"`ctxlaunch advise` ranks the other layouts")
         error = st.get("expected_error") or 0.0
         framework = st.get("framework", "ctxlaunch")
-        out.print(f"expected error: +/-{error:.0%} ({framework} profile, from its held-out "
-                  "check)" if error else f"expected error: not measured ({framework} profile)",
-                  markup=False)
+        text = (f"expected error: +/-{error:.0%} ({framework} profile; README, \"The step-time "
+                "model's constants\")" if error
+                else f"expected error: not measured ({framework} profile)")
+        out.print(text, markup=False)
 
 
 _SCHEDULERS = {"slurm": "Slurm", "kubernetes": "PyTorchJob"}

@@ -7,14 +7,16 @@ and the CPU self-check all call `predict`.
 One rank of the busiest pipeline stage, one micro-batch of b sequences of s tokens; n = b*s/cp
 tokens held by the rank (CP splits the sequence), TP shards heads and weights:
 
-  compute      matmul FLOPs executed (6 per weight per token, +2 for every recomputed
-               forward) at eta_matmul x the peak of the matmul precision (FP8 peak = 2 x BF16
-               on Hopper/Blackwell); causal attention FLOPs executed (half the score matrix:
-               6*h*s per layer per token, +2*h*s when recomputed) at eta_attention x the BF16
-               peak (flash attention runs in BF16 under FP8 recipes); elementwise work (norms,
-               RoPE, SwiGLU, residuals, casts) as HBM traffic: 3 passes (forward write,
-               backward read and gradient write) over the bytes a block saves per token, at the
-               data-sheet HBM bandwidth.
+  compute      every projection's three GEMMs (forward, input and weight gradient; +1 forward
+               for what the checkpointing mode recomputes) timed by shape
+               (profiles.gemm_seconds: eta_matmul x the precision's peak over the last
+               wave's occupancy of the SMs, or the GEMM's HBM traffic where larger); causal
+               attention's score entries (12 x head_dim FLOPs each, +4 when recomputed) at the
+               flash kernel's measured rate with its length ramp, plus exposed exponentials
+               for FA2-generation kernels (profiles.attention_seconds); elementwise work
+               (norms, RoPE, SwiGLU, residuals, casts) as HBM traffic: 3 passes (forward
+               write, backward read and gradient write) over the bytes a block saves per
+               token, at the profile's fraction of the HBM bandwidth.
   TP           Megatron sequence parallelism: per layer 2 all-gathers + 2 reduce-scatters in
                forward, as many in backward (and again in a recomputed forward), each moving
                (t-1)/t x n*h*2 bytes; not overlapped.
@@ -42,8 +44,8 @@ tokens held by the rank (CP splits the sequence), TP shards heads and weights:
 Collectives move bytes at eta_comm x the data-sheet bandwidth of the slowest link their group
 spans (NVLink inside the NVLink domain; the network beyond it, one NIC per GPU) plus one
 latency per ring step. Every constant is a data-sheet value (ctxlaunch.contract.hardware),
-measured on this machine (ctxlaunch.runtime.calibrate), or one of the fitted efficiencies
-(ctxlaunch.perf.machine); the README lists
+measured (ctxlaunch.runtime.calibrate on the CPU; the H200 run for the GPU profiles), or one
+of the fitted constants of a framework profile (ctxlaunch.perf.profiles); the README lists
 which.
 """
 
@@ -87,8 +89,8 @@ class StepTime:
         """The prediction's expected error in words, for `plan` and `advise`."""
         if not self.expected_error:
             return f"{self.framework} profile, expected error not measured"
-        return (f"+/-{self.expected_error:.0%} expected ({self.framework} profile, "
-                "held-out check)")
+        return (f"+/-{self.expected_error:.0%} expected ({self.framework} profile; README, "
+                "\"The step-time model's constants\", says where the range comes from)")
 
     def to_dict(self) -> dict[str, object]:
         return {"step_seconds": self.step_seconds,
