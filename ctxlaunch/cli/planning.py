@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -124,18 +126,28 @@ def calibrate(
         help="Measure attention at this spec's model shape and dtype (default: the tiny "
         "preset, fp32).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    submit: Annotated[bool, typer.Option(
+        "--submit", help="Run the calibration as a one-node job through the spec's own target "
+        "and save a machine profile (keyed by GPU type and fabric) that cluster.profile can "
+        "name.")] = False,
+    profile_out: Annotated[Path | None, typer.Option(
+        "--profile-out", help="Where --submit saves the profile (default: "
+        "profiles/<gpu>-<fabric>.json beside the spec).", show_default=False)] = None,
+    set_: SetOpt = None,
 ) -> None:
     """Measure this CPU for the step-time model: matmul (at the model's shapes) and attention
     throughput, memory bandwidth, the model's elementwise rate and fixed cost per micro-batch,
     gloo loopback bandwidth and latency. `advise` and `report` on `gpu: cpu` use
     them (saved in $CTXLAUNCH_HOME/cpu_calibration.json)."""
-    import dataclasses
 
     from ctxlaunch.runtime.calibrate import measure, save_calibration
 
+    if submit or profile_out is not None:
+        _submit_calibration(spec, profile_out, set_)
+        return
     model = None
     if spec is not None:
-        model = load(spec, None).model
+        model = load(spec, set_).model
     try:
         calibration = measure(heads=model.heads if model else 4,
                               head_dim=model.head_dim if model else 32,
@@ -160,3 +172,42 @@ def calibrate(
                       f"{one['attention'] / 1e9:.1f} GFLOP/s, elementwise "
                       f"{one['elementwise'] / 1e9:.2f} GB/s")
     err.print(f"wrote {path}")
+
+
+def _submit_calibration(spec: Path | None, profile_out: Path | None,
+                        overrides: list[str] | None) -> None:
+    """`calibrate SPEC --submit`: the calibration job on one node of the spec's target (the
+    bundled calibration, ctxlaunch.runtime.calibrate, run where the trainer would be), then the
+    profile it wrote."""
+    from ctxlaunch.contract.rundir import TRAINER_MODULE
+    from ctxlaunch.launch.backends import get_backend
+    from ctxlaunch.perf.machine import load_profile, profile_path_for
+    from ctxlaunch.runtime.calibrate import CALIBRATE_MODULE
+
+    if spec is None:
+        fail("--submit: give the SPEC of the cluster to calibrate")
+    job = load(spec, overrides, **{"cluster.nodes": 1, "cluster.profile": None})
+    if job.cluster.target != "local":
+        fail(f"--submit: cluster.target {job.cluster.target}: the calibration job runs "
+             "through the local target only so far (Slurm and Kubernetes are not built)")
+    path = (profile_out or profile_path_for(job, spec)).expanduser().resolve()
+    if path.exists() and path.is_dir():
+        fail(f"--profile-out {path}: is a directory; give a file path")
+    dryrun = get_backend("local").dryrun(job)
+    command = list(dryrun.command)
+    at = command.index(TRAINER_MODULE)
+    # The job's body: the calibration in place of the trainer, one process (it starts the
+    # ranks it measures itself).
+    command[at:] = [CALIBRATE_MODULE, command[at + 1], "--out", str(path)]
+    command = [("--nproc-per-node=1" if part.startswith("--nproc-per-node=") else part)
+               for part in command]
+    status = get_backend("local").schedule(dataclasses.replace(dryrun, command=command),
+                                           out=sys.stdout, err=sys.stderr)
+    if status != exitcodes.OK:
+        fail(f"calibration job {dryrun.job_id} failed (exit {status}); no profile written",
+             code=status)
+    try:
+        load_profile(path)
+    except ValueError as exc:
+        fail(f"calibration job {dryrun.job_id} ended but {exc}", code=exitcodes.FAILED)
+    err.print(f"wrote {path}; name it in the spec as cluster.profile: {path}")

@@ -213,17 +213,50 @@ def save_calibration(calibration: Calibration, path: Path | None = None) -> Path
                              json.dumps(asdict(calibration), indent=2) + "\n")
 
 
+def profile_path_for(spec: JobSpec, spec_path: Path | None = None) -> Path:
+    """Where `calibrate --submit` saves `spec`'s machine profile by default:
+    profiles/<gpu>-<fabric>.json beside the spec file (the working directory without one), a
+    file a team can commit and name in cluster.profile."""
+    base = spec_path.parent if spec_path is not None else Path.cwd()
+    return base / "profiles" / f"{spec.cluster.gpu}-{spec.fabric.network}.json"
+
+
+def save_profile(calibration: Calibration, spec: JobSpec, path: Path) -> Path:
+    """Write a machine profile atomically: the measured constants keyed by the GPU type and
+    fabric of `spec` (what cluster.profile checks), with the node shape they were taken on."""
+    from ctxlaunch.contract.spec import PROFILE_FORMAT
+
+    data = {"format": PROFILE_FORMAT, "gpu": spec.cluster.gpu,
+            "fabric": spec.fabric.network, "framework": "ctxlaunch",
+            "nodes": spec.cluster.nodes, "gpus_per_node": spec.cluster.gpus_per_node,
+            "model": spec.model.preset or "custom", "measured_at": calibration.measured_at,
+            "calibration": asdict(calibration)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def load_profile(path: Path) -> Calibration:
+    """The constants of a machine profile; ValueError naming the file when it is not one."""
+    try:
+        return Calibration(**json.loads(path.read_text())["calibration"])
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"cluster.profile: {path} is not a machine profile ({exc})") from None
+
+
 def machine_for(spec: JobSpec, *, gpus_per_node: int | None = None,
                 calibration: Calibration | None = None, saved: bool = True,
                 framework: str = "ctxlaunch") -> Machine:
     """The machine `spec` runs on, with `gpus_per_node` (default: the spec's own; how many
     nodes does not change a node's rates): the GPU and fabric tables timed with `framework`'s
-    profile (default the bundled trainer's), or on `gpu: cpu` the
+    profile (default the bundled trainer's); the constants of the machine profile the spec
+    names (cluster.profile) when it names one and no `calibration` is given; or on `gpu: cpu` the
     constants measured here
     (`calibration`, else the saved ones unless `saved` is False; the tables' placeholders
     where none were measured)."""
     c = spec.cluster
     per_node = gpus_per_node or c.gpus_per_node
+    if calibration is None and c.profile is not None:
+        return load_profile(Path(c.profile)).machine(gpus_per_node=per_node)
     if c.gpu == "cpu":
         measured = calibration or (load_calibration() if saved else None)
         if measured is not None:
