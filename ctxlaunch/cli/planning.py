@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -187,12 +186,15 @@ def _submit_calibration(spec: Path | None, profile_out: Path | None,
     if spec is None:
         fail("--submit: give the SPEC of the cluster to calibrate")
     job = load(spec, overrides, **{"cluster.nodes": 1, "cluster.profile": None})
-    if job.cluster.target != "local":
-        fail(f"--submit: cluster.target {job.cluster.target}: the calibration job runs "
-             "through the local target only so far (Slurm and Kubernetes are not built)")
+    if job.cluster.target == "kubernetes":
+        _submit_kubernetes_calibration(job)
+        return
     path = (profile_out or profile_path_for(job, spec)).expanduser().resolve()
     if path.exists() and path.is_dir():
         fail(f"--profile-out {path}: is a directory; give a file path")
+    if job.cluster.target == "slurm":
+        _submit_slurm_calibration(job, path)
+        return
     dryrun = get_backend("local").dryrun(job)
     command = list(dryrun.command)
     at = command.index(TRAINER_MODULE)
@@ -201,8 +203,7 @@ def _submit_calibration(spec: Path | None, profile_out: Path | None,
     command[at:] = [CALIBRATE_MODULE, command[at + 1], "--out", str(path)]
     command = [("--nproc-per-node=1" if part.startswith("--nproc-per-node=") else part)
                for part in command]
-    status = get_backend("local").schedule(dataclasses.replace(dryrun, command=command),
-                                           out=sys.stdout, err=sys.stderr)
+    status = get_backend("local").schedule(dataclasses.replace(dryrun, command=command))
     if status != exitcodes.OK:
         fail(f"calibration job {dryrun.job_id} failed (exit {status}); no profile written",
              code=status)
@@ -211,3 +212,62 @@ def _submit_calibration(spec: Path | None, profile_out: Path | None,
     except ValueError as exc:
         fail(f"calibration job {dryrun.job_id} ended but {exc}", code=exitcodes.FAILED)
     err.print(f"wrote {path}; name it in the spec as cluster.profile: {path}")
+
+
+def _submit_slurm_calibration(job: JobSpec, path: Path) -> None:
+    """The Slurm calibration job: the spec's own batch script with the calibration as its one
+    task in place of the trainer's ranks; sbatch returns at once, the job writes the profile
+    (on the shared filesystem) when it ends: `ctxlaunch status` follows it."""
+    import shlex
+
+    from ctxlaunch.contract.rundir import TRAINER_MODULE
+    from ctxlaunch.launch.backends import get_backend
+    from ctxlaunch.launch.backends.slurm import SlurmError
+    from ctxlaunch.runtime.calibrate import CALIBRATE_MODULE
+
+    backend = get_backend("slurm")
+    dryrun = backend.dryrun(job)
+    script = dryrun.artifact or ""
+    body = f"-m {CALIBRATE_MODULE} --out {shlex.quote(str(path))}"
+    if f"-m {TRAINER_MODULE} " not in script:
+        fail("--submit: the Slurm script has no trainer line to replace", code=exitcodes.FAILED)
+    script = script.replace(f"-m {TRAINER_MODULE} ", f"{body} ", 1)
+    script = script.replace(f"'--ntasks-per-node={job.cluster.gpus_per_node}'",
+                            "'--ntasks-per-node=1'", 1)
+    try:
+        status = backend.schedule(dataclasses.replace(dryrun, artifact=script))
+    except SlurmError as exc:
+        fail(f"--submit: {exc}", code=exitcodes.FAILED)
+    if status != exitcodes.OK:
+        fail(f"calibration job {dryrun.job_id} was not submitted (exit {status})", code=status)
+    err.print(f"calibration job {dryrun.job_id} submitted; it writes {path} when it ends "
+              f"(ctxlaunch status {dryrun.job_id})")
+
+
+POD_PROFILE = "/tmp/ctxlaunch-run/profile.json"
+"""Where the Kubernetes calibration job writes its profile inside the pod (its log has it too)."""
+
+
+def _submit_kubernetes_calibration(job: JobSpec) -> None:
+    """The Kubernetes calibration job: the spec's own PyTorchJob with the calibration in place
+    of the pod entry point, created on the API server; the profile is written in the pod and
+    printed to its log (bringing it back to a file here is not built)."""
+    from ctxlaunch.launch.backends import get_backend
+    from ctxlaunch.runtime.calibrate import CALIBRATE_MODULE
+
+    backend = get_backend("kubernetes")
+    dryrun = backend.dryrun(job)
+    entry = '"-m", "ctxlaunch.podentry", "/etc/ctxlaunch/spec.json"]'
+    manifest = dryrun.artifact or ""
+    if entry not in manifest:
+        fail("--submit: the PyTorchJob has no pod entry point to replace", code=exitcodes.FAILED)
+    manifest = manifest.replace(entry, f'"-m", "{CALIBRATE_MODULE}", "/etc/ctxlaunch/spec.json",'
+                                f' "--out", "{POD_PROFILE}"]')
+    try:
+        status = backend.schedule(dataclasses.replace(dryrun, artifact=manifest))
+    except RuntimeError as exc:  # the backend's connection and admission errors (KubeError)
+        fail(f"--submit: {exc}", code=exitcodes.FAILED)
+    if status != exitcodes.OK:
+        fail(f"calibration job {dryrun.job_id} was not created (exit {status})", code=status)
+    err.print(f"calibration job {dryrun.job_id} created; its pod writes {POD_PROFILE} and "
+              "prints the profile to its log (`ctxlaunch logs`)")

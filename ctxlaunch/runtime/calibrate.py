@@ -340,8 +340,9 @@ CALIBRATE_MODULE = "ctxlaunch.runtime.calibrate"
 
 
 
-def run_job(spec_path: str, out_path: str) -> int:
-    """Measure this node for the spec at `spec_path` (spec.json) and write its machine profile
+def run_job(spec_path: str | None, out_path: str) -> int:
+    """Measure this node for the spec at `spec_path` (spec.json; None: the spec in
+    $CTXLAUNCH_SPEC_JSON, as the Slurm script passes it) and write its machine profile
     to `out_path`; returns the exit status. Only `gpu: cpu` is measured today: a GPU spec is a
     clear error, not a profile of the CPU under a GPU's name."""
     import json
@@ -350,12 +351,13 @@ def run_job(spec_path: str, out_path: str) -> int:
     from pathlib import Path
 
     from ctxlaunch.contract.loader import validate_spec
+    from ctxlaunch.contract.rundir import SPEC_ENV
     from ctxlaunch.perf.machine import save_profile
 
-    rank = int(os.environ.get("RANK", "0"))
-    data = json.loads(Path(spec_path).read_text())
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    data = json.loads(Path(spec_path).read_text() if spec_path else os.environ[SPEC_ENV])
     data.get("cluster", {}).pop("profile", None)  # the profile being written, not one to use
-    spec = validate_spec(data, spec_path)
+    spec = validate_spec(data, spec_path or SPEC_ENV)
     if spec.cluster.gpu != "cpu":
         print(f"ctxlaunch calibrate: cluster.gpu {spec.cluster.gpu!r}: the calibration job "
               "measures gpu: cpu only so far (the CUDA measurement is not built)",
@@ -368,6 +370,8 @@ def run_job(spec_path: str, out_path: str) -> int:
     calibration = measure(heads=m.heads, head_dim=m.head_dim, dtype=m.dtype, model=m, seq=512,
                           repeats=2, sizes=(4096, 262144, 2**20), sync_ranks=(2,))
     written = save_profile(calibration, spec, Path(out_path))
+    # The profile in the log too: where the job's filesystem is not the submitter's (a pod).
+    print(f"ctxlaunch calibrate: profile {json.dumps(json.loads(written.read_text()))}")
     print(f"ctxlaunch calibrate: wrote {written}", flush=True)
     return 0
 
@@ -377,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog=f"python -m {CALIBRATE_MODULE}",
                                      description=run_job.__doc__)
-    parser.add_argument("spec", help="the job's spec.json")
+    parser.add_argument("spec", nargs="?", default=None,
+                        help="the job's spec.json (default: $CTXLAUNCH_SPEC_JSON)")
     parser.add_argument("--out", required=True, help="where to write the machine profile")
     args = parser.parse_args(argv)
     return run_job(args.spec, args.out)
