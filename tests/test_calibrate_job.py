@@ -111,3 +111,20 @@ def test_the_job_body_refuses_a_gpu_spec(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "cluster.gpu 'H200'" in done.stderr
     assert not out.exists()
+
+
+def test_the_named_profile_wins_over_this_machines_calibration(tmp_path: Path) -> None:
+    """report passes the saved CPU calibration; a spec that names its profile is timed with
+    the profile (hand-written constants: this checks the routing, not a measurement)."""
+    from ctxlaunch.perf.machine import save_profile
+    from ctxlaunch.runtime.calibrate import Calibration
+
+    spec = load_spec(JOBS / "demo.yaml")
+    mine = Calibration(matmul_flops_per_second=1e10, attention_flops_per_second=1e10,
+                       memory_bytes_per_second=1e10, link_bytes_per_second=1e9,
+                       link_latency_seconds=1e-5, cores=2)
+    team = Calibration(**{**mine.__dict__, "matmul_flops_per_second": 3e10})
+    path = save_profile(team, spec, tmp_path / "team.json")
+    named = load_spec(JOBS / "demo.yaml", [f"cluster.profile={path}"])
+    assert machine_for(named, calibration=mine).peak_flops["fp32"] == pytest.approx(3e10 / 2)
+    assert machine_for(spec, calibration=mine).peak_flops["fp32"] == pytest.approx(1e10 / 2)

@@ -249,13 +249,13 @@ def machine_for(spec: JobSpec, *, gpus_per_node: int | None = None,
     """The machine `spec` runs on, with `gpus_per_node` (default: the spec's own; how many
     nodes does not change a node's rates): the GPU and fabric tables timed with `framework`'s
     profile (default the bundled trainer's); the constants of the machine profile the spec
-    names (cluster.profile) when it names one and no `calibration` is given; or on `gpu: cpu` the
+    names (cluster.profile) when it names one, ahead of `calibration`; or on `gpu: cpu` the
     constants measured here
     (`calibration`, else the saved ones unless `saved` is False; the tables' placeholders
     where none were measured)."""
     c = spec.cluster
     per_node = gpus_per_node or c.gpus_per_node
-    if calibration is None and c.profile is not None:
+    if c.profile is not None:  # the spec's own machine, ahead of anything measured here
         return load_profile(Path(c.profile)).machine(gpus_per_node=per_node)
     if c.gpu == "cpu":
         measured = calibration or (load_calibration() if saved else None)
