@@ -128,3 +128,16 @@ def test_the_named_profile_wins_over_this_machines_calibration(tmp_path: Path) -
     named = load_spec(JOBS / "demo.yaml", [f"cluster.profile={path}"])
     assert machine_for(named, calibration=mine).peak_flops["fp32"] == pytest.approx(3e10 / 2)
     assert machine_for(spec, calibration=mine).peak_flops["fp32"] == pytest.approx(1e10 / 2)
+
+
+def test_a_pod_spec_leaves_the_submitters_profile_out(tmp_path: Path) -> None:
+    """The profile path is on the submitter's machine: the ConfigMap's spec.json omits it, so
+    the pod's spec validates; Slurm's script (a shared filesystem) keeps it."""
+    from ctxlaunch.launch.plan import kubernetes_plan, slurm_plan
+
+    profile = _profile(tmp_path)
+    spec = load_spec(JOBS / "demo.yaml", [f"cluster.profile={profile}",
+                                          "cluster.target=kubernetes",
+                                          "cluster.kubernetes.image=example/ctxlaunch:1"])
+    assert json.loads(kubernetes_plan(spec).spec_json)["cluster"]["profile"] is None
+    assert json.loads(slurm_plan(spec).spec_json)["cluster"]["profile"] == str(profile)
