@@ -96,3 +96,40 @@ def test_bad_allocation_is_refused_and_nothing_written(tmp_path: Path) -> None:
                  str(target))
     assert result.exit_code == 2 and "unknown model preset" in result.output
     assert not target.exists()
+
+
+def test_layouts_within_the_expected_error_rank_as_ties() -> None:
+    spec = load_spec(JOBS / "llama3-8b-128k-slurm.yaml")
+    result = run("advise", str(JOBS / "llama3-8b-128k-slurm.yaml"), "--json", "--top", "50")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    error = data["expected_error"]
+    assert error == machine_for(spec).expected_error > 0
+    best = data["ranked"][0]["step_seconds"]
+    for c in data["ranked"]:
+        within = c["step_seconds"] <= best * (1 + error)
+        assert c["tied_with_best"] == (within and data["tied_with_best"] > 1), c["layout"]
+        assert c["rank"] == ("=1" if c["tied_with_best"] else str(data["ranked"].index(c) + 1))
+    assert data["tied_with_best"] == sum(c["tied_with_best"] for c in data["ranked"]) or (
+        data["ranked_total"] > 50)
+    # The range follows the error: with none, no ties; the table says which are tied.
+    import dataclasses
+
+    from ctxlaunch.planning.advise import advise as run_advice
+
+    exact = run_advice(spec, machine=dataclasses.replace(machine_for(spec), expected_error=0.0))
+    assert exact.rank_labels()[:3] == ["1", "2", "3"]
+    text = run("advise", str(JOBS / "llama3-8b-128k-slurm.yaml"), "--top", "5").output
+    assert f"+/-{error:.0%} expected (ctxlaunch profile" in text
+
+
+def test_framework_profiles_change_the_prediction_and_a_bad_name_is_refused() -> None:
+    path = str(JOBS / "llama3-8b-128k-slurm.yaml")
+    bundled = json.loads(run("plan", path, "--json").stdout)["step_time"]
+    megatron = json.loads(run("plan", path, "--json", "--framework", "megatron").stdout)
+    assert bundled["framework"] == "ctxlaunch" and megatron["step_time"]["framework"] == "megatron"
+    # Fused kernels and overlapped gradient collectives: Megatron's step is faster.
+    assert megatron["step_time"]["step_seconds"] < bundled["step_seconds"]
+    assert "expected error: +/-10% (ctxlaunch profile" in run("plan", path).output
+    result = run("advise", path, "--framework", "deepspeed")
+    assert result.exit_code == 2 and "--framework deepspeed: not a known profile" in result.output

@@ -2,8 +2,10 @@
 
 Every row is a layout its authors ran, with the throughput they published, held as data with its
 source. One tolerance for every row (`TOLERANCE`), never tuned per row. Two efficiencies of the
-model (machine.ETA_MATMUL, ETA_ATTENTION) are fitted on these rows as a whole
-(benchmarks/fit_steptime.py); everything else is a data-sheet value.
+Megatron profile (profiles.MEGATRON_ETA_MATMUL, BF16 and FP8) are fitted on the fit subset
+(published.FIT_ROWS, benchmarks/fit_steptime.py); the held-out rows (published.HELD_OUT_ROWS)
+are never fitted on and are checked here like the others; everything else is measured
+(profiles: the H200 flash-attention timings) or a data-sheet value.
 
 What the sources do not state (activation checkpointing, virtual pipeline stages) is taken as
 the fastest setting that the planner says fits (ctxlaunch.perf.published, where the rows
@@ -53,7 +55,15 @@ def test_every_published_layout_is_predicted_to_fit(row: PublishedRun) -> None:
     assert best_fitting(row, machine_for(row)) is not None
 
 
-@pytest.mark.parametrize("row", ROWS, ids=lambda r: r.name)
+HELD_OUT_MISSES = {"llama3-128k-tp8pp16cp16dp8"}
+"""Held-out rows the model misses (BENCHMARKS.md section 7c: Llama 3 at 131K, 27 % slow). They
+stay in the check, strictly expected to fail, so a change that brings them within tolerance
+must say so here; they are never fitted on."""
+
+
+@pytest.mark.parametrize("row", [
+    pytest.param(r, marks=pytest.mark.xfail(strict=True, reason="held-out miss, BENCHMARKS 7c"))
+    if r.name in HELD_OUT_MISSES else r for r in ROWS], ids=lambda r: r.name)
 def test_predicted_throughput_is_within_tolerance(row: PublishedRun) -> None:
     error = relative_error(row)
     assert abs(error) <= TOLERANCE, (
@@ -70,6 +80,18 @@ def test_the_published_order_is_kept(table: str) -> None:
             assert predicted[a.name] > predicted[b.name], (a.name, b.name)
         elif b.tflops_per_gpu > a.tflops_per_gpu * (1 + ORDER_MARGIN):
             assert predicted[b.name] > predicted[a.name], (a.name, b.name)
+
+
+def test_the_fit_never_sees_the_held_out_rows() -> None:
+    from ctxlaunch.perf.published import FIT_ROWS, HELD_OUT, HELD_OUT_ROWS
+
+    assert {r.name for r in HELD_OUT_ROWS} == HELD_OUT and len(HELD_OUT_ROWS) == 7
+    assert not {r.name for r in FIT_ROWS} & HELD_OUT
+    assert len(FIT_ROWS) + len(HELD_OUT_ROWS) == len(ROWS)
+    # Every table keeps rows on both sides.
+    for table in {r.table for r in ROWS}:
+        assert any(r.table == table for r in FIT_ROWS)
+        assert any(r.table == table for r in HELD_OUT_ROWS)
 
 
 def test_the_model_is_not_flat() -> None:
@@ -128,9 +150,12 @@ def _authors_rows() -> list:
 @pytest.mark.parametrize("row", _authors_rows(), ids=lambda r: r.name)
 def test_the_authors_layout_ranks_first_or_within_the_models_accuracy(
         row: PublishedRun) -> None:
+    from ctxlaunch.perf.machine import machine_for as spec_machine
     from ctxlaunch.planning.advise import advise
 
-    advice = advise(row_spec(row), matmul_precision=row.precision)
+    spec = row_spec(row)
+    advice = advise(spec, matmul_precision=row.precision,
+                    machine=spec_machine(spec, framework="megatron"))
     published = (row.tp, row.pp, row.cp, row.dp, "ring", 1)
     ranks = [i for i, c in enumerate(advice.ranked)
              if (c.layout.tp, c.layout.pp, c.layout.cp, c.layout.dp, c.layout.cp_algorithm,

@@ -100,3 +100,56 @@ def test_cpu_overheads_are_counted_where_measured_and_absent_on_gpus() -> None:
     assert cpu.terms["framework_overhead"] == pytest.approx(0.01)
     # 3 ring hops forward and 3 backward per layer, plus the step's gradient all-reduce
     assert cpu.terms["sync_overhead"] == pytest.approx(1e-3 * (32 * 6 + 1))
+
+
+def test_a_gemm_loses_its_last_wave_and_small_ones_are_memory_bound() -> None:
+    from ctxlaunch.perf.profiles import GEMM_TILE, gemm_seconds
+
+    rate = {"peak": 1e15, "eta": 1.0, "hbm_bytes_per_second": 4e13, "element_bytes": 2}
+    tm, tn = GEMM_TILE
+    # 132 tiles fill 132 SMs in one wave; one tile more needs a second, half-empty wave.
+    full = gemm_seconds(tm * 132, tn, 8192, sm_count=132, **rate)
+    assert full == pytest.approx(2 * tm * 132 * tn * 8192 / 1e15)
+    over = gemm_seconds(tm * 133, tn, 8192, sm_count=132, **rate)
+    assert over == pytest.approx(2 * tm * 133 * tn * 8192 / 1e15 * (2 * 132 / 133))
+    # A skinny GEMM (16 rows) reads its weight: memory time, not FLOP time.
+    slow = {**rate, "hbm_bytes_per_second": 4e12}
+    skinny = gemm_seconds(16, 4096, 4096, sm_count=132, **slow)
+    assert skinny == pytest.approx(2 * (16 * 4096 + 4096 * 4096 + 16 * 4096) / 4e12)
+    assert gemm_seconds(16, 4096, 4096, sm_count=0, **slow) < skinny  # the CPU: neither
+
+
+def test_attention_by_length_head_dim_and_kernel_generation() -> None:
+    from ctxlaunch.perf.profiles import attention_seconds
+
+    kw = {"peak": 1e15, "fraction": 0.3, "ramp_tokens": 1000.0, "sfu_ops_per_second": 4e12,
+          "matmul_flops_per_entry": 12}
+    entries = 1e12
+    hidden = attention_seconds(entries, 128, 64000, exp_exposed=False, **kw)
+    assert hidden == pytest.approx(entries * 12 * 128 / (0.3e15 * 64000 / 65000))
+    short = attention_seconds(entries, 128, 2000, exp_exposed=False, **kw)
+    assert short / hidden == pytest.approx((2000 + 1000) / 2000 * 64000 / 65000)
+    exposed = attention_seconds(entries, 128, 64000, exp_exposed=True, **kw)
+    assert exposed - hidden == pytest.approx(entries * 2 / 4e12)
+    # At head dim 64 the exponentials weigh twice as much against the matmuls.
+    d64 = attention_seconds(entries, 64, 64000, exp_exposed=True, **kw)
+    assert (d64 - hidden / 2) / d64 > (exposed - hidden) / exposed
+
+
+def test_the_bundled_profile_reproduces_its_h200_fit_and_predicts_the_held_out_step() -> None:
+    """The one H200 run (BENCHMARKS.md section 0): 16K is what the elementwise rate is fitted
+    on; 64K is held out (measured 12,628 tokens/s)."""
+    model = ModelSpec(preset="llama3.2-1b")
+    h200 = Machine.from_gpu(GPUS["H200"], network="infiniband-ndr", gpus_per_node=1)
+    assert h200.framework == "ctxlaunch" and not h200.overlap_dp
+    fit = predict(model, Layout(seq_len=16384, activation_checkpointing="selective"), h200)
+    held = predict(model, Layout(seq_len=65536, activation_checkpointing="selective"), h200)
+    assert fit.tokens_per_second_per_gpu == pytest.approx(23513, rel=0.01)
+    assert held.tokens_per_second_per_gpu == pytest.approx(12628, rel=0.10)
+    megatron = Machine.from_gpu(GPUS["H200"], network="infiniband-ndr", gpus_per_node=1,
+                                framework="megatron")
+    assert predict(model, Layout(seq_len=16384, activation_checkpointing="selective"),
+                   megatron).step_seconds < fit.step_seconds
+    with pytest.raises(ValueError, match="framework 'nope': not a known profile"):
+        Machine.from_gpu(GPUS["H200"], network="infiniband-ndr", gpus_per_node=1,
+                         framework="nope")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -13,21 +14,41 @@ from ctxlaunch.cli.tables import print_plan
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.loader import SpecError
 
+if TYPE_CHECKING:
+    from ctxlaunch.contract.spec import JobSpec
+    from ctxlaunch.perf.machine import Machine
+
+FrameworkOpt = Annotated[str, typer.Option(
+    "--framework", help="Whose kernels and overlap to time: ctxlaunch (the bundled trainer, "
+    "the default) or megatron (Megatron-LM/NeMo: fused kernels, FP8 recipe, overlapped "
+    "gradient collectives); README, \"The step-time model's constants\".")]
+
+
+def _machine(job: JobSpec, framework: str, **kwargs: Any) -> Machine:
+    """machine_for with a framework profile; an unknown name is bad input."""
+    from ctxlaunch.perf.machine import machine_for
+    from ctxlaunch.perf.profiles import PROFILES
+
+    if framework not in PROFILES:
+        fail(f"--framework {framework}: not a known profile (known: "
+             f"{', '.join(sorted(PROFILES))})")
+    return machine_for(job, framework=framework, **kwargs)
+
 
 def plan(
     spec: SpecArg,
     set_: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    framework: FrameworkOpt = "ctxlaunch",
 ) -> None:
     """Predict per-GPU memory and FLOPs before submitting.
 
     Fit or not and by how much, the smallest CP degree that fits, the longest sequence at each
     CP degree, and model FLOPs in both MFU conventions."""
-    from ctxlaunch.perf.machine import machine_for
     from ctxlaunch.planning.plan import plan_job
 
     job = load(spec, set_)
-    report = plan_job(job, machine_for(job))
+    report = plan_job(job, _machine(job, framework))
     if as_json:
         out.print_json(json.dumps(report.to_dict()))
         return
@@ -50,13 +71,13 @@ def advise(
         "bundled trainer runs bf16/fp32).")] = False,
     write: Annotated[Path | None, typer.Option(
         "--write", help="Save the fastest layout as a spec to this file (atomically).")] = None,
+    framework: FrameworkOpt = "ctxlaunch",
 ) -> None:
     """Rank every legal layout that fits by predicted step time.
 
     TP within the NVLink domain, PP and virtual stages, CP degree and algorithm, ZeRO stage,
     activation checkpointing and micro-batch, each with predicted memory, step time,
     tokens/s/GPU and MFU in both conventions; the rejected ones grouped by reason."""
-    from ctxlaunch.perf.machine import machine_for
     from ctxlaunch.planning.advise import advice_spec_text, load_for_advice, print_advice
     from ctxlaunch.planning.advise import advise as run_advice
 
@@ -81,7 +102,7 @@ def advise(
         fail(f"--nodes/--gpus: {n_nodes} nodes, but target local runs on one node; set "
              "cluster.target (e.g. --set cluster.target=slurm)")
     advice = run_advice(job, nodes=n_nodes, gpus_per_node=per_node,
-                        machine=machine_for(job, gpus_per_node=per_node),
+                        machine=_machine(job, framework, gpus_per_node=per_node),
                         matmul_precision="fp8" if fp8 else None)
     if note:
         advice.notes.insert(0, note)
@@ -104,18 +125,28 @@ def calibrate(
         help="Measure attention at this spec's model shape and dtype (default: the tiny "
         "preset, fp32).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    submit: Annotated[bool, typer.Option(
+        "--submit", help="Run the calibration as a one-node job through the spec's own target "
+        "and save a machine profile (keyed by GPU type and fabric) that cluster.profile can "
+        "name.")] = False,
+    profile_out: Annotated[Path | None, typer.Option(
+        "--profile-out", help="Where --submit saves the profile (default: "
+        "profiles/<gpu>-<fabric>.json beside the spec).", show_default=False)] = None,
+    set_: SetOpt = None,
 ) -> None:
     """Measure this CPU for the step-time model: matmul (at the model's shapes) and attention
     throughput, memory bandwidth, the model's elementwise rate and fixed cost per micro-batch,
     gloo loopback bandwidth and latency. `advise` and `report` on `gpu: cpu` use
     them (saved in $CTXLAUNCH_HOME/cpu_calibration.json)."""
-    import dataclasses
 
     from ctxlaunch.runtime.calibrate import measure, save_calibration
 
+    if submit or profile_out is not None:
+        _submit_calibration(spec, profile_out, set_)
+        return
     model = None
     if spec is not None:
-        model = load(spec, None).model
+        model = load(spec, set_).model
     try:
         calibration = measure(heads=model.heads if model else 4,
                               head_dim=model.head_dim if model else 32,
@@ -140,3 +171,103 @@ def calibrate(
                       f"{one['attention'] / 1e9:.1f} GFLOP/s, elementwise "
                       f"{one['elementwise'] / 1e9:.2f} GB/s")
     err.print(f"wrote {path}")
+
+
+def _submit_calibration(spec: Path | None, profile_out: Path | None,
+                        overrides: list[str] | None) -> None:
+    """`calibrate SPEC --submit`: the calibration job on one node of the spec's target (the
+    bundled calibration, ctxlaunch.runtime.calibrate, run where the trainer would be), then the
+    profile it wrote."""
+    from ctxlaunch.contract.rundir import TRAINER_MODULE
+    from ctxlaunch.launch.backends import get_backend
+    from ctxlaunch.perf.machine import load_profile, profile_path_for
+    from ctxlaunch.runtime.calibrate import CALIBRATE_MODULE
+
+    if spec is None:
+        fail("--submit: give the SPEC of the cluster to calibrate")
+    job = load(spec, overrides, **{"cluster.nodes": 1, "cluster.profile": None})
+    if job.cluster.target == "kubernetes":
+        _submit_kubernetes_calibration(job)
+        return
+    path = (profile_out or profile_path_for(job, spec)).expanduser().resolve()
+    if path.exists() and path.is_dir():
+        fail(f"--profile-out {path}: is a directory; give a file path")
+    if job.cluster.target == "slurm":
+        _submit_slurm_calibration(job, path)
+        return
+    dryrun = get_backend("local").dryrun(job)
+    command = list(dryrun.command)
+    at = command.index(TRAINER_MODULE)
+    # The job's body: the calibration in place of the trainer, one process (it starts the
+    # ranks it measures itself).
+    command[at:] = [CALIBRATE_MODULE, command[at + 1], "--out", str(path)]
+    command = [("--nproc-per-node=1" if part.startswith("--nproc-per-node=") else part)
+               for part in command]
+    status = get_backend("local").schedule(dataclasses.replace(dryrun, command=command))
+    if status != exitcodes.OK:
+        fail(f"calibration job {dryrun.job_id} failed (exit {status}); no profile written",
+             code=status)
+    try:
+        load_profile(path)
+    except ValueError as exc:
+        fail(f"calibration job {dryrun.job_id} ended but {exc}", code=exitcodes.FAILED)
+    err.print(f"wrote {path}; name it in the spec as cluster.profile: {path}")
+
+
+def _submit_slurm_calibration(job: JobSpec, path: Path) -> None:
+    """The Slurm calibration job: the spec's own batch script with the calibration as its one
+    task in place of the trainer's ranks; sbatch returns at once, the job writes the profile
+    (on the shared filesystem) when it ends: `ctxlaunch status` follows it."""
+    import shlex
+
+    from ctxlaunch.contract.rundir import TRAINER_MODULE
+    from ctxlaunch.launch.backends import get_backend
+    from ctxlaunch.launch.backends.slurm import SlurmError
+    from ctxlaunch.runtime.calibrate import CALIBRATE_MODULE
+
+    backend = get_backend("slurm")
+    dryrun = backend.dryrun(job)
+    script = dryrun.artifact or ""
+    body = f"-m {CALIBRATE_MODULE} --out {shlex.quote(str(path))}"
+    if f"-m {TRAINER_MODULE} " not in script:
+        fail("--submit: the Slurm script has no trainer line to replace", code=exitcodes.FAILED)
+    script = script.replace(f"-m {TRAINER_MODULE} ", f"{body} ", 1)
+    script = script.replace(f"'--ntasks-per-node={job.cluster.gpus_per_node}'",
+                            "'--ntasks-per-node=1'", 1)
+    try:
+        status = backend.schedule(dataclasses.replace(dryrun, artifact=script))
+    except SlurmError as exc:
+        fail(f"--submit: {exc}", code=exitcodes.FAILED)
+    if status != exitcodes.OK:
+        fail(f"calibration job {dryrun.job_id} was not submitted (exit {status})", code=status)
+    err.print(f"calibration job {dryrun.job_id} submitted; it writes {path} when it ends "
+              f"(ctxlaunch status {dryrun.job_id})")
+
+
+POD_PROFILE = "/tmp/ctxlaunch-run/profile.json"
+"""Where the Kubernetes calibration job writes its profile inside the pod (its log has it too)."""
+
+
+def _submit_kubernetes_calibration(job: JobSpec) -> None:
+    """The Kubernetes calibration job: the spec's own PyTorchJob with the calibration in place
+    of the pod entry point, created on the API server; the profile is written in the pod and
+    printed to its log (bringing it back to a file here is not built)."""
+    from ctxlaunch.launch.backends import get_backend
+    from ctxlaunch.runtime.calibrate import CALIBRATE_MODULE
+
+    backend = get_backend("kubernetes")
+    dryrun = backend.dryrun(job)
+    entry = '"-m", "ctxlaunch.podentry", "/etc/ctxlaunch/spec.json"]'
+    manifest = dryrun.artifact or ""
+    if entry not in manifest:
+        fail("--submit: the PyTorchJob has no pod entry point to replace", code=exitcodes.FAILED)
+    manifest = manifest.replace(entry, f'"-m", "{CALIBRATE_MODULE}", "/etc/ctxlaunch/spec.json",'
+                                f' "--out", "{POD_PROFILE}"]')
+    try:
+        status = backend.schedule(dataclasses.replace(dryrun, artifact=manifest))
+    except RuntimeError as exc:  # the backend's connection and admission errors (KubeError)
+        fail(f"--submit: {exc}", code=exitcodes.FAILED)
+    if status != exitcodes.OK:
+        fail(f"calibration job {dryrun.job_id} was not created (exit {status})", code=status)
+    err.print(f"calibration job {dryrun.job_id} created; its pod writes {POD_PROFILE} and "
+              "prints the profile to its log (`ctxlaunch logs`)")

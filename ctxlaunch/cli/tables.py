@@ -72,6 +72,12 @@ def print_plan(report: PlanReport) -> None:
                   f"{st['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, MFU "
                   f"{st['mfu']['full']:.1%} (full) / {st['mfu']['causal']:.1%} (causal); "
                   f"`ctxlaunch advise` ranks the other layouts")
+        error = st.get("expected_error") or 0.0
+        framework = st.get("framework", "ctxlaunch")
+        text = (f"expected error: +/-{error:.0%} ({framework} profile; README, \"The step-time "
+                "model's constants\")" if error
+                else f"expected error: not measured ({framework} profile)")
+        out.print(text, markup=False)
 
 
 def print_phases(report: PlanReport) -> None:

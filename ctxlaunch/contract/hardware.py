@@ -37,6 +37,13 @@ class GpuInfo:
     """Memory bandwidth (data sheet): bounds the elementwise work and the optimizer step."""
     fp8: bool = False
     """FP8 tensor cores (Hopper, Blackwell, Ada): dense FP8 peak is twice BF16's."""
+    sm_count: int = 0
+    """Streaming multiprocessors (data sheet): GEMM tiles fill them in waves (wave
+    quantisation in the step-time model); 0: not modelled."""
+    sfu_ops_per_second: float = 0.0
+    """Special-function (exponential) rate: 16 per SM per clock at the boost clock of the
+    dense peak (H100 SXM: 3.9e12, Shah et al. 2024, FlashAttention-3, section 3.1); bounds
+    the softmax of FA2-generation attention kernels. 0: not modelled."""
 
 
 # Sources: NVIDIA data sheets (dense figures) and ../shared/docs/domain.md; H100 means SXM.
@@ -47,19 +54,25 @@ GPUS: dict[str, GpuInfo] = {
 # HBM bandwidths: H100 SXM 3.35 TB/s, H200 4.8 TB/s, B200 8 TB/s, A100 80GB 2.04 TB/s,
 # A100 40GB 1.56 TB/s, L40S 864 GB/s (GDDR6).
     "H100": GpuInfo("H100", int(79.1 * GiB), 989 * TFLOPS, 494.5 * TFLOPS, 8, True,
-                    intra_node_link="nvlink4", hbm_bytes_per_second=3.35e12, fp8=True),
+                    intra_node_link="nvlink4", hbm_bytes_per_second=3.35e12, fp8=True,
+                    sm_count=132, sfu_ops_per_second=3.9e12),
     "H200": GpuInfo("H200", int(139.8 * GiB), 989 * TFLOPS, 494.5 * TFLOPS, 8, True,
-                    intra_node_link="nvlink4", hbm_bytes_per_second=4.8e12, fp8=True),
+                    intra_node_link="nvlink4", hbm_bytes_per_second=4.8e12, fp8=True,
+                    sm_count=132, sfu_ops_per_second=3.9e12),
     # DGX B200: 1,440 GB over 8 GPUs (180 GB each), not the 192 GB chip figure.
     "B200": GpuInfo("B200", int(179.0 * GiB), 2250 * TFLOPS, 1125 * TFLOPS, 8, True,
-                    intra_node_link="nvlink5", hbm_bytes_per_second=8.0e12, fp8=True),
+                    intra_node_link="nvlink5", hbm_bytes_per_second=8.0e12, fp8=True,
+                    sm_count=148),
     "A100": GpuInfo("A100", int(79.1 * GiB), 312 * TFLOPS, 156 * TFLOPS, 8, True,
-                    intra_node_link="nvlink3", hbm_bytes_per_second=2.04e12),
+                    intra_node_link="nvlink3", hbm_bytes_per_second=2.04e12, sm_count=108,
+                    sfu_ops_per_second=108 * 16 * 1.41e9),
     "A100-40GB": GpuInfo("A100-40GB", int(39.4 * GiB), 312 * TFLOPS, 156 * TFLOPS, 8, True,
-                         intra_node_link="nvlink3", hbm_bytes_per_second=1.56e12),
+                         intra_node_link="nvlink3", hbm_bytes_per_second=1.56e12,
+                         sm_count=108, sfu_ops_per_second=108 * 16 * 1.41e9),
     # PCIe only: no NVLink, so CP between two L40S crosses the PCIe bus.
     "L40S": GpuInfo("L40S", int(44.4 * GiB), 362 * TFLOPS, 183 * TFLOPS, 1, False,
-                    intra_node_link="pcie4", hbm_bytes_per_second=0.864e12, fp8=True),
+                    intra_node_link="pcie4", hbm_bytes_per_second=0.864e12, fp8=True,
+                    sm_count=142),
     # "cpu" is one process on this machine's CPU (the local demo). Its peak is measured at run
     # time by the trainer; the figures here only keep the planner's arithmetic total.
     "cpu": GpuInfo("cpu", 16 * GiB, 0.2 * TFLOPS, 0.1 * TFLOPS, 1, False,

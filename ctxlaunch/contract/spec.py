@@ -26,6 +26,9 @@ from ctxlaunch.contract.hfconfig import CONFIG_FILE, HFConfigError, model_fields
 from ctxlaunch.contract.presets import MODEL_PRESETS
 from ctxlaunch.contract.stages import balanced_stage_layers
 
+PROFILE_FORMAT = "ctxlaunch-machine-profile/1"
+"""The `format` of a machine profile file (ctxlaunch.perf.machine.save_profile)."""
+
 RFC1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 RFC1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 # Values that land on `#SBATCH` lines are parsed by sbatch, not by bash, so they are restricted
@@ -699,10 +702,59 @@ class ClusterSpec(_Strict):
     """GPU type; its memory and peak FLOP/s come from ctxlaunch.contract.hardware.GPUS."""
     slurm: SlurmSpec = SlurmSpec()
     kubernetes: KubernetesSpec = KubernetesSpec()
+    profile: str | None = None
+    """A machine profile (JSON) that `ctxlaunch calibrate SPEC --submit` measured on this
+    cluster; plan, advise, telemetry's predicted step and report time the job with it. A
+    relative path is taken from the working directory and stored absolute."""
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_path(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        path = Path(value).expanduser().resolve()
+        if not path.is_file():
+            raise ValueError(f"{value}: no such file (a machine profile written by "
+                             "`ctxlaunch calibrate SPEC --submit`)")
+        return str(path)
+
+    @model_validator(mode="after")
+    def _check_profile(self) -> ClusterSpec:
+        if self.profile is None:
+            return self
+        import json
+
+        try:
+            data = json.loads(Path(self.profile).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValidationError.from_exception_data("ClusterSpec", [_problem(
+                ("profile",), self.profile, f"{self.profile}: not a readable JSON machine "
+                f"profile ({exc})")]) from None
+        gpu = data.get("gpu") if isinstance(data, dict) else None
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+            raise ValidationError.from_exception_data("ClusterSpec", [_problem(
+                ("profile",), self.profile, f"{self.profile}: not a machine profile (no "
+                f"format {PROFILE_FORMAT!r}); write one with `ctxlaunch calibrate SPEC "
+                "--submit`")])
+        if gpu != self.gpu:
+            raise ValidationError.from_exception_data("ClusterSpec", [_problem(
+                ("profile",), self.profile, f"{self.profile} was measured on gpu {gpu!r}, but "
+                f"cluster.gpu is {self.gpu!r}; fix: calibrate this cluster or name its "
+                "profile")])
+        return self
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def profile_fabric(self) -> str | None:
+        """The fabric the named profile was measured over (None: no profile)."""
+        if self.profile is None:
+            return None
+        import json
+
+        return str(json.loads(Path(self.profile).read_text()).get("fabric"))
 
     @property
     def gpu_info(self) -> GpuInfo:
@@ -822,6 +874,12 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _check_layout(self) -> JobSpec:
         problems = layout_problems(self)
+        fabric = self.cluster.profile_fabric
+        if fabric is not None and fabric != self.fabric.network:
+            problems.append(_problem(("cluster", "profile"), self.cluster.profile,
+                f"{self.cluster.profile} was measured over fabric {fabric!r}, but "
+                f"fabric.network is {self.fabric.network!r}; fix: calibrate this cluster or "
+                "name its profile"))
         if problems:
             raise ValidationError.from_exception_data("JobSpec", problems)
         return self

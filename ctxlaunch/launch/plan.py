@@ -322,7 +322,10 @@ def kubernetes_plan(spec: JobSpec, sweep: str | None = None) -> KubernetesPlan:
         shm_size=k.shm_size,
         spec_dir=K8S_SPEC_DIR,
         spec_file=K8S_SPEC_FILE,
-        spec_json=spec_json(spec),
+        # The profile is a file on the submitter's machine, not in the pod: the pod's spec
+        # leaves it out (a path that is not there would fail the spec's validation).
+        spec_json=spec_json(spec.model_copy(update={
+            "cluster": spec.cluster.model_copy(update={"profile": None})})),
         config_map=f"{spec.name}-spec",
         master_port=TRAINJOB_MASTER_PORT if trainjob else K8S_MASTER_PORT,
         api=k.api,

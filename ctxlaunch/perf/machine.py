@@ -13,17 +13,20 @@ from typing import TYPE_CHECKING, Any
 from ctxlaunch.contract.fsutil import atomic_write_text
 from ctxlaunch.contract.hardware import LINKS, GpuInfo, LinkInfo
 from ctxlaunch.contract.rundir import home
+from ctxlaunch.perf.profiles import (
+    ATTENTION_MATMUL_FRACTION,
+    MEGATRON_ETA_MATMUL,
+    FrameworkProfile,
+    profile,
+)
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
 
-# Fitted on the published runs (ctxlaunch.perf.published; benchmarks/fit_steptime.py
-# prints the fit): the achievable fraction of the tensor-core peak for the weight matmuls, BF16
-# and FP8 (FP8 GEMMs reach a smaller share of their doubled peak, and FP8 recipes add scaling
-# and casts), and for causal flash attention. Three numbers for every row of every table, not
-# one per row.
-ETA_MATMUL: dict[str, float] = {"bf16": 0.86, "fp8": 0.50, "fp32": 0.86}
-ETA_ATTENTION = 0.31
+# The Megatron profile's efficiencies (ctxlaunch.perf.profiles, where every constant is named
+# with its source); kept here under their old names for what imports them.
+ETA_MATMUL: dict[str, float] = dict(MEGATRON_ETA_MATMUL)
+ETA_ATTENTION = ATTENTION_MATMUL_FRACTION
 # Assumed, not fitted: NCCL bus bandwidth reaches ~80 % of the data-sheet link bandwidth for
 # large messages (nccl-tests all-reduce / all-gather bus bandwidth on NVLink and NDR).
 ETA_COMM = 0.8
@@ -43,6 +46,7 @@ class Machine:
     network: LinkInfo
     eta_matmul: dict[str, float] = field(default_factory=lambda: dict(ETA_MATMUL))
     eta_attention: float = ETA_ATTENTION
+    """The flash kernel's matmul rate on long calls / the BF16 peak (profiles)."""
     eta_comm: float = ETA_COMM
     attention_flops_per_second: float | None = None
     """Measured attention rate (CPU calibration); None: eta_attention x the BF16 peak."""
@@ -67,12 +71,27 @@ class Machine:
     elementwise_bytes_per_second: float | None = None
     """Rate of the elementwise term (norms, RoPE, SwiGLU, residual adds) per modelled byte;
     None: the memory bandwidth. On the CPU it is measured on the model itself: eager torch
-    runs those small kernels far below a large copy's bandwidth."""
+    runs those small kernels far below a large copy's bandwidth; on GPUs the profile's
+    fraction of the HBM bandwidth."""
+    framework: str = "ctxlaunch"
+    """Whose kernels and overlap the rates describe (ctxlaunch.perf.profiles)."""
+    sm_count: int = 0
+    """SMs the GEMM tiles fill in waves; 0 (the CPU): no wave quantisation, no memory bound."""
+    sfu_ops_per_second: float = 0.0
+    """Exponential rate; with `exp_exposed` the softmax adds to the attention time."""
+    exp_exposed: bool = False
+    attention_ramp_tokens: float = 0.0
+    """L0 of the attention length ramp (profiles.ATTENTION_RAMP_TOKENS); 0: none."""
+    expected_error: float = 0.0
+    """The profile's held-out relative error (0: not known, e.g. a CPU calibration)."""
 
     @classmethod
     def from_gpu(cls, gpu: GpuInfo, *, network: str, gpus_per_node: int,
-                 nvlink_domain: int | None = None, **changes: Any) -> Machine:
-        """The data-sheet machine of `gpu` over the `network` fabric."""
+                 nvlink_domain: int | None = None, framework: str = "ctxlaunch",
+                 **changes: Any) -> Machine:
+        """The data-sheet machine of `gpu` over the `network` fabric, timed with the kernels
+        and overlap of `framework` (a profile of ctxlaunch.perf.profiles)."""
+        prof: FrameworkProfile = profile(framework)
         peaks = {"bf16": gpu.peak_bf16_flops, "fp32": gpu.peak_fp32_flops}
         if gpu.fp8:
             peaks["fp8"] = 2 * gpu.peak_bf16_flops
@@ -81,7 +100,16 @@ class Machine:
                       memory_bytes_per_second=gpu.hbm_bytes_per_second,
                       gpus_per_node=gpus_per_node, nvlink_domain=domain,
                       intra_node=LINKS[gpu.intra_node_link], network=LINKS[network],
-                      peak_reference_flops=gpu.peak_bf16_flops)
+                      peak_reference_flops=gpu.peak_bf16_flops,
+                      eta_matmul=dict(prof.eta_matmul), eta_attention=prof.attention_fraction,
+                      overlap_dp=prof.overlap_dp,
+                      elementwise_bytes_per_second=(
+                          prof.elementwise_fraction_of_hbm * gpu.hbm_bytes_per_second
+                          if prof.elementwise_fraction_of_hbm < 1 else None),
+                      framework=prof.name, sm_count=gpu.sm_count,
+                      sfu_ops_per_second=gpu.sfu_ops_per_second, exp_exposed=prof.exp_exposed,
+                      attention_ramp_tokens=prof.attention_ramp_tokens,
+                      expected_error=prof.expected_error)
         return dataclasses.replace(machine, **changes) if changes else machine
 
     def link_for_span(self, span: int) -> LinkInfo:
@@ -185,18 +213,53 @@ def save_calibration(calibration: Calibration, path: Path | None = None) -> Path
                              json.dumps(asdict(calibration), indent=2) + "\n")
 
 
+def profile_path_for(spec: JobSpec, spec_path: Path | None = None) -> Path:
+    """Where `calibrate --submit` saves `spec`'s machine profile by default:
+    profiles/<gpu>-<fabric>.json beside the spec file (the working directory without one), a
+    file a team can commit and name in cluster.profile."""
+    base = spec_path.parent if spec_path is not None else Path.cwd()
+    return base / "profiles" / f"{spec.cluster.gpu}-{spec.fabric.network}.json"
+
+
+def save_profile(calibration: Calibration, spec: JobSpec, path: Path) -> Path:
+    """Write a machine profile atomically: the measured constants keyed by the GPU type and
+    fabric of `spec` (what cluster.profile checks), with the node shape they were taken on."""
+    from ctxlaunch.contract.spec import PROFILE_FORMAT
+
+    data = {"format": PROFILE_FORMAT, "gpu": spec.cluster.gpu,
+            "fabric": spec.fabric.network, "framework": "ctxlaunch",
+            "nodes": spec.cluster.nodes, "gpus_per_node": spec.cluster.gpus_per_node,
+            "model": spec.model.preset or "custom", "measured_at": calibration.measured_at,
+            "calibration": asdict(calibration)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def load_profile(path: Path) -> Calibration:
+    """The constants of a machine profile; ValueError naming the file when it is not one."""
+    try:
+        return Calibration(**json.loads(path.read_text())["calibration"])
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"cluster.profile: {path} is not a machine profile ({exc})") from None
+
+
 def machine_for(spec: JobSpec, *, gpus_per_node: int | None = None,
-                calibration: Calibration | None = None, saved: bool = True) -> Machine:
+                calibration: Calibration | None = None, saved: bool = True,
+                framework: str = "ctxlaunch") -> Machine:
     """The machine `spec` runs on, with `gpus_per_node` (default: the spec's own; how many
-    nodes does not change a node's rates): the GPU and fabric tables, or on `gpu: cpu` the
+    nodes does not change a node's rates): the GPU and fabric tables timed with `framework`'s
+    profile (default the bundled trainer's); the constants of the machine profile the spec
+    names (cluster.profile) when it names one, ahead of `calibration`; or on `gpu: cpu` the
     constants measured here
     (`calibration`, else the saved ones unless `saved` is False; the tables' placeholders
     where none were measured)."""
     c = spec.cluster
     per_node = gpus_per_node or c.gpus_per_node
+    if c.profile is not None:  # the spec's own machine, ahead of anything measured here
+        return load_profile(Path(c.profile)).machine(gpus_per_node=per_node)
     if c.gpu == "cpu":
         measured = calibration or (load_calibration() if saved else None)
         if measured is not None:
             return measured.machine(gpus_per_node=per_node)
     return Machine.from_gpu(c.gpu_info, network=spec.fabric.network, gpus_per_node=per_node,
-                            nvlink_domain=spec.nvlink_domain, overlap_dp=c.gpu != "cpu")
+                            nvlink_domain=spec.nvlink_domain, framework=framework)

@@ -7,14 +7,16 @@ and the CPU self-check all call `predict`.
 One rank of the busiest pipeline stage, one micro-batch of b sequences of s tokens; n = b*s/cp
 tokens held by the rank (CP splits the sequence), TP shards heads and weights:
 
-  compute      matmul FLOPs executed (6 per weight per token, +2 for every recomputed
-               forward) at eta_matmul x the peak of the matmul precision (FP8 peak = 2 x BF16
-               on Hopper/Blackwell); causal attention FLOPs executed (half the score matrix:
-               6*h*s per layer per token, +2*h*s when recomputed) at eta_attention x the BF16
-               peak (flash attention runs in BF16 under FP8 recipes); elementwise work (norms,
-               RoPE, SwiGLU, residuals, casts) as HBM traffic: 3 passes (forward write,
-               backward read and gradient write) over the bytes a block saves per token, at the
-               data-sheet HBM bandwidth.
+  compute      every projection's three GEMMs (forward, input and weight gradient; +1 forward
+               for what the checkpointing mode recomputes) timed by shape
+               (profiles.gemm_seconds: eta_matmul x the precision's peak over the last
+               wave's occupancy of the SMs, or the GEMM's HBM traffic where larger); causal
+               attention's score entries (12 x head_dim FLOPs each, +4 when recomputed) at the
+               flash kernel's measured rate with its length ramp, plus exposed exponentials
+               for FA2-generation kernels (profiles.attention_seconds); elementwise work
+               (norms, RoPE, SwiGLU, residuals, casts) as HBM traffic: 3 passes (forward
+               write, backward read and gradient write) over the bytes a block saves per
+               token, at the profile's fraction of the HBM bandwidth.
   TP           Megatron sequence parallelism: per layer 2 all-gathers + 2 reduce-scatters in
                forward, as many in backward (and again in a recomputed forward), each moving
                (t-1)/t x n*h*2 bytes; not overlapped.
@@ -42,8 +44,8 @@ tokens held by the rank (CP splits the sequence), TP shards heads and weights:
 Collectives move bytes at eta_comm x the data-sheet bandwidth of the slowest link their group
 spans (NVLink inside the NVLink domain; the network beyond it, one NIC per GPU) plus one
 latency per ring step. Every constant is a data-sheet value (ctxlaunch.contract.hardware),
-measured on this machine (ctxlaunch.runtime.calibrate), or one of the fitted efficiencies
-(ctxlaunch.perf.machine); the README lists
+measured (ctxlaunch.runtime.calibrate on the CPU; the H200 run for the GPU profiles), or one
+of the fitted constants of a framework profile (ctxlaunch.perf.profiles); the README lists
 which.
 """
 
@@ -58,6 +60,7 @@ from ctxlaunch.perf.flops import CONVENTIONS, MfuConvention, count_params, flops
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.machine import Machine, machine_for
 from ctxlaunch.perf.memory import block_activation_bytes_per_token, params_per_rank
+from ctxlaunch.perf.profiles import attention_seconds, gemm_seconds
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec, ModelSpec
@@ -77,13 +80,25 @@ class StepTime:
     mfu: dict[MfuConvention, float]
     detail: dict[str, float] = field(default_factory=dict)
     """Per-layer figures behind the terms (ring hop transfer vs hop compute, ...)."""
+    framework: str = "ctxlaunch"
+    """Whose kernels and overlap were timed (ctxlaunch.perf.profiles)."""
+    expected_error: float = 0.0
+    """The profile's relative error on its own held-out check (0: none known)."""
+
+    def range_text(self) -> str:
+        """The prediction's expected error in words, for `plan` and `advise`."""
+        if not self.expected_error:
+            return f"{self.framework} profile, expected error not measured"
+        return (f"+/-{self.expected_error:.0%} expected ({self.framework} profile; README, "
+                "\"The step-time model's constants\", says where the range comes from)")
 
     def to_dict(self) -> dict[str, object]:
         return {"step_seconds": self.step_seconds,
                 "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
                 "model_tflops_per_gpu": {c: v / 1e12 for c, v in
                                          self.model_flops_per_second_per_gpu.items()},
-                "mfu": self.mfu, "terms_seconds": self.terms, "detail": self.detail}
+                "mfu": self.mfu, "terms_seconds": self.terms, "detail": self.detail,
+                "framework": self.framework, "expected_error": self.expected_error}
 
 
 def _collective_seconds(volume_bytes: float, steps: int, link: LinkInfo,
@@ -93,10 +108,45 @@ def _collective_seconds(volume_bytes: float, steps: int, link: LinkInfo,
     return volume_bytes / machine.bandwidth(link) + steps * link.latency_seconds
 
 
+def _matmul_seconds(model: ModelSpec, layout: Layout, machine: Machine, n: float,
+                    layers: float, vocab: float) -> tuple[float, float]:
+    """(seconds, FLOPs) of one micro-batch's weight matmuls on the busiest stage: every
+    projection's forward, input-gradient and weight-gradient GEMM at its own shape
+    (`profiles.gemm_seconds`: wave quantisation, memory-bound small GEMMs), TP-sharded, plus a
+    recomputed forward of what the checkpointing mode recomputes; the output head once."""
+    h, f, h_kv, t = model.hidden, model.ffn_hidden, model.kv_hidden, layout.tp
+    precision = layout.matmul_precision
+    element = 1.0 if precision == "fp8" else float(layout.compute_bytes)
+
+    def gemm(m: float, cols: float, inner: float) -> float:
+        return gemm_seconds(m, cols, inner, peak=machine.peak_flops[precision],
+                            eta=machine.eta_matmul[precision], sm_count=machine.sm_count,
+                            hbm_bytes_per_second=machine.memory_bytes_per_second,
+                            element_bytes=element)
+
+    def projection(d_in: float, d_out: float, forwards: int) -> float:
+        forward = gemm(n, d_out, d_in)
+        return forwards * forward + gemm(n, d_in, d_out) + gemm(d_in, d_out, n)
+
+    mode = layout.activation_checkpointing
+    attention_forwards = 2 if mode == "full" else 1
+    ffn_forwards = 1 if mode == "none" else 2
+    block = (projection(h, (h + 2 * h_kv) / t, attention_forwards)   # fused q, k, v
+             + projection(h / t, h, attention_forwards)              # output
+             + projection(h, 2 * f / t, ffn_forwards)                # fused gate, up
+             + projection(f / t, h, ffn_forwards))                   # down
+    head = projection(h, vocab / t, 1)
+    attention_weights, ffn_weights = 2 * h * h + 2 * h * h_kv, 3 * h * f
+    recompute = {"none": 0, "selective": ffn_weights,
+                 "full": attention_weights + ffn_weights}[mode]
+    flops = (n * layers * (6 * (attention_weights + ffn_weights) + 2 * recompute)
+             + 6 * n * h * vocab) / t
+    return layers * block + head, flops
+
+
 def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
     """Step time of `layout` on `machine`, term by term (see the module docstring)."""
-    L, h, f = model.layers, model.hidden, model.ffn_hidden
-    h_kv = model.kv_hidden
+    L, h = model.layers, model.hidden
     t, p, cp, v = layout.tp, layout.pp, layout.cp, layout.virtual_stages
     u, r = layout.ulysses_degree, layout.ring_degree
     m = layout.grad_accum
@@ -106,29 +156,30 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
     mode = layout.activation_checkpointing
 
     # --- compute ------------------------------------------------------------------------------
-    attention_weights = 2 * h * h + 2 * h * h_kv
-    ffn_weights = 3 * h * f
     counts = count_params(model)
     head_weights = counts.head or counts.embedding
-    recompute_weights = {"none": 0, "selective": ffn_weights,
-                         "full": attention_weights + ffn_weights}[mode]
-    block_matmul = n * layers * (6 * (attention_weights + ffn_weights)
-                                 + 2 * recompute_weights) / t
-    # The busiest stage: every stage has L/p blocks, the last one also the output head.
-    head_matmul = 6 * n * head_weights / t
-    matmul_flops = block_matmul + head_matmul
+    t_matmul, matmul_flops = _matmul_seconds(model, layout, machine, n, layers,
+                                             head_weights / h)
     # Causal attention with balanced (zigzag) sharding: each token attends to s/2 keys on
     # average; forward 4*h*s_keys, backward 8*h*s_keys, a recomputed forward 4 more. A document
     # mask computes `attended_fraction` of that area; the diagonal tiles a causal kernel wastes
     # stay the same in total (each document's causal call wastes in proportion to its length).
     keys = layout.seq_len / 2
-    attention_flops = (n * layers * h * keys * (12 + (4 if mode == "full" else 0)) / t
-                       * (layout.attended_fraction + machine.causal_tile_tokens / layout.seq_len))
-    peak_mm = machine.peak_flops[layout.matmul_precision]
-    attention_rate = machine.attention_flops_per_second or (
-        machine.eta_attention * machine.peak_flops["bf16" if layout.dtype == "bf16" else "fp32"])
-    t_matmul = matmul_flops / (machine.eta_matmul[layout.matmul_precision] * peak_mm)
-    t_attention = attention_flops / attention_rate
+    per_entry = 12 + (4 if mode == "full" else 0)
+    entries = (n * layers * model.heads / t * keys
+               * (layout.attended_fraction + machine.causal_tile_tokens / layout.seq_len))
+    attention_flops = entries * per_entry * model.head_dim
+    if machine.attention_flops_per_second:  # measured (the CPU calibration)
+        t_attention = attention_flops / machine.attention_flops_per_second
+    else:
+        # One call covers the tokens a ring rank holds (Ulysses gathers the whole sequence
+        # over fewer heads).
+        t_attention = attention_seconds(
+            entries, model.head_dim, layout.seq_len / r,
+            peak=machine.peak_flops["bf16" if layout.dtype == "bf16" else "fp32"],
+            fraction=machine.eta_attention, ramp_tokens=machine.attention_ramp_tokens,
+            sfu_ops_per_second=machine.sfu_ops_per_second, exp_exposed=machine.exp_exposed,
+            matmul_flops_per_entry=per_entry)
     # Elementwise traffic of one whole block per token, TP-sharded below (/t): the block's own
     # tensors, not the copies a TP or FSDP2 trainer keeps around it (gathered norm outputs,
     # fp32 residual), which the published runs' frameworks do not make.
@@ -234,6 +285,7 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
                 "ring_hop_compute_seconds": hop_compute_fwd,
                 "dp_collectives_seconds": t_dp,
                 "microbatch_seconds": micro},
+        framework=machine.framework, expected_error=machine.expected_error,
     )
 
 

@@ -87,6 +87,25 @@ class Advice:
     def best(self) -> Candidate | None:
         return self.ranked[0] if self.ranked else None
 
+    @property
+    def expected_error(self) -> float:
+        """The model's expected relative error here (its profile's held-out check)."""
+        return self.best.time.expected_error if self.best else 0.0
+
+    def ties_best(self, candidate: Candidate) -> bool:
+        """Whether `candidate` is within the model's expected error of the fastest: the model
+        cannot tell them apart, so they rank as ties."""
+        if self.best is None:
+            return False
+        limit = self.best.time.step_seconds * (1 + self.expected_error)
+        return candidate.time.step_seconds <= limit
+
+    def rank_labels(self, top: int | None = None) -> list[str]:
+        """'1', or '=1' for every layout tied with the fastest, then their own ranks."""
+        tied = sum(1 for c in self.ranked if self.ties_best(c))
+        return ["=1" if tied > 1 and self.ties_best(c) else str(i)
+                for i, c in enumerate(self.ranked[:top], 1)]
+
     def rejected_by_kind(self) -> dict[str, list[Rejection]]:
         out: dict[str, list[Rejection]] = {"illegal": [], "no fit": [], "dominated": []}
         for r in self.rejected:
@@ -101,8 +120,12 @@ class Advice:
             "tokens_per_step": self.spec.tokens_per_step,
             "layouts_timed": self.layouts_timed, "memory_estimates": self.memory_estimates,
             "validator_calls": self.validator_calls,
-            "ranked": [c.to_dict() for c in self.ranked[:top]],
+            "ranked": [{**c.to_dict(), "rank": label, "tied_with_best": label == "=1"}
+                       for c, label in zip(self.ranked[:top], self.rank_labels(top),
+                                           strict=True)],
             "ranked_total": len(self.ranked),
+            "expected_error": self.expected_error,
+            "tied_with_best": sum(1 for c in self.ranked if self.ties_best(c)),
             "own_layout": self.own.to_dict() if self.own else None,
             "rejected": {kind: {"count": len(items),
                                 "layouts": [{"layout": r.layout, "reason": r.reason}
@@ -172,7 +195,8 @@ def advise(spec: JobSpec, *, nodes: int | None = None, gpus_per_node: int | None
     default; on `machine`, else the spec's tables: the CLI passes `machine_for`'s choice, with
     any saved CPU calibration). The tokens per step (global batch x seq_len) are held.
     `matmul_precision` fp8 ranks as if the weight matmuls ran in FP8 (the bundled trainer runs
-    bf16/fp32 only)."""
+    bf16/fp32 only). On a Megatron-profile machine (`--framework megatron`) the layouts are
+    planned with Megatron's memory habits too (Layout.framework)."""
     nodes = nodes or spec.cluster.nodes
     gpn = gpus_per_node or spec.cluster.gpus_per_node
     world = nodes * gpn
@@ -196,6 +220,8 @@ def advise(spec: JobSpec, *, nodes: int | None = None, gpus_per_node: int | None
     for degrees in degree_options(base, world, gpn, machine.nvlink_domain):
         if matmul_precision is not None:
             degrees = degrees.replace(matmul_precision=matmul_precision)
+        if machine.framework == "megatron":
+            degrees = degrees.replace(framework="megatron")
         # The validator sees the global batch the search holds (a layout only names it as
         # micro-batch x grad_accum x dp, which rounds where dp does not divide it).
         why = problem(_with_global_batch(degrees.apply_to(base), global_batch))
@@ -334,16 +360,20 @@ def print_advice(console: Any, advice: Advice, top: int) -> None:
         table.add_column(column, justify="left" if column in ("layout", "largest overhead")
                          else "right")
     compute = ("compute_matmul", "compute_attention", "compute_elementwise")
-    for i, c in enumerate(advice.ranked[:top], 1):
+    for label, c in zip(advice.rank_labels(top), advice.ranked[:top], strict=True):
         overheads = {k: v for k, v in c.time.terms.items()
                      if k not in compute and v > 1e-3 * c.time.step_seconds}
         worst = max(overheads, key=overheads.__getitem__) if overheads else None
         worst_text = (f"{worst.replace('_', ' ')} {overheads[worst] / c.time.step_seconds:.1%}"
                       if worst else "-")
-        table.add_row(str(i), c.describe(), f"{c.memory.total / GiB:,.1f}",
+        table.add_row(label, c.describe(), f"{c.memory.total / GiB:,.1f}",
                       f"{c.time.step_seconds:.4g}", f"{c.time.tokens_per_second_per_gpu:,.0f}",
                       f"{c.time.mfu['full']:.1%}", f"{c.time.mfu['causal']:.1%}", worst_text)
     console.print(table)
+    if advice.best is not None:
+        tied = sum(1 for c in advice.ranked if advice.ties_best(c))
+        console.print(f"step times {advice.best.time.range_text()}; {tied} layout(s) within "
+                      "that of the fastest rank as ties (=1)", markup=False)
     if advice.own is not None and advice.best is not None:
         p = s.parallel
         console.print(

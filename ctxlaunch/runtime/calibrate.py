@@ -331,3 +331,62 @@ def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str =
         elementwise_bytes_per_second=elementwise, sync_seconds=syncs,
         one_thread={"matmul": matmul_1, "attention": attention_1,
                     "elementwise": elementwise_1, "microbatch_overhead": overhead_1})
+
+
+# --------------------------------------------------------------------------------------------
+# the calibration job's body (`ctxlaunch calibrate SPEC --submit` runs it instead of the trainer)
+# --------------------------------------------------------------------------------------------
+CALIBRATE_MODULE = "ctxlaunch.runtime.calibrate"
+
+
+
+def run_job(spec_path: str | None, out_path: str) -> int:
+    """Measure this node for the spec at `spec_path` (spec.json; None: the spec in
+    $CTXLAUNCH_SPEC_JSON, as the Slurm script passes it) and write its machine profile
+    to `out_path`; returns the exit status. Only `gpu: cpu` is measured today: a GPU spec is a
+    clear error, not a profile of the CPU under a GPU's name."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from ctxlaunch.contract.loader import validate_spec
+    from ctxlaunch.contract.rundir import SPEC_ENV
+    from ctxlaunch.perf.machine import save_profile
+
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    data = json.loads(Path(spec_path).read_text() if spec_path else os.environ[SPEC_ENV])
+    data.get("cluster", {}).pop("profile", None)  # the profile being written, not one to use
+    spec = validate_spec(data, spec_path or SPEC_ENV)
+    if spec.cluster.gpu != "cpu":
+        print(f"ctxlaunch calibrate: cluster.gpu {spec.cluster.gpu!r}: the calibration job "
+              "measures gpu: cpu only so far (the CUDA measurement is not built)",
+              file=sys.stderr)
+        return 2
+    if rank != 0:
+        return 0
+    m = spec.model
+    # Short on the CPU: 512-token attention, two repeats, three message sizes, one sync width.
+    calibration = measure(heads=m.heads, head_dim=m.head_dim, dtype=m.dtype, model=m, seq=512,
+                          repeats=2, sizes=(4096, 262144, 2**20), sync_ranks=(2,))
+    written = save_profile(calibration, spec, Path(out_path))
+    # The profile in the log too: where the job's filesystem is not the submitter's (a pod).
+    print(f"ctxlaunch calibrate: profile {json.dumps(json.loads(written.read_text()))}")
+    print(f"ctxlaunch calibrate: wrote {written}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=f"python -m {CALIBRATE_MODULE}",
+                                     description=run_job.__doc__)
+    parser.add_argument("spec", nargs="?", default=None,
+                        help="the job's spec.json (default: $CTXLAUNCH_SPEC_JSON)")
+    parser.add_argument("--out", required=True, help="where to write the machine profile")
+    args = parser.parse_args(argv)
+    return run_job(args.spec, args.out)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,34 @@
+"""`ctxlaunch calibrate SPEC --submit` on target kubernetes: the spec's own PyTorchJob with the
+calibration in place of the pod entry point, created on the real kube-apiserver running here
+(scripts/services/kubernetes.sh). No kubelet runs on that server, so the pods never start: the
+run on a real node is still to be checked, and this test checks what is created."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.services import require_kubernetes
+
+from .test_kubernetes import ctx, get, home, kubectl, namespace, spec_args
+
+__all__ = ["home", "namespace"]  # the fixtures, used by name
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(120)
+def test_calibration_job_is_created_on_the_api_server(namespace: str, home) -> None:
+    require_kubernetes()
+    result = ctx(home, "calibrate", "--submit", *spec_args(namespace, "calib"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == f"{namespace}/calib", result.stdout
+    job = get("pytorchjobs", namespace, "calib")
+    assert job is not None
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert set(specs) == {"Master"}  # one node
+    (container,) = specs["Master"]["template"]["spec"]["containers"]
+    assert container["command"] == ["python3", "-m", "ctxlaunch.runtime.calibrate",
+                                    "/etc/ctxlaunch/spec.json", "--out",
+                                    "/tmp/ctxlaunch-run/profile.json"]
+    kubectl("delete", "pytorchjobs,configmaps", "--all", "-n", namespace)
+    kubectl("delete", "namespace", namespace, "--wait=false")
