@@ -65,10 +65,11 @@ CP rank holds a replica of the weights), mirroring how the trainer runs them:
 The peak, phase by phase (`peak_phases`, issue 18): what is live at the highest moment of each
 phase of a steady-state step (step 2 on: AdamW creates its states at the first step()), by part:
 - forward end: model states and everything saved;
-- loss backward: the gradient of the whole loss input (r*h per token) next to one chunk's
-  logits and their fp32 work;
+- the loss, forward and backward per chunk (runtime/trainer/loss.py): the loss input and the
+  gradient of it (r*h per token each), the head's gradient, one chunk's logits and, in 16-bit,
+  their fp32 upcast (no fp32 copy of all the logits; no recomputation in backward);
 - the last block's feed-forward backward, the step's peak at long context: the loss's saved
-  tensors released (final norm input, the gathered loss input, targets), the SwiGLU output
+  tensors released (final norm input, the gradient of the gathered loss input), the SwiGLU output
   replaced by its gradient, gate's and up's gradients (2*a*f per token), the chunked SwiGLU
   backward's fp32 temporaries (2 (chunk x f) in fp32, 4 in 16-bit), the gradient flowing into
   the block (r*h), under checkpointing the recomputed half (and its bf16 weight copies), and
@@ -225,11 +226,21 @@ def _attention_workspace_bytes_per_token(model: ModelSpec, layout: Layout) -> fl
 
 
 def _loss_workspace_bytes(model: ModelSpec, layout: Layout) -> float:
-    """One chunk of the output head and cross-entropy: logits in the compute dtype, their fp32
-    copy, the fp32 log-softmax kept for backward, and the fp32 logits gradient."""
+    """The chunked loss's transients (runtime/trainer/loss.py: each chunk's backward done in its
+    forward): one chunk's logits in the compute dtype, in 16-bit their one fp32 upcast (the
+    softmax and then the logits' gradient, formed in place and cast back into the logits'
+    buffer; in fp32 the logits themselves are that work), and under autocast the head weight's
+    compute-dtype copy (made once for every chunk) and the chunk of the loss input cast to
+    it. The per-token statistics (about 50 bytes per token of the chunk) are left out. The
+    largest of what follows the softmax (the input gradient's chunk before it is written into
+    the fp32 whole, the head gradient's per-chunk product before it is added to the fp32
+    accumulator) is smaller than the upcast at any vocabulary above the hidden size."""
     tokens = min(layout.tokens_per_rank, LOSS_CHUNK_TOKENS)
     vocab = model.vocab / layout.tp
-    return (layout.compute_bytes + 12) * vocab * tokens
+    a, h = layout.compute_bytes, model.hidden
+    upcast = 4 * vocab * tokens if a != 4 else 0.0
+    copies = a * (vocab + tokens) * h if layout.residual_bytes != a else 0.0
+    return a * vocab * tokens + upcast + copies
 
 
 def autocast_weight_copy_bytes(model: ModelSpec, layout: Layout) -> float:
@@ -266,13 +277,13 @@ def stage_activation_bytes(model: ModelSpec, layout: Layout, blocks: int, *,
     # Outside the blocks, per sequence-parallel token: the RoPE cos/sin tables (one pair for
     # every block, over the CP shard's tokens); on the first stage the int64 token ids (and,
     # under TP, the vocabulary mask of the parallel embedding); on the last the final RMSNorm
-    # input and rstd, its output gathered over TP as the input of the chunked loss (recomputed
-    # chunk by chunk), and the int64 targets.
+    # input and rstd, and the gradient of the chunked loss's input (gathered over TP): the loss
+    # computes it in forward and keeps it, in place of the input it no longer keeps.
     outside = 2 * model.head_dim * layout.compute_bytes * t
     if first:
         outside += 8 * t + (t if t > 1 else 0)
     if last:
-        outside += r * model.hidden + 4 + r * model.hidden * t + 8 * t
+        outside += r * model.hidden + 4 + r * model.hidden * t
     per_block = block_activation_bytes_per_token(model, layout)
     return tokens * (per_block * blocks + outside) \
         + autocast_weight_copy_bytes(model, layout) * blocks
@@ -327,10 +338,10 @@ def _states(model: ModelSpec, layout: Layout) -> tuple[float, float, float]:
 
 def _loss_released_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
     """What the last stage saved outside the blocks for the loss (final norm input and rstd,
-    the gathered loss input, the targets), released once the loss's backward is done; per
-    sequence-parallel token."""
+    the gradient of the gathered loss input), released once the final norm's backward is
+    done; per sequence-parallel token."""
     t, r = layout.tp, layout.residual_bytes
-    return r * model.hidden + 4 + r * model.hidden * t + 8 * t
+    return r * model.hidden + 4 + r * model.hidden * t
 
 
 def _feed_forward_recompute_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
@@ -357,6 +368,13 @@ def _swiglu_backward_temporaries(model: ModelSpec, layout: Layout) -> float:
     tokens = min(layout.tokens_per_rank, BACKWARD_CHUNK_TOKENS)
     count = 2 if layout.compute_bytes == 4 else 4
     return count * 4 * tokens * model.ffn_hidden / layout.tp
+
+
+def _head_grad_bytes(model: ModelSpec, layout: Layout, params_bytes_per_param: float) -> float:
+    """The output head's (or tied embedding's) gradient, which the chunked loss accumulates
+    from its first chunk on."""
+    counts = count_params(model)
+    return params_bytes_per_param * (counts.head or counts.embedding) / layout.tp
 
 
 def _last_block_grad_bytes(model: ModelSpec, layout: Layout, params_bytes_per_param: float) -> \
@@ -443,12 +461,13 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
     phases = [Phase("forward", parameters, 0.0, held_states, saved, buffers, stage)]
     buffers += bucket  # from the first backward hook to the end of backward
     if last:
-        # The loss, chunk by chunk in backward: the gradient of its whole input exists from
-        # the first chunk on, next to one chunk's logits (recomputed) and their fp32 work.
-        loss_input_grad = r * h * full_tokens
-        phases.append(Phase("loss backward", parameters, 0.0, held_states, saved,
-                            buffers + loss_input_grad + _loss_workspace_bytes(model, layout),
-                            stage))
+        # The loss, forward and backward chunk by chunk: the gradient of its whole input (in
+        # `saved`) and the head weight's exist from the first chunk on, next to the input
+        # itself and one chunk's logits and their fp32 work.
+        loss_input = r * h * full_tokens
+        phases.append(Phase("loss", parameters, _head_grad_bytes(model, layout, grad_per_param),
+                            held_states, saved,
+                            buffers + loss_input + _loss_workspace_bytes(model, layout), stage))
     # The last block's feed-forward backward: the loss's saved tensors released (last stage),
     # the SwiGLU output replaced by its gradient (same bytes), gate and up's gradients and the
     # chunk's fp32 temporaries on top, with the gradient flowing into the block (on a stage

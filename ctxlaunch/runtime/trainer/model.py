@@ -7,8 +7,8 @@ The model never touches a process group. Which attention runs (full, ring, Ulyss
 follows each token's global position under any CP layout (or, per sequence, its position in
 its document); a packed batch's document boundaries, when given, pass through to `attend`.
 Tensor parallelism enters the same way: `enter`/`exit` around attention and the feed-forward
-(identity by default; the sequence all-gather and reduce-scatter under TP), `cross_entropy`
-for the vocabulary-parallel loss.
+(identity by default; the sequence all-gather and reduce-scatter under TP), `chunked_loss`
+for the vocabulary-parallel loss (loss.py: forward and backward per chunk of tokens).
 
 What each block saves for backward is deliberate (the planner's constants in
 ctxlaunch/memory.py are derived from it): RMSNorm keeps only its input and the fp32 reciprocal
@@ -37,6 +37,7 @@ from ctxlaunch.contract.spec import (
     YarnRope,
 )
 from ctxlaunch.perf.memory import BACKWARD_CHUNK_TOKENS, LOSS_CHUNK_TOKENS
+from ctxlaunch.runtime.trainer.loss import chunked_cross_entropy
 
 AttentionFn = Callable[..., torch.Tensor]
 """attend(q, k, v) or, under a document mask, attend(q, k, v, documents=...) -> out."""
@@ -47,11 +48,6 @@ Hook = Callable[[torch.Tensor], torch.Tensor]
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
-
-
-def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # Targets of -100 (cross_entropy's default ignore_index) add nothing.
-    return F.cross_entropy(logits, targets, reduction="sum")
 
 
 def _token_scores(logits: torch.Tensor, targets: torch.Tensor
@@ -411,8 +407,9 @@ class Transformer(nn.Module):
         self.loss_chunk_tokens = LOSS_CHUNK_TOKENS
         self.enter_loss: Hook = _identity
         """(B, S/t, h) -> (B, S, h) under TP: every TP rank scores every token."""
-        self.cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = \
-            _cross_entropy_sum
+        self.chunked_loss: Callable[..., torch.Tensor] = chunked_cross_entropy
+        """loss(hidden, weight, targets, divisor=, chunk_tokens=): `chunked_cross_entropy`,
+        vocabulary-parallel under TP."""
         self.token_scorer: Callable[[torch.Tensor, torch.Tensor],
                                     tuple[torch.Tensor, torch.Tensor]] = _token_scores
         """Forward-only per-token scores of fp32 logits (vocabulary-parallel under TP)."""
@@ -485,10 +482,6 @@ class Transformer(nn.Module):
             raise RuntimeError("this pipeline rank holds no output head")
         return weight
 
-    def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self._output_weight())
-        return self.cross_entropy(logits.float(), targets)
-
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
                 documents: Documents = None, scores: bool = False
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -519,12 +512,9 @@ class Transformer(nn.Module):
         None (the mean over this rank's predicted tokens)."""
         hidden = self.enter_loss(hidden).flatten(0, 1)
         targets = targets.flatten()
-        # The (tokens x vocab) logits exist one chunk at a time, recomputed in backward.
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for start in range(0, hidden.shape[0], self.loss_chunk_tokens):
-            end = start + self.loss_chunk_tokens
-            total = total + checkpoint(self._chunk_loss, hidden[start:end], targets[start:end],
-                                       use_reentrant=False)
-        if self.loss_divisor is not None:
-            return total / self.loss_divisor
-        return total / max(int((targets != -100).sum()), 1)
+        divisor = (self.loss_divisor if self.loss_divisor is not None
+                   else max(int((targets != -100).sum()), 1))
+        # The (tokens x vocab) logits exist one chunk at a time, each chunk's backward done in
+        # its forward (loss.py).
+        return self.chunked_loss(hidden, self._output_weight(), targets, divisor=divisor,
+                                 chunk_tokens=self.loss_chunk_tokens)

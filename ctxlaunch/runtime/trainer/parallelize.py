@@ -24,6 +24,7 @@ from torch import nn
 
 from ctxlaunch import cp as cp_attention
 from ctxlaunch.contract.spec import JobSpec, ModelSpec, StateEngine
+from ctxlaunch.runtime.trainer.loss import VocabShard, chunked_cross_entropy
 from ctxlaunch.runtime.trainer.model import AttentionFn, Checkpointing, Transformer
 from ctxlaunch.runtime.trainer.pipeline import StageModule, pipeline_schedule, split_stages
 from ctxlaunch.runtime.trainer.reshard import local_rows, write_local, write_rows
@@ -33,7 +34,6 @@ from ctxlaunch.runtime.trainer.tensor_parallel import (
     gather_sequence,
     scatter_sequence,
     shardings,
-    vocab_parallel_cross_entropy,
     vocab_parallel_token_scores,
 )
 
@@ -337,8 +337,7 @@ def apply_tensor_parallel(model: Transformer, ctx: ParallelContext) -> dict[str,
     vocab_start = rank * embedding.shape[0]
     model.embed = VocabParallelEmbedding(embedding, vocab_start, group)
     model.enter_loss = enter
-    model.cross_entropy = partial(vocab_parallel_cross_entropy, vocab_start=vocab_start,
-                                  group=group)
+    model.chunked_loss = partial(chunked_cross_entropy, vocab=VocabShard(vocab_start, group))
     model.token_scorer = partial(vocab_parallel_token_scores, vocab_start=vocab_start,
                                  group=group)
     return plan

@@ -18,7 +18,8 @@ A block: x (B, S/t, h) -> RMSNorm (local tokens) -> gather_sequence -> column-pa
 The embedding and the output head are split by vocabulary: the embedding sums each rank's
 rows with a reduce-scatter straight into the sequence-parallel layout, and the cross-entropy
 runs on vocabulary-sharded logits (max, sum of exponentials and the target logit all-reduced
-over TP), one token chunk at a time, so no rank ever holds a whole row of logits.
+over TP), one token chunk at a time, so no rank ever holds a whole row of logits (the chunked
+loss is loss.py's, given this rank's `VocabShard`; the forward-only scores are here).
 """
 
 from __future__ import annotations
@@ -98,42 +99,6 @@ class VocabParallelEmbedding(nn.Module):
         rows = F.embedding(local.masked_fill(outside, 0), self.weight)
         rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
         return scatter_sequence(rows, self.group)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of fp32 logits sharded by vocabulary (T, V/t); targets of -100
-    add nothing (cross_entropy's ignore_index)."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
-                group: dist.ProcessGroup) -> torch.Tensor:
-        peak = logits.max(dim=-1).values
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - peak.unsqueeze(-1)
-        local = targets - vocab_start
-        mine = (local >= 0) & (local < logits.shape[-1])
-        index = local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
-        target_logit = shifted.gather(-1, index).squeeze(-1) * mine
-        exp = shifted.exp()
-        packed = torch.stack([exp.sum(-1), target_logit])
-        dist.all_reduce(packed, group=group)
-        sum_exp, target_logit = packed
-        predicted = targets != -100
-        ctx.save_for_backward(exp, sum_exp, index, mine, predicted)
-        return ((sum_exp.log() - target_logit) * predicted).sum()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        exp, sum_exp, index, mine, predicted = ctx.saved_tensors
-        softmax = exp / sum_exp.unsqueeze(-1)
-        softmax.scatter_add_(-1, index, -mine.to(softmax.dtype).unsqueeze(-1))
-        return softmax * (predicted.unsqueeze(-1) * grad), None, None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
-                                 group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum over tokens of -log softmax(logits)[target], the vocabulary split over `group`."""
-    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group)
 
 
 @torch.no_grad()
