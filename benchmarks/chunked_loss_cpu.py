@@ -77,10 +77,11 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtypes", default="fp32,bf16", help="fp32 and/or bf16 (autocast)")
     parser.add_argument("--json", default=None, help="write the figures here too")
     args = parser.parse_args()
     rows = []
-    for autocast in (False, True):
+    for autocast in [name == "bf16" for name in args.dtypes.split(",")]:
         for name, fn in (("recomputed", recomputed), ("chunked", chunked)):
             figures = measure(fn, args.tokens, args.hidden, args.vocab, autocast, args.repeats)
             rows.append({"loss": name, "dtype": "bf16 autocast" if autocast else "fp32",

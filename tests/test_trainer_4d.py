@@ -12,8 +12,8 @@ import torch
 
 from ctxlaunch.contract.loader import validate_spec
 from tests.helpers.dist import run_distributed
+from tests.helpers.trainer_steps import train_steps as run_layout
 
-from .test_trainer_exact import _train as run_layout
 from .test_trainer_exact import spec_for
 
 pytestmark = pytest.mark.slow

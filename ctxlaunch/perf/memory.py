@@ -8,10 +8,10 @@ benchmarks/activation_memory.py).
 Per rank, for one micro-batch of b sequences of s tokens, CP degree N, TP degree t:
   tokens held  n = b * s / N            (sequence split by CP)
   per-token activations are further divided by t (TP with Megatron-style sequence
-  parallelism shards the per-token tensors that TP would otherwise replicate), except what is
-  gathered over TP: the two norm outputs each block's column-parallel projections keep (a*h
-  per token of the CP shard each), and outside the blocks the loss input, the RoPE tables and
-  the token ids / targets.
+  parallelism shards the per-token tensors that TP would otherwise replicate; the norm outputs
+  the column-parallel projections read are kept as local shards and gathered again in
+  backward, as in Megatron), except what is gathered over TP outside the blocks: the gradient
+  of the loss input, the RoPE tables and the token ids.
 Pipeline stages (`stage_activation_bytes`): the first holds the embedding's saved ids, the last
 the final norm and the loss input; under 1F1B stage r keeps pp - r micro-batches in flight (at
 most grad_accum) and the planner takes the busiest stage. Interleaved schedules are planned as
@@ -184,16 +184,14 @@ def block_activation_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
     h_kv = model.kv_hidden
     attention_half = r * h + a * (4 * h + 2 * h_kv) + 4 * model.heads + 4
     feed_forward_half = r * h + a * (h + 3 * f) + 4
-    # TP with sequence parallelism divides every per-token tensor by t except the gathered
-    # norm outputs the column-parallel projections keep (a*h per token of the whole CP shard,
-    # one before attention and one before the feed-forward): per sequence-parallel token that
-    # is a*h*t instead of a*h.
-    gathered = a * h * (layout.tp - 1) if layout.framework == "ctxlaunch" else 0
+    # TP with sequence parallelism divides every per-token tensor by t, the norm outputs the
+    # column-parallel projections read included: as in Megatron, each projection keeps its
+    # input's local shard and gathers it again in backward (tensor_parallel.gather_linear).
     mode = layout.activation_checkpointing
     if mode == "none":
-        return attention_half + feed_forward_half + 2 * gathered
+        return attention_half + feed_forward_half
     if mode == "selective":
-        return attention_half + gathered + r * h
+        return attention_half + r * h
     return r * h
 
 
@@ -349,17 +347,17 @@ def _feed_forward_recompute_bytes_per_token(model: ModelSpec, layout: Layout) ->
     (norm output, gate and up, SwiGLU output, rstd); per sequence-parallel token."""
     if layout.activation_checkpointing == "none":
         return 0.0
-    a, t = layout.compute_bytes, layout.tp
-    return a * (model.hidden * t + 3 * model.ffn_hidden) + 4
+    a = layout.compute_bytes
+    return a * (model.hidden + 3 * model.ffn_hidden) + 4
 
 
 def _attention_recompute_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
     """Under full checkpointing, the attention half recomputed (all but the block input)."""
     if layout.activation_checkpointing != "full":
         return 0.0
-    a, t = layout.compute_bytes, layout.tp
+    a = layout.compute_bytes
     h, h_kv = model.hidden, model.kv_hidden
-    return layout.residual_bytes * h + a * (h * t + 3 * h + 2 * h_kv) + 4 * model.heads + 4
+    return layout.residual_bytes * h + a * (4 * h + 2 * h_kv) + 4 * model.heads + 4
 
 
 def _swiglu_backward_temporaries(model: ModelSpec, layout: Layout) -> float:

@@ -6,8 +6,9 @@ The model never touches a process group. Which attention runs (full, ring, Ulyss
 `Attention.attend`, installed by `parallelize`; positions come in with the tokens, so RoPE
 follows each token's global position under any CP layout (or, per sequence, its position in
 its document); a packed batch's document boundaries, when given, pass through to `attend`.
-Tensor parallelism enters the same way: `enter`/`exit` around attention and the feed-forward
-(identity by default; the sequence all-gather and reduce-scatter under TP), `chunked_loss`
+Tensor parallelism enters the same way: `project_in`/`exit` around attention and the
+feed-forward (the input projection and identity by default; under TP the sequence all-gather
+fused with the column-parallel projection, and the reduce-scatter), `chunked_loss`
 for the vocabulary-parallel loss (loss.py: forward and backward per chunk of tokens).
 
 What each block saves for backward is deliberate (the planner's constants in
@@ -48,6 +49,14 @@ Hook = Callable[[torch.Tensor], torch.Tensor]
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _project(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    return linear(x)
+
+
+ProjectIn = Callable[[torch.Tensor, nn.Linear], torch.Tensor]
+"""project_in(x, linear) -> the block half's input projection of x (gathered under TP)."""
 
 
 def _token_scores(logits: torch.Tensor, targets: torch.Tensor
@@ -317,15 +326,14 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=False)
         self.wo = nn.Linear(heads * self.head_dim, hidden, bias=False)
         self.attend: AttentionFn = _local_attention
-        self.enter: Hook = _identity
+        self.project_in: ProjectIn = _project
         self.exit: Hook = _identity
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 documents: Documents = None) -> torch.Tensor:
-        x = self.enter(x)
-        b, s, _ = x.shape
+        qkv = self.project_in(x, self.wqkv)
+        b, s, _ = qkv.shape
         d = self.head_dim
-        qkv = self.wqkv(x)
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
         q = apply_rope(q.view(b, s, self.heads, d), cos, sin).transpose(1, 2).contiguous()
@@ -348,11 +356,11 @@ class FeedForward(nn.Module):
         self.ffn_hidden = ffn_hidden
         self.w_gate_up = nn.Linear(hidden, 2 * ffn_hidden, bias=False)
         self.w_down = nn.Linear(ffn_hidden, hidden, bias=False)
-        self.enter: Hook = _identity
+        self.project_in: ProjectIn = _project
         self.exit: Hook = _identity
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(self.enter(x)).chunk(2, dim=-1)
+        gate, up = self.project_in(x, self.w_gate_up).chunk(2, dim=-1)
         return self.exit(self.w_down(_SwiGLU.apply(gate, up)))
 
 

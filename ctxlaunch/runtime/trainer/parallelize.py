@@ -31,6 +31,7 @@ from ctxlaunch.runtime.trainer.reshard import local_rows, write_local, write_row
 from ctxlaunch.runtime.trainer.tensor_parallel import (
     Sharding,
     VocabParallelEmbedding,
+    gather_linear,
     gather_sequence,
     scatter_sequence,
     shardings,
@@ -328,11 +329,12 @@ def apply_tensor_parallel(model: Transformer, ctx: ParallelContext) -> dict[str,
                 local = sharding.shard(param.detach(), tp, rank).clone()
                 setattr(model.get_submodule(owner), leaf, nn.Parameter(local))
     enter, leave = partial(gather_sequence, group=group), partial(scatter_sequence, group=group)
+    project_in = partial(gather_linear, group=group)
     for block in model.block_modules():
         block.attn.heads //= tp
         block.attn.kv_heads //= tp
-        block.attn.enter, block.attn.exit = enter, leave
-        block.ffn.enter, block.ffn.exit = enter, leave
+        block.attn.project_in, block.attn.exit = project_in, leave
+        block.ffn.project_in, block.ffn.exit = project_in, leave
     embedding = model.get_parameter("embed.weight")
     vocab_start = rank * embedding.shape[0]
     model.embed = VocabParallelEmbedding(embedding, vocab_start, group)

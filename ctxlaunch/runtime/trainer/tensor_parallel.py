@@ -13,7 +13,9 @@ pairs, so forward and backward move the same bytes:
 
 A block: x (B, S/t, h) -> RMSNorm (local tokens) -> gather_sequence -> column-parallel q/k/v
 (this rank's heads) -> attention over the CP group on those heads -> row-parallel o projection
-(partial sums) -> scatter_sequence -> residual; the same around the SwiGLU.
+(partial sums) -> scatter_sequence -> residual; the same around the SwiGLU. The gather and the
+column-parallel projection after it are one Function (`gather_linear`): it keeps the norm
+output's local shard and gathers it again in backward, not the gathered tensor.
 
 The embedding and the output head are split by vocabulary: the embedding sums each rank's
 rows with a reduce-scatter straight into the sequence-parallel layout, and the cross-entropy
@@ -72,6 +74,44 @@ class _ScatterSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return _all_gather_seq(grad, ctx.group), None
+
+
+class _GatherLinear(torch.autograd.Function):
+    """all_gather_seq(x) @ weight.T in `dtype`, keeping for backward only x's local shard (in
+    `dtype`) and gathering it again there for the weight's gradient, as Megatron's sequence
+    parallelism does: a*h per sequence-parallel token saved instead of a*h per token of the
+    whole CP shard. The input gradient is reduce-scattered in x's dtype, as the separate
+    gather and linear did under autocast."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup,
+                dtype: torch.dtype) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            local = x.to(dtype)  # cast, then gather: the same values, and half the bytes moved
+            w = weight.to(dtype)  # autocast's copy of the weight, saved as it saved it
+            out = F.linear(_all_gather_seq(local, group), w)
+        ctx.group, ctx.x_dtype, ctx.weight_dtype = group, x.dtype, weight.dtype
+        ctx.save_for_backward(local, w)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        local, w = ctx.saved_tensors
+        full = _all_gather_seq(local, ctx.group)
+        grad = grad.to(w.dtype)
+        grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
+        del full
+        grad_x = _reduce_scatter_seq((grad @ w).to(ctx.x_dtype), ctx.group)
+        return grad_x, grad_weight.to(ctx.weight_dtype), None, None
+
+
+def gather_linear(x: torch.Tensor, linear: nn.Linear, group: dist.ProcessGroup) -> torch.Tensor:
+    """linear(gather_sequence(x)) for a column-parallel projection without bias, saving only
+    x's local shard for backward (`_GatherLinear`); in the autocast dtype when autocast is
+    on."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    return _GatherLinear.apply(x, linear.weight, group, dtype)
 
 
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
