@@ -236,6 +236,10 @@ def _loss_workspace_bytes(model: ModelSpec, layout: Layout) -> float:
     tokens = min(layout.tokens_per_rank, LOSS_CHUNK_TOKENS)
     vocab = model.vocab / layout.tp
     a, h = layout.compute_bytes, model.hidden
+    if layout.framework != "ctxlaunch":
+        # Other frameworks' habits keep the earlier model of a recomputed chunk: logits, their
+        # fp32 copy, the fp32 log-softmax and the fp32 logits gradient.
+        return (a + 12) * vocab * tokens
     upcast = 4 * vocab * tokens if a != 4 else 0.0
     copies = a * (vocab + tokens) * h if layout.residual_bytes != a else 0.0
     return a * vocab * tokens + upcast + copies
@@ -282,6 +286,8 @@ def stage_activation_bytes(model: ModelSpec, layout: Layout, blocks: int, *,
         outside += 8 * t + (t if t > 1 else 0)
     if last:
         outside += r * model.hidden + 4 + r * model.hidden * t
+        if layout.framework != "ctxlaunch":
+            outside += 8 * t  # the int64 targets, which a recomputed loss keeps
     per_block = block_activation_bytes_per_token(model, layout)
     return tokens * (per_block * blocks + outside) \
         + autocast_weight_copy_bytes(model, layout) * blocks
