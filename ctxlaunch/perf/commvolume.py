@@ -15,15 +15,20 @@ h = hidden, h_kv = K/V width, a = compute-dtype bytes (2 bf16, 4 fp32), r = byte
 residual stream (4 in the bundled trainer: its TP/PP engines keep fp32 weights, so it is fp32
 under autocast too; a under Megatron), per block:
 
-- TP (sequence parallel): forward gathers the norm output twice (n*h*r each) and
-  reduce-scatters the attention and feed-forward outputs (n*h*a each); backward runs the
-  conjugates on the gradients (reduce-scatter n*h*r, all-gather n*h*a):
+- TP (sequence parallel), Megatron's habits: forward gathers the norm output twice (n*h*r
+  each) and reduce-scatters the attention and feed-forward outputs (n*h*a each); backward
+  runs the conjugates on the gradients (reduce-scatter n*h*r, all-gather n*h*a):
       4 * (t-1)/t * n*h*(r + a)
+  The bundled trainer gathers the norm output in the compute dtype, and again in backward
+  (it keeps only the local shard, `gather_linear`); its input gradients are reduce-scattered
+  in the stream's dtype: (t-1)/t * n*h*(2*r + 8*a), and its selective / full recomputation
+  2 / 4 more compute-dtype collectives.
   plus, once per micro-batch, the embedding's reduce-scatter and its backward all-gather on
   the first stage, the loss input's all-gather and its backward reduce-scatter on the last
   (each (t-1)/t * n*h*4), and the vocabulary-parallel cross-entropy's all-reduces of 3 fp32
-  per token, run again when the chunk is recomputed in backward:
-      2 * 2 * (t-1)/t * n*3*4.
+  per token, in forward only in the bundled trainer (its chunked loss), run again when the
+  chunk is recomputed in backward otherwise:
+      2 * (t-1)/t * n*3*4 (x 2 recomputed).
   Recomputation repeats the forward's share: full checkpointing 2 * (t-1)/t * n*h*(r + a)
   more per block, the bundled trainer's selective (the feed-forward half) half that; Megatron's
   selective recomputes only core attention, which sends nothing over TP.
@@ -85,14 +90,19 @@ def _local_tokens(layout: Layout) -> float:
     return layout.micro_batch * layout.seq_len / layout.cp
 
 
-def tp_collectives_per_block(layout: Layout) -> float:
-    """Ring collectives of each width (stream and compute dtype) one block runs over TP per
-    micro-batch: forward 2 + backward 2, plus what recomputation repeats (see the docstring)."""
+def tp_collectives_per_block(layout: Layout) -> tuple[float, float]:
+    """(stream-width, compute-width) ring collectives one block runs over TP per micro-batch,
+    what recomputation repeats included (see the docstring)."""
     mode = layout.activation_checkpointing
     recompute = {"none": 0.0, "selective": 0.5, "full": 1.0}[mode]
-    if mode == "selective" and layout.framework != "ctxlaunch":
+    if layout.framework == "ctxlaunch":
+        # Gathers of the compute-dtype norm output (forward, and again in backward), the
+        # outputs' reduce-scatters and their gradients' all-gathers in the compute dtype; the
+        # input gradients' reduce-scatters in the stream's.
+        return 2.0, 8 + 4 * recompute
+    if mode == "selective":
         recompute = 0.0  # Megatron's selective recomputes core attention: nothing over TP
-    return 4 + 2 * recompute
+    return 4 + 2 * recompute, 4 + 2 * recompute
 
 
 def tp_message_bytes(model: ModelSpec, layout: Layout, element_bytes: int) -> float:
@@ -105,9 +115,9 @@ def tp_block_bytes(model: ModelSpec, layout: Layout, *, stream: int | None = Non
     """Bytes one block sends over TP per micro-batch; `stream`: the residual stream's element
     bytes (default `stream_bytes(layout)`)."""
     width = stream_bytes(layout) if stream is None else stream
-    return tp_collectives_per_block(layout) * (tp_message_bytes(model, layout, width)
-                                               + tp_message_bytes(model, layout,
-                                                                  layout.compute_bytes))
+    n_stream, n_compute = tp_collectives_per_block(layout)
+    return (n_stream * tp_message_bytes(model, layout, width)
+            + n_compute * tp_message_bytes(model, layout, layout.compute_bytes))
 
 
 def tp_edge_bytes(model: ModelSpec, layout: Layout, *, first: bool, last: bool) -> float:
@@ -117,8 +127,11 @@ def tp_edge_bytes(model: ModelSpec, layout: Layout, *, first: bool, last: bool) 
         return 0.0
     frac_t = (layout.tp - 1) / layout.tp
     n = _local_tokens(layout)
+    # The bundled trainer's chunked loss runs its all-reduces in forward only; a recomputed
+    # loss runs them again in backward.
+    loss_passes = 1 if layout.framework == "ctxlaunch" else 2
     return (2 * frac_t * n * model.hidden * 4 * (first + last)
-            + 2 * 2 * frac_t * n * 3 * 4 * last)
+            + loss_passes * 2 * frac_t * n * 3 * 4 * last)
 
 
 def ring_hop_bytes(model: ModelSpec, layout: Layout) -> tuple[float, float]:

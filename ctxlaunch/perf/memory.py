@@ -8,10 +8,10 @@ benchmarks/activation_memory.py).
 Per rank, for one micro-batch of b sequences of s tokens, CP degree N, TP degree t:
   tokens held  n = b * s / N            (sequence split by CP)
   per-token activations are further divided by t (TP with Megatron-style sequence
-  parallelism shards the per-token tensors that TP would otherwise replicate), except what is
-  gathered over TP: the two norm outputs each block's column-parallel projections keep (a*h
-  per token of the CP shard each), and outside the blocks the loss input, the RoPE tables and
-  the token ids / targets.
+  parallelism shards the per-token tensors that TP would otherwise replicate; the norm outputs
+  the column-parallel projections read are kept as local shards and gathered again in
+  backward, as in Megatron), except what is gathered over TP outside the blocks: the gradient
+  of the loss input, the RoPE tables and the token ids.
 Pipeline stages (`stage_activation_bytes`): the first holds the embedding's saved ids, the last
 the final norm and the loss input; under 1F1B stage r keeps pp - r micro-batches in flight (at
 most grad_accum) and the planner takes the busiest stage. Interleaved schedules are planned as
@@ -65,10 +65,11 @@ CP rank holds a replica of the weights), mirroring how the trainer runs them:
 The peak, phase by phase (`peak_phases`, issue 18): what is live at the highest moment of each
 phase of a steady-state step (step 2 on: AdamW creates its states at the first step()), by part:
 - forward end: model states and everything saved;
-- loss backward: the gradient of the whole loss input (r*h per token) next to one chunk's
-  logits and their fp32 work;
+- the loss, forward and backward per chunk (runtime/trainer/loss.py): the loss input and the
+  gradient of it (r*h per token each), the head's gradient, one chunk's logits and, in 16-bit,
+  their fp32 upcast (no fp32 copy of all the logits; no recomputation in backward);
 - the last block's feed-forward backward, the step's peak at long context: the loss's saved
-  tensors released (final norm input, the gathered loss input, targets), the SwiGLU output
+  tensors released (final norm input, the gradient of the gathered loss input), the SwiGLU output
   replaced by its gradient, gate's and up's gradients (2*a*f per token), the chunked SwiGLU
   backward's fp32 temporaries (2 (chunk x f) in fp32, 4 in 16-bit), the gradient flowing into
   the block (r*h), under checkpointing the recomputed half (and its bf16 weight copies), and
@@ -183,16 +184,14 @@ def block_activation_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
     h_kv = model.kv_hidden
     attention_half = r * h + a * (4 * h + 2 * h_kv) + 4 * model.heads + 4
     feed_forward_half = r * h + a * (h + 3 * f) + 4
-    # TP with sequence parallelism divides every per-token tensor by t except the gathered
-    # norm outputs the column-parallel projections keep (a*h per token of the whole CP shard,
-    # one before attention and one before the feed-forward): per sequence-parallel token that
-    # is a*h*t instead of a*h.
-    gathered = a * h * (layout.tp - 1) if layout.framework == "ctxlaunch" else 0
+    # TP with sequence parallelism divides every per-token tensor by t, the norm outputs the
+    # column-parallel projections read included: as in Megatron, each projection keeps its
+    # input's local shard and gathers it again in backward (tensor_parallel.gather_linear).
     mode = layout.activation_checkpointing
     if mode == "none":
-        return attention_half + feed_forward_half + 2 * gathered
+        return attention_half + feed_forward_half
     if mode == "selective":
-        return attention_half + gathered + r * h
+        return attention_half + r * h
     return r * h
 
 
@@ -225,11 +224,25 @@ def _attention_workspace_bytes_per_token(model: ModelSpec, layout: Layout) -> fl
 
 
 def _loss_workspace_bytes(model: ModelSpec, layout: Layout) -> float:
-    """One chunk of the output head and cross-entropy: logits in the compute dtype, their fp32
-    copy, the fp32 log-softmax kept for backward, and the fp32 logits gradient."""
+    """The chunked loss's transients (runtime/trainer/loss.py: each chunk's backward done in its
+    forward): one chunk's logits in the compute dtype, in 16-bit their one fp32 upcast (the
+    softmax and then the logits' gradient, formed in place and cast back into the logits'
+    buffer; in fp32 the logits themselves are that work), and under autocast the head weight's
+    compute-dtype copy (made once for every chunk) and the chunk of the loss input cast to
+    it. The per-token statistics (about 50 bytes per token of the chunk) are left out. The
+    largest of what follows the softmax (the input gradient's chunk before it is written into
+    the fp32 whole, the head gradient's per-chunk product before it is added to the fp32
+    accumulator) is smaller than the upcast at any vocabulary above the hidden size."""
     tokens = min(layout.tokens_per_rank, LOSS_CHUNK_TOKENS)
     vocab = model.vocab / layout.tp
-    return (layout.compute_bytes + 12) * vocab * tokens
+    a, h = layout.compute_bytes, model.hidden
+    if layout.framework != "ctxlaunch":
+        # Other frameworks' habits keep the earlier model of a recomputed chunk: logits, their
+        # fp32 copy, the fp32 log-softmax and the fp32 logits gradient.
+        return (a + 12) * vocab * tokens
+    upcast = 4 * vocab * tokens if a != 4 else 0.0
+    copies = a * (vocab + tokens) * h if layout.residual_bytes != a else 0.0
+    return a * vocab * tokens + upcast + copies
 
 
 def autocast_weight_copy_bytes(model: ModelSpec, layout: Layout) -> float:
@@ -266,13 +279,15 @@ def stage_activation_bytes(model: ModelSpec, layout: Layout, blocks: int, *,
     # Outside the blocks, per sequence-parallel token: the RoPE cos/sin tables (one pair for
     # every block, over the CP shard's tokens); on the first stage the int64 token ids (and,
     # under TP, the vocabulary mask of the parallel embedding); on the last the final RMSNorm
-    # input and rstd, its output gathered over TP as the input of the chunked loss (recomputed
-    # chunk by chunk), and the int64 targets.
+    # input and rstd, and the gradient of the chunked loss's input (gathered over TP): the loss
+    # computes it in forward and keeps it, in place of the input it no longer keeps.
     outside = 2 * model.head_dim * layout.compute_bytes * t
     if first:
         outside += 8 * t + (t if t > 1 else 0)
     if last:
-        outside += r * model.hidden + 4 + r * model.hidden * t + 8 * t
+        outside += r * model.hidden + 4 + r * model.hidden * t
+        if layout.framework != "ctxlaunch":
+            outside += 8 * t  # the int64 targets, which a recomputed loss keeps
     per_block = block_activation_bytes_per_token(model, layout)
     return tokens * (per_block * blocks + outside) \
         + autocast_weight_copy_bytes(model, layout) * blocks
@@ -327,10 +342,10 @@ def _states(model: ModelSpec, layout: Layout) -> tuple[float, float, float]:
 
 def _loss_released_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
     """What the last stage saved outside the blocks for the loss (final norm input and rstd,
-    the gathered loss input, the targets), released once the loss's backward is done; per
-    sequence-parallel token."""
+    the gradient of the gathered loss input), released once the final norm's backward is
+    done; per sequence-parallel token."""
     t, r = layout.tp, layout.residual_bytes
-    return r * model.hidden + 4 + r * model.hidden * t + 8 * t
+    return r * model.hidden + 4 + r * model.hidden * t
 
 
 def _feed_forward_recompute_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
@@ -338,17 +353,17 @@ def _feed_forward_recompute_bytes_per_token(model: ModelSpec, layout: Layout) ->
     (norm output, gate and up, SwiGLU output, rstd); per sequence-parallel token."""
     if layout.activation_checkpointing == "none":
         return 0.0
-    a, t = layout.compute_bytes, layout.tp
-    return a * (model.hidden * t + 3 * model.ffn_hidden) + 4
+    a = layout.compute_bytes
+    return a * (model.hidden + 3 * model.ffn_hidden) + 4
 
 
 def _attention_recompute_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
     """Under full checkpointing, the attention half recomputed (all but the block input)."""
     if layout.activation_checkpointing != "full":
         return 0.0
-    a, t = layout.compute_bytes, layout.tp
+    a = layout.compute_bytes
     h, h_kv = model.hidden, model.kv_hidden
-    return layout.residual_bytes * h + a * (h * t + 3 * h + 2 * h_kv) + 4 * model.heads + 4
+    return layout.residual_bytes * h + a * (4 * h + 2 * h_kv) + 4 * model.heads + 4
 
 
 def _swiglu_backward_temporaries(model: ModelSpec, layout: Layout) -> float:
@@ -357,6 +372,13 @@ def _swiglu_backward_temporaries(model: ModelSpec, layout: Layout) -> float:
     tokens = min(layout.tokens_per_rank, BACKWARD_CHUNK_TOKENS)
     count = 2 if layout.compute_bytes == 4 else 4
     return count * 4 * tokens * model.ffn_hidden / layout.tp
+
+
+def _head_grad_bytes(model: ModelSpec, layout: Layout, params_bytes_per_param: float) -> float:
+    """The output head's (or tied embedding's) gradient, which the chunked loss accumulates
+    from its first chunk on."""
+    counts = count_params(model)
+    return params_bytes_per_param * (counts.head or counts.embedding) / layout.tp
 
 
 def _last_block_grad_bytes(model: ModelSpec, layout: Layout, params_bytes_per_param: float) -> \
@@ -443,12 +465,13 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
     phases = [Phase("forward", parameters, 0.0, held_states, saved, buffers, stage)]
     buffers += bucket  # from the first backward hook to the end of backward
     if last:
-        # The loss, chunk by chunk in backward: the gradient of its whole input exists from
-        # the first chunk on, next to one chunk's logits (recomputed) and their fp32 work.
-        loss_input_grad = r * h * full_tokens
-        phases.append(Phase("loss backward", parameters, 0.0, held_states, saved,
-                            buffers + loss_input_grad + _loss_workspace_bytes(model, layout),
-                            stage))
+        # The loss, forward and backward chunk by chunk: the gradient of its whole input (in
+        # `saved`) and the head weight's exist from the first chunk on, next to the input
+        # itself and one chunk's logits and their fp32 work.
+        loss_input = r * h * full_tokens
+        phases.append(Phase("loss", parameters, _head_grad_bytes(model, layout, grad_per_param),
+                            held_states, saved,
+                            buffers + loss_input + _loss_workspace_bytes(model, layout), stage))
     # The last block's feed-forward backward: the loss's saved tensors released (last stage),
     # the SwiGLU output replaced by its gradient (same bytes), gate and up's gradients and the
     # chunk's fp32 temporaries on top, with the gradient flowing into the block (on a stage

@@ -199,11 +199,12 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
     t_tp = 0.0
     if t > 1:
         link = machine.link_for_span(t)
-        t_tp = layers * commvolume.tp_collectives_per_block(layout) * (
-            _collective_seconds(commvolume.tp_message_bytes(model, layout, stream), t - 1,
-                                link, machine)
-            + _collective_seconds(commvolume.tp_message_bytes(model, layout, a), t - 1, link,
-                                  machine))
+        n_stream, n_compute = commvolume.tp_collectives_per_block(layout)
+        t_tp = layers * (
+            n_stream * _collective_seconds(commvolume.tp_message_bytes(model, layout, stream),
+                                           t - 1, link, machine)
+            + n_compute * _collective_seconds(commvolume.tp_message_bytes(model, layout, a),
+                                              t - 1, link, machine))
 
     # --- CP: Ulysses all-to-alls, ring hops against hop compute ---------------------------------
     t_ulysses = 0.0

@@ -6,9 +6,10 @@ The model never touches a process group. Which attention runs (full, ring, Ulyss
 `Attention.attend`, installed by `parallelize`; positions come in with the tokens, so RoPE
 follows each token's global position under any CP layout (or, per sequence, its position in
 its document); a packed batch's document boundaries, when given, pass through to `attend`.
-Tensor parallelism enters the same way: `enter`/`exit` around attention and the feed-forward
-(identity by default; the sequence all-gather and reduce-scatter under TP), `cross_entropy`
-for the vocabulary-parallel loss.
+Tensor parallelism enters the same way: `project_in`/`exit` around attention and the
+feed-forward (the input projection and identity by default; under TP the sequence all-gather
+fused with the column-parallel projection, and the reduce-scatter), `chunked_loss`
+for the vocabulary-parallel loss (loss.py: forward and backward per chunk of tokens).
 
 What each block saves for backward is deliberate (the planner's constants in
 ctxlaunch/memory.py are derived from it): RMSNorm keeps only its input and the fp32 reciprocal
@@ -37,6 +38,7 @@ from ctxlaunch.contract.spec import (
     YarnRope,
 )
 from ctxlaunch.perf.memory import BACKWARD_CHUNK_TOKENS, LOSS_CHUNK_TOKENS
+from ctxlaunch.runtime.trainer.loss import chunked_cross_entropy
 
 AttentionFn = Callable[..., torch.Tensor]
 """attend(q, k, v) or, under a document mask, attend(q, k, v, documents=...) -> out."""
@@ -49,9 +51,12 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # Targets of -100 (cross_entropy's default ignore_index) add nothing.
-    return F.cross_entropy(logits, targets, reduction="sum")
+def _project(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    return linear(x)
+
+
+ProjectIn = Callable[[torch.Tensor, nn.Linear], torch.Tensor]
+"""project_in(x, linear) -> the block half's input projection of x (gathered under TP)."""
 
 
 def _token_scores(logits: torch.Tensor, targets: torch.Tensor
@@ -321,15 +326,14 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=False)
         self.wo = nn.Linear(heads * self.head_dim, hidden, bias=False)
         self.attend: AttentionFn = _local_attention
-        self.enter: Hook = _identity
+        self.project_in: ProjectIn = _project
         self.exit: Hook = _identity
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 documents: Documents = None) -> torch.Tensor:
-        x = self.enter(x)
-        b, s, _ = x.shape
+        qkv = self.project_in(x, self.wqkv)
+        b, s, _ = qkv.shape
         d = self.head_dim
-        qkv = self.wqkv(x)
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
         q = apply_rope(q.view(b, s, self.heads, d), cos, sin).transpose(1, 2).contiguous()
@@ -352,11 +356,11 @@ class FeedForward(nn.Module):
         self.ffn_hidden = ffn_hidden
         self.w_gate_up = nn.Linear(hidden, 2 * ffn_hidden, bias=False)
         self.w_down = nn.Linear(ffn_hidden, hidden, bias=False)
-        self.enter: Hook = _identity
+        self.project_in: ProjectIn = _project
         self.exit: Hook = _identity
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(self.enter(x)).chunk(2, dim=-1)
+        gate, up = self.project_in(x, self.w_gate_up).chunk(2, dim=-1)
         return self.exit(self.w_down(_SwiGLU.apply(gate, up)))
 
 
@@ -411,8 +415,9 @@ class Transformer(nn.Module):
         self.loss_chunk_tokens = LOSS_CHUNK_TOKENS
         self.enter_loss: Hook = _identity
         """(B, S/t, h) -> (B, S, h) under TP: every TP rank scores every token."""
-        self.cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = \
-            _cross_entropy_sum
+        self.chunked_loss: Callable[..., torch.Tensor] = chunked_cross_entropy
+        """loss(hidden, weight, targets, divisor=, chunk_tokens=): `chunked_cross_entropy`,
+        vocabulary-parallel under TP."""
         self.token_scorer: Callable[[torch.Tensor, torch.Tensor],
                                     tuple[torch.Tensor, torch.Tensor]] = _token_scores
         """Forward-only per-token scores of fp32 logits (vocabulary-parallel under TP)."""
@@ -485,10 +490,6 @@ class Transformer(nn.Module):
             raise RuntimeError("this pipeline rank holds no output head")
         return weight
 
-    def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self._output_weight())
-        return self.cross_entropy(logits.float(), targets)
-
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
                 documents: Documents = None, scores: bool = False
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -519,12 +520,9 @@ class Transformer(nn.Module):
         None (the mean over this rank's predicted tokens)."""
         hidden = self.enter_loss(hidden).flatten(0, 1)
         targets = targets.flatten()
-        # The (tokens x vocab) logits exist one chunk at a time, recomputed in backward.
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for start in range(0, hidden.shape[0], self.loss_chunk_tokens):
-            end = start + self.loss_chunk_tokens
-            total = total + checkpoint(self._chunk_loss, hidden[start:end], targets[start:end],
-                                       use_reentrant=False)
-        if self.loss_divisor is not None:
-            return total / self.loss_divisor
-        return total / max(int((targets != -100).sum()), 1)
+        divisor = (self.loss_divisor if self.loss_divisor is not None
+                   else max(int((targets != -100).sum()), 1))
+        # The (tokens x vocab) logits exist one chunk at a time, each chunk's backward done in
+        # its forward (loss.py).
+        return self.chunked_loss(hidden, self._output_weight(), targets, divisor=divisor,
+                                 chunk_tokens=self.loss_chunk_tokens)

@@ -24,16 +24,17 @@ from torch import nn
 
 from ctxlaunch import cp as cp_attention
 from ctxlaunch.contract.spec import JobSpec, ModelSpec, StateEngine
+from ctxlaunch.runtime.trainer.loss import VocabShard, chunked_cross_entropy
 from ctxlaunch.runtime.trainer.model import AttentionFn, Checkpointing, Transformer
 from ctxlaunch.runtime.trainer.pipeline import StageModule, pipeline_schedule, split_stages
 from ctxlaunch.runtime.trainer.reshard import local_rows, write_local, write_rows
 from ctxlaunch.runtime.trainer.tensor_parallel import (
     Sharding,
     VocabParallelEmbedding,
+    gather_linear,
     gather_sequence,
     scatter_sequence,
     shardings,
-    vocab_parallel_cross_entropy,
     vocab_parallel_token_scores,
 )
 
@@ -328,17 +329,17 @@ def apply_tensor_parallel(model: Transformer, ctx: ParallelContext) -> dict[str,
                 local = sharding.shard(param.detach(), tp, rank).clone()
                 setattr(model.get_submodule(owner), leaf, nn.Parameter(local))
     enter, leave = partial(gather_sequence, group=group), partial(scatter_sequence, group=group)
+    project_in = partial(gather_linear, group=group)
     for block in model.block_modules():
         block.attn.heads //= tp
         block.attn.kv_heads //= tp
-        block.attn.enter, block.attn.exit = enter, leave
-        block.ffn.enter, block.ffn.exit = enter, leave
+        block.attn.project_in, block.attn.exit = project_in, leave
+        block.ffn.project_in, block.ffn.exit = project_in, leave
     embedding = model.get_parameter("embed.weight")
     vocab_start = rank * embedding.shape[0]
     model.embed = VocabParallelEmbedding(embedding, vocab_start, group)
     model.enter_loss = enter
-    model.cross_entropy = partial(vocab_parallel_cross_entropy, vocab_start=vocab_start,
-                                  group=group)
+    model.chunked_loss = partial(chunked_cross_entropy, vocab=VocabShard(vocab_start, group))
     model.token_scorer = partial(vocab_parallel_token_scores, vocab_start=vocab_start,
                                  group=group)
     return plan

@@ -13,12 +13,15 @@ pairs, so forward and backward move the same bytes:
 
 A block: x (B, S/t, h) -> RMSNorm (local tokens) -> gather_sequence -> column-parallel q/k/v
 (this rank's heads) -> attention over the CP group on those heads -> row-parallel o projection
-(partial sums) -> scatter_sequence -> residual; the same around the SwiGLU.
+(partial sums) -> scatter_sequence -> residual; the same around the SwiGLU. The gather and the
+column-parallel projection after it are one Function (`gather_linear`): it keeps the norm
+output's local shard and gathers it again in backward, not the gathered tensor.
 
 The embedding and the output head are split by vocabulary: the embedding sums each rank's
 rows with a reduce-scatter straight into the sequence-parallel layout, and the cross-entropy
 runs on vocabulary-sharded logits (max, sum of exponentials and the target logit all-reduced
-over TP), one token chunk at a time, so no rank ever holds a whole row of logits.
+over TP), one token chunk at a time, so no rank ever holds a whole row of logits (the chunked
+loss is loss.py's, given this rank's `VocabShard`; the forward-only scores are here).
 """
 
 from __future__ import annotations
@@ -73,6 +76,44 @@ class _ScatterSequence(torch.autograd.Function):
         return _all_gather_seq(grad, ctx.group), None
 
 
+class _GatherLinear(torch.autograd.Function):
+    """all_gather_seq(x) @ weight.T in `dtype`, keeping for backward only x's local shard (in
+    `dtype`) and gathering it again there for the weight's gradient, as Megatron's sequence
+    parallelism does: a*h per sequence-parallel token saved instead of a*h per token of the
+    whole CP shard. The input gradient is reduce-scattered in x's dtype, as the separate
+    gather and linear did under autocast."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup,
+                dtype: torch.dtype) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            local = x.to(dtype)  # cast, then gather: the same values, and half the bytes moved
+            w = weight.to(dtype)  # autocast's copy of the weight, saved as it saved it
+            out = F.linear(_all_gather_seq(local, group), w)
+        ctx.group, ctx.x_dtype, ctx.weight_dtype = group, x.dtype, weight.dtype
+        ctx.save_for_backward(local, w)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        local, w = ctx.saved_tensors
+        full = _all_gather_seq(local, ctx.group)
+        grad = grad.to(w.dtype)
+        grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
+        del full
+        grad_x = _reduce_scatter_seq((grad @ w).to(ctx.x_dtype), ctx.group)
+        return grad_x, grad_weight.to(ctx.weight_dtype), None, None
+
+
+def gather_linear(x: torch.Tensor, linear: nn.Linear, group: dist.ProcessGroup) -> torch.Tensor:
+    """linear(gather_sequence(x)) for a column-parallel projection without bias, saving only
+    x's local shard for backward (`_GatherLinear`); in the autocast dtype when autocast is
+    on."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    return _GatherLinear.apply(x, linear.weight, group, dtype)
+
+
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """(B, S/t, ...) -> (B, S, ...); backward reduce-scatters (sums) the gradient."""
     return _GatherSequence.apply(x, group)
@@ -98,42 +139,6 @@ class VocabParallelEmbedding(nn.Module):
         rows = F.embedding(local.masked_fill(outside, 0), self.weight)
         rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
         return scatter_sequence(rows, self.group)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of fp32 logits sharded by vocabulary (T, V/t); targets of -100
-    add nothing (cross_entropy's ignore_index)."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
-                group: dist.ProcessGroup) -> torch.Tensor:
-        peak = logits.max(dim=-1).values
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - peak.unsqueeze(-1)
-        local = targets - vocab_start
-        mine = (local >= 0) & (local < logits.shape[-1])
-        index = local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
-        target_logit = shifted.gather(-1, index).squeeze(-1) * mine
-        exp = shifted.exp()
-        packed = torch.stack([exp.sum(-1), target_logit])
-        dist.all_reduce(packed, group=group)
-        sum_exp, target_logit = packed
-        predicted = targets != -100
-        ctx.save_for_backward(exp, sum_exp, index, mine, predicted)
-        return ((sum_exp.log() - target_logit) * predicted).sum()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        exp, sum_exp, index, mine, predicted = ctx.saved_tensors
-        softmax = exp / sum_exp.unsqueeze(-1)
-        softmax.scatter_add_(-1, index, -mine.to(softmax.dtype).unsqueeze(-1))
-        return softmax * (predicted.unsqueeze(-1) * grad), None, None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
-                                 group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum over tokens of -log softmax(logits)[target], the vocabulary split over `group`."""
-    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group)
 
 
 @torch.no_grad()
