@@ -1,8 +1,8 @@
 """`logs --follow` on Kubernetes ends with the job: the follow loop (follow_lines, LogStream)
 over a real HTTP log stream from a local server that plays a kubelet which never closes a
-follow stream (what the real single-node cluster's 1.20 kubelet was seen to do: `logs --follow`
-did not return within 120 s of the job's end). No API server is needed: the job's state is the
-function follow_lines asks between reads. tests/test_kubernetes.py runs the same loop through
+follow stream (on the real single-node cluster `logs --follow` did not return within 120 s of
+the job's end while it waited on the stream alone). No API server is needed: the job's state
+is the function follow_lines asks between reads. tests/test_kubernetes.py runs the same loop through
 `ctxlaunch logs --follow` against the real API server's job and pod objects."""
 
 from __future__ import annotations

@@ -685,8 +685,9 @@ class NoPodsYet(KubeError):
 FOLLOW_POLL_S = 2.0
 """Seconds between looks at the job's state while a followed log is quiet."""
 FOLLOW_DRAIN_S = 3.0
-"""Once the job is over, how long a still-open log may stay quiet before following ends: the
-kubelet (1.20 here) need not close a follow stream when the container ends."""
+"""Once the job is over, how long a still-open log may stay quiet before following ends: nothing
+guarantees that the follow stream closes when the container ends (on the real node one stayed
+open past 120 s after the job's end)."""
 
 
 class LogStream:
