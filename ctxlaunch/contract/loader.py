@@ -143,8 +143,8 @@ def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str],
 
 def validate_spec(data: Mapping[str, Any], source: str = "<spec>") -> JobSpec:
     """Validate a mapping into a JobSpec or raise SpecError with every problem."""
-    # Imported here: building the spec's models is most of a command's start-up, and commands
-    # that never validate a spec (`--help`, status, logs) need not pay for it.
+    # Imported here: building the spec's models is most of the CLI's start-up, and importing
+    # the CLI (every `--help`) need not pay for it.
     from pydantic import ValidationError
 
     from ctxlaunch.contract.spec import JobSpec
