@@ -47,3 +47,17 @@ def test_backend_base_imports_no_backend() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == "ctxlaunch.launch.backends.base"
+
+
+def test_the_cli_builds_no_spec_models_until_a_command_reads_a_spec() -> None:
+    """Building the spec's pydantic models is the largest part of the CLI's start-up (BENCHMARKS
+    section 5b): importing the CLI (all `--help`) does not pay for it; a command that reads a
+    spec does, in the loader (and the backends, which import the spec, still do)."""
+    code = ("import sys\nimport ctxlaunch.cli\n"
+            "print(','.join(m for m in ('pydantic', 'ctxlaunch.contract.spec') if m in sys.modules))"
+            "\nfrom ctxlaunch.contract.loader import validate_spec\n"
+            "try:\n    validate_spec({})\nexcept ValueError:\n    pass\n"
+            "print('ctxlaunch.contract.spec' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.split() == ["True"], result.stdout

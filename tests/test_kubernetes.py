@@ -470,6 +470,56 @@ def test_logs_follow_ends_when_the_job_ended_without_pods(namespace: str, home: 
     assert result.returncode == 1 and "has no pods yet" in result.stderr
 
 
+def running_pod(namespace: str, job: str) -> str:
+    """Play the operator and the kubelet: a Master pod whose trainer container runs (status
+    subresource); its uid."""
+    name = f"{job}-master-0"
+    kubectl("create", "-f", "-", stdin=json.dumps({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": {
+            "training.kubeflow.org/job-name": job,
+            "training.kubeflow.org/replica-type": "master",
+            "training.kubeflow.org/replica-index": "0"}},
+        "spec": {"automountServiceAccountToken": False, "restartPolicy": "Never",
+                 "containers": [{"name": "pytorch", "image": IMAGE}]}}))
+    kubectl("patch", "pod", name, "-n", namespace, "--subresource=status", "--type=merge",
+            "-p", json.dumps({"status": {"phase": "Running", "containerStatuses": [{
+                "name": "pytorch", "image": IMAGE, "imageID": "", "ready": True,
+                "restartCount": 0, "state": {"running": {
+                    "startedAt": "2026-12-01T00:00:00Z"}}}]}}))
+    return get("pod", namespace, name)["metadata"]["uid"]
+
+
+@pytest.mark.timeout(120)
+def test_logs_follow_lasts_until_the_job_ends_through_a_recreated_pod(namespace: str,
+                                                                     home: Path) -> None:
+    """Plays the operator and the kubelet. With no kubelet here the server ends every log
+    stream at once (empty), as a kubelet does when a container ends: `logs --follow` must not
+    end with the stream while the job runs, must follow the pod the operator recreates under
+    the same name (restartPolicy ExitCode), and must end once the job reached a final state."""
+    job = submit(home, namespace)
+    set_job_status(namespace, "demo", {"conditions": [condition("Created"),
+                                                      condition("Running")]})
+    first = running_pod(namespace, "demo")
+    env = {**os.environ, "CTXLAUNCH_HOME": str(home), "KUBECONFIG": str(KUBE_ADMIN)}
+    follow = subprocess.Popen([CTXLAUNCH, "logs", job, "--follow"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            follow.wait(timeout=6)  # the stream ended, the job runs: still following
+        kubectl("delete", "pod", "demo-master-0", "-n", namespace, "--wait=true")
+        assert running_pod(namespace, "demo") != first
+        with pytest.raises(subprocess.TimeoutExpired):
+            follow.wait(timeout=6)
+        set_job_status(namespace, "demo", {"conditions": [
+            condition("Created"), condition("Succeeded")]})
+        out, err = follow.communicate(timeout=30)  # ends within a poll or two of the end
+    finally:
+        follow.kill()
+    assert follow.returncode == 0, err
+    assert out == "==> pod demo-master-0 (recreated) <==\n", out
+
+
 @pytest.mark.parametrize("conditions,state", [
     ([], "PENDING"),
     (["Created"], "PENDING"),

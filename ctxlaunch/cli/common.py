@@ -12,9 +12,9 @@ from rich.console import Console
 
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.loader import SpecError, apply_overrides, read_spec_data, validate_spec
-from ctxlaunch.contract.spec import JobSpec
 
 if TYPE_CHECKING:
+    from ctxlaunch.contract.spec import JobSpec
     from ctxlaunch.launch.backends.base import Backend
     from ctxlaunch.launch.jobstore import JobRecord
 

@@ -12,12 +12,14 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
 
-from ctxlaunch.contract.spec import JobSpec
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from ctxlaunch.contract.spec import JobSpec
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,12 @@ def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str],
 
 def validate_spec(data: Mapping[str, Any], source: str = "<spec>") -> JobSpec:
     """Validate a mapping into a JobSpec or raise SpecError with every problem."""
+    # Imported here: building the spec's models is most of the CLI's start-up, and importing
+    # the CLI (every `--help`) need not pay for it.
+    from pydantic import ValidationError
+
+    from ctxlaunch.contract.spec import JobSpec
+
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
@@ -191,6 +199,8 @@ def _format_path(loc: Sequence[Any]) -> str:
 
 
 def _known_fields(loc: Sequence[Any]) -> list[str]:
+    from ctxlaunch.contract.spec import JobSpec
+
     model: type[BaseModel] | None = JobSpec
     for part in loc:
         if model is None or isinstance(part, int):
@@ -203,6 +213,8 @@ def _known_fields(loc: Sequence[Any]) -> list[str]:
 
 
 def _model_of(annotation: Any) -> type[BaseModel] | None:
+    from pydantic import BaseModel
+
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in getattr(annotation, "__args__", ()) or ():

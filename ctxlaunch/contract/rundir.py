@@ -9,9 +9,12 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ctxlaunch.contract import exitcodes
-from ctxlaunch.contract.spec import JobSpec
+
+if TYPE_CHECKING:
+    from ctxlaunch.contract.spec import JobSpec
 
 TRAINER_MODULE = "ctxlaunch.trainer"
 """`python -m ctxlaunch.trainer`: one rank of the trainer (what torchrun and srun start). A

@@ -8,6 +8,7 @@ rule at once, each at the field it concerns, with the value, the rule and a fix.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -48,10 +49,14 @@ PositiveInt = Annotated[int, Field(ge=1)]
 
 
 class _Strict(BaseModel):
-    """Unknown fields are errors: a typo must never be silently ignored."""
+    """Unknown fields are errors: a typo must never be silently ignored.
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True,
-                              use_attribute_docstrings=True)
+    The docstring under each field is its description in the JSON Schema. json_schema() reads
+    them when it is asked for the schema: pydantic's use_attribute_docstrings reads each
+    class's source while the module is imported, a fifth of this module's import time, paid
+    by every command (see BENCHMARKS.md section 5b)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 def _problem(loc: tuple[str | int, ...], value: Any, message: str) -> InitErrorDetails:
@@ -960,10 +965,53 @@ def resolve_state_engine(engine: str, zero_stage: int, *, tp: int, pp: int) -> S
     return "fsdp2"
 
 
+def _field_docstrings() -> dict[str, dict[str, str]]:
+    """class name -> field -> the docstring right under the field, as pydantic's
+    use_attribute_docstrings reads them (a string statement after an annotated name)."""
+    import ast
+    import inspect
+    import itertools
+
+    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    found: dict[str, dict[str, str]] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        docs = found.setdefault(node.name, {})
+        for field, after in itertools.pairwise(node.body):
+            if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                    and isinstance(after.value.value, str)):
+                docs[field.target.id] = inspect.cleandoc(after.value.value)
+    return found
+
+
+def _describe_fields() -> None:
+    """Give every field without a description its docstring (from the class up the MRO that
+    declares it), and rebuild the models, the nested ones first, so that
+    model_json_schema says them."""
+    docs = _field_docstrings()
+    models = [m for m in globals().values()
+              if isinstance(m, type) and issubclass(m, _Strict) and m.__module__ == __name__]
+    changed = False
+    for model in models:
+        for name, info in model.model_fields.items():
+            owner = next((k for k in model.__mro__
+                          if name in k.__dict__.get("__annotations__", {})), model)
+            doc = docs.get(owner.__name__, {}).get(name)
+            if info.description is None and doc is not None:
+                info.description = doc
+                changed = True
+    if changed:
+        for model in models:  # definition order: a model after the ones it holds
+            model.model_rebuild(force=True)
+
+
 def json_schema() -> dict[str, Any]:
     """The spec's JSON Schema, for editors. A model is a preset name, a preset with
     overrides, a Hugging Face checkpoint (init_from) or a full shape, so the shape fields are
     required only without a preset or init_from."""
+    _describe_fields()
     schema = JobSpec.model_json_schema()
     model = schema["$defs"]["ModelSpec"]
     shape = model.pop("required", [])

@@ -19,12 +19,17 @@ that refused its set-up is BAD_INPUT.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import os
+import queue
+import socket
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -505,7 +510,9 @@ class KubernetesBackend(Backend):
     def status(self, record: jobstore.JobRecord) -> Status:
         """The PyTorchJob's conditions, refined by its pods' exits and restart events; or the
         TrainJob's, refined by its pods and its JobSet's restarts."""
-        conn = Connection.for_record(record)
+        return self._status(Connection.for_record(record), record)
+
+    def _status(self, conn: Connection, record: jobstore.JobRecord) -> Status:
         namespace, name = record.extra["namespace"], record.extra["name"]
         api = job_api(record)
         job = conn.get(job_path(namespace, name, api.kind))
@@ -539,29 +546,76 @@ class KubernetesBackend(Backend):
 
     def follow_log(self, record: jobstore.JobRecord, rank: int | None = None
                    ) -> Iterator[str]:
-        """The first pod's log (or rank's pod's) as it is written, until its container ends;
-        waits for the pod while the job has none yet."""
+        """The first pod's log (or rank's pod's) as it is written, until the job reaches a
+        final state; waits for the pod while the job has none yet, and follows a pod the
+        operator recreated under the same name (restartPolicy ExitCode) from its start."""
         conn = Connection.for_record(record)
+        followed: set[str] = set()  # pods (by uid) whose log stream has ended
         while True:
             try:
-                pods = self._log_pods(conn, record, rank)
-                break
+                pod = self._log_pods(conn, record, rank)[0]
             except NoPodsYet:
-                if self.status(record).terminal:
+                if self._job_over(conn, record):
                     raise
-                time.sleep(1.0)
-        pod = pods[0]
+                time.sleep(FOLLOW_POLL_S)
+                continue
+            uid = pod["metadata"].get("uid", "")
+            stream = None if uid in followed else self._open_log(conn, pod)
+            if stream is None:  # its container has not started, or its log ended already
+                if self._job_over(conn, record):
+                    if uid not in followed:  # the kubelet's reason when it never started
+                        text = pod_log(conn, pod).splitlines(keepends=True)
+                        yield from text if rank is None else rank_lines(text, rank)
+                    return
+                time.sleep(FOLLOW_POLL_S)
+                continue
+            if uid not in followed and followed:
+                yield f"==> pod {pod['metadata']['name']} (recreated) <==\n"
+            state = functools.partial(self._follow_state, conn, record, rank, uid)
+            for raw_line in follow_lines(stream, state):
+                line = raw_line.decode(errors="replace")
+                if rank is None:
+                    yield line
+                else:
+                    yield from rank_lines([line], rank)
+            followed.add(uid)
+            if self._job_over(conn, record):
+                return
+
+    def _open_log(self, conn: Connection, pod: dict[str, Any]) -> LogStream | None:
+        """The pod's trainer log as a stream (follow=true), or None while its container is
+        still waiting to start (the kubelet answers 400 until then)."""
         meta = pod["metadata"]
         path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/log"
-        _, response = conn.request("GET", path, query=[("container", trainer_container(pod)),
-                                                       ("follow", "true")],
-                                   raw=True, timeout=None)
-        for raw_line in response:
-            line = raw_line.decode(errors="replace")
-            if rank is None:
-                yield line
-            else:
-                yield from rank_lines([line], rank)
+        try:
+            _, response = conn.request("GET", path, query=[("container", trainer_container(pod)),
+                                                           ("follow", "true")],
+                                       raw=True, timeout=None)
+        except ApiError as exc:
+            if exc.status in (400, 404):  # waiting to start, or deleted in between
+                return None
+            raise
+        return LogStream(response, lambda: _abort(response))
+
+    def _job_over(self, conn: Connection, record: jobstore.JobRecord) -> bool:
+        """Whether the job reached a final state (or is gone from the server)."""
+        try:
+            return self._status(conn, record).terminal
+        except KeyError:
+            return True
+
+    def _follow_state(self, conn: Connection, record: jobstore.JobRecord, rank: int | None,
+                      uid: str) -> str:
+        """What follow_lines needs between reads: "over" once the job reached a final state,
+        "replaced" once the followed pod is gone (deleted, or recreated under its name),
+        else "running"."""
+        if self._job_over(conn, record):
+            return "over"
+        try:
+            pods = self._log_pods(conn, record, rank)
+        except NoPodsYet:
+            return "replaced"
+        return "running" if pods[0]["metadata"].get("uid", "") == uid else "replaced"
 
     def _log_pods(self, conn: Connection, record: jobstore.JobRecord, rank: int | None
                   ) -> list[dict[str, Any]]:
@@ -623,6 +677,93 @@ class KubernetesBackend(Backend):
 
 class NoPodsYet(KubeError):
     """The job has no pods (yet): there is no log to read."""
+
+
+# --------------------------------------------------------------------------------------------
+# following a log
+# --------------------------------------------------------------------------------------------
+FOLLOW_POLL_S = 2.0
+"""Seconds between looks at the job's state while a followed log is quiet."""
+FOLLOW_DRAIN_S = 3.0
+"""Once the job is over, how long a still-open log may stay quiet before following ends: nothing
+guarantees that the follow stream closes when the container ends (on the real node one stayed
+open past 120 s after the job's end)."""
+
+
+class LogStream:
+    """One pod's log as it arrives: a thread reads the lines into a queue, so that the reader
+    can look at the job between them; `abort` ends the read (shuts the connection)."""
+
+    def __init__(self, lines: Iterable[bytes], abort: Callable[[], None]):
+        self._queue: queue.Queue[bytes | BaseException | None] = queue.Queue()
+        self._abort = abort
+        self._aborted = False
+        self._thread = threading.Thread(target=self._read, args=(lines,), daemon=True,
+                                        name="ctxlaunch-log")
+        self._thread.start()
+
+    def _read(self, lines: Iterable[bytes]) -> None:
+        try:
+            for line in lines:
+                self._queue.put(line)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which decides
+            self._queue.put(exc)
+        self._queue.put(None)
+
+    def get(self, timeout: float) -> bytes | None:
+        """The next line; None at the stream's end; TimeoutError when none came in time."""
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError from None
+        if isinstance(item, BaseException):
+            if self._aborted:
+                return None
+            raise KubeError(f"the log stream broke off: {item}") from item
+        return item
+
+    def close(self) -> None:
+        self._aborted = True
+        self._abort()
+
+
+def follow_lines(stream: LogStream, state: Callable[[], str], poll: float | None = None,
+                 drain: float | None = None) -> Iterator[bytes]:
+    """A followed log's lines until it ends, or until `state()` (asked whenever the log was
+    quiet for `poll` seconds) says "replaced" (the pod is gone), or says "over" (the job
+    reached a final state) and the log then stays quiet for `drain` seconds: a follow stream
+    that no one closes cannot hold `logs --follow` past the job's end."""
+    poll = FOLLOW_POLL_S if poll is None else poll
+    drain = FOLLOW_DRAIN_S if drain is None else drain
+    over = False
+    try:
+        while True:
+            try:
+                line = stream.get(drain if over else poll)
+            except TimeoutError:
+                if over:
+                    return
+                now = state()
+                if now == "replaced":
+                    return
+                over = now == "over"
+                continue
+            if line is None:
+                return
+            yield line
+    finally:
+        stream.close()
+
+
+def _abort(response: Any) -> None:
+    """End a streamed urllib3 response from another thread: shut its socket (a blocked read
+    then returns), then release it."""
+    sock = getattr(getattr(response, "connection", None), "sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(Exception):
+        response.close()
 
 
 # --------------------------------------------------------------------------------------------
