@@ -68,6 +68,19 @@ def test_allgather_cp_exposes_its_gather_and_runs_one_long_attention_call() -> N
     # the same score entries take less time than the ring's sixteen block calls.
     assert gathered.terms["compute_attention"] < ring.terms["compute_attention"]
     assert gathered.terms["compute_matmul"] == ring.terms["compute_matmul"]
+    # What a rank receives per block (the same K/V elements as the ring's 15 forward hops), and
+    # the planner holds the whole sequence's K/V and fp32 dK/dV while a layer's attention runs.
+    from ctxlaunch.perf import commvolume, memory
+
+    all_gather = layout.replace(cp_algorithm="allgather")
+    assert commvolume.cp_block_bytes(LLAMA_8B, all_gather) == pytest.approx(
+        2 * kv_others * 2 + 2 * kv_others * 4)
+    assert commvolume.cp_block_bytes(LLAMA_8B, all_gather) < commvolume.cp_block_bytes(
+        LLAMA_8B, layout)
+    kv, a = LLAMA_8B.kv_hidden, 2
+    assert (memory._attention_workspace_bytes_per_token(LLAMA_8B, all_gather)
+            - memory._attention_workspace_bytes_per_token(LLAMA_8B, layout)) == pytest.approx(
+        16 * (2 * a * kv + 2 * 4 * kv) - (2 * 2 * 4 * kv + 2 * 2 * a * kv))
 
 
 def test_ulysses_all_to_all_and_tp_collectives_appear_with_their_degree() -> None:
