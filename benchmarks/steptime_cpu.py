@@ -108,13 +108,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2,
                         help="run the sweep this many times (alternating order); best step")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--attention-seq", type=int, default=None,
+                        help="calibrate the attention rate and causal tile on a block this "
+                             "long (default 2,048, the calibration's length; 6144 is one no "
+                             "sweep point runs: BENCHMARKS.md 7a, 'Why the five points miss')")
     args = parser.parse_args()
 
     print(f"load average before: {os.getloadavg()}", flush=True)
     from ctxlaunch.contract.spec import ModelSpec
 
     calibration = measure(heads=4, head_dim=32, dtype="fp32",
-                          model=ModelSpec(preset="tiny-mha", dtype="fp32"))
+                          model=ModelSpec(preset="tiny-mha", dtype="fp32"),
+                          attention_seq=args.attention_seq)
     print(f"calibration: {calibration}", flush=True)
     print(f"saved {save_calibration(calibration)}", flush=True)
 

@@ -69,3 +69,24 @@ def test_measured_constants_drive_the_cpu_prediction(tmp_path: Path,
     assert best["step_seconds"] == pytest.approx(
         advise(spec, machine=calibration.machine(2)).best.time.step_seconds)
     assert best["step_seconds"] != pytest.approx(advise(spec).best.time.step_seconds)
+
+
+def test_the_attention_rate_can_be_measured_on_its_own_block_length(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The real kernel, watched: every attention call runs on the attention block's length, the
+    # projections' matmuls on `seq`.
+    from ctxlaunch.cp import kernels
+    from ctxlaunch.runtime.calibrate import measure_compute
+
+    lengths: list[int] = []
+    real = kernels.attention_forward
+
+    def watched(q, k, v, causal, scale):  # type: ignore[no-untyped-def]
+        lengths.append(q.shape[2])
+        return real(q, k, v, causal, scale)
+
+    monkeypatch.setattr(kernels, "attention_forward", watched)
+    matmul, attention, tile, _ = measure_compute(seq=128, attention_seq=384, repeats=1,
+                                                 projections=((64, 64),), threads=1)
+    assert lengths and set(lengths) == {384}
+    assert matmul > 0 and attention > 0 and tile >= 0

@@ -52,6 +52,37 @@ def test_ring_transfer_is_exposed_only_where_it_outlasts_the_hop_compute() -> No
                                                         - d["ring_hop_compute_seconds"])
 
 
+def test_allgather_cp_exposes_its_gather_and_runs_one_long_attention_call() -> None:
+    # Llama 3's CP: K/V of the other 15 ranks gathered per layer (bf16), fp32 dK/dV
+    # reduce-scattered, 15 ring steps each over the network (cp 16 spans two nodes), exposed.
+    layout = Layout(seq_len=131072, cp=16, dp=1)
+    ring = predict(LLAMA_8B, layout, H100_NDR)
+    gathered = predict(LLAMA_8B, layout.replace(cp_algorithm="allgather"), H100_NDR)
+    assert gathered.terms["cp_ring_exposed"] == 0 == ring.terms["cp_allgather"]
+    kv_others = 15 * (131072 / 16) * LLAMA_8B.kv_hidden
+    link = H100_NDR.network
+    expected = 32 * (2 * kv_others * 2 / H100_NDR.bandwidth(link) + 15 * link.latency_seconds
+                     + 2 * kv_others * 4 / H100_NDR.bandwidth(link) + 15 * link.latency_seconds)
+    assert gathered.terms["cp_allgather"] == pytest.approx(expected)
+    # One call over the whole sequence's keys: the length ramp of 131K tokens, not of 8K, so
+    # the same score entries take less time than the ring's sixteen block calls.
+    assert gathered.terms["compute_attention"] < ring.terms["compute_attention"]
+    assert gathered.terms["compute_matmul"] == ring.terms["compute_matmul"]
+    # What a rank receives per block (the same K/V elements as the ring's 15 forward hops), and
+    # the planner holds the whole sequence's K/V and fp32 dK/dV while a layer's attention runs.
+    from ctxlaunch.perf import commvolume, memory
+
+    all_gather = layout.replace(cp_algorithm="allgather")
+    assert commvolume.cp_block_bytes(LLAMA_8B, all_gather) == pytest.approx(
+        2 * kv_others * 2 + 2 * kv_others * 4)
+    assert commvolume.cp_block_bytes(LLAMA_8B, all_gather) < commvolume.cp_block_bytes(
+        LLAMA_8B, layout)
+    kv, a = LLAMA_8B.kv_hidden, 2
+    assert (memory._attention_workspace_bytes_per_token(LLAMA_8B, all_gather)
+            - memory._attention_workspace_bytes_per_token(LLAMA_8B, layout)) == pytest.approx(
+        16 * (2 * a * kv + 2 * 4 * kv) - (2 * 2 * 4 * kv + 2 * 2 * a * kv))
+
+
 def test_ulysses_all_to_all_and_tp_collectives_appear_with_their_degree() -> None:
     ring = predict(LLAMA_8B, Layout(seq_len=32768, cp=8, tp=1), H100_NDR)
     ulysses = predict(LLAMA_8B, Layout(seq_len=32768, cp=8, cp_algorithm="ulysses",

@@ -142,6 +142,14 @@ def ring_hop_bytes(model: ModelSpec, layout: Layout) -> tuple[float, float]:
     return forward, forward * (1 + 4 / layout.compute_bytes)
 
 
+def allgather_bytes(model: ModelSpec, layout: Layout) -> tuple[float, float]:
+    """(forward, backward) bytes one rank receives per block under all-gather CP: the K and V
+    of the other cp - 1 ranks forward (an all-gather; the gathered copy is kept for backward),
+    their fp32 dK/dV backward (a reduce-scatter of the same elements)."""
+    kv_others = (layout.cp - 1) * _local_tokens(layout) * model.kv_hidden / layout.tp
+    return 2 * kv_others * layout.compute_bytes, 2 * kv_others * 4
+
+
 def ring_forwards(layout: Layout) -> int:
     """Forward passes of attention per micro-batch: two under full recomputation."""
     return 2 if layout.activation_checkpointing == "full" else 1
@@ -163,9 +171,13 @@ def ulysses_passes(layout: Layout) -> float:
 
 def cp_block_bytes(model: ModelSpec, layout: Layout) -> float:
     """Bytes one block sends over CP per micro-batch: the ring's hops and the Ulysses
-    all-to-alls (hybrid: both)."""
+    all-to-alls (hybrid: both), or all-gather CP's gather and reduce-scatter (a ring
+    all-gather sends what it receives)."""
     if layout.cp == 1:
         return 0.0
+    if layout.cp_algorithm == "allgather":
+        forward, backward = allgather_bytes(model, layout)
+        return ring_forwards(layout) * forward + backward
     ring = layout.ring_degree
     forward, backward = ring_hop_bytes(model, layout)
     ring_bytes = (ring - 1) * (ring_forwards(layout) * forward + backward)

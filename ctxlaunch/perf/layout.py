@@ -43,6 +43,10 @@ class Layout:
     stage_layers: tuple[int, ...] = ()
     """Blocks per pipeline stage (pp x virtual stages entries); empty: the balanced split."""
     cp_algorithm: str = "ring"
+    """ring, ulysses, hybrid (what the spec and the bundled trainer run), or "allgather": K/V
+    all-gathered before attention and dK/dV reduce-scattered after it, as Llama 3 ran CP
+    (arXiv:2407.21783, section 3.3.2); timed and planned here for published runs, not a spec
+    value (the bundled trainer has no all-gather CP)."""
     ulysses_degree: int = 1
     """Ulysses (inner) degree: cp for ulysses, 1 for ring, the spec's for hybrid."""
     cp_layout: str = "zigzag"

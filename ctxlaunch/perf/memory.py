@@ -218,6 +218,10 @@ def _attention_workspace_bytes_per_token(model: ModelSpec, layout: Layout) -> fl
     if layout.cp_algorithm == "ulysses":
         # all-to-all in and out buffers for q, k, v (and their grads): same size per rank.
         return 2 * a * (h + 2 * h_kv) + kernel_grads
+    if layout.cp_algorithm == "allgather":
+        # fp32 dQ; the whole sequence's K/V gathered (cp x the local tokens) and their fp32
+        # dK/dV before the reduce-scatter.
+        return 4 * h + layout.cp * (2 * a * h_kv + 2 * 4 * h_kv) + kernel_grads
     # ring (and the ring part of hybrid): fp32 dQ, fp32 dK/dV in hand and in flight, K/V in
     # hand and in flight.
     return 4 * h + 2 * 2 * 4 * h_kv + 2 * 2 * a * h_kv + kernel_grads

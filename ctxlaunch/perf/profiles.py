@@ -152,7 +152,7 @@ PROFILES: dict[str, FrameworkProfile] = {
                 "attention: the flash kernel's rate measured on one H200 (FA2 generation, "
                 "exponentials exposed where the GPU table has an SFU rate); elementwise: fused "
                 "at HBM bandwidth; expected error: 13 %, which 6 of the 7 held-out published "
-                "rows stay within (the seventh, Llama 3 at 131K, is 27 % slow: BENCHMARKS.md "
+                "rows stay within (the seventh, Llama 3 at 131K, is 26 % slow: BENCHMARKS.md "
                 "section 7c)"),
 }
 

@@ -24,6 +24,10 @@ tokens held by the rank (CP splits the sequence), TP shards heads and weights:
                x 2 bytes) in forward, K/V and dK/dV (fp32) in backward, while it computes the
                attention of the block in hand (its attention work / r). Only the part of each
                transfer longer than that compute is exposed.
+  all-gather   (Llama 3's CP) per layer the K/V of the other cp - 1 ranks all-gathered before
+               attention (again in a recomputed forward) and their fp32 dK/dV reduce-scattered
+               after its backward, not overlapped; the rank's attention runs as one call over
+               the whole sequence's keys (the length ramp of s tokens, not of s/cp).
   Ulysses      two all-to-alls per layer in forward (q, k, v in; out back), two in backward:
                (u-1)/u x n x (2h + 2h_kv)/t x 2 bytes each way; not overlapped. Hybrid:
                Ulysses over u ranks inside, a ring over cp/u outside.
@@ -149,6 +153,9 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
     L, h = model.layers, model.hidden
     t, p, cp, v = layout.tp, layout.pp, layout.cp, layout.virtual_stages
     u, r = layout.ulysses_degree, layout.ring_degree
+    allgather = layout.cp_algorithm == "allgather" and cp > 1
+    if allgather:
+        r = 1  # no ring: one attention call per layer over the gathered K/V
     m = layout.grad_accum
     a = layout.compute_bytes
     n = layout.micro_batch * layout.seq_len / cp  # tokens held by the rank
@@ -173,7 +180,9 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
         t_attention = attention_flops / machine.attention_flops_per_second
     else:
         # One call covers the tokens a ring rank holds (Ulysses gathers the whole sequence
-        # over fewer heads).
+        # over fewer heads). Under all-gather CP a rank's queries run over the whole gathered
+        # sequence's keys, as long a key loop per query tile as a call over all s tokens
+        # (r = 1 above): the ramp is that of the whole sequence.
         t_attention = attention_seconds(
             entries, model.head_dim, layout.seq_len / r,
             peak=machine.peak_flops["bf16" if layout.dtype == "bf16" else "fp32"],
@@ -226,10 +235,24 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
         t_ring = layers * (r - 1) * (commvolume.ring_forwards(layout) * exposed_fwd
                                      + exposed_bwd)
 
-    micro = t_matmul + t_attention + t_elementwise + t_tp + t_ulysses + t_ring
+    # All-gather CP (Llama 3): K/V gathered from the cp - 1 other ranks before each layer's
+    # attention, dK/dV reduce-scattered after its backward; on the critical path, not
+    # overlapped (arXiv:2407.21783, section 3.3.2: "the all-gather communication latency is
+    # exposed in the critical path").
+    t_allgather = 0.0
+    if allgather:
+        link = machine.link_for_span(t * cp)
+        gather_bytes, scatter_bytes = commvolume.allgather_bytes(model, layout)
+        t_allgather = layers * (
+            commvolume.ring_forwards(layout) * _collective_seconds(gather_bytes, cp - 1, link,
+                                                                   machine)
+            + _collective_seconds(scatter_bytes, cp - 1, link, machine))
+
+    micro = t_matmul + t_attention + t_elementwise + t_tp + t_ulysses + t_ring + t_allgather
     forwards = commvolume.ring_forwards(layout)
     syncs = layers * ((forwards * 4 + 4 if t > 1 else 0) + (2 * forwards + 2 if u > 1 else 0)
-                      + ((r - 1) * (forwards + 1) if r > 1 else 0))
+                      + ((r - 1) * (forwards + 1) if r > 1 else 0)
+                      + (forwards + 1 if allgather else 0))
 
     # --- PP -------------------------------------------------------------------------------------
     t_bubble = t_p2p = 0.0
@@ -265,6 +288,7 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
         "tp_collectives": m * t_tp,
         "ulysses_all_to_all": m * t_ulysses,
         "cp_ring_exposed": m * t_ring,
+        "cp_allgather": m * t_allgather,
         "pp_bubble": t_bubble,
         "pp_p2p": t_p2p,
         "dp_collectives_exposed": t_dp_exposed,

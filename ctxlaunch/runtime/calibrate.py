@@ -34,7 +34,8 @@ def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 def measure_compute(*, heads: int = 4, head_dim: int = 32, seq: int = 2048,
                     dtype: str = "fp32", repeats: int = 5,
-                    projections: tuple[tuple[int, int], ...] = (), threads: int = 0
+                    projections: tuple[tuple[int, int], ...] = (), threads: int = 0,
+                    attention_seq: int | None = None
                     ) -> tuple[float, float, float, float]:
     """(matmul FLOP/s, attention FLOP/s forward + backward on a full block, the causal
     diagonal's waste in tokens, copy bytes/s), each from the best of `repeats` runs with all of
@@ -44,7 +45,9 @@ def measure_compute(*, heads: int = 4, head_dim: int = 32, seq: int = 2048,
     square's rate. Attention runs through the trainer's own kernels (ctxlaunch.cp.kernels) at
     the model's heads and head_dim: 12 x heads x head_dim x s x s FLOPs on a full block; a
     causal block of s tokens takes as long as s*(s + T)/2 entries. `threads`: how many to use
-    (0: every core)."""
+    (0: every core). `attention_seq`: the block length the attention rate and T are measured
+    on (default `seq`): the CPU kernel's thread scaling depends on it (BENCHMARKS.md 7a, "Why
+    the five points miss")."""
     import os
 
     import torch
@@ -71,7 +74,8 @@ def measure_compute(*, heads: int = 4, head_dim: int = 32, seq: int = 2048,
         a, b = torch.randn(n, n, dtype=kind), torch.randn(n, n, dtype=kind)
         matmul = 2.0 * n**3 / _best_seconds(lambda: torch.mm(a, b), repeats)
 
-    q = torch.randn(1, heads, seq, head_dim, dtype=kind)
+    block = attention_seq or seq
+    q = torch.randn(1, heads, block, head_dim, dtype=kind)
     k, v = torch.randn_like(q), torch.randn_like(q)
     scale = head_dim**-0.5
 
@@ -81,9 +85,9 @@ def measure_compute(*, heads: int = 4, head_dim: int = 32, seq: int = 2048,
 
     full_seconds = _best_seconds(lambda: attention(False), repeats)
     causal_seconds = _best_seconds(lambda: attention(True), repeats)
-    attention_rate = 12.0 * heads * head_dim * seq * seq / full_seconds
+    attention_rate = 12.0 * heads * head_dim * block * block / full_seconds
     # causal / full = (s + T) / (2 s)
-    tile = max(seq * (2 * causal_seconds / full_seconds - 1), 0.0)
+    tile = max(block * (2 * causal_seconds / full_seconds - 1), 0.0)
 
     x = torch.empty(16 * 2**20, dtype=torch.float32)
     y = torch.empty_like(x)
@@ -291,11 +295,11 @@ def measure_model_residual(model: ModelSpec, calibration: Calibration, *,
 
 def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str = "fp32",
             repeats: int = 5, sizes: tuple[int, ...] = (4096, 262144, 4 * 2**20, 16 * 2**20),
-            model: ModelSpec | None = None, sync_ranks: tuple[int, ...] = (2, 4)
-            ) -> Calibration:
+            model: ModelSpec | None = None, sync_ranks: tuple[int, ...] = (2, 4),
+            attention_seq: int | None = None) -> Calibration:
     """Every constant the step-time model needs on this CPU; `model` (a ModelSpec, default the
     tiny preset) is what the matmul rate, the elementwise rate and the per-micro-batch overhead
-    are measured on."""
+    are measured on; `attention_seq` the attention block's length (default `seq`)."""
     import dataclasses
     import datetime
     import os
@@ -309,7 +313,8 @@ def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str =
                    (model.ffn_hidden, model.hidden))                    # down
     matmul, attention, tile, copy = measure_compute(heads=heads, head_dim=head_dim, seq=seq,
                                                     dtype=dtype, repeats=repeats,
-                                                    projections=projections)
+                                                    projections=projections,
+                                                    attention_seq=attention_seq)
     bandwidth, latency = measure_loopback(sizes=sizes, repeats=repeats)
     calibration = Calibration(
         matmul_flops_per_second=matmul, attention_flops_per_second=attention,
@@ -320,7 +325,8 @@ def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str =
     # One thread: what each rank gets when the ranks fill the cores.
     matmul_1, attention_1, _, _ = measure_compute(heads=heads, head_dim=head_dim, seq=seq,
                                                   dtype=dtype, repeats=repeats,
-                                                  projections=projections, threads=1)
+                                                  projections=projections, threads=1,
+                                                  attention_seq=attention_seq)
     calibration = dataclasses.replace(
         calibration, one_thread={"matmul": matmul_1, "attention": attention_1})
     overhead_1, elementwise_1 = measure_model_residual(model, calibration, repeats=repeats,
