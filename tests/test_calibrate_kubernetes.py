@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.kube_api import ctx, get, home, kubectl, namespace, spec_args
 from tests.helpers.services import require_kubernetes
-
-from .test_kubernetes import ctx, get, home, kubectl, namespace, spec_args
 
 __all__ = ["home", "namespace"]  # the fixtures, used by name
 

@@ -89,8 +89,8 @@ def test_the_probe_pod_ends_in_time_says_why_and_is_deleted(tmp_path: Path) -> N
     """On the real API server (no scheduler or kubelet): the pod is created with the job's
     image and pull policy, stays Pending, and the check gives up at its timeout and deletes
     it."""
+    from tests.helpers.kube_api import kubectl
     from tests.helpers.services import KUBE_ADMIN, require_kubernetes
-    from tests.test_kubernetes import kubectl
 
     require_kubernetes()
     namespace = f"ctxl-{uuid.uuid4().hex[:8]}"

@@ -13,66 +13,37 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-import uuid
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.helpers.kube_api import (
+    CTXLAUNCH,
+    IMAGE,
+    contains,
+    ctx,
+    get,
+    home,
+    kubectl,
+    namespace,
+    play_pod,
+    render_dir,
+    spec_args,
+    status,
+)
 from tests.helpers.services import KUBE_ADMIN, KUBE_CRD, KUBE_VIEWER, require_kubernetes
 
 from .conftest import JOBS, free_port
 
+__all__ = ["home", "namespace"]  # the fixtures, used by name
+
 pytestmark = pytest.mark.slow
-BIN = Path(sys.executable).parent
-CTXLAUNCH = str(BIN / "ctxlaunch")
-KUBECTL = str(BIN / "kubectl")
-IMAGE = "example/ctxlaunch:1"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kube() -> None:
     require_kubernetes()
-
-
-def kubectl(*args: str, kubeconfig: Path = KUBE_ADMIN, check: bool = True, stdin: str = ""
-            ) -> subprocess.CompletedProcess:
-    result = subprocess.run([KUBECTL, "--kubeconfig", str(kubeconfig), *args], input=stdin,
-                            capture_output=True, text=True, timeout=60)
-    if check:
-        assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
-    return result
-
-
-@pytest.fixture
-def namespace() -> str:
-    """A fresh namespace, with the `default` service account that a controller manager would
-    create (none runs here; the pods the tests create need it)."""
-    name = f"ctxl-{uuid.uuid4().hex[:8]}"
-    kubectl("create", "namespace", name)
-    kubectl("create", "serviceaccount", "default", "-n", name)
-    return name
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    return tmp_path / "home"
-
-
-def ctx(home: Path, *args: str, kubeconfig: Path = KUBE_ADMIN, timeout: float = 60
-        ) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CTXLAUNCH_HOME": str(home), "KUBECONFIG": str(kubeconfig)}
-    return subprocess.run([CTXLAUNCH, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def spec_args(namespace: str, name: str = "demo", *sets: str) -> list[str]:
-    args = [str(JOBS / "demo.yaml")]
-    for item in ("cluster.target=kubernetes", f"cluster.kubernetes.image={IMAGE}",
-                 f"cluster.kubernetes.namespace={namespace}", f"name={name}", *sets):
-        args += ["--set", item]
-    return args
 
 
 def submit(home: Path, namespace: str, name: str = "demo", *sets: str) -> str:
@@ -83,51 +54,10 @@ def submit(home: Path, namespace: str, name: str = "demo", *sets: str) -> str:
     return result.stdout.strip()
 
 
-def get(kind: str, namespace: str, name: str) -> dict | None:
-    result = kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
-    if result.returncode != 0:
-        assert "NotFound" in result.stderr, result.stderr
-        return None
-    return json.loads(result.stdout)
-
-
 def left_behind(namespace: str) -> list[str]:
     result = kubectl("get", "pytorchjobs,configmaps", "-n", namespace, "-l",
                      "app.kubernetes.io/name=ctxlaunch", "-o", "name")
     return result.stdout.split()
-
-
-def status(home: Path, job: str) -> dict:
-    result = ctx(home, "status", job, "--json")
-    assert result.returncode == 0, result.stdout + result.stderr
-    return json.loads(result.stdout)
-
-
-def contains(actual, expected, where: str = "") -> None:
-    """Every field of `expected` is in `actual` with the same value (the server may add its
-    defaults, nothing else changes)."""
-    if isinstance(expected, dict):
-        assert isinstance(actual, dict), where
-        for key, value in expected.items():
-            assert key in actual, f"{where}.{key} missing on the server"
-            contains(actual[key], value, f"{where}.{key}")
-    elif isinstance(expected, list):
-        assert isinstance(actual, list) and len(actual) == len(expected), where
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            contains(a, e, f"{where}[{i}]")
-    else:
-        assert actual == expected, f"{where}: server has {actual!r}, rendered {expected!r}"
-
-
-def render_dir(tmp_path: Path, spec: Path, namespace: str, *sets: str) -> Path:
-    out = tmp_path / "rendered"
-    args = [CTXLAUNCH, "render", str(spec), "--target", "kubernetes", "--output", str(out),
-            "--set", f"cluster.kubernetes.namespace={namespace}"]
-    for item in sets:
-        args += ["--set", item]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,25 +187,16 @@ def test_submit_creates_exactly_the_rendered_objects_and_follows_the_operator(
     assert "COMPLETED" in waited.stdout and "Master: 1 succeeded" in waited.stdout
 
 
+MASTER_LABELS = {"training.kubeflow.org/replica-type": "master",
+                 "training.kubeflow.org/replica-index": "0"}
+
+
 def make_pod(namespace: str, job: str, exit_code: int, reason: str) -> None:
     """Play the operator and the kubelet: a Master pod with the operator's labels whose
     trainer container terminated with `exit_code` (status subresource)."""
-    name = f"{job}-master-0"
-    pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": name, "namespace": namespace, "labels": {
-               "training.kubeflow.org/job-name": job,
-               "training.kubeflow.org/replica-type": "master",
-               "training.kubeflow.org/replica-index": "0"}},
-           "spec": {"automountServiceAccountToken": False, "restartPolicy": "Never",
-                    "containers": [{"name": "pytorch", "image": IMAGE}]}}
-    kubectl("apply", "-f", "-", stdin=json.dumps(pod))
-    kubectl("patch", "pod", name, "-n", namespace, "--subresource=status", "--type=merge",
-            "-p", json.dumps({"status": {"phase": "Failed", "containerStatuses": [{
-                "name": "pytorch", "image": IMAGE, "imageID": "", "ready": False,
-                "restartCount": 0, "state": {"terminated": {
-                    "exitCode": exit_code, "reason": reason,
-                    "startedAt": "2026-12-01T00:00:00Z",
-                    "finishedAt": "2026-12-01T00:00:05Z"}}}]}}))
+    play_pod(namespace, f"{job}-master-0",
+             {"training.kubeflow.org/job-name": job, **MASTER_LABELS}, "pytorch",
+             exit_code=exit_code, reason=reason)
 
 
 @pytest.mark.parametrize("exit_code,reason,state,wait_exit", [
@@ -473,21 +394,8 @@ def test_logs_follow_ends_when_the_job_ended_without_pods(namespace: str, home: 
 def running_pod(namespace: str, job: str) -> str:
     """Play the operator and the kubelet: a Master pod whose trainer container runs (status
     subresource); its uid."""
-    name = f"{job}-master-0"
-    kubectl("create", "-f", "-", stdin=json.dumps({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": namespace, "labels": {
-            "training.kubeflow.org/job-name": job,
-            "training.kubeflow.org/replica-type": "master",
-            "training.kubeflow.org/replica-index": "0"}},
-        "spec": {"automountServiceAccountToken": False, "restartPolicy": "Never",
-                 "containers": [{"name": "pytorch", "image": IMAGE}]}}))
-    kubectl("patch", "pod", name, "-n", namespace, "--subresource=status", "--type=merge",
-            "-p", json.dumps({"status": {"phase": "Running", "containerStatuses": [{
-                "name": "pytorch", "image": IMAGE, "imageID": "", "ready": True,
-                "restartCount": 0, "state": {"running": {
-                    "startedAt": "2026-12-01T00:00:00Z"}}}]}}))
-    return get("pod", namespace, name)["metadata"]["uid"]
+    return play_pod(namespace, f"{job}-master-0",
+                    {"training.kubeflow.org/job-name": job, **MASTER_LABELS}, "pytorch")
 
 
 @pytest.mark.timeout(120)

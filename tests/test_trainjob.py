@@ -11,25 +11,29 @@ them) or the kubelet (pod container statuses), and say so."""
 from __future__ import annotations
 
 import json
-import uuid
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers.services import KUBE_ADMIN
-from tests.test_kubernetes import (
+from tests.helpers.kube_api import (
     IMAGE,
     contains,
     ctx,
     get,
+    home,
     kubectl,
+    namespace,
+    play_pod,
     render_dir,
     spec_args,
     status,
 )
+from tests.helpers.services import KUBE_ADMIN
 
 from .conftest import JOBS
+
+__all__ = ["home", "namespace"]  # the fixtures, used by name
 
 pytestmark = pytest.mark.slow
 TRAINJOB = "cluster.kubernetes.api=trainjob"
@@ -46,19 +50,6 @@ def trainer_installed() -> None:
     if missing:
         pytest.fail(f"the API server lacks the Trainer v2 CRDs {missing}: restart it with "
                     "scripts/services/kubernetes.sh restart (its start installs them)")
-
-
-@pytest.fixture
-def namespace() -> str:
-    name = f"ctxl-{uuid.uuid4().hex[:8]}"
-    kubectl("create", "namespace", name)
-    kubectl("create", "serviceaccount", "default", "-n", name)
-    return name
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    return tmp_path / "home"
 
 
 def left_behind(namespace: str) -> list[str]:
@@ -111,22 +102,11 @@ def trainer_status(namespace: str, name: str, conditions: list[dict],
 def make_pod(namespace: str, job: str, index: int, exit_code: int, reason: str) -> None:
     """Play the JobSet controller and the kubelet: a pod with JobSet's labels and the Job
     controller's completion index, whose trainer container (`node`) ended as given."""
-    name = f"{job}-node-0-{index}-abcde"
-    kubectl("create", "-f", "-", stdin=json.dumps({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": namespace, "labels": {
-            "jobset.sigs.k8s.io/jobset-name": job,
-            "jobset.sigs.k8s.io/replicatedjob-name": "node",
-            "batch.kubernetes.io/job-completion-index": str(index)}},
-        "spec": {"automountServiceAccountToken": False, "restartPolicy": "Never",
-                 "containers": [{"name": "node", "image": IMAGE}], "nodeName": "node-a"}}))
-    kubectl("patch", "pod", name, "-n", namespace, "--subresource=status", "--type=merge",
-            "-p", json.dumps({"status": {"phase": "Failed", "containerStatuses": [{
-                "name": "node", "image": IMAGE, "imageID": "", "ready": False,
-                "restartCount": 0, "state": {"terminated": {
-                    "exitCode": exit_code, "reason": reason,
-                    "startedAt": "2026-12-01T00:00:00Z",
-                    "finishedAt": "2026-12-01T00:00:05Z"}}}]}}))
+    play_pod(namespace, f"{job}-node-0-{index}-abcde", {
+        "jobset.sigs.k8s.io/jobset-name": job,
+        "jobset.sigs.k8s.io/replicatedjob-name": "node",
+        "batch.kubernetes.io/job-completion-index": str(index)}, "node",
+        exit_code=exit_code, reason=reason, node="node-a")
 
 
 def test_rendered_trainjob_applies_and_deletes_with_plain_kubectl(namespace: str,
