@@ -751,15 +751,19 @@ def main() -> None:
             for s in ((1024, 2048) if dry else (16384, 65536))])
     if pushgateway_proc is not None:
         pushgateway_proc.kill()
+    write_results(results, args.output, dry)
+    print("gpu_check: done", flush=True)
+
+
+def write_results(results: dict, output: str | None, dry: bool) -> None:
+    """Name the GPU and torch in `results` (not in a dry run) and write them to `output`."""
     if not dry:
         import torch
 
         results["device"] = torch.cuda.get_device_name()
         results["torch"] = torch.__version__
-    text = json.dumps(results, indent=2, default=str)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
-    print("gpu_check: done", flush=True)
+    if output:
+        Path(output).write_text(json.dumps(results, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":

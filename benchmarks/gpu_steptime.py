@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu_check import run_trainer, trainer_spec  # noqa: E402
+from gpu_check import run_trainer, trainer_spec, write_results  # noqa: E402
 
 # (seq_len, checkpointing, micro_batch): lengths the profile was not fitted on.
 GPU_POINTS = [(8192, "none", 1), (8192, "selective", 2), (24576, "selective", 1),
@@ -82,14 +82,7 @@ def main() -> None:
     results["within_10_percent"] = sum(e <= 0.10 for e in errors)
     results["timed_points"] = len(errors)
     results["worst_error"] = max(errors) if errors else None
-    if not dry:
-        import torch
-
-        results["device"] = torch.cuda.get_device_name()
-        results["torch"] = torch.__version__
-    text = json.dumps(results, indent=2, default=str)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
+    write_results(results, args.output, dry)
     print(f"gpu_steptime: {results['within_10_percent']} of {results['timed_points']} points "
           f"within 10 %, worst {results['worst_error']}", flush=True)
 
