@@ -693,12 +693,43 @@ def start_pushgateway(binary: str | None) -> tuple[subprocess.Popen | None, str 
     raise RuntimeError("the Pushgateway did not become ready")
 
 
+def attention_choice(device: str, model_name: str, seqs: tuple[int, ...], ranks: int,
+                     dry: bool) -> list[dict]:
+    """The trainer's attention-kernel choice (ctxlaunch.cp.kernel_choice) at the model's own
+    heads and head dim, for one call over the whole sequence and for the zigzag ring's
+    half-block on `ranks` ranks: each candidate's forward+backward time, the refusals, and the
+    kernel's TFLOP/s (causal: half of 4*b*s*s*h*d forward, 2.5x that with the backward)."""
+    import torch
+
+    from ctxlaunch.contract.spec import ModelSpec
+    from ctxlaunch.cp import kernel_choice, kernels
+
+    m = ModelSpec(preset=model_name)
+    head_dim = m.hidden // m.heads
+    rows = []
+    for seq in seqs:
+        for label, block in (("whole sequence", seq), (f"zigzag {ranks}-rank half-block",
+                                                       seq // ranks // 2)):
+            choice = kernel_choice.choose(1, m.heads, m.kv_heads, block, head_dim,
+                                          torch.bfloat16, torch.device(device),
+                                          repeats=3 if dry else 20, measure_on_cpu=dry)
+            flops = 3.5 * 4 * block * block * m.heads * head_dim / 2
+            rows.append({"seq": seq, "call": label, "block": block, "kernel": choice.kernel,
+                         "chosen_by": choice.chosen_by, "line": choice.describe(),
+                         "tflops_fwd_bwd": {k: round(flops / t / 1e12, 1)
+                                            for k, t in choice.seconds.items()},
+                         "refused": choice.refused})
+    kernels.use_cuda_kernel("flash")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, toy sizes, an injected OOM: check the script itself")
     parser.add_argument("--pushgateway-binary", help="start this Pushgateway for the OOM check")
-    parser.add_argument("--only", nargs="*", default=["fit", "mfu", "kernels", "exact", "ring"])
+    parser.add_argument("--only", nargs="*",
+                        default=["fit", "mfu", "kernels", "attention", "exact", "ring"])
     parser.add_argument("--output", help="also write the results as JSON here")
     args = parser.parse_args()
     dry = args.dry_run
@@ -735,6 +766,9 @@ def main() -> None:
         if isinstance(trainer_rows, list) and isinstance(results.get("kernels_alone"), list):
             section("trainer_against_kernels", lambda: trainer_against_kernels(
                 trainer_rows, results["kernels_alone"]))
+    if "attention" in args.only:
+        section("attention_choice", lambda: attention_choice(
+            device, model, (2048, 4096) if dry else (16384, 65536), 8, dry))
     if "exact" in args.only:
         section("exactness", lambda: exactness(device, ["float32"] if dry else
                                                ["bfloat16", "float16"], 256 if dry else 2048, 4))

@@ -155,6 +155,8 @@ REQUIRED_PANELS = {
     "Exposed ring communication, fraction of step time":
         ("percentunit", ["ctxlaunch_cp_exposed_comm_seconds{",
                          "/ ctxlaunch_step_duration_seconds{"]),
+    "Attention kernel per rank":
+        ("none", ["ctxlaunch_attention_kernel_info{", "kernel, chosen_by"]),
 }
 
 

@@ -96,13 +96,37 @@ def attention_backward(
 # copies with expanded K/V; its dK/dV are summed back over each K/V head's query heads in fp32.
 
 
+# Which 16-bit kernel runs: "flash" (torch's bundled FlashAttention-2, or FlashAttention-3 once
+# `use_cuda_kernel("fa3")` activated it into the same op), or "cudnn" (cuDNN's fused attention,
+# whose lse comes as (B, H, Sq, 1)). `ctxlaunch.cp.kernel_choice` picks one by measurement.
+CUDA_KERNELS = ("flash", "cudnn", "fa3")
+_cuda_kernel = "flash"
+
+
+def use_cuda_kernel(name: str) -> None:
+    """Run the 16-bit CUDA calls on kernel `name` (one of CUDA_KERNELS) from now on. "fa3"
+    activates torch's FlashAttention-3 registration (`torch.nn.attention`; it needs the
+    `flash_attn_interface` package and a Hopper GPU, and raises where either is missing) and
+    then calls the flash op, which dispatches to it; leaving "fa3" restores FlashAttention-2."""
+    global _cuda_kernel
+    if name not in CUDA_KERNELS:
+        raise ValueError(f"attention kernel {name!r}: expected one of {', '.join(CUDA_KERNELS)}")
+    from torch.nn import attention
+
+    if name == "fa3" and attention.current_flash_attention_impl() != "FA3":
+        attention.activate_flash_attention_impl("FA3")
+    elif name != "fa3" and attention.current_flash_attention_impl() == "FA3":
+        attention.restore_flash_attention_impl()
+    _cuda_kernel = name
+
+
 def _use_flash(q: torch.Tensor) -> bool:
     return q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) <= 256 and q.size(-1) % 8 == 0
 
 
 def cuda_kernel_name(q: torch.Tensor) -> str:
     """The kernel ``attention_forward``/``attention_backward`` call for CUDA queries like ``q``."""
-    return "flash" if _use_flash(q) else "memory-efficient"
+    return _cuda_kernel if _use_flash(q) else "memory-efficient"
 
 
 def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -119,6 +143,10 @@ def _reduce_kv_grad(dx: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def _cuda_forward(q, k, v, causal, scale):
+    if _use_flash(q) and _cuda_kernel == "cudnn":
+        out, lse, *_ = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale)
+        return out, lse.view(lse.shape[:3])
     if _use_flash(q):
         out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return out, lse
@@ -136,6 +164,11 @@ def _cuda_backward(grad_out, q, k, v, out, lse, causal, scale):
     lse = lse.contiguous()
     # Dropout is 0, so the kernels never read the RNG state.
     no_rng = torch.empty((), dtype=torch.int64, device=q.device)
+    if _use_flash(q) and _cuda_kernel == "cudnn":
+        # No bias, dense inputs (no cumulative lengths), no dropout (the seeds are never read).
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out, q, k, v, out, lse.unsqueeze(-1), no_rng, no_rng, None, None, None, sq, sk,
+            0.0, causal, scale=scale)
     if _use_flash(q):
         # cum_seq_q/k are None for dense (non-nested) inputs.
         return aten._scaled_dot_product_flash_attention_backward(

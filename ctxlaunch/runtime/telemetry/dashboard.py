@@ -277,6 +277,16 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             (Target(f"{_q('ctxlaunch_cp_exposed_comm_seconds')} / "
                     f"{_q('ctxlaunch_step_duration_seconds')}", RANK_LEGEND),),
             min=0, thresholds=((None, "transparent"), (EXPOSED_COMM_MAX, "red"))),
+        PanelSpec(
+            "Attention kernel per rank",
+            "The attention kernel each rank's attention calls run on (ctxlaunch_attention_kernel"
+            "_info) and how it was chosen: measured at the run's block shape, forced by "
+            "CTXLAUNCH_ATTENTION_KERNEL, or the only one for the device and dtype.",
+            "table", "none",
+            (Target("max by (run, rank, node, kernel, chosen_by) (last_over_time("
+                    f"{_q('ctxlaunch_attention_kernel_info')}[$__range]))", "", instant=True,
+                    table=True),),
+            width=24, height=5),
     )),
 )
 

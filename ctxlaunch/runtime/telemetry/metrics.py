@@ -72,6 +72,11 @@ METRICS: tuple[Metric, ...] = (
            "Share of passkey probes retrieved at the last evaluation (every answer token the "
            "arg-max), per prompt length in tokens and depth of the number in the filler.",
            ("length", "depth")),
+    Metric("ctxlaunch_attention_kernel_info", "gauge",
+           "1, labelled with the attention kernel the rank's attention calls run on and how it "
+           "was chosen: measured (the fastest forward and backward at the run's block shape), "
+           "forced (CTXLAUNCH_ATTENTION_KERNEL) or only (one kernel fits the device and dtype).",
+           ("kernel", "chosen_by")),
     Metric("ctxlaunch_cp_exposed_comm_seconds", "gauge",
            "Time in the last step spent waiting for ring K/V (or dK/dV) transfers after the "
            "block's compute had finished: communication that compute did not hide."),

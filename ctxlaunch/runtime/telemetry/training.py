@@ -17,6 +17,7 @@ from ctxlaunch.runtime.telemetry.exporter import Exporter, identity_from_spec
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
+    from ctxlaunch.cp.kernel_choice import KernelChoice
     from ctxlaunch.runtime.trainer.evaluate import EvalResult
     from ctxlaunch.runtime.trainer.loop import StepMetrics
 
@@ -93,6 +94,11 @@ class TrainingTelemetry:
                           predicted_step_seconds(spec))
         self.exporter.set("ctxlaunch_target_steps", spec.training.steps)
         self._retries_seen = 0
+
+    def attention_kernel(self, choice: KernelChoice) -> None:
+        """Export the attention kernel the run chose (`fastpath.choose_attention_kernel`)."""
+        self.exporter.set("ctxlaunch_attention_kernel_info", 1, kernel=choice.kernel,
+                          chosen_by=choice.chosen_by)
 
     def on_step(self, m: StepMetrics) -> None:
         """Export one step's metrics."""

@@ -1,14 +1,18 @@
-"""The trainer's fast-path switches (`training.compile`, `training.fused_optimizer`) resolved
-for the device at hand: auto means on for CUDA, off on the CPU."""
+"""The trainer's fast paths on the device at hand: the switches (`training.compile`,
+`training.fused_optimizer`; auto means on for CUDA, off on the CPU) and the attention kernel,
+chosen by measurement at the run's block shape."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
 import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
+    from ctxlaunch.cp.kernel_choice import KernelChoice
+    from ctxlaunch.runtime.trainer.parallelize import ParallelContext
 
 
 def resolve(setting: bool | Literal["auto"], device: torch.device) -> bool:
@@ -16,18 +20,43 @@ def resolve(setting: bool | Literal["auto"], device: torch.device) -> bool:
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
-def attention_kernel(device: torch.device, dtype: str) -> str:
-    """The attention kernel the trainer's attention calls run on `device` for the model dtype
-    (ctxlaunch.cp.kernels picks it by dtype and head dim; no measurement yet)."""
-    if device.type != "cuda":
-        return "cpu flash"
-    return "flash" if dtype in ("bf16", "fp16") else "memory-efficient"
+def attention_block_shape(spec: JobSpec, ctx: ParallelContext) -> tuple[int, int, int, int, int]:
+    """(batch, query heads, K/V heads, block length, head dim) of this rank's attention calls:
+    the heads TP and Ulysses leave it, over the ring's block of the sequence (a zigzag ring
+    calls the kernel on half-chunks)."""
+    m = spec.model
+    split = ctx.tp * ctx.ulysses
+    ring = ctx.cp // ctx.ulysses
+    block = spec.training.seq_len // ring
+    if ring > 1 and ctx.layout == "zigzag":
+        block //= 2
+    return (spec.training.micro_batch, max(m.heads // split, 1), max(m.kv_heads // split, 1),
+            block, m.hidden // m.heads)
 
 
-def describe(spec: JobSpec, device: torch.device) -> str:
+def choose_attention_kernel(spec: JobSpec, ctx: ParallelContext,
+                            device: torch.device) -> KernelChoice:
+    """Measure the attention kernels at this rank's block shape (`ctxlaunch.cp.kernel_choice`)
+    and use rank 0's choice on every rank, so that every rank runs the same kernel."""
+    from ctxlaunch.cp import kernels
+    from ctxlaunch.cp.kernel_choice import choose
+
+    batch, heads, kv_heads, block, head_dim = attention_block_shape(spec, ctx)
+    dtype = torch.bfloat16 if spec.model.dtype == "bf16" else torch.float32
+    choice = choose(batch, heads, kv_heads, block, head_dim, dtype, device)
+    if device.type == "cuda" and dist.is_initialized() and dist.get_world_size() > 1:
+        agreed = [choice]
+        dist.broadcast_object_list(agreed, src=0)
+        choice = agreed[0]
+        if choice.kernel in kernels.CUDA_KERNELS:
+            kernels.use_cuda_kernel(choice.kernel)
+    return choice
+
+
+def describe(spec: JobSpec, device: torch.device, attention: KernelChoice) -> str:
     """The run's first log line's account of the fast paths on `device`."""
     t = spec.training
     fused = resolve(t.fused_optimizer, device) and spec.state_engine != "deepspeed"
-    return (f"attention {attention_kernel(device, spec.model.dtype)}, compile "
+    return (f"attention {attention.describe()}, compile "
             f"{'on' if resolve(t.compile, device) else 'off'}, AdamW "
             f"{'fused' if fused else 'foreach'}")

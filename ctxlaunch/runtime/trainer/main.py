@@ -181,11 +181,13 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
     trainer = None
     try:
         ctx = rank_context(spec, denv)
+        attention = fastpath.choose_attention_kernel(spec, ctx, device)
+        telemetry.attention_kernel(attention)
         log(f"ctxlaunch: {spec.name}: {denv.world_size} ranks ({denv.launcher}), dp {ctx.dp} "
             f"x cp {ctx.cp} ({spec.parallel.cp_algorithm}, {ctx.layout}) x tp {ctx.tp} x pp "
             f"{ctx.pp} (blocks per stage {list(spec.stage_layers)}), "
             f"ZeRO-{spec.training.zero_stage}, {spec.model.dtype}, device {device.type}, "
-            + fastpath.describe(spec, device))
+            + fastpath.describe(spec, device, attention))
         if denv.rank == 0:
             events.append_event(run_dir, events.STARTED, restart=events.restart_count(),
                                 world_size=denv.world_size)
