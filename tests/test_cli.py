@@ -58,7 +58,7 @@ def test_plan_names_the_peak_phase_and_its_parts() -> None:
     data = json.loads(run("plan", path, "--json").stdout)
     phases = data["memory_phases"]["phases"]
     names = [p["name"] for p in phases]
-    assert names[:3] == ["forward", "loss", "block backward"], names
+    assert names[:4] == ["forward", "loss", "loss (micro-batch 2 of 4)", "block backward"], names
     assert names[-1] == "optimizer step", names
     top = max(phases, key=lambda p: p["total_bytes"])
     assert data["memory_phases"]["peak"] == top["name"]

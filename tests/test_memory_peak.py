@@ -101,6 +101,37 @@ def test_peak_within_2_percent_dp_zero_and_cp() -> None:
                {"parallel.cp": 2, "training.activation_checkpointing": "full"}], 0.04)
 
 
+@pytest.mark.timeout(900)
+def test_peak_fsdp2_bf16_parameters_within_2_percent() -> None:
+    """FSDP2 in bf16 at dp 2 (its mixed-precision policy: bf16 gathered parameters, fp32
+    masters, gradients and Adam states sharded, no autocast weight copies, a bf16 residual),
+    ZeRO-2 and ZeRO-3, on both ranks; and at 1,024 tokens, where the parameters and gradients
+    (about 13 MB: gathered bf16 copies, unsharded bf16 gradients and the fp32 reduce-scatter
+    input of a block) weigh next to the activations; and there with vocabulary 2,048 and h 512,
+    where the loss is the peak, with the flat buffer of FSDP2's last all-gather still held.
+    Seen 2026-12-02: -0.56 %, -0.81 %, -1.20 % on both ranks, and -0.63 % / -1.73 % (ranks 0 /
+    1; -3.94 % before the all-gather buffer was counted), where rank 1 read 1.0 MB more than
+    rank 0 in the same run: a free the record missed, as at TP 2, so that case is held to 3 %.
+    About 0.55-0.59 MB the plan does not hold in every case of this file, fp32 and DeepSpeed's
+    too, independent of the length and the shape, not yet identified."""
+    fsdp = {"training.global_batch": 2, "training.engine": "fsdp2", "model.dtype": "bf16"}
+    short = {**fsdp, "training.zero_stage": 2, "training.seq_len": 1024}
+    _check(2, [{**fsdp, "training.zero_stage": 2}, {**fsdp, "training.zero_stage": 3}, short],
+           0.02)
+    _check(2, [{**short, "model.vocab": 2048, "model.hidden": 512}], 0.03)
+
+
+@pytest.mark.timeout(900)
+def test_peak_pp2_dp2_fsdp2_bf16_on_each_stage() -> None:
+    """PP 2 x DP 2 under FSDP2 in bf16 (4 processes): torch's pipelining runs each
+    micro-batch's backward without FSDP2's gradient sync, so every stage accumulates its
+    unsharded gradients in fp32 until the reduce-scatter after the last micro-batch, and the
+    stages send bf16 hidden states. At 1,024 tokens the accumulated gradients (about 3 MB a
+    stage) are a visible part of the peak."""
+    _check(4, [{"parallel.pp": 2, "training.global_batch": 4, "training.zero_stage": 2,
+                "model.dtype": "bf16", "training.seq_len": 1024}], 0.02)
+
+
 @pytest.mark.timeout(1100)
 def test_peak_deepspeed_zero1_and_zero2_within_2_percent() -> None:
     """DeepSpeed ZeRO-1 and ZeRO-2 in bf16 at dp 2, both ranks: the reduce bucket

@@ -167,11 +167,19 @@ class Layout:
             self.engine, self.zero_stage, tp=self.tp, pp=self.pp) == "fsdp2"
 
     @property
+    def fsdp_bf16_params(self) -> bool:
+        """FSDP2 in bf16 over more than one rank: a mixed-precision policy gathers bf16
+        parameters (the fp32 masters stay sharded, in the optimizer's hands) and reduces
+        gradients in fp32, so no fp32 weight is used in compute."""
+        return self.fsdp and self.dtype == "bf16" and self.shard_group > 1
+
+    @property
     def fp32_weights(self) -> bool:
-        """fp32 weights with bf16 compute through autocast: ZeRO-0 and FSDP2."""
+        """fp32 weights with bf16 compute through autocast: ZeRO-0, and FSDP2 where it has
+        nothing to shard over (one rank per slice: plain fp32 states)."""
         if self.framework == "megatron":
             return False
-        return self.zero_stage == 0 or self.fsdp
+        return self.zero_stage == 0 or (self.fsdp and not self.fsdp_bf16_params)
 
     @property
     def shard_group(self) -> int:
@@ -186,7 +194,8 @@ class Layout:
     @property
     def residual_bytes(self) -> int:
         """Bytes per element of the residual stream."""
-        # ZeRO-0 bf16 runs under autocast: fp32 weights, so the residual stream stays fp32.
+        # ZeRO-0 bf16 runs under autocast: fp32 weights, so the residual stream stays fp32
+        # (FSDP2's bf16 parameters make it bf16, as DeepSpeed's bf16 module does).
         return 4 if self.dtype == "fp32" or self.fp32_weights else 2
 
 

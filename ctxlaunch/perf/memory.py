@@ -61,6 +61,15 @@ CP rank holds a replica of the weights), mirroring how the trainer runs them:
       the gathered parameters)
 - fp32 under DeepSpeed: weights 4, gradients 4 (full for ZeRO-1), master copy 4, Adam 8:
       ZeRO-1: 8 + 12/Nd,  ZeRO-2: 4 + 16/Nd,  ZeRO-3: 20/Nd (+ 4 x largest layer)
+- FSDP2 (ZeRO >= 1 with TP or PP): fp32 master 4, fp32 gradient 4 and Adam 8, all sharded,
+  16/Nd, plus the gathered weights: in bf16 the mixed-precision policy gathers bf16 copies
+  (2 per parameter kept through backward under ZeRO 1-2, two blocks' under ZeRO-3), so no
+  autocast weight copies are saved and the residual stream is bf16 (`Layout.fsdp_bf16_params`);
+  in fp32, 4. In backward each block's gradients are produced unsharded in the gathered dtype
+  and copied into an fp32 reduce-scatter input (`fsdp_block_backward_bytes`); under PP torch's
+  pipelining skips FSDP2's gradient sync until after the last micro-batch, so the stage's
+  unsharded gradients accumulate in fp32 (4 per parameter) from the first backward to the step,
+  and its parameters stay gathered (ZeRO-3 too).
 
 The peak, phase by phase (`peak_phases`, issue 18): what is live at the highest moment of each
 phase of a steady-state step (step 2 on: AdamW creates its states at the first step()), by part:
@@ -337,11 +346,46 @@ class Phase:
 
 def _states(model: ModelSpec, layout: Layout) -> tuple[float, float, float]:
     params = params_per_rank(model, layout.tp, layout.pp, layout.rank_layers(model.layers))
+    return state_bytes(model, layout, params)
+
+
+def state_bytes(model: ModelSpec, layout: Layout, params: int) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer states) bytes of `params` parameters on one rank,
+    by the engine the layout runs (FSDP2, DeepSpeed or plain torch)."""
+    largest = largest_layer_params(model, layout.tp)
     if layout.fsdp:
-        return fsdp_state_bytes(params, largest_layer_params(model, layout.tp),
-                                layout.zero_stage, layout.shard_group)
-    return model_state_bytes(params, largest_layer_params(model, layout.tp), layout.zero_stage,
-                             layout.shard_group, layout.dtype)
+        return fsdp_state_bytes(params, largest, layout.zero_stage, layout.shard_group,
+                                param_bytes=_fsdp_param_bytes(layout))
+    return model_state_bytes(params, largest, layout.zero_stage, layout.shard_group,
+                             layout.dtype)
+
+
+def _fsdp_param_bytes(layout: Layout) -> int:
+    """Bytes per element of FSDP2's gathered (unsharded) parameters and of the gradients
+    autograd produces into them before the reduce-scatter."""
+    return 2 if layout.fsdp_bf16_params else 4
+
+
+def fsdp_gather_buffer_bytes(model: ModelSpec, layout: Layout) -> float:
+    """The flat output of FSDP2's last all-gather in forward, the last block's weights in the
+    gathered dtype, which FSDP2 holds (FSDPCommContext.all_gather_state, so that no stream
+    reuses it early) until the root module's forward ends; measured on the CPU, where it is
+    live at the loss (tests/test_memory_peak.py)."""
+    if not layout.fsdp or layout.shard_group == 1:
+        return 0.0
+    return _fsdp_param_bytes(layout) * count_params(model).per_layer / layout.tp
+
+
+def fsdp_block_backward_bytes(model: ModelSpec, layout: Layout) -> float:
+    """FSDP2's transients at the end of one block's backward: the block's unsharded gradients
+    in the gathered parameters' dtype, and the flat reduce-scatter input in fp32 (the reduce
+    dtype) they are copied into (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
+    foreach_reduce); under ZeRO-3 also the next block's gathered parameters (prefetched)."""
+    if not layout.fsdp or layout.shard_group == 1:
+        return 0.0
+    block = count_params(model).per_layer / layout.tp
+    prefetch = _fsdp_param_bytes(layout) * block if layout.zero_stage == 3 else 0.0
+    return (_fsdp_param_bytes(layout) + 4) * block + prefetch
 
 
 def _loss_released_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
@@ -410,12 +454,7 @@ def stage_params(model: ModelSpec, layout: Layout, stage: int) -> int:
 
 
 def _stage_states(model: ModelSpec, layout: Layout, stage: int) -> tuple[float, float, float]:
-    params = stage_params(model, layout, stage)
-    if layout.fsdp:
-        return fsdp_state_bytes(params, largest_layer_params(model, layout.tp),
-                                layout.zero_stage, layout.shard_group)
-    return model_state_bytes(params, largest_layer_params(model, layout.tp), layout.zero_stage,
-                             layout.shard_group, layout.dtype)
+    return state_bytes(model, layout, stage_params(model, layout, stage))
 
 
 def pipeline_buffer_bytes(model: ModelSpec, layout: Layout, stage: int) -> float:
@@ -460,6 +499,17 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
     if pp > 1:
         one += r * h * tokens * ((not last) - (not first))
     buffers = pipeline_buffer_bytes(model, layout, stage)
+    # FSDP2 under PP: torch's pipelining runs every micro-batch's backward without FSDP2's
+    # gradient sync or resharding (stage.py, backward_maybe_with_nosync) and reduce-scatters
+    # once after the last (perform_reduce_grad). From the first backward on the stage's
+    # parameters stay gathered (ZeRO-3 too) and its unsharded gradients accumulate in fp32,
+    # the reduce dtype (FSDPParam.to_accumulated_grad_if_needed).
+    fsdp = layout.fsdp and layout.shard_group > 1
+    held_params = stage_params(model, layout, stage)
+    accumulated_unsharded = 4.0 * held_params if fsdp and pp > 1 else 0.0
+    if fsdp and pp > 1 and layout.zero_stage == 3:
+        parameters = 4 * held_params // layout.shard_group \
+            + _fsdp_param_bytes(layout) * held_params
     # DeepSpeed ZeRO-1/2 (bf16): the fp32 gradient partition exists only inside the optimizer
     # step, and backward fills one reduce bucket (`deepspeed_bucket_bytes`).
     bucket = deepspeed_bucket_bytes(layout)
@@ -468,14 +518,29 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
     saved = in_flight * one
     phases = [Phase("forward", parameters, 0.0, held_states, saved, buffers, stage)]
     buffers += bucket  # from the first backward hook to the end of backward
+    n = layout.grad_accum
+    between = r * h * tokens  # one micro-batch's hidden states between stages
     if last:
         # The loss, forward and backward chunk by chunk: the gradient of its whole input (in
         # `saved`) and the head weight's exist from the first chunk on, next to the input
-        # itself and one chunk's logits and their fp32 work.
+        # itself and one chunk's logits and their fp32 work. From the second micro-batch on,
+        # next to every gradient the earlier ones left (FSDP2: the sharded ones, or under PP
+        # the accumulating unsharded ones), the head's new gradient not yet added in (FSDP2:
+        # unsharded, in the gathered weights' dtype).
         loss_input = r * h * full_tokens
-        phases.append(Phase("loss", parameters, _head_grad_bytes(model, layout, grad_per_param),
-                            held_states, saved,
-                            buffers + loss_input + _loss_workspace_bytes(model, layout), stage))
+        head_grad = _head_grad_bytes(model, layout,
+                                     _fsdp_param_bytes(layout) if fsdp else grad_per_param)
+        work = buffers + loss_input + _loss_workspace_bytes(model, layout)
+        if pp == 1:
+            # The trainer's loss runs inside the root module's forward, where FSDP2 still
+            # holds its last all-gather's flat output (`fsdp_gather_buffer_bytes`).
+            work += fsdp_gather_buffer_bytes(model, layout)
+        phases.append(Phase("loss", parameters, head_grad, held_states, saved, work, stage))
+        if n > 1:
+            kept = between * (1 + (not first)) if pp > 1 else 0.0
+            phases.append(Phase(f"loss (micro-batch 2 of {n})", parameters,
+                                head_grad + (accumulated_unsharded or gradients), held_states,
+                                saved, work + kept, stage))
     # The last block's feed-forward backward: the loss's saved tensors released (last stage),
     # the SwiGLU output replaced by its gradient (same bytes), gate and up's gradients and the
     # chunk's fp32 temporaries on top, with the gradient flowing into the block (on a stage
@@ -491,16 +556,20 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
                           + _attention_recompute_bytes_per_token(model, layout))
     if layout.activation_checkpointing != "none" and layout.fp32_weights and layout.dtype == "bf16":
         recompute += 2.0 * 3 * h * model.ffn_hidden / layout.tp  # bf16 weight copies again
+    # Under FSDP2 the gradients of the block being differentiated, and of the root's weights
+    # (head, final norm), are produced unsharded, in the gathered weights' dtype, and only
+    # reduce-scattered into their fp32 shards after the block's (the root's) backward.
+    produced_per_param = _fsdp_param_bytes(layout) if fsdp else grad_per_param
     if last:
         released = tokens * _loss_released_bytes_per_token(model, layout)
-        produced = _last_block_grad_bytes(model, layout, grad_per_param)
+        produced = _last_block_grad_bytes(model, layout, produced_per_param)
     else:
         released = 0.0
-        produced = grad_per_param * h * model.ffn_hidden / layout.tp  # the down projection
+        produced = produced_per_param * h * model.ffn_hidden / layout.tp  # the down projection
+    root_unsharded = _head_grad_bytes(model, layout, produced_per_param) if fsdp and last \
+        else 0.0
     ffn_work = (r * h * tokens if last else 0.0) + 2 * a * f * full_tokens \
         + _swiglu_backward_temporaries(model, layout)
-    n = layout.grad_accum
-    between = r * h * tokens  # one micro-batch's hidden states between stages
     # Later backwards only hold fewer micro-batches, except the last stage's kept outputs.
     for j in sorted({0, min(1, n - 1)} | ({n - 1} if pp > 1 and last else set())):
         held = (min(j + in_flight, n) - j) * one + recompute - released
@@ -510,8 +579,25 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
         if pp > 1 and not first and j > 0:
             extra += between
         name = "block backward" if j == 0 else f"block backward (micro-batch {j + 1} of {n})"
-        phases.append(Phase(name, parameters, produced if j == 0 else gradients, held_states,
-                            held, buffers + ffn_work + extra, stage))
+        accumulated = (accumulated_unsharded or gradients) if j > 0 else 0.0
+        phases.append(Phase(name, parameters, produced + accumulated if fsdp else
+                            (produced if j == 0 else gradients), held_states, held,
+                            buffers + ffn_work + extra, stage))
+        if fsdp and pp == 1:
+            # The end of that block's backward: what the micro-batch saved in it released, its
+            # unsharded gradients and the fp32 reduce-scatter input.
+            phases.append(Phase(f"{name}, FSDP2 reduce-scatter", parameters,
+                                root_unsharded + accumulated, held_states,
+                                held - tokens * block_activation_bytes_per_token(model, layout),
+                                buffers + extra + r * h * tokens
+                                + fsdp_block_backward_bytes(model, layout), stage))
+    if fsdp and pp > 1:
+        # After the last backward: each block's accumulated gradients copied into an fp32
+        # reduce-scatter input, the previous block's still held (one retained by default).
+        block = count_params(model).per_layer / layout.tp
+        phases.append(Phase("FSDP2 reduce-scatter after the last backward", parameters,
+                            accumulated_unsharded + gradients, held_states, 0.0,
+                            buffers + 2 * 4 * block, stage))
     # The optimizer step: every gradient, and foreach AdamW's fp32 denominator for every
     # parameter (sqrt of the second moment, divided, plus eps) before the update.
     phases.append(Phase("optimizer step", parameters, gradients, optimizer, 0.0,
@@ -563,15 +649,16 @@ def model_state_bytes(params: int, largest_layer_params: int, stage: int, shard_
 
 
 def fsdp_state_bytes(params: int, largest_layer_params: int, stage: int,
-                     shard_group: int) -> tuple[int, int, int]:
-    """FSDP2 over DP x CP (ZeRO >= 1 with TP or PP): fp32 weights, gradients and Adam states
-    sharded, 16/Nd per parameter; ZeRO 1-2 keep every block's gathered fp32 weights from
-    forward to backward (4 per parameter at the peak), ZeRO-3 one block's at a time (and the
-    next one's, prefetched)."""
+                     shard_group: int, *, param_bytes: int = 4) -> tuple[int, int, int]:
+    """FSDP2 over DP x CP (ZeRO >= 1 with TP or PP): fp32 master weights, fp32 gradients and
+    Adam states sharded, 16/Nd per parameter; the gathered weights in `param_bytes` per element
+    (2 under bf16: the mixed-precision policy gathers bf16 copies of the fp32 shards), every
+    block's kept from forward to backward under ZeRO 1-2, one block's at a time under ZeRO-3
+    (and the next one's, prefetched)."""
     n = shard_group
     if n == 1:  # nothing to shard over: the trainer keeps plain fp32 states (ZeRO-0)
         return 4 * params, 4 * params, 8 * params
-    gathered = 4 * params if stage < 3 else 2 * 4 * largest_layer_params
+    gathered = param_bytes * params if stage < 3 else 2 * param_bytes * largest_layer_params
     return 4 * params // n + gathered, 4 * params // n, 8 * params // n
 
 
@@ -593,7 +680,9 @@ def deepspeed_bucket_bytes(layout: Layout) -> int:
 
 
 def _communication_buffer_bytes(layout: Layout) -> int:
-    if layout.shard_group == 1:
+    if layout.shard_group == 1 or layout.fsdp:
+        # FSDP2's collectives gather into the parameters (model states) and reduce-scatter
+        # from per-block buffers the phases hold (`fsdp_block_backward_bytes`).
         return 0
     if layout.zero_stage == 0:
         return 4 * GRAD_BUCKET_ELEMENTS
@@ -624,15 +713,11 @@ def cuda_kernel_allowance(model: ModelSpec, layout: Layout) -> float:
 
 def estimate(model: ModelSpec, layout: Layout, gpu: GpuInfo) -> MemoryEstimate:
     """Predicted peak memory of the busiest rank."""
-    params = params_per_rank(model, layout.tp, layout.pp, layout.rank_layers(model.layers))
-    if layout.fsdp:
-        parameters, gradients, optimizer = fsdp_state_bytes(
-            params, largest_layer_params(model, layout.tp), layout.zero_stage,
-            layout.shard_group)
-    else:
-        parameters, gradients, optimizer = model_state_bytes(
-            params, largest_layer_params(model, layout.tp), layout.zero_stage,
-            layout.shard_group, layout.dtype)
+    parameters, gradients, optimizer = _states(model, layout)
+    if layout.fsdp and layout.shard_group > 1 and layout.pp > 1:
+        # The stage's unsharded fp32 gradients, accumulated through the step (`_stage_phases`).
+        gradients += 4 * params_per_rank(model, layout.tp, layout.pp,
+                                         layout.rank_layers(model.layers))
     activations = activation_bytes(model, layout)
     tokens = layout.tokens_per_rank / layout.tp
     workspace = max(

@@ -170,6 +170,8 @@ class ParallelSettings:
     n_micro: int
     """Micro-batches per step (the gradient accumulation): the pipeline schedule's count."""
     seed: int
+    bf16: bool = False
+    """`model.dtype` is bf16: FSDP2 gathers bf16 parameters (fp32 masters sharded)."""
     init_from: ModelSpec | None = None
     """The model section when it names a Hugging Face checkpoint (`model.init_from`): the
     initial weights are read from it instead of drawn."""
@@ -181,7 +183,7 @@ class ParallelSettings:
                    checkpointing=t.activation_checkpointing, state_engine=spec.state_engine,
                    zero_stage=t.zero_stage, stage_layers=spec.stage_layers, seq_len=t.seq_len,
                    micro_batch=t.micro_batch, n_micro=spec.grad_accum, seed=t.seed,
-                   init_from=spec.model if spec.model.init_from else None)
+                   bf16=spec.model.dtype == "bf16", init_from=spec.model if spec.model.init_from else None)
 
 
 @dataclass(frozen=True)
@@ -234,7 +236,7 @@ def parallelize(model: Transformer, *, ctx: ParallelContext, settings: ParallelS
     sharded = settings.state_engine == "fsdp2" and ctx.dp_cp_group is not None
     if ctx.dp_cp_group is not None and sharded:
         _fully_shard(parts, ctx.dp_cp_group, device,
-                     reshard_after_forward=settings.zero_stage == 3)
+                     reshard_after_forward=settings.zero_stage == 3, bf16=settings.bf16)
     if settings.init_from is not None:
         _materialise_from_hf(parts, full_shapes, plan, ctx, settings.init_from, device)
     else:
@@ -244,32 +246,41 @@ def parallelize(model: Transformer, *, ctx: ParallelContext, settings: ParallelS
     n_stages = len(settings.stage_layers)
     if stages:
         tokens = settings.seq_len // ctx.cp
+        # Between stages the hidden states are in the residual stream's dtype: bf16 where
+        # FSDP2 gathers bf16 parameters, else fp32 (autocast keeps an fp32 residual).
         schedule = pipeline_schedule(
             model, stages, n_stages=n_stages, group=ctx.pp_group, device=device,
             micro_batch=settings.micro_batch, tokens=tokens, sp_tokens=tokens // ctx.tp,
-            n_micro=settings.n_micro)
+            n_micro=settings.n_micro,
+            hidden_dtype=torch.bfloat16 if sharded and settings.bf16 else torch.float32)
     return ModelParts(model=model, parts=parts, schedule=schedule, plan=plan, sharded=sharded,
                       first=not stages or stages[0].stage_index == 0,
                       last=not stages or stages[-1].stage_index == n_stages - 1)
 
 
 def _fully_shard(parts: list[nn.Module], dp_cp_group: dist.ProcessGroup,
-                 device: torch.device, *, reshard_after_forward: bool) -> None:
+                 device: torch.device, *, reshard_after_forward: bool, bf16: bool) -> None:
     """FSDP2 over the ranks holding the same slice (DP x CP), each block a unit. ZeRO-1/2
     keep the gathered weights from forward to backward (gradients and optimizer states
-    sharded), ZeRO-3 re-shards them after forward."""
+    sharded), ZeRO-3 re-shards them after forward. In bf16 the mixed-precision policy gathers
+    bf16 copies of the fp32 shards, which stay the optimizer's master weights, and reduces
+    gradients in fp32: no fp32 weight enters the compute, so autocast copies none and the
+    residual stream is bf16 (`Layout.fsdp_bf16_params`)."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(dp_cp_group, device.type)
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if bf16 else MixedPrecisionPolicy())
     for part in parts:
         blocks = part.block_list if isinstance(part, StageModule) else (
             part.block_modules() if isinstance(part, Transformer) else [])
         for block in blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                        mp_policy=policy)
         # The root's weights (embedding, final norm, head) stay gathered through backward: the
         # loss uses the head after the stage's forward returns.
-        fully_shard(part, mesh=mesh, reshard_after_forward=False)
+        fully_shard(part, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
 
 
 def _materialise(part: nn.Module, model: Transformer, full_shapes: dict[str, torch.Size],

@@ -107,11 +107,13 @@ def split_stages(model: Transformer, *, stage_layers: tuple[int, ...], pp: int,
 
 def pipeline_schedule(model: Transformer, modules: list[StageModule], *, n_stages: int,
                       group: dist.ProcessGroup | None, device: torch.device, micro_batch: int,
-                      tokens: int, sp_tokens: int, n_micro: int) -> PipelineScheduleMulti | \
+                      tokens: int, sp_tokens: int, n_micro: int,
+                      hidden_dtype: torch.dtype = torch.float32) -> PipelineScheduleMulti | \
         PipelineScheduleSingle:
     """The schedule that runs this rank's (materialised) stage modules over `n_micro`
     micro-batches. `tokens`: one CP rank's tokens per sequence; `sp_tokens`: the share of them
-    a TP rank holds between blocks."""
+    a TP rank holds between blocks; `hidden_dtype`: the dtype of the hidden states sent
+    between stages."""
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -126,9 +128,9 @@ def pipeline_schedule(model: Transformer, modules: list[StageModule], *, n_stage
             example_in = torch.zeros(micro_batch, tokens, dtype=torch.long, device=device)
         else:
             example_in = torch.zeros(micro_batch, sp_tokens, model.hidden, device=device,
-                                     requires_grad=True)
+                                     dtype=hidden_dtype, requires_grad=True)
         example_out = torch.zeros(micro_batch, sp_tokens, model.hidden, device=device,
-                                  requires_grad=True)
+                                  dtype=hidden_dtype, requires_grad=True)
         stages.append(PipelineStage(module, module.stage_index, n_stages, device,
                                     input_args=(example_in,), output_args=(example_out,),
                                     group=group))
