@@ -112,6 +112,10 @@ def main() -> None:
                         help="calibrate the attention rate and causal tile on a block this "
                              "long (default 2,048, the calibration's length; 6144 is one no "
                              "sweep point runs: BENCHMARKS.md 7a, 'Why the five points miss')")
+    parser.add_argument("--attention-ramp", type=int, nargs=2, default=None,
+                        metavar=("SHORT", "LONG"),
+                        help="fit the attention rate and a length ramp on two blocks (e.g. "
+                             "1536 6144, lengths no sweep call runs; BENCHMARKS.md 7a, run 6)")
     args = parser.parse_args()
 
     print(f"load average before: {os.getloadavg()}", flush=True)
@@ -119,7 +123,9 @@ def main() -> None:
 
     calibration = measure(heads=4, head_dim=32, dtype="fp32",
                           model=ModelSpec(preset="tiny-mha", dtype="fp32"),
-                          attention_seq=args.attention_seq)
+                          attention_seq=args.attention_seq,
+                          attention_ramp_seqs=tuple(args.attention_ramp) if args.attention_ramp
+                          else None)
     print(f"calibration: {calibration}", flush=True)
     print(f"saved {save_calibration(calibration)}", flush=True)
 

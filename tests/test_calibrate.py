@@ -90,3 +90,28 @@ def test_the_attention_rate_can_be_measured_on_its_own_block_length(
                                                  projections=((64, 64),), threads=1)
     assert lengths and set(lengths) == {384}
     assert matmul > 0 and attention > 0 and tile >= 0
+
+
+def test_the_attention_ramp_is_fitted_on_two_lengths_and_slows_short_calls() -> None:
+    """rate(L) = R x L / (L + L0) through two measured rates gives back R and L0; a rate that
+    falls with the length (noise) gives no ramp; with a ramp, a layout whose calls are shorter
+    (a zigzag ring of 4: half-blocks of s / 8) pays more attention time per FLOP."""
+    from ctxlaunch.runtime.calibrate import fit_ramp
+
+    def rate(length: int) -> float:
+        return 2e11 * length / (length + 1000.0)
+
+    peak, ramp = fit_ramp(1536, rate(1536), 6144, rate(6144))
+    assert peak == pytest.approx(2e11) and ramp == pytest.approx(1000.0)
+    assert fit_ramp(1536, 2e11, 6144, 1.9e11) == (1.9e11, 0.0)
+
+    base = Calibration(matmul_flops_per_second=1e11, attention_flops_per_second=2e11,
+                       memory_bytes_per_second=5e10, link_bytes_per_second=3e9,
+                       link_latency_seconds=1e-4, cores=2)
+    spec = load_spec(JOBS / "demo.yaml", ["parallel.cp=1", "cluster.gpus_per_node=1"])
+    ring = load_spec(JOBS / "demo.yaml", ["parallel.cp=4", "cluster.gpus_per_node=4"])
+    for s, s_calls in ((spec, 8192), (ring, 8192 / 8)):
+        flat = predict_spec(s, base.machine(s.cluster.gpus_per_node)).terms["compute_attention"]
+        ramped = predict_spec(s, Calibration(**{**base.__dict__, "attention_ramp_tokens": 1000.0})
+                              .machine(s.cluster.gpus_per_node)).terms["compute_attention"]
+        assert ramped == pytest.approx(flat * (1 + 1000.0 / s_calls))

@@ -149,8 +149,13 @@ class Calibration:
     """What the model's elementwise work (norms, RoPE, SwiGLU, adds) achieves per modelled byte,
     with all cores: fitted on the real model's step at two short lengths (0: not measured, the
     copy bandwidth stands in)."""
+    attention_ramp_tokens: float = 0.0
+    """L0 of attention's length ramp on this CPU: a call over L tokens runs at
+    attention_flops_per_second x L / (L + L0) (fitted on two block lengths none of the
+    benchmark's calls use; 0: one rate for every length)."""
     one_thread: dict[str, float] | None = None
-    """The same rates with one thread ("matmul", "attention", "elementwise"): what a rank
+    """The same rates with one thread ("matmul", "attention", "elementwise", and the attention
+    ramp's "attention_ramp_tokens"): what a rank
     achieves when ranks outnumber or match the cores and each runs one thread. Threads in one
     process do not scale linearly, so N such ranks together outrun one process with N
     threads."""
@@ -163,6 +168,13 @@ class Calibration:
         if one > 0 and share >= self.cores:
             return one * self.cores / share
         return all_cores / share
+
+    def _attention_ramp(self, share: int) -> float:
+        """The ramp of the rate `_per_rank` picks: one thread's when ranks fill the cores."""
+        one = self.one_thread or {}
+        if one.get("attention", 0.0) > 0 and share >= self.cores:
+            return one.get("attention_ramp_tokens", 0.0)
+        return self.attention_ramp_tokens
 
     def machine(self, gpus_per_node: int) -> Machine:
         """N ranks share the cores (see `_per_rank`)."""
@@ -186,6 +198,7 @@ class Calibration:
                        eta_matmul={"bf16": 1.0, "fp32": 1.0}, eta_comm=1.0,
                        attention_flops_per_second=self._per_rank(
                            self.attention_flops_per_second, "attention", share),
+                       attention_ramp_tokens=self._attention_ramp(share),
                        overlap_dp=False, peak_reference_flops=rate,
                        microbatch_overhead_seconds=overhead, sync_seconds=sync,
                        causal_tile_tokens=self.causal_tile_tokens,

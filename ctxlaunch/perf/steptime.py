@@ -177,7 +177,11 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
                * (layout.attended_fraction + machine.causal_tile_tokens / layout.seq_len))
     attention_flops = entries * per_entry * model.head_dim
     if machine.attention_flops_per_second:  # measured (the CPU calibration)
-        t_attention = attention_flops / machine.attention_flops_per_second
+        # The bundled trainer's calls: the whole sequence (CP 1, Ulysses), a ring block of
+        # s / r tokens, or a zigzag ring's half-blocks of s / 2r; shorter calls run slower.
+        call = layout.seq_len / r / (2 if r > 1 and layout.cp_layout == "zigzag" else 1)
+        ramp = 1.0 + machine.attention_ramp_tokens / call
+        t_attention = attention_flops * ramp / machine.attention_flops_per_second
     else:
         # One call covers the tokens a ring rank holds (Ulysses gathers the whole sequence
         # over fewer heads). Under all-gather CP a rank's queries run over the whole gathered

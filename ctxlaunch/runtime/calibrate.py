@@ -293,13 +293,35 @@ def measure_model_residual(model: ModelSpec, calibration: Calibration, *,
     return fixed, rate
 
 
+ATTENTION_RAMP_SEQS = (1536, 6144)
+"""Two block lengths to fit attention's rate and length ramp on: none of the lengths the
+benchmark's calls run (benchmarks/steptime_cpu.py: 512 to 16,384, powers of two)."""
+
+
+def fit_ramp(short: int, short_rate: float, long: int, long_rate: float) -> tuple[float, float]:
+    """(rate at any length, L0) of rate(L) = rate x L / (L + L0) through two measured rates:
+    1 / rate(L) is linear in 1 / L. A rate that does not grow with the length (noise) gives no
+    ramp: the longer block's rate, L0 = 0."""
+    slope = (1 / short_rate - 1 / long_rate) / (1 / short - 1 / long)
+    if slope <= 0:
+        return long_rate, 0.0
+    intercept = 1 / long_rate - slope / long
+    if intercept <= 0:
+        return long_rate, 0.0
+    return 1 / intercept, slope / intercept
+
+
 def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str = "fp32",
             repeats: int = 5, sizes: tuple[int, ...] = (4096, 262144, 4 * 2**20, 16 * 2**20),
             model: ModelSpec | None = None, sync_ranks: tuple[int, ...] = (2, 4),
-            attention_seq: int | None = None) -> Calibration:
+            attention_seq: int | None = None,
+            attention_ramp_seqs: tuple[int, int] | None = None) -> Calibration:
     """Every constant the step-time model needs on this CPU; `model` (a ModelSpec, default the
     tiny preset) is what the matmul rate, the elementwise rate and the per-micro-batch overhead
-    are measured on; `attention_seq` the attention block's length (default `seq`)."""
+    are measured on. Attention is measured on one block of `attention_seq` tokens (default
+    `seq`) with no length ramp; or, given `attention_ramp_seqs` (two lengths, e.g.
+    ATTENTION_RAMP_SEQS), on both and fitted to a rate and a ramp (`fit_ramp`), with all cores
+    and with one thread (not the default: BENCHMARKS.md 7a, run 6)."""
     import dataclasses
     import datetime
     import os
@@ -311,24 +333,35 @@ def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str =
                    (model.hidden, model.hidden),                        # output
                    (model.hidden, 2 * model.ffn_hidden),                # fused gate, up
                    (model.ffn_hidden, model.hidden))                    # down
-    matmul, attention, tile, copy = measure_compute(heads=heads, head_dim=head_dim, seq=seq,
-                                                    dtype=dtype, repeats=repeats,
-                                                    projections=projections,
-                                                    attention_seq=attention_seq)
+    ramp_seqs = None if attention_seq else attention_ramp_seqs
+    common: dict[str, Any] = dict(heads=heads, head_dim=head_dim, seq=seq, dtype=dtype,
+                                  repeats=repeats, projections=projections)
+
+    def attention_rates(threads: int) -> tuple[float, float, float, float, float]:
+        """(matmul, attention rate, ramp L0, causal tile, copy) with `threads` threads."""
+        if ramp_seqs is None:
+            m, a, t, c = measure_compute(**common, threads=threads, attention_seq=attention_seq)
+            return m, a, 0.0, t, c
+        short, long = ramp_seqs
+        _, short_rate, _, _ = measure_compute(**common, threads=threads, attention_seq=short)
+        m, long_rate, t, c = measure_compute(**common, threads=threads, attention_seq=long)
+        rate, ramp = fit_ramp(short, short_rate, long, long_rate)
+        return m, rate, ramp, t, c
+
+    matmul, attention, ramp, tile, copy = attention_rates(0)
     bandwidth, latency = measure_loopback(sizes=sizes, repeats=repeats)
     calibration = Calibration(
         matmul_flops_per_second=matmul, attention_flops_per_second=attention,
         memory_bytes_per_second=copy, link_bytes_per_second=bandwidth,
         link_latency_seconds=latency, cores=os.cpu_count() or 1, causal_tile_tokens=tile,
+        attention_ramp_tokens=ramp,
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     overhead, elementwise = measure_model_residual(model, calibration, repeats=repeats)
     # One thread: what each rank gets when the ranks fill the cores.
-    matmul_1, attention_1, _, _ = measure_compute(heads=heads, head_dim=head_dim, seq=seq,
-                                                  dtype=dtype, repeats=repeats,
-                                                  projections=projections, threads=1,
-                                                  attention_seq=attention_seq)
+    matmul_1, attention_1, ramp_1, _, _ = attention_rates(1)
     calibration = dataclasses.replace(
-        calibration, one_thread={"matmul": matmul_1, "attention": attention_1})
+        calibration, one_thread={"matmul": matmul_1, "attention": attention_1,
+                                 "attention_ramp_tokens": ramp_1})
     overhead_1, elementwise_1 = measure_model_residual(model, calibration, repeats=repeats,
                                                        threads=1)
     syncs = {str(n): measure_sync(n) for n in sync_ranks}
@@ -336,7 +369,8 @@ def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str =
         calibration, microbatch_overhead_seconds=overhead,
         elementwise_bytes_per_second=elementwise, sync_seconds=syncs,
         one_thread={"matmul": matmul_1, "attention": attention_1,
-                    "elementwise": elementwise_1, "microbatch_overhead": overhead_1})
+                    "attention_ramp_tokens": ramp_1, "elementwise": elementwise_1,
+                    "microbatch_overhead": overhead_1})
 
 
 # --------------------------------------------------------------------------------------------
