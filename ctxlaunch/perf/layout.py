@@ -167,11 +167,17 @@ class Layout:
             self.engine, self.zero_stage, tp=self.tp, pp=self.pp) == "fsdp2"
 
     @property
+    def fsdp_sharded(self) -> bool:
+        """FSDP2 with more than one rank to shard over (DP x CP > 1); with one, the trainer
+        keeps plain fp32 states."""
+        return self.fsdp and self.shard_group > 1
+
+    @property
     def fsdp_bf16_params(self) -> bool:
         """FSDP2 in bf16 over more than one rank: a mixed-precision policy gathers bf16
         parameters (the fp32 masters stay sharded, in the optimizer's hands) and reduces
         gradients in fp32, so no fp32 weight is used in compute."""
-        return self.fsdp and self.dtype == "bf16" and self.shard_group > 1
+        return self.fsdp_sharded and self.dtype == "bf16"
 
     @property
     def fp32_weights(self) -> bool:

@@ -366,14 +366,29 @@ def _fsdp_param_bytes(layout: Layout) -> int:
     return 2 if layout.fsdp_bf16_params else 4
 
 
+def _block_params(model: ModelSpec, layout: Layout) -> float:
+    """One block's parameters on a rank (its TP slice): what FSDP2 gathers and reduces as a
+    unit."""
+    return count_params(model).per_layer / layout.tp
+
+
+def pipeline_accumulated_grad_bytes(layout: Layout, params: int) -> float:
+    """FSDP2 under PP: torch's pipelining runs every micro-batch's backward without FSDP2's
+    gradient sync or resharding (stage.py, backward_maybe_with_nosync) and reduce-scatters
+    once after the last (perform_reduce_grad), so the stage's `params` accumulate unsharded
+    gradients in fp32, the reduce dtype (FSDPParam.to_accumulated_grad_if_needed), from the
+    first backward to the step."""
+    return 4.0 * params if layout.fsdp_sharded and layout.pp > 1 else 0.0
+
+
 def fsdp_gather_buffer_bytes(model: ModelSpec, layout: Layout) -> float:
     """The flat output of FSDP2's last all-gather in forward, the last block's weights in the
     gathered dtype, which FSDP2 holds (FSDPCommContext.all_gather_state, so that no stream
     reuses it early) until the root module's forward ends; measured on the CPU, where it is
     live at the loss (tests/test_memory_peak.py)."""
-    if not layout.fsdp or layout.shard_group == 1:
+    if not layout.fsdp_sharded:
         return 0.0
-    return _fsdp_param_bytes(layout) * count_params(model).per_layer / layout.tp
+    return _fsdp_param_bytes(layout) * _block_params(model, layout)
 
 
 def fsdp_block_backward_bytes(model: ModelSpec, layout: Layout) -> float:
@@ -381,9 +396,9 @@ def fsdp_block_backward_bytes(model: ModelSpec, layout: Layout) -> float:
     in the gathered parameters' dtype, and the flat reduce-scatter input in fp32 (the reduce
     dtype) they are copied into (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
     foreach_reduce); under ZeRO-3 also the next block's gathered parameters (prefetched)."""
-    if not layout.fsdp or layout.shard_group == 1:
+    if not layout.fsdp_sharded:
         return 0.0
-    block = count_params(model).per_layer / layout.tp
+    block = _block_params(model, layout)
     prefetch = _fsdp_param_bytes(layout) * block if layout.zero_stage == 3 else 0.0
     return (_fsdp_param_bytes(layout) + 4) * block + prefetch
 
@@ -461,8 +476,8 @@ def pipeline_buffer_bytes(model: ModelSpec, layout: Layout, stage: int) -> float
     """The schedule's receive buffers on PP rank `stage` (torch.distributed.pipelining): one
     (micro_batch, tokens / tp, h) buffer per micro-batch of the step for the activations coming
     in (every stage but the first) and one for the gradients coming back (every stage but the
-    last), allocated at the first step and kept; in the residual stream's dtype (fp32: the
-    trainer's pipeline runs fp32 weights)."""
+    last), allocated at the first step and kept; in the residual stream's dtype (fp32 under
+    autocast's fp32 weights, bf16 under FSDP2's bf16 parameters)."""
     if layout.pp == 1:
         return 0.0
     one = layout.residual_bytes * model.hidden * layout.tokens_per_rank / layout.tp
@@ -499,14 +514,11 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
     if pp > 1:
         one += r * h * tokens * ((not last) - (not first))
     buffers = pipeline_buffer_bytes(model, layout, stage)
-    # FSDP2 under PP: torch's pipelining runs every micro-batch's backward without FSDP2's
-    # gradient sync or resharding (stage.py, backward_maybe_with_nosync) and reduce-scatters
-    # once after the last (perform_reduce_grad). From the first backward on the stage's
-    # parameters stay gathered (ZeRO-3 too) and its unsharded gradients accumulate in fp32,
-    # the reduce dtype (FSDPParam.to_accumulated_grad_if_needed).
-    fsdp = layout.fsdp and layout.shard_group > 1
+    # FSDP2 under PP: from the first backward on the stage's unsharded gradients accumulate
+    # (`pipeline_accumulated_grad_bytes`) and its parameters stay gathered (ZeRO-3 too).
+    fsdp = layout.fsdp_sharded
     held_params = stage_params(model, layout, stage)
-    accumulated_unsharded = 4.0 * held_params if fsdp and pp > 1 else 0.0
+    accumulated_unsharded = pipeline_accumulated_grad_bytes(layout, held_params)
     if fsdp and pp > 1 and layout.zero_stage == 3:
         parameters = 4 * held_params // layout.shard_group \
             + _fsdp_param_bytes(layout) * held_params
@@ -594,10 +606,9 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
     if fsdp and pp > 1:
         # After the last backward: each block's accumulated gradients copied into an fp32
         # reduce-scatter input, the previous block's still held (one retained by default).
-        block = count_params(model).per_layer / layout.tp
         phases.append(Phase("FSDP2 reduce-scatter after the last backward", parameters,
                             accumulated_unsharded + gradients, held_states, 0.0,
-                            buffers + 2 * 4 * block, stage))
+                            buffers + 2 * 4 * _block_params(model, layout), stage))
     # The optimizer step: every gradient, and foreach AdamW's fp32 denominator for every
     # parameter (sqrt of the second moment, divided, plus eps) before the update.
     phases.append(Phase("optimizer step", parameters, gradients, optimizer, 0.0,
@@ -714,10 +725,8 @@ def cuda_kernel_allowance(model: ModelSpec, layout: Layout) -> float:
 def estimate(model: ModelSpec, layout: Layout, gpu: GpuInfo) -> MemoryEstimate:
     """Predicted peak memory of the busiest rank."""
     parameters, gradients, optimizer = _states(model, layout)
-    if layout.fsdp and layout.shard_group > 1 and layout.pp > 1:
-        # The stage's unsharded fp32 gradients, accumulated through the step (`_stage_phases`).
-        gradients += 4 * params_per_rank(model, layout.tp, layout.pp,
-                                         layout.rank_layers(model.layers))
+    gradients += pipeline_accumulated_grad_bytes(
+        layout, params_per_rank(model, layout.tp, layout.pp, layout.rank_layers(model.layers)))
     activations = activation_bytes(model, layout)
     tokens = layout.tokens_per_rank / layout.tp
     workspace = max(
