@@ -15,9 +15,13 @@ __all__ = ["home", "namespace"]  # the fixtures, used by name
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module", autouse=True)
+def kube() -> None:
+    require_kubernetes()  # before the namespace fixture talks to the server
+
+
 @pytest.mark.timeout(120)
 def test_calibration_job_is_created_on_the_api_server(namespace: str, home) -> None:
-    require_kubernetes()
     result = ctx(home, "calibrate", "--submit", *spec_args(namespace, "calib"))
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == f"{namespace}/calib", result.stdout
