@@ -1,6 +1,7 @@
 """Kubernetes: submit the rendered ConfigMap and PyTorchJob, or the ConfigMap, TrainingRuntime
 and TrainJob (cluster.kubernetes.api: trainjob), and the PodMonitor where the Prometheus
-Operator runs, with server-side apply, then watch, read, cancel and wait through the API server,
+Operator runs, with server-side apply, then watch, read, cancel and wait through the API server: over
+urllib3 directly for a kubeconfig that holds only TLS material and a token (kuberest.py), else
 with the official `kubernetes` client.
 
 The objects are parsed from the very text `ctxlaunch render --target kubernetes` writes (one
@@ -139,26 +140,56 @@ class ApiError(KubeError):
 # --------------------------------------------------------------------------------------------
 # the connection
 # --------------------------------------------------------------------------------------------
+class _ClientTransport:
+    """kuberest.Direct's `send` through the official client's ApiClient (its auth settings,
+    refreshes and proxy)."""
+
+    def __init__(self, api: Any):
+        self.api = api
+
+    def send(self, method: str, path: str, query: list[tuple[str, str]],
+             headers: dict[str, str], body: Any, timeout: float | None) -> Any:
+        method, url, headers, serialized, post = self.api.param_serialize(
+            method, path, query_params=query, header_params=headers, body=body,
+            auth_settings=["BearerToken"])
+        return self.api.call_api(method, url, header_params=headers, body=serialized,
+                                 post_params=post, _request_timeout=timeout).response
+
+
 @dataclass
 class Connection:
     """An API client for the user's kubeconfig (KUBECONFIG or ~/.kube/config, its current
     context or `context`), else the pod's service account when run inside a cluster."""
 
     api: Any
+    """The transport: kuberest.Direct, or _ClientTransport (the official client)."""
     host: str
     context: str | None
     kubeconfig: str | None
 
     @classmethod
     def open(cls, context: str | None = None, kubeconfig: str | None = None) -> Connection:
+        kubeconfig = kubeconfig or os.environ.get("KUBECONFIG") or None
+        default = os.path.expanduser("~/.kube/config")
+        in_cluster = (kubeconfig is None and not os.path.exists(default)
+                      and bool(os.environ.get("KUBERNETES_SERVICE_HOST")))
+        if not in_cluster:
+            from ctxlaunch.launch.backends import kuberest
+
+            direct = kuberest.load(kubeconfig or default, context)
+            if direct is not None:  # no official client needed (kuberest's docstring)
+                return cls(direct, direct.host, direct.context, kubeconfig)
+        return cls._with_client(context, kubeconfig, default, in_cluster)
+
+    @classmethod
+    def _with_client(cls, context: str | None, kubeconfig: str | None, default: str,
+                     in_cluster: bool) -> Connection:
+        """Through the official client: in a pod, and for kubeconfigs kuberest leaves to it."""
         from kubernetes import client, config
         from kubernetes.config.config_exception import ConfigException
 
-        kubeconfig = kubeconfig or os.environ.get("KUBECONFIG") or None
-        default = os.path.expanduser("~/.kube/config")
         try:
-            if kubeconfig is None and not os.path.exists(default) \
-                    and os.environ.get("KUBERNETES_SERVICE_HOST"):
+            if in_cluster:
                 configuration = client.Configuration()
                 config.load_incluster_config(client_configuration=configuration)
                 context = "in-cluster"
@@ -175,7 +206,8 @@ class Connection:
             raise KubeError(f"no usable Kubernetes credentials in {where}"
                             f"{f' (context {context})' if context else ''}: {exc}") from None
         configuration.retries = 0  # a refused connection is an answer: fail at once
-        return cls(client.ApiClient(configuration), configuration.host, context, kubeconfig)
+        return cls(_ClientTransport(client.ApiClient(configuration)), configuration.host,
+                   context, kubeconfig)
 
     @classmethod
     def for_record(cls, record: jobstore.JobRecord) -> Connection:
@@ -197,13 +229,9 @@ class Connection:
         if content_type:
             headers["Content-Type"] = content_type
         try:
-            method, url, headers, body, post = self.api.param_serialize(
-                method, path, query_params=query or [], header_params=headers, body=body,
-                auth_settings=["BearerToken"])
-            response = self.api.call_api(method, url, header_params=headers, body=body,
-                                         post_params=post, _request_timeout=timeout)
+            response = self.api.send(method, path, query or [], headers, body, timeout)
             if raw and response.status < 400:
-                return response.status, response.response
+                return response.status, response
             data = response.read()
         except (HTTPError, OSError) as exc:
             reason = _connection_reason(exc)
