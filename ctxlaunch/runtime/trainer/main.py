@@ -85,8 +85,10 @@ def join_process_group(spec: JobSpec, denv: DistEnv) -> torch.device:
     import torch.distributed as dist
 
     from ctxlaunch.cp.comm import set_wait_timeout
+    from ctxlaunch.runtime import vml
     from ctxlaunch.runtime.trainer.distenv import export_for_torch
 
+    vml.warm_up()  # before any multi-threaded CPU op: a first VML call can be inexact (vml.py)
     use_cuda = spec.cluster.gpu != "cpu"  # main() checked that CUDA is there
     device = torch.device("cuda", denv.local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
