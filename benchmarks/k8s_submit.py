@@ -68,6 +68,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--api", choices=["pytorchjob", "trainjob"], default="pytorchjob")
+    parser.add_argument("--no-bytecode", action="store_true",
+                        help="keep PYTHONDONTWRITEBYTECODE as the environment has it (the "
+                             "project's modules then compile from source at every command)")
     args = parser.parse_args()
     from ctxlaunch.launch.backends.kubernetes import JOB_APIS, Connection
 
@@ -82,6 +85,14 @@ def main() -> None:
         work = Path(tmp)
         env = {**os.environ, "CTXLAUNCH_HOME": str(work / "home"),
                "KUBECONFIG": str(KUBECONFIG)}
+        if not args.no_bytecode:
+            # As an installed package runs: pip writes the bytecode at install time. (This
+            # machine's environment sets PYTHONDONTWRITEBYTECODE, so the project's own modules,
+            # installed editable, would otherwise be compiled from source at every command.)
+            env.pop("PYTHONDONTWRITEBYTECODE", None)
+            env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
+            subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "ctxlaunch")],
+                           check=True, capture_output=True, env=env)
         for rep in range(args.reps):
             for how in results:
                 namespace = f"bench-{uuid.uuid4().hex[:8]}"
