@@ -322,8 +322,8 @@ class Phase:
     activations: float
     """Saved for backward and not yet released, recomputed parts included."""
     workspace: float
-    """Transients: gradients in flight between ops, kernel temporaries, the loss chunk (and the
-    pipeline schedule's receive buffers)."""
+    """Transients: gradients in flight between ops, kernel temporaries, the loss chunk, the
+    step's integer inputs (`input_bytes`), and the pipeline schedule's receive buffers."""
     stage: int = 0
     """The pipeline stage (PP rank) this is the phase of."""
 
@@ -472,6 +472,19 @@ def _stage_states(model: ModelSpec, layout: Layout, stage: int) -> tuple[float, 
     return state_bytes(model, layout, stage_params(model, layout, stage))
 
 
+INPUT_BYTES_PER_TOKEN = 3 * 8
+"""A micro-batch's integer inputs on the device (runtime/trainer/data.py, MicroBatch): token
+ids, targets and RoPE positions, int64 each, of the rank's CP shard (all TP ranks hold them)."""
+
+
+def input_bytes(layout: Layout) -> float:
+    """The step's inputs held on a rank: one micro-batch's (the engine moves each to the device
+    as it runs it; the embedding keeps its token ids for backward), or under PP every
+    micro-batch's (the schedule takes the whole step's tokens and targets at once)."""
+    micro_batches = layout.grad_accum if layout.pp > 1 else 1
+    return INPUT_BYTES_PER_TOKEN * layout.tokens_per_rank * micro_batches
+
+
 def pipeline_buffer_bytes(model: ModelSpec, layout: Layout, stage: int) -> float:
     """The schedule's receive buffers on PP rank `stage` (torch.distributed.pipelining): one
     (micro_batch, tokens / tp, h) buffer per micro-batch of the step for the activations coming
@@ -513,7 +526,7 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
     one = stage_activation_bytes(model, layout, blocks, first=first, last=last)
     if pp > 1:
         one += r * h * tokens * ((not last) - (not first))
-    buffers = pipeline_buffer_bytes(model, layout, stage)
+    buffers = pipeline_buffer_bytes(model, layout, stage) + input_bytes(layout)
     # FSDP2 under PP: from the first backward on the stage's unsharded gradients accumulate
     # (`pipeline_accumulated_grad_bytes`) and its parameters stay gathered (ZeRO-3 too).
     fsdp = layout.fsdp_sharded
