@@ -595,13 +595,22 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
         else 0.0
     ffn_work = (r * h * tokens if last else 0.0) + 2 * a * f * full_tokens \
         + _swiglu_backward_temporaries(model, layout)
-    # Later backwards only hold fewer micro-batches, except the last stage's kept outputs.
-    for j in sorted({0, min(1, n - 1)} | ({n - 1} if pp > 1 and last else set())):
+    # Later backwards only hold fewer micro-batches, except the last stage's kept outputs, and
+    # on a stage that warms up with two forwards or more (in_flight >= 2) the output of its
+    # last-but-one warm-up forward: Schedule1F1B keeps that forward's send work (which holds
+    # the sent tensor) in `send_work` until the step returns, so from that micro-batch's own
+    # backward on (j >= in_flight - 1) one more output is held.
+    retained_from = in_flight - 1 if pp > 1 and not last and in_flight >= 2 else n
+    backwards = {0, min(1, n - 1)} | ({n - 1} if pp > 1 and last else set()) \
+        | ({retained_from} if retained_from < n else set())
+    for j in sorted(backwards):
         held = (min(j + in_flight, n) - j) * one + recompute - released
         extra = 0.0
         if pp > 1 and last:
             extra += (j + 1) * between
         if pp > 1 and not first and j > 0:
+            extra += between
+        if j >= retained_from:
             extra += between
         name = "block backward" if j == 0 else f"block backward (micro-batch {j + 1} of {n})"
         accumulated = (accumulated_unsharded or gradients) if j > 0 else 0.0
