@@ -6,6 +6,7 @@ backend error; see ctxlaunch.contract.exitcodes.
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable
 from typing import Annotated
@@ -56,7 +57,13 @@ def main() -> None:
     # flags, so that one spelling is read as the hidden --dry-run-server.
     sys.argv = ["--dry-run-server" if arg == "--dry-run=server" else
                 "--dry-run" if arg == "--dry-run=client" else arg for arg in sys.argv]
-    app()
+    try:
+        app()
+    finally:
+        # The command is done: spare the interpreter's exit the garbage collector's passes
+        # over every module's objects (about 40 ms of a 0.3 s `submit`, BENCHMARKS.md section
+        # 5). Exit handlers, flushes and finalisers still run as objects are released.
+        gc.freeze()
 
 
 if __name__ == "__main__":
