@@ -149,14 +149,18 @@ def test_peak_fsdp2_bf16_parameters_within_2_percent() -> None:
 
 @pytest.mark.timeout(900)
 def test_peak_pp2_dp2_fsdp2_bf16_on_each_stage() -> None:
-    """PP 2 x DP 2 under FSDP2 in bf16 (4 processes): torch's pipelining runs each
-    micro-batch's backward without FSDP2's gradient sync, so every stage accumulates its
-    unsharded gradients in fp32 until the reduce-scatter after the last micro-batch, and the
-    stages send bf16 hidden states. At 1,024 tokens the accumulated gradients (about 3 MB a
-    stage) are a visible part of the peak. Each stage's two DP replicas are compared through
-    the lower reading (seen 2026-12-02 18:40 UTC: +0.02 % and -0.02 % on every rank)."""
-    _check(4, [{"parallel.pp": 2, "training.global_batch": 4, "training.zero_stage": 2,
-                "model.dtype": "bf16", "training.seq_len": 1024}], 0.02, replicas_alike=True)
+    """PP 2 x DP 2 under FSDP2 in bf16 (4 processes), the stages sending bf16 hidden states,
+    at each ZeRO stage. ZeRO-1: torch's pipelining runs each micro-batch's backward without
+    FSDP2's gradient sync, so every stage accumulates its unsharded gradients in fp32 until
+    the reduce-scatter after the last micro-batch (about 3 MB a stage at this shape, a visible
+    part of the peak). ZeRO-2 and ZeRO-3: the trainer's stages reduce-scatter every
+    micro-batch's gradients block by block (pipeline.trainer_stage), only the fp32
+    shards accumulate, and ZeRO-3 re-shards the weights after each backward. Each stage's two
+    DP replicas are compared through the lower reading."""
+    pp_dp = {"parallel.pp": 2, "training.global_batch": 4, "model.dtype": "bf16",
+             "training.seq_len": 1024}
+    _check(4, [{**pp_dp, "training.zero_stage": stage} for stage in (1, 2, 3)], 0.02,
+           replicas_alike=True)
 
 
 @pytest.mark.timeout(1100)

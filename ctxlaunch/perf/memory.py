@@ -66,10 +66,12 @@ CP rank holds a replica of the weights), mirroring how the trainer runs them:
   (2 per parameter kept through backward under ZeRO 1-2, two blocks' under ZeRO-3), so no
   autocast weight copies are saved and the residual stream is bf16 (`Layout.fsdp_bf16_params`);
   in fp32, 4. In backward each block's gradients are produced unsharded in the gathered dtype
-  and copied into an fp32 reduce-scatter input (`fsdp_block_backward_bytes`); under PP torch's
-  pipelining skips FSDP2's gradient sync until after the last micro-batch, so the stage's
-  unsharded gradients accumulate in fp32 (4 per parameter) from the first backward to the step,
-  and its parameters stay gathered (ZeRO-3 too).
+  and copied into an fp32 reduce-scatter input (`fsdp_block_backward_bytes`). Under PP at
+  ZeRO-1 torch's pipelining skips FSDP2's gradient sync until after the last micro-batch, so
+  the stage's unsharded gradients accumulate in fp32 (4 per parameter) from the first backward
+  to the step; at ZeRO-2/3 the trainer reduce-scatters every micro-batch's gradients as FSDP2
+  does without PP (runtime/trainer/pipeline.py, trainer_stage), so only the fp32 shards
+  accumulate (4/Nd), and ZeRO-3 re-shards the weights after each backward.
 
 The peak, phase by phase (`peak_phases`, issue 18): what is live at the highest moment of each
 phase of a steady-state step (step 2 on: AdamW creates its states at the first step()), by part:
@@ -349,15 +351,30 @@ def _states(model: ModelSpec, layout: Layout) -> tuple[float, float, float]:
     return state_bytes(model, layout, params)
 
 
-def state_bytes(model: ModelSpec, layout: Layout, params: int) -> tuple[int, int, int]:
-    """(parameters, gradients, optimizer states) bytes of `params` parameters on one rank,
-    by the engine the layout runs (FSDP2, DeepSpeed or plain torch)."""
-    largest = largest_layer_params(model, layout.tp)
+def state_bytes(model: ModelSpec, layout: Layout, params: int,
+                stage: int | None = None) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer states) bytes of `params` parameters on one rank (PP
+    rank `stage`, or any), by the engine the layout runs (FSDP2, DeepSpeed or plain torch)."""
     if layout.fsdp:
-        return fsdp_state_bytes(params, largest, layout.zero_stage, layout.shard_group,
+        return fsdp_state_bytes(params, zero3_gathered_params(model, layout, params, stage),
+                                layout.zero_stage, layout.shard_group,
                                 param_bytes=_fsdp_param_bytes(layout))
-    return model_state_bytes(params, largest, layout.zero_stage, layout.shard_group,
-                             layout.dtype)
+    return model_state_bytes(params, largest_layer_params(model, layout.tp), layout.zero_stage,
+                             layout.shard_group, layout.dtype)
+
+
+def zero3_gathered_params(model: ModelSpec, layout: Layout, params: int,
+                          stage: int | None = None) -> int:
+    """FSDP2 ZeRO-3: the parameters gathered at the peak (a block's backward) on PP rank
+    `stage` (None: any, so the embedding and the head both): that block's, the next one's
+    (prefetched), and the root module's (embedding; final norm and head), which the trainer
+    keeps gathered from its forward through its backward (`reshard_after_forward=False`: the
+    loss uses the head after the forward returns); never more than the rank holds."""
+    counts = count_params(model)
+    first = stage is None or stage == 0
+    last = stage is None or stage == layout.pp - 1
+    root = (counts.embedding if first else 0) + (counts.final_norm + counts.head if last else 0)
+    return min(params, -(-(2 * counts.per_layer + root) // layout.tp))
 
 
 def _fsdp_param_bytes(layout: Layout) -> int:
@@ -372,13 +389,19 @@ def _block_params(model: ModelSpec, layout: Layout) -> float:
     return count_params(model).per_layer / layout.tp
 
 
+def pipeline_defers_gradient_sync(layout: Layout) -> bool:
+    """FSDP2 under PP at ZeRO-1: torch's pipelining runs every micro-batch's backward without
+    FSDP2's gradient sync or resharding (stage.py, backward_maybe_with_nosync) and
+    reduce-scatters once after the last (perform_reduce_grad). At ZeRO-2/3 the trainer's
+    stages reduce-scatter every micro-batch (pipeline.trainer_stage)."""
+    return layout.fsdp_sharded and layout.pp > 1 and layout.zero_stage < 2
+
+
 def pipeline_accumulated_grad_bytes(layout: Layout, params: int) -> float:
-    """FSDP2 under PP: torch's pipelining runs every micro-batch's backward without FSDP2's
-    gradient sync or resharding (stage.py, backward_maybe_with_nosync) and reduce-scatters
-    once after the last (perform_reduce_grad), so the stage's `params` accumulate unsharded
+    """What `pipeline_defers_gradient_sync` accumulates: the stage's `params`' unsharded
     gradients in fp32, the reduce dtype (FSDPParam.to_accumulated_grad_if_needed), from the
     first backward to the step."""
-    return 4.0 * params if layout.fsdp_sharded and layout.pp > 1 else 0.0
+    return 4.0 * params if pipeline_defers_gradient_sync(layout) else 0.0
 
 
 def fsdp_gather_buffer_bytes(model: ModelSpec, layout: Layout) -> float:
@@ -469,7 +492,7 @@ def stage_params(model: ModelSpec, layout: Layout, stage: int) -> int:
 
 
 def _stage_states(model: ModelSpec, layout: Layout, stage: int) -> tuple[float, float, float]:
-    return state_bytes(model, layout, stage_params(model, layout, stage))
+    return state_bytes(model, layout, stage_params(model, layout, stage), stage)
 
 
 INPUT_BYTES_PER_TOKEN = 3 * 8
@@ -485,16 +508,31 @@ def input_bytes(layout: Layout) -> float:
     return INPUT_BYTES_PER_TOKEN * layout.tokens_per_rank * micro_batches
 
 
+def pipeline_recv_buffers(n_stages: int, stage: int, n_micro: int) -> tuple[int, int]:
+    """Under 1F1B (one stage a rank) the trainer's receive buffers on stage `stage` of
+    `n_stages`, (activations, gradients), micro-batch i using buffer i mod that count
+    (runtime/trainer/pipeline.py, `trainer_stage`): a stage runs min(n_micro, n_stages - stage)
+    warm-up forwards and receives micro-batch i + that many only after i's backward, which is
+    when i's input (its blocks' saved input) is released; a gradient is received right before
+    its backward, which consumes it, and the next one after."""
+    return min(n_micro, n_stages - stage), min(n_micro, 1)
+
+
 def pipeline_buffer_bytes(model: ModelSpec, layout: Layout, stage: int) -> float:
-    """The schedule's receive buffers on PP rank `stage` (torch.distributed.pipelining): one
-    (micro_batch, tokens / tp, h) buffer per micro-batch of the step for the activations coming
-    in (every stage but the first) and one for the gradients coming back (every stage but the
-    last), allocated at the first step and kept; in the residual stream's dtype (fp32 under
-    autocast's fp32 weights, bf16 under FSDP2's bf16 parameters)."""
+    """The schedule's receive buffers on PP rank `stage` (torch.distributed.pipelining), each
+    one micro-batch's (micro_batch, tokens / tp, h) hidden states, for the activations coming
+    in (every stage but the first) and the gradients coming back (every stage but the last),
+    allocated at the first step and kept; in the residual stream's dtype (fp32 under
+    autocast's fp32 weights, bf16 under FSDP2's bf16 parameters). Under 1F1B as many as
+    `pipeline_recv_buffers`; under interleaved 1F1B torch's own, one per micro-batch."""
     if layout.pp == 1:
         return 0.0
     one = layout.residual_bytes * model.hidden * layout.tokens_per_rank / layout.tp
-    return layout.grad_accum * one * ((stage > 0) + (stage < layout.pp - 1))
+    if layout.virtual_stages > 1:
+        activations = gradients = layout.grad_accum
+    else:
+        activations, gradients = pipeline_recv_buffers(layout.pp, stage, layout.grad_accum)
+    return one * (activations * (stage > 0) + gradients * (stage < layout.pp - 1))
 
 
 def peak_phases(model: ModelSpec, layout: Layout, stage: int | None = None) -> list[Phase]:
@@ -527,14 +565,13 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
     if pp > 1:
         one += r * h * tokens * ((not last) - (not first))
     buffers = pipeline_buffer_bytes(model, layout, stage) + input_bytes(layout)
-    # FSDP2 under PP: from the first backward on the stage's unsharded gradients accumulate
-    # (`pipeline_accumulated_grad_bytes`) and its parameters stay gathered (ZeRO-3 too).
+    # FSDP2 under PP at ZeRO-1: from the first backward on the stage's unsharded gradients
+    # accumulate (`pipeline_accumulated_grad_bytes`); at ZeRO-2/3 each block's are
+    # reduce-scattered at the end of its backward, as without PP (`sharded_sync`).
     fsdp = layout.fsdp_sharded
     held_params = stage_params(model, layout, stage)
     accumulated_unsharded = pipeline_accumulated_grad_bytes(layout, held_params)
-    if fsdp and pp > 1 and layout.zero_stage == 3:
-        parameters = 4 * held_params // layout.shard_group \
-            + _fsdp_param_bytes(layout) * held_params
+    sharded_sync = fsdp and not pipeline_defers_gradient_sync(layout)
     # DeepSpeed ZeRO-1/2 (bf16): the fp32 gradient partition exists only inside the optimizer
     # step, and backward fills one reduce bucket (`deepspeed_bucket_bytes`).
     bucket = deepspeed_bucket_bytes(layout)
@@ -617,7 +654,7 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
         phases.append(Phase(name, parameters, produced + accumulated if fsdp else
                             (produced if j == 0 else gradients), held_states, held,
                             buffers + ffn_work + extra, stage))
-        if fsdp and pp == 1:
+        if sharded_sync:
             # The end of that block's backward: what the micro-batch saved in it released, its
             # unsharded gradients and the fp32 reduce-scatter input.
             phases.append(Phase(f"{name}, FSDP2 reduce-scatter", parameters,
@@ -625,7 +662,7 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
                                 held - tokens * block_activation_bytes_per_token(model, layout),
                                 buffers + extra + r * h * tokens
                                 + fsdp_block_backward_bytes(model, layout), stage))
-    if fsdp and pp > 1:
+    if accumulated_unsharded:
         # After the last backward: each block's accumulated gradients copied into an fp32
         # reduce-scatter input, the previous block's still held (one retained by default).
         phases.append(Phase("FSDP2 reduce-scatter after the last backward", parameters,
@@ -681,17 +718,17 @@ def model_state_bytes(params: int, largest_layer_params: int, stage: int, shard_
     return 4 * params // n + 4 * largest_layer_params, 4 * params // n, 12 * params // n
 
 
-def fsdp_state_bytes(params: int, largest_layer_params: int, stage: int,
+def fsdp_state_bytes(params: int, zero3_gathered: int, stage: int,
                      shard_group: int, *, param_bytes: int = 4) -> tuple[int, int, int]:
     """FSDP2 over DP x CP (ZeRO >= 1 with TP or PP): fp32 master weights, fp32 gradients and
     Adam states sharded, 16/Nd per parameter; the gathered weights in `param_bytes` per element
     (2 under bf16: the mixed-precision policy gathers bf16 copies of the fp32 shards), every
-    block's kept from forward to backward under ZeRO 1-2, one block's at a time under ZeRO-3
-    (and the next one's, prefetched)."""
+    block's kept from forward to backward under ZeRO 1-2, under ZeRO-3 `zero3_gathered`
+    (`zero3_gathered_params`: two blocks' and the root's)."""
     n = shard_group
     if n == 1:  # nothing to shard over: the trainer keeps plain fp32 states (ZeRO-0)
         return 4 * params, 4 * params, 8 * params
-    gathered = param_bytes * params if stage < 3 else 2 * param_bytes * largest_layer_params
+    gathered = param_bytes * (params if stage < 3 else zero3_gathered)
     return 4 * params // n + gathered, 4 * params // n, 8 * params // n
 
 

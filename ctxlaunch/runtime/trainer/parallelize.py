@@ -252,7 +252,9 @@ def parallelize(model: Transformer, *, ctx: ParallelContext, settings: ParallelS
             model, stages, n_stages=n_stages, group=ctx.pp_group, device=device,
             micro_batch=settings.micro_batch, tokens=tokens, sp_tokens=tokens // ctx.tp,
             n_micro=settings.n_micro,
-            hidden_dtype=torch.bfloat16 if sharded and settings.bf16 else torch.float32)
+            hidden_dtype=torch.bfloat16 if sharded and settings.bf16 else torch.float32,
+            shard_gradients=sharded and settings.zero_stage >= 2,
+            reshard_after_backward=settings.zero_stage == 3)
     return ModelParts(model=model, parts=parts, schedule=schedule, plan=plan, sharded=sharded,
                       first=not stages or stages[0].stage_index == 0,
                       last=not stages or stages[-1].stage_index == n_stages - 1)

@@ -12,6 +12,24 @@ Schedules: 1F1B, or interleaved 1F1B when the spec asks for virtual stages (rank
 r, r + pp, ...). The step's micro-batches are the spec's gradient accumulation; the loss runs on
 the last stage (the chunked, vocabulary-parallel loss of `Transformer.loss`), and the schedule
 scales gradients by 1 / micro-batches, as plain accumulation does.
+
+Gradients under FSDP2 (`trainer_stage`): torch's stages run every micro-batch's backward
+without FSDP2's gradient sync and reduce-scatter once after the last, so each rank accumulates
+its stage's unsharded gradients in fp32 through the step (4 bytes per parameter: 12 GiB a GPU
+for Llama 3 405B at TP 8 x PP 16). That stays ZeRO-1's behaviour (one reduce-scatter per step).
+Under ZeRO-2 and ZeRO-3 every micro-batch's gradients are reduce-scattered as its backward
+produces them, block by block, and summed into the fp32 shards, as FSDP2 does without PP, as
+DeepSpeed's ZeRO-2 does, and as Llama 3's training did (gradients sharded, reduce-scattered in
+fp32): m reduce-scatters a step instead of one, and only 4/(DP x CP) bytes per parameter kept.
+Each micro-batch's backward is a whole one to FSDP2, so the last reduce-scatter's input is
+released at its end, not kept into the next. ZeRO-3 also re-shards the weights after each
+backward.
+
+Receive buffers under 1F1B (`trainer_stage`, `perf.memory.pipeline_recv_buffers`): torch's
+stages allocate one activation and one gradient buffer per micro-batch of the step and keep
+them (2 GiB on a middle stage of that 405B layout at 32 micro-batches); a stage never holds
+more micro-batches' inputs than its warm-up forwards, nor more than one incoming gradient, so
+the trainer's stages share that many among the micro-batches.
 """
 
 from __future__ import annotations
@@ -22,9 +40,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ctxlaunch.perf.memory import pipeline_recv_buffers
 from ctxlaunch.runtime.trainer.model import Block, Documents, Transformer
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from torch.distributed.pipelining.schedules import (
         PipelineScheduleMulti,
         PipelineScheduleSingle,
@@ -105,17 +126,74 @@ def split_stages(model: Transformer, *, stage_layers: tuple[int, ...], pp: int,
     return modules
 
 
+def trainer_stage(*args: Any, recv_buffers: tuple[int, int] | None, shard_gradients: bool,
+                  reshard_after_backward: bool, **kwargs: Any) -> _PipelineStageBase:
+    """A `PipelineStage` with two changes to torch's (the module docstring):
+    `recv_buffers` (activations, gradients): under 1F1B the receive buffers are shared among
+    micro-batches, micro-batch i using buffer i mod that count (`pipeline_recv_buffers`), not
+    one per micro-batch of the step; `shard_gradients`: its FSDP2 module reduce-scatters every
+    micro-batch's gradients (ZeRO-2/3), re-sharding the weights after each backward if
+    `reshard_after_backward`."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._backward import stage_backward
+
+    class TrainerStage(PipelineStage):
+        def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
+            if recv_buffers is None:
+                return super()._setup_forward_recv_info(num_microbatches, has_backward)
+            # Micro-batch i's activations are its blocks' input, saved for its backward: the
+            # 1F1B schedule receives micro-batch i + k only after i's backward (k the stage's
+            # warm-up forwards), and the backward hands the input gradient over and drops it.
+            super()._setup_forward_recv_info(recv_buffers[0], has_backward)
+            for i in range(recv_buffers[0], num_microbatches):
+                self.args_recv_info[i] = self.args_recv_info[i % recv_buffers[0]]
+
+        def _setup_backward_recv_info(self, num_microbatches: int) -> None:
+            if recv_buffers is None:
+                return super()._setup_backward_recv_info(num_microbatches)
+            # Micro-batch i's output gradient is received right before its backward and
+            # consumed by it; the next one's is received after.
+            super()._setup_backward_recv_info(recv_buffers[1])
+            self.chunks = num_microbatches  # what torch's own sets besides the buffers
+            for i in range(recv_buffers[1], num_microbatches):
+                self.grad_recv_info[i] = self.grad_recv_info[i % recv_buffers[1]]
+
+        def backward_maybe_with_nosync(
+                self, backward_type: str, bwd_kwargs: dict,
+                last_backward: bool = False,
+        ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
+            if not shard_gradients or not isinstance(self.submod, FSDPModule) \
+                    or backward_type != "full":
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
+                                                          last_backward)
+            # Every micro-batch's backward is a whole one in FSDP2's sense, as plain
+            # accumulation without PP: its gradients are reduce-scattered and, at its end,
+            # the last reduce-scatter's input is released (is_last_backward); the schedule's
+            # perform_reduce_grad after the last micro-batch then finds nothing left to do.
+            self.submod.set_is_last_backward(True)
+            self.submod.set_reshard_after_backward(reshard_after_backward)
+            self.submod.set_requires_gradient_sync(True)
+            grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                   bwd_kwargs["input_values"])
+            return tuple(grads), None
+
+    return TrainerStage(*args, **kwargs)
+
+
 def pipeline_schedule(model: Transformer, modules: list[StageModule], *, n_stages: int,
                       group: dist.ProcessGroup | None, device: torch.device, micro_batch: int,
                       tokens: int, sp_tokens: int, n_micro: int,
-                      hidden_dtype: torch.dtype = torch.float32) -> PipelineScheduleMulti | \
+                      hidden_dtype: torch.dtype = torch.float32,
+                      shard_gradients: bool = False,
+                      reshard_after_backward: bool = False) -> PipelineScheduleMulti | \
         PipelineScheduleSingle:
     """The schedule that runs this rank's (materialised) stage modules over `n_micro`
     micro-batches. `tokens`: one CP rank's tokens per sequence; `sp_tokens`: the share of them
     a TP rank holds between blocks; `hidden_dtype`: the dtype of the hidden states sent
-    between stages."""
+    between stages; `shard_gradients`: FSDP2 reduce-scatters every micro-batch's gradients
+    (ZeRO-2/3), re-sharding the weights after each backward if `reshard_after_backward`."""
     from torch.distributed.pipelining import (
-        PipelineStage,
         Schedule1F1B,
         ScheduleInterleaved1F1B,
     )
@@ -131,9 +209,13 @@ def pipeline_schedule(model: Transformer, modules: list[StageModule], *, n_stage
                                      dtype=hidden_dtype, requires_grad=True)
         example_out = torch.zeros(micro_batch, sp_tokens, model.hidden, device=device,
                                   dtype=hidden_dtype, requires_grad=True)
-        stages.append(PipelineStage(module, module.stage_index, n_stages, device,
+        recv_buffers = pipeline_recv_buffers(n_stages, module.stage_index, n_micro) \
+            if len(modules) == 1 else None
+        stages.append(trainer_stage(module, module.stage_index, n_stages, device,
                                     input_args=(example_in,), output_args=(example_out,),
-                                    group=group))
+                                    group=group, recv_buffers=recv_buffers,
+                                    shard_gradients=shard_gradients,
+                                    reshard_after_backward=reshard_after_backward))
 
     def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return model.loss(output, targets)
