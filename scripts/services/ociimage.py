@@ -374,6 +374,7 @@ def fill_env(layer: Layer, venv: Path) -> None:
     binaries = [p for p in (python / "bin").iterdir() if p.is_file() and not p.is_symlink()]
     binaries += [p for p in python.rglob("*.so*") if p.is_file()]
     binaries += [p for p in venv.rglob("*.so*") if p.is_file()]
+    binaries += [BUSYBOX, DASH]  # Debian's busybox and dash link against libc (and libresolv)
     inside = (str(python), str(venv))
     for library in sorted(shared_libraries(binaries)):
         if str(library).startswith(inside):
