@@ -93,6 +93,13 @@ def test_submit_bad_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     result = runner.invoke(app, ["calibrate", str(JOBS / "demo.yaml"), "--submit",
                                  "--profile-out", str(tmp_path)])
     assert result.exit_code == 2 and "is a directory" in result.output
+    # --wait brings a profile back from a pod's log: only the Kubernetes job needs it.
+    result = runner.invoke(app, ["calibrate", str(JOBS / "demo.yaml"), "--submit",
+                                 "--wait", "60"])
+    assert result.exit_code == 2 and "--wait: for cluster.target kubernetes" in result.output
+    result = runner.invoke(app, ["calibrate", str(JOBS / "demo.yaml"), "--submit", "--wait",
+                                 "0", "--set", "cluster.target=kubernetes"])
+    assert result.exit_code == 2 and "--wait 0: give a positive" in result.output
     assert not (tmp_path / "home" / "jobs").exists()  # nothing was started
 
 

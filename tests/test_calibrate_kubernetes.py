@@ -1,7 +1,8 @@
 """`ctxlaunch calibrate SPEC --submit` on target kubernetes: the spec's own PyTorchJob with the
 calibration in place of the pod entry point, created on the real kube-apiserver running here
-(scripts/services/kubernetes.sh). No kubelet runs on that server, so the pods never start: the
-run on a real node is still to be checked, and this test checks what is created."""
+(scripts/services/kubernetes.sh). No kubelet runs on that server, so the pods never start:
+this test checks what is created; tests/test_kubernetes_node.py runs the job on a real node
+and brings its profile back (--wait)."""
 
 from __future__ import annotations
 

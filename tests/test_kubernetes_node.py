@@ -157,6 +157,34 @@ def test_two_pods_train_through_the_pod_network_and_succeed(image, namespace, op
 
 
 @pytest.mark.timeout(600)
+def test_calibration_runs_on_the_node_and_its_profile_comes_back(image, namespace, operator,
+                                                                 home, tmp_path):
+    """`ctxlaunch calibrate SPEC --submit --wait`: the spec's own PyTorchJob, the bundled
+    calibration as its one pod's command, runs on the node; the pod prints its machine profile
+    to its log, and once the job has succeeded the command writes that profile here, where
+    `plan` can name it (cluster.profile)."""
+    out = tmp_path / "profiles" / "cpu-ib.json"
+    args = [str(JOBS / "demo.yaml"), "--submit", "--wait", "480", "--profile-out", str(out)]
+    for item in ("cluster.target=kubernetes", f"cluster.kubernetes.image={image}",
+                 f"cluster.kubernetes.namespace={namespace}", "name=calib",
+                 f"cluster.kubernetes.tolerations={TOLERATION}",
+                 "cluster.kubernetes.shm_size=256Mi"):
+        args += ["--set", item]
+    result = ctx(home, "calibrate", *args, timeout=540)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == f"{namespace}/calib", result.stdout
+    (pod,) = pods(namespace, "calib")
+    assert pod["status"]["phase"] == "Succeeded", pod["status"]
+    profile = json.loads(out.read_text())
+    assert (profile["gpu"], profile["nodes"], profile["framework"]) == ("cpu", 1, "ctxlaunch")
+    calibration = profile["calibration"]
+    assert calibration["matmul_flops_per_second"] > 0 < calibration["link_bytes_per_second"]
+    assert not list(out.parent.glob(".*"))  # nothing staged left behind
+    planned = ctx(home, "plan", str(JOBS / "demo.yaml"), "--set", f"cluster.profile={out}")
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+
+
+@pytest.mark.timeout(600)
 def test_a_too_small_memory_limit_ends_oomkilled(image, namespace, operator, home):
     """The memory cgroup kills a rank, containerd reports OOMKilled, and status says OOM with
     the layout."""

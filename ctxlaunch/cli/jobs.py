@@ -167,26 +167,18 @@ def wait(
     poll: Annotated[float, typer.Option(help="Seconds between checks.")] = 2.0,
 ) -> None:
     """Wait until a job ends; exit 0 if it completed, 86 on an OOM, 1 otherwise."""
-    import time
-
     from ctxlaunch.launch.backends.base import WAIT_EXIT
 
     record, backend = find_job(job)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        try:
-            state = backend.status(record)
-        except KeyError:
-            fail(f"the scheduler no longer knows job {record.backend_id}")
-        except RuntimeError as exc:
-            fail(str(exc), code=exitcodes.FAILED)
-        if state.terminal:
-            break
-        if deadline is not None and time.monotonic() > deadline:
-            out.print(status_line(record, state), markup=False)
-            fail(f"still {state.state} after {timeout:g} s", code=exitcodes.FAILED)
-        time.sleep(poll)
+    try:
+        state = backend.wait(record, timeout, poll)
+    except KeyError:
+        fail(f"the scheduler no longer knows job {record.backend_id}")
+    except RuntimeError as exc:
+        fail(str(exc), code=exitcodes.FAILED)
     out.print(status_line(record, state), markup=False)
+    if not state.terminal:
+        fail(f"still {state.state} after {timeout:g} s", code=exitcodes.FAILED)
     for line in backend.explain(record, state):
         out.print(f"  {line}", markup=False)
     raise typer.Exit(WAIT_EXIT.get(state.state, exitcodes.FAILED))

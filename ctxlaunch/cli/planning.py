@@ -16,6 +16,8 @@ from ctxlaunch.contract.loader import SpecError
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
+    from ctxlaunch.launch.backends.base import Backend
+    from ctxlaunch.launch.jobstore import JobRecord
     from ctxlaunch.perf.machine import Machine
 
 FrameworkOpt = Annotated[str, typer.Option(
@@ -132,6 +134,10 @@ def calibrate(
     profile_out: Annotated[Path | None, typer.Option(
         "--profile-out", help="Where --submit saves the profile (default: "
         "profiles/<gpu>-<fabric>.json beside the spec).", show_default=False)] = None,
+    wait_: Annotated[float | None, typer.Option(
+        "--wait", help="With --submit on Kubernetes: wait up to this many seconds for the "
+        "calibration job to end, then save the profile its pod printed to its log.",
+        show_default=False)] = None,
     set_: SetOpt = None,
 ) -> None:
     """Measure this CPU for the step-time model: matmul (at the model's shapes) and attention
@@ -141,8 +147,8 @@ def calibrate(
 
     from ctxlaunch.runtime.calibrate import measure, save_calibration
 
-    if submit or profile_out is not None:
-        _submit_calibration(spec, profile_out, set_)
+    if submit or profile_out is not None or wait_ is not None:
+        _submit_calibration(spec, profile_out, set_, wait_)
         return
     model = None
     if spec is not None:
@@ -174,7 +180,7 @@ def calibrate(
 
 
 def _submit_calibration(spec: Path | None, profile_out: Path | None,
-                        overrides: list[str] | None) -> None:
+                        overrides: list[str] | None, wait: float | None = None) -> None:
     """`calibrate SPEC --submit`: the calibration job on one node of the spec's target (the
     bundled calibration, ctxlaunch.runtime.calibrate, run where the trainer would be), then the
     profile it wrote."""
@@ -185,13 +191,18 @@ def _submit_calibration(spec: Path | None, profile_out: Path | None,
 
     if spec is None:
         fail("--submit: give the SPEC of the cluster to calibrate")
+    if wait is not None and wait <= 0:
+        fail(f"--wait {wait:g}: give a positive number of seconds")
     job = load(spec, overrides, **{"cluster.nodes": 1, "cluster.profile": None})
-    if job.cluster.target == "kubernetes":
-        _submit_kubernetes_calibration(job)
-        return
+    if wait is not None and job.cluster.target != "kubernetes":
+        fail(f"--wait: for cluster.target kubernetes (the {job.cluster.target} job writes its "
+             "profile itself)")
     path = (profile_out or profile_path_for(job, spec)).expanduser().resolve()
     if path.exists() and path.is_dir():
         fail(f"--profile-out {path}: is a directory; give a file path")
+    if job.cluster.target == "kubernetes":
+        _submit_kubernetes_calibration(job, path, wait)
+        return
     if job.cluster.target == "slurm":
         _submit_slurm_calibration(job, path)
         return
@@ -248,14 +259,14 @@ POD_PROFILE = "/tmp/ctxlaunch-run/profile.json"
 """Where the Kubernetes calibration job writes its profile inside the pod (its log has it too)."""
 
 
-def _submit_kubernetes_calibration(job: JobSpec) -> None:
+def _submit_kubernetes_calibration(job: JobSpec, path: Path, wait: float | None) -> None:
     """The Kubernetes calibration job: the spec's own PyTorchJob with the calibration in place
     of the pod entry point, created on the API server; the profile is written in the pod and
-    printed to its log (bringing it back to a file here is not built)."""
-    from ctxlaunch.launch.backends import get_backend
+    printed to its log, from which `wait` (seconds) brings it to `path` once the job ends."""
+    from ctxlaunch.launch.backends.kubernetes import KubernetesBackend
     from ctxlaunch.runtime.calibrate import CALIBRATE_MODULE
 
-    backend = get_backend("kubernetes")
+    backend = KubernetesBackend()
     dryrun = backend.dryrun(job)
     entry = '"-m", "ctxlaunch.podentry", "/etc/ctxlaunch/spec.json"]'
     manifest = dryrun.artifact or ""
@@ -264,10 +275,55 @@ def _submit_kubernetes_calibration(job: JobSpec) -> None:
     manifest = manifest.replace(entry, f'"-m", "{CALIBRATE_MODULE}", "/etc/ctxlaunch/spec.json",'
                                 f' "--out", "{POD_PROFILE}"]')
     try:
-        status = backend.schedule(dataclasses.replace(dryrun, artifact=manifest))
+        record = backend.submit(dataclasses.replace(dryrun, artifact=manifest))
     except RuntimeError as exc:  # the backend's connection and admission errors (KubeError)
         fail(f"--submit: {exc}", code=exitcodes.FAILED)
-    if status != exitcodes.OK:
-        fail(f"calibration job {dryrun.job_id} was not created (exit {status})", code=status)
-    err.print(f"calibration job {dryrun.job_id} created; its pod writes {POD_PROFILE} and "
-              "prints the profile to its log (`ctxlaunch logs`)")
+    print(record.backend_id, flush=True)
+    if wait is None:
+        err.print(f"calibration job {record.backend_id} created; its pod writes {POD_PROFILE} "
+                  "and prints the profile to its log (`ctxlaunch logs`); with --wait SECONDS "
+                  "this command saves it here")
+        return
+    _save_profile_from_log(backend, record, path, wait)
+
+
+def _save_profile_from_log(backend: Backend, record: JobRecord, path: Path,
+                           wait: float) -> None:
+    """Wait for the calibration job `record` to end, then write the profile its pod printed
+    (the last `PROFILE_LINE` of its log) to `path`, checked before it is written."""
+    from ctxlaunch.contract.fsutil import atomic_write_text
+    from ctxlaunch.perf.machine import load_profile
+    from ctxlaunch.runtime.calibrate import PROFILE_LINE
+
+    job = record.backend_id
+    try:
+        state = backend.wait(record, wait, poll=2.0)
+        lines = backend.read_log(record) if state.state == "COMPLETED" else []
+    except (KeyError, RuntimeError) as exc:
+        fail(f"calibration job {job}: {exc}", code=exitcodes.FAILED)
+    if not state.terminal:
+        fail(f"calibration job {job} still {state.state} after {wait:g} s; no profile written "
+             f"(`ctxlaunch status {job}`)", code=exitcodes.FAILED)
+    if state.state != "COMPLETED":
+        why = "; ".join(backend.explain(record, state))
+        fail(f"calibration job {job} ended {state.state}{': ' + why if why else ''}; no "
+             "profile written", code=exitcodes.FAILED)
+    printed = [line.split(PROFILE_LINE, 1)[1] for line in lines if PROFILE_LINE in line]
+    if not printed:
+        fail(f"calibration job {job} completed but its log has no profile line; no profile "
+             "written", code=exitcodes.FAILED)
+    try:
+        text = json.dumps(json.loads(printed[-1]), indent=2) + "\n"
+    except ValueError as exc:
+        fail(f"calibration job {job}: its profile line is not JSON ({exc}); no profile written",
+             code=exitcodes.FAILED)
+    staged = path.with_name(f".{path.name}.from-log")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(staged, text)
+    try:
+        load_profile(staged)
+    except ValueError as exc:
+        staged.unlink()
+        fail(f"calibration job {job}: {exc}; no profile written", code=exitcodes.FAILED)
+    staged.replace(path)
+    err.print(f"wrote {path} from {job}'s log; name it in the spec as cluster.profile: {path}")

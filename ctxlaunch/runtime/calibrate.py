@@ -380,6 +380,10 @@ CALIBRATE_MODULE = "ctxlaunch.runtime.calibrate"
 
 
 
+PROFILE_LINE = "ctxlaunch calibrate: profile "
+"""How the calibration job's log line that carries its profile (JSON) begins."""
+
+
 def run_job(spec_path: str | None, out_path: str) -> int:
     """Measure this node for the spec at `spec_path` (spec.json; None: the spec in
     $CTXLAUNCH_SPEC_JSON, as the Slurm script passes it) and write its machine profile
@@ -411,7 +415,7 @@ def run_job(spec_path: str | None, out_path: str) -> int:
                           repeats=2, sizes=(4096, 262144, 2**20), sync_ranks=(2,))
     written = save_profile(calibration, spec, Path(out_path))
     # The profile in the log too: where the job's filesystem is not the submitter's (a pod).
-    print(f"ctxlaunch calibrate: profile {json.dumps(json.loads(written.read_text()))}")
+    print(f"{PROFILE_LINE}{json.dumps(json.loads(written.read_text()))}")
     print(f"ctxlaunch calibrate: wrote {written}", flush=True)
     return 0
 

@@ -204,3 +204,15 @@ class Backend(ABC):
     def explain(self, record: JobRecord, status: Status) -> list[str]:
         """What a user needs next to a failed state (the failing rank's last lines, the OOM's
         layout); nothing for any other state."""
+
+    def wait(self, record: JobRecord, timeout: float | None, poll: float) -> Status:
+        """The job's status once it is final, asked every `poll` seconds; the last one seen
+        (not final) once `timeout` seconds have passed. KeyError and RuntimeError as status."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            state = self.status(record)
+            if state.terminal or (deadline is not None and time.monotonic() > deadline):
+                return state
+            time.sleep(poll)
