@@ -90,22 +90,11 @@ def bundled() -> None:
     calls = [(r["seq_len"], r["one_flash_call_s"], r["heads"], r["head_dim"])
              for r in data["ring_schedule"]]
 
-    def rates(ramp: float) -> list[float]:
-        out = []
-        for seq, seconds, heads, d in calls:
-            entries = heads * seq * seq / 2
-            exp = entries * profiles.EXP_PER_ENTRY / gpu.sfu_ops_per_second
-            out.append(12 * d * entries / ((seconds - exp) * seq / (seq + ramp)))
-        return out
-
-    lo, hi = 0.0, 20000.0
-    for _ in range(100):  # the L0 at which both calls give the same R
-        mid = (lo + hi) / 2
-        short, long_ = rates(mid)
-        lo, hi = (mid, hi) if short < long_ else (lo, mid)
-    r = rates(lo)[0]
-    print(f"attention: R {r / 1e12:.0f} TFLOP/s = {r / gpu.peak_bf16_flops:.3f} of the BF16 "
-          f"peak, L0 {lo:.0f} tokens")
+    fraction, ramp = profiles.solve_attention(calls, peak=gpu.peak_bf16_flops,
+                                              sfu_ops_per_second=gpu.sfu_ops_per_second)
+    r = fraction * gpu.peak_bf16_flops
+    print(f"attention: R {r / 1e12:.0f} TFLOP/s = {fraction:.3f} of the BF16 "
+          f"peak, L0 {ramp:.0f} tokens")
     model = ModelSpec.model_validate({"preset": "llama3.2-1b"})
     machine = Machine.from_gpu(gpu, network="infiniband-ndr", gpus_per_node=1)
     runs = {run["seq_len"]: run["step_seconds"] for run in data["trainer"]}

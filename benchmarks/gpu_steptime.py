@@ -5,36 +5,42 @@ several lengths, checkpointing modes and micro-batches, in one script (goal: wit
     python benchmarks/gpu_steptime.py --output gpu_steptime.json   # on the GPU (H200)
     python benchmarks/gpu_steptime.py --dry-run                    # the same code on a CPU
 
-Each point is the real trainer (`python -m ctxlaunch.trainer`, via gpu_check.run_trainer) in its
-own process; measured = the mean step after the warm-up steps; predicted = `plan`'s step
-(`machine_for(spec)`: on the GPU the committed profile, whose constants came from other lengths
-(16K and 64K, BENCHMARKS.md section 0); on the CPU the saved calibration). The points use
-lengths that profile was not fitted on. Not yet run on a GPU: no device was lent to the
-session that wrote it (issue 20).
+First it calibrates the GPU as `ctxlaunch calibrate SPEC --submit` does
+(ctxlaunch.runtime.calibrate_device: matmuls, the attention kernel, the trainer at 6K and 12K,
+24K held out). Each point is then the real trainer (`python -m ctxlaunch.trainer`, via
+gpu_check.run_trainer) in its own process; measured = the mean step after the warm-up steps;
+predicted = `plan`'s step with that calibration's profile (with --no-calibrate: the committed
+`ctxlaunch` profile, from section 0's 16K and 64K). The points use lengths the calibration did
+not run. Not yet run on a GPU: no device was lent to the sessions that wrote it (issue 20).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_check import run_trainer, trainer_spec, write_results  # noqa: E402
 
+if TYPE_CHECKING:
+    from ctxlaunch.perf.machine import GpuCalibration, Machine
+
 # (seq_len, checkpointing, micro_batch): lengths the profile was not fitted on.
-GPU_POINTS = [(8192, "none", 1), (8192, "selective", 2), (24576, "selective", 1),
+GPU_POINTS = [(8192, "none", 1), (8192, "selective", 2), (40960, "selective", 1),
               (32768, "none", 1), (32768, "full", 1), (49152, "selective", 1)]
 DRY_POINTS = [(512, "none", 1), (512, "selective", 2), (1024, "full", 1)]
 
 
 def point(gpu: str, model: str, seq: int, mode: str, micro_batch: int, steps: int, warmup: int,
-          workdir: Path) -> dict:
+          workdir: Path, machine: Machine | None) -> dict:
     from ctxlaunch.contract.loader import validate_spec
     from ctxlaunch.perf.machine import machine_for
     from ctxlaunch.perf.steptime import predict_spec
@@ -42,7 +48,7 @@ def point(gpu: str, model: str, seq: int, mode: str, micro_batch: int, steps: in
     data = trainer_spec(model, seq, mode, steps + warmup, gpu, None)
     data["training"].update(micro_batch=micro_batch, global_batch=micro_batch)
     spec = validate_spec(data)
-    predicted = predict_spec(spec, machine_for(spec))
+    predicted = predict_spec(spec, machine or machine_for(spec))
     out: dict = {"seq_len": seq, "checkpointing": mode, "micro_batch": micro_batch,
                  "predicted_step_seconds": predicted.step_seconds,
                  "predicted_terms": predicted.terms, "framework": predicted.framework}
@@ -58,21 +64,40 @@ def point(gpu: str, model: str, seq: int, mode: str, micro_batch: int, steps: in
     return out
 
 
+def calibrate(model: str, dry: bool) -> GpuCalibration:
+    """The H200 calibration the points are predicted with (ctxlaunch.runtime.calibrate_device,
+    as `ctxlaunch calibrate SPEC --submit` runs it): on one GPU, at lengths none of the points
+    use; with `dry` its GPU code path on this CPU."""
+    from ctxlaunch.contract.loader import validate_spec
+    from ctxlaunch.runtime.calibrate_device import measure_device
+
+    data = trainer_spec(model, 8192, "selective", 1, "H200", None)
+    return measure_device(validate_spec(data), dry_run=dry,
+                          log=lambda line: print(line, flush=True))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, the tiny model, toy sizes")
     parser.add_argument("--output", help="also write the results as JSON here")
+    parser.add_argument("--no-calibrate", action="store_true",
+                        help="predict with the committed profile instead of calibrating first")
     args = parser.parse_args()
     dry = args.dry_run
     gpu, model = ("cpu", "tiny") if dry else ("H200", "llama3.2-1b")
     points = DRY_POINTS if dry else GPU_POINTS
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "dry_run": dry,
                      "points": []}
+    machine = None
+    if not args.no_calibrate:
+        calibration = calibrate(model if not dry else "tiny", dry)
+        results["calibration"] = dataclasses.asdict(calibration)
+        machine = calibration.machine(gpus_per_node=1)
     with tempfile.TemporaryDirectory() as tmp:
         for seq, mode, mb in points:
             try:
                 row = point(gpu, model, seq, mode, mb, 2 if dry else 3, 1 if dry else 2,
-                            Path(tmp))
+                            Path(tmp), machine)
             except Exception as exc:  # one failed point must not cost the others' device time
                 row = {"seq_len": seq, "checkpointing": mode, "micro_batch": mb,
                        "error_text": repr(exc)}

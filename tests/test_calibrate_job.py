@@ -104,11 +104,14 @@ def test_submit_bad_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 @pytest.mark.timeout(120)
-def test_the_job_body_refuses_a_gpu_spec(tmp_path: Path) -> None:
-    """A GPU spec's calibration job fails clearly rather than profile this CPU as a GPU."""
+def test_the_job_body_refuses_a_gpu_spec_without_a_gpu(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU spec's calibration job on a node without CUDA fails clearly (exit 2) rather than
+    profile this CPU as a GPU."""
     import subprocess
     import sys
 
+    monkeypatch.delenv("CTXLAUNCH_CALIBRATE_DRY_RUN", raising=False)
     spec = load_spec(JOBS / "demo.yaml", ["cluster.gpu=H200"])
     path = tmp_path / "spec.json"
     path.write_text(spec.model_dump_json())
@@ -116,7 +119,7 @@ def test_the_job_body_refuses_a_gpu_spec(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "ctxlaunch.runtime.calibrate", str(path),
                            "--out", str(out)], capture_output=True, text=True, timeout=100)
     assert done.returncode == 2
-    assert "cluster.gpu 'H200'" in done.stderr
+    assert "cluster.gpu 'H200'" in done.stderr and "no CUDA device" in done.stderr
     assert not out.exists()
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ctxlaunch.contract.fsutil import atomic_write_text
-from ctxlaunch.contract.hardware import LINKS, GpuInfo, LinkInfo
+from ctxlaunch.contract.hardware import GPUS, LINKS, GpuInfo, LinkInfo
 from ctxlaunch.contract.rundir import home
 from ctxlaunch.perf.profiles import (
     ATTENTION_MATMUL_FRACTION,
@@ -206,6 +206,70 @@ class Calibration:
                            self.elementwise_bytes_per_second, "elementwise", share) or None))
 
 
+@dataclass(frozen=True)
+class GpuCalibration:
+    """What the bundled trainer achieves on one GPU type and fabric, measured there by the
+    calibration job (ctxlaunch.runtime.calibrate_device): the `ctxlaunch` profile's fitted and
+    table constants replaced by the measured ones. Rates are fractions of the GPU table's
+    peaks and bandwidth, so the profile's shape-level physics (wave quantisation, the length
+    ramp) still applies to every layout."""
+
+    gpu: str
+    """The GPU table's key (cluster.gpu) the profile was measured for."""
+    device_name: str
+    """What the device called itself (torch.cuda.get_device_name), or "cpu (dry run)"."""
+    network: str
+    gpus_per_node: int
+    precision: str
+    """The compute precision the matmul efficiency was measured in (the model's dtype)."""
+    eta_matmul: float
+    """Large-GEMM efficiency at which the model's GEMM times sum to the measured projections."""
+    attention_fraction: float
+    """The trainer's attention kernel's matmul rate on long calls / the peak."""
+    attention_ramp_tokens: float
+    attention_kernel: str
+    """The kernel the trainer picked (cp.kernel_choice), whose rate this is."""
+    collectives: dict[str, dict[str, float]]
+    """op -> {"bus_bytes_per_second", "latency_seconds"} among the node's GPUs (empty: one GPU
+    per node, the link tables stand)."""
+    dry_run: bool = False
+    """Measured by the GPU code path on a CPU (checks the job; not a GPU's figures)."""
+    measured_at: str = ""
+    elementwise_fraction_of_hbm: float = 1.0
+    microbatch_overhead_seconds: float = 0.0
+    expected_error: float = 0.0
+    """|error| of the trainer step the calibration held out, predicted with every constant
+    above (0: not measured)."""
+    lengths: dict[str, Any] = field(default_factory=dict)
+    """The lengths each part was measured at."""
+    trainer_step_seconds: dict[str, float] = field(default_factory=dict)
+    """The trainer's measured step at each calibration length."""
+
+    def machine(self, gpus_per_node: int) -> Machine:
+        """The `ctxlaunch` profile's machine for this GPU and fabric with the measured
+        constants; the intra-node link is the collectives' median bus bandwidth and latency
+        (the model's `eta_comm` is taken back out, since the measurement already holds it)."""
+        base = Machine.from_gpu(GPUS[self.gpu], network=self.network,
+                                gpus_per_node=gpus_per_node, framework="ctxlaunch")
+        eta = dict(base.eta_matmul)
+        eta[self.precision] = self.eta_matmul
+        intra = base.intra_node
+        if self.collectives:
+            bus = sorted(c["bus_bytes_per_second"] for c in self.collectives.values())
+            latency = sorted(c["latency_seconds"] for c in self.collectives.values())
+            intra = LinkInfo(f"{intra.name} (measured)", bus[len(bus) // 2] / base.eta_comm,
+                             latency[len(latency) // 2],
+                             f"{self.device_name}, measured {self.measured_at}")
+        return dataclasses.replace(
+            base, name=f"{self.gpu} (measured)", eta_matmul=eta,
+            eta_attention=self.attention_fraction,
+            attention_ramp_tokens=self.attention_ramp_tokens,
+            elementwise_bytes_per_second=(self.elementwise_fraction_of_hbm
+                                          * base.memory_bytes_per_second),
+            microbatch_overhead_seconds=self.microbatch_overhead_seconds, intra_node=intra,
+            expected_error=self.expected_error)
+
+
 def calibration_path() -> Path:
     """Where `ctxlaunch calibrate` saves the CPU constants."""
     return home() / "cpu_calibration.json"
@@ -234,13 +298,14 @@ def profile_path_for(spec: JobSpec, spec_path: Path | None = None) -> Path:
     return base / "profiles" / f"{spec.cluster.gpu}-{spec.fabric.network}.json"
 
 
-def save_profile(calibration: Calibration, spec: JobSpec, path: Path) -> Path:
+def save_profile(calibration: Calibration | GpuCalibration, spec: JobSpec, path: Path) -> Path:
     """Write a machine profile atomically: the measured constants keyed by the GPU type and
     fabric of `spec` (what cluster.profile checks), with the node shape they were taken on."""
     from ctxlaunch.contract.spec import PROFILE_FORMAT
 
     data = {"format": PROFILE_FORMAT, "gpu": spec.cluster.gpu,
             "fabric": spec.fabric.network, "framework": "ctxlaunch",
+            "kind": "gpu" if isinstance(calibration, GpuCalibration) else "cpu",
             "nodes": spec.cluster.nodes, "gpus_per_node": spec.cluster.gpus_per_node,
             "model": spec.model.preset or "custom", "measured_at": calibration.measured_at,
             "calibration": asdict(calibration)}
@@ -248,10 +313,13 @@ def save_profile(calibration: Calibration, spec: JobSpec, path: Path) -> Path:
     return atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
-def load_profile(path: Path) -> Calibration:
-    """The constants of a machine profile; ValueError naming the file when it is not one."""
+def load_profile(path: Path) -> Calibration | GpuCalibration:
+    """The constants of a machine profile (a GPU node's, or a CPU's); ValueError naming the
+    file when it is not one."""
     try:
-        return Calibration(**json.loads(path.read_text())["calibration"])
+        data = json.loads(path.read_text())
+        kind = GpuCalibration if data.get("kind") == "gpu" else Calibration
+        return kind(**data["calibration"])
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"cluster.profile: {path} is not a machine profile ({exc})") from None
 

@@ -121,6 +121,37 @@ def attention_seconds(entries: float, head_dim: int, call_tokens: float, *, peak
     return seconds
 
 
+def solve_attention(calls: list[tuple[int, float, int, int]], *, peak: float,
+                    sfu_ops_per_second: float, exp_exposed: bool = True) -> tuple[float, float]:
+    """(R / `peak`, L0) of the flash kernel from two timed causal calls, each (tokens, seconds
+    of one forward + backward, heads, head_dim): the L0 at which both calls give the same
+    matmul rate R once the exponentials are taken out as `attention_seconds` charges them
+    (t = E x (12 d / (R x L / (L + L0)) + 2 / SFU), E = heads x L^2 / 2). Calls whose rate does
+    not grow with length (noise, or a kernel with no ramp) give L0 = 0 and the longer call's
+    rate."""
+    def rates(ramp: float) -> list[float]:
+        out = []
+        for tokens, seconds, heads, head_dim in calls:
+            entries = heads * tokens * tokens / 2
+            exp = (entries * EXP_PER_ENTRY / sfu_ops_per_second
+                   if exp_exposed and sfu_ops_per_second > 0 else 0.0)
+            matmul_seconds = max(seconds - exp, seconds * 1e-3)
+            out.append(12 * head_dim * entries / (matmul_seconds * tokens / (tokens + ramp)))
+        return out
+
+    ordered = sorted(calls)
+    calls = [ordered[0], ordered[-1]]
+    short_rate, long_rate = rates(0.0)
+    if short_rate >= long_rate:
+        return long_rate / peak, 0.0
+    lo, hi = 0.0, 100.0 * calls[-1][0]
+    for _ in range(100):  # rates(L0)[0] - rates(L0)[1] grows with L0: bisect for its zero
+        mid = (lo + hi) / 2
+        a, b = rates(mid)
+        lo, hi = (mid, hi) if a < b else (lo, mid)
+    return rates(lo)[1] / peak, lo
+
+
 BUNDLED_ELEMENTWISE_FRACTION = 0.0638
 """Fitted on the H200 trainer step at 16K (BENCHMARKS.md section 0: 0.697 s, less its GEMMs,
 attention and optimizer as this model times them; benchmarks/fit_steptime.py --bundled): the

@@ -7,7 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ctxlaunch.perf.machine import Calibration, load_calibration, save_calibration
+from ctxlaunch.perf.machine import (
+    Calibration,
+    GpuCalibration,
+    load_calibration,
+    save_calibration,
+)
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -95,7 +100,7 @@ def measure_compute(*, heads: int = 4, head_dim: int = 32, seq: int = 2048,
     return matmul, attention_rate, tile, copy
 
 
-def _run_ranks(target: Callable[..., None], ranks: int, args: tuple[Any, ...], expect: int,
+def run_ranks(target: Callable[..., None], ranks: int, args: tuple[Any, ...], expect: int,
                timeout_s: float, what: str) -> list[Any]:
     """Run `target(rank, init_file, *args, results)` in `ranks` spawned processes; collect
     `expect` results. A process that dies or a run past `timeout_s` ends every process and
@@ -207,27 +212,34 @@ def measure_sync(ranks: int, *, iterations: int = 40, size: int = 192,
     """Seconds one ring exchange adds between compute steps when `ranks` processes (one thread
     each) share the cores, as the trainer's ranks do: every rank computes, then sends to the
     next and receives from the previous; less the same compute without the exchanges."""
-    values = [v for _, v in _run_ranks(_sync_worker, ranks, (ranks, iterations, size), ranks,
+    values = [v for _, v in run_ranks(_sync_worker, ranks, (ranks, iterations, size), ranks,
                                        timeout_s, "sync measurement")]
     return sum(values) / len(values)
+
+
+def fit_line(xs: tuple[float, ...] | list[float], ys: list[float]) -> tuple[float, float]:
+    """(bytes/s, latency s) of the least-squares line t = latency + x / bandwidth through the
+    best time at each message size. A burst of load elsewhere can tilt the line: never below the
+    largest message's own rate. The latency is the smallest message's time less its transfer
+    (the intercept of a line through points this far apart is too noisy to use), at least 0."""
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
+             if spread > 0 else 0.0)
+    bandwidth = max(1.0 / slope if slope > 0 else 0.0, xs[-1] / ys[-1])
+    latency = max(ys[0] - xs[0] / bandwidth, 0.0)
+    return bandwidth, latency
 
 
 def measure_loopback(sizes: tuple[int, ...] = (4096, 262144, 4 * 2**20, 16 * 2**20),
                      repeats: int = 5, timeout_s: float = 120.0) -> tuple[float, float]:
     """(bytes/s, latency s) of gloo point-to-point between two processes over 127.0.0.1: the
     least-squares line through the best one-way time at each message size."""
-    (times,) = _run_ranks(_pingpong, 2, (list(sizes), repeats), 1, timeout_s,
-                          "gloo loopback measurement")
-    n = len(sizes)
-    mean_x, mean_y = sum(sizes) / n, sum(times) / n
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, times, strict=True))
-             / sum((x - mean_x) ** 2 for x in sizes))
-    # A burst of load elsewhere can tilt the line: never below the largest message's own rate.
-    bandwidth = max(1.0 / slope if slope > 0 else 0.0, sizes[-1] / times[-1])
-    # The smallest message's time less its transfer: the intercept of a line through points
-    # this far apart is too noisy to use.
-    latency = max(times[0] - sizes[0] / bandwidth, 1e-6)
-    return bandwidth, latency
+    (times,) = run_ranks(_pingpong, 2, (list(sizes), repeats), 1, timeout_s,
+                         "gloo loopback measurement")
+    bandwidth, latency = fit_line(sizes, times)
+    return bandwidth, max(latency, 1e-6)
 
 
 def _model_step_seconds(model: ModelSpec, seq: int, repeats: int,
@@ -384,11 +396,18 @@ PROFILE_LINE = "ctxlaunch calibrate: profile "
 """How the calibration job's log line that carries its profile (JSON) begins."""
 
 
+DRY_RUN_ENV = "CTXLAUNCH_CALIBRATE_DRY_RUN"
+"""Set to 1, a GPU spec's calibration job runs the GPU code path on this CPU
+(ctxlaunch.runtime.calibrate_device, `dry_run`): how the tests check the job where no GPU is.
+Its profile says it is a dry run."""
+
+
 def run_job(spec_path: str | None, out_path: str) -> int:
     """Measure this node for the spec at `spec_path` (spec.json; None: the spec in
     $CTXLAUNCH_SPEC_JSON, as the Slurm script passes it) and write its machine profile
-    to `out_path`; returns the exit status. Only `gpu: cpu` is measured today: a GPU spec is a
-    clear error, not a profile of the CPU under a GPU's name."""
+    to `out_path`; returns the exit status. `gpu: cpu` measures this CPU (`measure`); a GPU
+    spec measures the node's GPUs (ctxlaunch.runtime.calibrate_device), and is a clear error
+    (exit 2) on a node without CUDA, never a profile of the CPU under a GPU's name."""
     import json
     import os
     import sys
@@ -402,17 +421,30 @@ def run_job(spec_path: str | None, out_path: str) -> int:
     data = json.loads(Path(spec_path).read_text() if spec_path else os.environ[SPEC_ENV])
     data.get("cluster", {}).pop("profile", None)  # the profile being written, not one to use
     spec = validate_spec(data, spec_path or SPEC_ENV)
-    if spec.cluster.gpu != "cpu":
-        print(f"ctxlaunch calibrate: cluster.gpu {spec.cluster.gpu!r}: the calibration job "
-              "measures gpu: cpu only so far (the CUDA measurement is not built)",
-              file=sys.stderr)
-        return 2
     if rank != 0:
         return 0
     m = spec.model
-    # Short on the CPU: 512-token attention, two repeats, three message sizes, one sync width.
-    calibration = measure(heads=m.heads, head_dim=m.head_dim, dtype=m.dtype, model=m, seq=512,
-                          repeats=2, sizes=(4096, 262144, 2**20), sync_ranks=(2,))
+    calibration: Calibration | GpuCalibration
+    if spec.cluster.gpu != "cpu":
+        from ctxlaunch.runtime.calibrate_device import measure_device
+
+        dry_run = os.environ.get(DRY_RUN_ENV) == "1"
+        print(f"ctxlaunch calibrate: measuring {spec.cluster.gpu} x "
+              f"{spec.cluster.gpus_per_node} over {spec.fabric.network}"
+              f"{' (dry run on the CPU)' if dry_run else ''}", flush=True)
+        try:
+            calibration = measure_device(spec, dry_run=dry_run,
+                                         log=lambda line: print(line, flush=True))
+        except RuntimeError as exc:
+            print(f"ctxlaunch calibrate: cluster.gpu {spec.cluster.gpu!r}: {exc}",
+                  file=sys.stderr)
+            return 2
+    else:
+        # Short on the CPU: 512-token attention, two repeats, three message sizes, one sync
+        # width.
+        calibration = measure(heads=m.heads, head_dim=m.head_dim, dtype=m.dtype, model=m,
+                              seq=512, repeats=2, sizes=(4096, 262144, 2**20),
+                              sync_ranks=(2,))
     written = save_profile(calibration, spec, Path(out_path))
     # The profile in the log too: where the job's filesystem is not the submitter's (a pod).
     print(f"{PROFILE_LINE}{json.dumps(json.loads(written.read_text()))}")
