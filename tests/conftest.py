@@ -13,6 +13,31 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 DEFAULT_CRD = ROOT.parent / "shared" / "crds" / "kubeflow.org_pytorchjobs.yaml"
 
 
+SERVICE_GROUPS: dict[str, tuple[str, ...]] = {
+    # The shared Slurm cluster (whose nodes the fault tests drain, kill and fill) and the
+    # Prometheus + Pushgateway its jobs and the live telemetry tests push to and reload.
+    "slurm-prometheus": ("test_slurm.py", "test_slurm_faults.py", "test_calibrate_slurm.py",
+                         "test_telemetry_live.py"),
+    # The single-node cluster's node: its pods share the node's memory and the project image.
+    "kubernetes-node": ("test_kubernetes_node.py",),
+    # The API server at 127.0.0.1:6443 (each test has its own namespace; one worker still,
+    # so that its tests' polling never races another's cleanup).
+    "kubernetes-api": ("test_kubernetes.py", "test_trainjob.py", "test_kuberest.py",
+                       "test_image.py", "test_calibrate_kubernetes.py", "test_kube_follow.py"),
+}
+"""Test files that share a real service, by group: with pytest-xdist (`scripts/test` runs two
+workers, --dist loadgroup) each group's tests run on one worker, in file order; every other
+test goes to whichever worker is free."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    groups = {name: group for group, names in SERVICE_GROUPS.items() for name in names}
+    for item in items:
+        group = groups.get(item.path.name)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--update-goldens", action="store_true",
                      help="Rewrite golden files from the current output instead of comparing.")
