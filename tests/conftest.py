@@ -30,7 +30,11 @@ workers, --dist loadgroup) each group's tests run on one worker, in file order; 
 test goes to whichever worker is free."""
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # tryfirst: xdist's worker reads the xdist_group markers in its own
+    # pytest_collection_modifyitems (into each node id's "@group" suffix, which its loadgroup
+    # scheduler goes by), so the markers must be there before it runs.
     groups = {name: group for group, names in SERVICE_GROUPS.items() for name in names}
     for item in items:
         group = groups.get(item.path.name)

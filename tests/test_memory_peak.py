@@ -72,14 +72,40 @@ def _check(world: int, cases: list[dict[str, object]], tolerance: float, *,
     same stage make allocations of the same sizes (DP replicas; CP ranks' equal zigzag shards;
     TP ranks' equal slices), and the record can only read high (a free it missed keeps a block
     on the curve), so each is compared through the lowest reading of its stage's ranks (every
-    reading is still printed)."""
+    reading is still printed); a case whose lowest reading is still high beyond the tolerance
+    is measured once more (how many frees land on gloo's threads depends on the timing, which
+    another test running beside this one changes), and the lower of the two readings counts."""
     specs = [spec_for(world, case) for case in cases]
-    ranks = (run_distributed(_measure, world, specs, timeout_s=500) if world > 1
-             else [_measure(0, 1, specs)])
-    failures = []
+
+    def measure(chosen: list[dict]) -> list[list[tuple[int, str]]]:
+        return (run_distributed(_measure, world, chosen, timeout_s=500) if world > 1
+                else [_measure(0, 1, chosen)])
+
+    ranks = measure(specs)
+    errors = _errors(world, cases, specs, ranks, replicas_alike)
+    if replicas_alike:
+        again = [i for i, case_errors in enumerate(errors)
+                 if any(e < -tolerance for e in case_errors)]
+        if again:
+            print(f"measured again (a reading above the plan): {[cases[i] for i in again]}")
+            second = measure([specs[i] for i in again])
+            for j, i in enumerate(again):
+                for rank in range(world):
+                    ranks[rank][i] = min(ranks[rank][i], second[rank][j])
+            errors = _errors(world, cases, specs, ranks, replicas_alike)
+    failures = [(case, rank, f"{error:+.2%}") for case, case_errors in zip(cases, errors)
+                for rank, error in enumerate(case_errors) if abs(error) > tolerance]
+    assert not failures, failures
+
+
+def _errors(world: int, cases: list[dict[str, object]], specs: list[dict],
+            ranks: list[list[tuple[int, str]]], replicas_alike: bool) -> list[list[float]]:
+    """predicted / measured - 1 per case and rank (printing every reading)."""
+    out = []
     for index, case in enumerate(cases):
         spec = validate_spec(specs[index])
         layout = Layout.from_spec(spec)
+        case_errors = []
         for rank in range(world):
             # Under PP each rank is planned as its own stage: pp is the outermost dimension of
             # the trainer's rank order (ParallelContext.pp_rank).
@@ -93,10 +119,9 @@ def _check(world: int, cases: list[dict[str, object]], tolerance: float, *,
                 per_stage = world // layout.pp
                 first = rank - rank % per_stage
                 measured = min(ranks[r][index][0] for r in range(first, first + per_stage))
-            error = predicted / measured - 1
-            if abs(error) > tolerance:
-                failures.append((case, rank, f"{error:+.2%}"))
-    assert not failures, failures
+            case_errors.append(predicted / measured - 1)
+        out.append(case_errors)
+    return out
 
 
 @pytest.mark.timeout(600)

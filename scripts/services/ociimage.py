@@ -20,6 +20,7 @@ both keys, so a changed source tree gives a new tag and an unchanged one is not 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import io
 import json
@@ -168,20 +169,24 @@ def cached_layer(cache: Path, key: str, fill) -> tuple[Path, str, int]:
     size). The digest is kept beside the tarball so a cached layer is not hashed again."""
     cache.mkdir(parents=True, exist_ok=True)
     path, meta = cache / f"{key}.tar", cache / f"{key}.json"
-    if path.is_file() and meta.is_file():
-        info = json.loads(meta.read_text())
-        return path, info["digest"], info["size"]
-    layer = Layer(path)
-    try:
-        fill(layer)
-    except BaseException:
-        layer.abort()
-        raise
-    digest, size = layer.close()
-    tmp = meta.with_suffix(".jtmp")
-    tmp.write_text(json.dumps({"digest": digest, "size": size}))
-    os.replace(tmp, meta)
-    return path, digest, size
+    # One writer per layer: a second build of the same layer (another test run, another
+    # worker) waits for the first and then takes its result from the cache.
+    with (cache / f"{key}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file() and meta.is_file():
+            info = json.loads(meta.read_text())
+            return path, info["digest"], info["size"]
+        layer = Layer(path)
+        try:
+            fill(layer)
+        except BaseException:
+            layer.abort()
+            raise
+        digest, size = layer.close()
+        tmp = meta.with_suffix(".jtmp")
+        tmp.write_text(json.dumps({"digest": digest, "size": size}))
+        os.replace(tmp, meta)
+        return path, digest, size
 
 
 # --------------------------------------------------------------------------------------------
@@ -431,6 +436,7 @@ def project_image(repo: Path, containerd: str, cache: Path, tag_prefix: str) -> 
     for old in sources[:-4]:
         old.unlink(missing_ok=True)
         old.with_suffix(".json").unlink(missing_ok=True)
+        old.with_suffix(".lock").unlink(missing_ok=True)
     return ref
 
 
