@@ -3,7 +3,7 @@
 # Kubernetes API server (etcd + kube-apiserver with the PyTorchJob CRD) and a single-node
 # Kubernetes cluster beside it (kubernetes-node.sh: the same with a kubelet, a scheduler, a
 # controller manager and containerd). The node's four binaries are built in one make the first
-# time (8 min on a quiet 2-core machine), and that build's kube-apiserver serves the API server
+# time (5 min 12 s on a quiet 2-core machine), and that build's kube-apiserver serves the API server
 # alone too, so the node is installed first. CTXLAUNCH_KUBE_NODE_TESTS=0 leaves the node out
 # (its tests then skip, saying so).
 #
