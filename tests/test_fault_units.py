@@ -1,6 +1,6 @@
 """The pieces behind the Slurm fault tests, without a cluster: naming a hung rank from the
-heartbeats, telling a full disk from other save errors, and a stop signal caught before the
-trainer's loop starts."""
+heartbeats, telling a full disk from other save errors, a stop signal caught before the
+trainer's loop starts, and the collective timeout on the layout's own groups."""
 
 from __future__ import annotations
 
@@ -12,7 +12,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+import torch
+import torch.distributed as dist
+
+from ctxlaunch.cp import comm
 from ctxlaunch.runtime.trainer import checkpoint, heartbeat, stopsignal
+from ctxlaunch.runtime.trainer.engines import init_deepspeed
+from ctxlaunch.runtime.trainer.parallelize import build_context
+from tests.helpers.dist import run_distributed
 
 
 def test_a_stale_heartbeat_names_the_hung_rank(tmp_path: Path) -> None:
@@ -52,3 +60,43 @@ def test_a_stop_signal_during_start_up_does_not_kill_the_rank(tmp_path: Path) ->
                             timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "True", result.stderr
     assert stopsignal.STOP_SIGNALS == (signal.SIGUSR1, signal.SIGTERM)
+
+
+def _wait_beside_a_silent_peer(rank: int, world_size: int, group: str, answered: str,
+                               timeout_s: int) -> str | None:
+    comm.set_wait_timeout(timeout_s)  # what the trainer does before it builds its groups
+    if group == "deepspeed":  # ZeRO's gradients go over DeepSpeed's own copy of the world
+        from deepspeed.utils import groups
+
+        init_deepspeed("gloo")
+        target = groups._get_data_parallel_group()
+    else:
+        ctx = build_context(rank=rank, world_size=world_size, dp=2 if group == "dp" else 1,
+                            cp=2 if group == "cp" else 1, ulysses=1, layout="zigzag",
+                            tp=2 if group == "tp" else 1, pp=2 if group == "pp" else 1)
+        target = getattr(ctx, f"{group}_group")
+    if rank == 1:  # alive and silent until rank 0 has its answer (at most a minute)
+        deadline = time.monotonic() + 60
+        while not Path(answered).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return None
+    try:
+        if group == "pp":  # the pipeline's stages talk point to point, waited with no deadline
+            dist.recv(torch.empty(1), src=1, group=target)
+        else:
+            dist.all_reduce(torch.ones(1), group=target)
+        return "completed"
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        Path(answered).touch()
+
+
+@pytest.mark.parametrize("group", ["cp", "tp", "dp", "pp", "deepspeed"])
+def test_a_silent_peer_times_out_the_layouts_groups_too(tmp_path: Path, group: str) -> None:
+    """A subgroup takes torch's default timeout (30 minutes on gloo), not the job's, unless it
+    is given one: rank 1 stays silent, and rank 0's all-reduce (PP: receive) on the group must
+    fail after the job's 3 s, not once rank 1 gives up a minute later (a closed connection)."""
+    rank0, _ = run_distributed(_wait_beside_a_silent_peer, 2, group,
+                               str(tmp_path / "answered"), 3, timeout_s=120)
+    assert isinstance(rank0, str) and "Timed out" in rank0, rank0

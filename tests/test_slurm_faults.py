@@ -259,8 +259,9 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path: Path
     os.kill(rank_pid(job_id, "node2"), signal.SIGSTOP)  # alive, silent: rank 1
     waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5",
                  timeout=170)
-    assert waited.returncode == 1, waited.stdout + waited.stderr
-    assert f"{job_id}: FAILED" in waited.stdout
+    log = ctx(home, tmp_path, "logs", job_id).stdout
+    assert waited.returncode == 1, waited.stdout + waited.stderr + log
+    assert f"{job_id}: FAILED" in waited.stdout, waited.stdout + log
     assert re.search(r"rank 1 \(silent \d+ s\) hung: stopped or stuck, not dead; rank 0 gave "
                      r"up waiting for it after the collective timeout", waited.stdout), \
         waited.stdout

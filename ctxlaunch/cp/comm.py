@@ -15,8 +15,9 @@ import torch.distributed as dist
 # Seconds every ring transfer takes at least, counted from its commit (0: off). A benchmark
 # sets it through ``simulated_link_delay`` to emulate a slow link and make overlap visible.
 _link_delay_s = 0.0
-# How long a ring transfer may take. Gloo's point-to-point waits have no timeout of their own: a
-# stopped peer would hang its neighbours forever. timedelta(0) = no limit (the default).
+# How long a ring transfer, or any collective on a group `new_group` makes, may take. A wait given
+# no deadline takes its group's, and a subgroup made without one has torch's default (30 minutes
+# on gloo): a stopped peer would hold its neighbours that long. timedelta(0) = torch's defaults.
 _wait_timeout = datetime.timedelta(0)
 
 
@@ -35,9 +36,20 @@ _side_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def set_wait_timeout(seconds: float) -> None:
-    """Make every ring wait fail after `seconds` (the trainer passes its collective timeout)."""
+    """Make every ring wait, and every group `new_group` makes from now on, fail after
+    `seconds` (the trainer passes its collective timeout)."""
     global _wait_timeout
     _wait_timeout = datetime.timedelta(seconds=seconds)
+
+
+def new_group(ranks: list[int], **kwargs) -> dist.ProcessGroup:
+    """``dist.new_group`` under the timeout given to `set_wait_timeout`. A subgroup does not
+    inherit the one ``init_process_group`` was given: it takes torch's default (30 minutes on
+    gloo, 10 on NCCL), so a stopped peer held its CP, TP or DP group's collectives that long
+    while the job's timeout was seconds (found by the Slurm hung-rank test)."""
+    if _wait_timeout:
+        kwargs.setdefault("timeout", _wait_timeout)
+    return dist.new_group(ranks, **kwargs)
 
 
 # Seconds this process has spent blocked on CP communication (ring waits, Ulysses all-to-alls):

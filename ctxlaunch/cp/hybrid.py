@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import kernels
+from . import comm, kernels
 from .documents import check_documents
 from .layout import check_shard_len
 from .ring import ring_attention
@@ -44,8 +44,8 @@ def new_hybrid_groups(
     ring_ranks = cp_ranks[me % ulysses_size :: ulysses_size]
     # Every member creates its Ulysses group before its ring group, so the group-local
     # barriers cannot wait on each other in a cycle.
-    ulysses_group = dist.new_group(ulysses_ranks, use_local_synchronization=True)
-    ring_group = dist.new_group(ring_ranks, use_local_synchronization=True)
+    ulysses_group = comm.new_group(ulysses_ranks, use_local_synchronization=True)
+    ring_group = comm.new_group(ring_ranks, use_local_synchronization=True)
     return ulysses_group, ring_group
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ctxlaunch.cp import comm as cp_comm
 from ctxlaunch.perf.memory import (
     GRAD_BUCKET_ELEMENTS,
     ZERO3_PREFETCH_ELEMENTS,
@@ -314,8 +315,13 @@ def init_deepspeed(backend: str) -> None:
     # the job. Patch the module the name lives in (a plain import would bind a copy).
     vars(importlib.import_module("deepspeed.comm.torch"))["build_shm_op"] = lambda: None
     import deepspeed
+    from deepspeed.utils import groups
 
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    # Without an mpu, ZeRO reduces over its own copy of the world group, which it makes with no
+    # timeout (torch's 30-minute default): make that copy here, under the job's.
+    if groups._WORLD_GROUP is None:
+        groups._WORLD_GROUP = cp_comm.new_group(list(range(dist.get_world_size())))
 
 
 class DeepSpeedEngine:

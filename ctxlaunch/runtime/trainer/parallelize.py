@@ -24,6 +24,7 @@ from torch import nn
 
 from ctxlaunch import cp as cp_attention
 from ctxlaunch.contract.spec import JobSpec, ModelSpec, StateEngine
+from ctxlaunch.cp import comm as cp_comm
 from ctxlaunch.runtime.trainer.loss import VocabShard, chunked_cross_entropy
 from ctxlaunch.runtime.trainer.model import AttentionFn, Checkpointing, Transformer
 from ctxlaunch.runtime.trainer.pipeline import StageModule, pipeline_schedule, split_stages
@@ -104,7 +105,7 @@ def build_context(*, rank: int, world_size: int, dp: int, cp: int, ulysses: int,
     def make(name: str, ranks: list[int]) -> None:
         if world_size == 1 or len(ranks) == 1:
             return
-        group = dist.new_group(ranks)
+        group = cp_comm.new_group(ranks)
         if rank in ranks:
             mine[name] = group
 
