@@ -23,13 +23,11 @@ come from the kubelet's status (whole seconds).
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,42 +35,29 @@ sys.path.insert(0, str(REPO))
 
 from tests.helpers.kube_node import (  # noqa: E402  the repo root is on the path only now
     CONTAINERD_SOCK,
+    KUBECTL,
     NODE_ADMIN,
-    NODE_TAINT_KEY,
+    ctx,
+    job_pods,
     kubectl,
+    new_namespace,
     project_image,
+    submit_args,
+    with_checkpoint_volume,
 )
 from tests.helpers.pytorchjob_operator import PyTorchJobOperator, wait_for  # noqa: E402
 
-CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
-TOLERATION = json.dumps([{"key": NODE_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}])
 POLL = 0.2
 
 
-def ctx(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CTXLAUNCH_HOME": str(home), "KUBECONFIG": str(NODE_ADMIN)}
-    return subprocess.run([CTXLAUNCH, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def submit(home: Path, image: str, namespace: str, name: str, *sets: str) -> str:
-    args = [str(REPO / "jobs" / "demo.yaml")]
-    for item in ("cluster.target=kubernetes", f"cluster.kubernetes.image={image}",
-                 f"cluster.kubernetes.namespace={namespace}", f"name={name}",
-                 f"cluster.kubernetes.tolerations={TOLERATION}", "training.log_interval=1",
-                 "cluster.kubernetes.shm_size=256Mi", "cluster.nodes=1",
-                 "cluster.gpus_per_node=1", "parallel.cp=1", *sets):
-        args += ["--set", item]
-    result = ctx(home, "submit", *args)
+    """The demo job as one pod (one rank), with `sets`."""
+    result = ctx(home, "submit", *submit_args(
+        image, namespace, name, "training.log_interval=1", "cluster.kubernetes.shm_size=256Mi",
+        "cluster.nodes=1", "cluster.gpus_per_node=1", "parallel.cp=1", *sets))
     if result.returncode != 0:
         raise SystemExit(f"submit failed: {result.stdout}{result.stderr}")
     return result.stdout.strip()
-
-
-def pods(namespace: str, job: str) -> list[dict]:
-    result = kubectl("get", "pods", "-n", namespace, "-l",
-                     f"training.kubeflow.org/job-name={job}", "-o", "json")
-    return json.loads(result.stdout)["items"]
 
 
 def container(pod: dict) -> dict:
@@ -81,7 +66,7 @@ def container(pod: dict) -> dict:
 
 
 def running_since(namespace: str, job: str, not_uid: str | None = None) -> dict | None:
-    for pod in pods(namespace, job):
+    for pod in job_pods(namespace, job):
         if pod["metadata"]["uid"] != not_uid and "running" in container(pod).get("state", {}):
             return pod
     return None
@@ -91,38 +76,20 @@ def log_lines(namespace: str, pod: str) -> str:
     return kubectl("logs", pod, "-n", namespace, check=False).stdout
 
 
-def namespace_ready() -> str:
-    name = f"bench-{uuid.uuid4().hex[:8]}"
-    kubectl("create", "namespace", name)
-    wait_for(lambda: kubectl("get", "serviceaccount", "default", "-n", name,
-                             check=False).returncode == 0, 60, "the default service account")
-    return name
-
-
 def requeue(image: str, home: Path) -> dict[str, object]:
-    namespace = namespace_ready()
+    namespace = new_namespace("bench")
     host_dir = Path(tempfile.mkdtemp(prefix="kube-ckpt-"))
     out: dict[str, object] = {}
     try:
         job = submit(home, image, namespace, "requeue", "training.seq_len=1024",
                      "training.steps=30", "training.checkpoint.interval=1000",
                      "training.checkpoint.dir=/checkpoints")
-        found = json.loads(kubectl("get", "pytorchjob", "requeue", "-n", namespace, "-o",
-                                   "json").stdout)
-        template = found["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
-        template["volumes"].append({"name": "checkpoints",
-                                    "hostPath": {"path": str(host_dir), "type": "Directory"}})
-        template["containers"][0]["volumeMounts"].append({"name": "checkpoints",
-                                                          "mountPath": "/checkpoints"})
-        kubectl("patch", "pytorchjob", "requeue", "-n", namespace, "--type", "merge", "-p",
-                json.dumps({"spec": {"pytorchReplicaSpecs": {"Master": {"template": {
-                    "spec": template}}}}}))
+        with_checkpoint_volume(namespace, "requeue", host_dir)
         stand_in = PyTorchJobOperator(str(NODE_ADMIN), namespace, init_image=image).start()
         try:
             first = wait_for(lambda: running_since(namespace, "requeue"), 300,
                              "the first pod running", POLL)
-            follow = subprocess.Popen([str(Path(sys.executable).parent / "kubectl"),
-                                       "--kubeconfig", str(NODE_ADMIN), "logs", "-f",
+            follow = subprocess.Popen([KUBECTL, "--kubeconfig", str(NODE_ADMIN), "logs", "-f",
                                        "requeue-master-0", "-n", namespace],
                                       stdout=subprocess.PIPE, text=True)
             wait_for(lambda: "step 2/" in log_lines(namespace, "requeue-master-0"), 300,
@@ -139,7 +106,7 @@ def requeue(image: str, home: Path) -> dict[str, object]:
             first_exit: dict = {}
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline:
-                now = pods(namespace, "requeue")
+                now = job_pods(namespace, "requeue")
                 if any(p["metadata"]["uid"] != first["metadata"]["uid"] for p in now):
                     break
                 for p in now:
@@ -194,7 +161,7 @@ def requeue(image: str, home: Path) -> dict[str, object]:
 
 
 def oom(image: str, home: Path) -> dict[str, object]:
-    namespace = namespace_ready()
+    namespace = new_namespace("bench")
     stand_in = PyTorchJobOperator(str(NODE_ADMIN), namespace, init_image=image).start()
     try:
         started = time.monotonic()
@@ -205,7 +172,7 @@ def oom(image: str, home: Path) -> dict[str, object]:
         running = time.monotonic()
 
         def terminated() -> dict | None:
-            for p in pods(namespace, "oom"):
+            for p in job_pods(namespace, "oom"):
                 state = container(p).get("state", {})
                 if "terminated" in state:
                     return state["terminated"]

@@ -95,15 +95,15 @@ def pytorchjob_crd() -> Path:
 
 
 
-TRAINER_CRDS = {kind: ROOT.parent / "shared" / "crds" / f"trainer.kubeflow.org_{plural}.yaml"
-                for kind, plural in [("TrainJob", "trainjobs"),
-                                     ("TrainingRuntime", "trainingruntimes")]}
-
-
 @pytest.fixture(scope="session")
 def trainer_crds() -> dict[str, Path]:
-    """Kubeflow Trainer v2.3.0's TrainJob and TrainingRuntime CRDs (../shared/crds)."""
-    missing = [str(p) for p in TRAINER_CRDS.values() if not p.is_file()]
+    """Kubeflow Trainer v2.3.0's TrainJob and TrainingRuntime CRDs, where kubernetes.sh reads
+    them: $CTXLAUNCH_TRAINER_CRDS, else beside the PyTorchJob CRD (../shared/crds)."""
+    directory = Path(os.environ.get("CTXLAUNCH_TRAINER_CRDS")
+                     or Path(os.environ.get("CTXLAUNCH_PYTORCHJOB_CRD", DEFAULT_CRD)).parent)
+    crds = {kind: directory / f"trainer.kubeflow.org_{plural}.yaml"
+            for kind, plural in [("TrainJob", "trainjobs"), ("TrainingRuntime", "trainingruntimes")]}
+    missing = [str(p) for p in crds.values() if not p.is_file()]
     if missing:
         pytest.skip(f"the Trainer v2 CRDs are absent: {', '.join(missing)}")
-    return TRAINER_CRDS
+    return crds

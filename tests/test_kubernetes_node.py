@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,19 +26,22 @@ import pytest
 
 from tests.helpers.kube_node import (
     CONTAINERD_SOCK,
+    CTXLAUNCH,
     NODE_ADMIN,
-    NODE_TAINT_KEY,
+    ctx,
+    job_pods,
     kubectl,
+    new_namespace,
     project_image,
     require_node,
+    submit_args,
+    with_checkpoint_volume,
 )
 from tests.helpers.pytorchjob_operator import PyTorchJobOperator, wait_for
 
 from .conftest import JOBS
 
 pytestmark = pytest.mark.slow
-CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
-TOLERATION = json.dumps([{"key": NODE_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}])
 TINY = ("training.seq_len=1024", "training.steps=4", "training.log_interval=1",
         "cluster.kubernetes.shm_size=256Mi")
 """The demo model, a few short steps: seconds of training once the pods run."""
@@ -54,12 +55,7 @@ def image() -> str:
 
 @pytest.fixture
 def namespace(image: str) -> Iterator[str]:
-    """A fresh namespace, once the controller manager has made its default service account."""
-    name = f"node-{uuid.uuid4().hex[:8]}"
-    kubectl("create", "namespace", name)
-    wait_for(lambda: kubectl("get", "serviceaccount", "default", "-n", name,
-                             check=False).returncode == 0, 60,
-             "the controller manager's default service account")
+    name = new_namespace("node")
     yield name
     kubectl("delete", "namespace", name, "--wait=false", check=False)
 
@@ -77,19 +73,8 @@ def home(tmp_path: Path) -> Path:
     return tmp_path / "home"
 
 
-def ctx(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CTXLAUNCH_HOME": str(home), "KUBECONFIG": str(NODE_ADMIN)}
-    return subprocess.run([CTXLAUNCH, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def submit(home: Path, image: str, namespace: str, name: str, *sets: str) -> str:
-    args = [str(JOBS / "demo.yaml")]
-    for item in ("cluster.target=kubernetes", f"cluster.kubernetes.image={image}",
-                 f"cluster.kubernetes.namespace={namespace}", f"name={name}",
-                 f"cluster.kubernetes.tolerations={TOLERATION}", *TINY, *sets):
-        args += ["--set", item]
-    result = ctx(home, "submit", *args)
+    result = ctx(home, "submit", *submit_args(image, namespace, name, *TINY, *sets))
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout.strip()
 
@@ -98,12 +83,6 @@ def status(home: Path, job: str) -> dict:
     result = ctx(home, "status", job, "--json")
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result.stdout)
-
-
-def pods(namespace: str, job: str) -> list[dict]:
-    result = kubectl("get", "pods", "-n", namespace, "-l",
-                     f"training.kubeflow.org/job-name={job}", "-o", "json")
-    return json.loads(result.stdout)["items"]
 
 
 def owned_left(namespace: str, job: str) -> list[str]:
@@ -138,7 +117,7 @@ def test_two_pods_train_through_the_pod_network_and_succeed(image, namespace, op
     found = status(home, job)
     assert found["state"] == "COMPLETED", found
     assert "rank0" in followed and "step" in followed, followed[-2000:]
-    running = pods(namespace, "train2")
+    running = job_pods(namespace, "train2")
     assert sorted(p["metadata"]["name"] for p in running) == ["train2-master-0",
                                                              "train2-worker-0"]
     ips = {p["status"]["podIP"] for p in running}
@@ -164,16 +143,12 @@ def test_calibration_runs_on_the_node_and_its_profile_comes_back(image, namespac
     to its log, and once the job has succeeded the command writes that profile here, where
     `plan` can name it (cluster.profile)."""
     out = tmp_path / "profiles" / "cpu-ib.json"
-    args = [str(JOBS / "demo.yaml"), "--submit", "--wait", "480", "--profile-out", str(out)]
-    for item in ("cluster.target=kubernetes", f"cluster.kubernetes.image={image}",
-                 f"cluster.kubernetes.namespace={namespace}", "name=calib",
-                 f"cluster.kubernetes.tolerations={TOLERATION}",
-                 "cluster.kubernetes.shm_size=256Mi"):
-        args += ["--set", item]
-    result = ctx(home, "calibrate", *args, timeout=540)
+    args = submit_args(image, namespace, "calib", "cluster.kubernetes.shm_size=256Mi")
+    result = ctx(home, "calibrate", *args, "--submit", "--wait", "480", "--profile-out",
+                 str(out), timeout=540)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == f"{namespace}/calib", result.stdout
-    (pod,) = pods(namespace, "calib")
+    (pod,) = job_pods(namespace, "calib")
     assert pod["status"]["phase"] == "Succeeded", pod["status"]
     profile = json.loads(out.read_text())
     assert (profile["gpu"], profile["nodes"], profile["framework"]) == ("cpu", 1, "ctxlaunch")
@@ -193,7 +168,7 @@ def test_a_too_small_memory_limit_ends_oomkilled(image, namespace, operator, hom
     found = wait_for(lambda: (s := status(home, job))["state"] not in ("PENDING", "RUNNING")
                      and s, 540, "the job's end")
     assert found["state"] == "OOM", found
-    pod = pods(namespace, "oom")[0]
+    pod = job_pods(namespace, "oom")[0]
     terminated = pod["status"]["containerStatuses"][0]["state"]["terminated"]
     assert terminated["reason"] == "OOMKilled", terminated
     shown = ctx(home, "status", job)
@@ -211,7 +186,7 @@ def test_a_bad_input_exit_is_not_retried(image, namespace, operator, home):
                      and s, 540, "the job's end")
     assert found["state"] == "BAD_INPUT", found
     assert found["restarts"] == 0, found
-    (pod,) = pods(namespace, "bad")
+    (pod,) = job_pods(namespace, "bad")
     assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 2
 
 
@@ -221,7 +196,7 @@ def test_cancel_leaves_nothing_behind(image, namespace, operator, home):
     removes the pods and services it owned, and the ConfigMap goes with it: nothing orphaned."""
     job = submit(home, image, namespace, "gone", "cluster.nodes=2", "cluster.gpus_per_node=1",
                  "training.steps=100000")
-    wait_for(lambda: len([p for p in pods(namespace, "gone")
+    wait_for(lambda: len([p for p in job_pods(namespace, "gone")
                           if p["status"].get("phase") == "Running"]) == 2, 300,
              "both pods running")
     assert len(owned_left(namespace, "gone")) == 5  # 2 pods, 2 services, the ConfigMap
@@ -229,21 +204,6 @@ def test_cancel_leaves_nothing_behind(image, namespace, operator, home):
     assert result.returncode == 0, result.stderr
     wait_for(lambda: not owned_left(namespace, "gone"), 180, "the garbage collection")
     assert status(home, job)["state"] == "CANCELLED"
-
-
-def with_checkpoint_volume(namespace: str, job: str, host_dir: Path) -> None:
-    """Give the submitted PyTorchJob's pod template a hostPath volume at the checkpoint
-    directory (the spec has no volume field yet; on a real cluster this is a PVC), before the
-    operator stand-in makes its pods."""
-    found = json.loads(kubectl("get", "pytorchjob", job, "-n", namespace, "-o", "json").stdout)
-    template = found["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
-    template["volumes"].append({"name": "checkpoints",
-                                "hostPath": {"path": str(host_dir), "type": "Directory"}})
-    template["containers"][0]["volumeMounts"].append({"name": "checkpoints",
-                                                      "mountPath": "/checkpoints"})
-    patch = {"spec": {"pytorchReplicaSpecs": {"Master": {"template": {"spec": template}}}}}
-    kubectl("patch", "pytorchjob", job, "-n", namespace, "--type", "merge", "-p",
-            json.dumps(patch))
 
 
 @pytest.mark.timeout(900)
@@ -263,7 +223,7 @@ def test_a_checkpointed_stop_is_retried_and_the_new_pod_resumes(image, namespace
     try:
         wait_for(lambda: "step 2/" in kubectl("logs", "requeue-master-0", "-n", namespace,
                                               check=False).stdout, 300, "step 2 in the log")
-        (first,) = pods(namespace, "requeue")
+        (first,) = job_pods(namespace, "requeue")
         container = first["status"]["containerStatuses"][0]["containerID"].split("//", 1)[1]
         subprocess.run(["ctr", "--address", str(CONTAINERD_SOCK), "-n", "k8s.io", "tasks",
                         "kill", "-s", "SIGTERM", container], check=True, timeout=30)
@@ -274,7 +234,7 @@ def test_a_checkpointed_stop_is_retried_and_the_new_pod_resumes(image, namespace
     assert not stand_in.errors, stand_in.errors
     found = status(home, job)
     assert found["state"] == "COMPLETED" and found["restarts"] >= 1, found
-    (second,) = pods(namespace, "requeue")
+    (second,) = job_pods(namespace, "requeue")
     assert second["metadata"]["uid"] != first["metadata"]["uid"]
     log = kubectl("logs", "requeue-master-0", "-n", namespace).stdout
     assert "resumed from /checkpoints/step-" in log, log[-3000:]

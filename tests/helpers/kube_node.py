@@ -4,13 +4,16 @@ project image the node tests run, written by scripts/services/ociimage.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.pytorchjob_operator import wait_for
 from tests.helpers.services import SERVICES_DIR
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,6 +28,9 @@ NODE_TAINT_KEY = "ctxlaunch.dev/node-tests"
 START_HINT = ("start it with `CTXLAUNCH_KUBE_NODE=1 scripts/services/kubernetes.sh start` "
               "(scripts/services/all.sh start does it)")
 KUBECTL = str(Path(sys.executable).parent / "kubectl")
+CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
+TOLERATION = json.dumps([{"key": NODE_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}])
+"""What a job needs in `cluster.kubernetes.tolerations` to run on the node."""
 
 
 def node_installed() -> bool:
@@ -32,13 +38,20 @@ def node_installed() -> bool:
 
 
 def require_node() -> None:
-    """Skip, saying why, where the node is not installed (no kubelet built); fail, saying how to
-    start it, where it is installed but not up."""
+    """Skip, saying why, where the node is not installed (no kubelet built) or the PyTorchJob CRD
+    it would serve is absent (kubernetes.sh then starts nothing, as for the API server alone:
+    a kubeconfig left by an earlier start must not read as a node that failed); fail, saying
+    how to start it, where it is installed but not up."""
+    from tests.conftest import crd_path
+
     if os.environ.get("CTXLAUNCH_KUBE_NODE_TESTS") == "0":
         pytest.skip("CTXLAUNCH_KUBE_NODE_TESTS=0: the real-node tests are turned off")
     if not node_installed():
         pytest.skip(f"the Kubernetes node is not installed (no {CACHE_DIR}/kube-node-*/kubelet): "
                     "run `scripts/services/kubernetes.sh install`")
+    if crd_path() is None:
+        pytest.skip("the PyTorchJob CRD is absent (set CTXLAUNCH_PYTORCHJOB_CRD or provide "
+                    "../shared/crds/kubeflow.org_pytorchjobs.yaml): the node was not started")
     if not NODE_ADMIN.is_file():
         pytest.fail(f"no {NODE_ADMIN}: the single-node cluster is not up; {START_HINT}")
     result = kubectl("get", "node", "-o",
@@ -67,3 +80,52 @@ def project_image(timeout: float = 1500) -> str:
     assert result.returncode == 0, result.stderr
     sys.stderr.write(result.stderr)
     return result.stdout.strip()
+
+
+def ctx(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`ctxlaunch ARGS` with its own home, against the node's API server."""
+    env = {**os.environ, "CTXLAUNCH_HOME": str(home), "KUBECONFIG": str(NODE_ADMIN)}
+    return subprocess.run([CTXLAUNCH, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def submit_args(image: str, namespace: str, name: str, *sets: str) -> list[str]:
+    """`ctxlaunch submit`'s arguments for the demo job on the node, with `sets` (PATH=VALUE)."""
+    args = [str(REPO / "jobs" / "demo.yaml")]
+    for item in ("cluster.target=kubernetes", f"cluster.kubernetes.image={image}",
+                 f"cluster.kubernetes.namespace={namespace}", f"name={name}",
+                 f"cluster.kubernetes.tolerations={TOLERATION}", *sets):
+        args += ["--set", item]
+    return args
+
+
+def new_namespace(prefix: str) -> str:
+    """A fresh namespace, once the controller manager has made its default service account."""
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    kubectl("create", "namespace", name)
+    wait_for(lambda: kubectl("get", "serviceaccount", "default", "-n", name,
+                             check=False).returncode == 0, 60,
+             "the controller manager's default service account")
+    return name
+
+
+def job_pods(namespace: str, job: str) -> list[dict]:
+    """The pods of PyTorchJob `job`, as JSON."""
+    result = kubectl("get", "pods", "-n", namespace, "-l",
+                     f"training.kubeflow.org/job-name={job}", "-o", "json")
+    return json.loads(result.stdout)["items"]
+
+
+def with_checkpoint_volume(namespace: str, job: str, host_dir: Path) -> None:
+    """Give the submitted PyTorchJob's pod template a hostPath volume at the checkpoint
+    directory (the spec has no volume field yet; on a real cluster this is a PVC), before the
+    operator stand-in makes its pods."""
+    found = json.loads(kubectl("get", "pytorchjob", job, "-n", namespace, "-o", "json").stdout)
+    template = found["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    template["volumes"].append({"name": "checkpoints",
+                                "hostPath": {"path": str(host_dir), "type": "Directory"}})
+    template["containers"][0]["volumeMounts"].append({"name": "checkpoints",
+                                                      "mountPath": "/checkpoints"})
+    patch = {"spec": {"pytorchReplicaSpecs": {"Master": {"template": {"spec": template}}}}}
+    kubectl("patch", "pytorchjob", job, "-n", namespace, "--type", "merge", "-p",
+            json.dumps(patch))
