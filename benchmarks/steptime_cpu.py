@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ctxlaunch.contract.loader import apply_overrides, validate_spec  # noqa: E402
 from ctxlaunch.launch.report import build_report  # noqa: E402
 from ctxlaunch.launch.sweep import Point, prepare, submit, triage  # noqa: E402
-from ctxlaunch.runtime.calibrate import measure, save_calibration  # noqa: E402
+from ctxlaunch.runtime.calibrate import ATTENTION_SEQ, measure, save_calibration  # noqa: E402
 
 # (name, overrides): CP 1/2/4 x ring/Ulysses/hybrid, and TP 2 and PP 2 (two micro-batches
 # through the two stages: 1F1B needs one per stage) on their own.
@@ -108,10 +108,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2,
                         help="run the sweep this many times (alternating order); best step")
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    parser.add_argument("--attention-seq", type=int, default=None,
+    parser.add_argument("--attention-seq", type=int, default=ATTENTION_SEQ,
                         help="calibrate the attention rate and causal tile on a block this "
-                             "long (default 2,048, the calibration's length; 6144 is one no "
-                             "sweep point runs: BENCHMARKS.md 7a, 'Why the five points miss')")
+                             f"long (default {ATTENTION_SEQ:,}, as `ctxlaunch calibrate`: a "
+                             "length no sweep point runs; BENCHMARKS.md 7a, runs 5 and 8)")
     parser.add_argument("--attention-ramp", type=int, nargs=2, default=None,
                         metavar=("SHORT", "LONG"),
                         help="fit the attention rate and a length ramp on two blocks (e.g. "
@@ -123,7 +123,7 @@ def main() -> None:
 
     calibration = measure(heads=4, head_dim=32, dtype="fp32",
                           model=ModelSpec(preset="tiny-mha", dtype="fp32"),
-                          attention_seq=args.attention_seq,
+                          attention_seq=None if args.attention_ramp else args.attention_seq,
                           attention_ramp_seqs=tuple(args.attention_ramp) if args.attention_ramp
                           else None)
     print(f"calibration: {calibration}", flush=True)

@@ -25,7 +25,8 @@ from .conftest import JOBS
 def test_measured_constants_drive_the_cpu_prediction(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CTXLAUNCH_HOME", str(tmp_path))
-    calibration = measure(seq=256, repeats=2, sizes=(4096, 262144, 2**21), sync_ranks=(2,))
+    calibration = measure(seq=256, repeats=2, sizes=(4096, 262144, 2**21), sync_ranks=(2,),
+                          sync_readings=1)
     for value in (calibration.matmul_flops_per_second, calibration.attention_flops_per_second,
                   calibration.memory_bytes_per_second, calibration.link_bytes_per_second,
                   calibration.link_latency_seconds, calibration.elementwise_bytes_per_second):
@@ -115,3 +116,34 @@ def test_the_attention_ramp_is_fitted_on_two_lengths_and_slows_short_calls() -> 
         ramped = predict_spec(s, Calibration(**{**base.__dict__, "attention_ramp_tokens": 1000.0})
                               .machine(s.cluster.gpus_per_node)).terms["compute_attention"]
         assert ramped == pytest.approx(flat * (1 + 1000.0 / s_calls))
+
+
+def test_the_exchange_cost_grows_as_the_root_of_the_compute_between_exchanges() -> None:
+    """cost(tau) = s0 + c x sqrt(tau) through two readings gives back c, and a longer compute
+    whose exchange read cheaper (noise) gives no growth; s0 is the measured cost stated at no
+    compute. The model charges each blocking synchronisation at its layout's own interval, the
+    micro-batch's compute over its synchronisations."""
+    from ctxlaunch.runtime.calibrate import fit_sync_jitter
+
+    def cost(tau: float) -> float:
+        return 4e-4 + 0.03 * tau ** 0.5
+
+    s0, growth = fit_sync_jitter((cost(1e-4), 1e-4), (cost(6.5e-3), 6.5e-3))
+    assert s0 == pytest.approx(4e-4) and growth == pytest.approx(0.03)
+    assert fit_sync_jitter((5e-4, 1e-4), (4e-4, 6.5e-3)) == (5e-4, 0.0)
+
+    flat = Calibration(matmul_flops_per_second=1e11, attention_flops_per_second=2e11,
+                       memory_bytes_per_second=5e10, link_bytes_per_second=3e9,
+                       link_latency_seconds=1e-4, cores=2, sync_seconds={"2": s0})
+    grows = Calibration(**{**flat.__dict__, "sync_jitter": {"2": growth}})
+    assert grows.machine(2).sync_seconds == pytest.approx(4e-4)
+    assert grows.machine(2).sync_jitter == growth and grows.machine(1).sync_jitter == 0.0
+    ring = load_spec(JOBS / "demo.yaml", ["parallel.cp=2", "cluster.gpus_per_node=2"])
+    before = predict_spec(ring, flat.machine(2))
+    after = predict_spec(ring, grows.machine(2))
+    # demo: 2 layers, a zigzag ring of 2: one hop forward and one backward a layer, then the
+    # step's gradient all-reduce
+    syncs = 2 * 2
+    tau = after.detail["microbatch_seconds"] / syncs
+    assert after.terms["sync_overhead"] == pytest.approx((syncs + 1) * (4e-4 + 0.03 * tau ** 0.5))
+    assert before.terms["sync_overhead"] == pytest.approx((syncs + 1) * 4e-4)

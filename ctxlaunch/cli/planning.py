@@ -145,7 +145,7 @@ def calibrate(
     gloo loopback bandwidth and latency. `advise` and `report` on `gpu: cpu` use
     them (saved in $CTXLAUNCH_HOME/cpu_calibration.json)."""
 
-    from ctxlaunch.runtime.calibrate import measure, save_calibration
+    from ctxlaunch.runtime.calibrate import ATTENTION_SEQ, measure, save_calibration
 
     if submit or profile_out is not None or wait_ is not None:
         _submit_calibration(spec, profile_out, set_, wait_)
@@ -156,7 +156,8 @@ def calibrate(
     try:
         calibration = measure(heads=model.heads if model else 4,
                               head_dim=model.head_dim if model else 32,
-                              dtype=model.dtype if model else "fp32", model=model)
+                              dtype=model.dtype if model else "fp32", model=model,
+                              attention_seq=ATTENTION_SEQ)
     except RuntimeError as exc:
         fail(str(exc), code=exitcodes.FAILED)
     path = save_calibration(calibration)

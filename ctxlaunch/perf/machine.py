@@ -64,6 +64,13 @@ class Machine:
     """Cost of every blocking synchronisation (ring hop, all-to-all, all-reduce) beyond the
     link's latency, never hidden by compute: on the CPU, where ranks can outnumber cores, the
     wait for a peer that is not scheduled (measured); 0 on GPUs."""
+    sync_jitter: float = 0.0
+    """How that wait grows with the compute between two synchronisations, in s / sqrt(s): a
+    synchronisation after tau seconds of compute costs sync_seconds + sync_jitter x sqrt(tau).
+    Each rank's compute is delayed by many small independent interruptions (other processes on
+    its core), so the gap between the slowest rank and the others grows like the square root
+    of the compute, the spread of a sum of independent delays (measured on the CPU; 0 on
+    GPUs)."""
     microbatch_overhead_seconds: float = 0.0
     """Fixed cost per micro-batch outside the modelled work (Python dispatch, data, loss and
     optimizer bookkeeping): measured on the CPU; 0 on GPUs, where the fitted efficiencies
@@ -144,7 +151,11 @@ class Calibration:
     """What a causal call wastes on its diagonal, in tokens (see steptime.Machine)."""
     sync_seconds: dict[str, float] | None = None
     """Ranks -> the cost of one ring exchange between compute steps, beyond the compute, with
-    that many processes sharing the cores."""
+    that many processes sharing the cores, stated at no compute between them (s0 of
+    `calibrate.fit_sync_jitter`; without a growth, the reading between 0.1 ms compute steps)."""
+    sync_jitter: dict[str, float] | None = None
+    """Ranks -> how that cost grows with the compute between exchanges (Machine.sync_jitter),
+    from a second measurement between longer compute steps (`calibrate.fit_sync_jitter`)."""
     elementwise_bytes_per_second: float = 0.0
     """What the model's elementwise work (norms, RoPE, SwiGLU, adds) achieves per modelled byte,
     with all cores: fitted on the real model's step at two short lengths (0: not measured, the
@@ -190,7 +201,10 @@ class Calibration:
                         self.link_latency_seconds, f"measured {self.measured_at}")
         syncs = {int(k): v for k, v in (self.sync_seconds or {}).items()}
         nearest = min(syncs, key=lambda k: (abs(k - share), k)) if syncs else None
-        sync = syncs[nearest] if nearest is not None and share > 1 else 0.0
+        sync = jitter = 0.0
+        if nearest is not None and share > 1:
+            sync = syncs[nearest]
+            jitter = (self.sync_jitter or {}).get(str(nearest), 0.0)
         return Machine(name="cpu", peak_flops={"bf16": rate, "fp32": rate},
                        memory_bytes_per_second=self.memory_bytes_per_second / share,
                        gpus_per_node=gpus_per_node, nvlink_domain=gpus_per_node,
@@ -201,6 +215,7 @@ class Calibration:
                        attention_ramp_tokens=self._attention_ramp(share),
                        overlap_dp=False, peak_reference_flops=rate,
                        microbatch_overhead_seconds=overhead, sync_seconds=sync,
+                       sync_jitter=jitter,
                        causal_tile_tokens=self.causal_tile_tokens,
                        elementwise_bytes_per_second=(self._per_rank(
                            self.elementwise_bytes_per_second, "elementwise", share) or None))

@@ -42,8 +42,10 @@ tokens held by the rank (CP splits the sequence), TP shards heads and weights:
   optimizer    Adam reads and writes ~32 bytes per parameter the rank updates, at HBM speed.
   overhead     a fixed cost per micro-batch (Python dispatch, data, bookkeeping), and a cost per
                blocking synchronisation (ring hop, all-to-all, all-reduce) that compute cannot
-               hide: both measured on the CPU (where ranks can outnumber cores, a peer may not
-               be scheduled); 0 on GPUs.
+               hide, growing as the square root of the compute between two of them (the
+               straggler gap of ranks whose compute other processes delay at random): both
+               measured on the CPU (where ranks can outnumber cores, a peer may not be
+               scheduled); 0 on GPUs.
 
 Collectives move bytes at eta_comm x the data-sheet bandwidth of the slowest link their group
 spans (NVLink inside the NVLink domain; the network beyond it, one NIC per GPU) plus one
@@ -298,7 +300,8 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
         "dp_collectives_exposed": t_dp_exposed,
         "optimizer": t_optimizer,
         "framework_overhead": m * machine.microbatch_overhead_seconds,
-        "sync_overhead": machine.sync_seconds * (m * syncs + (1 if group > 1 else 0)),
+        "sync_overhead": (m * syncs + (1 if group > 1 else 0)) * (
+            machine.sync_seconds + machine.sync_jitter * (micro / max(syncs, 1)) ** 0.5),
     }
     step = sum(terms.values())
     world = layout.world_size

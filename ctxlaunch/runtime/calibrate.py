@@ -173,7 +173,7 @@ def _pingpong(rank: int, init_file: str, sizes: list[int], repeats: int,
     dist.destroy_process_group()
 
 
-def _sync_worker(rank: int, init_file: str, world: int, iterations: int, size: int,
+def _sync_worker(rank: int, init_file: str, world: int, runs: tuple[tuple[int, int], ...],
                  results: Queue[Any]) -> None:
     import time
 
@@ -183,11 +183,10 @@ def _sync_worker(rank: int, init_file: str, world: int, iterations: int, size: i
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
-    a = torch.randn(size, size)
     message = torch.zeros(1024)
     incoming = torch.empty_like(message)
 
-    def run(exchange: bool) -> float:
+    def run(a: torch.Tensor, iterations: int, exchange: bool) -> float:
         dist.barrier()
         start = time.perf_counter()
         for _ in range(iterations):
@@ -200,21 +199,65 @@ def _sync_worker(rank: int, init_file: str, world: int, iterations: int, size: i
         dist.barrier()
         return time.perf_counter() - start
 
-    run(True)  # warm-up
-    alone = min(run(False) for _ in range(2))
-    synced = min(run(True) for _ in range(2))
-    results.put((rank, max(synced - alone, 0.0) / iterations))
+    out = []
+    for size, iterations in runs:
+        a = torch.randn(size, size)
+        run(a, iterations, True)  # warm-up
+        alone = min(run(a, iterations, False) for _ in range(2))
+        synced = min(run(a, iterations, True) for _ in range(2))
+        out.append((max(synced - alone, 0.0) / iterations, alone / iterations))
+    results.put((rank, out))
     dist.destroy_process_group()
+
+
+def measure_sync_intervals(ranks: int, runs: tuple[tuple[int, int], ...],
+                           timeout_s: float = 120.0) -> list[tuple[float, float]]:
+    """Per (size, iterations) in `runs`, all in one set of processes: (seconds one ring exchange
+    adds, seconds of compute between two exchanges) when `ranks` processes (one thread each)
+    share the cores, as the trainer's ranks do: every rank computes one `size`-square product,
+    then sends to the next and receives from the previous; less the same compute without the
+    exchanges. Both are the mean over the ranks."""
+    per_rank = [v for _, v in run_ranks(_sync_worker, ranks, (ranks, runs), ranks, timeout_s,
+                                        "sync measurement")]
+    return [(sum(r[i][0] for r in per_rank) / ranks, sum(r[i][1] for r in per_rank) / ranks)
+            for i in range(len(runs))]
 
 
 def measure_sync(ranks: int, *, iterations: int = 40, size: int = 192,
                  timeout_s: float = 120.0) -> float:
-    """Seconds one ring exchange adds between compute steps when `ranks` processes (one thread
-    each) share the cores, as the trainer's ranks do: every rank computes, then sends to the
-    next and receives from the previous; less the same compute without the exchanges."""
-    values = [v for _, v in run_ranks(_sync_worker, ranks, (ranks, iterations, size), ranks,
-                                       timeout_s, "sync measurement")]
-    return sum(values) / len(values)
+    """Seconds one ring exchange adds between compute steps (`measure_sync_intervals`)."""
+    return measure_sync_intervals(ranks, ((size, iterations),), timeout_s)[0][0]
+
+
+SYNC_RUNS = ((192, 40), (768, 60))
+"""(square product, iterations) the exchange is measured after: 192 (0.1-0.25 ms of one thread
+here) for its cost with no compute to speak of, and 768 (about 6.5 ms, as long as a rank of the
+CPU self-check computes between exchanges at its shortest, 4K CP 4; a size no trainer call
+runs) for its growth. Beyond ~15 ms the cost of an exchange is lost in this machine's noise
+(BENCHMARKS.md 7a, run 7)."""
+
+
+def fit_sync_jitter(short: tuple[float, float], long: tuple[float, float]) -> tuple[float, float]:
+    """(s0, c) of cost(tau) = s0 + c x sqrt(tau) through two (cost, tau) readings of an exchange
+    after tau seconds of compute (`measure_sync_intervals` at two sizes); no growth, c = 0 and
+    s0 the shorter reading, where the longer compute's exchange did not cost more (noise)."""
+    (cost_short, tau_short), (cost_long, tau_long) = short, long
+    if tau_long <= tau_short or cost_long <= cost_short:
+        return cost_short, 0.0
+    growth = (cost_long - cost_short) / (tau_long ** 0.5 - tau_short ** 0.5)
+    return max(0.0, cost_short - growth * tau_short ** 0.5), growth
+
+
+def measure_sync_curve(ranks: int, *, readings: int = 3) -> tuple[float, float]:
+    """(s0, c) of `fit_sync_jitter` through the exchange's cost after each compute of SYNC_RUNS,
+    each the median of `readings` runs (one run in three can read several times the others on
+    a shared machine)."""
+    import statistics
+
+    taken = [measure_sync_intervals(ranks, SYNC_RUNS) for _ in range(readings)]
+    short, long = ((statistics.median(r[i][0] for r in taken),
+                    statistics.median(r[i][1] for r in taken)) for i in range(2))
+    return fit_sync_jitter(short, long)
 
 
 def fit_line(xs: tuple[float, ...] | list[float], ys: list[float]) -> tuple[float, float]:
@@ -305,6 +348,11 @@ def measure_model_residual(model: ModelSpec, calibration: Calibration, *,
     return fixed, rate
 
 
+ATTENTION_SEQ = 6144
+"""The block `ctxlaunch calibrate` measures the attention rate on: as long as the trainer's long
+calls (one thread scales to two almost linearly there, on 2,048 tokens only 1.64x) and none of
+the CPU self-check's lengths (BENCHMARKS.md 7a, runs 5 and 8)."""
+
 ATTENTION_RAMP_SEQS = (1536, 6144)
 """Two block lengths to fit attention's rate and length ramp on: none of the lengths the
 benchmark's calls run (benchmarks/steptime_cpu.py: 512 to 16,384, powers of two)."""
@@ -327,13 +375,15 @@ def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str =
             repeats: int = 5, sizes: tuple[int, ...] = (4096, 262144, 4 * 2**20, 16 * 2**20),
             model: ModelSpec | None = None, sync_ranks: tuple[int, ...] = (2, 4),
             attention_seq: int | None = None,
-            attention_ramp_seqs: tuple[int, int] | None = None) -> Calibration:
+            attention_ramp_seqs: tuple[int, int] | None = None,
+            sync_readings: int = 3) -> Calibration:
     """Every constant the step-time model needs on this CPU; `model` (a ModelSpec, default the
     tiny preset) is what the matmul rate, the elementwise rate and the per-micro-batch overhead
     are measured on. Attention is measured on one block of `attention_seq` tokens (default
     `seq`) with no length ramp; or, given `attention_ramp_seqs` (two lengths, e.g.
     ATTENTION_RAMP_SEQS), on both and fitted to a rate and a ramp (`fit_ramp`), with all cores
-    and with one thread (not the default: BENCHMARKS.md 7a, run 6)."""
+    and with one thread (not the default: BENCHMARKS.md 7a, run 6). Each exchange cost is the
+    median of `sync_readings` runs."""
     import dataclasses
     import datetime
     import os
@@ -376,10 +426,12 @@ def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str =
                                  "attention_ramp_tokens": ramp_1})
     overhead_1, elementwise_1 = measure_model_residual(model, calibration, repeats=repeats,
                                                        threads=1)
-    syncs = {str(n): measure_sync(n) for n in sync_ranks}
+    curves = {str(n): measure_sync_curve(n, readings=sync_readings) for n in sync_ranks}
     return dataclasses.replace(
         calibration, microbatch_overhead_seconds=overhead,
-        elementwise_bytes_per_second=elementwise, sync_seconds=syncs,
+        elementwise_bytes_per_second=elementwise,
+        sync_seconds={n: s0 for n, (s0, _) in curves.items()},
+        sync_jitter={n: growth for n, (_, growth) in curves.items()},
         one_thread={"matmul": matmul_1, "attention": attention_1,
                     "attention_ramp_tokens": ramp_1, "elementwise": elementwise_1,
                     "microbatch_overhead": overhead_1})
@@ -441,10 +493,10 @@ def run_job(spec_path: str | None, out_path: str) -> int:
             return 2
     else:
         # Short on the CPU: 512-token attention, two repeats, three message sizes, one sync
-        # width.
+        # width read once at each of its two compute lengths.
         calibration = measure(heads=m.heads, head_dim=m.head_dim, dtype=m.dtype, model=m,
                               seq=512, repeats=2, sizes=(4096, 262144, 2**20),
-                              sync_ranks=(2,))
+                              sync_ranks=(2,), sync_readings=1)
     written = save_profile(calibration, spec, Path(out_path))
     # The profile in the log too: where the job's filesystem is not the submitter's (a pod).
     print(f"{PROFILE_LINE}{json.dumps(json.loads(written.read_text()))}")
