@@ -80,8 +80,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def crd_location() -> Path:
+    """Where the PyTorchJob CRD is read: $CTXLAUNCH_PYTORCHJOB_CRD, else ../shared/crds."""
+    return Path(os.environ.get("CTXLAUNCH_PYTORCHJOB_CRD", DEFAULT_CRD))
+
+
 def crd_path() -> Path | None:
-    path = Path(os.environ.get("CTXLAUNCH_PYTORCHJOB_CRD", DEFAULT_CRD))
+    path = crd_location()
     return path if path.is_file() else None
 
 
@@ -99,8 +104,7 @@ def pytorchjob_crd() -> Path:
 def trainer_crds() -> dict[str, Path]:
     """Kubeflow Trainer v2.3.0's TrainJob and TrainingRuntime CRDs, where kubernetes.sh reads
     them: $CTXLAUNCH_TRAINER_CRDS, else beside the PyTorchJob CRD (../shared/crds)."""
-    directory = Path(os.environ.get("CTXLAUNCH_TRAINER_CRDS")
-                     or Path(os.environ.get("CTXLAUNCH_PYTORCHJOB_CRD", DEFAULT_CRD)).parent)
+    directory = Path(os.environ.get("CTXLAUNCH_TRAINER_CRDS") or crd_location().parent)
     crds = {kind: directory / f"trainer.kubeflow.org_{plural}.yaml"
             for kind, plural in [("TrainJob", "trainjobs"), ("TrainingRuntime", "trainingruntimes")]}
     missing = [str(p) for p in crds.values() if not p.is_file()]
