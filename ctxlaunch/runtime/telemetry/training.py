@@ -23,17 +23,25 @@ if TYPE_CHECKING:
 
 
 def measure_cpu_peak_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 8) -> float:
-    """A CPU has no data-sheet peak here: measure a square matmul with this process's threads
-    once, and use the best of a few runs as the peak MFU is stated against."""
+    """A CPU has no data-sheet peak here: measure it, as a data sheet states it, per core times
+    cores. One core's rate is the best of a few square matmuls on one thread, timed by that
+    thread's own CPU clock, so a busy machine that takes the core away mid-matmul does not lower
+    it (a wall-clock reading did, by the share the core was away, and MFU then read above 1);
+    times the threads this process computes with."""
+    threads = torch.get_num_threads()
     a = torch.randn(size, size, dtype=dtype)
     b = torch.randn(size, size, dtype=dtype)
-    torch.mm(a, b)  # warm-up: thread pool, packing
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * size**3 / best
+    torch.set_num_threads(1)  # the matmul then runs on this thread, which time.thread_time times
+    try:
+        torch.mm(a, b)  # warm-up: packing, the kernel's first dispatch
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.thread_time()
+            torch.mm(a, b)
+            best = min(best, time.thread_time() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return threads * 2.0 * size**3 / max(best, 1e-9)
 
 
 def peak_flops(spec: JobSpec, device: torch.device) -> tuple[float, str]:
