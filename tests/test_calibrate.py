@@ -26,7 +26,7 @@ def test_measured_constants_drive_the_cpu_prediction(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CTXLAUNCH_HOME", str(tmp_path))
     calibration = measure(seq=256, repeats=2, sizes=(4096, 262144, 2**21), sync_ranks=(2,),
-                          sync_readings=1)
+                          sync_readings=1, rate_readings=2)
     for value in (calibration.matmul_flops_per_second, calibration.attention_flops_per_second,
                   calibration.memory_bytes_per_second, calibration.link_bytes_per_second,
                   calibration.link_latency_seconds, calibration.elementwise_bytes_per_second):

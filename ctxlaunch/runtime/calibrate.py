@@ -358,6 +358,14 @@ ATTENTION_RAMP_SEQS = (1536, 6144)
 benchmark's calls run (benchmarks/steptime_cpu.py: 512 to 16,384, powers of two)."""
 
 
+def median_each(readings: list[tuple[float, ...]]) -> tuple[float, ...]:
+    """The median of each position over equally long readings: (a1, b1), (a2, b2), ... ->
+    (median a, median b)."""
+    import statistics
+
+    return tuple(statistics.median(values) for values in zip(*readings, strict=True))
+
+
 def fit_ramp(short: int, short_rate: float, long: int, long_rate: float) -> tuple[float, float]:
     """(rate at any length, L0) of rate(L) = rate x L / (L + L0) through two measured rates:
     1 / rate(L) is linear in 1 / L. A rate that does not grow with the length (noise) gives no
@@ -376,14 +384,18 @@ def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str =
             model: ModelSpec | None = None, sync_ranks: tuple[int, ...] = (2, 4),
             attention_seq: int | None = None,
             attention_ramp_seqs: tuple[int, int] | None = None,
-            sync_readings: int = 3) -> Calibration:
+            sync_readings: int = 3, rate_readings: int = 3) -> Calibration:
     """Every constant the step-time model needs on this CPU; `model` (a ModelSpec, default the
     tiny preset) is what the matmul rate, the elementwise rate and the per-micro-batch overhead
     are measured on. Attention is measured on one block of `attention_seq` tokens (default
     `seq`) with no length ramp; or, given `attention_ramp_seqs` (two lengths, e.g.
     ATTENTION_RAMP_SEQS), on both and fitted to a rate and a ramp (`fit_ramp`), with all cores
     and with one thread (not the default: BENCHMARKS.md 7a, run 6). Each exchange cost is the
-    median of `sync_readings` runs."""
+    median of `sync_readings` runs. Each compute rate, and the model's fixed cost and
+    elementwise rate, is the median of `rate_readings` readings taken in turn (all cores, one
+    thread, all cores, ...), so a minute of load elsewhere moves one reading, not the profile
+    (one low attention reading, 91 GFLOP/s against 106-111, put the one-process points of
+    BENCHMARKS.md 7a, run 10, 19-30 % slow)."""
     import dataclasses
     import datetime
     import os
@@ -410,22 +422,24 @@ def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str =
         rate, ramp = fit_ramp(short, short_rate, long, long_rate)
         return m, rate, ramp, t, c
 
-    matmul, attention, ramp, tile, copy = attention_rates(0)
+    rounds = [(attention_rates(0), attention_rates(1)) for _ in range(rate_readings)]
+    matmul, attention, ramp, tile, copy = median_each([r[0] for r in rounds])
+    matmul_1, attention_1, ramp_1, _, _ = median_each([r[1] for r in rounds])
     bandwidth, latency = measure_loopback(sizes=sizes, repeats=repeats)
     calibration = Calibration(
         matmul_flops_per_second=matmul, attention_flops_per_second=attention,
         memory_bytes_per_second=copy, link_bytes_per_second=bandwidth,
         link_latency_seconds=latency, cores=os.cpu_count() or 1, causal_tile_tokens=tile,
         attention_ramp_tokens=ramp,
+        # One thread: what each rank gets when the ranks fill the cores.
+        one_thread={"matmul": matmul_1, "attention": attention_1,
+                    "attention_ramp_tokens": ramp_1},
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    overhead, elementwise = measure_model_residual(model, calibration, repeats=repeats)
-    # One thread: what each rank gets when the ranks fill the cores.
-    matmul_1, attention_1, ramp_1, _, _ = attention_rates(1)
-    calibration = dataclasses.replace(
-        calibration, one_thread={"matmul": matmul_1, "attention": attention_1,
-                                 "attention_ramp_tokens": ramp_1})
-    overhead_1, elementwise_1 = measure_model_residual(model, calibration, repeats=repeats,
-                                                       threads=1)
+    residuals = [(measure_model_residual(model, calibration, repeats=repeats),
+                  measure_model_residual(model, calibration, repeats=repeats, threads=1))
+                 for _ in range(rate_readings)]
+    overhead, elementwise = median_each([r[0] for r in residuals])
+    overhead_1, elementwise_1 = median_each([r[1] for r in residuals])
     curves = {str(n): measure_sync_curve(n, readings=sync_readings) for n in sync_ranks}
     return dataclasses.replace(
         calibration, microbatch_overhead_seconds=overhead,
@@ -492,11 +506,11 @@ def run_job(spec_path: str | None, out_path: str) -> int:
                   file=sys.stderr)
             return 2
     else:
-        # Short on the CPU: 512-token attention, two repeats, three message sizes, one sync
-        # width read once at each of its two compute lengths.
+        # Short on the CPU: 512-token attention, two repeats, one reading of each rate, three
+        # message sizes, one sync width read once at each of its two compute lengths.
         calibration = measure(heads=m.heads, head_dim=m.head_dim, dtype=m.dtype, model=m,
                               seq=512, repeats=2, sizes=(4096, 262144, 2**20),
-                              sync_ranks=(2,), sync_readings=1)
+                              sync_ranks=(2,), sync_readings=1, rate_readings=1)
     written = save_profile(calibration, spec, Path(out_path))
     # The profile in the log too: where the job's filesystem is not the submitter's (a pod).
     print(f"{PROFILE_LINE}{json.dumps(json.loads(written.read_text()))}")
