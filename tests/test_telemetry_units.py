@@ -4,6 +4,8 @@ and an unreachable Pushgateway that never blocks."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -122,9 +124,6 @@ def test_the_cpu_peak_does_not_fall_when_the_core_is_shared() -> None:
     """The CPU peak MFU is stated against, measured on a core alone and on the same core shared
     with two busy processes (each then gets about a third of it). A wall-clock reading fell by
     about that third, and MFU then read above 1 (CI, scrape test: 1.28); the peak must stay."""
-    import subprocess
-    import sys
-
     core = sorted(os.sched_getaffinity(0))[0]
 
     def peak() -> float:
