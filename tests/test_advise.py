@@ -42,7 +42,9 @@ def test_advise_answers_for_every_example(example: str) -> None:
 @pytest.mark.parametrize("nodes", [64, 16])
 def test_70b_on_512_gpus_is_pruned_and_accounts_for_every_layout(nodes: int) -> None:
     """On the spec's 512 GPUs every legal layout fits at full checkpointing and ZeRO-3 (FSDP2
-    re-shards under PP too), so nothing is rejected for memory there; on 128 some are."""
+    re-shards under PP too), so no layout is rejected for memory there; on 128 some are.
+    Interleaved stages hold more warm-up micro-batches: some of those settings do not fit even
+    where the layout does, and are rejected at their own virtual-stage count, never ranked."""
     spec = load_spec(JOBS / "llama3-70b-1m-k8s.yaml")
     advice = advise(spec, nodes=nodes)
     assert advice.layouts_timed < 2500  # pruning: a count, never a wall time
@@ -53,7 +55,9 @@ def test_70b_on_512_gpus_is_pruned_and_accounts_for_every_layout(nodes: int) -> 
     assert all(d.tp <= 8 for d in options)  # TP within the NVLink domain
     groups = advice.rejected_by_kind()
     assert groups["illegal"] and groups["dominated"]
-    assert bool(groups["no fit"]) == (nodes < 64)
+    leanest = [r for r in groups["no fit"] if "virtual stages" not in r.reason]
+    assert bool(leanest) == (nodes < 64)
+    assert all(c.memory.fits for c in advice.ranked)
     if nodes < 64:
         return
     # The spec's own layout fits; the top choice is predicted at least as fast.

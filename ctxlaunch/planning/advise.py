@@ -267,8 +267,18 @@ def advise(spec: JobSpec, *, nodes: int | None = None, gpus_per_node: int | None
                 for mode, z in itertools.chain.from_iterable(timed_modes):
                     candidate_layout = layout.replace(activation_checkpointing=mode,
                                                       zero_stage=z, virtual_stages=v)
+                    # Interleaved stages hold more warm-up micro-batches than v = 1, where
+                    # the setting was found to fit: each is checked at its own v.
+                    candidate_memory = memory(candidate_layout)
+                    if not candidate_memory.fits:
+                        advice.rejected.append(Rejection(
+                            "no fit", f"{degrees.describe_degrees()} v{v}, mb {micro_batch}, "
+                            f"ZeRO-{z}, checkpointing {mode}",
+                            f"{candidate_memory.total / GiB:.1f} GiB with {v} virtual "
+                            f"stages, of {candidate_memory.capacity / GiB:.1f} GiB"))
+                        continue
                     advice.layouts_timed += 1
-                    timed.append(Candidate(candidate_layout, memory(candidate_layout),
+                    timed.append(Candidate(candidate_layout, candidate_memory,
                                            predict(model, candidate_layout, machine)))
         if not timed:
             continue
