@@ -11,9 +11,12 @@ does). The held-out rows (HELD_OUT_ROWS) are never seen by the fit; their errors
 their own. Everything else is measured or a data sheet (ctxlaunch.perf.profiles). About a
 minute on 2 busy cores.
 
-Bundled profile: the flash kernel's matmul rate R and length ramp L0 solved exactly from the
-two single-call timings of BENCHMARKS.md section 0, then the elementwise rate fitted on the
-trainer's 16K step and the 64K step predicted as the held-out check.
+Bundled profile: the H200 calibration that benchmarks/gpu_steptime.py's run 2 measured
+(calibrate_device.measure_device: the projections' GEMM efficiency, the attention kernel's R
+and L0, the blocks' elementwise rate, the loss's rate and the fixed cost from the trainer's
+own steps at two depths), printed as profiles.py rounds it, then the seven trainer layouts
+that calibration never ran, predicted with the committed profile against the trainer's
+measured steps (the median of each layout's timed steps).
 
 The chosen values are written by hand into ctxlaunch/perf/profiles.py; this script shows where
 they come from.
@@ -38,7 +41,7 @@ from ctxlaunch.perf.published import (  # noqa: E402
 )
 from ctxlaunch.perf.published import row_machine as machine_for  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "gpu_check-2026-12-01.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "gpu_steptime-2026-12-04-run2.json"
 
 
 def errors(rows: list[PublishedRun], eta_bf16: float, eta_fp8: float) -> list[float]:
@@ -80,38 +83,36 @@ def megatron() -> None:
 def bundled() -> None:
     from ctxlaunch.contract.hardware import GPUS
     from ctxlaunch.contract.spec import ModelSpec
-    from ctxlaunch.perf import profiles
     from ctxlaunch.perf.layout import Layout
     from ctxlaunch.perf.machine import Machine
     from ctxlaunch.perf.steptime import predict
 
     data = json.loads(RESULTS.read_text())
+    c = data["calibration"]
     gpu = GPUS["H200"]
-    calls = [(r["seq_len"], r["one_flash_call_s"], r["heads"], r["head_dim"])
-             for r in data["ring_schedule"]]
-
-    fraction, ramp = profiles.solve_attention(calls, peak=gpu.peak_bf16_flops,
-                                              sfu_ops_per_second=gpu.sfu_ops_per_second)
-    r = fraction * gpu.peak_bf16_flops
-    print(f"attention: R {r / 1e12:.0f} TFLOP/s = {fraction:.3f} of the BF16 "
-          f"peak, L0 {ramp:.0f} tokens")
+    print(f"calibration ({c['device_name']}, {c['measured_at']}, {data['torch']}):")
+    print(f"  BUNDLED_ETA_MATMUL_BF16 = {c['eta_matmul']:.3f}")
+    print(f"  BUNDLED_ATTENTION_FRACTION = {c['attention_fraction']:.3f} "
+          f"({c['attention_fraction'] * gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s, "
+          f"{c['attention_kernel']}), BUNDLED_ATTENTION_RAMP_TOKENS = "
+          f"{c['attention_ramp_tokens']:.0f}")
+    print(f"  BUNDLED_ELEMENTWISE_FRACTION = {c['elementwise_fraction_of_hbm']:.3f}, "
+          f"BUNDLED_LOSS_FRACTION = {c['loss_fraction_of_hbm']:.3f}, "
+          f"BUNDLED_MICROBATCH_OVERHEAD_SECONDS = {c['microbatch_overhead_seconds']:.4f}")
+    print(f"  its own held-out trainer step: {c['expected_error']:.1%} off")
     model = ModelSpec.model_validate({"preset": "llama3.2-1b"})
     machine = Machine.from_gpu(gpu, network="infiniband-ndr", gpus_per_node=1)
-    runs = {run["seq_len"]: run["step_seconds"] for run in data["trainer"]}
-    fit_seq = 16384
-    st = predict(model, Layout(seq_len=fit_seq, activation_checkpointing="selective"), machine)
-    rest = st.step_seconds - st.terms["compute_elementwise"]
-    fraction = (machine.elementwise_bytes_per_second or 0) / gpu.hbm_bytes_per_second * (
-        st.terms["compute_elementwise"] / (runs[fit_seq] - rest))
-    print(f"elementwise: {fraction:.4f} of HBM bandwidth (fitted on the {fit_seq} step, "
-          f"{runs[fit_seq]:.3f} s)")
-    for seq, seconds in sorted(runs.items()):
-        st = predict(model, Layout(seq_len=seq, activation_checkpointing="selective"),
-                     machine)
-        role = "fit" if seq == fit_seq else "held out"
-        print(f"  {seq:6d} ({role}): measured {seconds:.3f} s, predicted "
-              f"{st.step_seconds:.3f} s ({st.step_seconds / seconds - 1:+.1%}, with the "
-              f"profile's constants as committed)")
+    errs = []
+    print("held-out trainer layouts, the committed profile:")
+    for point in data["points"]:
+        measured = statistics.median(point["measured_steps"])
+        st = predict(model, Layout(seq_len=point["seq_len"], micro_batch=point["micro_batch"],
+                                   activation_checkpointing=point["checkpointing"]), machine)
+        errs.append(st.step_seconds / measured - 1)
+        print(f"  {point['seq_len']:6d} {point['checkpointing']:9s} x{point['micro_batch']}: "
+              f"measured {measured:.3f} s, predicted {st.step_seconds:.3f} s ({errs[-1]:+.1%})")
+    print(f"  {summary(errs)}")
+    print(f"  within 10 %: {sum(abs(e) <= 0.10 for e in errs)} of {len(errs)}")
 
 
 def main() -> None:

@@ -138,8 +138,13 @@ def test_framework_profiles_change_the_prediction_and_a_bad_name_is_refused() ->
     bundled = json.loads(run("plan", path, "--json").stdout)["step_time"]
     megatron = json.loads(run("plan", path, "--json", "--framework", "megatron").stdout)
     assert bundled["framework"] == "ctxlaunch" and megatron["step_time"]["framework"] == "megatron"
-    # Fused kernels and overlapped gradient collectives: Megatron's step is faster.
-    assert megatron["step_time"]["step_seconds"] < bundled["step_seconds"]
-    assert "expected error: +/-10% (ctxlaunch profile" in run("plan", path).output
+    # Megatron's fused kernels run the elementwise bytes at the bandwidth, and its gradient
+    # collectives hide behind compute; its attention is the published runs' FA2-generation
+    # kernel, slower than the cuDNN kernel the bundled trainer picks on the H200.
+    fused, eager = megatron["step_time"]["terms_seconds"], bundled["terms_seconds"]
+    assert fused["compute_elementwise"] < eager["compute_elementwise"] / 3
+    assert fused["compute_attention"] > eager["compute_attention"]
+    assert megatron["step_time"]["step_seconds"] != pytest.approx(bundled["step_seconds"])
+    assert "expected error: +/-9% (ctxlaunch profile" in run("plan", path).output
     result = run("advise", path, "--framework", "deepspeed")
     assert result.exit_code == 2 and "--framework deepspeed: not a known profile" in result.output

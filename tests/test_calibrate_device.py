@@ -21,7 +21,7 @@ from ctxlaunch.perf import profiles
 from ctxlaunch.perf.machine import GpuCalibration, load_profile, machine_for, save_profile
 from ctxlaunch.perf.steptime import predict_spec
 from ctxlaunch.runtime.calibrate import fit_line
-from ctxlaunch.runtime.calibrate_device import COLLECTIVES, fit_elementwise
+from ctxlaunch.runtime.calibrate_device import COLLECTIVES, fit_residual
 
 from .conftest import JOBS
 
@@ -53,19 +53,32 @@ def test_solve_attention_gives_no_ramp_where_the_rate_does_not_grow() -> None:
     assert fraction == pytest.approx(12 * 128 * 32 * 8192**2 / 2 / 0.050 / 1e15)
 
 
-def test_fit_elementwise_recovers_the_fraction_and_fixed_cost() -> None:
-    fraction, fixed = 0.07, 0.012
+def test_fit_residual_tells_the_blocks_rate_from_the_loss_rate() -> None:
+    """Three trainer runs (two lengths, and the longer again at a shallower depth) determine the
+    blocks' elementwise rate, the loss's rate and the fixed cost that generated them."""
+    fraction, loss_fraction, fixed = 0.21, 0.58, 0.032
     points = []
-    for elementwise, other in ((0.010, 0.30), (0.025, 0.95)):
-        terms = {"compute_matmul": other, "compute_elementwise": elementwise}
-        points.append((other + elementwise / fraction + fixed, terms))
-    got_fraction, got_fixed = fit_elementwise(points)
-    assert got_fraction == pytest.approx(fraction)
-    assert got_fixed == pytest.approx(fixed)
-    # Faster than the bandwidth (noise) is held at the bandwidth, the rest fixed.
-    faster = [(0.31, {"compute_elementwise": 0.010, "x": 0.30}),
-              (0.97, {"compute_elementwise": 0.025, "x": 0.95})]
-    assert fit_elementwise(faster) == (1.0, pytest.approx(0.0))
+    # (elementwise, loss, other) terms at the bandwidth: 4 blocks at 6K and 12K, 1 at 12K.
+    for elementwise, loss, other in ((0.0016, 0.0085, 0.030), (0.0032, 0.0170, 0.062),
+                                     (0.0008, 0.0170, 0.020)):
+        terms = {"compute_matmul": other, "compute_elementwise": elementwise,
+                 "compute_loss": loss}
+        points.append((other + elementwise / fraction + loss / loss_fraction + fixed, terms))
+    got = fit_residual(points)
+    assert got == (pytest.approx(fraction), pytest.approx(loss_fraction), pytest.approx(fixed))
+    # One rate (the loss's as the blocks') cannot fit the shallow run: the fit is not that.
+    assert abs(got[0] - got[1]) > 0.3
+
+
+def test_fit_residual_holds_rates_at_the_bandwidth_and_the_fixed_cost_at_zero() -> None:
+    # Faster than the bandwidth (noise) is held at the bandwidth, the rest fixed, never < 0.
+    faster = [(0.31, {"compute_elementwise": 0.010, "compute_loss": 0.002, "x": 0.30}),
+              (0.97, {"compute_elementwise": 0.025, "compute_loss": 0.004, "x": 0.95}),
+              (0.90, {"compute_elementwise": 0.005, "compute_loss": 0.004, "x": 0.89})]
+    fraction, loss_fraction, fixed = fit_residual(faster)
+    assert (fraction, loss_fraction) == (1.0, 1.0) and fixed >= 0.0
+    slower = [(m + 0.5, t) for m, t in faster]  # a pure fixed cost on top
+    assert fit_residual(slower)[2] == pytest.approx(0.5, abs=0.02)
 
 
 def test_fit_line_recovers_bandwidth_and_latency() -> None:
@@ -140,7 +153,12 @@ def test_the_gpu_calibration_job_runs_end_to_end(tmp_path: Path,
     assert all(c["bus_bytes_per_second"] > 0 for c in calibration.collectives.values())
     assert 0 < calibration.eta_matmul <= 1 and calibration.attention_fraction > 0
     assert 0 < calibration.elementwise_fraction_of_hbm <= 1
-    assert sorted(int(k) for k in calibration.trainer_step_seconds) == [256, 512, 1024]
+    assert calibration.loss_fraction_of_hbm is not None
+    assert 0 < calibration.loss_fraction_of_hbm <= 1
+    # Two lengths and a held-out third at the cut depth, the longer fit length again at 1 block.
+    depth = min(load_spec(spec).model.layers, 4)
+    assert sorted(calibration.trainer_step_seconds) == sorted(
+        [f"{depth}x256", f"{depth}x512", "1x512", f"{depth}x1024"])
     assert calibration.lengths["trainer_held_out"] == 1024
     assert calibration.expected_error > 0  # the held-out step, predicted and measured
 

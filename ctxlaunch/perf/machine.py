@@ -80,6 +80,11 @@ class Machine:
     None: the memory bandwidth. On the CPU it is measured on the model itself: eager torch
     runs those small kernels far below a large copy's bandwidth; on GPUs the profile's
     fraction of the HBM bandwidth."""
+    loss_bytes_per_second: float | None = None
+    """Rate of the loss's passes over its logits per modelled byte (steptime.LOSS_BYTES_PER_
+    LOGIT); None: the elementwise rate. Long rows of one large tensor, so on a GPU it runs much
+    nearer the bandwidth than the blocks' small kernels do (measured apart by the GPU
+    calibration)."""
     framework: str = "ctxlaunch"
     """Whose kernels and overlap the rates describe (ctxlaunch.perf.profiles)."""
     sm_count: int = 0
@@ -113,6 +118,10 @@ class Machine:
                       elementwise_bytes_per_second=(
                           prof.elementwise_fraction_of_hbm * gpu.hbm_bytes_per_second
                           if prof.elementwise_fraction_of_hbm < 1 else None),
+                      loss_bytes_per_second=(
+                          prof.loss_fraction_of_hbm * gpu.hbm_bytes_per_second
+                          if prof.loss_fraction_of_hbm < 1 else None),
+                      microbatch_overhead_seconds=prof.microbatch_overhead_seconds,
                       framework=prof.name, sm_count=gpu.sm_count,
                       sfu_ops_per_second=gpu.sfu_ops_per_second, exp_exposed=prof.exp_exposed,
                       attention_ramp_tokens=prof.attention_ramp_tokens,
@@ -251,6 +260,10 @@ class GpuCalibration:
     """Measured by the GPU code path on a CPU (checks the job; not a GPU's figures)."""
     measured_at: str = ""
     elementwise_fraction_of_hbm: float = 1.0
+    loss_fraction_of_hbm: float | None = None
+    """The loss's rate (steptime.LOSS_BYTES_PER_LOGIT) / the HBM bandwidth, measured apart from
+    the blocks' elementwise rate by running the trainer at two depths; None (a profile saved
+    before it was measured): the elementwise rate."""
     microbatch_overhead_seconds: float = 0.0
     expected_error: float = 0.0
     """|error| of the trainer step the calibration held out, predicted with every constant
@@ -281,6 +294,9 @@ class GpuCalibration:
             attention_ramp_tokens=self.attention_ramp_tokens,
             elementwise_bytes_per_second=(self.elementwise_fraction_of_hbm
                                           * base.memory_bytes_per_second),
+            loss_bytes_per_second=(
+                self.elementwise_fraction_of_hbm if self.loss_fraction_of_hbm is None
+                else self.loss_fraction_of_hbm) * base.memory_bytes_per_second,
             microbatch_overhead_seconds=self.microbatch_overhead_seconds, intra_node=intra,
             expected_error=self.expected_error)
 

@@ -4,14 +4,14 @@ attention call's from its length, head dimension and kernel generation).
 
 Two profiles:
 
-- ``ctxlaunch`` (the default): the bundled trainer, eager PyTorch under bf16 autocast, torch's
-  flash-attention kernel (FlashAttention-2 generation: the softmax's exponentials run on the
-  SFUs between the matmuls, not overlapped), no fused elementwise kernels, gradient collectives
-  after the last backward (not overlapped). Its constants come from the one H200 run in
-  BENCHMARKS.md section 0 where no calibration of the user's own GPUs is given: the attention
-  kernel's matmul rate and length ramp from the two single flash calls (16K and 64K tokens, 32
-  heads of 128); the elementwise rate from the trainer's step at 16K (the 64K step is held
-  out: BENCHMARKS.md section 7d).
+- ``ctxlaunch`` (the default): the bundled trainer, eager PyTorch under bf16 autocast, the
+  attention kernel it picks by measurement (cuDNN's on the H200), no fused elementwise
+  kernels, gradient collectives after the last backward (not overlapped). Where no
+  calibration of the user's own GPUs is given, its constants are one calibration of an H200
+  by the calibration job's own code (`benchmarks/gpu_steptime.py`, run 2 of 4 Dec 2026,
+  BENCHMARKS.md section 7d): the projections' GEMM efficiency, the attention kernel's rate and
+  length ramp, the blocks' elementwise rate, the loss's rate and the fixed cost per
+  micro-batch. Seven trainer layouts that calibration never ran are its held-out check.
 - ``megatron``: Megatron-LM/NeMo (Transformer Engine's fused kernels, the FP8 delayed-scaling
   recipe, the distributed optimizer's gradient reduce-scatter and weight all-gather overlapped
   with compute). Its two matmul efficiencies are fitted on the published runs' fit subset
@@ -48,7 +48,7 @@ EXP_PER_ENTRY = 2.0
 backward; Dao 2023, Algorithm 2)."""
 
 # --- fitted on the published runs' fit subset (benchmarks/fit_steptime.py):
-MEGATRON_ETA_MATMUL: dict[str, float] = {"bf16": 0.74, "fp8": 0.54, "fp32": 0.74}
+MEGATRON_ETA_MATMUL: dict[str, float] = {"bf16": 0.74, "fp8": 0.58, "fp32": 0.74}
 
 # GEMM tiles (output rows x columns a thread block computes): cuBLAS/CUTLASS's large BF16/FP8
 # tile on Hopper and Blackwell, 256 x 128 (NVIDIA, "Matrix Multiplication Background User's
@@ -74,6 +74,10 @@ class FrameworkProfile:
     elementwise_fraction_of_hbm: float
     """Rate of the elementwise term per modelled byte / the HBM bandwidth (1: fused kernels at
     full bandwidth)."""
+    loss_fraction_of_hbm: float
+    """Rate of the loss's passes over its logits per modelled byte / the HBM bandwidth."""
+    microbatch_overhead_seconds: float
+    """Fixed cost per micro-batch outside the modelled work (launches, Python, data)."""
     overlap_dp: bool
     """Gradient/weight collectives overlap compute (Megatron's distributed optimizer); the
     bundled trainer all-reduces after the last backward."""
@@ -152,32 +156,51 @@ def solve_attention(calls: list[tuple[int, float, int, int]], *, peak: float,
     return rates(lo)[1] / peak, lo
 
 
-BUNDLED_ELEMENTWISE_FRACTION = 0.0638
-"""Fitted on the H200 trainer step at 16K (BENCHMARKS.md section 0: 0.697 s, less its GEMMs,
-attention and optimizer as this model times them; benchmarks/fit_steptime.py --bundled): the
-bundled trainer's eager elementwise kernels (norms, RoPE, SwiGLU, residual adds, autocast
-casts, the chunked fp32 loss) move the model's modelled elementwise bytes at this fraction of
-the HBM bandwidth. Eager kernels are memory-bound, so other GPUs get it at the same fraction
-of their own bandwidth (an assumption, stated in the README)."""
+# --- the bundled trainer on one H200, calibrated by `calibrate_device.measure_device`
+# (benchmarks/gpu_steptime.py, run 2 of 4 Dec 2026: benchmarks/results/
+# gpu_steptime-2026-12-04-run2.json "calibration"; torch 2.11.0+cu130, BENCHMARKS.md 7d):
+BUNDLED_ETA_MATMUL_BF16 = 0.853
+"""The block's four projections (forward and both backward GEMMs) over 12,288 tokens in bf16:
+5.53 ms, the large-GEMM efficiency at which `gemm_seconds` gives that time."""
+BUNDLED_ATTENTION_FRACTION = 0.603
+BUNDLED_ATTENTION_RAMP_TOKENS = 2590.0
+"""cuDNN's attention (the trainer's pick), causal forward + backward, 32 heads of 64, at 9,216
+and 18,432 tokens (2.94 and 10.77 ms), solved by `solve_attention` (exponentials charged)."""
+BUNDLED_ELEMENTWISE_FRACTION = 0.247
+BUNDLED_LOSS_FRACTION = 0.719
+BUNDLED_MICROBATCH_OVERHEAD_SECONDS = 0.0302
+"""From the trainer's steps (4 blocks at 6,144 and 12,288 tokens, 1 block at 12,288; 0.0833,
+0.1415 and 0.0946 s) less the terms above: the blocks' eager elementwise kernels (norms,
+RoPE, SwiGLU, residual adds, autocast casts) move the modelled bytes at 0.247 of the HBM
+bandwidth, the chunked fp32 loss its logits at 0.719, plus 30.2 ms per micro-batch. Eager
+kernels are memory-bound, so other GPUs get them at the same fractions of their own
+bandwidth (an assumption, stated in the README)."""
+BUNDLED_EXPECTED_ERROR = 0.09
+"""The largest error of the seven trainer layouts that calibration never ran (8K-64K tokens,
+none/selective/full, micro-batch 1-2): -8.8 % (BENCHMARKS.md 7d)."""
 
 PROFILES: dict[str, FrameworkProfile] = {
     "ctxlaunch": FrameworkProfile(
-        name="ctxlaunch", eta_matmul=dict(MEGATRON_ETA_MATMUL),
-        attention_fraction=ATTENTION_MATMUL_FRACTION,
-        attention_ramp_tokens=ATTENTION_RAMP_TOKENS, exp_exposed=True,
-        elementwise_fraction_of_hbm=BUNDLED_ELEMENTWISE_FRACTION, overlap_dp=False,
-        expected_error=0.10,
-        sources="GEMM efficiency: cuBLAS's, as fitted on the published runs (the same "
-                "library's kernels); attention: torch's flash kernel measured on one H200 "
-                "(BENCHMARKS.md section 0); elementwise rate: the trainer's 16K step on that "
-                "H200; expected error: 10 %, the issue's GPU goal, stated rather than "
-                "measured: the one held-out point (the 64K step, -0.1 %, BENCHMARKS.md "
-                "section 7d) is too few to set it"),
+        name="ctxlaunch", eta_matmul={**MEGATRON_ETA_MATMUL, "bf16": BUNDLED_ETA_MATMUL_BF16},
+        attention_fraction=BUNDLED_ATTENTION_FRACTION,
+        attention_ramp_tokens=BUNDLED_ATTENTION_RAMP_TOKENS, exp_exposed=True,
+        elementwise_fraction_of_hbm=BUNDLED_ELEMENTWISE_FRACTION,
+        loss_fraction_of_hbm=BUNDLED_LOSS_FRACTION,
+        microbatch_overhead_seconds=BUNDLED_MICROBATCH_OVERHEAD_SECONDS,
+        overlap_dp=False, expected_error=BUNDLED_EXPECTED_ERROR,
+        sources="one H200 calibrated by the calibration job's code (benchmarks/gpu_steptime.py, "
+                "4 Dec 2026): BF16 GEMM efficiency of the model's projections, the attention "
+                "kernel the trainer picks (cuDNN; exponentials charged), the blocks' "
+                "elementwise rate, the loss's rate and the fixed cost per micro-batch from "
+                "the trainer's own steps at two depths; FP8 and FP32 GEMMs: the published "
+                "runs' fit; expected error: 9 %, the largest of seven held-out trainer "
+                "layouts on that H200 (BENCHMARKS.md section 7d)"),
     "megatron": FrameworkProfile(
         name="megatron", eta_matmul=dict(MEGATRON_ETA_MATMUL),
         attention_fraction=ATTENTION_MATMUL_FRACTION,
         attention_ramp_tokens=ATTENTION_RAMP_TOKENS, exp_exposed=True,
-        elementwise_fraction_of_hbm=1.0, overlap_dp=True,
+        elementwise_fraction_of_hbm=1.0, loss_fraction_of_hbm=1.0,
+        microbatch_overhead_seconds=0.0, overlap_dp=True,
         expected_error=0.13,
         sources="GEMM efficiencies (BF16, FP8): fitted on the published runs' fit subset; "
                 "attention: the flash kernel's rate measured on one H200 (FA2 generation, "

@@ -16,7 +16,9 @@ tokens held by the rank (CP splits the sequence), TP shards heads and weights:
                for FA2-generation kernels (profiles.attention_seconds); elementwise work
                (norms, RoPE, SwiGLU, residuals, casts) as HBM traffic: 3 passes (forward
                write, backward read and gradient write) over the bytes a block saves per
-               token, at the profile's fraction of the HBM bandwidth.
+               token, at the profile's fraction of the HBM bandwidth; the loss's passes over
+               its logits (LOSS_BYTES_PER_LOGIT per token and vocabulary entry the rank
+               holds, on the last stage) at the profile's loss rate.
   TP           Megatron sequence parallelism: per layer 2 all-gathers + 2 reduce-scatters in
                forward, as many in backward (and again in a recomputed forward), each moving
                (t-1)/t x n*h*2 bytes; not overlapped.
@@ -72,6 +74,13 @@ if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec, ModelSpec
 
 ELEMENTWISE_HBM_PASSES = 3.0
+LOSS_BYTES_PER_LOGIT = {2: 52.0, 4: 40.0}
+"""HBM bytes the bundled trainer's chunked loss (runtime/trainer/loss.py) moves per logit, by
+the compute dtype's width, outside its two GEMMs. 16-bit: the fp32 upcast (read 2, write 4),
+the row maximum (4), subtracting it (8), exp (8), the row sum (4), the divide (8), the scale
+(8), and the cast back for the gradient GEMMs (read 4, write 2): 52. fp32 computes in the
+logits' own buffer: no upcast and no cast back, 40. A 128K vocabulary makes this 6.7 MB per
+token in bf16, as much traffic as a 1B model's sixteen blocks together."""
 OPTIMIZER_BYTES_PER_PARAM = 32.0
 
 
@@ -201,8 +210,11 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
     saved = block_activation_bytes_per_token(model, layout.replace(
         activation_checkpointing="none", tp=1, pp=1))
     passes = ELEMENTWISE_HBM_PASSES + {"none": 0.0, "selective": 0.5, "full": 1.0}[mode]
-    t_elementwise = n * layers * saved * passes / t / (machine.elementwise_bytes_per_second
-                                                      or machine.memory_bytes_per_second)
+    elementwise_rate = machine.elementwise_bytes_per_second or machine.memory_bytes_per_second
+    t_elementwise = n * layers * saved * passes / t / elementwise_rate
+    # The loss runs on the last stage only, which the busiest stage is taken to be under PP.
+    t_loss = (n * model.vocab / t * LOSS_BYTES_PER_LOGIT[2 if a <= 2 else 4]
+              / (machine.loss_bytes_per_second or elementwise_rate))
 
     # Every volume below is commvolume's (checked against the trainer's real traffic). The
     # residual-stream tensors sent over TP and PP are timed at the compute dtype's width, as
@@ -254,7 +266,7 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
                                                                    machine)
             + _collective_seconds(scatter_bytes, cp - 1, link, machine))
 
-    micro = t_matmul + t_attention + t_elementwise + t_tp + t_ulysses + t_ring + t_allgather
+    micro = t_matmul + t_attention + t_elementwise + t_loss + t_tp + t_ulysses + t_ring + t_allgather
     forwards = commvolume.ring_forwards(layout)
     syncs = layers * ((forwards * 4 + 4 if t > 1 else 0) + (2 * forwards + 2 if u > 1 else 0)
                       + ((r - 1) * (forwards + 1) if r > 1 else 0)
@@ -291,6 +303,7 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
         "compute_matmul": m * t_matmul,
         "compute_attention": m * t_attention,
         "compute_elementwise": m * t_elementwise,
+        "compute_loss": m * t_loss,
         "tp_collectives": m * t_tp,
         "ulysses_all_to_all": m * t_ulysses,
         "cp_ring_exposed": m * t_ring,

@@ -369,7 +369,7 @@ def print_advice(console: Any, advice: Advice, top: int) -> None:
                    "MFU causal", "largest overhead"):
         table.add_column(column, justify="left" if column in ("layout", "largest overhead")
                          else "right")
-    compute = ("compute_matmul", "compute_attention", "compute_elementwise")
+    compute = ("compute_matmul", "compute_attention", "compute_elementwise", "compute_loss")
     for label, c in zip(advice.rank_labels(top), advice.ranked[:top], strict=True):
         overheads = {k: v for k, v in c.time.terms.items()
                      if k not in compute and v > 1e-3 * c.time.step_seconds}

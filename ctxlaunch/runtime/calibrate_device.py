@@ -14,11 +14,15 @@ body on one node of the spec's own target. It measures, each through the trainer
   all-to-all and send/recv, one process per GPU) at several message sizes: a bus bandwidth and
   a latency each, nccl-tests' bus-bandwidth convention;
 - the real trainer (`python -m ctxlaunch.trainer`, one GPU, the spec's model cut to at most
-  CALIBRATION_LAYERS blocks, the spec's checkpointing) at two lengths: what its steps take
-  beyond the matmuls, attention and optimizer just timed is a fixed cost per micro-batch plus
-  the elementwise work, which sets the elementwise rate (as a fraction of the HBM bandwidth)
-  and the fixed cost; a third, longer step is held out and predicted with every constant
-  above: its error is the profile's expected error.
+  CALIBRATION_LAYERS blocks, the spec's checkpointing) at two lengths, and at the longer of
+  them again with SHALLOW_LAYERS blocks: what its steps take beyond the matmuls, attention
+  and optimizer just timed is a fixed cost per micro-batch, the blocks' elementwise work
+  (norms, RoPE, SwiGLU, residuals, casts: grows with depth and length) and the loss's passes
+  over its logits (grow with length only). The two depths tell the blocks' rate from the
+  loss's, so the profile holds for the whole model's depth, not only the cut one's; the three
+  runs set the two rates (as fractions of the HBM bandwidth) and the fixed cost. A fourth,
+  longer step is held out and predicted with every constant above: its error is the
+  profile's expected error.
 
 Lengths come from the planner (the longest sequence the cut model fits on one GPU), so the job
 never runs what the planner says will not fit. With `dry_run` the same code runs on this CPU
@@ -55,6 +59,9 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send
 
 GPU_MESSAGE_BYTES = (1 << 20, 16 << 20, 128 << 20)
 DRY_MESSAGE_BYTES = (1 << 16, 1 << 20)
+SHALLOW_LAYERS = 1
+"""Blocks of the calibration's shallow trainer run (the depth the loss's rate is told from)."""
+
 DRY_LENGTHS = (256, 512, 1024)
 """(fit, fit, held out) trainer lengths of a dry run on the CPU."""
 
@@ -244,11 +251,12 @@ def measure_collectives(world: int, backend: str, sizes: tuple[int, ...], repeat
 # --------------------------------------------------------------------------------------------
 # the real trainer at three lengths
 # --------------------------------------------------------------------------------------------
-def trainer_spec_data(spec: JobSpec, seq: int, steps: int, gpu: str) -> dict[str, Any]:
-    """The calibration's trainer run: the spec's model cut to CALIBRATION_LAYERS blocks (random
+def trainer_spec_data(spec: JobSpec, seq: int, steps: int, gpu: str,
+                      layers: int = CALIBRATION_LAYERS) -> dict[str, Any]:
+    """The calibration's trainer run: the spec's model cut to `layers` blocks (random
     weights), one rank on `gpu`, the spec's checkpointing and dtype, one sequence per step."""
     model = spec.model.model_dump(mode="json", exclude={"preset", "init_from"})
-    model["layers"] = min(model["layers"], CALIBRATION_LAYERS)
+    model["layers"] = min(model["layers"], layers)
     t = spec.training
     return {"name": f"calibrate-{seq}", "model": model,
             "training": {"seq_len": seq, "steps": steps, "micro_batch": 1, "global_batch": 1,
@@ -259,9 +267,11 @@ def trainer_spec_data(spec: JobSpec, seq: int, steps: int, gpu: str) -> dict[str
 
 def run_trainer_steps(data: dict[str, Any], workdir: Path, warmup: int,
                       timeout_s: float) -> float:
-    """The mean step time after `warmup` steps of the real trainer run on `data` in its own
-    process; RuntimeError naming the run and its log's end where it fails."""
+    """The median step time after `warmup` steps of the real trainer run on `data` in its own
+    process (one slow step, a host hiccup, does not move it); RuntimeError naming the run and
+    its log's end where it fails."""
     import socket
+    import statistics
 
     import yaml
 
@@ -295,22 +305,63 @@ def run_trainer_steps(data: dict[str, Any], workdir: Path, warmup: int,
         tail = (done.stdout + done.stderr)[-1500:]
         raise RuntimeError(f"trainer at {data['training']['seq_len']} tokens failed (exit "
                            f"{done.returncode}):\n{tail}")
-    return sum(timed) / len(timed)
+    return statistics.median(timed)
 
 
-def fit_elementwise(points: list[tuple[float, dict[str, float]]]) -> tuple[float, float]:
-    """(elementwise rate as a fraction of the HBM bandwidth, fixed seconds per micro-batch) from
-    two trainer steps, each (measured seconds, the model's terms at fraction 1 and no fixed
-    cost): what the step leaves beyond the other terms is fixed + E / fraction, E the
-    elementwise term at full bandwidth. A rate above the bandwidth (noise) is held at it, with
-    the rest as fixed cost; the fixed cost is never negative."""
-    (m1, t1), (m2, t2) = points
-    e1, e2 = t1["compute_elementwise"], t2["compute_elementwise"]
-    r1 = m1 - (sum(t1.values()) - e1)
-    r2 = m2 - (sum(t2.values()) - e2)
-    slope = (r2 - r1) / (e2 - e1) if e2 != e1 else 1.0
-    slope = max(slope, 1.0)
-    return 1.0 / slope, max(r1 - slope * e1, 0.0)
+def _least_squares(rows: list[list[float]], values: list[float]) -> list[float]:
+    """x minimising |rows x - values| (normal equations, Gauss-Jordan; a handful of unknowns)."""
+    k = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)]
+         + [sum(r[i] * v for r, v in zip(rows, values, strict=True))] for i in range(k)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        if abs(a[col][col]) < 1e-300:
+            raise ValueError("the calibration's trainer runs do not determine the constants")
+        for r in range(k):
+            if r != col:
+                factor = a[r][col] / a[col][col]
+                a[r] = [x - factor * y for x, y in zip(a[r], a[col], strict=True)]
+    return [a[i][k] / a[i][i] for i in range(k)]
+
+
+def fit_residual(points: list[tuple[float, dict[str, float]]]) -> tuple[float, float, float]:
+    """(blocks' elementwise rate, loss rate, both as fractions of the HBM bandwidth; fixed
+    seconds per micro-batch) from trainer steps, each (measured seconds, the model's terms with
+    both rates at the bandwidth and no fixed cost). What a step leaves beyond its other terms is
+    fixed + E x u + S x w, E and S the elementwise and loss terms at the bandwidth, u and w the
+    slowdowns (1 / rate): solved by least squares over the points (three determine it). A
+    slowdown below 1 (faster than the bandwidth: noise) is held at 1 and a negative fixed cost
+    at 0, the others fitted again with it held."""
+    rows = [[1.0, t["compute_elementwise"], t["compute_loss"]] for _, t in points]
+    values = [m - (sum(t.values()) - t["compute_elementwise"] - t["compute_loss"])
+              for m, t in points]
+    bounds = (0.0, 1.0, 1.0)  # fixed >= 0; slowdowns >= 1
+    best: tuple[float, list[float]] | None = None
+    for held in range(8):  # each unknown free or held at its bound; the best feasible fit
+        fixed_at = {i: bounds[i] for i in range(3) if held >> i & 1}
+        free = [i for i in range(3) if i not in fixed_at]
+        x = [0.0] * 3
+        for i, value in fixed_at.items():
+            x[i] = value
+        if free:
+            rest = [v - sum(r[i] * x[i] for i in fixed_at) for r, v in zip(rows, values,
+                                                                        strict=True)]
+            try:
+                solved = _least_squares([[r[i] for i in free] for r in rows], rest)
+            except ValueError:
+                continue
+            for i, value in zip(free, solved, strict=True):
+                x[i] = value
+        if any(x[i] < bounds[i] - 1e-12 for i in range(3)):
+            continue
+        error = sum((sum(r[i] * x[i] for i in range(3)) - v) ** 2
+                    for r, v in zip(rows, values, strict=True))
+        if best is None or error < best[0] - 1e-18:
+            best = (error, x)
+    assert best is not None  # every unknown held at its bound is always feasible
+    fixed, u, w = best[1]
+    return 1.0 / u, 1.0 / w, fixed
 
 
 def calibration_lengths(spec: JobSpec, gpu: str) -> tuple[int, int, int]:
@@ -396,34 +447,43 @@ def measure_device(spec: JobSpec, *, dry_run: bool = False, repeats: int | None 
         collectives=collectives, dry_run=dry_run,
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
-    def step_terms(seq: int, machine_calibration: GpuCalibration) -> dict[str, float]:
-        cut = validate_spec(trainer_spec_data(spec, seq, 1, trainer_gpu))
+    # The trainer's steps: fixed cost + the blocks' elementwise work + the loss's passes,
+    # beyond what is timed above; the shallow run at the longer fit length tells the two apart.
+    warmup, steps = (1, 3) if dry_run else (3, 8)
+    deep, shallow = min(CALIBRATION_LAYERS, model.layers), min(SHALLOW_LAYERS, model.layers)
+    runs = [(deep, fit_a), (deep, fit_b), (shallow, fit_b), (deep, held)]
+    measured: dict[tuple[int, int], float] = {}
+    with tempfile.TemporaryDirectory(prefix="ctxlaunch-calibrate-") as tmp:
+        for depth, seq in runs:
+            data = trainer_spec_data(spec, seq, warmup + steps, trainer_gpu, depth)
+            measured[depth, seq] = run_trainer_steps(data, Path(tmp) / f"{depth}-{seq}",
+                                                     warmup, timeout_s=240 if dry_run else 600)
+            log(f"  trainer, {depth} blocks at {seq} tokens: "
+                f"{measured[depth, seq]:.4f} s per step")
+
+    def step_terms(depth: int, seq: int, machine_calibration: GpuCalibration) -> dict[str, float]:
+        cut = validate_spec(trainer_spec_data(spec, seq, 1, trainer_gpu, depth))
         return predict(cut.model, Layout.from_spec(cut),
                        machine_calibration.machine(gpus_per_node=1)).terms
 
-    # The trainer's steps: fixed cost + elementwise beyond what is timed above.
-    warmup, steps = (1, 3) if dry_run else (3, 8)
-    measured = {}
-    with tempfile.TemporaryDirectory(prefix="ctxlaunch-calibrate-") as tmp:
-        for seq in lengths:
-            data = trainer_spec_data(spec, seq, warmup + steps, trainer_gpu)
-            measured[seq] = run_trainer_steps(data, Path(tmp) / str(seq), warmup,
-                                              timeout_s=240 if dry_run else 600)
-            log(f"  trainer at {seq} tokens: {measured[seq]:.4f} s per step")
-    # At the HBM bandwidth (fraction 1), with no fixed cost: what the model times.
+    # At the HBM bandwidth (fractions 1), with no fixed cost: what the model times.
     bare = dataclasses.replace(calibration, elementwise_fraction_of_hbm=1.0,
-                               microbatch_overhead_seconds=0.0)
-    fraction, fixed = fit_elementwise(
-        [(measured[seq], step_terms(seq, bare)) for seq in (fit_a, fit_b)])
+                               loss_fraction_of_hbm=1.0, microbatch_overhead_seconds=0.0)
+    fitted = runs[:3]
+    fraction, loss_fraction, fixed = fit_residual(
+        [(measured[run], step_terms(*run, bare)) for run in fitted])
     calibration = dataclasses.replace(calibration, elementwise_fraction_of_hbm=fraction,
+                                      loss_fraction_of_hbm=loss_fraction,
                                       microbatch_overhead_seconds=fixed)
-    predicted = sum(step_terms(held, calibration).values())
-    error = predicted / measured[held] - 1
-    log(f"  elementwise at {fraction:.4f} of the HBM bandwidth, {fixed * 1e3:.2f} ms fixed per "
-        f"micro-batch; held out {held} tokens: predicted {predicted:.4f} s, measured "
-        f"{measured[held]:.4f} s ({error:+.1%})")
+    held_run = runs[3]
+    predicted = sum(step_terms(*held_run, calibration).values())
+    error = predicted / measured[held_run] - 1
+    log(f"  elementwise at {fraction:.4f} and the loss at {loss_fraction:.4f} of the HBM "
+        f"bandwidth, {fixed * 1e3:.2f} ms fixed per micro-batch; held out {held} tokens: "
+        f"predicted {predicted:.4f} s, measured {measured[held_run]:.4f} s ({error:+.1%})")
     return dataclasses.replace(
         calibration, expected_error=abs(error),
         lengths={"matmul": fit_b, "attention": [c[0] for c in calls],
-                 "trainer_fit": [fit_a, fit_b], "trainer_held_out": held},
-        trainer_step_seconds={str(k): v for k, v in measured.items()})
+                 "trainer_fit": [fit_a, fit_b], "trainer_held_out": held,
+                 "trainer_shallow_layers": shallow},
+        trainer_step_seconds={f"{depth}x{seq}": v for (depth, seq), v in measured.items()})
