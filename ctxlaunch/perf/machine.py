@@ -73,7 +73,8 @@ class Machine:
     GPUs)."""
     microbatch_overhead_seconds: float = 0.0
     """Fixed cost per micro-batch outside the modelled work (Python dispatch, data, loss and
-    optimizer bookkeeping): measured on the CPU; 0 on GPUs, where the fitted efficiencies
+    optimizer bookkeeping): measured on the CPU, and on a GPU by its calibration (the bundled
+    profile's from its H200 one); 0 under the Megatron profile, whose fitted efficiencies
     absorb it."""
     elementwise_bytes_per_second: float | None = None
     """Rate of the elementwise term (norms, RoPE, SwiGLU, residual adds) per modelled byte;

@@ -42,12 +42,13 @@ tokens held by the rank (CP splits the sequence), TP shards heads and weights:
                the framework overlaps them (`Machine.overlap_dp`) they hide behind one
                micro-batch of compute; only the rest is exposed.
   optimizer    Adam reads and writes ~32 bytes per parameter the rank updates, at HBM speed.
-  overhead     a fixed cost per micro-batch (Python dispatch, data, bookkeeping), and a cost per
-               blocking synchronisation (ring hop, all-to-all, all-reduce) that compute cannot
-               hide, growing as the square root of the compute between two of them (the
-               straggler gap of ranks whose compute other processes delay at random): both
-               measured on the CPU (where ranks can outnumber cores, a peer may not be
-               scheduled); 0 on GPUs.
+  overhead     a fixed cost per micro-batch (Python dispatch, data, bookkeeping: measured on
+               the CPU and by a GPU calibration, the bundled profile's from its H200 one; 0
+               under the Megatron profile), and on the CPU a cost per blocking
+               synchronisation (ring hop, all-to-all, all-reduce) that compute cannot hide,
+               growing as the square root of the compute between two of them (the straggler
+               gap of ranks whose compute other processes delay at random; where ranks can
+               outnumber cores, a peer may not be scheduled); 0 on GPUs.
 
 Collectives move bytes at eta_comm x the data-sheet bandwidth of the slowest link their group
 spans (NVLink inside the NVLink domain; the network beyond it, one NIC per GPU) plus one
