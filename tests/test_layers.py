@@ -32,15 +32,15 @@ ENTRY_SHIMS = {"trainer", "podentry"}
 scripts start; each runs its runtime module by name and imports nothing."""
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+def _module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """(line, absolute module) for every ctxlaunch import in the file."""
+def _imports(path: Path, root: Path = PACKAGE) -> list[tuple[int, str]]:
+    """(line, absolute module) for every ctxlaunch import in the file of package `root`."""
     tree = ast.parse(path.read_text(), str(path))
-    module = _module_name(path)
+    module = _module_name(path, root)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: list[tuple[int, str]] = []
     for node in ast.walk(tree):
@@ -80,29 +80,39 @@ def test_entry_shims_import_nothing_of_ctxlaunch() -> None:
         assert _imports(PACKAGE / f"{name}.py") == [], name
 
 
-@pytest.mark.parametrize("layer", sorted(ALLOWED))
-def test_layer_imports_only_earlier_layers(layer: str) -> None:
+def _violations(layer: str, root: Path = PACKAGE) -> list[str]:
+    """Every import in `layer` of the package at `root` that the layers forbid."""
     wrong = []
-    for path in sorted((PACKAGE / layer).rglob("*.py")):
-        for line, target in _imports(path):
+    for path in sorted((root / layer).rglob("*.py")):
+        for line, target in _imports(path, root):
             if target == "ctxlaunch":
                 continue
             target_layer = _layer(target)
             if target_layer is None and target.split(".")[1] in ENTRY_SHIMS:
-                wrong.append(f"{path.relative_to(PACKAGE)}:{line} imports the entry shim {target}")
+                wrong.append(f"{path.relative_to(root)}:{line} imports the entry shim {target}")
             elif target_layer is not None and target_layer not in ALLOWED[layer]:
-                wrong.append(f"{path.relative_to(PACKAGE)}:{line} imports {target} "
+                wrong.append(f"{path.relative_to(root)}:{line} imports {target} "
                              f"({layer} may import {', '.join(sorted(ALLOWED[layer]))})")
+    return wrong
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_layer_imports_only_earlier_layers(layer: str) -> None:
+    wrong = _violations(layer)
     assert wrong == [], "\n".join(wrong)
 
 
-def test_the_rule_sees_a_violation() -> None:
-    """The checker itself: an upward import inside a function is found."""
-    bad = PACKAGE / "perf" / "_layer_probe.py"
+def test_the_rule_sees_a_violation(tmp_path: Path) -> None:
+    """The checker itself: an upward import inside a function is found. The probe is written
+    into a package of its own under tmp_path, never into the source tree, where the linters
+    that another test worker runs at the same time would read it."""
+    root = tmp_path / "ctxlaunch"
+    (root / "perf").mkdir(parents=True)
+    bad = root / "perf" / "_layer_probe.py"
     bad.write_text("def f():\n    from ctxlaunch.launch import jobstore\n")
-    try:
-        assert _imports(bad) == [(2, "ctxlaunch.launch")]
-        with pytest.raises(AssertionError, match="imports ctxlaunch.launch"):
-            test_layer_imports_only_earlier_layers("perf")
-    finally:
-        bad.unlink()
+    assert _imports(bad, root) == [(2, "ctxlaunch.launch")]
+    assert _violations("perf", root) == [
+        "perf/_layer_probe.py:2 imports ctxlaunch.launch (perf may import contract, perf)"]
+    relative = root / "perf" / "_relative_probe.py"
+    relative.write_text("from ..planning import advise\n")
+    assert _imports(relative, root) == [(1, "ctxlaunch.planning")]
