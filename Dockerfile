@@ -21,7 +21,7 @@ COPY templates ./templates
 RUN python3 -m pip install "torch==2.13.0" ".[train]" \
     && python3 -c "import torch, torch.distributed as d; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'NCCL', d.is_nccl_available())"
 
-# The probe `ctxlaunch image check` runs; a job's pods run `python3 -m ctxlaunch.podentry SPEC`
+# The probe `ctxlaunch image check` runs; a job's pods run `python3 -m ctxlaunch.runtime.podentry SPEC`
 # (the rendered command), so the entry point is only the default for `docker run IMAGE`.
 ENTRYPOINT ["ctxlaunch"]
 CMD ["--help"]

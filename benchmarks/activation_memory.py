@@ -27,8 +27,8 @@ def worker(args: argparse.Namespace) -> None:
     from ctxlaunch.cp import ring_attention, shard_positions
     from ctxlaunch.perf.layout import Layout
     from ctxlaunch.perf.memory import block_activation_bytes_per_token
-    from ctxlaunch.runtime.trainer.memtrace import SavedTensorMeter
     from ctxlaunch.runtime.trainer.model import Block, rope_tables
+    from tests.helpers.memtrace import SavedTensorMeter
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -42,7 +42,7 @@ def worker(args: argparse.Namespace) -> None:
             block.checkpointing = mode
             if world > 1:
                 block.attn.attend = lambda q, k, v: ring_attention(q, k, v, causal=True,
-                                                                   layout="zigzag")
+                                                                   sharding="zigzag")
             tokens = args.seq // world
             positions = shard_positions(args.seq, rank, world, "zigzag")
             cos, sin = rope_tables(positions, args.hidden // heads, 10000.0, dtype)

@@ -67,7 +67,7 @@ def _median_time(step, reps):
 def _ours_ring(shards, layout, backward=True):
     def step():
         q, k, v = (t.detach().requires_grad_(backward) for t in shards[:3])
-        out = ring_attention(q, k, v, None, causal=True, layout=layout)
+        out = ring_attention(q, k, v, None, causal=True, sharding=layout)
         if backward:
             out.backward(shards[3])
     return step
@@ -102,7 +102,7 @@ def _torch_ring(shards, load_balance):
 def _ours_ulysses(shards):
     def step():
         q, k, v = (t.detach().requires_grad_() for t in shards[:3])
-        ulysses_attention(q, k, v, None, causal=True, layout="contiguous").backward(shards[3])
+        ulysses_attention(q, k, v, None, causal=True, sharding="contiguous").backward(shards[3])
     return step
 
 

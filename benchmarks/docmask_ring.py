@@ -34,7 +34,7 @@ def documents_for(seq_len: int, count: int, seed: int = 0) -> tuple[int, ...]:
 def _step(shards, layout, documents):
     def step():
         q, k, v = (t.detach().requires_grad_() for t in shards[:3])
-        ring_attention(q, k, v, None, layout=layout, documents=documents).backward(shards[3])
+        ring_attention(q, k, v, None, sharding=layout, documents=documents).backward(shards[3])
     return step
 
 

@@ -34,7 +34,7 @@ def measure(preset: str, seq_len: int, steps: int, compile_: bool, fused: bool) 
                      "compile": compile_, "fused_optimizer": fused},
         "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1}})
     ctx = build_context(rank=0, world_size=1, dp=1, cp=1, ulysses=1,
-                        layout=spec.parallel.layout, tp=1, pp=1)
+                        cp_sharding=spec.parallel.cp_sharding, tp=1, pp=1)
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     try:
         seconds = [trainer.train_step().step_seconds for _ in range(steps)]

@@ -7,7 +7,7 @@
    longest sequence the planner says fits trains two steps; one 15 % longer hits a real CUDA OOM
    that the trainer reports as it does elsewhere (exit 86, the log line with what would fit, the
    OOM counter and event pushed to a real Pushgateway when one is given with --pushgateway-binary).
-   Each run is the real trainer (`python -m ctxlaunch.trainer`) in its own process.
+   Each run is the real trainer (`python -m ctxlaunch.runtime.trainer`) in its own process.
 2. Trainer MFU and memory: the llama3.2-1b shape at 16K and 64K tokens, bf16, ZeRO-0, selective
    checkpointing, one GPU, each in its own process: tokens/s, MFU in both conventions against
    the GPU table's dense BF16 peak (goal: >= 45 % causal), and the planner's predicted peak
@@ -76,7 +76,7 @@ def planner_figures(spec_data: dict) -> dict:
             "predicted_without_allowance_bytes": est.total - est.allowance,
             "predicted_parts_bytes": dict(est.parts()),
             "longest_fitting_seq": longest_sequence(spec.model, layout, spec.cluster.gpu_info,
-                                                    spec.parallel.layout)}
+                                                    spec.parallel.cp_sharding)}
 
 
 def free_port() -> int:
@@ -95,7 +95,7 @@ def run_trainer(spec_data: dict, workdir: Path, env_extra: dict | None = None,
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                PYTHONUNBUFFERED="1", **(env_extra or {}))
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "ctxlaunch.trainer", str(spec_path),
+    proc = subprocess.run([sys.executable, "-m", "ctxlaunch.runtime.trainer", str(spec_path),
                            "--run-dir", str(run_dir)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
     out = {"exit_status": proc.returncode, "wall_s": round(time.perf_counter() - start, 1),
@@ -279,7 +279,7 @@ def trainer_against_kernels(trainer: list[dict], alone: list[dict]) -> list[dict
 def stage_ring(q, k, v, grad, ranks: int, layout: str) -> dict:
     """Every rank's shards of q, k, v and the upstream gradient, cut once (outside any timing),
     as `shard_sequence` would hand them to each rank."""
-    from ctxlaunch.cp.layout import shard_for_rank
+    from ctxlaunch.cp.sharding import shard_for_rank
 
     return {name: [shard_for_rank(t, r, ranks, 2, layout) for r in range(ranks)]
             for name, t in (("q", q), ("k", k), ("v", v), ("grad", grad))}
@@ -363,7 +363,7 @@ class RingRun:
                 self.dv[src][:, :, kv_rows] += dv
 
     def result(self, like) -> dict:
-        from ctxlaunch.cp.layout import unshard_from_shards
+        from ctxlaunch.cp.sharding import unshard_from_shards
 
         result = {"out": unshard_from_shards(self.out_final, 2, self.layout),
                   "lse": unshard_from_shards(self.lse, 2, self.layout)}
@@ -568,8 +568,8 @@ def saved_tensors_probe(device: str, model_name: str, seqs: tuple[int, ...]) -> 
         autocast_weight_copy_bytes,
         block_activation_bytes_per_token,
     )
-    from ctxlaunch.runtime.trainer.memtrace import SavedTensorMeter
     from ctxlaunch.runtime.trainer.model import Transformer
+    from tests.helpers.memtrace import SavedTensorMeter
 
     class Listing(SavedTensorMeter):
         def __init__(self, exclude):

@@ -8,7 +8,7 @@ several lengths, checkpointing modes and micro-batches, in one script (goal: wit
 First it calibrates the GPU as `ctxlaunch calibrate SPEC --submit` does
 (ctxlaunch.runtime.calibrate_device: matmuls, the attention kernel, the trainer cut to 4 blocks
 at 6K and 12K and to 1 block at 12K, 4 blocks at 24K held out). Each point is then the real
-trainer (`python -m ctxlaunch.trainer`, via gpu_check.run_trainer) in its own process;
+trainer (`python -m ctxlaunch.runtime.trainer`, via gpu_check.run_trainer) in its own process;
 measured = the median step after the warm-up steps; predicted = `plan`'s step with that
 calibration's profile and, beside it, with the committed `ctxlaunch` profile (alone with
 --no-calibrate). The points use lengths the calibration did not run. Each point also records

@@ -108,7 +108,7 @@ def _worker(rank, world, init_file, spec_data, results):  # type: ignore[no-unty
     spec = validate_spec(spec_data)
     p = spec.parallel
     ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                        ulysses=spec.ulysses_degree, layout=p.layout, tp=p.tp, pp=p.pp)
+                        ulysses=spec.ulysses_degree, cp_sharding=p.cp_sharding, tp=p.tp, pp=p.pp)
     with torch.device("meta"):
         model = Transformer.from_spec(spec.model)
     before = peak_rss_bytes()

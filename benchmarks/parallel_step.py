@@ -36,7 +36,7 @@ def _worker(rank, world, init_file, spec_data, steps, threads, results):  # type
     spec = validate_spec(spec_data)
     p = spec.parallel
     ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                        ulysses=spec.ulysses_degree, layout=p.layout, tp=p.tp, pp=p.pp)
+                        ulysses=spec.ulysses_degree, cp_sharding=p.cp_sharding, tp=p.tp, pp=p.pp)
     exposed: dict[str, float] = defaultdict(float)
     timing = {"on": False}
 

@@ -143,11 +143,11 @@ def test_the_named_profile_wins_over_this_machines_calibration(tmp_path: Path) -
 def test_a_pod_spec_leaves_the_submitters_profile_out(tmp_path: Path) -> None:
     """The profile path is on the submitter's machine: the ConfigMap's spec.json omits it, so
     the pod's spec validates; Slurm's script (a shared filesystem) keeps it."""
-    from ctxlaunch.launch.plan import kubernetes_plan, slurm_plan
+    from ctxlaunch.launch.request import kubernetes_request, slurm_request
 
     profile = _profile(tmp_path)
     spec = load_spec(JOBS / "demo.yaml", [f"cluster.profile={profile}",
                                           "cluster.target=kubernetes",
                                           "cluster.kubernetes.image=example/ctxlaunch:1"])
-    assert json.loads(kubernetes_plan(spec).spec_json)["cluster"]["profile"] is None
-    assert json.loads(slurm_plan(spec).spec_json)["cluster"]["profile"] == str(profile)
+    assert json.loads(kubernetes_request(spec).spec_json)["cluster"]["profile"] is None
+    assert json.loads(slurm_request(spec).spec_json)["cluster"]["profile"] == str(profile)

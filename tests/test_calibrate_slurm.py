@@ -35,7 +35,7 @@ def test_calibration_job_through_slurm_writes_the_profile(tmp_path: Path) -> Non
     assert job_id.isdigit(), result.stdout + result.stderr
     script = next((home / "jobs").iterdir()).glob("*.sbatch")
     text = next(script).read_text()
-    assert "-m ctxlaunch.runtime.calibrate --out" in text and "ctxlaunch.trainer" not in text
+    assert "-m ctxlaunch.runtime.calibrate --out" in text and "ctxlaunch.runtime.trainer" not in text
     assert "'--ntasks-per-node=1'" in text
     final = wait_for(home, tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"},
                      timeout=840)

@@ -163,7 +163,7 @@ specs = st.fixed_dictionaries(
             {}, optional={"tp": small, "pp": small, "cp": small, "dp": small, "ep": small,
                           "cp_algorithm": st.sampled_from(["ring", "ulysses", "hybrid", "x"]),
                           "ulysses_degree": small, "ring_degree": small,
-                          "layout": st.sampled_from(["zigzag", "contiguous", "x"])}),
+                          "cp_sharding": st.sampled_from(["zigzag", "contiguous", "x"])}),
         "cluster": st.fixed_dictionaries(
             {}, optional={"target": st.sampled_from(["local", "slurm", "kubernetes", "x"]),
                           "nodes": small, "gpus_per_node": small,

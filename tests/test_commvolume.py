@@ -69,7 +69,7 @@ def _count(rank: int, world: int, specs: list[dict]) -> list[dict]:
         spec = validate_spec(spec_data)
         p = spec.parallel
         ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                            ulysses=spec.ulysses_degree, layout=p.layout, tp=p.tp, pp=p.pp)
+                            ulysses=spec.ulysses_degree, cp_sharding=p.cp_sharding, tp=p.tp, pp=p.pp)
         trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
         trainer.train_step()  # warm-up
         finish = trainer.engine.finish_gradients

@@ -17,14 +17,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ctxlaunch.runtime.telemetry import dashboard as dash
 from ctxlaunch.runtime.telemetry.metrics import BY_NAME
+from tests.helpers.devtools import DEV_SCRIPTS, dev_script
+
+dash = dev_script("grafana_dashboard")
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / dash.DEFAULT_OUTPUT
 RULES = ROOT / "manifests" / "prometheus" / "ctxlaunch-rules.yml"
 RULE_TESTS = ROOT / "tests" / "promtool" / "ctxlaunch-rules.test.yml"
-REGENERATE = "python -m ctxlaunch.runtime.telemetry.dashboard"
+REGENERATE = "python scripts/dev/grafana_dashboard.py"
 
 # --------------------------------------------------------------------------------------------
 # A small PromQL reader: which metric names an expression selects.
@@ -101,7 +103,8 @@ def test_committed_dashboard_is_current(tmp_path: Path) -> None:
 
 def test_module_imports_without_the_sdk(committed: dict) -> None:
     code = ("import sys; sys.modules['grafana_foundation_sdk'] = None\n"
-            "import json, ctxlaunch.runtime.telemetry.dashboard as d\n"
+            f"sys.path.insert(0, {str(DEV_SCRIPTS)!r})\n"
+            "import json, grafana_dashboard as d\n"
             f"print(len(d.panel_queries(json.load(open({str(DASHBOARD)!r})), {{'job': 'j'}})))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60, cwd=ROOT)

@@ -434,7 +434,7 @@ def _train_tokens(rank: int, world: int, spec_data: dict) -> list[float]:
 
     spec = validate_spec(spec_data)
     ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=1, ulysses=1,
-                        layout=spec.parallel.layout, tp=1, pp=1)
+                        cp_sharding=spec.parallel.cp_sharding, tp=1, pp=1)
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     return [trainer.train_step().loss for _ in range(spec.training.steps)]
 
@@ -443,7 +443,7 @@ def _train_tokens(rank: int, world: int, spec_data: dict) -> list[float]:
 def test_the_trainer_trains_on_tokens(tmp_path: Path) -> None:
     """source: tokens through make_source into the trainer: finite losses, and the first
     step's batch is packed sequences 0 and 1."""
-    from ctxlaunch.runtime.trainer.data import Batches, make_source
+    from ctxlaunch.runtime.trainer.batches import Batches, make_source
 
     prefix = str(corpus(tmp_path))
     spec_data = validate_spec(spec_with({"source": "tokens", "path": prefix,
@@ -451,7 +451,7 @@ def test_the_trainer_trains_on_tokens(tmp_path: Path) -> None:
     spec = validate_spec(spec_data)
     source = make_source(spec.training.data, 256, 64, 3)
     batch = Batches(source, seq_len=64, micro_batch=1, global_batch=2, dp=1, dp_rank=0, cp=1,
-                    cp_rank=0, layout="contiguous").get(0, 1)
+                    cp_rank=0, cp_sharding="contiguous").get(0, 1)
     assert torch.equal(batch.tokens[0], source.sequence(1)[:-1])
     losses = run_distributed(_train_tokens, 1, spec_data, timeout_s=240)[0]
     assert len(losses) == 2 and all(np.isfinite(losses))

@@ -100,7 +100,7 @@ def _train_and_save(rank: int, world: int, spec_data: dict) -> None:
 
     spec = validate_spec(spec_data)
     ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=spec.parallel.cp,
-                        ulysses=spec.ulysses_degree, layout=spec.parallel.layout)
+                        ulysses=spec.ulysses_degree, cp_sharding=spec.parallel.cp_sharding)
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     trainer.run()
 
@@ -125,7 +125,7 @@ def _evaluate(rank: int, world: int, spec_data: dict, path: str | None = None) -
     spec = validate_spec(spec_data)
     p = spec.parallel
     ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                        ulysses=spec.ulysses_degree, layout=p.layout, tp=p.tp)
+                        ulysses=spec.ulysses_degree, cp_sharding=p.cp_sharding, tp=p.tp)
     with torch.device("meta"):
         model = Transformer.from_spec(spec.model)
     parts = parallelize(model, ctx=ctx, settings=ParallelSettings.from_spec(spec),
@@ -227,7 +227,7 @@ def _train_with_eval(rank: int, world: int, spec_data: dict, run_dir: str) -> li
 
     spec = validate_spec(spec_data)
     ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=spec.parallel.cp,
-                        ulysses=spec.ulysses_degree, layout=spec.parallel.layout)
+                        ulysses=spec.ulysses_degree, cp_sharding=spec.parallel.cp_sharding)
     seen: list[dict] = []
     trainer = Trainer(spec, ctx, torch.device("cpu"), Path(run_dir) if rank == 0 else None,
                       log=lambda _: None)

@@ -23,7 +23,7 @@ def _trainer(*overrides: str):
     from ctxlaunch.runtime.trainer.parallelize import build_context
 
     spec = validate_spec(apply_overrides(BASE, list(overrides)))
-    ctx = build_context(rank=0, world_size=1, dp=1, cp=1, ulysses=1, layout=spec.parallel.layout,
+    ctx = build_context(rank=0, world_size=1, dp=1, cp=1, ulysses=1, cp_sharding=spec.parallel.cp_sharding,
                         tp=1, pp=1)
     return Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
 

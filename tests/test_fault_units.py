@@ -72,7 +72,7 @@ def _wait_beside_a_silent_peer(rank: int, world_size: int, group: str, answered:
         target = groups._get_data_parallel_group()
     else:
         ctx = build_context(rank=rank, world_size=world_size, dp=2 if group == "dp" else 1,
-                            cp=2 if group == "cp" else 1, ulysses=1, layout="zigzag",
+                            cp=2 if group == "cp" else 1, ulysses=1, cp_sharding="zigzag",
                             tp=2 if group == "tp" else 1, pp=2 if group == "pp" else 1)
         target = getattr(ctx, f"{group}_group")
     if rank == 1:  # alive and silent until rank 0 has its answer (at most a minute)

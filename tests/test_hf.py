@@ -86,7 +86,7 @@ def build_trainer(rank: int, world: int, data: dict):
     spec = validate_spec(data)
     p = spec.parallel
     ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                        ulysses=spec.ulysses_degree, layout=p.layout, tp=p.tp, pp=p.pp)
+                        ulysses=spec.ulysses_degree, cp_sharding=p.cp_sharding, tp=p.tp, pp=p.pp)
     return Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
 
 
@@ -431,7 +431,7 @@ def _first_losses(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
 LAYOUTS: dict[int, list[dict]] = {
     2: [{"parallel.tp": 2}, {"parallel.pp": 2},
-        {"parallel.cp": 2, "parallel.cp_algorithm": "ring", "parallel.layout": "zigzag"},
+        {"parallel.cp": 2, "parallel.cp_algorithm": "ring", "parallel.cp_sharding": "zigzag"},
         # Global positions under CP with the other scalings.
         {"parallel.cp": 2, "parallel.cp_algorithm": "ring", "rope": "yarn"},
         {"parallel.cp": 2, "parallel.cp_algorithm": "ring", "rope": "default"},
@@ -533,7 +533,7 @@ def test_packed_documents_under_a_mask_score_what_transformers_scores_each_alone
     token's loss through init_from equals transformers' loss of its document run alone, and
     the packed mean (the targets that open the next document not counted) equals their
     token-weighted mean."""
-    from ctxlaunch.runtime.trainer.data import masked_micro_batch
+    from ctxlaunch.runtime.trainer.batches import masked_micro_batch
 
     reference = save_hf(tmp_path, hf_config(rope))
     generator = torch.Generator().manual_seed(11)

@@ -14,10 +14,10 @@ LAUNCHER_MODULES = [
     "ctxlaunch.perf.layout", "ctxlaunch.perf.memory", "ctxlaunch.perf.flops", "ctxlaunch.perf.steptime",
     "ctxlaunch.perf.machine", "ctxlaunch.perf.commvolume",
     "ctxlaunch.planning.plan", "ctxlaunch.planning.advise",
-    "ctxlaunch.launch.plan", "ctxlaunch.launch.render", "ctxlaunch.launch.sweep", "ctxlaunch.launch.jobstore",
+    "ctxlaunch.launch.request", "ctxlaunch.launch.render", "ctxlaunch.launch.sweep", "ctxlaunch.launch.jobstore",
     "ctxlaunch.launch.backends", "ctxlaunch.launch.backends.local", "ctxlaunch.launch.backends.slurm",
     "ctxlaunch.launch.backends.kubernetes",
-    "ctxlaunch.runtime.podentry", "ctxlaunch.runtime.telemetry.metrics", "ctxlaunch.runtime.telemetry.dashboard",
+    "ctxlaunch.runtime.podentry", "ctxlaunch.runtime.telemetry.metrics",
 ]
 HEAVY = ["torch", "kubernetes", "submitit", "deepspeed"]
 

@@ -96,17 +96,17 @@ def _spec(*overrides: str):
     return validate_spec(apply_overrides(base, list(overrides)))
 
 
-@pytest.mark.parametrize(("cp", "ulysses", "tp", "layout", "expected_block"), [
+@pytest.mark.parametrize(("cp", "ulysses", "tp", "cp_sharding", "expected_block"), [
     (1, 1, 1, "contiguous", 4096),
     (4, 1, 1, "zigzag", 512),       # a zigzag ring calls the kernel on half of each chunk
     (4, 1, 1, "contiguous", 1024),
     (4, 4, 1, "contiguous", 4096),  # Ulysses: the whole sequence, a quarter of the heads
     (4, 2, 2, "zigzag", 1024),      # hybrid: ring of 2 (half-chunks of 2048), heads / (2 x 2)
 ])
-def test_the_block_shape_is_the_one_the_rank_calls(cp, ulysses, tp, layout,
+def test_the_block_shape_is_the_one_the_rank_calls(cp, ulysses, tp, cp_sharding,
                                                    expected_block) -> None:
     spec = _spec()
-    ctx = SimpleNamespace(cp=cp, ulysses=ulysses, tp=tp, layout=layout)
+    ctx = SimpleNamespace(cp=cp, ulysses=ulysses, tp=tp, cp_sharding=cp_sharding)
     batch, heads, kv_heads, block, head_dim = fastpath.attention_block_shape(spec, ctx)
     m = spec.model
     assert (batch, block, head_dim) == (2, expected_block, m.hidden // m.heads)

@@ -27,10 +27,6 @@ ALLOWED: dict[str, set[str]] = {
 """Layer -> the layers its modules may import. The package root (`ctxlaunch`, which holds only
 the version) is open to all."""
 
-ENTRY_SHIMS = {"trainer", "podentry"}
-"""`python -m ctxlaunch.trainer` / `ctxlaunch.podentry`: the published entry points that rendered
-scripts start; each runs its runtime module by name and imports nothing."""
-
 
 def _module_name(path: Path, package: Path = PACKAGE) -> str:
     parts = list(path.relative_to(package.parent).with_suffix("").parts)
@@ -67,17 +63,25 @@ def _layer(module: str) -> str | None:
 
 
 def test_every_module_is_in_a_layer() -> None:
-    """Nothing loose at the top: each module belongs to a layer (or is an entry shim)."""
-    loose = [p.name for p in PACKAGE.glob("*.py")
-             if p.stem not in ENTRY_SHIMS and p.name != "__init__.py"]
+    """Nothing loose at the top: each module belongs to a layer."""
+    loose = [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
     loose += [p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name not in ALLOWED
               and p.name != "__pycache__"]
     assert loose == [], f"modules outside the layers: {loose}"
 
 
-def test_entry_shims_import_nothing_of_ctxlaunch() -> None:
-    for name in ENTRY_SHIMS:
-        assert _imports(PACKAGE / f"{name}.py") == [], name
+def test_entry_modules_run_inside_the_runtime_layer() -> None:
+    """The modules a rendered job starts (`python -m ...`) are runtime modules that run as a
+    program: a package with a __main__, or a module with a main guard."""
+    from ctxlaunch.contract.rundir import POD_MODULE, TRAINER_MODULE
+
+    for module in (TRAINER_MODULE, POD_MODULE):
+        assert _layer(module) == "runtime", module
+        path = PACKAGE.parent.joinpath(*module.split("."))
+        runnable = (path / "__main__.py").is_file() or (
+            path.with_suffix(".py").is_file()
+            and 'if __name__ == "__main__":' in path.with_suffix(".py").read_text())
+        assert runnable, f"{module} does not run with python -m"
 
 
 def _violations(layer: str, root: Path = PACKAGE) -> list[str]:
@@ -88,9 +92,7 @@ def _violations(layer: str, root: Path = PACKAGE) -> list[str]:
             if target == "ctxlaunch":
                 continue
             target_layer = _layer(target)
-            if target_layer is None and target.split(".")[1] in ENTRY_SHIMS:
-                wrong.append(f"{path.relative_to(root)}:{line} imports the entry shim {target}")
-            elif target_layer is not None and target_layer not in ALLOWED[layer]:
+            if target_layer is not None and target_layer not in ALLOWED[layer]:
                 wrong.append(f"{path.relative_to(root)}:{line} imports {target} "
                              f"({layer} may import {', '.join(sorted(ALLOWED[layer]))})")
     return wrong

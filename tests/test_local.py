@@ -64,7 +64,7 @@ def test_dry_run_prints_the_exact_command_and_starts_nothing(tmp_path: Path) -> 
     result = submit(tmp_path, "--dry-run")
     assert result.returncode == 0, result.stderr
     command = next(line for line in result.stdout.splitlines() if "torch.distributed.run" in line)
-    assert "--nproc-per-node=2" in command and "-m ctxlaunch.trainer" in command
+    assert "--nproc-per-node=2" in command and "-m ctxlaunch.runtime.trainer" in command
     assert '"cp":2' in result.stdout  # the spec that would travel
     assert job_dirs(tmp_path) == []
 
@@ -101,7 +101,7 @@ def trainer_rank(tmp_path: Path, rank: int, port: int, *extra: str) -> subproces
     env = env_for(tmp_path, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     return subprocess.Popen(
-        [sys.executable, "-u", "-m", "ctxlaunch.trainer", str(JOBS / "demo.yaml"),
+        [sys.executable, "-u", "-m", "ctxlaunch.runtime.trainer", str(JOBS / "demo.yaml"),
          "--set", "training.steps=1000", "--set", "training.seq_len=512",
          "--set", "training.timeout_seconds=20", "--set", "training.checkpoint.dir=null",
          "--set", "training.log_interval=1",
@@ -146,7 +146,7 @@ def test_bad_set_up_fails_before_any_work(tmp_path: Path, overrides: list[str],
     sets = [arg for item in ["cluster.gpus_per_node=1", "parallel.cp=1", *overrides]
             for arg in ("--set", item)]
     result = subprocess.run(
-        [sys.executable, "-m", "ctxlaunch.trainer", str(JOBS / "demo.yaml"), *sets],
+        [sys.executable, "-m", "ctxlaunch.runtime.trainer", str(JOBS / "demo.yaml"), *sets],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr
@@ -157,7 +157,7 @@ def test_bad_set_up_fails_before_any_work(tmp_path: Path, overrides: list[str],
 def test_world_size_must_match_the_spec(tmp_path: Path) -> None:
     env = env_for(tmp_path, RANK="0", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1",
                   MASTER_PORT="29999")
-    result = subprocess.run([sys.executable, "-m", "ctxlaunch.trainer", str(JOBS / "demo.yaml")],
+    result = subprocess.run([sys.executable, "-m", "ctxlaunch.runtime.trainer", str(JOBS / "demo.yaml")],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "started 3 ranks but the spec describes 2" in result.stderr
@@ -166,7 +166,7 @@ def test_world_size_must_match_the_spec(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_a_gpu_spec_without_a_gpu_fails_before_any_work(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "ctxlaunch.trainer", str(JOBS / "demo.yaml"), "--set",
+        [sys.executable, "-m", "ctxlaunch.runtime.trainer", str(JOBS / "demo.yaml"), "--set",
          "cluster.gpu=H100", "--set", "cluster.gpus_per_node=1", "--set", "parallel.cp=1",
          "--run-dir", str(tmp_path / "run")],
         cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=60)

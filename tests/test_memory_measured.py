@@ -9,8 +9,8 @@ import torch
 from ctxlaunch.contract.spec import ModelSpec
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.memory import activation_bytes
-from ctxlaunch.runtime.trainer.memtrace import SavedTensorMeter
 from ctxlaunch.runtime.trainer.model import Transformer
+from tests.helpers.memtrace import SavedTensorMeter
 
 MODEL = ModelSpec(layers=2, hidden=256, heads=8, kv_heads=2, ffn_hidden=704, vocab=256)
 
@@ -55,7 +55,7 @@ def _measure_tp_pp(rank: int, world: int, cases: list[tuple[str, str, str]]) -> 
     for kind, dtype, checkpointing in cases:
         tp, pp = (2, 1) if kind == "tp" else (1, 2)
         ctx = build_context(rank=rank, world_size=world, dp=1, cp=1, ulysses=1,
-                            layout="zigzag", tp=tp, pp=pp)
+                            cp_sharding="zigzag", tp=tp, pp=pp)
         torch.manual_seed(0)
         model = Transformer.from_spec(MODEL)
         model.set_checkpointing(checkpointing)

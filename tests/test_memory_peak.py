@@ -45,22 +45,22 @@ def host_data_bytes(spec) -> int:
     """What the CPU's record holds that a GPU's would not: the synthetic data source's token
     chain (`SyntheticTokens.chain`, int64, built once per rank: 512 KiB up to 64K tokens), host
     memory beside a GPU, so not the planner's."""
-    from ctxlaunch.runtime.trainer.data import SyntheticTokens
+    from ctxlaunch.runtime.trainer.batches import SyntheticTokens
 
     t = spec.training
     return SyntheticTokens(spec.model.vocab, t.seq_len, t.seed).chain.nbytes
 
 
 def _measure(rank: int, world: int, specs: list[dict]) -> list[tuple[int, str]]:
-    from ctxlaunch.runtime.trainer.memtrace import measure_training_peak
     from ctxlaunch.runtime.trainer.parallelize import build_context
+    from tests.helpers.memtrace import measure_training_peak
 
     out = []
     for data in specs:
         spec = validate_spec(data)
         p = spec.parallel
         ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                            ulysses=spec.ulysses_degree, layout=p.layout, tp=p.tp, pp=p.pp)
+                            ulysses=spec.ulysses_degree, cp_sharding=p.cp_sharding, tp=p.tp, pp=p.pp)
         trace = measure_training_peak(spec, ctx)
         out.append((trace.peak_bytes, trace.peak_phase))
     return out

@@ -1,4 +1,4 @@
-"""The PyTorchJob pod's command (`python3 -m ctxlaunch.podentry SPEC`) run here as the training
+"""The PyTorchJob pod's command (`python3 -m ctxlaunch.runtime.podentry SPEC`) run here as the training
 operator would start it on one node (the PET_* variables it sets), with real torchrun and two
 gloo ranks: a SIGTERM (pod eviction, node drain) checkpoints and exits with a status the
 operator's restartPolicy ExitCode retries (143), and the restarted pod resumes; a bad spec and
@@ -41,7 +41,7 @@ def pod(tmp_path: Path, spec: Path, **extra: str) -> subprocess.Popen:
            "CTXLAUNCH_RUN_DIR": str(tmp_path / "run"), "OMP_NUM_THREADS": "1", **extra}
     if "CTXLAUNCH_INJECT_FAULT" not in extra:
         env.pop("CTXLAUNCH_INJECT_FAULT", None)
-    return subprocess.Popen([sys.executable, "-m", "ctxlaunch.podentry", str(spec)],
+    return subprocess.Popen([sys.executable, "-m", "ctxlaunch.runtime.podentry", str(spec)],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 

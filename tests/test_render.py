@@ -78,7 +78,7 @@ def test_slurm_script_launch_conventions() -> None:
     # Rendezvous resolved inside the job from the allocation, not on the login node.
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in text
     srun = next(line for line in text.splitlines() if line.startswith("srun "))
-    assert "--kill-on-bad-exit=1" in srun and "-u -m ctxlaunch.trainer" in srun
+    assert "--kill-on-bad-exit=1" in srun and "-u -m ctxlaunch.runtime.trainer" in srun
     assert "export PYTHONUNBUFFERED=1" in text
     assert "export NCCL_IB_HCA='=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7'" in text
     assert "export TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in text

@@ -89,7 +89,7 @@ def test_ulysses_within_kv_heads_is_valid() -> None:
     ("contiguous", 131072 + 8, True), ("contiguous", 131072 + 4, False),
 ])
 def test_sequence_divisibility(layout: str, seq: int, ok: bool) -> None:
-    data = make(**{"parallel.layout": layout, "training.seq_len": seq})
+    data = make(**{"parallel.cp_sharding": layout, "training.seq_len": seq})
     if ok:
         validate_spec(data)
         return
@@ -245,7 +245,7 @@ def test_json_schema_is_complete() -> None:
     assert set(schema["required"]) == {"name", "model", "training"}
     parallel = schema["$defs"]["ParallelSpec"]["properties"]
     assert parallel["cp_algorithm"]["enum"] == ["ring", "ulysses", "hybrid"]
-    assert "description" in parallel["layout"]
+    assert "description" in parallel["cp_sharding"]
 
 
 def test_json_schema_describes_every_field_by_its_docstring() -> None:
@@ -327,5 +327,5 @@ def test_tensor_parallel_splits_ffn_vocab_and_each_cp_ranks_tokens() -> None:
     assert "ffn_hidden = 14337 must be divisible by tp = 2" in found["parallel.tp"]
     assert "vocab = 128257 must be divisible by tp = 2" in found["parallel.tp"]
     found = problems(make(**{"training.seq_len": 131068, "parallel.tp": 2, "parallel.cp": 4,
-                             "parallel.layout": "contiguous"}))
+                             "parallel.cp_sharding": "contiguous"}))
     assert "divisible by cp x tp = 8" in found["training.seq_len"]

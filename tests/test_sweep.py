@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ctxlaunch.launch.plan import slurm_plan
-from ctxlaunch.launch.render import render_plan
+from ctxlaunch.launch.render import render_request
+from ctxlaunch.launch.request import slurm_request
 from ctxlaunch.launch.sweep import load_sweep, point_name, slurm_groups
 from tests.helpers.shell import shellcheck
 
@@ -67,8 +67,8 @@ def test_the_array_script_runs_each_tasks_spec(tmp_path: Path) -> None:
     _, points = load_sweep(write_sweep(tmp_path, {"training.seq_len": [1024, 2048]},
                                        {"cluster.target": "slurm"}))
     specs = [p.spec for p in points]
-    plan = slurm_plan(specs[0], run_dir="/runs/sw", log_dir="/logs", array=specs, job_name="sw")
-    text = render_plan(plan, "slurm", "sw.sbatch")
+    request = slurm_request(specs[0], run_dir="/runs/sw", log_dir="/logs", array=specs, job_name="sw")
+    text = render_request(request, "slurm", "sw.sbatch")
     assert "#SBATCH --array=0-1" in text and "#SBATCH --output=/logs/%x-%A_%a.out" in text
     assert "#SBATCH --job-name=sw" in text
     assert 'export CTXLAUNCH_RUN_DIR=/runs/sw/"${SLURM_ARRAY_TASK_ID}"' in text
@@ -132,9 +132,9 @@ def test_example_sweep_golden(check_golden) -> None:
     _, points = load_sweep(JOBS / "sweeps" / "demo.yaml", ["cluster.target=slurm"])
     (group,) = slurm_groups(points)
     specs = [p.spec for p in group]
-    plan = slurm_plan(specs[0], run_dir="runs/demo-sweep", log_dir=".", array=specs,
+    request = slurm_request(specs[0], run_dir="runs/demo-sweep", log_dir=".", array=specs,
                       job_name="demo-sweep")
-    check_golden("sweeps/demo/demo-sweep.sbatch", render_plan(plan, "slurm", "demo-sweep.sbatch"))
+    check_golden("sweeps/demo/demo-sweep.sbatch", render_request(request, "slurm", "demo-sweep.sbatch"))
 
 
 def test_report_plots_one_series_per_layout() -> None:

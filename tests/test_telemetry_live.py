@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ctxlaunch.runtime.telemetry.dashboard import panel_queries
 from ctxlaunch.runtime.telemetry.metrics import LABELS, METRICS
+from tests.helpers.devtools import dev_script
 from tests.helpers.services import (
     PUSHGATEWAY_URL,
     add_scrape_targets,
@@ -124,7 +124,7 @@ def check_values(job: str) -> None:
 
 
 def check_dashboard(job: str, run: str) -> None:
-    for title, expr in panel_queries(DASHBOARD, {"job": job, "run": run}):
+    for title, expr in dev_script("grafana_dashboard").panel_queries(DASHBOARD, {"job": job, "run": run}):
         if "ctxlaunch_oom_event_info" in expr:
             continue  # an event table: empty unless an OOM happened (the OOM test covers it)
         if any(name in expr for name in EVAL_ONLY):
@@ -203,7 +203,7 @@ def test_injected_oom_is_exported_with_the_layout_and_the_exit_status(tmp_path: 
     assert labels["would_fit"]
     # The dashboard's OOM table now has its row.
     run = labels["run"]
-    table = [(t, q) for t, q in panel_queries(DASHBOARD, {"job": job, "run": run})
+    table = [(t, q) for t, q in dev_script("grafana_dashboard").panel_queries(DASHBOARD, {"job": job, "run": run})
              if "ctxlaunch_oom_event_info" in q]
     assert table and all(query(q) for _, q in table)
 

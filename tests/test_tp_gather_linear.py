@@ -14,8 +14,8 @@ def _rank(rank: int, world: int, autocast: bool) -> dict[str, object]:
     import torch.distributed as dist
     from torch import nn
 
-    from ctxlaunch.runtime.trainer.memtrace import SavedTensorMeter
     from ctxlaunch.runtime.trainer.tensor_parallel import gather_linear, gather_sequence
+    from tests.helpers.memtrace import SavedTensorMeter
 
     group = dist.group.WORLD
     generator = torch.Generator().manual_seed(11)

@@ -98,7 +98,7 @@ def _save_then_resume(rank: int, world: int, saving: dict, resuming: list[dict],
         spec = validate_spec(spec_data)
         p = spec.parallel
         ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                            ulysses=spec.ulysses_degree, layout=p.layout, tp=p.tp, pp=p.pp)
+                            ulysses=spec.ulysses_degree, cp_sharding=p.cp_sharding, tp=p.tp, pp=p.pp)
         return Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
 
     first = trainer_for(saving)
@@ -129,7 +129,7 @@ def test_checkpoint_resumes_at_other_layouts(tmp_path) -> None:
     from ctxlaunch.runtime.trainer.parallelize import build_context
 
     spec = validate_spec(spec_for(1, **{**model, **COMMON, "training.steps": 4}))
-    ctx = build_context(rank=0, world_size=1, dp=1, cp=1, ulysses=1, layout="zigzag")
+    ctx = build_context(rank=0, world_size=1, dp=1, cp=1, ulysses=1, cp_sharding="zigzag")
     straight = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     want = [straight.train_step().loss for _ in range(4)]
     torch.testing.assert_close(got["before"], want[:2], rtol=1e-5, atol=1e-6)

@@ -15,7 +15,7 @@ import torch
 from ctxlaunch.contract.loader import SpecError, apply_overrides, validate_spec
 from ctxlaunch.runtime.data.indexed import IndexedWriter, token_dtype
 from ctxlaunch.runtime.data.packing import PackedTokens
-from ctxlaunch.runtime.trainer.data import IGNORE_INDEX, Batches
+from ctxlaunch.runtime.trainer.batches import IGNORE_INDEX, Batches
 from tests.helpers.dist import run_distributed
 from tests.helpers.trainer_steps import train_steps
 
@@ -52,7 +52,7 @@ def test_packed_batches_carry_documents_positions_and_ignored_targets(tmp_path: 
     for restart in (True, False):
         for cp, layout in ((1, "zigzag"), (2, "zigzag"), (2, "contiguous")):
             shards = [Batches(source, seq_len=SEQ_LEN, micro_batch=2, global_batch=4, dp=1,
-                              dp_rank=0, cp=cp, cp_rank=r, layout=layout, document_mask=True,
+                              dp_rank=0, cp=cp, cp_rank=r, cp_sharding=layout, document_mask=True,
                               restart_positions=restart).get(1, 1) for r in range(cp)]
             for b in range(2):
                 packed = source.packed(6 + b)
@@ -110,7 +110,7 @@ def compare(got: dict, want: dict, what: str) -> float:
 
 LAYOUTS = [
     {"parallel.cp": 2, "parallel.cp_algorithm": "ring"},
-    {"parallel.cp": 2, "parallel.cp_algorithm": "ring", "parallel.layout": "contiguous"},
+    {"parallel.cp": 2, "parallel.cp_algorithm": "ring", "parallel.cp_sharding": "contiguous"},
     {"parallel.cp": 2, "parallel.cp_algorithm": "ulysses"},
     {},  # DP 2: the two ranks predict different numbers of tokens
     {"parallel.tp": 2},  # the vocabulary-parallel loss ignores the boundary targets

@@ -48,7 +48,7 @@ LAYOUTS = [
     # (model, world, changes)
     ("tiny", 2, {"parallel.cp": 2, "parallel.cp_algorithm": "ring"}),
     ("tiny", 4, {"parallel.cp": 4, "parallel.cp_algorithm": "ring"}),
-    ("tiny", 2, {"parallel.cp": 2, "parallel.cp_algorithm": "ring", "parallel.layout": "contiguous"}),
+    ("tiny", 2, {"parallel.cp": 2, "parallel.cp_algorithm": "ring", "parallel.cp_sharding": "contiguous"}),
     ("tiny", 2, {"parallel.cp": 2, "parallel.cp_algorithm": "ulysses"}),
     ("tiny-mha", 4, {"parallel.cp": 4, "parallel.cp_algorithm": "ulysses"}),
     ("tiny", 4, {"parallel.cp": 4, "parallel.cp_algorithm": "hybrid", "parallel.ulysses_degree": 2}),
@@ -88,7 +88,7 @@ def _run_with_stop(rank: int, world: int, spec_data: dict, stop_after: int | Non
     spec = validate_spec(spec_data)
     p = spec.parallel
     ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                        ulysses=spec.ulysses_degree, layout=p.layout, tp=p.tp, pp=p.pp)
+                        ulysses=spec.ulysses_degree, cp_sharding=p.cp_sharding, tp=p.tp, pp=p.pp)
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     losses: list[float] = []
 

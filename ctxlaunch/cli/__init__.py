@@ -14,7 +14,17 @@ from typing import Annotated
 import typer
 
 from ctxlaunch import __version__
-from ctxlaunch.cli import data, evaluate, export, image, jobs, planning, spec, sweeps, train
+from ctxlaunch.cli import (
+    cmd_data,
+    cmd_eval,
+    cmd_export,
+    cmd_image,
+    cmd_jobs,
+    cmd_plan,
+    cmd_spec,
+    cmd_sweeps,
+    cmd_train,
+)
 from ctxlaunch.cli.common import out
 
 app = typer.Typer(
@@ -37,18 +47,18 @@ def _main(version: Annotated[bool, typer.Option("--version", help="Print the ver
 
 # Registered in this order: `ctxlaunch --help` lists the commands so.
 COMMANDS: list[tuple[str | None, Callable[..., None]]] = [
-    (None, spec.validate), (None, planning.plan), (None, planning.advise),
-    (None, planning.calibrate), (None, jobs.render), (None, jobs.submit), (None, jobs.status),
-    (None, jobs.logs), (None, jobs.cancel), (None, jobs.wait), ("list", jobs.list_jobs),
-    (None, sweeps.sweep), (None, sweeps.report), (None, train.train), ("eval", evaluate.evaluate),
-    (None, export.export),
-    (None, spec.schema),
+    (None, cmd_spec.validate), (None, cmd_plan.plan), (None, cmd_plan.advise),
+    (None, cmd_plan.calibrate), (None, cmd_jobs.render), (None, cmd_jobs.submit),
+    (None, cmd_jobs.status), (None, cmd_jobs.logs), (None, cmd_jobs.cancel),
+    (None, cmd_jobs.wait), ("list", cmd_jobs.list_jobs), (None, cmd_sweeps.sweep),
+    (None, cmd_sweeps.report), (None, cmd_train.train), ("eval", cmd_eval.evaluate),
+    (None, cmd_export.export), (None, cmd_spec.schema),
 ]
 """(name when it is not the function's, the command)."""
 for command_name, command in COMMANDS:
     app.command(name=command_name)(command)
-app.add_typer(data.data, name="data")
-app.add_typer(image.image, name="image")
+app.add_typer(cmd_data.data, name="data")
+app.add_typer(cmd_image.image, name="image")
 
 
 def main() -> None:

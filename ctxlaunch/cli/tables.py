@@ -29,7 +29,7 @@ def print_plan(report: PlanReport) -> None:
     out.print(f"[bold]{job.name}[/]: {job.model.preset or 'custom'} model, "
               f"seq_len {t.seq_len:,} x micro_batch {t.micro_batch}, {job.cluster.nodes} x "
               f"{job.cluster.gpus_per_node} {job.cluster.gpu}, tp {p.tp} pp {p.pp} cp {p.cp} "
-              f"({p.cp_algorithm}, {p.layout}) dp {job.dp}, ZeRO-{t.zero_stage}, "
+              f"({p.cp_algorithm}, {p.cp_sharding}) dp {job.dp}, ZeRO-{t.zero_stage}, "
               f"checkpointing {t.activation_checkpointing}, {job.model.dtype}")
     table = Table(title="Per-GPU memory (busiest rank)", title_justify="left")
     table.add_column("part")

@@ -136,6 +136,12 @@ def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str],
             node = child
         else:
             node[parts[-1]] = value
+            # A field set under its old name replaces the field under its new one (the spec's
+            # validation then reads the old name and warns).
+            if parts[:-1] == ["parallel"]:
+                from ctxlaunch.contract.spec import RENAMED_PARALLEL_FIELDS
+
+                node.pop(RENAMED_PARALLEL_FIELDS.get(parts[-1], ""), None)
     if problems:
         raise SpecError(source, problems)
     return result

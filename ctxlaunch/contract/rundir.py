@@ -16,10 +16,10 @@ from ctxlaunch.contract import exitcodes
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
 
-TRAINER_MODULE = "ctxlaunch.trainer"
-"""`python -m ctxlaunch.trainer`: one rank of the trainer (what torchrun and srun start). A
-stable name: scripts rendered by earlier versions, and images built from them, start it."""
-POD_MODULE = "ctxlaunch.podentry"
+TRAINER_MODULE = "ctxlaunch.runtime.trainer"
+"""`python -m ctxlaunch.runtime.trainer`: one rank of the trainer (what torchrun and srun
+start)."""
+POD_MODULE = "ctxlaunch.runtime.podentry"
 """A PyTorchJob pod's command: torchrun on the trainer, exiting with a status the training
 operator's ExitCode restart policy reads right (see ctxlaunch.runtime.podentry)."""
 

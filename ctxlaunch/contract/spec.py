@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -16,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -503,9 +505,45 @@ class ParallelSpec(_Strict):
     """Hybrid only: the Ulysses (inner) degree; ring degree = cp / ulysses_degree."""
     ring_degree: PositiveInt | None = None
     """Hybrid only, optional: the ring (outer) degree; must equal cp / ulysses_degree."""
-    layout: Literal["zigzag", "contiguous"] = "zigzag"
-    """How the sequence is split across CP ranks: zigzag (rank i holds chunks i and 2N-1-i of
-    2N, balancing causal work; needs seq_len % 2N == 0) or contiguous (seq_len % N == 0)."""
+    cp_sharding: Literal["zigzag", "contiguous"] = "zigzag"
+    """How the sequence is split across CP ranks (what torch's context parallel calls the load
+    balancer): zigzag (rank i holds chunks i and 2N-1-i of 2N, balancing causal work; needs
+    seq_len % 2N == 0) or contiguous (seq_len % N == 0). Formerly `layout`, still accepted
+    with a deprecation warning."""
+
+    _renamed: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _accept_renamed_fields(cls, data: Any, handler: Any) -> ParallelSpec:
+        """Take a field under its old name (RENAMED_PARALLEL_FIELDS), warning once."""
+        renamed: list[str] = []
+        if isinstance(data, dict):
+            data = dict(data)
+            for old, new in RENAMED_PARALLEL_FIELDS.items():
+                if old not in data:
+                    continue
+                value = data.pop(old)
+                if new in data and data[new] != value:
+                    raise ValueError(f"parallel.{old} (the old name of parallel.{new}) is "
+                                     f"{value!r} but parallel.{new} is {data[new]!r}; fix: "
+                                     f"give only parallel.{new}")
+                data[new] = value
+                renamed.append(f"parallel.{old} is deprecated: write parallel.{new} (the "
+                               "same values)")
+                warnings.warn(renamed[-1], DeprecationWarning, stacklevel=2)
+        spec = handler(data)
+        spec._renamed = renamed
+        return spec
+
+    @property
+    def deprecations(self) -> list[str]:
+        """One sentence per field given under its old name."""
+        return list(self._renamed)
+
+
+RENAMED_PARALLEL_FIELDS = {"layout": "cp_sharding"}
+"""Old name -> new name of `parallel` fields that are still read under the old one."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -1180,19 +1218,19 @@ def tensor_parallel_problems(m: ModelSpec, p: ParallelSpec,
 
 
 def cp_problems(m: ModelSpec, p: ParallelSpec, seq_len: int) -> list[InitErrorDetails]:
-    """The rules a CP degree, algorithm and layout must meet for this model and sequence."""
+    """The rules a CP degree, algorithm and sharding must meet for this model and sequence."""
     out: list[InitErrorDetails] = []
     # Sequence divisibility, caught here instead of at run time. Hybrid and Ulysses shard the
-    # same way as the ring: a CP layout means the same token placement whatever the algorithm.
+    # same way as the ring: a CP sharding means the same token placement whatever the algorithm.
     if p.cp > 1:
-        if p.layout == "zigzag" and seq_len % (2 * p.cp):
+        if p.cp_sharding == "zigzag" and seq_len % (2 * p.cp):
             out.append(_problem(("training", "seq_len"), seq_len,
-                f"layout zigzag with cp = {p.cp} needs seq_len divisible by 2 x cp = "
+                f"cp_sharding zigzag with cp = {p.cp} needs seq_len divisible by 2 x cp = "
                 f"{2 * p.cp} (each rank holds chunks i and 2N-1-i of 2N); fix: seq_len = "
                 f"{_round_up(seq_len, 2 * p.cp)}"))
-        if p.layout == "contiguous" and seq_len % p.cp:
+        if p.cp_sharding == "contiguous" and seq_len % p.cp:
             out.append(_problem(("training", "seq_len"), seq_len,
-                f"layout contiguous with cp = {p.cp} needs seq_len divisible by cp; fix: "
+                f"cp_sharding contiguous with cp = {p.cp} needs seq_len divisible by cp; fix: "
                 f"seq_len = {_round_up(seq_len, p.cp)}"))
     heads_per_tp, kv_per_tp = m.heads // p.tp or 1, m.kv_heads // p.tp or 1
     if p.cp_algorithm != "hybrid" and (p.ulysses_degree is not None or p.ring_degree is not None):
@@ -1273,9 +1311,10 @@ def layout_warnings(spec: JobSpec) -> list[str]:
                 f"GPUs) while Ulysses would fit in one: consider cp_algorithm: hybrid with "
                 f"ulysses_degree: {inner} (all-to-all inside the node, ring of "
                 f"{p.cp // inner} across nodes).")
-    if p.layout == "contiguous" and p.cp > 1:
+    out += p.deprecations
+    if p.cp_sharding == "contiguous" and p.cp > 1:
         out.append(
-            "layout contiguous with causal attention leaves CP ranks unbalanced (rank N-1 does "
+            "cp_sharding contiguous with causal attention leaves CP ranks unbalanced (rank N-1 does "
             "N times rank 0's work); zigzag balances it.")
     out += [f"{missing} on this machine; the trainer needs it where it runs"
             for missing in spec.training.data.missing_files()]

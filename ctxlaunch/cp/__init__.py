@@ -1,4 +1,4 @@
-# Shapes: SDPA layout everywhere: (B, H, S_local, D) shards in, (B, H, S_local, D) shards out.
+# Shapes: SDPA order everywhere: (B, H, S_local, D) shards in, (B, H, S_local, D) shards out.
 """Context-parallel attention (ring, Ulysses, hybrid) on torch alone.
 
 Every function takes this rank's shards, as :func:`shard_sequence` cuts them over the CP group,
@@ -8,8 +8,10 @@ and returns this rank's output shard; all are differentiable and support GQA.
 from .comm import simulated_link_delay
 from .documents import AttentionArea, attention_area
 from .hybrid import hybrid_attention, new_hybrid_groups
-from .layout import (
-    LAYOUTS,
+from .reference import full_attention
+from .ring import ring_attention
+from .sharding import (
+    SHARDINGS,
     check_seq_len,
     shard_for_rank,
     shard_indices,
@@ -19,12 +21,10 @@ from .layout import (
     unshard_indices,
     unshard_sequence,
 )
-from .reference import full_attention
-from .ring import ring_attention
 from .ulysses import ulysses_attention
 
 __all__ = [
-    "LAYOUTS",
+    "SHARDINGS",
     "AttentionArea",
     "attention_area",
     "check_seq_len",

@@ -5,7 +5,7 @@ A packed sequence holds documents as contiguous runs of tokens, described by the
 boundaries (cumulative sequence lengths over the whole sequence, ``cu_seqlens``, one tuple per
 batch element). Under a document mask a query attends only to keys of its own document, causally.
 
-A rank's shard is one contiguous run of the sequence (contiguous layout) or two (zigzag: chunks
+A rank's shard is one contiguous run of the sequence (contiguous sharding) or two (zigzag: chunks
 i and 2N-1-i). For a block (these queries over some rank's K/V shard) the visible area is a set
 of rectangles, one per (q run, kv run, document) intersection: a document's rows in the q run
 see that document's rows in the kv run fully when the kv run lies wholly before the q run, and
@@ -26,7 +26,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .layout import check_seq_len, num_chunks, shard_chunk_ids
+from .sharding import check_seq_len, num_chunks, shard_chunk_ids
 
 CuSeqlens = tuple[tuple[int, ...], ...]
 """Per batch element, the global document boundaries: (0, end of doc 0, ..., seq_len)."""
@@ -80,10 +80,10 @@ def batch_groups(documents: CuSeqlens) -> list[tuple[slice, tuple[int, ...]]]:
     return groups
 
 
-def shard_runs(rank: int, world_size: int, layout: str, s_local: int) -> list[Run]:
+def shard_runs(rank: int, world_size: int, sharding: str, s_local: int) -> list[Run]:
     """The contiguous runs of ``rank``'s shard: (local start, global start, length)."""
-    chunk = s_local * world_size // num_chunks(world_size, layout)
-    return [(i * chunk, c * chunk, chunk) for i, c in enumerate(shard_chunk_ids(rank, world_size, layout))]
+    chunk = s_local * world_size // num_chunks(world_size, sharding)
+    return [(i * chunk, c * chunk, chunk) for i, c in enumerate(shard_chunk_ids(rank, world_size, sharding))]
 
 
 def _documents_in(bounds: tuple[int, ...], start: int, stop: int) -> range:
@@ -166,11 +166,11 @@ class AttentionArea:
 
 
 def attention_area(documents: Sequence[Sequence[int]], seq_len: int, world_size: int,
-                   layout: str = "zigzag") -> AttentionArea:
+                   sharding: str = "zigzag") -> AttentionArea:
     """The attention area the document-masked ring schedule computes, and what it saves against
     the unmasked causal schedule, for one boundary list per batch element. Pure (no process
     group); Ulysses computes the same per-document triangles on head shards."""
-    check_seq_len(seq_len, world_size, layout)
+    check_seq_len(seq_len, world_size, sharding)
     cu = normalise_documents(documents, len(documents), seq_len)
     s_local = seq_len // world_size
     single = (0, seq_len)
@@ -179,9 +179,9 @@ def attention_area(documents: Sequence[Sequence[int]], seq_len: int, world_size:
     blocks_computed = blocks_skipped = pieces = 0
     for bounds in cu:
         for rank in range(world_size):
-            q_runs = shard_runs(rank, world_size, layout, s_local)
+            q_runs = shard_runs(rank, world_size, sharding, s_local)
             for src in range(world_size):
-                kv_runs = shard_runs(src, world_size, layout, s_local)
+                kv_runs = shard_runs(src, world_size, sharding, s_local)
                 plain = block_pieces(single, q_runs, kv_runs)
                 masked = block_pieces(bounds, q_runs, kv_runs)
                 unmasked[rank] += sum(map(_area, plain))

@@ -4,7 +4,7 @@ attention across the R = N/U groups.
 
 Why it composes with no extra bookkeeping: with shards cut by ``shard_sequence`` over all N CP
 ranks, the tokens that Ulysses group r (CP ranks rU..rU+U-1) gathers are, in ascending order,
-exactly ring rank r's shard of a ring of R ranks under the same layout with U-times longer
+exactly ring rank r's shard of a ring of R ranks under the same sharding with U-times longer
 chunks (zigzag: chunks rU..rU+U-1 and (2R-1-r)U..(2R-r)U-1 of 2N, i.e. chunks r and 2R-1-r of
 2R). So: all-to-all in the Ulysses group, ring over the ring group on the head shards, back.
 The same holds for a document mask: the inner ring's shards are pieces of the same global
@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from . import comm, kernels
 from .documents import check_documents
-from .layout import check_shard_len
 from .ring import ring_attention
+from .sharding import check_shard_len
 from .ulysses import HeadShardPlan, check_head_split, head_sharded_attention
 
 
@@ -56,7 +56,7 @@ def hybrid_attention(
     ulysses_group: dist.ProcessGroup,
     ring_group: dist.ProcessGroup,
     causal: bool = True,
-    layout: str = "zigzag",
+    sharding: str = "zigzag",
     scale: float | None = None,
     return_lse: bool = False,
     documents: Sequence[Sequence[int]] | None = None,
@@ -75,16 +75,16 @@ def hybrid_attention(
     kernels.check_qkv(q, k, v)
     ulysses_size, ring_size = dist.get_world_size(ulysses_group), dist.get_world_size(ring_group)
     cp_world_size = ulysses_size * ring_size
-    check_shard_len(q.size(2), k.size(2), cp_world_size, layout)
+    check_shard_len(q.size(2), k.size(2), cp_world_size, sharding)
     check_head_split(q, k, ulysses_size, "hybrid_attention")
     scale = kernels.resolve_scale(q, scale)
     check_documents(documents, causal, q.size(0), q.size(2) * cp_world_size)
     first = dist.get_rank(ring_group) * ulysses_size
     members = list(range(first, first + ulysses_size))
-    plan = HeadShardPlan(ulysses_group, members, cp_world_size, layout, q.size(2))
+    plan = HeadShardPlan(ulysses_group, members, cp_world_size, sharding, q.size(2))
 
     def attend(qh, kh, vh):
-        return ring_attention(qh, kh, vh, ring_group, causal, layout, scale, return_lse=True,
+        return ring_attention(qh, kh, vh, ring_group, causal, sharding, scale, return_lse=True,
                               documents=documents)
 
     return head_sharded_attention(q, k, v, plan, attend, return_lse)

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from . import kernels
 from .comm import RingComm, side_stream
 from .documents import CuSeqlens, batch_groups, block_pieces, check_documents, shard_runs
-from .layout import check_shard_len
 from .merge import MergeScratch, merge_block
 from .reference import full_attention
+from .sharding import check_shard_len
 
 _ALL = slice(None)
 
@@ -40,7 +40,7 @@ BatchPart = tuple[slice, slice, slice, bool]
 """(batch rows, q_rows, kv_rows, causal) of one block piece."""
 
 
-def _block(rank: int, src: int, causal: bool, layout: str, s_local: int) -> Part | None:
+def _block(rank: int, src: int, causal: bool, sharding: str, s_local: int) -> Part | None:
     """Which local query rows attend to which rows of ``src``'s K/V shard, and whether causally.
 
     Returns ``(q_rows, kv_rows, causal)`` or None when the mask hides the whole block. Zigzag
@@ -54,7 +54,7 @@ def _block(rank: int, src: int, causal: bool, layout: str, s_local: int) -> Part
         # Both shards hold the same chunks in the same order, so a top-left causal mask is exact.
         return _ALL, _ALL, True
     half = s_local // 2
-    if layout == "zigzag":
+    if sharding == "zigzag":
         if src < rank:
             return _ALL, slice(0, half), False
         return slice(half, None), _ALL, False
@@ -66,15 +66,15 @@ def _accumulator(q: torch.Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
-def _pieces(rank: int, src: int, world_size: int, causal: bool, layout: str, s_local: int,
+def _pieces(rank: int, src: int, world_size: int, causal: bool, sharding: str, s_local: int,
             documents: CuSeqlens | None) -> list[BatchPart]:
     """The pieces of the block of ``src``'s K/V for this rank's queries. Unmasked: at most one
     (``_block``); under a document mask the rectangles of each batch group, diagonal first."""
     if documents is None:
-        block = _block(rank, src, causal, layout, s_local)
+        block = _block(rank, src, causal, sharding, s_local)
         return [] if block is None else [(_ALL, *block)]
-    q_runs = shard_runs(rank, world_size, layout, s_local)
-    kv_runs = q_runs if src == rank else shard_runs(src, world_size, layout, s_local)
+    q_runs = shard_runs(rank, world_size, sharding, s_local)
+    kv_runs = q_runs if src == rank else shard_runs(src, world_size, sharding, s_local)
     return [(batch, *piece) for batch, bounds in batch_groups(documents)
             for piece in block_pieces(bounds, q_runs, kv_runs)]
 
@@ -118,7 +118,7 @@ def _hop(direction: str, step: int):
     return torch.profiler.record_function(f"cp.ring.{direction}.step{step}")
 
 
-def _ring_forward(q, k, v, group, causal, layout, scale, documents=None):
+def _ring_forward(q, k, v, group, causal, sharding, scale, documents=None):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     comm = RingComm(group, side_stream(q.device))
     # The running fp32 out and lse, and the merge's scratch: allocated once, before the first hop.
@@ -132,7 +132,7 @@ def _ring_forward(q, k, v, group, causal, layout, scale, documents=None):
                 kv.post(comm)
             k_held, v_held = kv.held
             src = (rank - step) % world_size
-            for batch, rows, kv_rows, block_causal in _pieces(rank, src, world_size, causal, layout,
+            for batch, rows, kv_rows, block_causal in _pieces(rank, src, world_size, causal, sharding,
                                                               q.size(2), documents):
                 block_out, block_lse = kernels.attention_forward(
                     q[batch, :, rows], k_held[batch, :, kv_rows], v_held[batch, :, kv_rows],
@@ -156,7 +156,7 @@ def _diagonal_parts(causal: bool, s_local: int) -> tuple[list[Part], list[Part]]
     Backward runs the first list while the first K/V transfer flies and the second while the
     last dK/dV transfer flies, so no transfer is left waiting on an idle rank. Under a causal
     mask the cut is the local halves: the second half's rows see all of the first half's keys
-    (it comes later in both layouts) and each half is causal on itself.
+    (it comes later in both shardings) and each half is causal on itself.
     """
     half = s_local // 2
     if half == 0:
@@ -177,7 +177,7 @@ def _split_diagonal(pieces: list[BatchPart]) -> tuple[list[BatchPart], list[Batc
     return causal[: len(causal) // 2], causal[len(causal) // 2:]
 
 
-def _ring_backward(grad_out, q, k, v, out, lse, group, causal, layout, scale, documents=None):
+def _ring_backward(grad_out, q, k, v, out, lse, group, causal, sharding, scale, documents=None):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     stream = side_stream(q.device)
     kv_comm, grad_comm = RingComm(group, stream), RingComm(group, stream)
@@ -207,7 +207,7 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, layout, scale, do
         diagonal_last = [(_ALL, *part) for part in last]
     else:
         diagonal_first, diagonal_last = _split_diagonal(
-            _pieces(rank, rank, world_size, causal, layout, q.size(2), documents))
+            _pieces(rank, rank, world_size, causal, sharding, q.size(2), documents))
     kv = _Rotation((k, v), world_size, keep_first=True)
     # The dK/dV accumulators in flight: this rank's first travelling pair is filled at step 1;
     # from step 2 on each pair in hand is what rank-1 sent while we computed.
@@ -227,7 +227,7 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, layout, scale, do
                     grads.advance()
                 dk, dv = grads.held
                 src = (rank - step) % world_size
-                for piece in _pieces(rank, src, world_size, causal, layout, q.size(2), documents):
+                for piece in _pieces(rank, src, world_size, causal, sharding, q.size(2), documents):
                     backward_block(*piece, k_held, v_held, dk, dv)
                 grads.post(grad_comm)
             if step + 1 < world_size:
@@ -246,12 +246,12 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, layout, scale, do
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale, documents):
+    def forward(ctx, q, k, v, group, causal, sharding, scale, documents):
         # gloo sends only contiguous buffers.
         k, v = k.contiguous(), v.contiguous()
-        out, lse = _ring_forward(q, k, v, group, causal, layout, scale, documents)
+        out, lse = _ring_forward(q, k, v, group, causal, sharding, scale, documents)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, causal, layout, scale, documents)
+        ctx.args = (group, causal, sharding, scale, documents)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -267,7 +267,7 @@ def ring_attention(
     v: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     causal: bool = True,
-    layout: str = "zigzag",
+    sharding: str = "zigzag",
     scale: float | None = None,
     return_lse: bool = False,
     documents: Sequence[Sequence[int]] | None = None,
@@ -275,7 +275,7 @@ def ring_attention(
     """Ring attention over the ranks of ``group`` (None: the default group); differentiable.
 
     Each rank passes its shards of q (B, Hq, S/N, D) and k, v (B, Hkv, S/N, D), as
-    ``shard_sequence(x, group, dim=2, layout=layout)`` cuts them from the full sequence, and gets
+    ``shard_sequence(x, group, dim=2, sharding=sharding)`` cuts them from the full sequence, and gets
     its shard of the output (q's dtype). ``group`` is the whole CP group and ring order is rank
     order in it. GQA: Hq % Hkv == 0; K/V travel with their Hkv heads. ``scale`` defaults to
     1/sqrt(D). With ``return_lse`` also returns the fp32 log-sum-exp (B, Hq, S/N) of each row.
@@ -287,10 +287,10 @@ def ring_attention(
     """
     kernels.check_qkv(q, k, v)
     world_size = dist.get_world_size(group)
-    check_shard_len(q.size(2), k.size(2), world_size, layout)
+    check_shard_len(q.size(2), k.size(2), world_size, sharding)
     scale = kernels.resolve_scale(q, scale)
     if world_size == 1:
         return full_attention(q, k, v, causal, scale, return_lse, documents)
     cu = check_documents(documents, causal, q.size(0), q.size(2) * world_size)
-    out, lse = _RingAttention.apply(q, k, v, group, causal, layout, scale, cu)
+    out, lse = _RingAttention.apply(q, k, v, group, causal, sharding, scale, cu)
     return (out, lse) if return_lse else out

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from . import kernels
 from .comm import exposed
 from .documents import check_documents
-from .layout import check_shard_len, group_chunk_plan
 from .reference import full_attention
+from .sharding import check_shard_len, group_chunk_plan
 
 
 class HeadShardPlan:
@@ -27,10 +27,10 @@ class HeadShardPlan:
     group of ``cp_world_size`` ranks (the Ulysses group itself, or one inner group of a hybrid).
     """
 
-    def __init__(self, group, member_ranks: list[int], cp_world_size: int, layout: str, s_local: int):
+    def __init__(self, group, member_ranks: list[int], cp_world_size: int, sharding: str, s_local: int):
         self.group = group
         self.size = len(member_ranks)
-        self.chunks = group_chunk_plan(member_ranks, cp_world_size, layout)
+        self.chunks = group_chunk_plan(member_ranks, cp_world_size, sharding)
         self.chunk_len = s_local * self.size // len(self.chunks)
 
     def copy_chunks(self, gathered: torch.Tensor, per_member: torch.Tensor, to_gathered: bool) -> None:
@@ -132,7 +132,7 @@ def ulysses_attention(
     v: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     causal: bool = True,
-    layout: str = "zigzag",
+    sharding: str = "zigzag",
     scale: float | None = None,
     return_lse: bool = False,
     documents: Sequence[Sequence[int]] | None = None,
@@ -140,8 +140,8 @@ def ulysses_attention(
     """Ulysses (all-to-all) attention over the ranks of ``group`` (None: default group); differentiable.
 
     Each rank passes its shards of q (B, Hq, S/N, D) and k, v (B, Hkv, S/N, D), as
-    ``shard_sequence(x, group, dim=2, layout=layout)`` cuts them, and gets its output shard.
-    ``group`` is the whole CP group; ``layout`` must be the one the shards were cut with. Needs
+    ``shard_sequence(x, group, dim=2, sharding=sharding)`` cuts them, and gets its output shard.
+    ``group`` is the whole CP group; ``sharding`` must be the one the shards were cut with. Needs
     Hq % N == 0 and Hkv % N == 0 (K/V heads are sent as they are; for fewer K/V heads than N use
     ``hybrid_attention``). With ``return_lse`` also returns the fp32 lse (B, Hq, S/N).
     ``documents`` (the global document boundaries per batch element, as ``ring_attention``
@@ -150,11 +150,11 @@ def ulysses_attention(
     """
     kernels.check_qkv(q, k, v)
     world_size = dist.get_world_size(group)
-    check_shard_len(q.size(2), k.size(2), world_size, layout)
+    check_shard_len(q.size(2), k.size(2), world_size, sharding)
     check_head_split(q, k, world_size, "ulysses_attention")
     scale = kernels.resolve_scale(q, scale)
     check_documents(documents, causal, q.size(0), q.size(2) * world_size)
-    plan = HeadShardPlan(group, list(range(world_size)), world_size, layout, q.size(2))
+    plan = HeadShardPlan(group, list(range(world_size)), world_size, sharding, q.size(2))
 
     def attend(qh, kh, vh):
         return full_attention(qh, kh, vh, causal, scale, return_lse=True, documents=documents)

@@ -1,9 +1,9 @@
-"""Launch plan -> artifact text (an sbatch script, a PyTorchJob manifest). Pure: no I/O but
+"""Launch request -> artifact text (an sbatch script, a PyTorchJob manifest). Pure: no I/O but
 reading the templates.
 
 Safety is enforced, not hoped for: every `{{ ... }}` in a template must pass through a quoting
 filter (`sh` for bash, `yaml` for YAML, `envname`/`sbatch` for the validated bits, `code`
-for shell the plan built from ctxlaunch's constants) or be a number; anything else fails
+for shell the request built from ctxlaunch's constants) or be a number; anything else fails
 the render. So a job name or an env value carrying `$(...)`, quotes, newlines or `'; rm`
 either never validates or lands inert.
 """
@@ -21,12 +21,12 @@ import jinja2
 
 from ctxlaunch import __version__
 from ctxlaunch.contract.spec import JobSpec
-from ctxlaunch.launch.plan import (
-    KubernetesPlan,
+from ctxlaunch.launch.request import (
+    KubernetesRequest,
     ShellCode,
-    SlurmPlan,
-    kubernetes_plan,
-    slurm_plan,
+    SlurmRequest,
+    kubernetes_request,
+    slurm_request,
 )
 
 Target = Literal["slurm", "kubernetes"]
@@ -83,10 +83,10 @@ def sbatch_directive(value: Any) -> Quoted:
 
 
 def shell_code(value: Any) -> Quoted:
-    """A shell fragment the plan built from ctxlaunch's own constants (never from the spec):
+    """A shell fragment the request built from ctxlaunch's own constants (never from the spec):
     emitted as it is, and refused when it is any other string."""
     if not isinstance(value, ShellCode):
-        raise RenderError(f"not shell code built by the plan: {value!r}")
+        raise RenderError(f"not shell code built by the request: {value!r}")
     return Quoted(value)
 
 
@@ -144,21 +144,21 @@ def render_files(spec: JobSpec, target: Target, sweep: str | None = None) -> dic
     sweep's Kubernetes objects."""
     name = artifact_name(spec, target)
     if target == "slurm":
-        return {name: render_plan(slurm_plan(spec), target, name)}
-    plan = kubernetes_plan(spec, sweep=sweep)
-    files = {name: render_plan(plan, target, name)}
-    if plan.metrics_ports:
+        return {name: render_request(slurm_request(spec), target, name)}
+    request = kubernetes_request(spec, sweep=sweep)
+    files = {name: render_request(request, target, name)}
+    if request.metrics_ports:
         monitor = monitor_name(spec.name)
         files[monitor] = _environment().get_template(MONITOR_TEMPLATE).render(
-            plan=plan, version=__version__, filename=monitor)
+            request=request, version=__version__, filename=monitor)
     return files
 
 
-def render_plan(plan: SlurmPlan | KubernetesPlan, target: Target, filename: str) -> str:
-    """Fill the target's template with a plan (the Slurm backend renders its own plan)."""
+def render_request(request: SlurmRequest | KubernetesRequest, target: Target, filename: str) -> str:
+    """Fill the target's template with a request (the Slurm backend renders its own request)."""
     template = _environment().get_template(
-        TRAINJOB_TEMPLATE if isinstance(plan, KubernetesPlan) and plan.api == "trainjob"
+        TRAINJOB_TEMPLATE if isinstance(request, KubernetesRequest) and request.api == "trainjob"
         else TEMPLATES[target])
-    return template.render(plan=plan, version=__version__, filename=filename,
-                           monitor_filename=monitor_name(plan.name)
-                           if isinstance(plan, KubernetesPlan) else None)
+    return template.render(request=request, version=__version__, filename=filename,
+                           monitor_filename=monitor_name(request.name)
+                           if isinstance(request, KubernetesRequest) else None)

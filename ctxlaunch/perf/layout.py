@@ -49,8 +49,8 @@ class Layout:
     value (the bundled trainer has no all-gather CP)."""
     ulysses_degree: int = 1
     """Ulysses (inner) degree: cp for ulysses, 1 for ring, the spec's for hybrid."""
-    cp_layout: str = "zigzag"
-    """How the sequence is sharded over CP ranks (spec `parallel.layout`)."""
+    cp_sharding: str = "zigzag"
+    """How the sequence is sharded over CP ranks (spec `parallel.cp_sharding`)."""
     zero_stage: int = 0
     engine: str = "auto"
     """training.engine: what shards the model states at ZeRO >= 1 (resolved by the spec's
@@ -78,7 +78,7 @@ class Layout:
             seq_len=t.seq_len, micro_batch=t.micro_batch, grad_accum=spec.grad_accum,
             tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=spec.dp, virtual_stages=p.virtual_stages,
             stage_layers=spec.stage_layers, cp_algorithm=p.cp_algorithm,
-            ulysses_degree=spec.ulysses_degree, cp_layout=p.layout, zero_stage=t.zero_stage,
+            ulysses_degree=spec.ulysses_degree, cp_sharding=p.cp_sharding, zero_stage=t.zero_stage,
             engine=t.engine, activation_checkpointing=t.activation_checkpointing,
             dtype=spec.model.dtype,
             matmul_precision="bf16" if spec.model.dtype == "bf16" else "fp32",
@@ -102,7 +102,7 @@ class Layout:
             "parallel.ring_degree": None,
             "parallel.virtual_stages": self.virtual_stages,
             "parallel.stage_layers": list(self.stage_layers) if self.stage_layers else None,
-            "parallel.layout": self.cp_layout,
+            "parallel.cp_sharding": self.cp_sharding,
             "training.seq_len": self.seq_len,
             "training.micro_batch": self.micro_batch,
             "training.global_batch": self.micro_batch * self.grad_accum * self.dp,

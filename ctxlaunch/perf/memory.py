@@ -496,7 +496,7 @@ def _stage_states(model: ModelSpec, layout: Layout, stage: int) -> tuple[float, 
 
 
 INPUT_BYTES_PER_TOKEN = 3 * 8
-"""A micro-batch's integer inputs on the device (runtime/trainer/data.py, MicroBatch): token
+"""A micro-batch's integer inputs on the device (runtime/trainer/batches.py, MicroBatch): token
 ids, targets and RoPE positions, int64 each, of the rank's CP shard (all TP ranks hold them)."""
 
 
@@ -812,17 +812,17 @@ def estimate(model: ModelSpec, layout: Layout, gpu: GpuInfo) -> MemoryEstimate:
     )
 
 
-def sequence_granularity(cp: int, layout_kind: str = "zigzag") -> int:
+def sequence_granularity(cp: int, cp_sharding: str = "zigzag") -> int:
     """Sequence lengths the planner tries are multiples of this (legal for the CP layout)."""
-    unit = 2 * cp if layout_kind == "zigzag" else cp
+    unit = 2 * cp if cp_sharding == "zigzag" else cp
     return max(unit, 1024) if 1024 % unit == 0 else unit
 
 
 def longest_sequence(model: ModelSpec, layout: Layout, gpu: GpuInfo,
-                     layout_kind: str = "zigzag", limit: int = 1 << 24) -> int:
+                     cp_sharding: str = "zigzag", limit: int = 1 << 24) -> int:
     """The longest sequence (a multiple of `sequence_granularity`) that fits at the layout's
     CP degree; 0 when not even the shortest fits."""
-    unit = sequence_granularity(layout.cp, layout_kind)
+    unit = sequence_granularity(layout.cp, cp_sharding)
 
     def fits(n_units: int) -> bool:
         return estimate(model, layout.replace(seq_len=n_units * unit), gpu).fits

@@ -191,7 +191,7 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
     if machine.attention_flops_per_second:  # measured (the CPU calibration)
         # The bundled trainer's calls: the whole sequence (CP 1, Ulysses), a ring block of
         # s / r tokens, or a zigzag ring's half-blocks of s / 2r; shorter calls run slower.
-        call = layout.seq_len / r / (2 if r > 1 and layout.cp_layout == "zigzag" else 1)
+        call = layout.seq_len / r / (2 if r > 1 and layout.cp_sharding == "zigzag" else 1)
         ramp = 1.0 + machine.attention_ramp_tokens / call
         t_attention = attention_flops * ramp / machine.attention_flops_per_second
     else:

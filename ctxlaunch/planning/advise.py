@@ -321,7 +321,7 @@ def load_for_advice(path: Any, overrides: list[str] | None
                           for p in exc.problems)
         if not layout_only:
             raise
-        reset = {k: v for k, v in (data.get("parallel") or {}).items() if k == "layout"}
+        reset = {k: v for k, v in (data.get("parallel") or {}).items() if k in ("cp_sharding", "layout")}
         try:
             job = validate_spec({**data, "parallel": reset}, str(path))
         except SpecError:

@@ -110,7 +110,7 @@ class PlanReport:
                 "tp": s.parallel.tp, "pp": s.parallel.pp, "cp": s.parallel.cp,
                 "ep": s.parallel.ep, "dp": s.dp, "cp_algorithm": s.parallel.cp_algorithm,
                 "ulysses_degree": s.ulysses_degree, "ring_degree": s.ring_degree,
-                "layout": s.parallel.layout, "seq_len": s.training.seq_len,
+                "cp_sharding": s.parallel.cp_sharding, "seq_len": s.training.seq_len,
                 "micro_batch": s.training.micro_batch, "grad_accum": s.grad_accum,
                 "global_batch": s.global_batch, "zero_stage": s.training.zero_stage,
                 "activation_checkpointing": s.training.activation_checkpointing,
@@ -176,7 +176,7 @@ def cp_options(spec: JobSpec, layout: Layout) -> list[CpOption]:
         out.append(CpOption(
             cp=cp, gpus=gpus, nodes=-(-gpus // per_node), legal=not problems, reason=reason,
             estimate=estimate(spec.model, variant, gpu),
-            longest_seq_len=longest_sequence(spec.model, variant, gpu, p.layout),
+            longest_seq_len=longest_sequence(spec.model, variant, gpu, p.cp_sharding),
         ))
     return out
 

@@ -13,7 +13,7 @@ body on one node of the spec's own target. It measures, each through the trainer
 - the collectives among the node's GPUs (NCCL all-reduce, all-gather, reduce-scatter,
   all-to-all and send/recv, one process per GPU) at several message sizes: a bus bandwidth and
   a latency each, nccl-tests' bus-bandwidth convention;
-- the real trainer (`python -m ctxlaunch.trainer`, one GPU, the spec's model cut to at most
+- the real trainer (`python -m ctxlaunch.runtime.trainer`, one GPU, the spec's model cut to at most
   CALIBRATION_LAYERS blocks, the spec's checkpointing) at two lengths, and at the longer of
   them again with SHALLOW_LAYERS blocks: what its steps take beyond the matmuls, attention
   and optimizer just timed is a fixed cost per micro-batch, the blocks' elementwise work
@@ -291,7 +291,7 @@ def run_trainer_steps(data: dict[str, Any], workdir: Path, warmup: int,
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
                LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", PYTHONUNBUFFERED="1")
     try:
-        done = subprocess.run([sys.executable, "-m", "ctxlaunch.trainer", str(spec_path),
+        done = subprocess.run([sys.executable, "-m", "ctxlaunch.runtime.trainer", str(spec_path),
                                "--run-dir", str(workdir / "run")], env=env, text=True,
                               capture_output=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -5,7 +5,7 @@ environment. Prints one line per check, `ok NAME: detail` or `FAIL NAME: detail`
 when every check passes, 1 otherwise:
 - torch: it imports, at the project's pinned version;
 - nccl: torch.distributed is built with NCCL (what multi-GPU pods need), and its version;
-- entrypoint: the pods' command module (ctxlaunch.podentry) imports;
+- entrypoint: the pods' command module (ctxlaunch.runtime.podentry) imports;
 - train: `ctxlaunch train --help` runs (the console script the image puts on PATH).
 --no-nccl skips the NCCL check (a CPU-only image for gloo).
 """
@@ -45,7 +45,7 @@ def check_nccl() -> str:
 
 def check_entrypoint() -> str:
     importlib.import_module("ctxlaunch.runtime.podentry")
-    return "python3 -m ctxlaunch.podentry imports"
+    return "python3 -m ctxlaunch.runtime.podentry imports"
 
 
 def check_train() -> str:

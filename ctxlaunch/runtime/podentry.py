@@ -1,4 +1,4 @@
-"""`python3 -m ctxlaunch.podentry SPEC`: the container command of every PyTorchJob pod.
+"""`python3 -m ctxlaunch.runtime.podentry SPEC`: the container command of every PyTorchJob pod.
 
 It runs torchrun (which takes the node count, node rank, ranks per node and master address
 from the PET_* variables the training operator sets) on the bundled trainer, passes stop
@@ -59,7 +59,7 @@ def oom_kills(root: Path = CGROUP_ROOT) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python3 -m ctxlaunch.podentry SPEC", file=sys.stderr)
+        print("usage: python3 -m ctxlaunch.runtime.podentry SPEC", file=sys.stderr)
         return exitcodes.BAD_INPUT
     run_dir = Path(os.environ.get(RUN_DIR_ENV) or DEFAULT_RUN_DIR)
     # Statuses of an earlier attempt in this directory must not speak for this one.

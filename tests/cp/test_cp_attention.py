@@ -1,5 +1,5 @@
 """Ring, Ulysses and hybrid attention against a float64 full-sequence reference: out, lse and
-dq/dk/dv, causal and not, both layouts, GQA, a scale, fp32 and bf16 (gloo worker processes)."""
+dq/dk/dv, causal and not, both shardings, GQA, a scale, fp32 and bf16 (gloo worker processes)."""
 
 import itertools
 import zlib
@@ -31,28 +31,28 @@ TOLERANCES = {
 
 
 def _cases(world_size, method):
-    """(name, B, Hq, Hkv, S, D, causal, layout, dtype, scale) for one world size and method."""
+    """(name, B, Hq, Hkv, S, D, causal, sharding, dtype, scale) for one world size and method."""
     kv_heads = world_size if method == "ulysses" else 2
     shapes = [
         (1, 4, 4, None, torch.float32),
         (2, 8, kv_heads, 0.3, torch.float32),
         (1, 8, kv_heads, None, torch.bfloat16),
     ]
-    for (b, hq, hkv, scale, dtype), causal, layout in itertools.product(
+    for (b, hq, hkv, scale, dtype), causal, sharding in itertools.product(
         shapes, [True, False], ["zigzag", "contiguous"]
     ):
         seq_len = 16 * world_size
         name = (
             f"{method} N={world_size} B={b} Hq={hq} Hkv={hkv} S={seq_len} causal={causal} "
-            f"{layout} {dtype} scale={scale}"
+            f"{sharding} {dtype} scale={scale}"
         )
-        yield name, b, hq, hkv, seq_len, 16, causal, layout, dtype, scale
+        yield name, b, hq, hkv, seq_len, 16, causal, sharding, dtype, scale
 
 
 def _check_method(rank, world_size, method):
     if method == "hybrid":
         ulysses_group, ring_group = new_hybrid_groups(2)
-    for name, b, hq, hkv, seq_len, d, causal, layout, dtype, scale in _cases(world_size, method):
+    for name, b, hq, hkv, seq_len, d, causal, sharding, dtype, scale in _cases(world_size, method):
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))  # same inputs on every rank
         q = torch.randn(b, hq, seq_len, d, generator=g).to(dtype)
         k, v = (torch.randn(b, hkv, seq_len, d, generator=g).to(dtype) for _ in range(2))
@@ -60,10 +60,10 @@ def _check_method(rank, world_size, method):
         ref_out, ref_lse, ref_grads = reference_with_grads(q, k, v, grad, causal, scale)
 
         def shard(x):
-            return shard_sequence(x, None, dim=2, layout=layout)
+            return shard_sequence(x, None, dim=2, sharding=sharding)
 
         local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
-        kwargs = dict(causal=causal, layout=layout, scale=scale, return_lse=True)
+        kwargs = dict(causal=causal, sharding=sharding, scale=scale, return_lse=True)
         if method == "ring":
             out, lse = ring_attention(*local, None, **kwargs)
         elif method == "ulysses":
@@ -108,10 +108,10 @@ def test_hybrid_2x2_matches_reference():
 
 
 def _check_groups_and_errors(rank, world_size):
-    # unshard_sequence gathers what shard_sequence cut, for both layouts.
+    # unshard_sequence gathers what shard_sequence cut, for both shardings.
     x = torch.arange(2 * 3 * 32, dtype=torch.float32).view(2, 3, 32)
-    for layout in ("zigzag", "contiguous"):
-        torch.testing.assert_close(unshard_sequence(shard_sequence(x, None, 2, layout), None, 2, layout), x)
+    for sharding in ("zigzag", "contiguous"):
+        torch.testing.assert_close(unshard_sequence(shard_sequence(x, None, 2, sharding), None, 2, sharding), x)
     # A group that is not the default one: the ring runs on global ranks through it.
     ulysses_group, ring_group = new_hybrid_groups(2)
     assert dist.get_world_size(ring_group) == 2 and dist.get_world_size(ulysses_group) == 2
@@ -127,8 +127,8 @@ def _check_groups_and_errors(rank, world_size):
         ring_attention(torch.randn(1, 4, 3, 16), torch.randn(1, 4, 3, 16), torch.randn(1, 4, 3, 16), None)
     with pytest.raises(ValueError, match="same length, got 8 and 4"):
         ring_attention(q, torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16), None)
-    with pytest.raises(ValueError, match="layout='stripe' is not supported"):
-        hybrid_attention(q, k, v, ulysses_group, ring_group, layout="stripe")
+    with pytest.raises(ValueError, match="sharding='stripe' is not supported"):
+        hybrid_attention(q, k, v, ulysses_group, ring_group, sharding="stripe")
     # The same GQA shape that Ulysses rejects at degree 4 runs as 2 (Ulysses) x 2 (ring).
     hybrid_attention(q, k, v, ulysses_group, ring_group)
     # DP x CP: two CP groups of 2 ({0, 1} and {2, 3}); each builds its own hybrid groups (a ring of

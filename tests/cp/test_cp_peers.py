@@ -35,11 +35,11 @@ def _check_torch_ring(rank, world_size):
     aten = torch.ops.aten
     # PyTorch's load balancing is head-tail sharding, which is our zigzag; without it, contiguous.
     cases = [("contiguous", True, False), ("contiguous", False, False), ("zigzag", True, True)]
-    for seed, (layout, causal, load_balance) in enumerate(cases):
-        name = f"torch ring N={world_size} {layout} causal={causal}"
+    for seed, (sharding, causal, load_balance) in enumerate(cases):
+        name = f"torch ring N={world_size} {sharding} causal={causal}"
         _cp_options.enable_load_balance = load_balance
         full = _inputs(seed, 2, 4, 4, 32 * world_size, 16, torch.float32)
-        q, k, v, grad = (shard_sequence(t, None, 2, layout) for t in full)
+        q, k, v, grad = (shard_sequence(t, None, 2, sharding) for t in full)
         scale = 0.25
         theirs_out, theirs_lse = _templated_ring_attention(
             dist.group.WORLD, 2, aten._scaled_dot_product_flash_attention_for_cpu,
@@ -51,7 +51,7 @@ def _check_torch_ring(rank, world_size):
             logsumexp=theirs_lse, is_causal=causal, dropout_p=0.0, scale=scale,
         )[:3]
         local = [t.clone().requires_grad_() for t in (q, k, v)]
-        out, lse = ring_attention(*local, None, causal=causal, layout=layout, scale=scale, return_lse=True)
+        out, lse = ring_attention(*local, None, causal=causal, sharding=sharding, scale=scale, return_lse=True)
         out.backward(grad)
         torch.testing.assert_close(out, theirs_out, **TIGHT, msg=lambda m: f"{name}: out\n{m}")
         torch.testing.assert_close(lse, theirs_lse, **TIGHT, msg=lambda m: f"{name}: lse\n{m}")
@@ -82,24 +82,24 @@ def _check_deepspeed_ulysses(rank, world_size):
     deepspeed.init_distributed(dist_backend="gloo")
     ds_attention = DistributedAttention(_sdpa_bshd, dist.group.WORLD, scatter_idx=2, gather_idx=1)
     # DeepSpeed attends over shards in rank order, which is token order only for the contiguous
-    # layout; without a causal mask the key order does not matter, so zigzag is compared too.
+    # sharding; without a causal mask the key order does not matter, so zigzag is compared too.
     cases = [
         ("contiguous", True, torch.float32),
         ("contiguous", False, torch.float32),
         ("zigzag", False, torch.float32),
         ("contiguous", True, torch.bfloat16),
     ]
-    for seed, (layout, causal, dtype) in enumerate(cases):
-        name = f"deepspeed ulysses N={world_size} {layout} causal={causal} {dtype}"
+    for seed, (sharding, causal, dtype) in enumerate(cases):
+        name = f"deepspeed ulysses N={world_size} {sharding} causal={causal} {dtype}"
         full = _inputs(seed, 2, 8, world_size, 16 * world_size, 16, dtype)
-        q, k, v, grad = (shard_sequence(t, None, 2, layout) for t in full)
+        q, k, v, grad = (shard_sequence(t, None, 2, sharding) for t in full)
         scale = 0.3
-        # DeepSpeed's layout is [b, s/p, h, d].
+        # DeepSpeed's sharding is [b, s/p, h, d].
         ds_in = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
         ds_out = ds_attention(*ds_in, 0, None, causal, scale)
         ds_out.backward(grad.transpose(1, 2))
         local = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = ulysses_attention(*local, None, causal=causal, layout=layout, scale=scale)
+        out = ulysses_attention(*local, None, causal=causal, sharding=sharding, scale=scale)
         out.backward(grad)
         tol = TIGHT if dtype == torch.float32 else BF16
         torch.testing.assert_close(out, ds_out.transpose(1, 2), **tol, msg=lambda m: f"{name}: out\n{m}")

@@ -53,19 +53,19 @@ def _check(rank, world_size):
     methods = ["ring", "ulysses"] + (["hybrid"] if hybrid_groups else [])
     for method in methods:
         kv_heads = world_size if method == "ulysses" else 2
-        for layout in ("zigzag", "contiguous"):
-            name = f"{method} N={world_size} {layout}"
+        for sharding in ("zigzag", "contiguous"):
+            name = f"{method} N={world_size} {sharding}"
             g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
             q = torch.randn(3, 4, seq_len, 8, generator=g, dtype=torch.float64)
             k, v = (torch.randn(3, kv_heads, seq_len, 8, generator=g, dtype=torch.float64) for _ in range(2))
             grad = torch.randn(3, 4, seq_len, 8, generator=g, dtype=torch.float64)
             ref_out, ref_lse, ref_grads = per_document_reference(q, k, v, grad, documents)
 
-            def shard(x, layout=layout):
-                return shard_sequence(x, None, dim=2, layout=layout)
+            def shard(x, sharding=sharding):
+                return shard_sequence(x, None, dim=2, sharding=sharding)
 
             local = [shard(t).clone().requires_grad_() for t in (q, k, v)]
-            kwargs = dict(layout=layout, return_lse=True, documents=documents)
+            kwargs = dict(sharding=sharding, return_lse=True, documents=documents)
             if method == "ring":
                 out, lse = ring_attention(*local, None, **kwargs)
             elif method == "ulysses":
@@ -83,14 +83,14 @@ def _check(rank, world_size):
             single = [shard(t).clone().requires_grad_() for t in (q, k, v)]
             whole = [(0, seq_len)] * 3
             if method == "ring":
-                plain = ring_attention(*local, None, layout=layout)
-                one = ring_attention(*single, None, layout=layout, documents=whole)
+                plain = ring_attention(*local, None, sharding=sharding)
+                one = ring_attention(*single, None, sharding=sharding, documents=whole)
             elif method == "ulysses":
-                plain = ulysses_attention(*local, None, layout=layout)
-                one = ulysses_attention(*single, None, layout=layout, documents=whole)
+                plain = ulysses_attention(*local, None, sharding=sharding)
+                one = ulysses_attention(*single, None, sharding=sharding, documents=whole)
             else:
-                plain = hybrid_attention(*local, *hybrid_groups, layout=layout)
-                one = hybrid_attention(*single, *hybrid_groups, layout=layout, documents=whole)
+                plain = hybrid_attention(*local, *hybrid_groups, sharding=sharding)
+                one = hybrid_attention(*single, *hybrid_groups, sharding=sharding, documents=whole)
             torch.testing.assert_close(one, plain, **TOL)
     return worst
 
@@ -145,7 +145,7 @@ def test_attention_area_hand_worked():
     area = attention_area([(0, 8, 16)], 16, 2, "contiguous")
     assert (area.computed, area.blocks_computed, area.blocks_skipped) == (72, 2, 1)
     assert area.per_rank_computed == (36, 36) and area.per_rank_unmasked == (36, 100)
-    # One document: nothing is skipped, at any layout.
-    for layout in ("zigzag", "contiguous"):
-        area = attention_area([(0, 64)] * 2, 64, 4, layout)
+    # One document: nothing is skipped, at any sharding.
+    for sharding in ("zigzag", "contiguous"):
+        area = attention_area([(0, 64)] * 2, 64, 4, sharding)
         assert area.computed == area.unmasked and area.blocks_skipped == 0

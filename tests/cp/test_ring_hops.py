@@ -14,7 +14,7 @@ from ctxlaunch.cp.comm import commit_sizes
 from tests.helpers.dist import run_distributed
 
 B, HQ, HKV, S_LOCAL, D = 1, 4, 2, 16, 16
-CASES = [  # (layout, causal, documents of the whole 3 x 16-token sequence)
+CASES = [  # (sharding, causal, documents of the whole 3 x 16-token sequence)
     ("zigzag", True, None),
     ("contiguous", False, None),
     ("zigzag", True, [[0, 5, 30, 48]]),
@@ -43,12 +43,12 @@ def _check_hops(rank, world_size):
     q = torch.randn(B, HQ, S_LOCAL, D, generator=g).requires_grad_()
     k, v = (torch.randn(B, HKV, S_LOCAL, D, generator=g).requires_grad_() for _ in range(2))
     kv_bytes = B * HKV * S_LOCAL * D * 4  # one fp32 K (or V) shard
-    for layout, causal, documents in CASES:
-        name = f"{layout} causal={causal} documents={documents}"
-        ring_attention(q, k, v, causal=causal, layout=layout, documents=documents).sum().backward()
+    for sharding, causal, documents in CASES:
+        name = f"{sharding} causal={causal} documents={documents}"
+        ring_attention(q, k, v, causal=causal, sharding=sharding, documents=documents).sum().backward()
         before = commit_sizes()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            out = ring_attention(q, k, v, causal=causal, layout=layout, documents=documents)
+            out = ring_attention(q, k, v, causal=causal, sharding=sharding, documents=documents)
             out.backward(torch.ones_like(out))
         sent = {size: n - before.get(size, 0) for size, n in commit_sizes().items()
                 if n != before.get(size, 0)}

@@ -16,7 +16,7 @@ def train_steps(rank: int, world: int, spec_data: dict, steps: int) -> dict:
     spec = validate_spec(spec_data)
     p = spec.parallel
     ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                        ulysses=spec.ulysses_degree, layout=p.layout, tp=p.tp, pp=p.pp)
+                        ulysses=spec.ulysses_degree, cp_sharding=p.cp_sharding, tp=p.tp, pp=p.pp)
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     grads: list[dict[str, torch.Tensor]] = []
     losses = [trainer.train_step(on_gradients=lambda e: grads.append(e.full_gradients())).loss

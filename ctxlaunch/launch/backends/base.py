@@ -98,7 +98,7 @@ def describe_layout(spec: dict) -> str:
     p, t = spec.get("parallel", {}), spec.get("training", {})
     return (f"model {spec.get('model', {}).get('preset') or 'custom'}, seq_len "
             f"{t.get('seq_len')}, cp {p.get('cp')} ({p.get('cp_algorithm')}, "
-            f"{p.get('layout')}), activation_checkpointing "
+            f"{p.get('cp_sharding', p.get('layout'))}), activation_checkpointing "
             f"{t.get('activation_checkpointing')}, ZeRO-{t.get('zero_stage')}")
 
 

@@ -47,8 +47,8 @@ from ctxlaunch.launch.backends.base import (
     Status,
     describe_layout,
 )
-from ctxlaunch.launch.plan import kubernetes_plan
 from ctxlaunch.launch.render import artifact_name, render_files
+from ctxlaunch.launch.request import kubernetes_request
 
 FIELD_MANAGER = "ctxlaunch"
 OPERATOR_INSTALL = ("kubectl apply --server-side -k \"github.com/kubeflow/training-operator.git/"
@@ -484,10 +484,10 @@ class KubernetesBackend(Backend):
                          ) -> list[dict[str, Any]]:
         files = {dryrun.artifact_name or "": dryrun.artifact or "", **dryrun.extra_artifacts}
         objects = objects_of(files)
-        plan = kubernetes_plan(dryrun.spec)
+        request = kubernetes_request(dryrun.spec)
         kinds = [k for k in RESOURCES if any(o["kind"] == k for o in objects)]
-        api = job_api(plan.api)
-        monitors = preflight(conn, plan.namespace, plan.name, kinds, api)
+        api = job_api(request.api)
+        monitors = preflight(conn, request.namespace, request.name, kinds, api)
         warning = version_warning(conn, api)
         if warning:
             print(warning, file=err, flush=True)
@@ -514,22 +514,22 @@ class KubernetesBackend(Backend):
         objects = self._checked_objects(conn, dryrun, err)
         apply_objects(conn, objects)
         spec = dryrun.spec
-        plan = kubernetes_plan(spec)
+        request = kubernetes_request(spec)
         record = jobstore.JobRecord(
             id=dryrun.job_id, name=spec.name, target="kubernetes",
-            created=time.time(), backend_id=f"{plan.namespace}/{plan.name}",
+            created=time.time(), backend_id=f"{request.namespace}/{request.name}",
             command=dryrun.command, artifact=dryrun.artifact_name,
-            extra={"namespace": plan.namespace, "name": plan.name, "context": conn.context,
-                   "api": plan.api,
+            extra={"namespace": request.namespace, "name": request.name, "context": conn.context,
+                   "api": request.api,
                    "kubeconfig": conn.kubeconfig, "server": conn.host,
                    "objects": [[o["kind"], o["metadata"]["name"]] for o in objects],
-                   "ranks_per_pod": plan.nproc_per_node,
+                   "ranks_per_pod": request.nproc_per_node,
                    "spec": spec.model_dump(mode="json")})
         for name, text in {dryrun.artifact_name or "job.yaml": dryrun.artifact or "",
                            **dryrun.extra_artifacts}.items():
             atomic_write_text(record.directory / name, text)
         jobstore.save(record)
-        print(f"ctxlaunch: submitted {job_api(plan.api).kind} {record.backend_id} to {conn.host} "
+        print(f"ctxlaunch: submitted {job_api(request.api).kind} {record.backend_id} to {conn.host} "
               f"({record.id}); follow it with `ctxlaunch status {record.backend_id}`",
               file=err, flush=True)
         return record

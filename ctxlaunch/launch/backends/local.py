@@ -29,7 +29,7 @@ from ctxlaunch.launch.backends.base import (
     Status,
     combine_exit_codes,
 )
-from ctxlaunch.launch.plan import job_environment
+from ctxlaunch.launch.request import job_environment
 
 RANK_PREFIX = "[rank0]:"
 

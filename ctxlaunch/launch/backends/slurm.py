@@ -2,7 +2,7 @@
 and wait.
 
 The script submitted is byte for byte what `ctxlaunch render --target slurm` writes for the same
-spec (the same plan and template), with the trainer started by this Python and the logs,
+spec (the same request and template), with the trainer started by this Python and the logs,
 metrics, exit statuses and events kept in the job's record directory. sbatch --parsable prints
 the job id alone (submitit's public API submits only its own generated script, so it is not
 used here); states come from Slurm itself (scontrol while the controller remembers the job,
@@ -24,8 +24,8 @@ from ctxlaunch.contract.rundir import JOB_ID_ENV
 from ctxlaunch.contract.spec import JobSpec
 from ctxlaunch.launch import jobstore
 from ctxlaunch.launch.backends.base import Backend, DryRun, Status, SweepJobs, describe_layout
-from ctxlaunch.launch.plan import slurm_plan
-from ctxlaunch.launch.render import render_plan
+from ctxlaunch.launch.render import render_request
+from ctxlaunch.launch.request import slurm_request
 
 # Slurm's job states -> ctxlaunch's. The trainer's own exit statuses refine FAILED below.
 STATES: dict[str, str] = {
@@ -170,9 +170,9 @@ def sbatch_submit(script_path: Path) -> str:
 def array_key(spec: JobSpec) -> tuple:
     """What the scripts of specs that can share one job array have in common: resources,
     environment, srun arguments and the requeue rule (their specs and names differ)."""
-    plan = slurm_plan(spec, job_name="sweep")
-    return (tuple(plan.directives), tuple(plan.env.items()), tuple(plan.srun_args),
-            plan.max_restarts, plan.requeue)
+    request = slurm_request(spec, job_name="sweep")
+    return (tuple(request.directives), tuple(request.env.items()), tuple(request.srun_args),
+            request.max_restarts, request.requeue)
 
 
 class SlurmBackend(Backend):
@@ -191,13 +191,13 @@ class SlurmBackend(Backend):
         """The script for one job (array None) or a job array, in a new record directory."""
         record_id = jobstore.new_id("slurm", name)
         directory = jobstore.jobs_root() / record_id
-        plan = slurm_plan(spec, python=self.python, run_dir=str(directory / "run"),
+        request = slurm_request(spec, python=self.python, run_dir=str(directory / "run"),
                           log_dir=str(directory), array=array, job_name=name)
         script_name = f"{name}.sbatch"
         return DryRun(target="slurm", spec=spec, job_id=record_id,
                       command=["sbatch", str(directory / script_name)],
                       env={JOB_ID_ENV: record_id},
-                      artifact=render_plan(plan, "slurm", script_name),
+                      artifact=render_request(request, "slurm", script_name),
                       artifact_name=script_name)
 
     @staticmethod

@@ -38,7 +38,7 @@ from ctxlaunch.perf.memory import (
     ZERO_BUCKET_ELEMENTS,
 )
 from ctxlaunch.runtime.trainer import fastpath
-from ctxlaunch.runtime.trainer.data import MicroBatch
+from ctxlaunch.runtime.trainer.batches import MicroBatch
 from ctxlaunch.runtime.trainer.parallelize import ModelParts, ParallelContext
 from ctxlaunch.runtime.trainer.pipeline import StageModule
 from ctxlaunch.runtime.trainer.reshard import CheckpointState

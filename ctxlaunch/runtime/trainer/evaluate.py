@@ -139,7 +139,7 @@ class HeldOut:
 
 def held_out(spec: JobSpec) -> HeldOut:
     """The evaluation sequences the spec's data section gives, and a text encoder."""
-    from ctxlaunch.runtime.trainer.data import ByteText, SyntheticTokens
+    from ctxlaunch.runtime.trainer.batches import ByteText, SyntheticTokens
 
     t, e = spec.training, spec.training.eval
     data, seq_len = t.data, t.seq_len
@@ -292,7 +292,7 @@ class Evaluator:
             self.probes = passkey_probes(spec, data.encode)
         elif not t.eval.passkey.enabled:
             self.passkey_note = "disabled (training.eval.passkey.enabled: false)"
-        self.positions = shard_positions(t.seq_len, ctx.cp_rank, ctx.cp, ctx.layout)
+        self.positions = shard_positions(t.seq_len, ctx.cp_rank, ctx.cp, ctx.cp_sharding)
         self.autocast_dtype = torch.bfloat16 if spec.model.dtype == "bf16" else None
 
     def _mine(self, count: int) -> list[int | None]:
@@ -307,7 +307,7 @@ class Evaluator:
         """Per-token (loss, hit, predicted, context length) of this rank's shard of one
         sequence; under a document mask attention stays in each document, the targets that
         open the next are not predicted, and context lengths restart (restart_positions)."""
-        from ctxlaunch.runtime.trainer.data import MicroBatch, masked_micro_batch
+        from ctxlaunch.runtime.trainer.batches import MicroBatch, masked_micro_batch
 
         if document_ids is not None:
             batch = masked_micro_batch([sequence], [document_ids], self.positions,

@@ -28,7 +28,7 @@ def attention_block_shape(spec: JobSpec, ctx: ParallelContext) -> tuple[int, int
     split = ctx.tp * ctx.ulysses
     ring = ctx.cp // ctx.ulysses
     block = spec.training.seq_len // ring
-    if ring > 1 and ctx.layout == "zigzag":
+    if ring > 1 and ctx.cp_sharding == "zigzag":
         block //= 2
     return (spec.training.micro_batch, max(m.heads // split, 1), max(m.kv_heads // split, 1),
             block, m.hidden // m.heads)

@@ -21,7 +21,7 @@ from ctxlaunch.cp.comm import exposed_comm_seconds
 from ctxlaunch.perf.flops import flops_per_token
 from ctxlaunch.runtime.trainer import checkpoint, fastpath, faults, stopsignal
 from ctxlaunch.runtime.trainer import model as model_module
-from ctxlaunch.runtime.trainer.data import Batches, MicroBatch, make_source
+from ctxlaunch.runtime.trainer.batches import Batches, MicroBatch, make_source
 from ctxlaunch.runtime.trainer.engines import Engine, make_engine
 from ctxlaunch.runtime.trainer.model import Transformer
 from ctxlaunch.runtime.trainer.parallelize import ParallelContext, ParallelSettings, parallelize
@@ -74,7 +74,7 @@ class Trainer:
         self.batches = Batches(
             make_source(t.data, spec.model.vocab, t.seq_len, t.seed), seq_len=t.seq_len,
             micro_batch=t.micro_batch, global_batch=spec.global_batch, dp=ctx.dp,
-            dp_rank=ctx.dp_rank, cp=ctx.cp, cp_rank=ctx.cp_rank, layout=ctx.layout,
+            dp_rank=ctx.dp_rank, cp=ctx.cp, cp_rank=ctx.cp_rank, cp_sharding=ctx.cp_sharding,
             document_mask=t.data.document_mask, restart_positions=t.data.restart_positions)
         self.evaluator = None
         if t.eval.interval:

@@ -1,4 +1,4 @@
-"""`python -m ctxlaunch.trainer [SPEC]`: one rank of a job.
+"""`python -m ctxlaunch.runtime.trainer [SPEC]`: one rank of a job.
 
 The spec comes from the SPEC path, else from $CTXLAUNCH_SPEC_JSON (what the Slurm script
 exports). Rank and world come from torchrun, Slurm or the PyTorchJob environment.
@@ -46,7 +46,7 @@ class SetupError(Exception):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ctxlaunch.trainer",
+    parser = argparse.ArgumentParser(prog="python -m ctxlaunch.runtime.trainer",
                                      description="Run one rank of a ctxlaunch job.")
     parser.add_argument("spec", nargs="?", help=f"job spec (YAML/JSON); default: ${SPEC_ENV}")
     parser.add_argument("--set", "-s", dest="overrides", action="append", default=[],
@@ -110,7 +110,7 @@ def rank_context(spec: JobSpec, denv: DistEnv) -> ParallelContext:
 
     return build_context(rank=denv.rank, world_size=denv.world_size, dp=spec.dp,
                          cp=spec.parallel.cp, ulysses=spec.ulysses_degree,
-                         layout=spec.parallel.layout, tp=spec.parallel.tp, pp=spec.parallel.pp)
+                         cp_sharding=spec.parallel.cp_sharding, tp=spec.parallel.tp, pp=spec.parallel.pp)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,7 +186,7 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
         attention = fastpath.choose_attention_kernel(spec, ctx, device)
         telemetry.attention_kernel(attention)
         log(f"ctxlaunch: {spec.name}: {denv.world_size} ranks ({denv.launcher}), dp {ctx.dp} "
-            f"x cp {ctx.cp} ({spec.parallel.cp_algorithm}, {ctx.layout}) x tp {ctx.tp} x pp "
+            f"x cp {ctx.cp} ({spec.parallel.cp_algorithm}, {ctx.cp_sharding}) x tp {ctx.tp} x pp "
             f"{ctx.pp} (blocks per stage {list(spec.stage_layers)}), "
             f"ZeRO-{spec.training.zero_stage}, {spec.model.dtype}, device {device.type}, "
             + fastpath.describe(spec, device, attention))

@@ -50,7 +50,7 @@ class ParallelContext:
     dp: int
     cp: int
     ulysses: int
-    layout: str
+    cp_sharding: str
     cp_group: dist.ProcessGroup | None
     dp_group: dist.ProcessGroup | None
     ulysses_group: dist.ProcessGroup | None
@@ -87,7 +87,7 @@ class ParallelContext:
 
 
 def build_context(*, rank: int, world_size: int, dp: int, cp: int, ulysses: int,
-                  layout: str, tp: int = 1, pp: int = 1) -> ParallelContext:
+                  cp_sharding: str, tp: int = 1, pp: int = 1) -> ParallelContext:
     """Create the process groups. Every rank creates every group in the same order
     (`new_group` is collective over the whole job) and keeps the ones it belongs to."""
     if tp * cp * dp * pp != world_size:
@@ -134,7 +134,7 @@ def build_context(*, rank: int, world_size: int, dp: int, cp: int, ulysses: int,
                 make("pp", [at(t, c, d, p) for p in range(pp)])
     dp_cp = mine["dp_cp"] or (mine["cp"] if dp == 1 else mine["dp"])
     return ParallelContext(rank=rank, world_size=world_size, dp=dp, cp=cp, ulysses=ulysses,
-                           layout=layout, cp_group=mine["cp"], dp_group=mine["dp"],
+                           cp_sharding=cp_sharding, cp_group=mine["cp"], dp_group=mine["dp"],
                            ulysses_group=mine["ulysses"], ring_group=mine["ring"], tp=tp, pp=pp,
                            tp_group=mine["tp"], pp_group=mine["pp"], dp_cp_group=dp_cp)
 
@@ -145,14 +145,14 @@ def attention_for(ctx: ParallelContext, algorithm: str) -> AttentionFn:
         return partial(cp_attention.full_attention, causal=True)
     if algorithm == "ring" or (algorithm == "hybrid" and ctx.ulysses == 1):
         return partial(cp_attention.ring_attention, group=ctx.cp_group, causal=True,
-                       layout=ctx.layout)
+                       sharding=ctx.cp_sharding)
     if algorithm == "ulysses" or (algorithm == "hybrid" and ctx.ulysses == ctx.cp):
         return partial(cp_attention.ulysses_attention, group=ctx.cp_group, causal=True,
-                       layout=ctx.layout)
+                       sharding=ctx.cp_sharding)
     if algorithm == "hybrid":
         assert ctx.ulysses_group is not None and ctx.ring_group is not None  # 1 < ulysses < cp
         return partial(cp_attention.hybrid_attention, ulysses_group=ctx.ulysses_group,
-                       ring_group=ctx.ring_group, causal=True, layout=ctx.layout)
+                       ring_group=ctx.ring_group, causal=True, sharding=ctx.cp_sharding)
     raise ValueError(f"unknown CP algorithm {algorithm!r}")
 
 

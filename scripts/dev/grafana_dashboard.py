@@ -4,7 +4,7 @@ The panels are data (`ROWS`: title, unit, PromQL per target); `build_dashboard()
 the dashboard's JSON model with `grafana-foundation-sdk`, which only the generator needs, so it is
 imported inside that function. The committed file is regenerated with
 
-    python -m ctxlaunch.runtime.telemetry.dashboard \\
+    python scripts/dev/grafana_dashboard.py \\
         [--output manifests/grafana/ctxlaunch-training.json]
 
 and `panel_queries()` gives every target's PromQL with the dashboard variables filled in, so
@@ -445,7 +445,7 @@ def panel_queries(dashboard: dict, variables: dict[str, str]) -> list[tuple[str,
 def main(argv: list[str] | None = None) -> None:
     """Write the dashboard JSON (default: manifests/grafana/ctxlaunch-training.json)."""
     parser = argparse.ArgumentParser(
-        prog="python -m ctxlaunch.runtime.telemetry.dashboard",
+        prog="python scripts/dev/grafana_dashboard.py",
         description="Generate the ctxlaunch Grafana dashboard (JSON model).")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT,
                         help=f"file to write, '-' for stdout (default: {DEFAULT_OUTPUT})")

@@ -36,7 +36,7 @@ import torch
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
-    from ctxlaunch.runtime.trainer.data import MicroBatch
+    from ctxlaunch.runtime.trainer.batches import MicroBatch
     from ctxlaunch.runtime.trainer.parallelize import ParallelContext
 
 PHASE_PREFIX = "ctxlaunch.phase:"

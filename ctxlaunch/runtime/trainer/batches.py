@@ -102,12 +102,12 @@ class Batches:
     with `restart_positions`, numbers positions from 0 in each document."""
 
     def __init__(self, source: TokenSource, *, seq_len: int, micro_batch: int,
-                 global_batch: int, dp: int, dp_rank: int, cp: int, cp_rank: int, layout: str,
+                 global_batch: int, dp: int, dp_rank: int, cp: int, cp_rank: int, cp_sharding: str,
                  document_mask: bool = False, restart_positions: bool = True):
         self.source = source
         self.micro_batch, self.global_batch = micro_batch, global_batch
         self.dp, self.dp_rank = dp, dp_rank
-        self.positions = shard_positions(seq_len, cp_rank, cp, layout)
+        self.positions = shard_positions(seq_len, cp_rank, cp, cp_sharding)
         self._packed: Callable[[int], PackedSequence] | None = getattr(source, "packed", None)
         if document_mask and self._packed is None:
             raise ValueError("training.data.document_mask needs a source of packed documents "

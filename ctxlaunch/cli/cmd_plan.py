@@ -269,7 +269,7 @@ def _submit_kubernetes_calibration(job: JobSpec, path: Path, wait: float | None)
 
     backend = KubernetesBackend()
     dryrun = backend.dryrun(job)
-    entry = '"-m", "ctxlaunch.podentry", "/etc/ctxlaunch/spec.json"]'
+    entry = '"-m", "ctxlaunch.runtime.podentry", "/etc/ctxlaunch/spec.json"]'
     manifest = dryrun.artifact or ""
     if entry not in manifest:
         fail("--submit: the PyTorchJob has no pod entry point to replace", code=exitcodes.FAILED)

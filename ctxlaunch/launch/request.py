@@ -1,4 +1,4 @@
-"""JobSpec -> launch plan: the environment, resources and command lines of a job.
+"""JobSpec -> launch request: the environment, resources and command lines of a job.
 
 This is the one place that decides what a job's environment and resources are; the Slurm and
 Kubernetes templates (and the Slurm and local backends) only consume it. All arithmetic and
@@ -85,7 +85,7 @@ class ShellCode(str):
 
 
 @dataclass(frozen=True)
-class SlurmPlan:
+class SlurmRequest:
     """What the sbatch script (and the submitit backend) is made of."""
 
     job_name: str
@@ -117,9 +117,9 @@ class SlurmPlan:
     """A job array: task i keeps its metrics and summary in <array_run_dir>/i."""
 
 
-def slurm_plan(spec: JobSpec, python: str = "python3", run_dir: str | None = None,
+def slurm_request(spec: JobSpec, python: str = "python3", run_dir: str | None = None,
                log_dir: str | None = None, array: list[JobSpec] | None = None,
-               job_name: str | None = None) -> SlurmPlan:
+               job_name: str | None = None) -> SlurmRequest:
     """The sbatch script's parts. `python` runs the trainer on the nodes; `run_dir` (metrics,
     summary, exit statuses) and `log_dir` are set by the Slurm backend to the job's record
     directory, and left to the defaults when rendering for plain sbatch.
@@ -171,7 +171,7 @@ def slurm_plan(spec: JobSpec, python: str = "python3", run_dir: str | None = Non
     # else its default. Job names are RFC 1123 labels: nothing in them needs quoting.
     events_file = (f'"${{{RUN_DIR_ENV}:-{default_run_dir(job_name or spec.name)}}}"'
                    f"/{EVENTS_FILE}")
-    return SlurmPlan(
+    return SlurmRequest(
         job_name=job_name or spec.name,
         directives=directives,
         env=env,
@@ -195,19 +195,19 @@ def slurm_plan(spec: JobSpec, python: str = "python3", run_dir: str | None = Non
 # Kubernetes
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class ReplicaPlan:
+class ReplicaRequest:
     role: str  # "Master" or "Worker"
     replicas: int
 
 
 @dataclass(frozen=True)
-class KubernetesPlan:
+class KubernetesRequest:
     """What the PyTorchJob manifest is made of."""
 
     name: str
     namespace: str
     labels: dict[str, str]
-    replicas: list[ReplicaPlan]
+    replicas: list[ReplicaRequest]
     nproc_per_node: int
     image: str
     image_pull_policy: str
@@ -239,14 +239,14 @@ class KubernetesPlan:
     scheduler_name: str | None = None
     pod_restart_policy: str | None = None
     """Set in the pod spec itself (TrainJob: Never, as a Job's podFailurePolicy needs)."""
-    trainjob: TrainJobPlan | None = None
+    trainjob: TrainJobRequest | None = None
     metrics_ports: list[tuple[str, int]] = field(default_factory=list)
     """(port name, container port) per local rank in scrape mode; the PodMonitor scrapes them."""
 
 
 @dataclass(frozen=True)
-class TrainJobPlan:
-    """The TrainJob's and its TrainingRuntime's own parts (the pod spec is the plan's)."""
+class TrainJobRequest:
+    """The TrainJob's and its TrainingRuntime's own parts (the pod spec is the request's)."""
 
     runtime: str
     runtime_labels: dict[str, str]
@@ -266,7 +266,7 @@ class TrainJobPlan:
 SWEEP_LABEL = "ctxlaunch/sweep"
 
 
-def kubernetes_plan(spec: JobSpec, sweep: str | None = None) -> KubernetesPlan:
+def kubernetes_request(spec: JobSpec, sweep: str | None = None) -> KubernetesRequest:
     """The manifest's parts; `sweep` (a sweep id) adds the label every point of it shares."""
     c, k = spec.cluster, spec.cluster.kubernetes
     rdma = spec.fabric.network in RDMA_NETWORKS and c.gpu != "cpu"
@@ -281,9 +281,9 @@ def kubernetes_plan(spec: JobSpec, sweep: str | None = None) -> KubernetesPlan:
         limits["memory"] = k.memory
     # Requests equal limits: a training pod should be Guaranteed, never evicted for pressure.
     requests = dict(limits)
-    replicas = [ReplicaPlan("Master", 1)]
+    replicas = [ReplicaRequest("Master", 1)]
     if c.nodes > 1:
-        replicas.append(ReplicaPlan("Worker", c.nodes - 1))
+        replicas.append(ReplicaRequest("Worker", c.nodes - 1))
     run_policy: dict[str, Any] = {
         "cleanPodPolicy": k.clean_pod_policy,
         "backoffLimit": k.backoff_limit,
@@ -300,7 +300,7 @@ def kubernetes_plan(spec: JobSpec, sweep: str | None = None) -> KubernetesPlan:
     labels = {"app.kubernetes.io/name": "ctxlaunch", "ctxlaunch/job": spec.name,
               **({SWEEP_LABEL: sweep} if sweep else {})}
     trainjob = k.api == "trainjob"
-    return KubernetesPlan(
+    return KubernetesRequest(
         name=spec.name,
         namespace=k.namespace,
         labels=labels,
@@ -310,7 +310,7 @@ def kubernetes_plan(spec: JobSpec, sweep: str | None = None) -> KubernetesPlan:
         image=k.image or "",
         image_pull_policy=k.image_pull_policy,
         # The training-operator sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK and the
-        # master address; the torchrun that ctxlaunch.podentry starts reads them as defaults.
+        # master address; the torchrun that ctxlaunch.runtime.podentry starts reads them as defaults.
         command=["python3", "-m", POD_MODULE, f"{K8S_SPEC_DIR}/{K8S_SPEC_FILE}"],
         restart_policy=POD_RESTART_POLICY,
         env=job_environment(spec),
@@ -333,7 +333,7 @@ def kubernetes_plan(spec: JobSpec, sweep: str | None = None) -> KubernetesPlan:
         port_name="rendezvous" if trainjob else "pytorchjob-port",
         scheduler_name=SCHEDULER_NAMES[k.scheduler] if k.scheduler else None,
         pod_restart_policy="Never" if trainjob else None,
-        trainjob=trainjob_plan(k, spec.name, c.nodes, labels) if trainjob else None,
+        trainjob=trainjob_request(k, spec.name, c.nodes, labels) if trainjob else None,
         node_selector=dict(k.node_selector),
         tolerations=tolerations,
         image_pull_secrets=list(k.image_pull_secrets),
@@ -359,8 +359,8 @@ def scheduling_policy(k: KubernetesSpec, nodes: int) -> dict[str, Any]:
     return policy
 
 
-def trainjob_plan(k: KubernetesSpec, name: str, nodes: int, labels: dict[str, str]
-                  ) -> TrainJobPlan:
+def trainjob_request(k: KubernetesSpec, name: str, nodes: int, labels: dict[str, str]
+                  ) -> TrainJobRequest:
     """What a TrainJob needs beside the pod spec: suspension for Kueue, the JobSet's restarts
     (failurePolicy) and the Job's permanent exits (podFailurePolicy), the gang's PodGroup."""
     spec: dict[str, Any] = {}
@@ -384,7 +384,7 @@ def trainjob_plan(k: KubernetesSpec, name: str, nodes: int, labels: dict[str, st
         pod_group = {"volcano": {}}
     elif k.scheduler == "coscheduling":
         pod_group = {"coscheduling": {"scheduleTimeoutSeconds": k.schedule_timeout_seconds or 60}}
-    return TrainJobPlan(
+    return TrainJobRequest(
         runtime=f"{name}-runtime", num_nodes=nodes, suspend=bool(k.queue),
         runtime_labels={**labels, "trainer.kubeflow.org/framework": "torch"}, spec=spec, jobset=jobset, job=job,
         pod_group_policy=pod_group,
