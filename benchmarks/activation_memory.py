@@ -33,16 +33,18 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     heads, kv_heads = args.hidden // 64, args.hidden // 256
-    spec_model = ModelSpec(layers=1, hidden=args.hidden, heads=heads, kv_heads=kv_heads,
-                           ffn_hidden=args.ffn, vocab=256)
+    spec_model = ModelSpec(
+        layers=1, hidden=args.hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=args.ffn, vocab=256
+    )
     results = []
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         for mode in ("none", "selective", "full"):
             block = Block(args.hidden, heads, kv_heads, args.ffn, 1e-5).to(dtype)
             block.checkpointing = mode
             if world > 1:
-                block.attn.attend = lambda q, k, v: ring_attention(q, k, v, causal=True,
-                                                                   sharding="zigzag")
+                block.attn.attend = lambda q, k, v: ring_attention(
+                    q, k, v, causal=True, sharding="zigzag"
+                )
             tokens = args.seq // world
             positions = shard_positions(args.seq, rank, world, "zigzag")
             cos, sin = rope_tables(positions, args.hidden // heads, 10000.0, dtype)
@@ -51,13 +53,24 @@ def worker(args: argparse.Namespace) -> None:
                 y = block(x, cos, sin)
             y.float().sum().backward()
             # bf16 here is the DeepSpeed path (bf16 module, bf16 residual): zero_stage 2.
-            layout = Layout(seq_len=args.seq, cp=world, dtype=dtype_name,
-                                  zero_stage=0 if dtype_name == "fp32" else 2,
-                                  activation_checkpointing=mode)
+            layout = Layout(
+                seq_len=args.seq,
+                cp=world,
+                dtype=dtype_name,
+                zero_stage=0 if dtype_name == "fp32" else 2,
+                activation_checkpointing=mode,
+            )
             predicted = block_activation_bytes_per_token(spec_model, layout) * tokens
-            results.append({"dtype": dtype_name, "checkpointing": mode, "cp": world,
-                            "rank": rank, "measured_bytes": meter.bytes,
-                            "predicted_bytes": int(predicted)})
+            results.append(
+                {
+                    "dtype": dtype_name,
+                    "checkpointing": mode,
+                    "cp": world,
+                    "rank": rank,
+                    "measured_bytes": meter.bytes,
+                    "predicted_bytes": int(predicted),
+                }
+            )
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -81,28 +94,56 @@ def main() -> None:
     for cp in (1, 2, 4):
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc-per-node={cp}", __file__, "--worker", "--output", out.name,
-                 "--seq", str(args.seq), "--hidden", str(args.hidden), "--ffn", str(args.ffn)],
-                check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={cp}",
+                    __file__,
+                    "--worker",
+                    "--output",
+                    out.name,
+                    "--seq",
+                    str(args.seq),
+                    "--hidden",
+                    str(args.hidden),
+                    "--ffn",
+                    str(args.ffn),
+                ],
+                check=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
             rows += json.load(open(out.name))
-    print(f"one block: hidden {args.hidden}, heads {args.hidden // 64}, kv_heads "
-          f"{args.hidden // 256}, ffn {args.ffn}, total sequence {args.seq}, ring zigzag")
-    print("| dtype | checkpointing | CP | MiB per rank (max over ranks) | / CP 1 | goal 1.15/N | "
-          "planner MiB | planner / measured |")
+    print(
+        f"one block: hidden {args.hidden}, heads {args.hidden // 64}, kv_heads "
+        f"{args.hidden // 256}, ffn {args.ffn}, total sequence {args.seq}, ring zigzag"
+    )
+    print(
+        "| dtype | checkpointing | CP | MiB per rank (max over ranks) | / CP 1 | goal 1.15/N | "
+        "planner MiB | planner / measured |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for dtype in ("fp32", "bf16"):
         for mode in ("none", "selective", "full"):
-            base = max(r["measured_bytes"] for r in rows
-                       if (r["dtype"], r["checkpointing"], r["cp"]) == (dtype, mode, 1))
+            base = max(
+                r["measured_bytes"]
+                for r in rows
+                if (r["dtype"], r["checkpointing"], r["cp"]) == (dtype, mode, 1)
+            )
             for cp in (1, 2, 4):
-                mine = [r for r in rows if (r["dtype"], r["checkpointing"], r["cp"])
-                        == (dtype, mode, cp)]
+                mine = [
+                    r
+                    for r in rows
+                    if (r["dtype"], r["checkpointing"], r["cp"]) == (dtype, mode, cp)
+                ]
                 measured = max(r["measured_bytes"] for r in mine)
                 predicted = max(r["predicted_bytes"] for r in mine)
-                print(f"| {dtype} | {mode} | {cp} | {measured / 2**20:.2f} | "
-                      f"{measured / base:.3f} | {1.15 / cp:.3f} | {predicted / 2**20:.2f} | "
-                      f"{predicted / measured:.3f} |")
+                print(
+                    f"| {dtype} | {mode} | {cp} | {measured / 2**20:.2f} | "
+                    f"{measured / base:.3f} | {1.15 / cp:.3f} | {predicted / 2**20:.2f} | "
+                    f"{predicted / measured:.3f} |"
+                )
 
 
 if __name__ == "__main__":

@@ -57,13 +57,20 @@ def main() -> None:
             for threads in (1, cores):
                 torch.set_num_threads(threads)
                 rates[threads] = 12.0 * head_dim * entries / _best_seconds(call, args.repeats)
-            row = {"seq": seq, "causal": causal,
-                   "gflops_one_thread": rates[1] / 1e9, "gflops_all_cores": rates[cores] / 1e9,
-                   "scaling": rates[cores] / rates[1]}
+            row = {
+                "seq": seq,
+                "causal": causal,
+                "gflops_one_thread": rates[1] / 1e9,
+                "gflops_all_cores": rates[cores] / 1e9,
+                "scaling": rates[cores] / rates[1],
+            }
             rows.append(row)
-            print(f"{seq:6d} {'causal' if causal else 'full  '}  1 thread {rates[1] / 1e9:6.1f}"
-                  f"  {cores} threads {rates[cores] / 1e9:6.1f} GFLOP/s  scaling "
-                  f"{row['scaling']:.2f}", flush=True)
+            print(
+                f"{seq:6d} {'causal' if causal else 'full  '}  1 thread {rates[1] / 1e9:6.1f}"
+                f"  {cores} threads {rates[cores] / 1e9:6.1f} GFLOP/s  scaling "
+                f"{row['scaling']:.2f}",
+                flush=True,
+            )
     print(f"load average after: {os.getloadavg()}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "cores": cores}, indent=1))

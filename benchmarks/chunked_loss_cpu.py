@@ -29,24 +29,27 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) ->
     return F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
 
 
-def recomputed(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-               divisor: float) -> torch.Tensor:
+def recomputed(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, divisor: float
+) -> torch.Tensor:
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], LOSS_CHUNK_TOKENS):
         rows = slice(start, start + LOSS_CHUNK_TOKENS)
-        total = total + checkpoint(_chunk, hidden[rows], weight, targets[rows],
-                                   use_reentrant=False)
+        total = total + checkpoint(_chunk, hidden[rows], weight, targets[rows], use_reentrant=False)
     return total / divisor
 
 
-def chunked(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-            divisor: float) -> torch.Tensor:
-    return chunked_cross_entropy(hidden, weight, targets, divisor=divisor,
-                                 chunk_tokens=LOSS_CHUNK_TOKENS)
+def chunked(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, divisor: float
+) -> torch.Tensor:
+    return chunked_cross_entropy(
+        hidden, weight, targets, divisor=divisor, chunk_tokens=LOSS_CHUNK_TOKENS
+    )
 
 
-def measure(fn, tokens: int, hidden_size: int, vocab: int, autocast: bool,
-            repeats: int) -> dict[str, float]:
+def measure(
+    fn, tokens: int, hidden_size: int, vocab: int, autocast: bool, repeats: int
+) -> dict[str, float]:
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(tokens, hidden_size, generator=generator).requires_grad_()
     weight = (torch.randn(vocab, hidden_size, generator=generator) * 0.02).requires_grad_()
@@ -84,10 +87,12 @@ def main() -> None:
     for autocast in [name == "bf16" for name in args.dtypes.split(",")]:
         for name, fn in (("recomputed", recomputed), ("chunked", chunked)):
             figures = measure(fn, args.tokens, args.hidden, args.vocab, autocast, args.repeats)
-            rows.append({"loss": name, "dtype": "bf16 autocast" if autocast else "fp32",
-                         **figures})
-            print(f"{rows[-1]['dtype']:<14} {name:<11} peak {figures['peak_bytes']:>13,} B  "
-                  f"best {figures['best_seconds'] * 1e3:8.1f} ms", flush=True)
+            rows.append({"loss": name, "dtype": "bf16 autocast" if autocast else "fp32", **figures})
+            print(
+                f"{rows[-1]['dtype']:<14} {name:<11} peak {figures['peak_bytes']:>13,} B  "
+                f"best {figures['best_seconds'] * 1e3:8.1f} ms",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"args": vars(args), "rows": rows}, out, indent=2)

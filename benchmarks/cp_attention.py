@@ -70,6 +70,7 @@ def _ours_ring(shards, layout, backward=True):
         out = ring_attention(q, k, v, None, causal=True, sharding=layout)
         if backward:
             out.backward(shards[3])
+
     return step
 
 
@@ -88,14 +89,30 @@ def _torch_ring(shards, load_balance):
     def step():
         _cp_options.enable_load_balance = load_balance
         out, lse = _templated_ring_attention(
-            dist.group.WORLD, 2, aten._scaled_dot_product_flash_attention_for_cpu,
-            q, k, v, is_causal=True, dropout_p=0.0,
+            dist.group.WORLD,
+            2,
+            aten._scaled_dot_product_flash_attention_for_cpu,
+            q,
+            k,
+            v,
+            is_causal=True,
+            dropout_p=0.0,
         )[:2]
         _templated_ring_attention_backward(
-            dist.group.WORLD, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-            grad_out=grad, grad_out_name="grad_out", query=q, key=k, value=v, out=out,
-            logsumexp=lse, is_causal=True, dropout_p=0.0,
+            dist.group.WORLD,
+            2,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            grad_out=grad,
+            grad_out_name="grad_out",
+            query=q,
+            key=k,
+            value=v,
+            out=out,
+            logsumexp=lse,
+            is_causal=True,
+            dropout_p=0.0,
         )
+
     return step
 
 
@@ -103,6 +120,7 @@ def _ours_ulysses(shards):
     def step():
         q, k, v = (t.detach().requires_grad_() for t in shards[:3])
         ulysses_attention(q, k, v, None, causal=True, sharding="contiguous").backward(shards[3])
+
     return step
 
 
@@ -122,6 +140,7 @@ def _deepspeed_ulysses(shards):
     def step():
         ins = [t.detach().requires_grad_() for t in (q, k, v)]
         attention(*ins, 0).backward(grad)
+
     return step
 
 
@@ -139,10 +158,13 @@ class _KernelClock:
             result = fn(*args)
             self.seconds += time.thread_time() - start
             return result
+
         return timed
 
     def __enter__(self):
-        cp_kernels.attention_forward, cp_kernels.attention_backward = map(self._wrap, self._originals)
+        cp_kernels.attention_forward, cp_kernels.attention_backward = map(
+            self._wrap, self._originals
+        )
         return self
 
     def __exit__(self, *exc):
@@ -151,7 +173,9 @@ class _KernelClock:
 
 def _worker(rank, world_size, init_file, args, results):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     import deepspeed
 
@@ -163,7 +187,9 @@ def _worker(rank, world_size, init_file, args, results):
             key = (world_size, seq_len, dtype_name)
             zz = _inputs(seq_len, args.heads, args.head_dim, dtype, "zigzag")
             ct = _inputs(seq_len, args.heads, args.head_dim, dtype, "contiguous")
-            ct_seq_first = _inputs(seq_len, args.heads, args.head_dim, dtype, "contiguous", seq_first=True)
+            ct_seq_first = _inputs(
+                seq_len, args.heads, args.head_dim, dtype, "contiguous", seq_first=True
+            )
             timings = _timed(
                 {
                     "ring zigzag (ours)": _ours_ring(zz, "zigzag"),
@@ -201,6 +227,7 @@ def _overlap(shards, reps, world_size):
         def step():
             with simulated_link_delay(seconds):
                 ring()
+
         return step
 
     steps = {"none": ring} | {factor: delayed(factor * forward_step) for factor in OVERLAP_FACTORS}
@@ -232,7 +259,9 @@ def _step_time(per_rank, key, name):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seq", type=int, nargs="+", default=[8192, 16384])
     parser.add_argument("--cp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
@@ -243,9 +272,13 @@ def main():
     args = parser.parse_args()
 
     results = {n: _run(n, args) for n in args.cp}
-    print(f"B=1 H={args.heads} D={args.head_dim}, causal, fwd+bwd seconds (median of {args.reps}, slowest rank)\n")
-    print("| CP | S | dtype | ring zigzag ours | torch head-tail | ratio | ring contig ours | torch contig | ratio "
-          "| ulysses ours | deepspeed | ratio |")
+    print(
+        f"B=1 H={args.heads} D={args.head_dim}, causal, fwd+bwd seconds (median of {args.reps}, slowest rank)\n"
+    )
+    print(
+        "| CP | S | dtype | ring zigzag ours | torch head-tail | ratio | ring contig ours | torch contig | ratio "
+        "| ulysses ours | deepspeed | ratio |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n, per_rank in results.items():
         for seq_len in args.seq:
@@ -257,7 +290,9 @@ def main():
                     ("ring contiguous (ours)", "ring contiguous (torch)"),
                     ("ulysses (ours)", "ulysses (deepspeed)"),
                 ]
-                cells = " | ".join(f"{t[a]:.3f} | {t[b]:.3f} | {t[a] / t[b]:.2f}x" for a, b in pairs)
+                cells = " | ".join(
+                    f"{t[a]:.3f} | {t[b]:.3f} | {t[a] / t[b]:.2f}x" for a, b in pairs
+                )
                 print(f"| {n} | {seq_len} | {dtype_name} | {cells} |")
 
     print("\nLoad balance: kernel CPU seconds per rank (fwd+bwd, fp32), slowest/fastest\n")
@@ -270,9 +305,13 @@ def main():
                 times = ", ".join(f"{s:.2f}" for s in secs)
                 print(f"| {n} | {seq_len} | {layout} | {times} | {max(secs) / min(secs):.3f} |")
 
-    print(f"\nOverlap: ring zigzag fwd+bwd, fp32, S={min(args.seq)}, every transfer delayed by d = factor x "
-          "(forward time / N); total delay = (2N-1) d, the transfer chain of one fwd+bwd\n")
-    print("| CP | factor | d s | compute s | total delay s | max s | sum s | measured s | measured/max |")
+    print(
+        f"\nOverlap: ring zigzag fwd+bwd, fp32, S={min(args.seq)}, every transfer delayed by d = factor x "
+        "(forward time / N); total delay = (2N-1) d, the transfer chain of one fwd+bwd\n"
+    )
+    print(
+        "| CP | factor | d s | compute s | total delay s | max s | sum s | measured s | measured/max |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for n, per_rank in results.items():
         key = ("overlap", n, min(args.seq), "fp32")
@@ -282,8 +321,10 @@ def main():
             measured = max(r[key][1][i][1] for r in per_rank)
             total = (2 * n - 1) * delay
             bound = max(compute, total)
-            print(f"| {n} | {factor} | {delay:.3f} | {compute:.3f} | {total:.3f} | {bound:.3f} | "
-                  f"{compute + total:.3f} | {measured:.3f} | {measured / bound:.2f} |")
+            print(
+                f"| {n} | {factor} | {delay:.3f} | {compute:.3f} | {total:.3f} | {bound:.3f} | "
+                f"{compute + total:.3f} | {measured:.3f} | {measured / bound:.2f} |"
+            )
 
 
 if __name__ == "__main__":

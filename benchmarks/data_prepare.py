@@ -32,13 +32,17 @@ TOKENIZERS = {
 
 def corpus(path: Path, megabytes: float) -> list[str]:
     """Write the JSON-lines corpus to `path`; returns its documents."""
-    paragraphs = [p for f in sorted(ROOT.glob("*.md")) + sorted((ROOT / "docs").glob("*.md"))
-                  for p in f.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    paragraphs = [
+        p
+        for f in sorted(ROOT.glob("*.md")) + sorted((ROOT / "docs").glob("*.md"))
+        for p in f.read_text(encoding="utf-8").split("\n\n")
+        if p.strip()
+    ]
     documents: list[str] = []
     size = 0
     while size < megabytes * 1e6:
         for start in range(0, len(paragraphs), 8):
-            documents.append("\n\n".join(paragraphs[start: start + 8]))
+            documents.append("\n\n".join(paragraphs[start : start + 8]))
             size += len(documents[-1].encode())
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
     return documents
@@ -62,18 +66,32 @@ def main() -> None:
             started = time.perf_counter()
             raw_tokens = sum(len(tokenizer.encode(d)) for d in documents)
             raw_s = time.perf_counter() - started
-            rows.append({"tokenizer": name, "method": "library encode, 1 process",
-                         "tokens": raw_tokens, "seconds": raw_s})
+            rows.append(
+                {
+                    "tokenizer": name,
+                    "method": "library encode, 1 process",
+                    "tokens": raw_tokens,
+                    "seconds": raw_s,
+                }
+            )
             for workers in sorted({1, args.workers}):
                 result = prepare([jsonl], path, Path(tmp) / f"out{workers}", workers=workers)
-                rows.append({"tokenizer": name, "method": f"data prepare --workers {workers}",
-                             "tokens": result.tokens, "seconds": result.seconds})
+                rows.append(
+                    {
+                        "tokenizer": name,
+                        "method": f"data prepare --workers {workers}",
+                        "tokens": result.tokens,
+                        "seconds": result.seconds,
+                    }
+                )
     for row in rows:
         row["tokens_per_s"] = row["tokens"] / row["seconds"]
         row["mb_per_s"] = megabytes / row["seconds"]
-        print(f"{row['tokenizer']:28} {row['method']:28} {row['tokens']:>10} tokens "
-              f"{row['seconds']:7.2f} s {row['tokens_per_s']:>12,.0f} tokens/s "
-              f"{row['mb_per_s']:6.2f} MB/s")
+        print(
+            f"{row['tokenizer']:28} {row['method']:28} {row['tokens']:>10} tokens "
+            f"{row['seconds']:7.2f} s {row['tokens_per_s']:>12,.0f} tokens/s "
+            f"{row['mb_per_s']:6.2f} MB/s"
+        )
     print(json.dumps(rows))
 
 

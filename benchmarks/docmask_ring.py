@@ -35,22 +35,30 @@ def _step(shards, layout, documents):
     def step():
         q, k, v = (t.detach().requires_grad_() for t in shards[:3])
         ring_attention(q, k, v, None, sharding=layout, documents=documents).backward(shards[3])
+
     return step
 
 
 def _worker(rank, world_size, init_file, args, results):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
     out = {}
     for seq_len in args.seq:
         documents = [documents_for(seq_len, args.documents)]
         g = torch.Generator().manual_seed(0)
         full = [torch.randn(1, args.heads, seq_len, args.head_dim, generator=g) for _ in range(4)]
-        shards = {layout: [shard_sequence(t, None, 2, layout) for t in full]
-                  for layout in ("zigzag", "contiguous")}
+        shards = {
+            layout: [shard_sequence(t, None, 2, layout) for t in full]
+            for layout in ("zigzag", "contiguous")
+        }
 
-        variants = {(layout, masked): _step(shards[layout], layout, documents if masked else None)
-                    for layout in ("zigzag", "contiguous") for masked in (False, True)}
+        variants = {
+            (layout, masked): _step(shards[layout], layout, documents if masked else None)
+            for layout in ("zigzag", "contiguous")
+            for masked in (False, True)
+        }
         times = {name: [] for name in variants}
         for _ in range(args.reps + 1):
             for name, fn in variants.items():
@@ -79,17 +87,24 @@ def main() -> None:
     fd, init_file = tempfile.mkstemp(prefix="docmask_bench_")
     os.close(fd)
     os.unlink(init_file)
-    procs = [ctx.Process(target=_worker, args=(r, args.cp, init_file, args, results)) for r in range(args.cp)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, args.cp, init_file, args, results))
+        for r in range(args.cp)
+    ]
     for p in procs:
         p.start()
     per_rank = dict(results.get() for _ in procs)
     for p in procs:
         p.join()
 
-    print(f"B=1 H={args.heads} D={args.head_dim} fp32, CP {args.cp}, {args.documents} documents "
-          f"per sequence, ring fwd+bwd seconds (median of {args.reps}, slowest rank)\n")
-    print("| S | document lengths | layout | unmasked s | masked s | speed-up | computed area "
-          "| busiest rank's area | blocks skipped | kernel calls (fwd, all ranks) |")
+    print(
+        f"B=1 H={args.heads} D={args.head_dim} fp32, CP {args.cp}, {args.documents} documents "
+        f"per sequence, ring fwd+bwd seconds (median of {args.reps}, slowest rank)\n"
+    )
+    print(
+        "| S | document lengths | layout | unmasked s | masked s | speed-up | computed area "
+        "| busiest rank's area | blocks skipped | kernel calls (fwd, all ranks) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for seq_len in args.seq:
         bounds = documents_for(seq_len, args.documents)
@@ -98,9 +113,11 @@ def main() -> None:
             plain = max(per_rank[r][seq_len][(layout, False)] for r in per_rank)
             masked = max(per_rank[r][seq_len][(layout, True)] for r in per_rank)
             area = attention_area([bounds], seq_len, args.cp, layout)
-            print(f"| {seq_len} | {lengths} | {layout} | {plain:.3f} | {masked:.3f} | "
-                  f"{plain / masked:.2f}x | {area.computed_fraction:.1%} | {area.critical_fraction:.1%} "
-                  f"| {area.blocks_skipped} of {area.blocks_skipped + area.blocks_computed} | {area.pieces} |")
+            print(
+                f"| {seq_len} | {lengths} | {layout} | {plain:.3f} | {masked:.3f} | "
+                f"{plain / masked:.2f}x | {area.computed_fraction:.1%} | {area.critical_fraction:.1%} "
+                f"| {area.blocks_skipped} of {area.blocks_skipped + area.blocks_computed} | {area.pieces} |"
+            )
 
 
 if __name__ == "__main__":

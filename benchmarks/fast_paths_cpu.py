@@ -28,20 +28,41 @@ from ctxlaunch.runtime.trainer.parallelize import build_context  # noqa: E402
 
 
 def measure(preset: str, seq_len: int, steps: int, compile_: bool, fused: bool) -> dict:
-    spec = validate_spec({
-        "name": "fast-paths", "model": {"preset": preset, "dtype": "fp32"},
-        "training": {"seq_len": seq_len, "global_batch": 1, "steps": steps,
-                     "compile": compile_, "fused_optimizer": fused},
-        "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1}})
-    ctx = build_context(rank=0, world_size=1, dp=1, cp=1, ulysses=1,
-                        cp_sharding=spec.parallel.cp_sharding, tp=1, pp=1)
+    spec = validate_spec(
+        {
+            "name": "fast-paths",
+            "model": {"preset": preset, "dtype": "fp32"},
+            "training": {
+                "seq_len": seq_len,
+                "global_batch": 1,
+                "steps": steps,
+                "compile": compile_,
+                "fused_optimizer": fused,
+            },
+            "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1},
+        }
+    )
+    ctx = build_context(
+        rank=0,
+        world_size=1,
+        dp=1,
+        cp=1,
+        ulysses=1,
+        cp_sharding=spec.parallel.cp_sharding,
+        tp=1,
+        pp=1,
+    )
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     try:
         seconds = [trainer.train_step().step_seconds for _ in range(steps)]
     finally:
         model_module.set_compiled(False)
-    return {"compile": compile_, "fused_optimizer": fused, "first_step_seconds": seconds[0],
-            "best_step_seconds": min(seconds[2:] or seconds)}
+    return {
+        "compile": compile_,
+        "fused_optimizer": fused,
+        "first_step_seconds": seconds[0],
+        "best_step_seconds": min(seconds[2:] or seconds),
+    }
 
 
 def main() -> None:
@@ -51,13 +72,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
-    rows = [measure(args.preset, args.seq_len, args.steps, c, f)
-            for c in (False, True) for f in (False, True)]
+    rows = [
+        measure(args.preset, args.seq_len, args.steps, c, f)
+        for c in (False, True)
+        for f in (False, True)
+    ]
     for row in rows:
-        print(f"compile {'on ' if row['compile'] else 'off'}  AdamW "
-              f"{'fused  ' if row['fused_optimizer'] else 'foreach'}  best step "
-              f"{row['best_step_seconds'] * 1e3:8.1f} ms  first step "
-              f"{row['first_step_seconds']:6.1f} s")
+        print(
+            f"compile {'on ' if row['compile'] else 'off'}  AdamW "
+            f"{'fused  ' if row['fused_optimizer'] else 'foreach'}  best step "
+            f"{row['best_step_seconds'] * 1e3:8.1f} ms  first step "
+            f"{row['first_step_seconds']:6.1f} s"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -47,8 +47,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "gpu_steptime-2026-12-04
 def errors(rows: list[PublishedRun], eta_bf16: float, eta_fp8: float) -> list[float]:
     out = []
     for row in rows:
-        machine = machine_for(row, eta_matmul={"bf16": eta_bf16, "fp8": eta_fp8,
-                                               "fp32": eta_bf16})
+        machine = machine_for(row, eta_matmul={"bf16": eta_bf16, "fp8": eta_fp8, "fp32": eta_bf16})
         found = best_fitting(row, machine)
         assert found is not None, row.name
         predicted = found[1].model_flops_per_second_per_gpu[row.convention] / 1e12
@@ -58,14 +57,17 @@ def errors(rows: list[PublishedRun], eta_bf16: float, eta_fp8: float) -> list[fl
 
 def summary(errs: list[float]) -> str:
     magnitudes = [abs(e) for e in errs]
-    return (f"median |error| {statistics.median(magnitudes):.1%}, worst {max(magnitudes):.1%}, "
-            f"{sum(m <= 0.15 for m in magnitudes)} of {len(errs)} within 15 %")
+    return (
+        f"median |error| {statistics.median(magnitudes):.1%}, worst {max(magnitudes):.1%}, "
+        f"{sum(m <= 0.15 for m in magnitudes)} of {len(errs)} within 15 %"
+    )
 
 
 def megatron() -> None:
     best: tuple[float, tuple[float, float]] | None = None
-    for point in itertools.product([x / 100 for x in range(66, 93, 2)],
-                                   [x / 100 for x in range(36, 63, 2)]):
+    for point in itertools.product(
+        [x / 100 for x in range(66, 93, 2)], [x / 100 for x in range(36, 63, 2)]
+    ):
         worst = max(abs(x) for x in errors(FIT_ROWS, *point))
         # Ties go to the smaller efficiencies (the more conservative prediction).
         if best is None or worst < best[0] - 1e-4:
@@ -92,13 +94,17 @@ def bundled() -> None:
     gpu = GPUS["H200"]
     print(f"calibration ({c['device_name']}, {c['measured_at']}, {data['torch']}):")
     print(f"  BUNDLED_ETA_MATMUL_BF16 = {c['eta_matmul']:.3f}")
-    print(f"  BUNDLED_ATTENTION_FRACTION = {c['attention_fraction']:.3f} "
-          f"({c['attention_fraction'] * gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s, "
-          f"{c['attention_kernel']}), BUNDLED_ATTENTION_RAMP_TOKENS = "
-          f"{c['attention_ramp_tokens']:.0f}")
-    print(f"  BUNDLED_ELEMENTWISE_FRACTION = {c['elementwise_fraction_of_hbm']:.3f}, "
-          f"BUNDLED_LOSS_FRACTION = {c['loss_fraction_of_hbm']:.3f}, "
-          f"BUNDLED_MICROBATCH_OVERHEAD_SECONDS = {c['microbatch_overhead_seconds']:.4f}")
+    print(
+        f"  BUNDLED_ATTENTION_FRACTION = {c['attention_fraction']:.3f} "
+        f"({c['attention_fraction'] * gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s, "
+        f"{c['attention_kernel']}), BUNDLED_ATTENTION_RAMP_TOKENS = "
+        f"{c['attention_ramp_tokens']:.0f}"
+    )
+    print(
+        f"  BUNDLED_ELEMENTWISE_FRACTION = {c['elementwise_fraction_of_hbm']:.3f}, "
+        f"BUNDLED_LOSS_FRACTION = {c['loss_fraction_of_hbm']:.3f}, "
+        f"BUNDLED_MICROBATCH_OVERHEAD_SECONDS = {c['microbatch_overhead_seconds']:.4f}"
+    )
     print(f"  its own held-out trainer step: {c['expected_error']:.1%} off")
     model = ModelSpec.model_validate({"preset": "llama3.2-1b"})
     machine = Machine.from_gpu(gpu, network="infiniband-ndr", gpus_per_node=1)
@@ -106,19 +112,31 @@ def bundled() -> None:
     print("held-out trainer layouts, the committed profile:")
     for point in data["points"]:
         measured = statistics.median(point["measured_steps"])
-        st = predict(model, Layout(seq_len=point["seq_len"], micro_batch=point["micro_batch"],
-                                   activation_checkpointing=point["checkpointing"]), machine)
+        st = predict(
+            model,
+            Layout(
+                seq_len=point["seq_len"],
+                micro_batch=point["micro_batch"],
+                activation_checkpointing=point["checkpointing"],
+            ),
+            machine,
+        )
         errs.append(st.step_seconds / measured - 1)
-        print(f"  {point['seq_len']:6d} {point['checkpointing']:9s} x{point['micro_batch']}: "
-              f"measured {measured:.3f} s, predicted {st.step_seconds:.3f} s ({errs[-1]:+.1%})")
+        print(
+            f"  {point['seq_len']:6d} {point['checkpointing']:9s} x{point['micro_batch']}: "
+            f"measured {measured:.3f} s, predicted {st.step_seconds:.3f} s ({errs[-1]:+.1%})"
+        )
     print(f"  {summary(errs)}")
     print(f"  within 10 %: {sum(abs(e) <= 0.10 for e in errs)} of {len(errs)}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bundled", action="store_true",
-                        help="the bundled trainer's H200 constants instead of Megatron's")
+    parser.add_argument(
+        "--bundled",
+        action="store_true",
+        help="the bundled trainer's H200 constants instead of Megatron's",
+    )
     if parser.parse_args().bundled:
         bundled()
     else:

@@ -35,19 +35,25 @@ def make_checkpoint(directory: Path, preset: str) -> None:
     m = MODEL_PRESETS[preset]
     h, f, v, heads, kv = m["hidden"], m["ffn_hidden"], m["vocab"], m["heads"], m["kv_heads"]
     d = h // heads
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h),
-                                          "model.norm.weight": (h,)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+    }
     if not m["tie_embeddings"]:
         shapes["lm_head.weight"] = (v, h)
     for i in range(m["layers"]):
         p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (heads * d, h),
-                   p + "self_attn.k_proj.weight": (kv * d, h),
-                   p + "self_attn.v_proj.weight": (kv * d, h),
-                   p + "self_attn.o_proj.weight": (h, heads * d),
-                   p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                   p + "mlp.down_proj.weight": (h, f)}
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (heads * d, h),
+            p + "self_attn.k_proj.weight": (kv * d, h),
+            p + "self_attn.v_proj.weight": (kv * d, h),
+            p + "self_attn.o_proj.weight": (h, heads * d),
+            p + "mlp.gate_proj.weight": (f, h),
+            p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f),
+        }
     directory.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(0)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -65,17 +71,42 @@ def make_checkpoint(directory: Path, preset: str) -> None:
         save_file(shard, str(directory / file), metadata={"format": "pt"})
         weight_map |= dict.fromkeys(shard, file)
         shard.clear()
-    (directory / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": sum(s.stat().st_size for s in directory.glob("*.safetensors"))},
-         "weight_map": weight_map}))
-    (directory / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
-        "intermediate_size": f, "num_hidden_layers": m["layers"], "num_attention_heads": heads,
-        "num_key_value_heads": kv, "vocab_size": v, "rms_norm_eps": m["norm_eps"],
-        "rope_theta": m["rope_theta"], "tie_word_embeddings": m["tie_embeddings"],
-        "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
-        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}))
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "metadata": {
+                    "total_size": sum(s.stat().st_size for s in directory.glob("*.safetensors"))
+                },
+                "weight_map": weight_map,
+            }
+        )
+    )
+    (directory / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": h,
+                "intermediate_size": f,
+                "num_hidden_layers": m["layers"],
+                "num_attention_heads": heads,
+                "num_key_value_heads": kv,
+                "vocab_size": v,
+                "rms_norm_eps": m["norm_eps"],
+                "rope_theta": m["rope_theta"],
+                "tie_word_embeddings": m["tie_embeddings"],
+                "max_position_embeddings": 131072,
+                "torch_dtype": "bfloat16",
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 32.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                },
+            }
+        )
+    )
 
 
 def peak_rss_bytes() -> int:
@@ -103,23 +134,39 @@ def _worker(rank, world, init_file, spec_data, results):  # type: ignore[no-unty
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
+        )
     spec = validate_spec(spec_data)
     p = spec.parallel
-    ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                        ulysses=spec.ulysses_degree, cp_sharding=p.cp_sharding, tp=p.tp, pp=p.pp)
+    ctx = build_context(
+        rank=rank,
+        world_size=world,
+        dp=spec.dp,
+        cp=p.cp,
+        ulysses=spec.ulysses_degree,
+        cp_sharding=p.cp_sharding,
+        tp=p.tp,
+        pp=p.pp,
+    )
     with torch.device("meta"):
         model = Transformer.from_spec(spec.model)
     before = peak_rss_bytes()
     start = time.perf_counter()
-    parts = parallelize(model, ctx=ctx, settings=ParallelSettings.from_spec(spec),
-                        device=torch.device("cpu"))
+    parts = parallelize(
+        model, ctx=ctx, settings=ParallelSettings.from_spec(spec), device=torch.device("cpu")
+    )
     seconds = time.perf_counter() - start
     held = sum(getattr(q, "_local_tensor", q).numel() for _, q in parts.named_parameters())
-    results.put({"rank": rank, "seconds": seconds, "params_held": held,
-                 "peak_rss_bytes": peak_rss_bytes(),
-                 "rss_before_bytes": before})
+    results.put(
+        {
+            "rank": rank,
+            "seconds": seconds,
+            "params_held": held,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "rss_before_bytes": before,
+        }
+    )
     if world > 1:
         dist.destroy_process_group()
 
@@ -132,8 +179,10 @@ def run(world: int, spec_data: dict) -> list[dict]:
     fd, init_file = tempfile.mkstemp(prefix="hf_import_")
     os.close(fd)
     os.unlink(init_file)
-    procs = [ctx.Process(target=_worker, args=(r, world, init_file, spec_data, results))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, init_file, spec_data, results))
+        for r in range(world)
+    ]
     for proc in procs:
         proc.start()
     out = [results.get(timeout=1800) for _ in procs]
@@ -156,17 +205,25 @@ def main() -> None:
         print(json.dumps({"made": str(args.dir), "seconds": time.perf_counter() - start}))
     for world in args.ranks:
         for source in args.sources:
-            model = ({"init_from": str(args.dir)} if source == "hf"
-                     else {"preset": args.preset})
+            model = {"init_from": str(args.dir)} if source == "hf" else {"preset": args.preset}
             parallel = {"tp": world} if args.layout == "tp" else {}
-            training = ({"seq_len": 4096, "zero_stage": 3, "engine": "fsdp2"}
-                        if args.layout == "fsdp" else {"seq_len": 4096})
-            spec = {"name": "hf-import", "model": {**model, "dtype": "fp32"},
-                    "training": training, "parallel": parallel,
-                    "cluster": {"gpu": "cpu", "gpus_per_node": world}}
+            training = (
+                {"seq_len": 4096, "zero_stage": 3, "engine": "fsdp2"}
+                if args.layout == "fsdp"
+                else {"seq_len": 4096}
+            )
+            spec = {
+                "name": "hf-import",
+                "model": {**model, "dtype": "fp32"},
+                "training": training,
+                "parallel": parallel,
+                "cluster": {"gpu": "cpu", "gpus_per_node": world},
+            }
             for row in run(world, spec):
-                print(json.dumps({"ranks": world, "layout": args.layout, "source": source,
-                                  **row}), flush=True)
+                print(
+                    json.dumps({"ranks": world, "layout": args.layout, "source": source, **row}),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,14 @@ KUBECONFIG = SERVICES / "kubernetes" / "admin.kubeconfig"
 SETS = ["cluster.target=kubernetes", "cluster.kubernetes.image=example/ctxlaunch:1"]
 
 
-def measure(command: list[str], env: dict[str, str], conn, namespace: str, name: str,
-            kind: str = "PyTorchJob") -> dict[str, float]:
+def measure(
+    command: list[str],
+    env: dict[str, str],
+    conn,
+    namespace: str,
+    name: str,
+    kind: str = "PyTorchJob",
+) -> dict[str, float]:
     """Seconds from starting `command` until the job exists, and until it returns."""
     from ctxlaunch.launch.backends.kubernetes import job_path
 
@@ -68,9 +74,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--api", choices=["pytorchjob", "trainjob"], default="pytorchjob")
-    parser.add_argument("--no-bytecode", action="store_true",
-                        help="keep PYTHONDONTWRITEBYTECODE as the environment has it (the "
-                             "project's modules then compile from source at every command)")
+    parser.add_argument(
+        "--no-bytecode",
+        action="store_true",
+        help="keep PYTHONDONTWRITEBYTECODE as the environment has it (the "
+        "project's modules then compile from source at every command)",
+    )
     args = parser.parse_args()
     from ctxlaunch.launch.backends.kubernetes import JOB_APIS, Connection
 
@@ -78,52 +87,85 @@ def main() -> None:
 
     conn = Connection.open(kubeconfig=str(KUBECONFIG))
     kubectl = [str(BIN / "kubectl"), "--kubeconfig", str(KUBECONFIG)]
-    results: dict[str, list[dict[str, float]]] = {"ctxlaunch submit": [],
-                                                  "kubectl apply -f": []}
+    results: dict[str, list[dict[str, float]]] = {"ctxlaunch submit": [], "kubectl apply -f": []}
     namespaces = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        env = {**os.environ, "CTXLAUNCH_HOME": str(work / "home"),
-               "KUBECONFIG": str(KUBECONFIG)}
+        env = {**os.environ, "CTXLAUNCH_HOME": str(work / "home"), "KUBECONFIG": str(KUBECONFIG)}
         if not args.no_bytecode:
             # As an installed package runs: pip writes the bytecode at install time. (This
             # machine's environment sets PYTHONDONTWRITEBYTECODE, so the project's own modules,
             # installed editable, would otherwise be compiled from source at every command.)
             env.pop("PYTHONDONTWRITEBYTECODE", None)
             env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
-            subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "ctxlaunch")],
-                           check=True, capture_output=True, env=env)
+            subprocess.run(
+                [sys.executable, "-m", "compileall", "-q", str(ROOT / "ctxlaunch")],
+                check=True,
+                capture_output=True,
+                env=env,
+            )
         for rep in range(args.reps):
             for how in results:
                 namespace = f"bench-{uuid.uuid4().hex[:8]}"
-                subprocess.run(kubectl + ["create", "namespace", namespace], check=True,
-                               capture_output=True)
+                subprocess.run(
+                    kubectl + ["create", "namespace", namespace], check=True, capture_output=True
+                )
                 namespaces.append(namespace)
                 name = f"bench-{rep}"
-                sets = SETS + [f"cluster.kubernetes.namespace={namespace}", f"name={name}",
-                               f"cluster.kubernetes.api={args.api}"]
+                sets = SETS + [
+                    f"cluster.kubernetes.namespace={namespace}",
+                    f"name={name}",
+                    f"cluster.kubernetes.api={args.api}",
+                ]
                 flags = [arg for item in sets for arg in ("--set", item)]
                 if how == "ctxlaunch submit":
-                    command = [str(BIN / "ctxlaunch"), "submit", str(ROOT / "jobs/demo.yaml"),
-                               *flags]
+                    command = [
+                        str(BIN / "ctxlaunch"),
+                        "submit",
+                        str(ROOT / "jobs/demo.yaml"),
+                        *flags,
+                    ]
                 else:
                     out = work / f"{namespace}"
-                    subprocess.run([str(BIN / "ctxlaunch"), "render", str(ROOT / "jobs/demo.yaml"),
-                                    "-t", "kubernetes", "-o", str(out), *flags], check=True,
-                                   capture_output=True, env=env)
+                    subprocess.run(
+                        [
+                            str(BIN / "ctxlaunch"),
+                            "render",
+                            str(ROOT / "jobs/demo.yaml"),
+                            "-t",
+                            "kubernetes",
+                            "-o",
+                            str(out),
+                            *flags,
+                        ],
+                        check=True,
+                        capture_output=True,
+                        env=env,
+                    )
                     command = kubectl + ["apply", "-f", str(out)]
                     if args.api == "trainjob":
                         command.insert(-2, "--server-side")
                 results[how].append(measure(command, env, conn, namespace, name, kind))
     for namespace in namespaces:  # the objects go with it where a controller manager runs
-        subprocess.run(kubectl + ["delete", f"{JOB_APIS[args.api].resource},configmaps"
-                                  + (",trainingruntimes" if args.api == "trainjob" else ""),
-                                  "--all", "-n", namespace],
-                       capture_output=True)
-        subprocess.run(kubectl + ["delete", "namespace", namespace, "--wait=false"],
-                       capture_output=True)
-    print(f"median of {args.reps} (all runs: seconds), from starting the command; demo spec "
-          f"rendered for Kubernetes as a {kind}, same API server")
+        subprocess.run(
+            kubectl
+            + [
+                "delete",
+                f"{JOB_APIS[args.api].resource},configmaps"
+                + (",trainingruntimes" if args.api == "trainjob" else ""),
+                "--all",
+                "-n",
+                namespace,
+            ],
+            capture_output=True,
+        )
+        subprocess.run(
+            kubectl + ["delete", "namespace", namespace, "--wait=false"], capture_output=True
+        )
+    print(
+        f"median of {args.reps} (all runs: seconds), from starting the command; demo spec "
+        f"rendered for Kubernetes as a {kind}, same API server"
+    )
     print(f"| | {kind} exists | command returns |")
     print("|---|---|---|")
     medians = {}
@@ -133,8 +175,10 @@ def main() -> None:
         every = ", ".join(f"{r['exists']:.2f}" for r in runs)
         print(f"| {how} | {m['exists']:.3f} ({every}) | {m['returns']:.3f} |")
     ours, plain = medians["ctxlaunch submit"], medians["kubectl apply -f"]
-    print(f"| ratio | {ours['exists'] / plain['exists']:.2f}x | "
-          f"{ours['returns'] / plain['returns']:.2f}x |")
+    print(
+        f"| ratio | {ours['exists'] / plain['exists']:.2f}x | "
+        f"{ours['returns'] / plain['returns']:.2f}x |"
+    )
 
 
 if __name__ == "__main__":

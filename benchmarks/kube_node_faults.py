@@ -52,9 +52,21 @@ POLL = 0.2
 
 def submit(home: Path, image: str, namespace: str, name: str, *sets: str) -> str:
     """The demo job as one pod (one rank), with `sets`."""
-    result = ctx(home, "submit", *submit_args(
-        image, namespace, name, "training.log_interval=1", "cluster.kubernetes.shm_size=256Mi",
-        "cluster.nodes=1", "cluster.gpus_per_node=1", "parallel.cp=1", *sets))
+    result = ctx(
+        home,
+        "submit",
+        *submit_args(
+            image,
+            namespace,
+            name,
+            "training.log_interval=1",
+            "cluster.kubernetes.shm_size=256Mi",
+            "cluster.nodes=1",
+            "cluster.gpus_per_node=1",
+            "parallel.cp=1",
+            *sets,
+        ),
+    )
     if result.returncode != 0:
         raise SystemExit(f"submit failed: {result.stdout}{result.stderr}")
     return result.stdout.strip()
@@ -81,23 +93,60 @@ def requeue(image: str, home: Path) -> dict[str, object]:
     host_dir = Path(tempfile.mkdtemp(prefix="kube-ckpt-"))
     out: dict[str, object] = {}
     try:
-        job = submit(home, image, namespace, "requeue", "training.seq_len=1024",
-                     "training.steps=30", "training.checkpoint.interval=1000",
-                     "training.checkpoint.dir=/checkpoints")
+        job = submit(
+            home,
+            image,
+            namespace,
+            "requeue",
+            "training.seq_len=1024",
+            "training.steps=30",
+            "training.checkpoint.interval=1000",
+            "training.checkpoint.dir=/checkpoints",
+        )
         with_checkpoint_volume(namespace, "requeue", host_dir)
         stand_in = PyTorchJobOperator(str(NODE_ADMIN), namespace, init_image=image).start()
         try:
-            first = wait_for(lambda: running_since(namespace, "requeue"), 300,
-                             "the first pod running", POLL)
-            follow = subprocess.Popen([KUBECTL, "--kubeconfig", str(NODE_ADMIN), "logs", "-f",
-                                       "requeue-master-0", "-n", namespace],
-                                      stdout=subprocess.PIPE, text=True)
-            wait_for(lambda: "step 2/" in log_lines(namespace, "requeue-master-0"), 300,
-                     "step 2 in the log", POLL)
+            first = wait_for(
+                lambda: running_since(namespace, "requeue"), 300, "the first pod running", POLL
+            )
+            follow = subprocess.Popen(
+                [
+                    KUBECTL,
+                    "--kubeconfig",
+                    str(NODE_ADMIN),
+                    "logs",
+                    "-f",
+                    "requeue-master-0",
+                    "-n",
+                    namespace,
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            wait_for(
+                lambda: "step 2/" in log_lines(namespace, "requeue-master-0"),
+                300,
+                "step 2 in the log",
+                POLL,
+            )
             cid = container(first)["containerID"].split("//", 1)[1]
             killed = time.monotonic()
-            subprocess.run(["ctr", "--address", str(CONTAINERD_SOCK), "-n", "k8s.io", "tasks",
-                            "kill", "-s", "SIGTERM", cid], check=True, timeout=30)
+            subprocess.run(
+                [
+                    "ctr",
+                    "--address",
+                    str(CONTAINERD_SOCK),
+                    "-n",
+                    "k8s.io",
+                    "tasks",
+                    "kill",
+                    "-s",
+                    "SIGTERM",
+                    cid,
+                ],
+                check=True,
+                timeout=30,
+            )
             first_log, _ = follow.communicate(timeout=300)
             exited = time.monotonic()
 
@@ -117,9 +166,12 @@ def requeue(image: str, home: Path) -> dict[str, object]:
             else:
                 raise AssertionError("no new pod within 300 s")
             recreated = time.monotonic()
-            second = wait_for(lambda: running_since(namespace, "requeue",
-                                                    first["metadata"]["uid"]),
-                              300, "the new pod running", POLL)
+            second = wait_for(
+                lambda: running_since(namespace, "requeue", first["metadata"]["uid"]),
+                300,
+                "the new pod running",
+                POLL,
+            )
             running = time.monotonic()
 
             def resumed_text() -> str | None:
@@ -128,33 +180,36 @@ def requeue(image: str, home: Path) -> dict[str, object]:
 
             resumed_log = wait_for(resumed_text, 300, "the resume", POLL)
             resumed = time.monotonic()
-            waited = ctx(home, "wait", job, "--timeout", "600", "--poll", str(POLL),
-                         timeout=620)
+            waited = ctx(home, "wait", job, "--timeout", "600", "--poll", str(POLL), timeout=620)
             done = time.monotonic()
         finally:
             stand_in.stop()
         # `ctxlaunch train` in a pod runs torchrun with --tee: each line is "[rank<r>]:..."
-        steps = [int(s) for s in re.findall(r"^(?:\[rank\d+\]:)?step (\d+)/", first_log,
-                                            re.M)]
+        steps = [int(s) for s in re.findall(r"^(?:\[rank\d+\]:)?step (\d+)/", first_log, re.M)]
         saved = re.search(r"checkpointed at step (\d+)", first_log)
         back = re.search(r"resumed from \S*step-0*(\d+)", resumed_log)
         status = json.loads(ctx(home, "status", job, "--json").stdout)
-        out.update({
-            "signal to the container's exit (checkpoint written)": f"{exited - killed:.1f} s",
-            "exit to the new pod": f"{recreated - exited:.1f} s",
-            "new pod to its container running": f"{running - recreated:.1f} s",
-            "running to `resumed from`": f"{resumed - running:.1f} s",
-            "resumed to Succeeded (`ctxlaunch wait` returning)": f"{done - resumed:.1f} s",
-            "first pod's end": (f"{first_exit.get('reason')}, exit {first_exit.get('exitCode')}"
-                                if first_exit else "deleted before it was read"),
-            "steps logged by the first pod": max(steps) if steps else None,
-            "checkpointed at step": int(saved.group(1)) if saved else None,
-            "resumed from step": int(back.group(1)) if back else None,
-            "steps lost": (max(steps) - int(back.group(1))) if steps and back else None,
-            "final state, restarts": f"{status['state']}, {status.get('restarts')}",
-            "wait exit code": waited.returncode,
-            "second pod": second["metadata"]["name"],
-        })
+        out.update(
+            {
+                "signal to the container's exit (checkpoint written)": f"{exited - killed:.1f} s",
+                "exit to the new pod": f"{recreated - exited:.1f} s",
+                "new pod to its container running": f"{running - recreated:.1f} s",
+                "running to `resumed from`": f"{resumed - running:.1f} s",
+                "resumed to Succeeded (`ctxlaunch wait` returning)": f"{done - resumed:.1f} s",
+                "first pod's end": (
+                    f"{first_exit.get('reason')}, exit {first_exit.get('exitCode')}"
+                    if first_exit
+                    else "deleted before it was read"
+                ),
+                "steps logged by the first pod": max(steps) if steps else None,
+                "checkpointed at step": int(saved.group(1)) if saved else None,
+                "resumed from step": int(back.group(1)) if back else None,
+                "steps lost": (max(steps) - int(back.group(1))) if steps and back else None,
+                "final state, restarts": f"{status['state']}, {status.get('restarts')}",
+                "wait exit code": waited.returncode,
+                "second pod": second["metadata"]["name"],
+            }
+        )
     finally:
         kubectl("delete", "namespace", namespace, "--wait=false", check=False)
     return out
@@ -165,8 +220,15 @@ def oom(image: str, home: Path) -> dict[str, object]:
     stand_in = PyTorchJobOperator(str(NODE_ADMIN), namespace, init_image=image).start()
     try:
         started = time.monotonic()
-        job = submit(home, image, namespace, "oom", "cluster.kubernetes.memory=700Mi",
-                     "training.seq_len=65536", "training.steps=4")
+        job = submit(
+            home,
+            image,
+            namespace,
+            "oom",
+            "cluster.kubernetes.memory=700Mi",
+            "training.seq_len=65536",
+            "training.steps=4",
+        )
         submitted = time.monotonic()
         pod = wait_for(lambda: running_since(namespace, "oom"), 300, "the pod running", POLL)
         running = time.monotonic()
@@ -191,8 +253,9 @@ def oom(image: str, home: Path) -> dict[str, object]:
     finally:
         stand_in.stop()
         kubectl("delete", "namespace", namespace, "--wait=false", check=False)
-    line = next((ln for ln in (shown.stdout + shown.stderr).splitlines()
-                 if "out of memory" in ln), "")
+    line = next(
+        (ln for ln in (shown.stdout + shown.stderr).splitlines() if "out of memory" in ln), ""
+    )
     return {
         "submit (ctxlaunch submit returning)": f"{submitted - started:.1f} s",
         "submitted to the container running": f"{running - submitted:.1f} s",
@@ -207,8 +270,9 @@ def oom(image: str, home: Path) -> dict[str, object]:
 
 def main() -> int:
     if not NODE_ADMIN.is_file():
-        print(f"no {NODE_ADMIN}: start the node with scripts/services/all.sh start",
-              file=sys.stderr)
+        print(
+            f"no {NODE_ADMIN}: start the node with scripts/services/all.sh start", file=sys.stderr
+        )
         return 2
     t0 = time.monotonic()
     image = project_image()

@@ -31,12 +31,21 @@ def _worker(rank, world, init_file, spec_data, steps, threads, results):  # type
     from ctxlaunch.runtime.trainer.parallelize import build_context
 
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
+        )
     spec = validate_spec(spec_data)
     p = spec.parallel
-    ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                        ulysses=spec.ulysses_degree, cp_sharding=p.cp_sharding, tp=p.tp, pp=p.pp)
+    ctx = build_context(
+        rank=rank,
+        world_size=world,
+        dp=spec.dp,
+        cp=p.cp,
+        ulysses=spec.ulysses_degree,
+        cp_sharding=p.cp_sharding,
+        tp=p.tp,
+        pp=p.pp,
+    )
     exposed: dict[str, float] = defaultdict(float)
     timing = {"on": False}
 
@@ -50,6 +59,7 @@ def _worker(rank, world, init_file, spec_data, steps, threads, results):  # type
                     group = kwargs.get("group")
                     name = "tp" if group is not None and group is ctx.tp_group else dim
                     exposed[name] += time.perf_counter() - start
+
         return run
 
     for name in ("all_gather_single", "reduce_scatter_single", "all_reduce"):
@@ -65,8 +75,15 @@ def _worker(rank, world, init_file, spec_data, steps, threads, results):  # type
         start = time.perf_counter()
         trainer.train_step()
         seconds.append(time.perf_counter() - start)
-    results.put((rank, {"step_seconds": sum(seconds) / len(seconds),
-                        "exposed_seconds_per_step": {k: v / steps for k, v in exposed.items()}}))
+    results.put(
+        (
+            rank,
+            {
+                "step_seconds": sum(seconds) / len(seconds),
+                "exposed_seconds_per_step": {k: v / steps for k, v in exposed.items()},
+            },
+        )
+    )
     if world > 1:
         dist.destroy_process_group()
 
@@ -79,8 +96,10 @@ def run(world: int, spec_data: dict, steps: int, threads: int) -> list[dict]:
     fd, init_file = tempfile.mkstemp(prefix="parallel_step_")
     os.close(fd)
     os.unlink(init_file)
-    procs = [ctx.Process(target=_worker, args=(r, world, init_file, spec_data, steps, threads,
-                                               results)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, init_file, spec_data, steps, threads, results))
+        for r in range(world)
+    ]
     for proc in procs:
         proc.start()
     out = dict(results.get(timeout=1800) for _ in range(world))
@@ -97,21 +116,47 @@ def main() -> None:
     args = parser.parse_args()
     from ctxlaunch.contract.loader import apply_overrides, validate_spec
 
-    base = {"name": "bench", "model": {"preset": args.preset, "dtype": "fp32"},
-            "training": {"seq_len": args.seq, "micro_batch": 1, "global_batch": 2,
-                         "steps": args.steps + 1, "optimizer": {"warmup_steps": 1}},
-            "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1}}
-    layouts = [("single, 1 thread", 1, [], 1), ("single, 2 threads", 1, [], 2),
-               ("TP 2", 2, ["parallel.tp=2"], 1), ("PP 2", 2, ["parallel.pp=2"], 1)]
+    base = {
+        "name": "bench",
+        "model": {"preset": args.preset, "dtype": "fp32"},
+        "training": {
+            "seq_len": args.seq,
+            "micro_batch": 1,
+            "global_batch": 2,
+            "steps": args.steps + 1,
+            "optimizer": {"warmup_steps": 1},
+        },
+        "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1},
+    }
+    layouts = [
+        ("single, 1 thread", 1, [], 1),
+        ("single, 2 threads", 1, [], 2),
+        ("TP 2", 2, ["parallel.tp=2"], 1),
+        ("PP 2", 2, ["parallel.pp=2"], 1),
+    ]
     for label, world, sets, threads in layouts:
         data = validate_spec(apply_overrides(base, [f"cluster.gpus_per_node={world}", *sets]))
         ranks = run(world, data.model_dump(mode="json"), args.steps, threads)
         step = max(r["step_seconds"] for r in ranks)
-        shares = {f"rank {i}": {dim: round(s / r["step_seconds"], 3)
-                                for dim, s in r["exposed_seconds_per_step"].items()}
-                  for i, r in enumerate(ranks)}
-        print(json.dumps({"layout": label, "seq_len": args.seq, "preset": args.preset,
-                          "step_seconds": round(step, 3), "exposed_share": shares}), flush=True)
+        shares = {
+            f"rank {i}": {
+                dim: round(s / r["step_seconds"], 3)
+                for dim, s in r["exposed_seconds_per_step"].items()
+            }
+            for i, r in enumerate(ranks)
+        }
+        print(
+            json.dumps(
+                {
+                    "layout": label,
+                    "seq_len": args.seq,
+                    "preset": args.preset,
+                    "step_seconds": round(step, 3),
+                    "exposed_share": shares,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

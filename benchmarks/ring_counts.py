@@ -61,7 +61,15 @@ class Counter(TorchDispatchMode):
         ins, outs = _tensors((args, kwargs)), _tensors(result)
         if name == "copy_":
             moved = _nbytes(args[1]) + _nbytes(args[0])
-        elif name in ("zero_", "fill_", "zeros", "zeros_like", "full", "full_like", "scalar_tensor"):
+        elif name in (
+            "zero_",
+            "fill_",
+            "zeros",
+            "zeros_like",
+            "full",
+            "full_like",
+            "scalar_tensor",
+        ):
             moved = sum(_nbytes(t) for t in outs)
         else:
             moved = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
@@ -78,8 +86,9 @@ def counted_merges(counter: Counter, merge_module):
     shapes: dict[tuple, int] = {}
 
     def tagged(out, lse, block_out, block_lse, *rest):
-        shapes[(tuple(out.shape), tuple(out.stride()), str(block_out.dtype))] = shapes.get(
-            (tuple(out.shape), tuple(out.stride()), str(block_out.dtype)), 0) + 1
+        shapes[(tuple(out.shape), tuple(out.stride()), str(block_out.dtype))] = (
+            shapes.get((tuple(out.shape), tuple(out.stride()), str(block_out.dtype)), 0) + 1
+        )
         counter.section = "merge"
         try:
             return original(out, lse, block_out, block_lse, *rest)
@@ -103,8 +112,8 @@ def inductor_merge(shape, stride, dtype_name) -> dict:
 
     dtype = getattr(torch, dtype_name.split(".")[-1])
     full_rows = stride[1] // shape[3]  # the shard's rows that the view strides over
-    out = torch.randn(shape[0], shape[1], full_rows, shape[3])[:, :, full_rows - shape[2]:]
-    lse = torch.randn(shape[0], shape[1], full_rows)[:, :, full_rows - shape[2]:]
+    out = torch.randn(shape[0], shape[1], full_rows, shape[3])[:, :, full_rows - shape[2] :]
+    lse = torch.randn(shape[0], shape[1], full_rows)[:, :, full_rows - shape[2] :]
     block_out = torch.randn(shape).to(dtype)
     block_lse = torch.randn(shape[:3])
     torch._dynamo.reset()
@@ -121,20 +130,28 @@ def count(seq: int, ranks: int, heads: int, kv_heads: int, head_dim: int) -> dic
     q = torch.empty(1, heads, seq, head_dim, device=dev, dtype=dtype)
     k, v = (torch.empty(1, kv_heads, seq, head_dim, device=dev, dtype=dtype) for _ in range(2))
     grad = torch.empty_like(q)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     counter = Counter()
     staged = hasattr(gpu_check, "RingRun")
     if staged:  # sharding and buffers outside the timed region, as the benchmark now times it
-        run = gpu_check.RingRun(gpu_check.stage_ring(q, k, v, grad, ranks, "zigzag"), ranks, True,
-                                scale, "zigzag")
+        run = gpu_check.RingRun(
+            gpu_check.stage_ring(q, k, v, grad, ranks, "zigzag"), ranks, True, scale, "zigzag"
+        )
         with counted_merges(counter, merge_module) as shapes, counter:
             run.run()
     else:
         with counted_merges(counter, merge_module) as shapes, counter:
             gpu_check.ring_schedule(q, k, v, grad, ranks, True, "zigzag", scale)
-    result = {"seq_len": seq, "ranks": ranks, "heads": heads, "kv_heads": kv_heads,
-              "head_dim": head_dim, "staged": staged, "counts": counter.counts,
-              "merge_calls": sum(shapes.values())}
+    result = {
+        "seq_len": seq,
+        "ranks": ranks,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "staged": staged,
+        "counts": counter.counts,
+        "merge_calls": sum(shapes.values()),
+    }
     if staged and hasattr(merge_module, "merge_math"):
         fused = {"loop_nests": 0, "bytes_formula": 0}
         for (shape, stride, dtype_name), calls in shapes.items():
@@ -147,26 +164,36 @@ def count(seq: int, ranks: int, heads: int, kv_heads: int, head_dim: int) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", default=str(Path(__file__).resolve().parent.parent),
-                        help="the checkout whose ctxlaunch and benchmarks/gpu_check.py to count")
+    parser.add_argument(
+        "--root",
+        default=str(Path(__file__).resolve().parent.parent),
+        help="the checkout whose ctxlaunch and benchmarks/gpu_check.py to count",
+    )
     parser.add_argument("--seq", type=int, nargs="+", default=[16384, 65536])
     parser.add_argument("--ranks", type=int, default=8)
     args = parser.parse_args()
     sys.path.insert(0, args.root)
     rows = [count(seq, args.ranks, 32, 8, 128) for seq in args.seq]
     print(json.dumps(rows, indent=1))
-    print("\n| S | attention calls | other launches | other GB | of which merge launches | merge GB "
-          "| compiled merge: CPU loop nests | GB (formula) |")
+    print(
+        "\n| S | attention calls | other launches | other GB | of which merge launches | merge GB "
+        "| compiled merge: CPU loop nests | GB (formula) |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         c = r["counts"]
-        att, merge, other = (c.get(n, {"launches": 0, "bytes": 0}) for n in ("attention", "merge", "other"))
+        att, merge, other = (
+            c.get(n, {"launches": 0, "bytes": 0}) for n in ("attention", "merge", "other")
+        )
         fused = r.get("compiled_merge")
-        fused_cells = (f"{fused['loop_nests']} | {fused['bytes_formula'] / 1e9:.2f}" if fused
-                       else "- | -")
-        print(f"| {r['seq_len']} | {att['launches']} | {other['launches'] + merge['launches']} | "
-              f"{(other['bytes'] + merge['bytes']) / 1e9:.2f} | {merge['launches']} | "
-              f"{merge['bytes'] / 1e9:.2f} | {fused_cells} |")
+        fused_cells = (
+            f"{fused['loop_nests']} | {fused['bytes_formula'] / 1e9:.2f}" if fused else "- | -"
+        )
+        print(
+            f"| {r['seq_len']} | {att['launches']} | {other['launches'] + merge['launches']} | "
+            f"{(other['bytes'] + merge['bytes']) / 1e9:.2f} | {merge['launches']} | "
+            f"{merge['bytes'] / 1e9:.2f} | {fused_cells} |"
+        )
 
 
 if __name__ == "__main__":

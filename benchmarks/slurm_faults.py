@@ -20,13 +20,22 @@ from pathlib import Path
 
 
 def runs(job_id: str) -> list[tuple[str, datetime.datetime, datetime.datetime | None]]:
-    out = subprocess.run(["sacct", "-j", job_id, "-X", "-D", "-n", "-P", "-o", "State,Start,End"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["sacct", "-j", job_id, "-X", "-D", "-n", "-P", "-o", "State,Start,End"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     parsed = []
     for line in out.splitlines():
         state, start, end = line.split("|")
-        parsed.append((state.split()[0], datetime.datetime.fromisoformat(start),
-                       None if end == "Unknown" else datetime.datetime.fromisoformat(end)))
+        parsed.append(
+            (
+                state.split()[0],
+                datetime.datetime.fromisoformat(start),
+                None if end == "Unknown" else datetime.datetime.fromisoformat(end),
+            )
+        )
     return parsed
 
 
@@ -44,18 +53,26 @@ def main(base: Path) -> None:
         test = record.relative_to(base).parts[0]
         if test.endswith("current"):  # pytest's link to the newest directory
             continue
-        status = subprocess.run([str(Path(sys.executable).parent / "ctxlaunch"), "status",
-                                 job["backend_id"]], capture_output=True, text=True,
-                                env={**os.environ, "CTXLAUNCH_HOME": str(record.parents[2])})
+        status = subprocess.run(
+            [str(Path(sys.executable).parent / "ctxlaunch"), "status", job["backend_id"]],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "CTXLAUNCH_HOME": str(record.parents[2])},
+        )
         print(f"{test} job {job['backend_id']}:", " / ".join(status.stdout.strip().splitlines()))
         for index, (state, start, end) in enumerate(history):
-            line = f"  run {index + 1}: {state:10} {start:%H:%M:%S}-{end:%H:%M:%S}" if end else \
-                f"  run {index + 1}: {state:10} {start:%H:%M:%S}-"
+            line = (
+                f"  run {index + 1}: {state:10} {start:%H:%M:%S}-{end:%H:%M:%S}"
+                if end
+                else f"  run {index + 1}: {state:10} {start:%H:%M:%S}-"
+            )
             if index < len(last):
                 line += f"  last step logged {last[index]}"
             if index < len(resumed):
-                line += f", next run resumed from {resumed[index]} " \
-                        f"(steps lost {last[index] - resumed[index]})"
+                line += (
+                    f", next run resumed from {resumed[index]} "
+                    f"(steps lost {last[index] - resumed[index]})"
+                )
             if end and index + 1 < len(history):
                 line += f", next run started {(history[index + 1][1] - end).total_seconds():.0f} s later"
             print(line)

@@ -22,13 +22,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-SETS = ["cluster.target=slurm", "cluster.slurm.exclusive=false", "training.seq_len=512",
-        "training.checkpoint.dir=null", "cluster.slurm.time_limit=10:00"]
+SETS = [
+    "cluster.target=slurm",
+    "cluster.slurm.exclusive=false",
+    "training.seq_len=512",
+    "training.checkpoint.dir=null",
+    "cluster.slurm.time_limit=10:00",
+]
 
 
 def job_state(job_id: str) -> str:
-    out = subprocess.run(["scontrol", "show", "job", "--oneliner", job_id],
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["scontrol", "show", "job", "--oneliner", job_id], capture_output=True, text=True
+    ).stdout
     for field in out.split():
         if field.startswith("JobState="):
             return field.split("=", 1)[1]
@@ -63,10 +69,20 @@ def main() -> None:
     sets = SETS + [f"training.steps={args.steps}"]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        env = {**os.environ, "CTXLAUNCH_HOME": str(work / "home"),
-               "PATH": f"{BIN}:{os.environ['PATH']}"}
-        render = [str(BIN / "ctxlaunch"), "render", str(ROOT / "jobs/demo.yaml"), "-t", "slurm",
-                  "-o", str(work)]
+        env = {
+            **os.environ,
+            "CTXLAUNCH_HOME": str(work / "home"),
+            "PATH": f"{BIN}:{os.environ['PATH']}",
+        }
+        render = [
+            str(BIN / "ctxlaunch"),
+            "render",
+            str(ROOT / "jobs/demo.yaml"),
+            "-t",
+            "slurm",
+            "-o",
+            str(work),
+        ]
         submit = [str(BIN / "ctxlaunch"), "submit", str(ROOT / "jobs/demo.yaml")]
         for item in sets:
             render += ["--set", item]
@@ -75,12 +91,16 @@ def main() -> None:
         sbatch = ["sbatch", "--parsable", str(work / "demo.sbatch")]
         results: dict[str, list[dict[str, float]]] = {"ctxlaunch submit": [], "plain sbatch": []}
         for _ in range(args.reps):
-            results["ctxlaunch submit"].append(measure(
-                submit, work, env, lambda out: out.strip().splitlines()[-1]))
-            results["plain sbatch"].append(measure(
-                sbatch, work, env, lambda out: out.strip().split(";")[0]))
-    print(f"median of {args.reps}, seconds from starting the command "
-          f"(demo spec, {args.steps} steps, seq_len 512, CP 2 on one node)")
+            results["ctxlaunch submit"].append(
+                measure(submit, work, env, lambda out: out.strip().splitlines()[-1])
+            )
+            results["plain sbatch"].append(
+                measure(sbatch, work, env, lambda out: out.strip().split(";")[0])
+            )
+    print(
+        f"median of {args.reps}, seconds from starting the command "
+        f"(demo spec, {args.steps} steps, seq_len 512, CP 2 on one node)"
+    )
     print("| | command returns | job RUNNING | job COMPLETED |")
     print("|---|---|---|---|")
     medians = {}
@@ -89,9 +109,11 @@ def main() -> None:
         m = medians[name]
         print(f"| {name} | {m['submit']:.3f} | {m['running']:.3f} | {m['completed']:.3f} |")
     ours, plain = medians["ctxlaunch submit"], medians["plain sbatch"]
-    print(f"| ratio | {ours['submit'] / plain['submit']:.2f}x | "
-          f"{ours['running'] / plain['running']:.2f}x | "
-          f"{ours['completed'] / plain['completed']:.2f}x |")
+    print(
+        f"| ratio | {ours['submit'] / plain['submit']:.2f}x | "
+        f"{ours['running'] / plain['running']:.2f}x | "
+        f"{ours['completed'] / plain['completed']:.2f}x |"
+    )
 
 
 if __name__ == "__main__":

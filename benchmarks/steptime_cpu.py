@@ -44,8 +44,10 @@ LAYOUTS = [
     ("cp2-ulysses", {"parallel.cp": 2, "parallel.cp_algorithm": "ulysses"}),
     ("cp4-ring", {"parallel.cp": 4}),
     ("cp4-ulysses", {"parallel.cp": 4, "parallel.cp_algorithm": "ulysses"}),
-    ("cp4-hybrid", {"parallel.cp": 4, "parallel.cp_algorithm": "hybrid",
-                    "parallel.ulysses_degree": 2}),
+    (
+        "cp4-hybrid",
+        {"parallel.cp": 4, "parallel.cp_algorithm": "hybrid", "parallel.ulysses_degree": 2},
+    ),
     ("tp2", {"parallel.tp": 2}),
     ("pp2", {"parallel.pp": 2, "training.global_batch": 2}),
 ]
@@ -56,8 +58,15 @@ def base_spec(steps: int) -> dict:
     return {
         "name": "steptime-cpu",
         "model": {"preset": "tiny-mha", "dtype": "fp32"},
-        "training": {"seq_len": 4096, "micro_batch": 1, "steps": steps, "log_interval": 1,
-                     "zero_stage": 0, "seed": 7, "data": {"source": "synthetic"}},
+        "training": {
+            "seq_len": 4096,
+            "micro_batch": 1,
+            "steps": steps,
+            "log_interval": 1,
+            "zero_stage": 0,
+            "seed": 7,
+            "data": {"source": "synthetic"},
+        },
         "parallel": {"cp": 1, "cp_algorithm": "ring", "layout": "zigzag"},
         "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1},
     }
@@ -68,16 +77,33 @@ def points(lengths: list[int], steps: int) -> list[Point]:
     for seq in lengths:
         for tag, changes in LAYOUTS:
             name = f"steptime-cpu-{seq // 1024}k-{tag}"
-            ranks = (changes.get("parallel.cp", 1) * changes.get("parallel.tp", 1)
-                     * changes.get("parallel.pp", 1))
-            overrides = [f"name={name}", f"training.seq_len={seq}",
-                         f"cluster.gpus_per_node={ranks}",
-                         *(f"{path}={value}" for path, value in changes.items())]
+            ranks = (
+                changes.get("parallel.cp", 1)
+                * changes.get("parallel.tp", 1)
+                * changes.get("parallel.pp", 1)
+            )
+            overrides = [
+                f"name={name}",
+                f"training.seq_len={seq}",
+                f"cluster.gpus_per_node={ranks}",
+                *(f"{path}={value}" for path, value in changes.items()),
+            ]
             spec = validate_spec(apply_overrides(base_spec(steps), overrides), name)
             p = spec.parallel
-            out.append(Point(len(out), {"training.seq_len": seq, "parallel.tp": p.tp,
-                                        "parallel.pp": p.pp, "parallel.cp": p.cp,
-                                        "parallel.cp_algorithm": p.cp_algorithm}, name, spec))
+            out.append(
+                Point(
+                    len(out),
+                    {
+                        "training.seq_len": seq,
+                        "parallel.tp": p.tp,
+                        "parallel.pp": p.pp,
+                        "parallel.cp": p.cp,
+                        "parallel.cp_algorithm": p.cp_algorithm,
+                    },
+                    name,
+                    spec,
+                )
+            )
     return out
 
 
@@ -105,27 +131,43 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="run the sweep this many times (alternating order); best step")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="run the sweep this many times (alternating order); best step",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    parser.add_argument("--attention-seq", type=int, default=ATTENTION_SEQ,
-                        help="calibrate the attention rate and causal tile on a block this "
-                             f"long (default {ATTENTION_SEQ:,}, as `ctxlaunch calibrate`: a "
-                             "length no sweep point runs; BENCHMARKS.md 7a, runs 5 and 8)")
-    parser.add_argument("--attention-ramp", type=int, nargs=2, default=None,
-                        metavar=("SHORT", "LONG"),
-                        help="fit the attention rate and a length ramp on two blocks (e.g. "
-                             "1536 6144, lengths no sweep call runs; BENCHMARKS.md 7a, run 6)")
+    parser.add_argument(
+        "--attention-seq",
+        type=int,
+        default=ATTENTION_SEQ,
+        help="calibrate the attention rate and causal tile on a block this "
+        f"long (default {ATTENTION_SEQ:,}, as `ctxlaunch calibrate`: a "
+        "length no sweep point runs; BENCHMARKS.md 7a, runs 5 and 8)",
+    )
+    parser.add_argument(
+        "--attention-ramp",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("SHORT", "LONG"),
+        help="fit the attention rate and a length ramp on two blocks (e.g. "
+        "1536 6144, lengths no sweep call runs; BENCHMARKS.md 7a, run 6)",
+    )
     args = parser.parse_args()
 
     print(f"load average before: {os.getloadavg()}", flush=True)
     from ctxlaunch.contract.spec import ModelSpec
 
-    calibration = measure(heads=4, head_dim=32, dtype="fp32",
-                          model=ModelSpec(preset="tiny-mha", dtype="fp32"),
-                          attention_seq=None if args.attention_ramp else args.attention_seq,
-                          attention_ramp_seqs=tuple(args.attention_ramp) if args.attention_ramp
-                          else None)
+    calibration = measure(
+        heads=4,
+        head_dim=32,
+        dtype="fp32",
+        model=ModelSpec(preset="tiny-mha", dtype="fp32"),
+        attention_seq=None if args.attention_ramp else args.attention_seq,
+        attention_ramp_seqs=tuple(args.attention_ramp) if args.attention_ramp else None,
+    )
     print(f"calibration: {calibration}", flush=True)
     print(f"saved {save_calibration(calibration)}", flush=True)
 
@@ -141,8 +183,9 @@ def main() -> None:
         submission = prepare("steptime-cpu", order)
         log = io.StringIO()
         with redirect_stdout(log), redirect_stderr(log):
-            sweep_id = submit("steptime-cpu", AXES, all_points, reasons, submission,
-                              log=lambda text: None)
+            sweep_id = submit(
+                "steptime-cpu", AXES, all_points, reasons, submission, log=lambda text: None
+            )
         print(f"sweep {sweep_id}; load average after: {os.getloadavg()}", flush=True)
         sweep = jobstore.load_sweep(sweep_id)
         for entry in sweep["points"]:
@@ -161,18 +204,30 @@ def main() -> None:
     print(f"{'point':34s} {'mean s':>7s} {'best s':>7s} {'predicted s':>11s} {'error':>7s}")
     for r in report.rows:
         measured = r.get("step_seconds")
-        print(f"{r['name']:34s} {r['mean_step_seconds']:7.3f} {measured or float('nan'):7.3f} "
-              f"{r['predicted_step_seconds']:11.3f} "
-              f"{(r['step_error'] if measured else float('nan')):+7.1%}  {r['state']}")
+        print(
+            f"{r['name']:34s} {r['mean_step_seconds']:7.3f} {measured or float('nan'):7.3f} "
+            f"{r['predicted_step_seconds']:11.3f} "
+            f"{(r['step_error'] if measured else float('nan')):+7.1%}  {r['state']}"
+        )
     worst = max(abs(r["step_error"]) for r in rows)
-    rho = spearman([r["tokens_per_second_per_gpu"] for r in rows],
-                   [r["predicted_tokens_per_second_per_gpu"] for r in rows])
-    print(f"largest |error| {worst:.1%}; Spearman (tokens/s/GPU) {rho:.3f} over {len(rows)} "
-          f"points")
+    rho = spearman(
+        [r["tokens_per_second_per_gpu"] for r in rows],
+        [r["predicted_tokens_per_second_per_gpu"] for r in rows],
+    )
+    print(f"largest |error| {worst:.1%}; Spearman (tokens/s/GPU) {rho:.3f} over {len(rows)} points")
     if args.json:
-        args.json.write_text(json.dumps({"sweep": sweep_id, "calibration": calibration.__dict__,
-                                         "rows": report.rows, "spearman": rho}, indent=1,
-                                        default=str))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "sweep": sweep_id,
+                    "calibration": calibration.__dict__,
+                    "rows": report.rows,
+                    "spearman": rho,
+                },
+                indent=1,
+                default=str,
+            )
+        )
 
 
 if __name__ == "__main__":

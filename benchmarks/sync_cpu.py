@@ -30,19 +30,24 @@ ASSUMED_FLOPS = 1.4e11
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[192, 384, 768, 1024, 1536,
-                                                                  2048])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[192, 384, 768, 1024, 1536, 2048])
     args = parser.parse_args()
-    print(f"{'ranks':>5s} {'size':>5s} {'compute ms':>10s} {'iterations':>10s} "
-          f"{'ms per exchange':>15s} {'wall s':>6s}", flush=True)
+    print(
+        f"{'ranks':>5s} {'size':>5s} {'compute ms':>10s} {'iterations':>10s} "
+        f"{'ms per exchange':>15s} {'wall s':>6s}",
+        flush=True,
+    )
     for ranks in args.ranks:
         for size in args.sizes:
             compute = 2 * size**3 / ASSUMED_FLOPS
             iterations = max(6, min(60, int(0.8 / compute)))
             start = time.monotonic()
             cost = measure_sync(ranks, iterations=iterations, size=size)
-            print(f"{ranks:5d} {size:5d} {compute * 1e3:10.1f} {iterations:10d} "
-                  f"{cost * 1e3:15.2f} {time.monotonic() - start:6.1f}", flush=True)
+            print(
+                f"{ranks:5d} {size:5d} {compute * 1e3:10.1f} {iterations:10d} "
+                f"{cost * 1e3:15.2f} {time.monotonic() - start:6.1f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -16,14 +16,24 @@ DEFAULT_CRD = ROOT.parent / "shared" / "crds" / "kubeflow.org_pytorchjobs.yaml"
 SERVICE_GROUPS: dict[str, tuple[str, ...]] = {
     # The shared Slurm cluster (whose nodes the fault tests drain, kill and fill) and the
     # Prometheus + Pushgateway its jobs and the live telemetry tests push to and reload.
-    "slurm-prometheus": ("test_slurm.py", "test_slurm_faults.py", "test_calibrate_slurm.py",
-                         "test_telemetry_live.py"),
+    "slurm-prometheus": (
+        "test_slurm.py",
+        "test_slurm_faults.py",
+        "test_calibrate_slurm.py",
+        "test_telemetry_live.py",
+    ),
     # The single-node cluster's node: its pods share the node's memory and the project image.
     "kubernetes-node": ("test_kubernetes_node.py",),
     # The API server at 127.0.0.1:6443 (each test has its own namespace; one worker still,
     # so that its tests' polling never races another's cleanup).
-    "kubernetes-api": ("test_kubernetes.py", "test_trainjob.py", "test_kuberest.py",
-                       "test_image.py", "test_calibrate_kubernetes.py", "test_kube_follow.py"),
+    "kubernetes-api": (
+        "test_kubernetes.py",
+        "test_trainjob.py",
+        "test_kuberest.py",
+        "test_image.py",
+        "test_calibrate_kubernetes.py",
+        "test_kube_follow.py",
+    ),
 }
 """Test files that share a real service, by group: with pytest-xdist (`scripts/test` runs two
 workers, --dist loadgroup) each group's tests run on one worker, in file order; every other
@@ -43,8 +53,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--update-goldens", action="store_true",
-                     help="Rewrite golden files from the current output instead of comparing.")
+    parser.addoption(
+        "--update-goldens",
+        action="store_true",
+        help="Rewrite golden files from the current output instead of comparing.",
+    )
 
 
 @pytest.fixture
@@ -66,7 +79,8 @@ def check_golden(update_goldens: bool):
         expected = path.read_text(encoding="utf-8")
         assert actual == expected, (
             f"{relative} differs from its golden file; if the change is intended, run "
-            "pytest --update-goldens and review the diff")
+            "pytest --update-goldens and review the diff"
+        )
 
     return check
 
@@ -94,10 +108,10 @@ def crd_path() -> Path | None:
 def pytorchjob_crd() -> Path:
     path = crd_path()
     if path is None:
-        pytest.skip("the PyTorchJob CRD is absent: set CTXLAUNCH_PYTORCHJOB_CRD or provide "
-                    f"{DEFAULT_CRD}")
+        pytest.skip(
+            f"the PyTorchJob CRD is absent: set CTXLAUNCH_PYTORCHJOB_CRD or provide {DEFAULT_CRD}"
+        )
     return path
-
 
 
 @pytest.fixture(scope="session")
@@ -105,8 +119,10 @@ def trainer_crds() -> dict[str, Path]:
     """Kubeflow Trainer v2.3.0's TrainJob and TrainingRuntime CRDs, where kubernetes.sh reads
     them: $CTXLAUNCH_TRAINER_CRDS, else beside the PyTorchJob CRD (../shared/crds)."""
     directory = Path(os.environ.get("CTXLAUNCH_TRAINER_CRDS") or crd_location().parent)
-    crds = {kind: directory / f"trainer.kubeflow.org_{plural}.yaml"
-            for kind, plural in [("TrainJob", "trainjobs"), ("TrainingRuntime", "trainingruntimes")]}
+    crds = {
+        kind: directory / f"trainer.kubeflow.org_{plural}.yaml"
+        for kind, plural in [("TrainJob", "trainjobs"), ("TrainingRuntime", "trainingruntimes")]
+    }
     missing = [str(p) for p in crds.values() if not p.is_file()]
     if missing:
         pytest.skip(f"the Trainer v2 CRDs are absent: {', '.join(missing)}")

@@ -79,8 +79,15 @@ def test_more_gpus_and_a_slower_fabric_change_the_answer() -> None:
 
 def test_write_saves_the_fastest_layout_as_a_valid_spec(tmp_path: Path) -> None:
     target = tmp_path / "advised.yaml"
-    result = run("advise", str(JOBS / "llama3-8b-128k-slurm.yaml"), "--gpus", "16", "--write",
-                 str(target), "--json")
+    result = run(
+        "advise",
+        str(JOBS / "llama3-8b-128k-slurm.yaml"),
+        "--gpus",
+        "16",
+        "--write",
+        str(target),
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     best = json.loads(result.stdout)["ranked"][0]
     written = load_spec(target)
@@ -95,15 +102,17 @@ def test_write_saves_the_fastest_layout_as_a_valid_spec(tmp_path: Path) -> None:
 
 def test_bad_allocation_is_refused_and_nothing_written(tmp_path: Path) -> None:
     target = tmp_path / "advised.yaml"
-    result = run("advise", str(JOBS / "llama3-8b-128k-slurm.yaml"), "--gpus", "12",
-                 "--write", str(target))
+    result = run(
+        "advise", str(JOBS / "llama3-8b-128k-slurm.yaml"), "--gpus", "12", "--write", str(target)
+    )
     assert result.exit_code == 2 and "--gpus 12" in result.output
     assert not target.exists()
     result = run("advise", str(JOBS / "demo.yaml"), "--nodes", "2")
     assert result.exit_code == 2 and "target local" in result.output
     # A problem that is not the layout's is an error, not advice.
-    result = run("advise", str(JOBS / "demo.yaml"), "--set", "model.preset=nope", "--write",
-                 str(target))
+    result = run(
+        "advise", str(JOBS / "demo.yaml"), "--set", "model.preset=nope", "--write", str(target)
+    )
     assert result.exit_code == 2 and "unknown model preset" in result.output
     assert not target.exists()
 
@@ -121,7 +130,8 @@ def test_layouts_within_the_expected_error_rank_as_ties() -> None:
         assert c["tied_with_best"] == (within and data["tied_with_best"] > 1), c["layout"]
         assert c["rank"] == ("=1" if c["tied_with_best"] else str(data["ranked"].index(c) + 1))
     assert data["tied_with_best"] == sum(c["tied_with_best"] for c in data["ranked"]) or (
-        data["ranked_total"] > 50)
+        data["ranked_total"] > 50
+    )
     # The range follows the error: with none, no ties; the table says which are tied.
     import dataclasses
 

@@ -31,8 +31,13 @@ def test_calibration_job_is_created_on_the_api_server(namespace: str, home) -> N
     specs = job["spec"]["pytorchReplicaSpecs"]
     assert set(specs) == {"Master"}  # one node
     (container,) = specs["Master"]["template"]["spec"]["containers"]
-    assert container["command"] == ["python3", "-m", "ctxlaunch.runtime.calibrate",
-                                    "/etc/ctxlaunch/spec.json", "--out",
-                                    "/tmp/ctxlaunch-run/profile.json"]
+    assert container["command"] == [
+        "python3",
+        "-m",
+        "ctxlaunch.runtime.calibrate",
+        "/etc/ctxlaunch/spec.json",
+        "--out",
+        "/tmp/ctxlaunch-run/profile.json",
+    ]
     kubectl("delete", "pytorchjobs,configmaps", "--all", "-n", namespace)
     kubectl("delete", "namespace", namespace, "--wait=false")

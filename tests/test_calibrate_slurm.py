@@ -25,8 +25,14 @@ def test_calibration_job_through_slurm_writes_the_profile(tmp_path: Path) -> Non
     require_slurm()
     home = tmp_path / "home"
     profile = tmp_path / "team" / "cpu-ib.json"
-    args = [CTXLAUNCH, "calibrate", str(JOBS / "demo.yaml"), "--submit",
-            "--profile-out", str(profile)]
+    args = [
+        CTXLAUNCH,
+        "calibrate",
+        str(JOBS / "demo.yaml"),
+        "--submit",
+        "--profile-out",
+        str(profile),
+    ]
     for item in [*QUICK, f"name=calib-{uuid.uuid4().hex[:8]}"]:
         args += ["--set", item]
     result = run(args, home, tmp_path)
@@ -35,10 +41,13 @@ def test_calibration_job_through_slurm_writes_the_profile(tmp_path: Path) -> Non
     assert job_id.isdigit(), result.stdout + result.stderr
     script = next((home / "jobs").iterdir()).glob("*.sbatch")
     text = next(script).read_text()
-    assert "-m ctxlaunch.runtime.calibrate --out" in text and "ctxlaunch.runtime.trainer" not in text
+    assert (
+        "-m ctxlaunch.runtime.calibrate --out" in text and "ctxlaunch.runtime.trainer" not in text
+    )
     assert "'--ntasks-per-node=1'" in text
-    final = wait_for(home, tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"},
-                     timeout=840)
+    final = wait_for(
+        home, tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=840
+    )
     assert final["state"] == "COMPLETED", final
     data = json.loads(profile.read_text())
     assert (data["format"], data["gpu"], data["nodes"]) == (PROFILE_FORMAT, "cpu", 1)

@@ -16,8 +16,7 @@ from tests.helpers.dist import run_distributed
 TOKENS, HIDDEN, VOCAB, CHUNK = 300, 48, 96, 64  # 300 = 4 full chunks and one of 44
 
 
-def _inputs(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor,
-                                                          torch.Tensor]:
+def _inputs(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(3)
     hidden = torch.randn(TOKENS, HIDDEN, generator=generator, dtype=dtype)
     weight = torch.randn(VOCAB, HIDDEN, generator=generator, dtype=dtype) * 0.3
@@ -26,8 +25,9 @@ def _inputs(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Ten
     return hidden, weight, targets
 
 
-def _reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-               divisor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _reference(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, divisor: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     logits = F.linear(hidden, weight)  # the whole (tokens x vocab) logits at once
     logits = logits if logits.dtype == torch.float64 else logits.float()
@@ -37,12 +37,18 @@ def _reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     return loss.detach(), hidden.grad, weight.grad
 
 
-def _chunked(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, divisor: float,
-             vocab: VocabShard | None = None, upstream: float = 1.0
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _chunked(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    divisor: float,
+    vocab: VocabShard | None = None,
+    upstream: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = chunked_cross_entropy(hidden, weight, targets, divisor=divisor, chunk_tokens=CHUNK,
-                                 vocab=vocab)
+    loss = chunked_cross_entropy(
+        hidden, weight, targets, divisor=divisor, chunk_tokens=CHUNK, vocab=vocab
+    )
     (loss * upstream).backward()
     assert hidden.grad is not None and weight.grad is not None
     return loss.detach(), hidden.grad, weight.grad
@@ -103,8 +109,17 @@ def test_chunked_loss_rejects_a_bad_shape() -> None:
 def test_transformer_loss_matches_full_logits(tie: bool) -> None:
     """Through the model: every parameter's gradient against the whole-logits loss."""
     torch.manual_seed(0)
-    model = Transformer(layers=2, hidden=HIDDEN, heads=4, kv_heads=2, ffn_hidden=64,
-                        vocab=VOCAB, rope_theta=10_000.0, norm_eps=1e-5, tie_embeddings=tie)
+    model = Transformer(
+        layers=2,
+        hidden=HIDDEN,
+        heads=4,
+        kv_heads=2,
+        ffn_hidden=64,
+        vocab=VOCAB,
+        rope_theta=10_000.0,
+        norm_eps=1e-5,
+        tie_embeddings=tie,
+    )
     model.loss_chunk_tokens = CHUNK
     model.loss_divisor = 777.0
     tokens = torch.randint(0, VOCAB, (2, TOKENS // 2))
@@ -131,7 +146,7 @@ def _tp_rank(rank: int, world: int) -> tuple[object, ...]:
 
     hidden, weight, targets = _inputs()
     rows = VOCAB // world
-    shard = weight[rank * rows:(rank + 1) * rows]
+    shard = weight[rank * rows : (rank + 1) * rows]
     vocab = VocabShard(rank * rows, dist.group.WORLD)
     got = _chunked(hidden, shard, targets, 321.0, vocab=vocab)
     # numpy, not tensors: tensors would pass through shared memory that vanishes with the
@@ -150,5 +165,4 @@ def test_vocab_parallel_chunked_loss_matches_full_logits_at_tp2() -> None:
     for loss, _, _ in ranks:
         torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)
     torch.testing.assert_close(ranks[0][1] + ranks[1][1], want_hidden, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(torch.cat([r[2] for r in ranks]), want_weight, rtol=1e-5,
-                               atol=1e-7)
+    torch.testing.assert_close(torch.cat([r[2] for r in ranks]), want_weight, rtol=1e-5, atol=1e-7)

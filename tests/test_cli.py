@@ -79,8 +79,14 @@ def test_plan_table_names_both_conventions() -> None:
 
 
 def test_plan_with_overrides_reports_no_fit() -> None:
-    result = run("plan", str(JOBS / "llama3-8b-128k-slurm.yaml"), "--set", "parallel.cp=1",
-                 "--set", "training.global_batch=null")
+    result = run(
+        "plan",
+        str(JOBS / "llama3-8b-128k-slurm.yaml"),
+        "--set",
+        "parallel.cp=1",
+        "--set",
+        "training.global_batch=null",
+    )
     assert result.exit_code == 0
     assert "does not fit" in result.stdout
 
@@ -90,8 +96,10 @@ def test_render_writes_atomically_into_a_directory(tmp_path: Path) -> None:
     result = run("render", str(JOBS / "llama3-8b-128k-slurm.yaml"), "-t", "slurm", "-o", str(out))
     assert result.exit_code == 0, result.output
     script = out / "llama3-8b-128k.sbatch"
-    assert script.read_text() == (GOLDEN / "llama3-8b-128k-slurm" / "llama3-8b-128k.sbatch"
-                                  ).read_text()
+    assert (
+        script.read_text()
+        == (GOLDEN / "llama3-8b-128k-slurm" / "llama3-8b-128k.sbatch").read_text()
+    )
     assert os.access(script, os.X_OK)
     assert [p.name for p in out.iterdir()] == ["llama3-8b-128k.sbatch"]  # no temp files left
 
@@ -100,15 +108,20 @@ def test_render_puts_the_pod_monitor_in_its_own_folder(tmp_path: Path) -> None:
     spec = str(JOBS / "llama3-70b-1m-k8s.yaml")
     printed = run("render", spec, "-t", "kubernetes")
     assert printed.exit_code == 0 and "kind: PodMonitor" not in printed.stdout
-    assert "monitoring/llama3-70b-1m-podmonitor.yaml (the PodMonitor) is written only with " \
+    assert (
+        "monitoring/llama3-70b-1m-podmonitor.yaml (the PodMonitor) is written only with "
         "--output" in printed.stderr
+    )
     out = tmp_path / "out"
     assert run("render", spec, "-t", "kubernetes", "-o", str(out)).exit_code == 0
     golden = GOLDEN / "llama3-70b-1m-k8s"
     for name in ("llama3-70b-1m.yaml", "monitoring/llama3-70b-1m-podmonitor.yaml"):
         assert (out / name).read_text() == (golden / name).read_text()
     assert sorted(p.name for p in out.rglob("*")) == [
-        "llama3-70b-1m-podmonitor.yaml", "llama3-70b-1m.yaml", "monitoring"]
+        "llama3-70b-1m-podmonitor.yaml",
+        "llama3-70b-1m.yaml",
+        "monitoring",
+    ]
 
 
 def test_render_invalid_writes_nothing(tmp_path: Path) -> None:
@@ -133,15 +146,21 @@ def test_schema_is_json_schema() -> None:
     for path in JOBS.glob("*.yaml"):
         validator.validate(yaml.safe_load(path.read_text()))
     assert not validator.is_valid({"name": "x", "model": {"layers": 2}, "training": {"seq_len": 8}})
-    assert not validator.is_valid({"name": "x", "model": "tiny", "training": {"seq_len": 8},
-                                   "typo": 1})
+    assert not validator.is_valid(
+        {"name": "x", "model": "tiny", "training": {"seq_len": 8}, "typo": 1}
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # fuzzing: never a traceback, never a partial output
 # --------------------------------------------------------------------------------------------
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 1 << 20),
-                    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12))
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 1 << 20),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12),
+)
 small = st.integers(min_value=0, max_value=64)
 
 specs = st.fixed_dictionaries(
@@ -149,51 +168,90 @@ specs = st.fixed_dictionaries(
         "name": st.one_of(st.sampled_from(["job", "x-1", "a"]), st.text(max_size=60)),
         "model": st.one_of(
             st.sampled_from(["tiny", "llama3-8b", "llama3-70b", "nope"]),
-            st.fixed_dictionaries({"preset": st.sampled_from(["tiny", "small", "llama3-8b"])},
-                                  optional={"layers": small, "heads": small,
-                                            "kv_heads": small, "hidden": small,
-                                            "dtype": st.sampled_from(["bf16", "fp32", "fp8"])}),
+            st.fixed_dictionaries(
+                {"preset": st.sampled_from(["tiny", "small", "llama3-8b"])},
+                optional={
+                    "layers": small,
+                    "heads": small,
+                    "kv_heads": small,
+                    "hidden": small,
+                    "dtype": st.sampled_from(["bf16", "fp32", "fp8"]),
+                },
+            ),
         ),
         "training": st.fixed_dictionaries(
             {"seq_len": st.one_of(st.integers(-1, 1 << 21), scalars)},
-            optional={"micro_batch": small, "global_batch": small, "grad_accum": small,
-                      "zero_stage": st.integers(-1, 4),
-                      "activation_checkpointing": st.sampled_from(["none", "full", "x"])}),
+            optional={
+                "micro_batch": small,
+                "global_batch": small,
+                "grad_accum": small,
+                "zero_stage": st.integers(-1, 4),
+                "activation_checkpointing": st.sampled_from(["none", "full", "x"]),
+            },
+        ),
         "parallel": st.fixed_dictionaries(
-            {}, optional={"tp": small, "pp": small, "cp": small, "dp": small, "ep": small,
-                          "cp_algorithm": st.sampled_from(["ring", "ulysses", "hybrid", "x"]),
-                          "ulysses_degree": small, "ring_degree": small,
-                          "cp_sharding": st.sampled_from(["zigzag", "contiguous", "x"])}),
+            {},
+            optional={
+                "tp": small,
+                "pp": small,
+                "cp": small,
+                "dp": small,
+                "ep": small,
+                "cp_algorithm": st.sampled_from(["ring", "ulysses", "hybrid", "x"]),
+                "ulysses_degree": small,
+                "ring_degree": small,
+                "cp_sharding": st.sampled_from(["zigzag", "contiguous", "x"]),
+            },
+        ),
         "cluster": st.fixed_dictionaries(
-            {}, optional={"target": st.sampled_from(["local", "slurm", "kubernetes", "x"]),
-                          "nodes": small, "gpus_per_node": small,
-                          "gpu": st.sampled_from(["H100", "L40S", "cpu", "Z"]),
-                          "kubernetes": st.fixed_dictionaries(
-                              {}, optional={"image": st.text(max_size=20),
-                                            "namespace": st.text(max_size=20)}),
-                          "slurm": st.fixed_dictionaries(
-                              {}, optional={"partition": st.text(max_size=10),
-                                            "time_limit": st.text(max_size=10)})}),
+            {},
+            optional={
+                "target": st.sampled_from(["local", "slurm", "kubernetes", "x"]),
+                "nodes": small,
+                "gpus_per_node": small,
+                "gpu": st.sampled_from(["H100", "L40S", "cpu", "Z"]),
+                "kubernetes": st.fixed_dictionaries(
+                    {}, optional={"image": st.text(max_size=20), "namespace": st.text(max_size=20)}
+                ),
+                "slurm": st.fixed_dictionaries(
+                    {},
+                    optional={
+                        "partition": st.text(max_size=10),
+                        "time_limit": st.text(max_size=10),
+                    },
+                ),
+            },
+        ),
         "fabric": st.fixed_dictionaries(
-            {}, optional={"env": st.dictionaries(st.text(max_size=8), st.text(max_size=20),
-                                                 max_size=3),
-                          "hcas": st.lists(st.text(max_size=8), max_size=3)}),
+            {},
+            optional={
+                "env": st.dictionaries(st.text(max_size=8), st.text(max_size=20), max_size=3),
+                "hcas": st.lists(st.text(max_size=8), max_size=3),
+            },
+        ),
     },
     optional={"unknown": scalars},
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                   HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(data=specs, target=st.sampled_from(["slurm", "kubernetes"]))
-def test_random_specs_never_traceback_nor_half_write(data: dict, target: str,
-                                                     tmp_path_factory) -> None:
+def test_random_specs_never_traceback_nor_half_write(
+    data: dict, target: str, tmp_path_factory
+) -> None:
     tmp = tmp_path_factory.mktemp("fuzz")
     spec = tmp / "spec.yaml"
     spec.write_text(yaml.safe_dump(data))
     out = tmp / "out"
-    for args in (["validate", str(spec)], ["plan", str(spec), "--json"],
-                 ["render", str(spec), "-t", target, "-o", str(out)]):
+    for args in (
+        ["validate", str(spec)],
+        ["plan", str(spec), "--json"],
+        ["render", str(spec), "-t", target, "-o", str(out)],
+    ):
         result = run(*args)
         assert result.exit_code in (0, 2), (args, result.output, result.exception)
         if result.exception is not None:
@@ -227,17 +285,30 @@ def test_random_overrides_are_rejected_cleanly(overrides: list[str]) -> None:
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
-FREE_TEXT_FIELDS = ["name", "fabric.env.USER_VALUE", "fabric.nccl.NCCL_ALGO", "fabric.topo_file",
-                    "fabric.socket_ifname", "training.checkpoint.dir", "cluster.slurm.partition",
-                    "cluster.slurm.account", "cluster.kubernetes.image",
-                    "cluster.kubernetes.namespace", "cluster.slurm.time_limit"]
+FREE_TEXT_FIELDS = [
+    "name",
+    "fabric.env.USER_VALUE",
+    "fabric.nccl.NCCL_ALGO",
+    "fabric.topo_file",
+    "fabric.socket_ifname",
+    "training.checkpoint.dir",
+    "cluster.slurm.partition",
+    "cluster.slurm.account",
+    "cluster.kubernetes.image",
+    "cluster.kubernetes.namespace",
+    "cluster.slurm.time_limit",
+]
 
 
 @settings(max_examples=120, deadline=None)
-@given(field=st.sampled_from(FREE_TEXT_FIELDS), value=st.text(max_size=40),
-       target=st.sampled_from(["slurm", "kubernetes"]))
-def test_random_strings_in_a_valid_spec(field: str, value: str, target: str,
-                                        tmp_path_factory) -> None:
+@given(
+    field=st.sampled_from(FREE_TEXT_FIELDS),
+    value=st.text(max_size=40),
+    target=st.sampled_from(["slurm", "kubernetes"]),
+)
+def test_random_strings_in_a_valid_spec(
+    field: str, value: str, target: str, tmp_path_factory
+) -> None:
     tmp = tmp_path_factory.mktemp("strings")
     data = yaml.safe_load((JOBS / "demo.yaml").read_text())
     data["cluster"]["kubernetes"] = {"image": "example/ctxlaunch:1"}

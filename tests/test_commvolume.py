@@ -23,8 +23,10 @@ pytestmark = pytest.mark.slow
 COMMON = {"training.global_batch": 4, "training.seq_len": 256}
 CASES = [  # (model changes, layout changes), all on four ranks
     ({}, {"parallel.tp": 2, "parallel.cp": 2, "parallel.cp_algorithm": "ring"}),
-    ({"model.preset": "tiny-mha"},
-     {"parallel.tp": 2, "parallel.cp": 2, "parallel.cp_algorithm": "ulysses"}),
+    (
+        {"model.preset": "tiny-mha"},
+        {"parallel.tp": 2, "parallel.cp": 2, "parallel.cp_algorithm": "ulysses"},
+    ),
     ({}, {"parallel.pp": 2}),  # DP 2 x PP 2
 ]
 
@@ -51,6 +53,7 @@ def _count(rank: int, world: int, specs: list[dict]) -> list[dict]:
                 key = (name, id(group) if group is not None else None, state["phase"])
                 sent[key] += bytes_of(args, kwargs, size(group))
             return original(*args, **kwargs)
+
         return counted
 
     ring = {
@@ -68,8 +71,16 @@ def _count(rank: int, world: int, specs: list[dict]) -> list[dict]:
     for spec_data in specs:
         spec = validate_spec(spec_data)
         p = spec.parallel
-        ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                            ulysses=spec.ulysses_degree, cp_sharding=p.cp_sharding, tp=p.tp, pp=p.pp)
+        ctx = build_context(
+            rank=rank,
+            world_size=world,
+            dp=spec.dp,
+            cp=p.cp,
+            ulysses=spec.ulysses_degree,
+            cp_sharding=p.cp_sharding,
+            tp=p.tp,
+            pp=p.pp,
+        )
         trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
         trainer.train_step()  # warm-up
         finish = trainer.engine.finish_gradients
@@ -78,14 +89,23 @@ def _count(rank: int, world: int, specs: list[dict]) -> list[dict]:
             state["phase"] = "reduce"
             finish()
             state["phase"] = "step"
+
         trainer.engine.finish_gradients = finishing
         sent.clear()
         state["on"] = True
         trainer.train_step()
         state["on"] = False
         # Without DP the DP x CP group is the CP group: its all-reduces are the gradients'.
-        names = {id(g): n for n, g in (("dp", ctx.dp_cp_group), ("cp", ctx.cp_group),
-                                       ("pp", ctx.pp_group), ("tp", ctx.tp_group)) if g}
+        names = {
+            id(g): n
+            for n, g in (
+                ("dp", ctx.dp_cp_group),
+                ("cp", ctx.cp_group),
+                ("pp", ctx.pp_group),
+                ("tp", ctx.tp_group),
+            )
+            if g
+        }
         by_dim: dict[str, float] = defaultdict(float)
         for (op, group, phase), nbytes in sent.items():
             if op == "all_reduce" and group not in names:
@@ -95,17 +115,30 @@ def _count(rank: int, world: int, specs: list[dict]) -> list[dict]:
             else:
                 dim = names[group]
             by_dim[dim] += nbytes
-        params = sum(p.numel() for _, p in trainer.engine.named_parameters()) \
-            if hasattr(trainer.engine, "named_parameters") else 0
-        norms = sum(p.numel() for n, p in trainer.engine.named_parameters()
-                    if trainer.engine.plan[n] is None)
+        params = (
+            sum(p.numel() for _, p in trainer.engine.named_parameters())
+            if hasattr(trainer.engine, "named_parameters")
+            else 0
+        )
+        norms = sum(
+            p.numel()
+            for n, p in trainer.engine.named_parameters()
+            if trainer.engine.plan[n] is None
+        )
         # The gradient norm's scalar all-reduces over TP and PP (4 bytes each) are not in the
         # model: take them out.
         for dim, groups in (("tp", ctx.tp_group), ("pp", ctx.pp_group)):
             if groups is not None:
                 by_dim[dim] -= 2 * (size(groups) - 1) / size(groups) * 4
-        out.append({"sent": dict(by_dim), "params": params, "norms": norms,
-                    "first": trainer.engine.parts.first, "last": trainer.engine.parts.last})
+        out.append(
+            {
+                "sent": dict(by_dim),
+                "params": params,
+                "norms": norms,
+                "first": trainer.engine.parts.first,
+                "last": trainer.engine.parts.last,
+            }
+        )
     return out
 
 
@@ -119,15 +152,21 @@ def test_bytes_sent_per_rank_match_the_documented_formulas() -> None:
         for rank, results in enumerate(ranks):
             got = results[index]
             want = step_comm_bytes(
-                spec.model, Layout.from_spec(spec).replace(micro_batch=1, dtype="fp32"),
+                spec.model,
+                Layout.from_spec(spec).replace(micro_batch=1, dtype="fp32"),
                 blocks=spec.stage_layers[got["first"] and 0 or -1] if p.pp > 1 else None,
-                first_stage=got["first"], last_stage=got["last"],
-                stage_params=got["params"], norm_params=got["norms"])
-            print(f"{p.tp=} {p.cp=} {p.pp=} {p.cp_algorithm} rank {rank}: sent "
-                  + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(got["sent"].items()))
-                  + f"; formula tp {want.tp:,.0f} cp {want.cp:,.0f} pp {want.pp:,.0f} "
-                  f"dp {want.dp:,.0f}")
+                first_stage=got["first"],
+                last_stage=got["last"],
+                stage_params=got["params"],
+                norm_params=got["norms"],
+            )
+            print(
+                f"{p.tp=} {p.cp=} {p.pp=} {p.cp_algorithm} rank {rank}: sent "
+                + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(got["sent"].items()))
+                + f"; formula tp {want.tp:,.0f} cp {want.cp:,.0f} pp {want.pp:,.0f} "
+                f"dp {want.dp:,.0f}"
+            )
             for dim in ("tp", "cp", "pp", "dp"):
-                assert got["sent"].get(dim, 0.0) == pytest.approx(getattr(want, dim),
-                                                                  rel=1e-9, abs=1e-6), \
-                    (dim, rank, got, want)
+                assert got["sent"].get(dim, 0.0) == pytest.approx(
+                    getattr(want, dim), rel=1e-9, abs=1e-6
+                ), (dim, rank, got, want)

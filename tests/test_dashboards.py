@@ -34,8 +34,22 @@ REGENERATE = "python scripts/dev/grafana_dashboard.py"
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
 _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
 _TOKEN = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*|\d[\w.]*")
-_KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left",
-             "group_right", "offset", "bool", "inf", "nan", "atan2"}
+_KEYWORDS = {
+    "and",
+    "or",
+    "unless",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "offset",
+    "bool",
+    "inf",
+    "nan",
+    "atan2",
+}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -49,17 +63,17 @@ def metric_names(expr: str) -> set[str]:
         token = match.group()
         if token[0].isdigit() or token.lower() in _KEYWORDS:
             continue
-        if text[match.end():].lstrip().startswith("("):  # a function or an aggregation
+        if text[match.end() :].lstrip().startswith("("):  # a function or an aggregation
             continue
         names.add(token)
     return names
 
 
 def test_metric_names_reader() -> None:
-    assert metric_names('sum by (run) (increase(a_total{job="$job", x=~"b(c)"}[$__range]))') \
-        == {"a_total"}
-    assert metric_names("time() - b > 600 and b offset 10m > 0 or on() group_left c") \
-        == {"b", "c"}
+    assert metric_names('sum by (run) (increase(a_total{job="$job", x=~"b(c)"}[$__range]))') == {
+        "a_total"
+    }
+    assert metric_names("time() - b > 600 and b offset 10m > 0 or on() group_left c") == {"b", "c"}
     assert metric_names("1 - x:y:z / w{a='q'}") == {"x:y:z", "w"}
 
 
@@ -85,16 +99,26 @@ def test_committed_dashboard_is_current(tmp_path: Path) -> None:
     try:
         import grafana_foundation_sdk  # noqa: F401
     except ImportError:
-        pytest.fail("grafana-foundation-sdk is not installed: pip install -e '.[dev]'",
-                    pytrace=False)
+        pytest.fail(
+            "grafana-foundation-sdk is not installed: pip install -e '.[dev]'", pytrace=False
+        )
     expected = dash.dashboard_json(dash.build_dashboard())
     actual = DASHBOARD.read_text(encoding="utf-8") if DASHBOARD.is_file() else ""
     if actual != expected:
-        diff = difflib.unified_diff(actual.splitlines(), expected.splitlines(),
-                                    "committed", "build_dashboard()", lineterm="", n=2)
-        pytest.fail(f"{DASHBOARD.relative_to(ROOT)} is not what build_dashboard() builds; "
-                    f"regenerate it with `{REGENERATE}` and review the diff:\n"
-                    + "\n".join(list(diff)[:60]), pytrace=False)
+        diff = difflib.unified_diff(
+            actual.splitlines(),
+            expected.splitlines(),
+            "committed",
+            "build_dashboard()",
+            lineterm="",
+            n=2,
+        )
+        pytest.fail(
+            f"{DASHBOARD.relative_to(ROOT)} is not what build_dashboard() builds; "
+            f"regenerate it with `{REGENERATE}` and review the diff:\n"
+            + "\n".join(list(diff)[:60]),
+            pytrace=False,
+        )
     # The command line writes the same bytes.
     out = tmp_path / "dashboard.json"
     dash.main(["--output", str(out)])
@@ -102,12 +126,15 @@ def test_committed_dashboard_is_current(tmp_path: Path) -> None:
 
 
 def test_module_imports_without_the_sdk(committed: dict) -> None:
-    code = ("import sys; sys.modules['grafana_foundation_sdk'] = None\n"
-            f"sys.path.insert(0, {str(DEV_SCRIPTS)!r})\n"
-            "import json, grafana_dashboard as d\n"
-            f"print(len(d.panel_queries(json.load(open({str(DASHBOARD)!r})), {{'job': 'j'}})))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=60, cwd=ROOT)
+    code = (
+        "import sys; sys.modules['grafana_foundation_sdk'] = None\n"
+        f"sys.path.insert(0, {str(DEV_SCRIPTS)!r})\n"
+        "import json, grafana_dashboard as d\n"
+        f"print(len(d.panel_queries(json.load(open({str(DASHBOARD)!r})), {{'job': 'j'}})))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert result.returncode == 0, result.stderr
     assert int(result.stdout) == sum(len(p["targets"]) for p in panels(committed))
 
@@ -128,38 +155,54 @@ def test_variables(committed: dict) -> None:
 REQUIRED_PANELS = {
     "Last step": ("none", ["ctxlaunch_last_step{"]),
     "Time since last step": ("s", ["time() - ", "ctxlaunch_last_step_timestamp_seconds{"]),
-    "MFU, mean over ranks (causal and full conventions)":
-        ("percentunit", ['convention="causal"', 'convention="full"']),
-    "MFU per rank, causal convention":
-        ("percentunit", ["ctxlaunch_mfu_ratio{", 'convention="causal"']),
-    "MFU per rank, full convention":
-        ("percentunit", ["ctxlaunch_mfu_ratio{", 'convention="full"']),
+    "MFU, mean over ranks (causal and full conventions)": (
+        "percentunit",
+        ['convention="causal"', 'convention="full"'],
+    ),
+    "MFU per rank, causal convention": (
+        "percentunit",
+        ["ctxlaunch_mfu_ratio{", 'convention="causal"'],
+    ),
+    "MFU per rank, full convention": ("percentunit", ["ctxlaunch_mfu_ratio{", 'convention="full"']),
     "Tokens/s per GPU": ("short", ["ctxlaunch_tokens_per_second_per_gpu{"]),
-    "Achieved TFLOP/s per GPU, causal convention":
-        ("flops", ["ctxlaunch_model_flops_per_second_per_gpu{", 'convention="causal"']),
-    "Achieved TFLOP/s per GPU, full convention":
-        ("flops", ["ctxlaunch_model_flops_per_second_per_gpu{", 'convention="full"']),
+    "Achieved TFLOP/s per GPU, causal convention": (
+        "flops",
+        ["ctxlaunch_model_flops_per_second_per_gpu{", 'convention="causal"'],
+    ),
+    "Achieved TFLOP/s per GPU, full convention": (
+        "flops",
+        ["ctxlaunch_model_flops_per_second_per_gpu{", 'convention="full"'],
+    ),
     "Step time": ("s", ["ctxlaunch_step_duration_seconds{"]),
     "Loss": ("none", ["ctxlaunch_loss{"]),
-    "Memory per rank against capacity":
-        ("bytes", ["ctxlaunch_memory_peak_allocated_bytes{",
-                   "ctxlaunch_memory_peak_reserved_bytes{",
-                   "ctxlaunch_memory_capacity_bytes{",
-                   "ctxlaunch_planner_predicted_peak_bytes{"]),
-    "Memory headroom per rank":
-        ("percentunit", ["1 - ctxlaunch_memory_peak_reserved_bytes{",
-                         "/ ctxlaunch_memory_capacity_bytes{"]),
+    "Memory per rank against capacity": (
+        "bytes",
+        [
+            "ctxlaunch_memory_peak_allocated_bytes{",
+            "ctxlaunch_memory_peak_reserved_bytes{",
+            "ctxlaunch_memory_capacity_bytes{",
+            "ctxlaunch_planner_predicted_peak_bytes{",
+        ],
+    ),
+    "Memory headroom per rank": (
+        "percentunit",
+        ["1 - ctxlaunch_memory_peak_reserved_bytes{", "/ ctxlaunch_memory_capacity_bytes{"],
+    ),
     "OOM events in the time range": ("none", ["increase(ctxlaunch_oom_events_total{"]),
     "OOM events per rank (increase over 5m)": ("none", ["increase(ctxlaunch_oom_events_total{"]),
-    "OOM events: step, planner prediction, what would fit":
-        ("none", ["ctxlaunch_oom_event_info{", "predicted_peak_bytes", "would_fit"]),
-    "Exposed ring communication per rank (seconds)":
-        ("s", ["ctxlaunch_cp_exposed_comm_seconds{"]),
-    "Exposed ring communication, fraction of step time":
-        ("percentunit", ["ctxlaunch_cp_exposed_comm_seconds{",
-                         "/ ctxlaunch_step_duration_seconds{"]),
-    "Attention kernel per rank":
-        ("none", ["ctxlaunch_attention_kernel_info{", "kernel, chosen_by"]),
+    "OOM events: step, planner prediction, what would fit": (
+        "none",
+        ["ctxlaunch_oom_event_info{", "predicted_peak_bytes", "would_fit"],
+    ),
+    "Exposed ring communication per rank (seconds)": ("s", ["ctxlaunch_cp_exposed_comm_seconds{"]),
+    "Exposed ring communication, fraction of step time": (
+        "percentunit",
+        ["ctxlaunch_cp_exposed_comm_seconds{", "/ ctxlaunch_step_duration_seconds{"],
+    ),
+    "Attention kernel per rank": (
+        "none",
+        ["ctxlaunch_attention_kernel_info{", "kernel, chosen_by"],
+    ),
 }
 
 
@@ -205,7 +248,8 @@ def test_panel_queries_substitutes_variables(committed: dict) -> None:
     queries = dash.panel_queries(committed, {"job": "train-8b", "run": "r1|r2", "rank": "0"})
     assert len(queries) == n_targets
     assert [title for title, _ in queries] == [
-        panel["title"] for panel in panels(committed) for _ in panel["targets"]]
+        panel["title"] for panel in panels(committed) for _ in panel["targets"]
+    ]
     for title, query in queries:
         assert "$" not in query, (title, query)
         assert 'job="train-8b", run=~"r1|r2", rank=~"0"' in query, (title, query)
@@ -223,8 +267,11 @@ def test_panel_queries_substitutes_variables(committed: dict) -> None:
 
 
 def rules(path: Path) -> list[dict]:
-    return [rule for group in yaml.safe_load(path.read_text(encoding="utf-8"))["groups"]
-            for rule in group["rules"]]
+    return [
+        rule
+        for group in yaml.safe_load(path.read_text(encoding="utf-8"))["groups"]
+        for rule in group["rules"]
+    ]
 
 
 def test_rules_use_known_metrics() -> None:
@@ -244,8 +291,12 @@ def test_rules_use_known_metrics() -> None:
 def test_alerts_have_for_severity_and_annotations() -> None:
     alerts = [rule for rule in rules(RULES) if "alert" in rule]
     assert {a["alert"] for a in alerts} == {
-        "CtxlaunchOOM", "CtxlaunchMFULow", "CtxlaunchTrainingStalled",
-        "CtxlaunchMemoryHeadroomLow", "CtxlaunchExposedCommHigh"}
+        "CtxlaunchOOM",
+        "CtxlaunchMFULow",
+        "CtxlaunchTrainingStalled",
+        "CtxlaunchMemoryHeadroomLow",
+        "CtxlaunchExposedCommHigh",
+    }
     for alert in alerts:
         name = alert["alert"]
         assert "for" in alert, name
@@ -289,16 +340,23 @@ def test_recording_rules_aggregate_as_their_level_says() -> None:
 def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.fail("promtool is not installed: run `scripts/services/prometheus.sh install` "
-                    "(as root; it installs Debian's prometheus, which ships promtool)",
-                    pytrace=False)
+        pytest.fail(
+            "promtool is not installed: run `scripts/services/prometheus.sh install` "
+            "(as root; it installs Debian's prometheus, which ships promtool)",
+            pytrace=False,
+        )
     return path
 
 
-@pytest.mark.parametrize("args", [("check", "rules", RULES), ("test", "rules", RULE_TESTS)],
-                         ids=["check-rules", "test-rules"])
+@pytest.mark.parametrize(
+    "args",
+    [("check", "rules", RULES), ("test", "rules", RULE_TESTS)],
+    ids=["check-rules", "test-rules"],
+)
 def test_promtool(args: tuple) -> None:
-    result = subprocess.run([promtool(), *map(str, args)], capture_output=True, text=True,
-                            timeout=60, cwd=ROOT)
+    result = subprocess.run(
+        [promtool(), *map(str, args)], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert result.returncode == 0, (
-        f"promtool {' '.join(map(str, args))} failed:\n{result.stdout}{result.stderr}")
+        f"promtool {' '.join(map(str, args))} failed:\n{result.stdout}{result.stderr}"
+    )

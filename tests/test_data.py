@@ -64,9 +64,11 @@ def tokenizer_json(tiktoken_bpe: Path, tmp_path_factory: pytest.TempPathFactory)
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     specials = ["<|begin_of_text|>", "<|end_of_text|>"] + [
-        f"<|reserved_special_token_{i}|>" for i in range(254)]
-    converted = TikTokenConverter(vocab_file=str(tiktoken_bpe),
-                                  extra_special_tokens=specials).converted()
+        f"<|reserved_special_token_{i}|>" for i in range(254)
+    ]
+    converted = TikTokenConverter(
+        vocab_file=str(tiktoken_bpe), extra_special_tokens=specials
+    ).converted()
     path = tmp_path_factory.mktemp("hf") / "tokenizer.json"
     converted.save(str(path))
     return path
@@ -81,8 +83,12 @@ def megatron_indexed():  # type: ignore[no-untyped-def]
     return indexed_dataset
 
 
-DOCUMENTS = [np.arange(1, 6), np.array([7, 8]), np.array([], dtype=np.int64),
-             np.array([65000, 3, 2])]
+DOCUMENTS = [
+    np.arange(1, 6),
+    np.array([7, 8]),
+    np.array([], dtype=np.int64),
+    np.array([65000, 3, 2]),
+]
 
 
 def write(prefix: Path, documents, dtype=np.uint16) -> Path:  # type: ignore[no-untyped-def]
@@ -135,11 +141,16 @@ def test_we_read_megatron_files(tmp_path: Path) -> None:
     ours = IndexedDataset(tmp_path / "meg.idx")
     assert ours.dtype == np.int32 and ours.sequence_count == 5
     assert [ours.document(i).tolist() for i in range(len(ours))] == [
-        [1, 2, 3, 4, 5], [9, 9, 8], [], [70000, 6]]
+        [1, 2, 3, 4, 5],
+        [9, 9, 8],
+        [],
+        [70000, 6],
+    ]
 
 
-def test_prepare_writes_what_megatron_writes_byte_for_byte(sentencepiece_model: Path,
-                                                           tmp_path: Path) -> None:
+def test_prepare_writes_what_megatron_writes_byte_for_byte(
+    sentencepiece_model: Path, tmp_path: Path
+) -> None:
     """The same tokenized documents through Megatron's builder (as preprocess_data.py drives
     it, with --append-eod) and through `prepare`: identical .bin and .idx bytes."""
     indexed_dataset = megatron_indexed()
@@ -154,8 +165,9 @@ def test_prepare_writes_what_megatron_writes_byte_for_byte(sentencepiece_model: 
         builder.add_document(torch.tensor(ids), [len(ids)])
     builder.finalize(str(tmp_path / "meg.idx"))
     for suffix in (".bin", ".idx"):
-        assert (tmp_path / f"ours{suffix}").read_bytes() == \
-            (tmp_path / f"meg{suffix}").read_bytes(), suffix
+        assert (tmp_path / f"ours{suffix}").read_bytes() == (
+            tmp_path / f"meg{suffix}"
+        ).read_bytes(), suffix
 
 
 def test_a_broken_index_names_the_file(tmp_path: Path) -> None:
@@ -185,8 +197,9 @@ def test_sentencepiece_ids_equal_sentencepiece(sentencepiece_model: Path) -> Non
     ours = load_tokenizer(sentencepiece_model)
     theirs = sentencepiece.SentencePieceProcessor(model_file=str(sentencepiece_model))
     assert ours.kind == "sentencepiece"
-    assert (ours.vocab_size, ours.eod_id) == (theirs.get_piece_size(), theirs.eos_id()) \
-        == (32000, 2)
+    assert (
+        (ours.vocab_size, ours.eod_id) == (theirs.get_piece_size(), theirs.eos_id()) == (32000, 2)
+    )
     assert ours.encode(TEXT) == theirs.encode(TEXT)
 
 
@@ -225,7 +238,7 @@ def test_tokenizer_errors_name_the_path(tmp_path: Path) -> None:
     (tmp_path / "junk.model").write_bytes(b"\x00\xff garbage")
     with pytest.raises(TokenizerError, match=r"junk\.model: not a tiktoken BPE file"):
         load_tokenizer(tmp_path / "junk.model")
-    (tmp_path / "bad.json").write_text("{\"version\": 1}")
+    (tmp_path / "bad.json").write_text('{"version": 1}')
     with pytest.raises(TokenizerError, match=r"bad\.json: not a Hugging Face tokenizer\.json"):
         load_tokenizer(tmp_path / "bad.json")
 
@@ -237,40 +250,53 @@ def test_tokenizer_errors_name_the_path(tmp_path: Path) -> None:
 def inputs(tmp_path: Path) -> list[Path]:
     """A JSON lines file (three documents, one empty, blank lines between) and a text file."""
     jsonl = tmp_path / "docs.jsonl"
-    jsonl.write_text('{"text": "First document."}\n\n{"text": "Second, longer one."}\n'
-                     '{"text": ""}\n')
+    jsonl.write_text(
+        '{"text": "First document."}\n\n{"text": "Second, longer one."}\n{"text": ""}\n'
+    )
     txt = tmp_path / "book.txt"
     txt.write_text(TEXT[:20000])
     return [jsonl, txt]
 
 
-def test_prepare_documents_and_workers(inputs: list[Path], sentencepiece_model: Path,
-                                       tmp_path: Path) -> None:
+def test_prepare_documents_and_workers(
+    inputs: list[Path], sentencepiece_model: Path, tmp_path: Path
+) -> None:
     """Each JSON line and each text file is one document ending in the eos id; the empty record
     is skipped; two worker processes write the same bytes as one."""
     one = prepare(inputs, sentencepiece_model, tmp_path / "out" / "one")
     prepare(inputs, sentencepiece_model, tmp_path / "out" / "two", workers=2)
     tokenizer = load_tokenizer(sentencepiece_model)
-    expected = [tokenizer.encode(t) + [2] for t in
-                ("First document.", "Second, longer one.", TEXT[:20000])]
+    expected = [
+        tokenizer.encode(t) + [2] for t in ("First document.", "Second, longer one.", TEXT[:20000])
+    ]
     data = IndexedDataset(one.bin_path)
     assert [data.document(i).tolist() for i in range(len(data))] == expected
     assert (one.documents, one.empty_skipped, one.tokens) == (3, 1, sum(map(len, expected)))
     assert one.tokens_per_second > 0
     for suffix in (".bin", ".idx"):
-        assert (tmp_path / "out" / f"one{suffix}").read_bytes() == \
-            (tmp_path / "out" / f"two{suffix}").read_bytes()
+        assert (tmp_path / "out" / f"one{suffix}").read_bytes() == (
+            tmp_path / "out" / f"two{suffix}"
+        ).read_bytes()
     assert sorted(os.listdir(tmp_path / "out")) == ["one.bin", "one.idx", "two.bin", "two.idx"]
 
 
 @pytest.mark.parametrize("case", ["missing field", "empty file", "vocab", "not utf-8"])
-def test_prepare_bad_input_exits_2_and_writes_nothing(case: str, inputs: list[Path],
-                                                       sentencepiece_model: Path,
-                                                       tmp_path: Path) -> None:
+def test_prepare_bad_input_exits_2_and_writes_nothing(
+    case: str, inputs: list[Path], sentencepiece_model: Path, tmp_path: Path
+) -> None:
     """Bad input through the CLI: exit 2, a message naming the input and the reason, and no
     file (not even a temporary one) left in the output directory."""
-    args = ["data", "prepare", *map(str, inputs), "--tokenizer", str(sentencepiece_model),
-            "-o", str(tmp_path / "out" / "x"), "--workers", "2"]
+    args = [
+        "data",
+        "prepare",
+        *map(str, inputs),
+        "--tokenizer",
+        str(sentencepiece_model),
+        "-o",
+        str(tmp_path / "out" / "x"),
+        "--workers",
+        "2",
+    ]
     if case == "missing field":
         args += ["--json-field", "body"]
         expected = "docs.jsonl:1: no field 'body'"
@@ -292,30 +318,54 @@ def test_prepare_bad_input_exits_2_and_writes_nothing(case: str, inputs: list[Pa
     assert os.listdir(tmp_path / "out") == []
 
 
-def test_prepare_vocab_from_a_spec(inputs: list[Path], sentencepiece_model: Path,
-                                   tmp_path: Path) -> None:
+def test_prepare_vocab_from_a_spec(
+    inputs: list[Path], sentencepiece_model: Path, tmp_path: Path
+) -> None:
     """--spec takes the model's vocabulary from a job spec: the tiny model's 256 ids cannot
     hold Mistral's 32000 (exit 2, naming model.vocab)."""
     spec = tmp_path / "job.yaml"
     spec.write_text(json.dumps(spec_with({})))
-    result = CliRunner().invoke(app, ["data", "prepare", str(inputs[0]), "--tokenizer",
-                                      str(sentencepiece_model), "-o", str(tmp_path / "x"),
-                                      "--spec", str(spec)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "data",
+            "prepare",
+            str(inputs[0]),
+            "--tokenizer",
+            str(sentencepiece_model),
+            "-o",
+            str(tmp_path / "x"),
+            "--spec",
+            str(spec),
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert "larger than the model's 256 (model.vocab)" in " ".join(result.output.split())
 
 
-def test_prepare_cli_reports_tokens_per_second(inputs: list[Path], sentencepiece_model: Path,
-                                               tmp_path: Path) -> None:
+def test_prepare_cli_reports_tokens_per_second(
+    inputs: list[Path], sentencepiece_model: Path, tmp_path: Path
+) -> None:
     """The command's closing line: documents, tokens and tokens/s."""
-    result = CliRunner().invoke(app, ["data", "prepare", *map(str, inputs), "--tokenizer",
-                                      str(sentencepiece_model), "-o", str(tmp_path / "x")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "data",
+            "prepare",
+            *map(str, inputs),
+            "--tokenizer",
+            str(sentencepiece_model),
+            "-o",
+            str(tmp_path / "x"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "3 documents, 1 empty skipped" in result.output and "tokens/s" in result.output
 
 
-def test_prepare_error_for_an_unknown_tokenizer_is_bad_input(inputs: list[Path],
-                                                             tmp_path: Path) -> None:
+def test_prepare_error_for_an_unknown_tokenizer_is_bad_input(
+    inputs: list[Path], tmp_path: Path
+) -> None:
     """A tokenizer path that does not exist is exit 2, naming it."""
     with pytest.raises(TokenizerError, match="nope.model: no such file"):
         prepare(inputs, tmp_path / "nope.model", tmp_path / "x")
@@ -344,8 +394,8 @@ def test_sequences_are_fixed_offsets_of_the_training_stream(tmp_path: Path) -> N
     owner = np.repeat(np.arange(len(data)), data.document_lengths())
     for j in (5, 0, 3, 17):
         packed = source.packed(j)
-        assert packed.tokens.tolist() == stream[j * 64: j * 64 + 65].tolist()
-        assert packed.document_ids.tolist() == owner[j * 64: j * 64 + 65].tolist()
+        assert packed.tokens.tolist() == stream[j * 64 : j * 64 + 65].tolist()
+        assert packed.document_ids.tolist() == owner[j * 64 : j * 64 + 65].tolist()
         starts = packed.document_starts
         assert starts[0] == 0 and all(packed.tokens[s - 1] == 0 for s in starts[1:])
     again = PackedTokens([prefix], None, seq_len=64, vocab=256)
@@ -362,8 +412,11 @@ def test_held_out_documents_are_never_trained_on(tmp_path: Path) -> None:
     held = held_out(400, 0.25)
     assert 70 < held.sum() < 130 and np.array_equal(held, held_out(400, 0.25))
     assert np.array_equal(held[:100], held_out(100, 0.25))  # appending moves nothing
-    seen = np.unique(np.concatenate([source.packed(j).document_ids
-                                     for j in range(source.files[0].sequence_count)]))
+    seen = np.unique(
+        np.concatenate(
+            [source.packed(j).document_ids for j in range(source.files[0].sequence_count)]
+        )
+    )
     assert not set(seen.tolist()) & set(np.flatnonzero(held).tolist())
     assert len(seen) == 400 - held.sum()
     assert [d for d, _ in source.files[0].eval_documents()] == np.flatnonzero(held).tolist()
@@ -376,8 +429,9 @@ def test_blend_follows_the_weights(tmp_path: Path) -> None:
     picks = [schedule(i) for i in range(2 * schedule.period)]
     firsts = [local for f, local in picks if f == 0]
     assert len(firsts) == 3 * schedule.period // 2 and firsts == list(range(len(firsts)))
-    source = PackedTokens([corpus(tmp_path, "a"), corpus(tmp_path, "b", seed=1)], [3, 1],
-                          seq_len=32, vocab=256)
+    source = PackedTokens(
+        [corpus(tmp_path, "a"), corpus(tmp_path, "b", seed=1)], [3, 1], seq_len=32, vocab=256
+    )
     assert [source.packed(i).file for i in range(4)].count(0) == 3
 
 
@@ -390,10 +444,12 @@ def test_token_ids_beyond_the_model_vocabulary_are_refused(tmp_path: Path) -> No
 
 def spec_with(data: dict) -> dict:
     """The tiny local job with `data` as training.data."""
-    return {"name": "tokens", "model": {"preset": "tiny", "dtype": "fp32"},
-            "training": {"seq_len": 64, "global_batch": 2, "steps": 2, "seed": 3,
-                         "data": data},
-            "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1}}
+    return {
+        "name": "tokens",
+        "model": {"preset": "tiny", "dtype": "fp32"},
+        "training": {"seq_len": 64, "global_batch": 2, "steps": 2, "seed": 3, "data": data},
+        "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1},
+    }
 
 
 def test_spec_validation_names_the_field(tmp_path: Path) -> None:
@@ -401,12 +457,21 @@ def test_spec_validation_names_the_field(tmp_path: Path) -> None:
     prefix = str(corpus(tmp_path))
     validate_spec(spec_with({"source": "tokens", "path": prefix + ".idx"}))
     cases = [
-        ({"source": "tokens", "paths": [prefix, prefix], "weights": [1.0]},
-         "training.data.weights", "one weight per path"),
-        ({"source": "tokens", "path": prefix, "paths": [prefix]}, "training.data.path",
-         "exactly one of"),
-        ({"source": "synthetic", "paths": [prefix]}, "training.data.paths",
-         "needs data.source = tokens"),
+        (
+            {"source": "tokens", "paths": [prefix, prefix], "weights": [1.0]},
+            "training.data.weights",
+            "one weight per path",
+        ),
+        (
+            {"source": "tokens", "path": prefix, "paths": [prefix]},
+            "training.data.path",
+            "exactly one of",
+        ),
+        (
+            {"source": "synthetic", "paths": [prefix]},
+            "training.data.paths",
+            "needs data.source = tokens",
+        ),
     ]
     for data, field, message in cases:
         with pytest.raises(SpecError) as caught:
@@ -433,8 +498,16 @@ def _train_tokens(rank: int, world: int, spec_data: dict) -> list[float]:
     from ctxlaunch.runtime.trainer.parallelize import build_context
 
     spec = validate_spec(spec_data)
-    ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=1, ulysses=1,
-                        cp_sharding=spec.parallel.cp_sharding, tp=1, pp=1)
+    ctx = build_context(
+        rank=rank,
+        world_size=world,
+        dp=spec.dp,
+        cp=1,
+        ulysses=1,
+        cp_sharding=spec.parallel.cp_sharding,
+        tp=1,
+        pp=1,
+    )
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     return [trainer.train_step().loss for _ in range(spec.training.steps)]
 
@@ -446,12 +519,22 @@ def test_the_trainer_trains_on_tokens(tmp_path: Path) -> None:
     from ctxlaunch.runtime.trainer.batches import Batches, make_source
 
     prefix = str(corpus(tmp_path))
-    spec_data = validate_spec(spec_with({"source": "tokens", "path": prefix,
-                                         "eval_fraction": 0.1})).model_dump(mode="json")
+    spec_data = validate_spec(
+        spec_with({"source": "tokens", "path": prefix, "eval_fraction": 0.1})
+    ).model_dump(mode="json")
     spec = validate_spec(spec_data)
     source = make_source(spec.training.data, 256, 64, 3)
-    batch = Batches(source, seq_len=64, micro_batch=1, global_batch=2, dp=1, dp_rank=0, cp=1,
-                    cp_rank=0, cp_sharding="contiguous").get(0, 1)
+    batch = Batches(
+        source,
+        seq_len=64,
+        micro_batch=1,
+        global_batch=2,
+        dp=1,
+        dp_rank=0,
+        cp=1,
+        cp_rank=0,
+        cp_sharding="contiguous",
+    ).get(0, 1)
     assert torch.equal(batch.tokens[0], source.sequence(1)[:-1])
     losses = run_distributed(_train_tokens, 1, spec_data, timeout_s=240)[0]
     assert len(losses) == 2 and all(np.isfinite(losses))

@@ -38,15 +38,19 @@ def test_step_time_attention_follows_the_attended_fraction() -> None:
     masked = predict(LLAMA_8B, layout.replace(attended_fraction=fraction), machine)
     tile = machine.causal_tile_tokens / 131072
     assert masked.terms["compute_attention"] == pytest.approx(
-        plain.terms["compute_attention"] * (fraction + tile) / (1 + tile))
+        plain.terms["compute_attention"] * (fraction + tile) / (1 + tile)
+    )
     assert masked.terms["compute_matmul"] == plain.terms["compute_matmul"]
     assert masked.step_seconds < plain.step_seconds
 
 
 def _spec(data: dict) -> dict:
-    return {"name": "x", "model": {"preset": "tiny"},
-            "training": {"seq_len": 4096, "data": data},
-            "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1}}
+    return {
+        "name": "x",
+        "model": {"preset": "tiny"},
+        "training": {"seq_len": 4096, "data": data},
+        "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1},
+    }
 
 
 def test_the_spec_carries_the_document_length_to_the_layout(tmp_path) -> None:
@@ -62,6 +66,8 @@ def test_the_spec_carries_the_document_length_to_the_layout(tmp_path) -> None:
     spec = validate_spec(_spec(data | {"mean_document_tokens": 1024}))
     assert Layout.from_spec(spec).attended_fraction == pytest.approx(1025 / 4097)
     with pytest.raises(SpecError) as caught:
-        validate_spec(_spec({"source": "tokens", "path": str(prefix), "mean_document_tokens": 1024}))
+        validate_spec(
+            _spec({"source": "tokens", "path": str(prefix), "mean_document_tokens": 1024})
+        )
     assert "training.data.mean_document_tokens" in str(caught.value)
     assert "document_mask: true" in str(caught.value)

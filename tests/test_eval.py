@@ -73,19 +73,27 @@ def test_evaluation_during_training_with_a_pipeline_is_refused() -> None:
     from ctxlaunch.contract.loader import SpecError
 
     with pytest.raises(SpecError, match=r"training\.eval\.interval.*pp = 1"):
-        validate_spec(base_spec(**{"training.eval.interval": 1, "parallel.pp": 2,
-                                   "cluster.gpus_per_node": 2}))
+        validate_spec(
+            base_spec(**{"training.eval.interval": 1, "parallel.pp": 2, "cluster.gpus_per_node": 2})
+        )
 
 
 BASE = {
     "name": "evaltest",
     "model": {"preset": "tiny", "dtype": "fp32"},
-    "training": {"seq_len": 512, "steps": 2, "seed": 3, "log_interval": 1,
-                 "optimizer": {"lr": 3e-3},
-                 "data": {"source": "text", "path": str(TEXT)},
-                 "eval": {"sequences": 3, "buckets": 3,
-                          "passkey": {"lengths": [320, 512], "depths": [0.0, 1.0],
-                                      "trials": 1}}},
+    "training": {
+        "seq_len": 512,
+        "steps": 2,
+        "seed": 3,
+        "log_interval": 1,
+        "optimizer": {"lr": 3e-3},
+        "data": {"source": "text", "path": str(TEXT)},
+        "eval": {
+            "sequences": 3,
+            "buckets": 3,
+            "passkey": {"lengths": [320, 512], "depths": [0.0, 1.0], "trials": 1},
+        },
+    },
     "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1},
 }
 
@@ -99,8 +107,14 @@ def _train_and_save(rank: int, world: int, spec_data: dict) -> None:
     from ctxlaunch.runtime.trainer.parallelize import build_context
 
     spec = validate_spec(spec_data)
-    ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=spec.parallel.cp,
-                        ulysses=spec.ulysses_degree, cp_sharding=spec.parallel.cp_sharding)
+    ctx = build_context(
+        rank=rank,
+        world_size=world,
+        dp=spec.dp,
+        cp=spec.parallel.cp,
+        ulysses=spec.ulysses_degree,
+        cp_sharding=spec.parallel.cp_sharding,
+    )
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     trainer.run()
 
@@ -110,8 +124,7 @@ def checkpoint(tmp_path_factory) -> Path:
     """A tiny model trained two steps on byte-level text, checkpointed."""
     directory = tmp_path_factory.mktemp("eval") / "ckpt"
     data = base_spec(**{"training.checkpoint.dir": str(directory)})
-    run_distributed(_train_and_save, 1, validate_spec(data).model_dump(mode="json"),
-                    timeout_s=120)
+    run_distributed(_train_and_save, 1, validate_spec(data).model_dump(mode="json"), timeout_s=120)
     return directory / "step-00000002"
 
 
@@ -124,12 +137,20 @@ def _evaluate(rank: int, world: int, spec_data: dict, path: str | None = None) -
 
     spec = validate_spec(spec_data)
     p = spec.parallel
-    ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                        ulysses=spec.ulysses_degree, cp_sharding=p.cp_sharding, tp=p.tp)
+    ctx = build_context(
+        rank=rank,
+        world_size=world,
+        dp=spec.dp,
+        cp=p.cp,
+        ulysses=spec.ulysses_degree,
+        cp_sharding=p.cp_sharding,
+        tp=p.tp,
+    )
     with torch.device("meta"):
         model = Transformer.from_spec(spec.model)
-    parts = parallelize(model, ctx=ctx, settings=ParallelSettings.from_spec(spec),
-                        device=torch.device("cpu"))
+    parts = parallelize(
+        model, ctx=ctx, settings=ParallelSettings.from_spec(spec), device=torch.device("cpu")
+    )
     if path is not None:
         load_weights(parts, spec, ctx, torch.device("cpu"), Path(path))
     return Evaluator(spec, ctx, parts.model, torch.device("cpu")).run().to_dict()
@@ -137,8 +158,9 @@ def _evaluate(rank: int, world: int, spec_data: dict, path: str | None = None) -
 
 def evaluate(world: int, path: Path, **changes) -> EvalResult:
     data = validate_spec(base_spec(**{"cluster.gpus_per_node": world}, **changes))
-    values = run_distributed(_evaluate, world, data.model_dump(mode="json"), str(path),
-                             timeout_s=180)
+    values = run_distributed(
+        _evaluate, world, data.model_dump(mode="json"), str(path), timeout_s=180
+    )
     assert all(v == values[0] for v in values)  # every rank has the job's totals
     return EvalResult.from_dict(values[0])
 
@@ -158,8 +180,9 @@ def direct_scores(checkpoint: Path) -> tuple[list[float], list[list[bool]]]:
 
     spec = validate_spec(base_spec())
     model = Transformer.from_spec(spec.model)
-    CheckpointState(list(model.named_parameters()), None, None, shardings(model), 1, None,
-                    torch.device("cpu")).load(checkpoint)
+    CheckpointState(
+        list(model.named_parameters()), None, None, shardings(model), 1, None, torch.device("cpu")
+    ).load(checkpoint)
     data = held_out(spec)
     positions = torch.arange(spec.training.seq_len)
     losses = []
@@ -184,15 +207,20 @@ def test_single_process_evaluation_is_the_direct_forward(checkpoint, single) -> 
     assert single.tokens == len(losses) == 3 * 512
     assert single.loss == pytest.approx(sum(losses) / len(losses), rel=1e-6)
     edges = bucket_edges(512, 3)
-    for bucket, (start, stop) in zip(single.buckets, zip(edges, edges[1:], strict=False),
-                                     strict=True):
+    for bucket, (start, stop) in zip(
+        single.buckets, zip(edges, edges[1:], strict=False), strict=True
+    ):
         mine = [loss for i, loss in enumerate(losses) if start <= i % 512 < stop]
         assert (bucket.start, bucket.stop, bucket.tokens) == (start, stop, len(mine))
         assert bucket.loss == pytest.approx(sum(mine) / len(mine), rel=1e-6)
         assert bucket.perplexity == pytest.approx(math.exp(bucket.loss))
     # Cells in order: (320, 0.0), (320, 1.0), (512, 0.0), (512, 1.0), one trial each.
     assert [(c.length, c.depth, c.trials) for c in single.passkey] == [
-        (320, 0.0, 1), (320, 1.0, 1), (512, 0.0, 1), (512, 1.0, 1)]
+        (320, 0.0, 1),
+        (320, 1.0, 1),
+        (512, 0.0, 1),
+        (512, 1.0, 1),
+    ]
     for cell, probe_hits in zip(single.passkey, hits, strict=True):
         assert cell.retrieved == int(all(probe_hits))
         assert cell.token_accuracy == pytest.approx(sum(probe_hits) / len(probe_hits))
@@ -207,8 +235,9 @@ LAYOUTS = [
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", LAYOUTS, ids=lambda c: "-".join(f"{k.split('.')[-1]}={v}"
-                                                               for k, v in c[1].items()))
+@pytest.mark.parametrize(
+    "case", LAYOUTS, ids=lambda c: "-".join(f"{k.split('.')[-1]}={v}" for k, v in c[1].items())
+)
 def test_every_layout_scores_what_one_process_scores(case, checkpoint, single) -> None:
     world, changes = case
     got = evaluate(world, checkpoint, **changes)
@@ -217,8 +246,9 @@ def test_every_layout_scores_what_one_process_scores(case, checkpoint, single) -
     for mine, theirs in zip(got.buckets, single.buckets, strict=True):
         assert (mine.start, mine.stop, mine.tokens) == (theirs.start, theirs.stop, theirs.tokens)
         assert mine.loss == pytest.approx(theirs.loss, rel=1e-5)
-    assert [(c.retrieved, round(c.token_accuracy, 6)) for c in got.passkey] == \
-        [(c.retrieved, round(c.token_accuracy, 6)) for c in single.passkey]
+    assert [(c.retrieved, round(c.token_accuracy, 6)) for c in got.passkey] == [
+        (c.retrieved, round(c.token_accuracy, 6)) for c in single.passkey
+    ]
 
 
 def _train_with_eval(rank: int, world: int, spec_data: dict, run_dir: str) -> list[dict]:
@@ -226,11 +256,18 @@ def _train_with_eval(rank: int, world: int, spec_data: dict, run_dir: str) -> li
     from ctxlaunch.runtime.trainer.parallelize import build_context
 
     spec = validate_spec(spec_data)
-    ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=spec.parallel.cp,
-                        ulysses=spec.ulysses_degree, cp_sharding=spec.parallel.cp_sharding)
+    ctx = build_context(
+        rank=rank,
+        world_size=world,
+        dp=spec.dp,
+        cp=spec.parallel.cp,
+        ulysses=spec.ulysses_degree,
+        cp_sharding=spec.parallel.cp_sharding,
+    )
     seen: list[dict] = []
-    trainer = Trainer(spec, ctx, torch.device("cpu"), Path(run_dir) if rank == 0 else None,
-                      log=lambda _: None)
+    trainer = Trainer(
+        spec, ctx, torch.device("cpu"), Path(run_dir) if rank == 0 else None, log=lambda _: None
+    )
     trainer.run(eval_observers=[lambda result: seen.append(result.to_dict())])
     return seen
 
@@ -239,10 +276,19 @@ def _train_with_eval(rank: int, world: int, spec_data: dict, run_dir: str) -> li
 def test_evaluation_every_interval_during_training(tmp_path) -> None:
     from ctxlaunch.contract.events import read_events
 
-    data = validate_spec(base_spec(**{"training.steps": 4, "training.eval.interval": 2,
-                                      "parallel.cp": 2, "cluster.gpus_per_node": 2}))
-    seen = run_distributed(_train_with_eval, 2, data.model_dump(mode="json"), str(tmp_path),
-                           timeout_s=240)
+    data = validate_spec(
+        base_spec(
+            **{
+                "training.steps": 4,
+                "training.eval.interval": 2,
+                "parallel.cp": 2,
+                "cluster.gpus_per_node": 2,
+            }
+        )
+    )
+    seen = run_distributed(
+        _train_with_eval, 2, data.model_dump(mode="json"), str(tmp_path), timeout_s=240
+    )
     assert [r["step"] for r in seen[0]] == [2, 4] and seen[0] == seen[1]
     written = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert written == seen[0]
@@ -257,10 +303,18 @@ def test_telemetry_exports_the_evaluation() -> None:
 
     spec = validate_spec(base_spec(**{"telemetry.prometheus": "off"}))
     telemetry = TrainingTelemetry(spec, rank=0, local_rank=0, device=torch.device("cpu"))
-    result = EvalResult(step=6, sequences=1, tokens=512, loss=2.5, perplexity=math.exp(2.5),
-                        buckets=[Bucket(0, 256, 256, 3.0, math.exp(3.0)),
-                                 Bucket(256, 512, 256, 2.0, math.exp(2.0))],
-                        passkey=[PasskeyCell(512, 0.5, 2, 1, 0.75)])
+    result = EvalResult(
+        step=6,
+        sequences=1,
+        tokens=512,
+        loss=2.5,
+        perplexity=math.exp(2.5),
+        buckets=[
+            Bucket(0, 256, 256, 3.0, math.exp(3.0)),
+            Bucket(256, 512, 256, 2.0, math.exp(2.0)),
+        ],
+        passkey=[PasskeyCell(512, 0.5, 2, 1, 0.75)],
+    )
     telemetry.on_eval(result)
     exporter = telemetry.exporter
 
@@ -280,11 +334,24 @@ def test_the_eval_command_runs_the_layout_through_torchrun(tmp_path, checkpoint,
     import yaml
 
     spec_path = tmp_path / "spec.yaml"
-    spec_path.write_text(yaml.safe_dump(base_spec(**{
-        "training.checkpoint.dir": str(checkpoint.parent), "parallel.cp": 2,
-        "cluster.gpus_per_node": 2})))
-    done = subprocess.run([CTXLAUNCH, "eval", str(spec_path), "--json"],
-                          capture_output=True, text=True, timeout=240, check=False)
+    spec_path.write_text(
+        yaml.safe_dump(
+            base_spec(
+                **{
+                    "training.checkpoint.dir": str(checkpoint.parent),
+                    "parallel.cp": 2,
+                    "cluster.gpus_per_node": 2,
+                }
+            )
+        )
+    )
+    done = subprocess.run(
+        [CTXLAUNCH, "eval", str(spec_path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["checkpoint"] == str(checkpoint)
@@ -303,10 +370,16 @@ def test_the_eval_command_without_a_checkpoint_says_so(tmp_path) -> None:
     import yaml
 
     spec_path = tmp_path / "spec.yaml"
-    spec_path.write_text(yaml.safe_dump(base_spec(**{
-        "training.checkpoint.dir": str(tmp_path / "none")})))
-    done = subprocess.run([CTXLAUNCH, "eval", str(spec_path)],
-                          capture_output=True, text=True, timeout=240, check=False)
+    spec_path.write_text(
+        yaml.safe_dump(base_spec(**{"training.checkpoint.dir": str(tmp_path / "none")}))
+    )
+    done = subprocess.run(
+        [CTXLAUNCH, "eval", str(spec_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert done.returncode == 2
     assert "no checkpoint to evaluate" in done.stderr
 
@@ -334,13 +407,21 @@ def test_document_masked_evaluation_scores_each_document_alone(tmp_path) -> None
     from ctxlaunch.runtime.trainer.model import Transformer
 
     prefix = packed_corpus(tmp_path / "docs")
-    changes = {"training.data": {"source": "tokens", "path": str(prefix), "eval_fraction": 0.5,
-                                 "document_mask": True},
-               "training.eval.passkey": {"enabled": False}, "training.seq_len": 256,
-               "training.eval.sequences": 2}
+    changes = {
+        "training.data": {
+            "source": "tokens",
+            "path": str(prefix),
+            "eval_fraction": 0.5,
+            "document_mask": True,
+        },
+        "training.eval.passkey": {"enabled": False},
+        "training.seq_len": 256,
+        "training.eval.sequences": 2,
+    }
     spec = validate_spec(base_spec(**changes))
-    got = EvalResult.from_dict(run_distributed(_evaluate, 1, spec.model_dump(mode="json"),
-                                               timeout_s=120)[0])
+    got = EvalResult.from_dict(
+        run_distributed(_evaluate, 1, spec.model_dump(mode="json"), timeout_s=120)[0]
+    )
     model = Transformer.from_spec(spec.model)
     model.init_weights(spec.training.seed)
     data = held_out(spec)
@@ -368,10 +449,16 @@ def test_document_masked_evaluation_scores_each_document_alone(tmp_path) -> None
     for bucket, total, count in zip(got.buckets, sums, counts, strict=True):
         assert bucket.loss == pytest.approx(total / count, rel=1e-5)
     assert "no passkey" not in (got.passkey_note or "") and got.passkey == []
-    ring = EvalResult.from_dict(run_distributed(
-        _evaluate, 2, validate_spec(base_spec(**changes, **{
-            "parallel.cp": 2, "cluster.gpus_per_node": 2})).model_dump(mode="json"),
-        timeout_s=180)[0])
+    ring = EvalResult.from_dict(
+        run_distributed(
+            _evaluate,
+            2,
+            validate_spec(
+                base_spec(**changes, **{"parallel.cp": 2, "cluster.gpus_per_node": 2})
+            ).model_dump(mode="json"),
+            timeout_s=180,
+        )[0]
+    )
     assert [b.tokens for b in ring.buckets] == counts
     for mine, theirs in zip(ring.buckets, got.buckets, strict=True):
         assert mine.loss == pytest.approx(theirs.loss, rel=1e-5)

@@ -34,17 +34,22 @@ def test_a_lost_event_never_fails_the_job(tmp_path: Path) -> None:
 
 
 def test_the_batch_scripts_requeue_line_writes_the_same_event(tmp_path: Path) -> None:
-    line = events.requeue_printf(f'"{tmp_path}"/{events.EVENTS_FILE}', "restarts", "cause",
-                                 "status")
-    script = ('set -euo pipefail; restarts=1; cause="SIGUSR1 to the batch script"; status=75; '
-              + line + "; " + line.replace(str(tmp_path), str(tmp_path / "missing" / "x"))
-              + "; echo alive")
+    line = events.requeue_printf(
+        f'"{tmp_path}"/{events.EVENTS_FILE}', "restarts", "cause", "status"
+    )
+    script = (
+        'set -euo pipefail; restarts=1; cause="SIGUSR1 to the batch script"; status=75; '
+        + line
+        + "; "
+        + line.replace(str(tmp_path), str(tmp_path / "missing" / "x"))
+        + "; echo alive"
+    )
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
     assert result.stdout == "alive\n" and result.stderr == ""
     (requeue,) = events.read_events(tmp_path)
     assert requeue.kind == events.REQUEUE
     assert requeue.fields == {"restart": 1, "cause": "SIGUSR1 to the batch script", "exit": 75}
-    expected = events.parse_events([events.event_line(events.REQUEUE, restart=1,
-                                                      cause="SIGUSR1 to the batch script",
-                                                      exit=75)])
+    expected = events.parse_events(
+        [events.event_line(events.REQUEUE, restart=1, cause="SIGUSR1 to the batch script", exit=75)]
+    )
     assert expected[0].fields == requeue.fields

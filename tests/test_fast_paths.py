@@ -12,8 +12,14 @@ from ctxlaunch.runtime.trainer import fastpath
 BASE = {
     "name": "fast",
     "model": {"preset": "tiny", "dtype": "fp32"},
-    "training": {"seq_len": 128, "micro_batch": 1, "global_batch": 1, "steps": 3, "seed": 3,
-                 "optimizer": {"lr": 3e-3, "warmup_steps": 1, "weight_decay": 0.1}},
+    "training": {
+        "seq_len": 128,
+        "micro_batch": 1,
+        "global_batch": 1,
+        "steps": 3,
+        "seed": 3,
+        "optimizer": {"lr": 3e-3, "warmup_steps": 1, "weight_decay": 0.1},
+    },
     "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1},
 }
 
@@ -23,8 +29,16 @@ def _trainer(*overrides: str):
     from ctxlaunch.runtime.trainer.parallelize import build_context
 
     spec = validate_spec(apply_overrides(BASE, list(overrides)))
-    ctx = build_context(rank=0, world_size=1, dp=1, cp=1, ulysses=1, cp_sharding=spec.parallel.cp_sharding,
-                        tp=1, pp=1)
+    ctx = build_context(
+        rank=0,
+        world_size=1,
+        dp=1,
+        cp=1,
+        ulysses=1,
+        cp_sharding=spec.parallel.cp_sharding,
+        tp=1,
+        pp=1,
+    )
     return Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
 
 
@@ -62,16 +76,22 @@ def test_fused_adamw_matches_foreach() -> None:
     # lr; a wrong update (a missed bias correction, weight decay, step) is off by lr itself.
     lr = BASE["training"]["optimizer"]["lr"]
     for name, weight in fused_weights.items():
-        torch.testing.assert_close(weight, foreach_weights[name], rtol=1e-5, atol=1e-3 * lr,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            weight,
+            foreach_weights[name],
+            rtol=1e-5,
+            atol=1e-3 * lr,
+            msg=lambda m, n=name: f"{n}: {m}",
+        )
 
 
 def _loss_and_grads(model, tokens, positions, targets):
     model.zero_grad(set_to_none=True)
     loss = model(tokens, positions, targets)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                           if p.grad is not None}
+    return loss.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def test_compiled_pointwise_matches_eager() -> None:
@@ -83,8 +103,17 @@ def test_compiled_pointwise_matches_eager() -> None:
     from ctxlaunch.runtime.trainer.model import Transformer
 
     torch.manual_seed(0)
-    model = Transformer(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=160, vocab=96,
-                        rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False)
+    model = Transformer(
+        layers=2,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        ffn_hidden=160,
+        vocab=96,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        tie_embeddings=False,
+    )
     model.init_weights(seed=1)
     generator = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, 96, (1, 96), generator=generator)
@@ -101,13 +130,19 @@ def test_compiled_pointwise_matches_eager() -> None:
             torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
             assert grads.keys() == eager_grads.keys()
             for name, grad in grads.items():
-                torch.testing.assert_close(grad, eager_grads[name], rtol=1e-4, atol=1e-6,
-                                           msg=lambda m, n=name: f"{mode} {n}: {m}")
+                torch.testing.assert_close(
+                    grad,
+                    eager_grads[name],
+                    rtol=1e-4,
+                    atol=1e-6,
+                    msg=lambda m, n=name: f"{mode} {n}: {m}",
+                )
     finally:
         model_module.set_compiled(False)
     # The compiled path did run: dynamo captured a graph for each of the five pointwise
     # functions (more for RoPE's q and k shapes and the partial shapes), with no graph break.
     counters = torch._dynamo.utils.counters
-    assert counters["stats"]["unique_graphs"] >= len(model_module._EAGER_POINTWISE), \
-        dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] >= len(model_module._EAGER_POINTWISE), dict(
+        counters["stats"]
+    )
     assert not counters["graph_break"], dict(counters["graph_break"])

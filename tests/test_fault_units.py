@@ -31,7 +31,8 @@ def test_a_stale_heartbeat_names_the_hung_rank(tmp_path: Path) -> None:
     os.utime(heartbeat.path(tmp_path, 2), (old, old))
     assert heartbeat.describe_hang(tmp_path, 0, 3, 20) == (
         "rank 2 (silent 30 s) hung: stopped or stuck, not dead; rank 0 gave up waiting for it "
-        "after the collective timeout (training.timeout_seconds = 20)")
+        "after the collective timeout (training.timeout_seconds = 20)"
+    )
     os.utime(heartbeat.path(tmp_path, 2))
     assert heartbeat.describe_hang(tmp_path, 0, 3, 20) is None  # a dead peer: no one is hung
 
@@ -50,20 +51,24 @@ def test_disk_full_is_found_in_wrapped_errors(tmp_path: Path) -> None:
 
 
 def test_a_stop_signal_during_start_up_does_not_kill_the_rank(tmp_path: Path) -> None:
-    code = ("import os, signal, time\n"
-            "from ctxlaunch.runtime.trainer import stopsignal\n"
-            "stopsignal.install()\n"
-            "os.kill(os.getpid(), signal.SIGUSR1)\n"
-            "time.sleep(0.1)\n"
-            "print(stopsignal.received() == signal.SIGUSR1)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=60)
+    code = (
+        "import os, signal, time\n"
+        "from ctxlaunch.runtime.trainer import stopsignal\n"
+        "stopsignal.install()\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "time.sleep(0.1)\n"
+        "print(stopsignal.received() == signal.SIGUSR1)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0 and result.stdout.strip() == "True", result.stderr
     assert stopsignal.STOP_SIGNALS == (signal.SIGUSR1, signal.SIGTERM)
 
 
-def _wait_beside_a_silent_peer(rank: int, world_size: int, group: str, answered: str,
-                               timeout_s: int) -> str | None:
+def _wait_beside_a_silent_peer(
+    rank: int, world_size: int, group: str, answered: str, timeout_s: int
+) -> str | None:
     comm.set_wait_timeout(timeout_s)  # what the trainer does before it builds its groups
     if group == "deepspeed":  # ZeRO's gradients go over DeepSpeed's own copy of the world
         from deepspeed.utils import groups
@@ -71,9 +76,16 @@ def _wait_beside_a_silent_peer(rank: int, world_size: int, group: str, answered:
         init_deepspeed("gloo")
         target = groups._get_data_parallel_group()
     else:
-        ctx = build_context(rank=rank, world_size=world_size, dp=2 if group == "dp" else 1,
-                            cp=2 if group == "cp" else 1, ulysses=1, cp_sharding="zigzag",
-                            tp=2 if group == "tp" else 1, pp=2 if group == "pp" else 1)
+        ctx = build_context(
+            rank=rank,
+            world_size=world_size,
+            dp=2 if group == "dp" else 1,
+            cp=2 if group == "cp" else 1,
+            ulysses=1,
+            cp_sharding="zigzag",
+            tp=2 if group == "tp" else 1,
+            pp=2 if group == "pp" else 1,
+        )
         target = getattr(ctx, f"{group}_group")
     if rank == 1:  # alive and silent until rank 0 has its answer (at most a minute)
         deadline = time.monotonic() + 60
@@ -97,6 +109,7 @@ def test_a_silent_peer_times_out_the_layouts_groups_too(tmp_path: Path, group: s
     """A subgroup takes torch's default timeout (30 minutes on gloo), not the job's, unless it
     is given one: rank 1 stays silent, and rank 0's all-reduce (PP: receive) on the group must
     fail after the job's 3 s, not once rank 1 gives up a minute later (a closed connection)."""
-    rank0, _ = run_distributed(_wait_beside_a_silent_peer, 2, group,
-                               str(tmp_path / "answered"), 3, timeout_s=120)
+    rank0, _ = run_distributed(
+        _wait_beside_a_silent_peer, 2, group, str(tmp_path / "answered"), 3, timeout_s=120
+    )
     assert isinstance(rank0, str) and "Timed out" in rank0, rank0

@@ -32,17 +32,38 @@ def test_case(i):
 
 @pytest.mark.timeout(300)
 def test_each_service_group_runs_on_one_worker(tmp_path: Path) -> None:
-    files = [names[0] for names in SERVICE_GROUPS.values()] + [names[-1] for names in
-                                                               SERVICE_GROUPS.values()]
+    files = [names[0] for names in SERVICE_GROUPS.values()] + [
+        names[-1] for names in SERVICE_GROUPS.values()
+    ]
     files += ["test_free_a.py", "test_free_b.py"]
     (tmp_path / "conftest.py").write_text(CONFTEST)
     for name in set(files):
         (tmp_path / name).write_text(STANDIN)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "COV_"))}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v",
-         "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", str(tmp_path), str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "2",
+            "--dist",
+            "loadgroup",
+            "-v",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     ran = re.findall(r"\[(gw\d+)\] .*PASSED (test_\w+\.py)::", result.stdout)
     assert len(ran) == 4 * len(set(files)), result.stdout

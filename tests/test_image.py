@@ -24,8 +24,13 @@ ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
 def probe(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", image.PROBE_MODULE, *args], env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", image.PROBE_MODULE, *args],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_probe_passes_in_this_venv_without_nccl_and_names_what_a_gpu_image_lacks() -> None:
@@ -43,16 +48,21 @@ def test_probe_passes_in_this_venv_without_nccl_and_names_what_a_gpu_image_lacks
 
 def test_probe_fails_when_the_entry_point_is_missing(tmp_path: Path) -> None:
     """An environment without the ctxlaunch console script on PATH fails `train`."""
-    result = subprocess.run([sys.executable, "-m", image.PROBE_MODULE, "--no-nccl"],
-                            env={**os.environ, "PATH": str(tmp_path)}, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", image.PROBE_MODULE, "--no-nccl"],
+        env={**os.environ, "PATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 1
     assert "FAIL train: RuntimeError: no ctxlaunch on PATH" in result.stdout
 
 
 def ctx(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([CTXLAUNCH, *args], env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [CTXLAUNCH, *args], env=ENV, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_image_check_local_exit_statuses() -> None:
@@ -69,8 +79,15 @@ def test_image_check_refuses_a_spec_without_an_image_and_a_missing_runtime() -> 
     assert bare.returncode == 2 and "cluster.kubernetes.image is not set" in bare.stderr
     if image.local_runtime() is not None:
         pytest.skip("a container runtime answers here")
-    none = ctx("image", "check", str(JOBS / "demo.yaml"), "--via", "runtime",
-               "--set", "cluster.kubernetes.image=example/ctxlaunch:1")
+    none = ctx(
+        "image",
+        "check",
+        str(JOBS / "demo.yaml"),
+        "--via",
+        "runtime",
+        "--set",
+        "cluster.kubernetes.image=example/ctxlaunch:1",
+    )
     assert none.returncode == 1 and "no container runtime answers here" in none.stderr
 
 
@@ -79,9 +96,20 @@ def test_runtime_commands_run_the_probe_as_the_entry_point() -> None:
     args = image.probe_args(spec)
     assert args == []
     assert image.runtime_command("docker", "img:1", args) == [
-        "docker", "run", "--rm", "--entrypoint", "python3", "img:1", "-m", image.PROBE_MODULE]
+        "docker",
+        "run",
+        "--rm",
+        "--entrypoint",
+        "python3",
+        "img:1",
+        "-m",
+        image.PROBE_MODULE,
+    ]
     assert image.runtime_command("nerdctl", "img:1", ["--no-nccl"])[:3] == [
-        "nerdctl", "--namespace", "k8s.io"]
+        "nerdctl",
+        "--namespace",
+        "k8s.io",
+    ]
 
 
 @pytest.mark.slow
@@ -98,19 +126,37 @@ def test_the_probe_pod_ends_in_time_says_why_and_is_deleted(tmp_path: Path) -> N
     # The `default` service account a controller manager would create (none runs here).
     kubectl("create", "serviceaccount", "default", "-n", namespace)
     result = subprocess.run(
-        [CTXLAUNCH, "image", "check", str(JOBS / "demo.yaml"), "--via", "pod",
-         "--timeout", "3", "--set", "cluster.kubernetes.image=example/ctxlaunch:1",
-         "--set", f"cluster.kubernetes.namespace={namespace}"],
-        env={**ENV, "KUBECONFIG": str(KUBE_ADMIN)}, capture_output=True, text=True, timeout=120)
+        [
+            CTXLAUNCH,
+            "image",
+            "check",
+            str(JOBS / "demo.yaml"),
+            "--via",
+            "pod",
+            "--timeout",
+            "3",
+            "--set",
+            "cluster.kubernetes.image=example/ctxlaunch:1",
+            "--set",
+            f"cluster.kubernetes.namespace={namespace}",
+        ],
+        env={**ENV, "KUBECONFIG": str(KUBE_ADMIN)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "the pod is still Pending after 3 s" in result.stdout
     assert "is a scheduler and a kubelet running?" in result.stdout
-    assert "cannot start the trainer" in result.stderr and f"pod {namespace}/demo-image-check-" \
-        in result.stderr
+    assert (
+        "cannot start the trainer" in result.stderr
+        and f"pod {namespace}/demo-image-check-" in result.stderr
+    )
     left = kubectl("get", "pods", "-n", namespace, "-o", "name").stdout.split()
     assert left == [] or all(
-        kubectl("get", p, "-n", namespace, "-o", "jsonpath={.metadata.deletionTimestamp}")
-        .stdout for p in left)
+        kubectl("get", p, "-n", namespace, "-o", "jsonpath={.metadata.deletionTimestamp}").stdout
+        for p in left
+    )
 
 
 def test_the_dockerfile_the_probe_and_setup_pin_the_same_torch() -> None:

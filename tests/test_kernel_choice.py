@@ -36,8 +36,9 @@ def test_the_cpu_has_one_kernel() -> None:
 
 
 def test_measuring_times_each_kernel_that_runs_and_refuses_the_rest() -> None:
-    choice = kernel_choice.choose(1, 4, 2, 64, 16, torch.bfloat16, CPU, repeats=3,
-                                  measure_on_cpu=True)
+    choice = kernel_choice.choose(
+        1, 4, 2, 64, 16, torch.bfloat16, CPU, repeats=3, measure_on_cpu=True
+    )
     assert choice.chosen_by == "measured"
     assert choice.shape == (1, 4, 2, 64, 16)
     assert set(choice.seconds) == {"flash", "cudnn"}
@@ -64,8 +65,18 @@ def test_a_kernel_that_disagrees_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
         return (dq * 1.5, dk, dv) if kernels._cuda_kernel == "cudnn" else (dq, dk, dv)
 
     monkeypatch.setattr(kernels, "attention_backward", wrong_for_cudnn)
-    choice = kernel_choice.choose(1, 2, 2, 32, 16, torch.bfloat16, CPU, repeats=2,
-                                  candidates=("flash", "cudnn"), measure_on_cpu=True)
+    choice = kernel_choice.choose(
+        1,
+        2,
+        2,
+        32,
+        16,
+        torch.bfloat16,
+        CPU,
+        repeats=2,
+        candidates=("flash", "cudnn"),
+        measure_on_cpu=True,
+    )
     assert choice.kernel == "flash" and set(choice.seconds) == {"flash"}
     assert choice.refused["cudnn"].startswith("dq differs from flash's by ")
 
@@ -90,21 +101,28 @@ def test_a_bad_kernel_name_says_which_exist(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def _spec(*overrides: str):
-    base = {"name": "shape", "model": {"preset": "tiny", "dtype": "bf16"},
-            "training": {"seq_len": 4096, "micro_batch": 2, "global_batch": 2, "steps": 1},
-            "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1}}
+    base = {
+        "name": "shape",
+        "model": {"preset": "tiny", "dtype": "bf16"},
+        "training": {"seq_len": 4096, "micro_batch": 2, "global_batch": 2, "steps": 1},
+        "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1},
+    }
     return validate_spec(apply_overrides(base, list(overrides)))
 
 
-@pytest.mark.parametrize(("cp", "ulysses", "tp", "cp_sharding", "expected_block"), [
-    (1, 1, 1, "contiguous", 4096),
-    (4, 1, 1, "zigzag", 512),       # a zigzag ring calls the kernel on half of each chunk
-    (4, 1, 1, "contiguous", 1024),
-    (4, 4, 1, "contiguous", 4096),  # Ulysses: the whole sequence, a quarter of the heads
-    (4, 2, 2, "zigzag", 1024),      # hybrid: ring of 2 (half-chunks of 2048), heads / (2 x 2)
-])
-def test_the_block_shape_is_the_one_the_rank_calls(cp, ulysses, tp, cp_sharding,
-                                                   expected_block) -> None:
+@pytest.mark.parametrize(
+    ("cp", "ulysses", "tp", "cp_sharding", "expected_block"),
+    [
+        (1, 1, 1, "contiguous", 4096),
+        (4, 1, 1, "zigzag", 512),  # a zigzag ring calls the kernel on half of each chunk
+        (4, 1, 1, "contiguous", 1024),
+        (4, 4, 1, "contiguous", 4096),  # Ulysses: the whole sequence, a quarter of the heads
+        (4, 2, 2, "zigzag", 1024),  # hybrid: ring of 2 (half-chunks of 2048), heads / (2 x 2)
+    ],
+)
+def test_the_block_shape_is_the_one_the_rank_calls(
+    cp, ulysses, tp, cp_sharding, expected_block
+) -> None:
     spec = _spec()
     ctx = SimpleNamespace(cp=cp, ulysses=ulysses, tp=tp, cp_sharding=cp_sharding)
     batch, heads, kv_heads, block, head_dim = fastpath.attention_block_shape(spec, ctx)

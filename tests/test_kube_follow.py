@@ -51,8 +51,10 @@ class Kubelet:
                 try:
                     while True:
                         with kubelet.sent:
-                            kubelet.sent.wait_for(lambda: len(kubelet.lines) > written
-                                                  or kubelet.end.is_set(), timeout=0.2)
+                            kubelet.sent.wait_for(
+                                lambda: len(kubelet.lines) > written or kubelet.end.is_set(),
+                                timeout=0.2,
+                            )
                             pending = kubelet.lines[written:]
                         for line in pending:
                             self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
@@ -81,8 +83,9 @@ class Kubelet:
         """A follow stream of this log, as Connection.request(raw=True) returns it: the
         unread urllib3 response, ended by _abort."""
         pool = urllib3.PoolManager(retries=False)
-        response = pool.request("GET", f"http://127.0.0.1:{self.server.server_port}/log",
-                                preload_content=False)
+        response = pool.request(
+            "GET", f"http://127.0.0.1:{self.server.server_port}/log", preload_content=False
+        )
         return LogStream(response, lambda: _abort(response))
 
     def stop(self) -> None:

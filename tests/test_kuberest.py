@@ -41,14 +41,17 @@ def write(tmp_path: Path, config: dict) -> Path:
 def open_and_get(kubeconfig: Path) -> dict:
     """In a fresh interpreter: open a Connection, GET /version, and say whether the official
     client was imported."""
-    code = ("import json, sys\n"
-            "from ctxlaunch.launch.backends.kubernetes import Connection\n"
-            f"conn = Connection.open(kubeconfig={str(kubeconfig)!r})\n"
-            "version = conn.get('/version')\n"
-            "print(json.dumps({'git': version['gitVersion'], 'context': conn.context,\n"
-            "                  'client': 'kubernetes' in sys.modules}))\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=60)
+    code = (
+        "import json, sys\n"
+        "from ctxlaunch.launch.backends.kubernetes import Connection\n"
+        f"conn = Connection.open(kubeconfig={str(kubeconfig)!r})\n"
+        "version = conn.get('/version')\n"
+        "print(json.dumps({'git': version['gitVersion'], 'context': conn.context,\n"
+        "                  'client': 'kubernetes' in sys.modules}))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -89,12 +92,17 @@ def test_an_exec_plugin_goes_through_the_official_client(tmp_path: Path) -> None
     config = admin()
     token = config["users"][0]["user"].pop("token")
     plugin = tmp_path / "credential-plugin"
-    credential = {"apiVersion": "client.authentication.k8s.io/v1beta1",
-                  "kind": "ExecCredential", "status": {"token": token}}
+    credential = {
+        "apiVersion": "client.authentication.k8s.io/v1beta1",
+        "kind": "ExecCredential",
+        "status": {"token": token},
+    }
     plugin.write_text(f"#!/bin/sh\necho '{json.dumps(credential)}'\n")
     plugin.chmod(plugin.stat().st_mode | stat.S_IXUSR)
     config["users"][0]["user"]["exec"] = {
-        "apiVersion": "client.authentication.k8s.io/v1beta1", "command": str(plugin)}
+        "apiVersion": "client.authentication.k8s.io/v1beta1",
+        "command": str(plugin),
+    }
     path = write(tmp_path, config)
     assert kuberest.load(str(path), None) is None
     answer = open_and_get(path)

@@ -55,8 +55,16 @@ def submit(home: Path, namespace: str, name: str = "demo", *sets: str) -> str:
 
 
 def left_behind(namespace: str) -> list[str]:
-    result = kubectl("get", "pytorchjobs,configmaps", "-n", namespace, "-l",
-                     "app.kubernetes.io/name=ctxlaunch", "-o", "name")
+    result = kubectl(
+        "get",
+        "pytorchjobs,configmaps",
+        "-n",
+        namespace,
+        "-l",
+        "app.kubernetes.io/name=ctxlaunch",
+        "-o",
+        "name",
+    )
     return result.stdout.split()
 
 
@@ -75,7 +83,8 @@ def image_for(example: str) -> list[str]:
 
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_rendered_example_applies_and_deletes_with_plain_kubectl(
-        example: str, namespace: str, tmp_path: Path) -> None:
+    example: str, namespace: str, tmp_path: Path
+) -> None:
     """`kubectl apply -f DIR` and `kubectl delete -f DIR` of what `render --output DIR` wrote:
     the server accepts every object (also as a server dry run) and the delete removes them. In
     scrape mode the PodMonitor sits in DIR/monitoring, which this server (no Prometheus
@@ -90,8 +99,10 @@ def test_rendered_example_applies_and_deletes_with_plain_kubectl(
     assert "(server dry run)" in dry.stdout
     assert left_behind(namespace) == []
     kubectl("apply", "-f", str(out))
-    assert sorted(left_behind(namespace)) == [f"configmap/{name}-spec",
-                                              f"pytorchjob.kubeflow.org/{name}"]
+    assert sorted(left_behind(namespace)) == [
+        f"configmap/{name}-spec",
+        f"pytorchjob.kubeflow.org/{name}",
+    ]
     contains(get("pytorchjob", namespace, name)["spec"], docs[1]["spec"])
     if (out / "monitoring").is_dir():
         recursive = kubectl("apply", "-R", "-f", str(out), check=False)
@@ -105,8 +116,9 @@ def test_the_server_rejects_a_type_error(namespace: str, tmp_path: Path) -> None
     out = render_dir(tmp_path, JOBS / "demo.yaml", namespace, "cluster.kubernetes.image=" + IMAGE)
     docs = [d for d in yaml.safe_load_all((out / "demo.yaml").read_text()) if d]
     docs[1]["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = "one"
-    bad = kubectl("apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump_all(docs),
-                  check=False)
+    bad = kubectl(
+        "apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump_all(docs), check=False
+    )
     assert bad.returncode != 0
     assert "replicas" in bad.stderr and "integer" in bad.stderr, bad.stderr
 
@@ -117,47 +129,86 @@ def test_the_server_rejects_a_type_error(namespace: str, tmp_path: Path) -> None
 def set_job_status(namespace: str, name: str, status: dict) -> None:
     """Play the training operator: write conditions and replica statuses through the
     PyTorchJob's status subresource."""
-    kubectl("patch", "pytorchjob", name, "-n", namespace, "--subresource=status",
-            "--type=merge", "-p", json.dumps({"status": status}))
+    kubectl(
+        "patch",
+        "pytorchjob",
+        name,
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": status}),
+    )
 
 
 def condition(kind: str, reason: str = "") -> dict:
-    return {"type": kind, "status": "True", "reason": reason or f"PyTorchJob{kind}",
-            "message": f"PyTorchJob is {kind.lower()}.",
-            "lastUpdateTime": "2026-12-01T00:00:00Z", "lastTransitionTime": "2026-12-01T00:00:00Z"}
+    return {
+        "type": kind,
+        "status": "True",
+        "reason": reason or f"PyTorchJob{kind}",
+        "message": f"PyTorchJob is {kind.lower()}.",
+        "lastUpdateTime": "2026-12-01T00:00:00Z",
+        "lastTransitionTime": "2026-12-01T00:00:00Z",
+    }
 
 
 def record_restarts(namespace: str, name: str, count: int) -> None:
     """Play the training operator: the PyTorchJobRestarting event it records on the job each
     time it replaces a failed pod (aggregated, with a count)."""
     job = get("pytorchjob", namespace, name)
-    kubectl("create", "-f", "-", stdin=json.dumps({
-        "apiVersion": "v1", "kind": "Event",
-        "metadata": {"name": f"{name}.restarting", "namespace": namespace},
-        "involvedObject": {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
-                           "name": name, "namespace": namespace,
-                           "uid": job["metadata"]["uid"]},
-        "reason": "PyTorchJobRestarting", "type": "Warning", "count": count,
-        "message": f"PyTorchJob {name} is restarting because 1 Master replica(s) failed.",
-        "source": {"component": "pytorchjob-controller"},
-        "firstTimestamp": "2026-12-01T00:00:00Z", "lastTimestamp": "2026-12-01T00:00:00Z"}))
+    kubectl(
+        "create",
+        "-f",
+        "-",
+        stdin=json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"name": f"{name}.restarting", "namespace": namespace},
+                "involvedObject": {
+                    "apiVersion": "kubeflow.org/v1",
+                    "kind": "PyTorchJob",
+                    "name": name,
+                    "namespace": namespace,
+                    "uid": job["metadata"]["uid"],
+                },
+                "reason": "PyTorchJobRestarting",
+                "type": "Warning",
+                "count": count,
+                "message": f"PyTorchJob {name} is restarting because 1 Master replica(s) failed.",
+                "source": {"component": "pytorchjob-controller"},
+                "firstTimestamp": "2026-12-01T00:00:00Z",
+                "lastTimestamp": "2026-12-01T00:00:00Z",
+            }
+        ),
+    )
 
 
 def test_submit_creates_exactly_the_rendered_objects_and_follows_the_operator(
-        namespace: str, home: Path, tmp_path: Path) -> None:
+    namespace: str, home: Path, tmp_path: Path
+) -> None:
     """Submit, then play the training operator through the status subresource (Created,
     Running, Restarting, Succeeded) and its restart events, and check that `status`, `list`
     and `wait` follow it."""
     job = submit(home, namespace)
-    out = render_dir(tmp_path, JOBS / "demo.yaml", namespace,
-                     "cluster.kubernetes.image=" + IMAGE, "cluster.target=kubernetes")
+    out = render_dir(
+        tmp_path,
+        JOBS / "demo.yaml",
+        namespace,
+        "cluster.kubernetes.image=" + IMAGE,
+        "cluster.target=kubernetes",
+    )
     configmap, pytorchjob = [d for d in yaml.safe_load_all((out / "demo.yaml").read_text()) if d]
     server_job = get("pytorchjob", namespace, "demo")
     contains(server_job["metadata"]["labels"], pytorchjob["metadata"]["labels"])
     contains(server_job["spec"], pytorchjob["spec"])
     assert get("configmap", namespace, "demo-spec")["data"] == configmap["data"]
-    fields = json.loads(kubectl("get", "pytorchjob", "demo", "-n", namespace, "-o", "json",
-                                "--show-managed-fields").stdout)["metadata"]["managedFields"]
+    fields = json.loads(
+        kubectl(
+            "get", "pytorchjob", "demo", "-n", namespace, "-o", "json", "--show-managed-fields"
+        ).stdout
+    )["metadata"]["managedFields"]
     managers = {m["manager"]: m["operation"] for m in fields}
     assert managers == {"ctxlaunch": "Apply"}
 
@@ -166,55 +217,85 @@ def test_submit_creates_exactly_the_rendered_objects_and_follows_the_operator(
     assert listed.returncode == 0 and job in listed.stdout and "PENDING" in listed.stdout
     set_job_status(namespace, "demo", {"conditions": [condition("Created")]})
     assert status(home, job)["state"] == "PENDING"
-    set_job_status(namespace, "demo", {
-        "conditions": [condition("Created"), condition("Running")],
-        "replicaStatuses": {"Master": {"active": 1}}})
+    set_job_status(
+        namespace,
+        "demo",
+        {
+            "conditions": [condition("Created"), condition("Running")],
+            "replicaStatuses": {"Master": {"active": 1}},
+        },
+    )
     running = status(home, job)
     assert running["state"] == "RUNNING" and running["scheduler_state"] == "Running"
     waited = ctx(home, "wait", job, "--timeout", "1", "--poll", "0.2")
     assert waited.returncode == 1 and "still RUNNING" in waited.stderr
-    set_job_status(namespace, "demo", {
-        "conditions": [condition("Created"), condition("Restarting")]})
+    set_job_status(
+        namespace, "demo", {"conditions": [condition("Created"), condition("Restarting")]}
+    )
     record_restarts(namespace, "demo", 2)
     restarting = status(home, job)
     assert restarting["scheduler_state"] == "Restarting" and restarting["restarts"] == 2
-    set_job_status(namespace, "demo", {
-        "conditions": [condition("Created"), {**condition("Running"), "status": "False"},
-                       condition("Succeeded")],
-        "replicaStatuses": {"Master": {"active": 0, "succeeded": 1}}})
+    set_job_status(
+        namespace,
+        "demo",
+        {
+            "conditions": [
+                condition("Created"),
+                {**condition("Running"), "status": "False"},
+                condition("Succeeded"),
+            ],
+            "replicaStatuses": {"Master": {"active": 0, "succeeded": 1}},
+        },
+    )
     waited = ctx(home, "wait", job, "--poll", "0.2")
     assert waited.returncode == 0, waited.stdout + waited.stderr
     assert "COMPLETED" in waited.stdout and "Master: 1 succeeded" in waited.stdout
 
 
-MASTER_LABELS = {"training.kubeflow.org/replica-type": "master",
-                 "training.kubeflow.org/replica-index": "0"}
+MASTER_LABELS = {
+    "training.kubeflow.org/replica-type": "master",
+    "training.kubeflow.org/replica-index": "0",
+}
 
 
 def make_pod(namespace: str, job: str, exit_code: int, reason: str) -> None:
     """Play the operator and the kubelet: a Master pod with the operator's labels whose
     trainer container terminated with `exit_code` (status subresource)."""
-    play_pod(namespace, f"{job}-master-0",
-             {"training.kubeflow.org/job-name": job, **MASTER_LABELS}, "pytorch",
-             exit_code=exit_code, reason=reason)
+    play_pod(
+        namespace,
+        f"{job}-master-0",
+        {"training.kubeflow.org/job-name": job, **MASTER_LABELS},
+        "pytorch",
+        exit_code=exit_code,
+        reason=reason,
+    )
 
 
-@pytest.mark.parametrize("exit_code,reason,state,wait_exit", [
-    (86, "Error", "OOM", 86),            # the trainer's own OOM status
-    (137, "OOMKilled", "OOM", 86),       # the kernel killed the container
-    (2, "Error", "BAD_INPUT", 2),
-    (1, "Error", "FAILED", 1),
-])
-def test_a_failed_job_shows_why(namespace: str, home: Path, exit_code: int, reason: str,
-                                state: str, wait_exit: int) -> None:
+@pytest.mark.parametrize(
+    "exit_code,reason,state,wait_exit",
+    [
+        (86, "Error", "OOM", 86),  # the trainer's own OOM status
+        (137, "OOMKilled", "OOM", 86),  # the kernel killed the container
+        (2, "Error", "BAD_INPUT", 2),
+        (1, "Error", "FAILED", 1),
+    ],
+)
+def test_a_failed_job_shows_why(
+    namespace: str, home: Path, exit_code: int, reason: str, state: str, wait_exit: int
+) -> None:
     """Plays the operator (Failed condition) and the kubelet (the pod's terminated container,
     through the pod's status subresource): `status` shows OOM with the layout, or the failing
     pod and its log (empty: no kubelet here), and `wait` exits with the job's status."""
     job = submit(home, namespace)
     make_pod(namespace, "demo", exit_code, reason)
-    set_job_status(namespace, "demo", {"conditions": [
-        condition("Created"), condition("Failed", "PyTorchJobFailed")],
-        "replicaStatuses": {"Master": {"failed": 1}}})
+    set_job_status(
+        namespace,
+        "demo",
+        {
+            "conditions": [condition("Created"), condition("Failed", "PyTorchJobFailed")],
+            "replicaStatuses": {"Master": {"failed": 1}},
+        },
+    )
     current = status(home, job)
     assert current["state"] == state and current["exit_code"] == exit_code
     if state == "OOM":
@@ -242,8 +323,16 @@ def test_logs_before_pods_exist_and_cancel(namespace: str, home: Path) -> None:
     assert deleting["metadata"]["deletionTimestamp"]
     assert deleting["metadata"]["finalizers"] == ["foregroundDeletion"]
     assert status(home, job)["state"] == "CANCELLED"
-    kubectl("patch", "pytorchjob", "demo", "-n", namespace, "--type=merge",
-            "-p", '{"metadata": {"finalizers": null}}')
+    kubectl(
+        "patch",
+        "pytorchjob",
+        "demo",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"metadata": {"finalizers": null}}',
+    )
     assert get("pytorchjob", namespace, "demo") is None
     assert status(home, job)["state"] == "CANCELLED"
     assert ctx(home, "wait", job).returncode == 1
@@ -252,8 +341,9 @@ def test_logs_before_pods_exist_and_cancel(namespace: str, home: Path) -> None:
 def test_dry_runs_create_nothing(namespace: str, home: Path) -> None:
     client = ctx(home, "submit", *spec_args(namespace), "--dry-run")
     assert client.returncode == 0
-    kinds = [d["kind"] for d in yaml.safe_load_all(client.stdout.split("# --- demo.yaml ---")[1])
-             if d]
+    kinds = [
+        d["kind"] for d in yaml.safe_load_all(client.stdout.split("# --- demo.yaml ---")[1]) if d
+    ]
     assert kinds == ["ConfigMap", "PyTorchJob"]
     server = ctx(home, "submit", *spec_args(namespace), "--dry-run=server")
     assert server.returncode == 0, server.stderr
@@ -265,8 +355,10 @@ def test_pod_monitor_is_left_out_where_its_crd_is_missing(namespace: str, home: 
     result = ctx(home, "submit", *spec_args(namespace, "scraped", "telemetry.prometheus=scrape"))
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("no PodMonitor kind") == 1
-    assert sorted(left_behind(namespace)) == ["configmap/scraped-spec",
-                                              "pytorchjob.kubeflow.org/scraped"]
+    assert sorted(left_behind(namespace)) == [
+        "configmap/scraped-spec",
+        "pytorchjob.kubeflow.org/scraped",
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,17 +372,35 @@ def kubeconfig_variant(tmp_path: Path, **change: str) -> Path:
     if "server" in change:
         config["clusters"][0]["cluster"]["server"] = change["server"]
     if "ca" in change:  # a CA of its own, which signed nothing the server has
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                        "-subj", "/CN=other-ca", "-keyout", change["ca"] + ".key", "-out",
-                        change["ca"]], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=other-ca",
+                "-keyout",
+                change["ca"] + ".key",
+                "-out",
+                change["ca"],
+            ],
+            check=True,
+            capture_output=True,
+        )
         config["clusters"][0]["cluster"]["certificate-authority"] = change["ca"]
     path = tmp_path / "kubeconfig"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-def refused(home: Path, namespace: str, expected: str, kubeconfig: Path = KUBE_ADMIN,
-            *sets: str) -> str:
+def refused(
+    home: Path, namespace: str, expected: str, kubeconfig: Path = KUBE_ADMIN, *sets: str
+) -> str:
     result = ctx(home, "submit", *spec_args(namespace, "demo", *sets), kubeconfig=kubeconfig)
     assert result.returncode == 2, result.stdout + result.stderr
     message = result.stderr.strip()
@@ -299,26 +409,44 @@ def refused(home: Path, namespace: str, expected: str, kubeconfig: Path = KUBE_A
     return message
 
 
-def test_preflight_errors_leave_nothing_behind(namespace: str, home: Path,
-                                              tmp_path: Path) -> None:
+def test_preflight_errors_leave_nothing_behind(namespace: str, home: Path, tmp_path: Path) -> None:
     """Each refusal comes from the real server (or, for "down", a port nothing listens on):
     one line, exit 2, no object and no job record."""
-    refused(home, namespace, "namespace 'ctxl-absent' does not exist",
-            KUBE_ADMIN, "cluster.kubernetes.namespace=ctxl-absent")
-    refused(home, namespace, "may not create pytorchjobs.kubeflow.org in namespace",
-            KUBE_VIEWER)
-    refused(home, namespace, "rejected the credentials (401 Unauthorized)",
-            kubeconfig_variant(tmp_path, token="not-a-valid-token"))
-    refused(home, namespace, "cannot reach the Kubernetes API server",
-            kubeconfig_variant(tmp_path, server=f"https://127.0.0.1:{free_port()}"))
-    refused(home, namespace, "presents a certificate the kubeconfig's certificate-authority "
-            "does not vouch for", kubeconfig_variant(tmp_path, ca=str(tmp_path / "other.crt")))
+    refused(
+        home,
+        namespace,
+        "namespace 'ctxl-absent' does not exist",
+        KUBE_ADMIN,
+        "cluster.kubernetes.namespace=ctxl-absent",
+    )
+    refused(home, namespace, "may not create pytorchjobs.kubeflow.org in namespace", KUBE_VIEWER)
+    refused(
+        home,
+        namespace,
+        "rejected the credentials (401 Unauthorized)",
+        kubeconfig_variant(tmp_path, token="not-a-valid-token"),
+    )
+    refused(
+        home,
+        namespace,
+        "cannot reach the Kubernetes API server",
+        kubeconfig_variant(tmp_path, server=f"https://127.0.0.1:{free_port()}"),
+    )
+    refused(
+        home,
+        namespace,
+        "presents a certificate the kubeconfig's certificate-authority does not vouch for",
+        kubeconfig_variant(tmp_path, ca=str(tmp_path / "other.crt")),
+    )
     assert left_behind(namespace) == []
     submit(home, namespace)
     records = sorted((home / "jobs").iterdir())
     again = ctx(home, "submit", *spec_args(namespace))
-    assert again.returncode == 2 and "a PyTorchJob" in again.stderr \
+    assert (
+        again.returncode == 2
+        and "a PyTorchJob" in again.stderr
         and "already exists" in again.stderr
+    )
     assert sorted((home / "jobs").iterdir()) == records
 
 
@@ -334,9 +462,14 @@ def test_a_refused_later_object_removes_the_earlier_ones(namespace: str) -> None
     )
     from ctxlaunch.launch.render import render_files
 
-    spec = load_spec(JOBS / "demo.yaml", ["cluster.target=kubernetes",
-                                          f"cluster.kubernetes.image={IMAGE}",
-                                          f"cluster.kubernetes.namespace={namespace}"])
+    spec = load_spec(
+        JOBS / "demo.yaml",
+        [
+            "cluster.target=kubernetes",
+            f"cluster.kubernetes.image={IMAGE}",
+            f"cluster.kubernetes.namespace={namespace}",
+        ],
+    )
     objects = objects_of(render_files(spec, "kubernetes"))
     objects[1]["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = "one"
     with pytest.raises(KubeError) as info:
@@ -349,23 +482,43 @@ def test_a_refused_later_object_removes_the_earlier_ones(namespace: str) -> None
 # --------------------------------------------------------------------------------------------
 # a sweep
 # --------------------------------------------------------------------------------------------
-def test_a_sweep_submits_one_pytorchjob_per_point(namespace: str, home: Path,
-                                                   tmp_path: Path) -> None:
+def test_a_sweep_submits_one_pytorchjob_per_point(
+    namespace: str, home: Path, tmp_path: Path
+) -> None:
     sweep = tmp_path / "sweep.yaml"
 
     def write_sweep(seq_lens: list[int]) -> None:
-        sweep.write_text(yaml.safe_dump({"sweep": {
-            "name": "ksw", "base": str(JOBS / "demo.yaml"),
-            "set": {"cluster.target": "kubernetes", "cluster.kubernetes.image": IMAGE,
-                    "cluster.kubernetes.namespace": namespace},
-            "axes": {"training.seq_len": seq_lens}}}))
+        sweep.write_text(
+            yaml.safe_dump(
+                {
+                    "sweep": {
+                        "name": "ksw",
+                        "base": str(JOBS / "demo.yaml"),
+                        "set": {
+                            "cluster.target": "kubernetes",
+                            "cluster.kubernetes.image": IMAGE,
+                            "cluster.kubernetes.namespace": namespace,
+                        },
+                        "axes": {"training.seq_len": seq_lens},
+                    }
+                }
+            )
+        )
 
     write_sweep([2048, 4096])
     result = ctx(home, "sweep", str(sweep))
     assert result.returncode == 0, result.stderr
     sweep_id = result.stdout.strip().splitlines()[-1]
-    names = kubectl("get", "pytorchjobs", "-n", namespace, "-l", f"ctxlaunch/sweep={sweep_id}",
-                    "-o", "jsonpath={.items[*].metadata.name}").stdout.split()
+    names = kubectl(
+        "get",
+        "pytorchjobs",
+        "-n",
+        namespace,
+        "-l",
+        f"ctxlaunch/sweep={sweep_id}",
+        "-o",
+        "jsonpath={.items[*].metadata.name}",
+    ).stdout.split()
     assert sorted(names) == ["ksw-2048", "ksw-4096"]
     set_job_status(namespace, "ksw-2048", {"conditions": [condition("Succeeded")]})
     report = ctx(home, "report", sweep_id, "--json")
@@ -377,8 +530,12 @@ def test_a_sweep_submits_one_pytorchjob_per_point(namespace: str, home: Path,
     again = ctx(home, "sweep", str(sweep))
     assert again.returncode == 0, again.stderr
     assert again.stderr.count("already exists") == 2
-    states = {row["name"]: row["state"] for row in json.loads(ctx(
-        home, "report", again.stdout.strip().splitlines()[-1], "--json").stdout)["rows"]}
+    states = {
+        row["name"]: row["state"]
+        for row in json.loads(
+            ctx(home, "report", again.stdout.strip().splitlines()[-1], "--json").stdout
+        )["rows"]
+    }
     assert states == {"ksw-1024": "PENDING", "ksw-2048": "SKIPPED", "ksw-4096": "SKIPPED"}
 
 
@@ -394,24 +551,33 @@ def test_logs_follow_ends_when_the_job_ended_without_pods(namespace: str, home: 
 def running_pod(namespace: str, job: str) -> str:
     """Play the operator and the kubelet: a Master pod whose trainer container runs (status
     subresource); its uid."""
-    return play_pod(namespace, f"{job}-master-0",
-                    {"training.kubeflow.org/job-name": job, **MASTER_LABELS}, "pytorch")
+    return play_pod(
+        namespace,
+        f"{job}-master-0",
+        {"training.kubeflow.org/job-name": job, **MASTER_LABELS},
+        "pytorch",
+    )
 
 
 @pytest.mark.timeout(120)
-def test_logs_follow_lasts_until_the_job_ends_through_a_recreated_pod(namespace: str,
-                                                                     home: Path) -> None:
+def test_logs_follow_lasts_until_the_job_ends_through_a_recreated_pod(
+    namespace: str, home: Path
+) -> None:
     """Plays the operator and the kubelet. With no kubelet here the server ends every log
     stream at once (empty), as a kubelet does when a container ends: `logs --follow` must not
     end with the stream while the job runs, must follow the pod the operator recreates under
     the same name (restartPolicy ExitCode), and must end once the job reached a final state."""
     job = submit(home, namespace)
-    set_job_status(namespace, "demo", {"conditions": [condition("Created"),
-                                                      condition("Running")]})
+    set_job_status(namespace, "demo", {"conditions": [condition("Created"), condition("Running")]})
     first = running_pod(namespace, "demo")
     env = {**os.environ, "CTXLAUNCH_HOME": str(home), "KUBECONFIG": str(KUBE_ADMIN)}
-    follow = subprocess.Popen([CTXLAUNCH, "logs", job, "--follow"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    follow = subprocess.Popen(
+        [CTXLAUNCH, "logs", job, "--follow"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         with pytest.raises(subprocess.TimeoutExpired):
             follow.wait(timeout=6)  # the stream ended, the job runs: still following
@@ -419,8 +585,9 @@ def test_logs_follow_lasts_until_the_job_ends_through_a_recreated_pod(namespace:
         assert running_pod(namespace, "demo") != first
         with pytest.raises(subprocess.TimeoutExpired):
             follow.wait(timeout=6)
-        set_job_status(namespace, "demo", {"conditions": [
-            condition("Created"), condition("Succeeded")]})
+        set_job_status(
+            namespace, "demo", {"conditions": [condition("Created"), condition("Succeeded")]}
+        )
         out, err = follow.communicate(timeout=30)  # ends within a poll or two of the end
     finally:
         follow.kill()
@@ -428,15 +595,18 @@ def test_logs_follow_lasts_until_the_job_ends_through_a_recreated_pod(namespace:
     assert out == "==> pod demo-master-0 (recreated) <==\n", out
 
 
-@pytest.mark.parametrize("conditions,state", [
-    ([], "PENDING"),
-    (["Created"], "PENDING"),
-    (["Created", "Running"], "RUNNING"),
-    (["Created", "Restarting"], "PENDING"),
-    (["Created", "Suspended"], "SUSPENDED"),
-    (["Created", "Running", "Succeeded"], "COMPLETED"),
-    (["Created", "Running", "Failed"], "FAILED"),
-])
+@pytest.mark.parametrize(
+    "conditions,state",
+    [
+        ([], "PENDING"),
+        (["Created"], "PENDING"),
+        (["Created", "Running"], "RUNNING"),
+        (["Created", "Restarting"], "PENDING"),
+        (["Created", "Suspended"], "SUSPENDED"),
+        (["Created", "Running", "Succeeded"], "COMPLETED"),
+        (["Created", "Running", "Failed"], "FAILED"),
+    ],
+)
 def test_conditions_map_to_the_state_table(conditions: list[str], state: str) -> None:
     from ctxlaunch.launch.backends.kubernetes import classify
 
@@ -451,19 +621,40 @@ def test_rank_lines_pick_one_ranks_pod_and_lines() -> None:
     master = {"metadata": {"labels": {labels[0]: "master", labels[1]: "0"}}}
     worker = {"metadata": {"labels": {labels[0]: "worker", labels[1]: "2"}}}
     assert (pod_index(master), pod_index(worker)) == (0, 3)
-    assert rank_lines(["[rank1]:a\n", "[rank10]:b\n", "[rank1]:c\n", "agent\n"], 1) == \
-        ["a\n", "c\n"]
+    assert rank_lines(["[rank1]:a\n", "[rank10]:b\n", "[rank1]:c\n", "agent\n"], 1) == [
+        "a\n",
+        "c\n",
+    ]
 
 
 STAND_IN_PODMONITOR_CRD = {
-    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
     "metadata": {"name": "podmonitors.monitoring.coreos.com"},
-    "spec": {"group": "monitoring.coreos.com", "scope": "Namespaced",
-             "names": {"kind": "PodMonitor", "plural": "podmonitors", "singular": "podmonitor",
-                       "listKind": "PodMonitorList"},
-             "versions": [{"name": "v1", "served": True, "storage": True, "schema": {
-                 "openAPIV3Schema": {"type": "object",
-                                     "x-kubernetes-preserve-unknown-fields": True}}}]}}
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "scope": "Namespaced",
+        "names": {
+            "kind": "PodMonitor",
+            "plural": "podmonitors",
+            "singular": "podmonitor",
+            "listKind": "PodMonitorList",
+        },
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "x-kubernetes-preserve-unknown-fields": True,
+                    }
+                },
+            }
+        ],
+    },
+}
 
 
 def wait_until(check, what: str, timeout: float = 120) -> None:
@@ -476,21 +667,39 @@ def wait_until(check, what: str, timeout: float = 120) -> None:
 
 
 def test_pod_monitor_is_applied_and_cancelled_where_its_kind_exists(
-        namespace: str, home: Path, tmp_path: Path) -> None:
+    namespace: str, home: Path, tmp_path: Path
+) -> None:
     """No package here ships the Prometheus Operator's CRD, so the test installs a stand-in: a
     CRD of the same group, version and kind that accepts any spec. ctxlaunch then applies the
     rendered PodMonitor with the job (no note), and `cancel` deletes it."""
     kubectl("apply", "-f", "-", stdin=json.dumps(STAND_IN_PODMONITOR_CRD))
     try:
-        wait_until(lambda: kubectl("wait", "--for=condition=Established", "--timeout=2s",
-                                   "crd/podmonitors.monitoring.coreos.com",
-                                   check=False).returncode == 0, "the stand-in CRD established")
-        result = ctx(home, "submit", *spec_args(namespace, "scraped",
-                                                "telemetry.prometheus=scrape"))
+        wait_until(
+            lambda: (
+                kubectl(
+                    "wait",
+                    "--for=condition=Established",
+                    "--timeout=2s",
+                    "crd/podmonitors.monitoring.coreos.com",
+                    check=False,
+                ).returncode
+                == 0
+            ),
+            "the stand-in CRD established",
+        )
+        result = ctx(
+            home, "submit", *spec_args(namespace, "scraped", "telemetry.prometheus=scrape")
+        )
         assert result.returncode == 0, result.stderr
         assert "no PodMonitor kind" not in result.stderr
-        out = render_dir(tmp_path, JOBS / "demo.yaml", namespace, "name=scraped",
-                         "cluster.kubernetes.image=" + IMAGE, "telemetry.prometheus=scrape")
+        out = render_dir(
+            tmp_path,
+            JOBS / "demo.yaml",
+            namespace,
+            "name=scraped",
+            "cluster.kubernetes.image=" + IMAGE,
+            "telemetry.prometheus=scrape",
+        )
         (rendered,) = yaml.safe_load_all((out / "monitoring/scraped-podmonitor.yaml").read_text())
         contains(get("podmonitor", namespace, "scraped")["spec"], rendered["spec"])
         assert ctx(home, "cancel", f"{namespace}/scraped").returncode == 0
@@ -498,8 +707,13 @@ def test_pod_monitor_is_applied_and_cancelled_where_its_kind_exists(
         assert get("configmap", namespace, "scraped-spec") is None
     finally:
         kubectl("delete", "crd", "podmonitors.monitoring.coreos.com", "--wait=false")
-        wait_until(lambda: kubectl("get", "crd", "podmonitors.monitoring.coreos.com",
-                                   check=False).returncode != 0, "the stand-in CRD deleted")
+        wait_until(
+            lambda: (
+                kubectl("get", "crd", "podmonitors.monitoring.coreos.com", check=False).returncode
+                != 0
+            ),
+            "the stand-in CRD deleted",
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -513,19 +727,40 @@ def test_missing_crd_says_how_to_install_the_operator(namespace: str, home: Path
     listed = json.loads(kubectl("get", "pytorchjobs", "-A", "-o", "json").stdout)["items"]
     for job in listed:
         if job["metadata"].get("finalizers"):
-            kubectl("patch", "pytorchjob", job["metadata"]["name"], "-n",
-                    job["metadata"]["namespace"], "--type=merge",
-                    "-p", '{"metadata": {"finalizers": null}}')
+            kubectl(
+                "patch",
+                "pytorchjob",
+                job["metadata"]["name"],
+                "-n",
+                job["metadata"]["namespace"],
+                "--type=merge",
+                "-p",
+                '{"metadata": {"finalizers": null}}',
+            )
     kubectl("delete", "crd", "pytorchjobs.kubeflow.org", "--wait=false")
     try:
-        wait_until(lambda: kubectl("get", "crd", "pytorchjobs.kubeflow.org",
-                                   check=False).returncode != 0, "the CRD deleted")
+        wait_until(
+            lambda: kubectl("get", "crd", "pytorchjobs.kubeflow.org", check=False).returncode != 0,
+            "the CRD deleted",
+        )
         message = refused(home, namespace, "has no PyTorchJob kind (kubeflow.org/v1)")
         assert "training operator is not installed" in message
         assert "kubectl apply --server-side -k" in message
     finally:
-        wait_until(lambda: kubectl("apply", "--server-side", "--force-conflicts", "-f",
-                                   str(KUBE_CRD), check=False).returncode == 0
-                   and kubectl("wait", "--for=condition=Established", "--timeout=2s",
-                               "crd/pytorchjobs.kubeflow.org", check=False).returncode == 0,
-                   "the CRD established again")
+        wait_until(
+            lambda: (
+                kubectl(
+                    "apply", "--server-side", "--force-conflicts", "-f", str(KUBE_CRD), check=False
+                ).returncode
+                == 0
+                and kubectl(
+                    "wait",
+                    "--for=condition=Established",
+                    "--timeout=2s",
+                    "crd/pytorchjobs.kubeflow.org",
+                    check=False,
+                ).returncode
+                == 0
+            ),
+            "the CRD established again",
+        )

@@ -42,8 +42,12 @@ from tests.helpers.pytorchjob_operator import PyTorchJobOperator, wait_for
 from .conftest import JOBS
 
 pytestmark = pytest.mark.slow
-TINY = ("training.seq_len=1024", "training.steps=4", "training.log_interval=1",
-        "cluster.kubernetes.shm_size=256Mi")
+TINY = (
+    "training.seq_len=1024",
+    "training.steps=4",
+    "training.log_interval=1",
+    "cluster.kubernetes.shm_size=256Mi",
+)
 """The demo model, a few short steps: seconds of training once the pods run."""
 
 
@@ -86,10 +90,17 @@ def status(home: Path, job: str) -> dict:
 
 
 def owned_left(namespace: str, job: str) -> list[str]:
-    result = kubectl("get", "pods,services,configmaps", "-n", namespace, "-o", "name", "-l",
-                     f"training.kubeflow.org/job-name={job}")
-    spec = kubectl("get", "configmap", f"{job}-spec", "-n", namespace, "-o", "name",
-                   check=False)
+    result = kubectl(
+        "get",
+        "pods,services,configmaps",
+        "-n",
+        namespace,
+        "-o",
+        "name",
+        "-l",
+        f"training.kubeflow.org/job-name={job}",
+    )
+    spec = kubectl("get", "configmap", f"{job}-spec", "-n", namespace, "-o", "name", check=False)
     return result.stdout.split() + spec.stdout.split()
 
 
@@ -103,12 +114,18 @@ def test_two_pods_train_through_the_pod_network_and_succeed(image, namespace, op
     job = submit(home, image, namespace, "train2", "cluster.nodes=2", "cluster.gpus_per_node=1")
     assert job == f"{namespace}/train2"
     env = {**os.environ, "CTXLAUNCH_HOME": str(home), "KUBECONFIG": str(NODE_ADMIN)}
-    follow = subprocess.Popen([CTXLAUNCH, "logs", job, "--follow"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    follow = subprocess.Popen(
+        [CTXLAUNCH, "logs", job, "--follow"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         waited = ctx(home, "wait", job, "--timeout", "780", "--poll", "1", timeout=800)
-        assert waited.returncode == 0, (waited.stdout + waited.stderr
-                                        + ctx(home, "status", job).stdout)
+        assert waited.returncode == 0, (
+            waited.stdout + waited.stderr + ctx(home, "status", job).stdout
+        )
         # A poll (2 s) and a drain (3 s) after the job's end, plus the command's own start.
         followed, follow_err = follow.communicate(timeout=60)
     finally:
@@ -118,8 +135,7 @@ def test_two_pods_train_through_the_pod_network_and_succeed(image, namespace, op
     assert found["state"] == "COMPLETED", found
     assert "rank0" in followed and "step" in followed, followed[-2000:]
     running = job_pods(namespace, "train2")
-    assert sorted(p["metadata"]["name"] for p in running) == ["train2-master-0",
-                                                             "train2-worker-0"]
+    assert sorted(p["metadata"]["name"] for p in running) == ["train2-master-0", "train2-worker-0"]
     ips = {p["status"]["podIP"] for p in running}
     assert len(ips) == 2 and all(ip.startswith("10.244.0.") for ip in ips), ips
     for pod in running:
@@ -136,16 +152,26 @@ def test_two_pods_train_through_the_pod_network_and_succeed(image, namespace, op
 
 
 @pytest.mark.timeout(600)
-def test_calibration_runs_on_the_node_and_its_profile_comes_back(image, namespace, operator,
-                                                                 home, tmp_path):
+def test_calibration_runs_on_the_node_and_its_profile_comes_back(
+    image, namespace, operator, home, tmp_path
+):
     """`ctxlaunch calibrate SPEC --submit --wait`: the spec's own PyTorchJob, the bundled
     calibration as its one pod's command, runs on the node; the pod prints its machine profile
     to its log, and once the job has succeeded the command writes that profile here, where
     `plan` can name it (cluster.profile)."""
     out = tmp_path / "profiles" / "cpu-ib.json"
     args = submit_args(image, namespace, "calib", "cluster.kubernetes.shm_size=256Mi")
-    result = ctx(home, "calibrate", *args, "--submit", "--wait", "480", "--profile-out",
-                 str(out), timeout=540)
+    result = ctx(
+        home,
+        "calibrate",
+        *args,
+        "--submit",
+        "--wait",
+        "480",
+        "--profile-out",
+        str(out),
+        timeout=540,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == f"{namespace}/calib", result.stdout
     (pod,) = job_pods(namespace, "calib")
@@ -163,10 +189,22 @@ def test_calibration_runs_on_the_node_and_its_profile_comes_back(image, namespac
 def test_a_too_small_memory_limit_ends_oomkilled(image, namespace, operator, home):
     """The memory cgroup kills a rank, containerd reports OOMKilled, and status says OOM with
     the layout."""
-    job = submit(home, image, namespace, "oom", "cluster.nodes=1", "cluster.gpus_per_node=1",
-                 "parallel.cp=1", "cluster.kubernetes.memory=700Mi", "training.seq_len=65536")
-    found = wait_for(lambda: (s := status(home, job))["state"] not in ("PENDING", "RUNNING")
-                     and s, 540, "the job's end")
+    job = submit(
+        home,
+        image,
+        namespace,
+        "oom",
+        "cluster.nodes=1",
+        "cluster.gpus_per_node=1",
+        "parallel.cp=1",
+        "cluster.kubernetes.memory=700Mi",
+        "training.seq_len=65536",
+    )
+    found = wait_for(
+        lambda: (s := status(home, job))["state"] not in ("PENDING", "RUNNING") and s,
+        540,
+        "the job's end",
+    )
     assert found["state"] == "OOM", found
     pod = job_pods(namespace, "oom")[0]
     terminated = pod["status"]["containerStatuses"][0]["state"]["terminated"]
@@ -179,11 +217,22 @@ def test_a_too_small_memory_limit_ends_oomkilled(image, namespace, operator, hom
 def test_a_bad_input_exit_is_not_retried(image, namespace, operator, home):
     """The trainer refuses a spec whose data file is missing (exit 2, below 128): the job fails
     BAD_INPUT and its pod is never replaced."""
-    job = submit(home, image, namespace, "bad", "cluster.nodes=1", "cluster.gpus_per_node=1",
-                 "parallel.cp=1", "training.data.source=text",
-                 "training.data.path=/no/such/corpus.txt")
-    found = wait_for(lambda: (s := status(home, job))["state"] not in ("PENDING", "RUNNING")
-                     and s, 540, "the job's end")
+    job = submit(
+        home,
+        image,
+        namespace,
+        "bad",
+        "cluster.nodes=1",
+        "cluster.gpus_per_node=1",
+        "parallel.cp=1",
+        "training.data.source=text",
+        "training.data.path=/no/such/corpus.txt",
+    )
+    found = wait_for(
+        lambda: (s := status(home, job))["state"] not in ("PENDING", "RUNNING") and s,
+        540,
+        "the job's end",
+    )
     assert found["state"] == "BAD_INPUT", found
     assert found["restarts"] == 0, found
     (pod,) = job_pods(namespace, "bad")
@@ -194,11 +243,23 @@ def test_a_bad_input_exit_is_not_retried(image, namespace, operator, home):
 def test_cancel_leaves_nothing_behind(image, namespace, operator, home):
     """`ctxlaunch cancel` deletes the PyTorchJob; the controller manager's garbage collector
     removes the pods and services it owned, and the ConfigMap goes with it: nothing orphaned."""
-    job = submit(home, image, namespace, "gone", "cluster.nodes=2", "cluster.gpus_per_node=1",
-                 "training.steps=100000")
-    wait_for(lambda: len([p for p in job_pods(namespace, "gone")
-                          if p["status"].get("phase") == "Running"]) == 2, 300,
-             "both pods running")
+    job = submit(
+        home,
+        image,
+        namespace,
+        "gone",
+        "cluster.nodes=2",
+        "cluster.gpus_per_node=1",
+        "training.steps=100000",
+    )
+    wait_for(
+        lambda: (
+            len([p for p in job_pods(namespace, "gone") if p["status"].get("phase") == "Running"])
+            == 2
+        ),
+        300,
+        "both pods running",
+    )
     assert len(owned_left(namespace, "gone")) == 5  # 2 pods, 2 services, the ConfigMap
     result = ctx(home, "cancel", job)
     assert result.returncode == 0, result.stderr
@@ -207,26 +268,54 @@ def test_cancel_leaves_nothing_behind(image, namespace, operator, home):
 
 
 @pytest.mark.timeout(900)
-def test_a_checkpointed_stop_is_retried_and_the_new_pod_resumes(image, namespace, home,
-                                                                 tmp_path):
+def test_a_checkpointed_stop_is_retried_and_the_new_pod_resumes(image, namespace, home, tmp_path):
     """A SIGTERM to the running container (as a node drain sends it, here through containerd)
     makes the trainer checkpoint and the pod exit 143: the operator stand-in deletes and
     recreates it (Restarting, a PyTorchJobRestarting event), the new pod resumes from the
     checkpoint on the hostPath volume and the job succeeds with one restart."""
     host_dir = tmp_path / "checkpoints"
     host_dir.mkdir()
-    job = submit(home, image, namespace, "requeue", "cluster.nodes=1", "cluster.gpus_per_node=1",
-                 "parallel.cp=1", "training.steps=30", "training.checkpoint.interval=1000",
-                 "training.checkpoint.dir=/checkpoints")
+    job = submit(
+        home,
+        image,
+        namespace,
+        "requeue",
+        "cluster.nodes=1",
+        "cluster.gpus_per_node=1",
+        "parallel.cp=1",
+        "training.steps=30",
+        "training.checkpoint.interval=1000",
+        "training.checkpoint.dir=/checkpoints",
+    )
     with_checkpoint_volume(namespace, "requeue", host_dir)
     stand_in = PyTorchJobOperator(str(NODE_ADMIN), namespace, init_image=image).start()
     try:
-        wait_for(lambda: "step 2/" in kubectl("logs", "requeue-master-0", "-n", namespace,
-                                              check=False).stdout, 300, "step 2 in the log")
+        wait_for(
+            lambda: (
+                "step 2/"
+                in kubectl("logs", "requeue-master-0", "-n", namespace, check=False).stdout
+            ),
+            300,
+            "step 2 in the log",
+        )
         (first,) = job_pods(namespace, "requeue")
         container = first["status"]["containerStatuses"][0]["containerID"].split("//", 1)[1]
-        subprocess.run(["ctr", "--address", str(CONTAINERD_SOCK), "-n", "k8s.io", "tasks",
-                        "kill", "-s", "SIGTERM", container], check=True, timeout=30)
+        subprocess.run(
+            [
+                "ctr",
+                "--address",
+                str(CONTAINERD_SOCK),
+                "-n",
+                "k8s.io",
+                "tasks",
+                "kill",
+                "-s",
+                "SIGTERM",
+                container,
+            ],
+            check=True,
+            timeout=30,
+        )
         waited = ctx(home, "wait", job, "--timeout", "600", "--poll", "1", timeout=620)
         assert waited.returncode == 0, waited.stdout + waited.stderr
     finally:

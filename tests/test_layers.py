@@ -65,8 +65,11 @@ def _layer(module: str) -> str | None:
 def test_every_module_is_in_a_layer() -> None:
     """Nothing loose at the top: each module belongs to a layer."""
     loose = [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
-    loose += [p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name not in ALLOWED
-              and p.name != "__pycache__"]
+    loose += [
+        p.name
+        for p in PACKAGE.iterdir()
+        if p.is_dir() and p.name not in ALLOWED and p.name != "__pycache__"
+    ]
     assert loose == [], f"modules outside the layers: {loose}"
 
 
@@ -80,7 +83,8 @@ def test_entry_modules_run_inside_the_runtime_layer() -> None:
         path = PACKAGE.parent.joinpath(*module.split("."))
         runnable = (path / "__main__.py").is_file() or (
             path.with_suffix(".py").is_file()
-            and 'if __name__ == "__main__":' in path.with_suffix(".py").read_text())
+            and 'if __name__ == "__main__":' in path.with_suffix(".py").read_text()
+        )
         assert runnable, f"{module} does not run with python -m"
 
 
@@ -93,8 +97,10 @@ def _violations(layer: str, root: Path = PACKAGE) -> list[str]:
                 continue
             target_layer = _layer(target)
             if target_layer is not None and target_layer not in ALLOWED[layer]:
-                wrong.append(f"{path.relative_to(root)}:{line} imports {target} "
-                             f"({layer} may import {', '.join(sorted(ALLOWED[layer]))})")
+                wrong.append(
+                    f"{path.relative_to(root)}:{line} imports {target} "
+                    f"({layer} may import {', '.join(sorted(ALLOWED[layer]))})"
+                )
     return wrong
 
 
@@ -114,7 +120,8 @@ def test_the_rule_sees_a_violation(tmp_path: Path) -> None:
     bad.write_text("def f():\n    from ctxlaunch.launch import jobstore\n")
     assert _imports(bad, root) == [(2, "ctxlaunch.launch")]
     assert _violations("perf", root) == [
-        "perf/_layer_probe.py:2 imports ctxlaunch.launch (perf may import contract, perf)"]
+        "perf/_layer_probe.py:2 imports ctxlaunch.launch (perf may import contract, perf)"
+    ]
     relative = root / "perf" / "_relative_probe.py"
     relative.write_text("from ..planning import advise\n")
     assert _imports(relative, root) == [(1, "ctxlaunch.planning")]

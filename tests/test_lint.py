@@ -1,5 +1,6 @@
 """The code passes its own linters: ruff (pyflakes, pycodestyle, import order, pyupgrade,
-bugbear) over the package, the tests and the benchmarks, and mypy over the package, with the
+bugbear) and `ruff format --check` over the package, the tests, the benchmarks and the scripts,
+and mypy over the package, with the
 settings in pyproject.toml. A `type: ignore` must say why on its own line."""
 
 from __future__ import annotations
@@ -16,12 +17,22 @@ BIN = Path(sys.executable).parent
 
 
 def _run(tool: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(BIN / tool), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [str(BIN / tool), *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+
+
+LINTED = ("ctxlaunch", "tests", "benchmarks", "scripts")
 
 
 def test_ruff() -> None:
-    result = _run("ruff", "check", "--no-cache", "ctxlaunch", "tests", "benchmarks")
+    result = _run("ruff", "check", "--no-cache", *LINTED)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ruff_format() -> None:
+    """The tree is as `ruff format` writes it: run `ruff format` and commit the result."""
+    result = _run("ruff", "format", "--check", "--no-cache", *LINTED)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -18,8 +18,14 @@ from .conftest import JOBS
 
 pytestmark = pytest.mark.slow
 CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
-SHORT = ["--set", "training.steps=3", "--set", "training.seq_len=512", "--set",
-         "training.log_interval=1"]
+SHORT = [
+    "--set",
+    "training.steps=3",
+    "--set",
+    "training.seq_len=512",
+    "--set",
+    "training.log_interval=1",
+]
 
 
 def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -30,10 +36,22 @@ def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def submit(tmp_path: Path, *args: str, timeout: float = 240, **extra: str):
-    return subprocess.run([CTXLAUNCH, "submit", str(JOBS / "demo.yaml"), *SHORT,
-                           "--set", f"training.checkpoint.dir={tmp_path / 'ckpt'}", *args],
-                          cwd=tmp_path, env=env_for(tmp_path, **extra), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [
+            CTXLAUNCH,
+            "submit",
+            str(JOBS / "demo.yaml"),
+            *SHORT,
+            "--set",
+            f"training.checkpoint.dir={tmp_path / 'ckpt'}",
+            *args,
+        ],
+        cwd=tmp_path,
+        env=env_for(tmp_path, **extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def job_dirs(tmp_path: Path) -> list[Path]:
@@ -98,15 +116,42 @@ def test_injected_oom_exits_with_the_oom_status(tmp_path: Path) -> None:
 
 
 def trainer_rank(tmp_path: Path, rank: int, port: int, *extra: str) -> subprocess.Popen:
-    env = env_for(tmp_path, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    env = env_for(
+        tmp_path,
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     return subprocess.Popen(
-        [sys.executable, "-u", "-m", "ctxlaunch.runtime.trainer", str(JOBS / "demo.yaml"),
-         "--set", "training.steps=1000", "--set", "training.seq_len=512",
-         "--set", "training.timeout_seconds=20", "--set", "training.checkpoint.dir=null",
-         "--set", "training.log_interval=1",
-         "--run-dir", str(tmp_path / "run"), *extra],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-u",
+            "-m",
+            "ctxlaunch.runtime.trainer",
+            str(JOBS / "demo.yaml"),
+            "--set",
+            "training.steps=1000",
+            "--set",
+            "training.seq_len=512",
+            "--set",
+            "training.timeout_seconds=20",
+            "--set",
+            "training.checkpoint.dir=null",
+            "--set",
+            "training.log_interval=1",
+            "--run-dir",
+            str(tmp_path / "run"),
+            *extra,
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.timeout(180)
@@ -133,21 +178,35 @@ def test_a_dead_rank_ends_the_others_with_an_error_not_a_hang(tmp_path: Path) ->
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("overrides, message", [
-    (["training.checkpoint.dir=/proc/ctxlaunch-cannot-write"], "cannot be written"),
-    (["parallel.pp=2", "cluster.gpus_per_node=2", "model.tie_embeddings=true"],
-     "tied embeddings put one weight on the first and the last pipeline stage"),
-    (["training.data.source=text"], "needs data.path"),
-    (["training.data.source=text", "training.data.path=/nonexistent.txt"], "no such file"),
-])
-def test_bad_set_up_fails_before_any_work(tmp_path: Path, overrides: list[str],
-                                          message: str) -> None:
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["training.checkpoint.dir=/proc/ctxlaunch-cannot-write"], "cannot be written"),
+        (
+            ["parallel.pp=2", "cluster.gpus_per_node=2", "model.tie_embeddings=true"],
+            "tied embeddings put one weight on the first and the last pipeline stage",
+        ),
+        (["training.data.source=text"], "needs data.path"),
+        (["training.data.source=text", "training.data.path=/nonexistent.txt"], "no such file"),
+    ],
+)
+def test_bad_set_up_fails_before_any_work(
+    tmp_path: Path, overrides: list[str], message: str
+) -> None:
     env = env_for(tmp_path)
-    sets = [arg for item in ["cluster.gpus_per_node=1", "parallel.cp=1", *overrides]
-            for arg in ("--set", item)]
+    sets = [
+        arg
+        for item in ["cluster.gpus_per_node=1", "parallel.cp=1", *overrides]
+        for arg in ("--set", item)
+    ]
     result = subprocess.run(
         [sys.executable, "-m", "ctxlaunch.runtime.trainer", str(JOBS / "demo.yaml"), *sets],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr
     assert "step 1" not in result.stdout
@@ -155,10 +214,15 @@ def test_bad_set_up_fails_before_any_work(tmp_path: Path, overrides: list[str],
 
 @pytest.mark.timeout(60)
 def test_world_size_must_match_the_spec(tmp_path: Path) -> None:
-    env = env_for(tmp_path, RANK="0", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT="29999")
-    result = subprocess.run([sys.executable, "-m", "ctxlaunch.runtime.trainer", str(JOBS / "demo.yaml")],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    env = env_for(tmp_path, RANK="0", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+    result = subprocess.run(
+        [sys.executable, "-m", "ctxlaunch.runtime.trainer", str(JOBS / "demo.yaml")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "started 3 ranks but the spec describes 2" in result.stderr
 
@@ -166,10 +230,26 @@ def test_world_size_must_match_the_spec(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_a_gpu_spec_without_a_gpu_fails_before_any_work(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "ctxlaunch.runtime.trainer", str(JOBS / "demo.yaml"), "--set",
-         "cluster.gpu=H100", "--set", "cluster.gpus_per_node=1", "--set", "parallel.cp=1",
-         "--run-dir", str(tmp_path / "run")],
-        cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "ctxlaunch.runtime.trainer",
+            str(JOBS / "demo.yaml"),
+            "--set",
+            "cluster.gpu=H100",
+            "--set",
+            "cluster.gpus_per_node=1",
+            "--set",
+            "parallel.cp=1",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=tmp_path,
+        env=env_for(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "cluster.gpu = H100 but no CUDA device is visible" in result.stderr
     assert (tmp_path / "run" / "exit" / "rank-0").read_text().strip() == "2"
@@ -180,10 +260,25 @@ def test_4d_demo_submits_and_trains_locally(tmp_path: Path) -> None:
     """jobs/demo-4d.yaml (TP 2 x CP 2 x PP 2, eight gloo ranks) through `ctxlaunch submit`,
     shortened; its exactness against one process is tests/test_trainer_4d.py's."""
     result = subprocess.run(
-        [CTXLAUNCH, "submit", str(JOBS / "demo-4d.yaml"), "--set", "training.steps=2",
-         "--set", "training.seq_len=256", "--set", "training.log_interval=1", "--set",
-         f"training.checkpoint.dir={tmp_path / 'ckpt'}"],
-        cwd=tmp_path, env=env_for(tmp_path), capture_output=True, text=True, timeout=380)
+        [
+            CTXLAUNCH,
+            "submit",
+            str(JOBS / "demo-4d.yaml"),
+            "--set",
+            "training.steps=2",
+            "--set",
+            "training.seq_len=256",
+            "--set",
+            "training.log_interval=1",
+            "--set",
+            f"training.checkpoint.dir={tmp_path / 'ckpt'}",
+        ],
+        cwd=tmp_path,
+        env=env_for(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "dp 1 x cp 2 (ring, zigzag) x tp 2 x pp 2 (blocks per stage [1, 1])" in result.stdout
     assert "step 2/2" in result.stdout and "ctxlaunch: done: 2 steps" in result.stdout

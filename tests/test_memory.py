@@ -36,8 +36,9 @@ def test_parameter_counts_match_the_released_models() -> None:
     assert count_params(tied).matmul == count_params(tied).total  # the table is the head
 
 
-@pytest.mark.parametrize("model, seq", [(LLAMA_8B, 8192), (LLAMA_8B, 131072),
-                                        (LLAMA_70B, 8192), (LLAMA_70B, 131072)])
+@pytest.mark.parametrize(
+    "model, seq", [(LLAMA_8B, 8192), (LLAMA_8B, 131072), (LLAMA_70B, 8192), (LLAMA_70B, 131072)]
+)
 def test_flops_per_token_by_hand(model: ModelSpec, seq: int) -> None:
     n = count_params(model).matmul
     full = 6 * n + 12 * model.layers * model.hidden * seq
@@ -49,11 +50,11 @@ def test_flops_per_token_by_hand(model: ModelSpec, seq: int) -> None:
 
 def test_attention_dominates_at_long_context() -> None:
     # At 128K the two conventions differ by ~1.5x for 8B: the reason to report both.
-    ratio = flops_per_token(LLAMA_8B, 131072, "full") / flops_per_token(LLAMA_8B, 131072,
-                                                                       "causal")
+    ratio = flops_per_token(LLAMA_8B, 131072, "full") / flops_per_token(LLAMA_8B, 131072, "causal")
     assert 1.6 < ratio < 1.8
-    assert flops_per_token(LLAMA_8B, 8192, "full") / flops_per_token(
-        LLAMA_8B, 8192, "causal") < 1.15
+    assert (
+        flops_per_token(LLAMA_8B, 8192, "full") / flops_per_token(LLAMA_8B, 8192, "causal") < 1.15
+    )
 
 
 def test_mfu_by_hand() -> None:
@@ -73,12 +74,16 @@ def test_block_activation_constant_for_llama3_8b() -> None:
     assert per_token == 2 * 2 * 4096 + 2 * (5 * 4096 + 2 * 1024 + 3 * 14336) + 4 * 32 + 8
     assert per_token == 147_592  # ~36 h, next to Korthikanti's 34 h for a GPT block
     # ZeRO-0 bf16 runs under autocast: the residual stream is fp32.
-    assert block_activation_bytes_per_token(LLAMA_8B, layout.replace(zero_stage=0)) == \
-        per_token + 2 * 2 * 4096
+    assert (
+        block_activation_bytes_per_token(LLAMA_8B, layout.replace(zero_stage=0))
+        == per_token + 2 * 2 * 4096
+    )
     selective = block_activation_bytes_per_token(
-        LLAMA_8B, layout.replace(activation_checkpointing="selective"))
-    full = block_activation_bytes_per_token(LLAMA_8B,
-                                            layout.replace(activation_checkpointing="full"))
+        LLAMA_8B, layout.replace(activation_checkpointing="selective")
+    )
+    full = block_activation_bytes_per_token(
+        LLAMA_8B, layout.replace(activation_checkpointing="full")
+    )
     assert full == 2 * 4096 and full < selective < per_token
 
 
@@ -87,7 +92,8 @@ def test_activations_divide_by_cp_and_tp() -> None:
     one = estimate(LLAMA_8B, base, H100).activations
     for n in (2, 4, 8):
         assert estimate(LLAMA_8B, base.replace(cp=n), H100).activations == pytest.approx(
-            one / n, rel=1e-6)
+            one / n, rel=1e-6
+        )
     # TP (sequence parallel) divides everything but what is gathered over the TP group outside
     # the blocks: the gradient of the loss input (fp32), the RoPE tables and the int64 ids. The
     # norm outputs the column-parallel projections read are kept as local shards (gathered
@@ -97,13 +103,19 @@ def test_activations_divide_by_cp_and_tp() -> None:
     tp4 = estimate(LLAMA_8B, plain.replace(tp=4), H100).activations
     h, hd, tokens = LLAMA_8B.hidden, LLAMA_8B.head_dim, 131072
     gathered = tokens * (1 - 1 / 4) * (4 * h + 2 * hd * 2 + 8)
-    assert tp4 == pytest.approx(estimate(LLAMA_8B, plain, H100).activations / 4 + gathered
-                                + tokens * 1, rel=1e-6)
+    assert tp4 == pytest.approx(
+        estimate(LLAMA_8B, plain, H100).activations / 4 + gathered + tokens * 1, rel=1e-6
+    )
 
 
-@pytest.mark.parametrize("stage, per_param", [
-    (0, (4, 4, 8)), (1, (2, 2, 16 / 32)), (2, (2, 2 / 32, 16 / 32)),
-])
+@pytest.mark.parametrize(
+    "stage, per_param",
+    [
+        (0, (4, 4, 8)),
+        (1, (2, 2, 16 / 32)),
+        (2, (2, 2 / 32, 16 / 32)),
+    ],
+)
 def test_model_states_per_zero_stage(stage: int, per_param: tuple) -> None:
     p = 1_000_000_000
     got = model_state_bytes(p, 0, stage, 32, "bf16")
@@ -120,19 +132,22 @@ def test_model_states_match_deepspeed_estimators() -> None:
         gpus = nodes * per_node
         params = params_per_rank(LLAMA_8B, 1, 1)
         _, ds_zero2 = stage2.estimate_zero2_model_states_mem_needs(
-            params, per_node, nodes, cpu_offload=False)
-        assert sum(model_state_bytes(params, 0, 2, gpus, "bf16")) == pytest.approx(
-            ds_zero2, abs=2)
+            params, per_node, nodes, cpu_offload=False
+        )
+        assert sum(model_state_bytes(params, 0, 2, gpus, "bf16")) == pytest.approx(ds_zero2, abs=2)
         largest = largest_layer_params(LLAMA_8B)
         _, ds_zero3, _ = stage3.estimate_zero3_model_states_mem_needs(
-            params, largest, per_node, nodes, cpu_offload=False, cpu_offload_params=False)
+            params, largest, per_node, nodes, cpu_offload=False, cpu_offload_params=False
+        )
         assert sum(model_state_bytes(params, largest, 3, gpus, "bf16")) == pytest.approx(
-            ds_zero3, abs=3)
+            ds_zero3, abs=3
+        )
 
 
 def test_longest_sequence_is_the_boundary() -> None:
-    layout = Layout(seq_len=8192, dtype="bf16", zero_stage=2, dp=4, cp=8,
-                          activation_checkpointing="selective")
+    layout = Layout(
+        seq_len=8192, dtype="bf16", zero_stage=2, dp=4, cp=8, activation_checkpointing="selective"
+    )
     longest = longest_sequence(LLAMA_8B, layout, H100)
     unit = sequence_granularity(8)
     assert longest % unit == 0 and longest > 0
@@ -142,8 +157,9 @@ def test_longest_sequence_is_the_boundary() -> None:
 
 def test_memory_grows_with_sequence_and_shrinks_with_cp() -> None:
     layout = Layout(seq_len=32768, dtype="bf16", zero_stage=1, dp=2)
-    totals = [estimate(LLAMA_8B, layout.replace(seq_len=s), H100).total
-              for s in (8192, 32768, 131072)]
+    totals = [
+        estimate(LLAMA_8B, layout.replace(seq_len=s), H100).total for s in (8192, 32768, 131072)
+    ]
     assert totals == sorted(totals)
     by_cp = [estimate(LLAMA_8B, layout.replace(cp=n), H100).total for n in (1, 2, 4, 8)]
     assert by_cp == sorted(by_cp, reverse=True)
@@ -165,8 +181,9 @@ def test_llama3_8b_example_plan() -> None:
 
 
 def test_not_fitting_says_by_how_much_and_what_fits() -> None:
-    spec = load_spec(JOBS / "llama3-8b-128k-slurm.yaml",
-                     ["parallel.cp=2", "training.global_batch=null"])
+    spec = load_spec(
+        JOBS / "llama3-8b-128k-slurm.yaml", ["parallel.cp=2", "training.global_batch=null"]
+    )
     report = plan_job(spec)
     assert not report.fits
     verdict = report.verdict()
@@ -176,10 +193,15 @@ def test_not_fitting_says_by_how_much_and_what_fits() -> None:
 
 
 def test_ulysses_options_beyond_kv_heads_are_not_legal() -> None:
-    spec = validate_spec({
-        "name": "u", "model": "llama3-8b", "training": {"seq_len": 65536},
-        "parallel": {"cp": 8, "cp_algorithm": "ulysses"},
-        "cluster": {"target": "slurm", "nodes": 1, "gpus_per_node": 8}})
+    spec = validate_spec(
+        {
+            "name": "u",
+            "model": "llama3-8b",
+            "training": {"seq_len": 65536},
+            "parallel": {"cp": 8, "cp_algorithm": "ulysses"},
+            "cluster": {"target": "slurm", "nodes": 1, "gpus_per_node": 8},
+        }
+    )
     options = {o.cp: o for o in plan_job(spec).cp_options}
     assert options[8].legal and not options[16].legal
     assert "hybrid" in options[16].reason
@@ -200,8 +222,11 @@ def test_uneven_stages_plan_the_busiest_stage() -> None:
     split = (7,) + (8,) * 14 + (7,)
     layout = Layout(seq_len=8192, grad_accum=16, tp=8, pp=16, stage_layers=split)
     held = params_per_rank(model, 8, 16, layout.rank_layers(model.layers))
-    want = max(7 * counts.per_layer + counts.embedding, 8 * counts.per_layer,
-               7 * counts.per_layer + counts.final_norm + counts.head)
+    want = max(
+        7 * counts.per_layer + counts.embedding,
+        8 * counts.per_layer,
+        7 * counts.per_layer + counts.final_norm + counts.head,
+    )
     assert held == -(-want // 8)
     # 1F1B: rank r holds 16 - r micro-batches in flight; each is one pp = 1 model of its
     # blocks (rank 0: 16 x 7 blocks, rank 1: 15 x 8, the busiest).

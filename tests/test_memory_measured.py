@@ -15,13 +15,21 @@ from tests.helpers.memtrace import SavedTensorMeter
 MODEL = ModelSpec(layers=2, hidden=256, heads=8, kv_heads=2, ffn_hidden=704, vocab=256)
 
 
-@pytest.mark.parametrize("dtype, zero, checkpointing", [
-    ("fp32", 0, "none"), ("fp32", 0, "selective"), ("fp32", 0, "full"),
-    ("bf16", 0, "none"),  # autocast: fp32 residual and bf16 weight copies
-    ("bf16", 2, "none"), ("bf16", 2, "selective"), ("bf16", 2, "full"),
-])
-def test_predicted_activations_match_saved_tensors(dtype: str, zero: int,
-                                                   checkpointing: str) -> None:
+@pytest.mark.parametrize(
+    "dtype, zero, checkpointing",
+    [
+        ("fp32", 0, "none"),
+        ("fp32", 0, "selective"),
+        ("fp32", 0, "full"),
+        ("bf16", 0, "none"),  # autocast: fp32 residual and bf16 weight copies
+        ("bf16", 2, "none"),
+        ("bf16", 2, "selective"),
+        ("bf16", 2, "full"),
+    ],
+)
+def test_predicted_activations_match_saved_tensors(
+    dtype: str, zero: int, checkpointing: str
+) -> None:
     torch.manual_seed(0)
     seq = 1024
     model = Transformer.from_spec(MODEL)
@@ -35,8 +43,9 @@ def test_predicted_activations_match_saved_tensors(dtype: str, zero: int,
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16" and zero == 0):
         with SavedTensorMeter(exclude=model.parameters()) as meter:
             loss = model(tokens, positions, targets)
-    layout = Layout(seq_len=seq, dtype=dtype, zero_stage=zero,
-                          activation_checkpointing=checkpointing)
+    layout = Layout(
+        seq_len=seq, dtype=dtype, zero_stage=zero, activation_checkpointing=checkpointing
+    )
     predicted = activation_bytes(MODEL, layout)
     # The goal is 10 %; the derivation is meant to be exact for the model the trainer builds.
     assert predicted == pytest.approx(meter.bytes, rel=0.01), (predicted, meter.bytes)
@@ -54,8 +63,9 @@ def _measure_tp_pp(rank: int, world: int, cases: list[tuple[str, str, str]]) -> 
     out = []
     for kind, dtype, checkpointing in cases:
         tp, pp = (2, 1) if kind == "tp" else (1, 2)
-        ctx = build_context(rank=rank, world_size=world, dp=1, cp=1, ulysses=1,
-                            cp_sharding="zigzag", tp=tp, pp=pp)
+        ctx = build_context(
+            rank=rank, world_size=world, dp=1, cp=1, ulysses=1, cp_sharding="zigzag", tp=tp, pp=pp
+        )
         torch.manual_seed(0)
         model = Transformer.from_spec(MODEL)
         model.set_checkpointing(checkpointing)
@@ -70,8 +80,7 @@ def _measure_tp_pp(rank: int, world: int, cases: list[tuple[str, str, str]]) -> 
             else:
                 stage = StageModule(model, rank, rank + 1, first=rank == 0, last=rank == 1)
                 stage.positions = positions
-                x = tokens if rank == 0 else torch.randn(1, seq, MODEL.hidden,
-                                                         requires_grad=True)
+                x = tokens if rank == 0 else torch.randn(1, seq, MODEL.hidden, requires_grad=True)
                 with SavedTensorMeter(exclude=model.parameters()) as meter:
                     hidden = stage(x)
                     loss = model.loss(hidden, targets) if rank == 1 else hidden.sum()
@@ -80,8 +89,14 @@ def _measure_tp_pp(rank: int, world: int, cases: list[tuple[str, str, str]]) -> 
     return out
 
 
-TP_PP_CASES = [("tp", "fp32", "none"), ("tp", "bf16", "none"), ("tp", "fp32", "selective"),
-               ("tp", "bf16", "full"), ("pp", "fp32", "none"), ("pp", "bf16", "selective")]
+TP_PP_CASES = [
+    ("tp", "fp32", "none"),
+    ("tp", "bf16", "none"),
+    ("tp", "fp32", "selective"),
+    ("tp", "bf16", "full"),
+    ("pp", "fp32", "none"),
+    ("pp", "bf16", "selective"),
+]
 
 
 @pytest.mark.slow
@@ -95,17 +110,26 @@ def test_predicted_activations_match_saved_tensors_at_tp2_and_per_pp_stage() -> 
 
     ranks = run_distributed(_measure_tp_pp, 2, TP_PP_CASES, timeout_s=200)
     for index, (kind, dtype, checkpointing) in enumerate(TP_PP_CASES):
-        layout = Layout(seq_len=1024, dtype=dtype, zero_stage=0,
-                              activation_checkpointing=checkpointing,
-                              tp=2 if kind == "tp" else 1, pp=2 if kind == "pp" else 1)
+        layout = Layout(
+            seq_len=1024,
+            dtype=dtype,
+            zero_stage=0,
+            activation_checkpointing=checkpointing,
+            tp=2 if kind == "tp" else 1,
+            pp=2 if kind == "pp" else 1,
+        )
         for rank in range(2):
             if kind == "tp":
-                predicted = stage_activation_bytes(MODEL, layout, MODEL.layers, first=True,
-                                                   last=True)
+                predicted = stage_activation_bytes(
+                    MODEL, layout, MODEL.layers, first=True, last=True
+                )
             else:
-                predicted = stage_activation_bytes(MODEL, layout, 1, first=rank == 0,
-                                                   last=rank == 1)
+                predicted = stage_activation_bytes(
+                    MODEL, layout, 1, first=rank == 0, last=rank == 1
+                )
             measured = ranks[rank][index]
-            print(f"{kind} {dtype} {checkpointing} rank {rank}: predicted {predicted:,.0f} "
-                  f"measured {measured:,} ({predicted / measured - 1:+.3%})")
+            print(
+                f"{kind} {dtype} {checkpointing} rank {rank}: predicted {predicted:,.0f} "
+                f"measured {measured:,} ({predicted / measured - 1:+.3%})"
+            )
             assert predicted == pytest.approx(measured, rel=0.01), (kind, dtype, rank)

@@ -27,8 +27,15 @@ pytestmark = pytest.mark.slow
 
 BASE = {
     "name": "peak",
-    "model": {"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 2, "ffn_hidden": 704,
-              "vocab": 256, "dtype": "fp32"},
+    "model": {
+        "layers": 2,
+        "hidden": 256,
+        "heads": 8,
+        "kv_heads": 2,
+        "ffn_hidden": 704,
+        "vocab": 256,
+        "dtype": "fp32",
+    },
     "training": {"seq_len": 4096, "micro_batch": 1, "global_batch": 1, "steps": 2, "seed": 7},
     "parallel": {"cp": 1},
     "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1},
@@ -36,8 +43,9 @@ BASE = {
 
 
 def spec_for(world: int, changes: dict[str, object]) -> dict:
-    data = apply_overrides(BASE, [f"cluster.gpus_per_node={world}"]
-                           + [f"{k}={v}" for k, v in changes.items()])
+    data = apply_overrides(
+        BASE, [f"cluster.gpus_per_node={world}"] + [f"{k}={v}" for k, v in changes.items()]
+    )
     return validate_spec(data).model_dump(mode="json")
 
 
@@ -59,15 +67,24 @@ def _measure(rank: int, world: int, specs: list[dict]) -> list[tuple[int, str]]:
     for data in specs:
         spec = validate_spec(data)
         p = spec.parallel
-        ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                            ulysses=spec.ulysses_degree, cp_sharding=p.cp_sharding, tp=p.tp, pp=p.pp)
+        ctx = build_context(
+            rank=rank,
+            world_size=world,
+            dp=spec.dp,
+            cp=p.cp,
+            ulysses=spec.ulysses_degree,
+            cp_sharding=p.cp_sharding,
+            tp=p.tp,
+            pp=p.pp,
+        )
         trace = measure_training_peak(spec, ctx)
         out.append((trace.peak_bytes, trace.peak_phase))
     return out
 
 
-def _check(world: int, cases: list[dict[str, object]], tolerance: float, *,
-           replicas_alike: bool = False) -> None:
+def _check(
+    world: int, cases: list[dict[str, object]], tolerance: float, *, replicas_alike: bool = False
+) -> None:
     """Each rank's measured peak against its plan. `replicas_alike`: the ranks holding the
     same stage make allocations of the same sizes (DP replicas; CP ranks' equal zigzag shards;
     TP ranks' equal slices), and the record can only read high (a free it missed keeps a block
@@ -78,14 +95,18 @@ def _check(world: int, cases: list[dict[str, object]], tolerance: float, *,
     specs = [spec_for(world, case) for case in cases]
 
     def measure(chosen: list[dict]) -> list[list[tuple[int, str]]]:
-        return (run_distributed(_measure, world, chosen, timeout_s=500) if world > 1
-                else [_measure(0, 1, chosen)])
+        return (
+            run_distributed(_measure, world, chosen, timeout_s=500)
+            if world > 1
+            else [_measure(0, 1, chosen)]
+        )
 
     ranks = measure(specs)
     errors = _errors(world, cases, specs, ranks, replicas_alike)
     if replicas_alike:
-        again = [i for i, case_errors in enumerate(errors)
-                 if any(e < -tolerance for e in case_errors)]
+        again = [
+            i for i, case_errors in enumerate(errors) if any(e < -tolerance for e in case_errors)
+        ]
         if again:
             print(f"measured again (a reading above the plan): {[cases[i] for i in again]}")
             second = measure([specs[i] for i in again])
@@ -93,13 +114,22 @@ def _check(world: int, cases: list[dict[str, object]], tolerance: float, *,
                 for rank in range(world):
                     ranks[rank][i] = min(ranks[rank][i], second[rank][j])
             errors = _errors(world, cases, specs, ranks, replicas_alike)
-    failures = [(case, rank, f"{error:+.2%}") for case, case_errors in zip(cases, errors)
-                for rank, error in enumerate(case_errors) if abs(error) > tolerance]
+    failures = [
+        (case, rank, f"{error:+.2%}")
+        for case, case_errors in zip(cases, errors)
+        for rank, error in enumerate(case_errors)
+        if abs(error) > tolerance
+    ]
     assert not failures, failures
 
 
-def _errors(world: int, cases: list[dict[str, object]], specs: list[dict],
-            ranks: list[list[tuple[int, str]]], replicas_alike: bool) -> list[list[float]]:
+def _errors(
+    world: int,
+    cases: list[dict[str, object]],
+    specs: list[dict],
+    ranks: list[list[tuple[int, str]]],
+    replicas_alike: bool,
+) -> list[list[float]]:
     """predicted / measured - 1 per case and rank (printing every reading)."""
     out = []
     for index, case in enumerate(cases):
@@ -113,8 +143,10 @@ def _errors(world: int, cases: list[dict[str, object]], specs: list[dict],
             phase = peak(spec.model, layout, stage)
             predicted = phase.total + host_data_bytes(spec)
             measured, where = ranks[rank][index]
-            print(f"{case} rank {rank}: predicted {predicted:,.0f} ({phase.name}) "
-                  f"measured {measured:,} ({where}) {predicted / measured - 1:+.2%}")
+            print(
+                f"{case} rank {rank}: predicted {predicted:,.0f} ({phase.name}) "
+                f"measured {measured:,} ({where}) {predicted / measured - 1:+.2%}"
+            )
             if replicas_alike:
                 per_stage = world // layout.pp
                 first = rank - rank % per_stage
@@ -130,7 +162,9 @@ def test_peak_within_2_percent_one_process() -> None:
     cases: list[dict[str, object]] = [
         *({"training.activation_checkpointing": mode} for mode in ("none", "selective", "full")),
         {"training.seq_len": 8192},
-        {"model.dtype": "bf16"}, {"model.dtype": "bf16", "training.activation_checkpointing": "full"}]
+        {"model.dtype": "bf16"},
+        {"model.dtype": "bf16", "training.activation_checkpointing": "full"},
+    ]
     _check(1, cases, 0.02)
 
 
@@ -142,11 +176,17 @@ def test_peak_within_2_percent_dp_zero_and_cp() -> None:
     -0.94 %. One rank's reading moves between identical runs (dp 2 ZeRO-0 rank 0 at -3.50 %
     once, -0.32 % the next run): a free the record missed, so the ranks are compared through
     the lower reading."""
-    _check(2, [{"training.global_batch": 2},
-               {"training.global_batch": 2, "training.zero_stage": 2, "training.engine": "fsdp2"},
-               {"parallel.cp": 2},
-               {"parallel.cp": 2, "training.activation_checkpointing": "full"}], 0.02,
-           replicas_alike=True)
+    _check(
+        2,
+        [
+            {"training.global_batch": 2},
+            {"training.global_batch": 2, "training.zero_stage": 2, "training.engine": "fsdp2"},
+            {"parallel.cp": 2},
+            {"parallel.cp": 2, "training.activation_checkpointing": "full"},
+        ],
+        0.02,
+        replicas_alike=True,
+    )
 
 
 @pytest.mark.timeout(900)
@@ -166,10 +206,13 @@ def test_peak_fsdp2_bf16_parameters_within_2_percent() -> None:
     through the lower reading (`replicas_alike`)."""
     fsdp = {"training.global_batch": 2, "training.engine": "fsdp2", "model.dtype": "bf16"}
     short = {**fsdp, "training.zero_stage": 2, "training.seq_len": 1024}
-    _check(2, [{**fsdp, "training.zero_stage": 2}, {**fsdp, "training.zero_stage": 3}, short],
-           0.02, replicas_alike=True)
-    _check(2, [{**short, "model.vocab": 2048, "model.hidden": 512}], 0.02,
-           replicas_alike=True)
+    _check(
+        2,
+        [{**fsdp, "training.zero_stage": 2}, {**fsdp, "training.zero_stage": 3}, short],
+        0.02,
+        replicas_alike=True,
+    )
+    _check(2, [{**short, "model.vocab": 2048, "model.hidden": 512}], 0.02, replicas_alike=True)
 
 
 @pytest.mark.timeout(900)
@@ -182,10 +225,18 @@ def test_peak_pp2_dp2_fsdp2_bf16_on_each_stage() -> None:
     micro-batch's gradients block by block (pipeline.trainer_stage), only the fp32
     shards accumulate, and ZeRO-3 re-shards the weights after each backward. Each stage's two
     DP replicas are compared through the lower reading."""
-    pp_dp = {"parallel.pp": 2, "training.global_batch": 4, "model.dtype": "bf16",
-             "training.seq_len": 1024}
-    _check(4, [{**pp_dp, "training.zero_stage": stage} for stage in (1, 2, 3)], 0.02,
-           replicas_alike=True)
+    pp_dp = {
+        "parallel.pp": 2,
+        "training.global_batch": 4,
+        "model.dtype": "bf16",
+        "training.seq_len": 1024,
+    }
+    _check(
+        4,
+        [{**pp_dp, "training.zero_stage": stage} for stage in (1, 2, 3)],
+        0.02,
+        replicas_alike=True,
+    )
 
 
 @pytest.mark.timeout(1100)
@@ -197,8 +248,11 @@ def test_peak_deepspeed_zero1_and_zero2_within_2_percent() -> None:
     without it the rest reads -0.55 % (ZeRO-1) and -0.32 % (ZeRO-2) (seen 2026-12-02), and the
     bound a wrong bucket size or count would break is far tighter than any term's size."""
     for stage in (1, 2):  # one world each: DeepSpeed's start-up is slow on a shared CPU
-        _check(2, [{"training.global_batch": 2, "training.zero_stage": stage,
-                    "model.dtype": "bf16"}], 0.02)
+        _check(
+            2,
+            [{"training.global_batch": 2, "training.zero_stage": stage, "model.dtype": "bf16"}],
+            0.02,
+        )
 
 
 @pytest.mark.timeout(600)
@@ -207,9 +261,18 @@ def test_peak_at_pp2_within_2_percent_on_each_stage() -> None:
     stage against its own plan (`peak(..., stage=r)`): the first holding both micro-batches
     and its outputs, the last one micro-batch, every output until the step ends, and the
     receive buffers on both."""
-    _check(2, [{"parallel.pp": 2, "training.global_batch": 2},
-               {"parallel.pp": 2, "training.global_batch": 2,
-                "training.activation_checkpointing": "selective"}], 0.02)
+    _check(
+        2,
+        [
+            {"parallel.pp": 2, "training.global_batch": 2},
+            {
+                "parallel.pp": 2,
+                "training.global_batch": 2,
+                "training.activation_checkpointing": "selective",
+            },
+        ],
+        0.02,
+    )
 
 
 @pytest.mark.timeout(600)
@@ -229,5 +292,14 @@ def test_peak_at_pp2_four_micro_batches_within_2_percent() -> None:
     micro-batch's output, until the step returns: from the second backward on the stage holds
     one more output than its two micro-batches in flight (seen 2026-12-02 18:55 UTC: +0.02 %
     on the first stage with that term, -2.90 % without it; the last stage -0.03 %)."""
-    _check(2, [{"parallel.pp": 2, "training.global_batch": 4,
-                "training.activation_checkpointing": "full"}], 0.02)
+    _check(
+        2,
+        [
+            {
+                "parallel.pp": 2,
+                "training.global_batch": 4,
+                "training.activation_checkpointing": "full",
+            }
+        ],
+        0.02,
+    )

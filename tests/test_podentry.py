@@ -27,23 +27,43 @@ def spec_file(tmp_path: Path, *sets: str) -> Path:
     from ctxlaunch.contract.loader import load_spec
     from ctxlaunch.contract.rundir import spec_json
 
-    spec = load_spec(JOBS / "demo.yaml", ["training.seq_len=512", "training.log_interval=1",
-                                          f"training.checkpoint.dir={tmp_path / 'ckpt'}",
-                                          "training.timeout_seconds=30", *sets])
+    spec = load_spec(
+        JOBS / "demo.yaml",
+        [
+            "training.seq_len=512",
+            "training.log_interval=1",
+            f"training.checkpoint.dir={tmp_path / 'ckpt'}",
+            "training.timeout_seconds=30",
+            *sets,
+        ],
+    )
     path = tmp_path / "spec.json"
     path.write_text(spec_json(spec))
     return path
 
 
 def pod(tmp_path: Path, spec: Path, **extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PET_NNODES": "1", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "0",
-           "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(free_port()),
-           "CTXLAUNCH_RUN_DIR": str(tmp_path / "run"), "OMP_NUM_THREADS": "1", **extra}
+    env = {
+        **os.environ,
+        "PET_NNODES": "1",
+        "PET_NPROC_PER_NODE": "2",
+        "PET_NODE_RANK": "0",
+        "PET_MASTER_ADDR": "127.0.0.1",
+        "PET_MASTER_PORT": str(free_port()),
+        "CTXLAUNCH_RUN_DIR": str(tmp_path / "run"),
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
     if "CTXLAUNCH_INJECT_FAULT" not in extra:
         env.pop("CTXLAUNCH_INJECT_FAULT", None)
-    return subprocess.Popen([sys.executable, "-m", "ctxlaunch.runtime.podentry", str(spec)],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "ctxlaunch.runtime.podentry", str(spec)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def finish(process: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
@@ -75,8 +95,9 @@ def test_sigterm_checkpoints_exits_retryable_and_the_next_pod_resumes(tmp_path: 
     assert "exiting 75 to be requeued" in out and "pod exits 143" in out
     assert any((tmp_path / "ckpt").glob("step-*")), out
 
-    again = pod(tmp_path, spec_file(tmp_path, "training.steps=8",
-                                    "training.checkpoint.interval=1000"))
+    again = pod(
+        tmp_path, spec_file(tmp_path, "training.steps=8", "training.checkpoint.interval=1000")
+    )
     code, out = finish(again)
     # The checkpointed step may already be the last one: resumed either way, then done.
     assert code == exitcodes.OK, out
@@ -85,13 +106,22 @@ def test_sigterm_checkpoints_exits_retryable_and_the_next_pod_resumes(tmp_path: 
 
 @pytest.mark.timeout(200)
 def test_a_bad_spec_and_an_oom_end_the_pod_with_a_permanent_status(tmp_path: Path) -> None:
-    code, out = finish(pod(tmp_path, spec_file(tmp_path, "training.steps=3",
-                                               "parallel.cp=2", "cluster.nodes=1"),
-                           PET_NPROC_PER_NODE="1"))
+    code, out = finish(
+        pod(
+            tmp_path,
+            spec_file(tmp_path, "training.steps=3", "parallel.cp=2", "cluster.nodes=1"),
+            PET_NPROC_PER_NODE="1",
+        )
+    )
     assert code == exitcodes.BAD_INPUT, out  # the spec wants 2 ranks, the pod starts 1
     assert "launch 2" in out
-    code, out = finish(pod(tmp_path, spec_file(tmp_path, "training.steps=3"),
-                           CTXLAUNCH_INJECT_FAULT="kind=oom,rank=1,step=2"))
+    code, out = finish(
+        pod(
+            tmp_path,
+            spec_file(tmp_path, "training.steps=3"),
+            CTXLAUNCH_INJECT_FAULT="kind=oom,rank=1,step=2",
+        )
+    )
     assert code == exitcodes.OOM, out
     assert "pod exits 86" in out
     # The training operator's rule: 1-127 permanent, 128-255 retried.
@@ -111,5 +141,6 @@ def test_oom_kills_reads_the_memory_cgroup_v1_and_v2_counters(tmp_path: Path) ->
     assert oom_kills(tmp_path) == 1
     (tmp_path / "memory").mkdir()
     (tmp_path / "memory" / "memory.oom_control").write_text(
-        "oom_kill_disable 0\nunder_oom 0\noom_kill 4\n")
+        "oom_kill_disable 0\nunder_oom 0\noom_kill 4\n"
+    )
     assert oom_kills(tmp_path) == 4

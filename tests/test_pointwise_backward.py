@@ -14,9 +14,11 @@ from tests.helpers.memtrace import AllocatorTrace
 
 # A token count that is not a multiple of the chunk, so the last chunk is partial.
 TOKENS = 2 * BACKWARD_CHUNK_TOKENS + 77
-TOLERANCE = {torch.float64: {"rtol": 1e-12, "atol": 1e-12},
-             torch.float32: {"rtol": 1e-5, "atol": 1e-6},
-             torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}}
+TOLERANCE = {
+    torch.float64: {"rtol": 1e-12, "atol": 1e-12},
+    torch.float32: {"rtol": 1e-5, "atol": 1e-6},
+    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2},
+}
 
 
 def _swiglu_inputs(dtype: torch.dtype, ffn: int = 96) -> tuple[torch.Tensor, ...]:

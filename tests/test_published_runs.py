@@ -49,8 +49,17 @@ def test_the_rows_add_up() -> None:
         tokens = row.global_batch * row.seq_len
         assert tokens == (4 * 2**20 if row.table.startswith("nemo") else 16 * 2**20), row.name
     assert [r.gpus for r in ROWS if r.table == "llama3"] == [8192, 16384, 16384]
-    assert [r.gpus for r in ROWS if r.table == "nemo-h100"] == [4, 8, 16, 32, 64, 128, 256, 512,
-                                                                1024]
+    assert [r.gpus for r in ROWS if r.table == "nemo-h100"] == [
+        4,
+        8,
+        16,
+        32,
+        64,
+        128,
+        256,
+        512,
+        1024,
+    ]
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.name)
@@ -69,15 +78,23 @@ def test_every_published_layout_fits_the_bundled_trainer(row: PublishedRun) -> N
     """At the published TP/CP/PP/DP, some checkpointing setting fits the bundled trainer's own
     memory habits as `plan` sees them (bf16 FSDP2 parameters, the pipeline's receive buffers
     and accumulated gradients included), not only Megatron's."""
-    fitting = [layout.activation_checkpointing for layout in candidate_layouts(row)
-               if estimate(row.model, _bundled(layout), GPUS[row.gpu]).fits]
+    fitting = [
+        layout.activation_checkpointing
+        for layout in candidate_layouts(row)
+        if estimate(row.model, _bundled(layout), GPUS[row.gpu]).fits
+    ]
     assert fitting, f"{row.name}: no checkpointing setting fits the bundled trainer"
 
 
 LLAMA3_405B_8K = [r for r in ROWS if r.model.layers == 126 and r.seq_len == 8192]
+
+
 def _no_checkpointing(row: PublishedRun, zero_stage: int) -> Layout:
-    layout = next(layout for layout in candidate_layouts(row)
-                  if layout.activation_checkpointing == "none" and layout.virtual_stages == 1)
+    layout = next(
+        layout
+        for layout in candidate_layouts(row)
+        if layout.activation_checkpointing == "none" and layout.virtual_stages == 1
+    )
     return _bundled(layout).replace(zero_stage=zero_stage)
 
 
@@ -104,14 +121,22 @@ stay in the check, strictly expected to fail, so a change that brings them withi
 must say so here; they are never fitted on."""
 
 
-@pytest.mark.parametrize("row", [
-    pytest.param(r, marks=pytest.mark.xfail(strict=True, reason="held-out miss, BENCHMARKS 7c"))
-    if r.name in HELD_OUT_MISSES else r for r in ROWS], ids=lambda r: r.name)
+@pytest.mark.parametrize(
+    "row",
+    [
+        pytest.param(r, marks=pytest.mark.xfail(strict=True, reason="held-out miss, BENCHMARKS 7c"))
+        if r.name in HELD_OUT_MISSES
+        else r
+        for r in ROWS
+    ],
+    ids=lambda r: r.name,
+)
 def test_predicted_throughput_is_within_tolerance(row: PublishedRun) -> None:
     error = relative_error(row)
     assert abs(error) <= TOLERANCE, (
         f"{row.name}: predicted {predicted_tflops(row):.0f} TFLOP/s/GPU, published "
-        f"{row.tflops_per_gpu:.0f} ({error:+.1%})")
+        f"{row.tflops_per_gpu:.0f} ({error:+.1%})"
+    )
 
 
 @pytest.mark.parametrize("table", sorted({r.table for r in ROWS}))
@@ -159,20 +184,35 @@ def row_spec(row: PublishedRun):  # type: ignore[no-untyped-def]
 
     per_node = min(row.gpus, 8)
     m = row.model
-    return validate_spec({
-        "name": "published-row",
-        "model": {k: getattr(m, k) for k in ("layers", "hidden", "heads", "kv_heads",
-                                             "ffn_hidden", "vocab")},
-        "training": {"seq_len": row.seq_len, "global_batch": row.global_batch,
-                     "zero_stage": row.zero_stage},
-        "parallel": {"tp": row.tp, "pp": row.pp, "cp": row.cp},
-        "cluster": {"target": "slurm", "nodes": row.gpus // per_node,
-                    "gpus_per_node": per_node, "gpu": row.gpu},
-        "fabric": {"network": row.network}})
+    return validate_spec(
+        {
+            "name": "published-row",
+            "model": {
+                k: getattr(m, k)
+                for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
+            },
+            "training": {
+                "seq_len": row.seq_len,
+                "global_batch": row.global_batch,
+                "zero_stage": row.zero_stage,
+            },
+            "parallel": {"tp": row.tp, "pp": row.pp, "cp": row.cp},
+            "cluster": {
+                "target": "slurm",
+                "nodes": row.gpus // per_node,
+                "gpus_per_node": per_node,
+                "gpu": row.gpu,
+            },
+            "fabric": {"network": row.network},
+        }
+    )
 
 
-AUTHORS_FIRST = {"nemo-h100-4k-tp1pp1cp1dp4", "nemo-b200-8k-tp1pp1cp1dp2",
-                 "nemo-b200-16k-tp1pp1cp1dp4"}
+AUTHORS_FIRST = {
+    "nemo-h100-4k-tp1pp1cp1dp4",
+    "nemo-b200-8k-tp1pp1cp1dp2",
+    "nemo-b200-16k-tp1pp1cp1dp4",
+}
 
 
 def _authors_rows() -> list:
@@ -184,18 +224,28 @@ def _authors_rows() -> list:
 
 
 @pytest.mark.parametrize("row", _authors_rows(), ids=lambda r: r.name)
-def test_the_authors_layout_ranks_first_or_within_the_models_accuracy(
-        row: PublishedRun) -> None:
+def test_the_authors_layout_ranks_first_or_within_the_models_accuracy(row: PublishedRun) -> None:
     from ctxlaunch.perf.machine import machine_for as spec_machine
     from ctxlaunch.planning.advise import advise
 
     spec = row_spec(row)
-    advice = advise(spec, matmul_precision=row.precision,
-                    machine=spec_machine(spec, framework="megatron"))
+    advice = advise(
+        spec, matmul_precision=row.precision, machine=spec_machine(spec, framework="megatron")
+    )
     published = (row.tp, row.pp, row.cp, row.dp, "ring", 1)
-    ranks = [i for i, c in enumerate(advice.ranked)
-             if (c.layout.tp, c.layout.pp, c.layout.cp, c.layout.dp, c.layout.cp_algorithm,
-                 c.layout.ulysses_degree) == published]
+    ranks = [
+        i
+        for i, c in enumerate(advice.ranked)
+        if (
+            c.layout.tp,
+            c.layout.pp,
+            c.layout.cp,
+            c.layout.dp,
+            c.layout.cp_algorithm,
+            c.layout.ulysses_degree,
+        )
+        == published
+    ]
     assert ranks, f"{row.name}: the published layout is not among the ranked ones"
     ours = advice.ranked[ranks[0]]
     gap = ours.time.step_seconds / advice.ranked[0].time.step_seconds - 1

@@ -43,8 +43,10 @@ def test_example_goldens(path: Path, check_golden) -> None:
         check_golden(f"{path.stem}/error.txt", str(exc) + "\n")
         return
     assert not path.stem.startswith("invalid-"), f"{path.name} should be invalid"
-    check_golden(f"{path.stem}/plan.json",
-                 json.dumps(plan_job(spec).to_dict(), indent=2, sort_keys=True) + "\n")
+    check_golden(
+        f"{path.stem}/plan.json",
+        json.dumps(plan_job(spec).to_dict(), indent=2, sort_keys=True) + "\n",
+    )
     for target in example_targets(spec):
         for name, text in render_files(load_example(path, target), target).items():
             check_golden(f"{path.stem}/{name}", text)
@@ -59,8 +61,9 @@ def test_every_example_exercised() -> None:
     assert {"demo", "llama3-8b-128k-slurm", "llama3-70b-1m-k8s", "invalid-ulysses-gqa"} <= names
 
 
-@pytest.mark.parametrize("path", [p for p in EXAMPLES if not p.stem.startswith("invalid-")],
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", [p for p in EXAMPLES if not p.stem.startswith("invalid-")], ids=lambda p: p.stem
+)
 def test_slurm_scripts_pass_shellcheck(path: Path, tmp_path: Path) -> None:
     script = tmp_path / "job.sbatch"
     script.write_text(render(load_example(path, "slurm"), "slurm"))
@@ -69,8 +72,9 @@ def test_slurm_scripts_pass_shellcheck(path: Path, tmp_path: Path) -> None:
 
 def test_slurm_script_launch_conventions() -> None:
     text = render(load_example(JOBS / "llama3-8b-128k-slurm.yaml"), "slurm")
-    directives = [line.split(" ", 1)[1] for line in text.splitlines()
-                  if line.startswith("#SBATCH ")]
+    directives = [
+        line.split(" ", 1)[1] for line in text.splitlines() if line.startswith("#SBATCH ")
+    ]
     assert "--nodes=4" in directives and "--ntasks-per-node=8" in directives
     assert "--gpus-per-node=8" in directives and "--requeue" in directives
     assert "--exclusive" in directives and "--signal=B:USR1@120" in directives
@@ -134,15 +138,17 @@ def test_scrape_mode_adds_metrics_ports_and_a_pod_monitor_in_its_own_folder() ->
     assert sorted(files) == ["llama3-70b-1m.yaml", "monitoring/llama3-70b-1m-podmonitor.yaml"]
     job = pytorchjob_doc(files["llama3-70b-1m.yaml"])
     assert "monitoring/llama3-70b-1m-podmonitor.yaml" in files["llama3-70b-1m.yaml"]
-    (monitor,) = [d for d in yaml.safe_load_all(files["monitoring/llama3-70b-1m-podmonitor.yaml"])
-                  if d]
+    (monitor,) = [
+        d for d in yaml.safe_load_all(files["monitoring/llama3-70b-1m-podmonitor.yaml"]) if d
+    ]
     container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["metrics-0"] == 9400 and ports["metrics-7"] == 9407
     assert monitor["kind"] == "PodMonitor"
     assert monitor["spec"]["selector"]["matchLabels"]["ctxlaunch/job"] == "llama3-70b-1m"
-    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == \
-        [f"metrics-{r}" for r in range(8)]
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == [
+        f"metrics-{r}" for r in range(8)
+    ]
     assert all(e["honorLabels"] for e in monitor["spec"]["podMetricsEndpoints"])
 
 
@@ -175,16 +181,19 @@ def test_pytorchjob_shape(pytorchjob_crd: Path) -> None:
     assert env["NCCL_IB_HCA"].startswith("=mlx5_0,")
     assert env["NCCL_SOCKET_IFNAME"] == "eth0"
     # The spec travels in a ConfigMap that the trainer reads.
-    config_map = next(d for d in yaml.safe_load_all(render(spec, "kubernetes")) if
-                      d["kind"] == "ConfigMap")
+    config_map = next(
+        d for d in yaml.safe_load_all(render(spec, "kubernetes")) if d["kind"] == "ConfigMap"
+    )
     carried = json.loads(config_map["data"]["spec.json"])
     assert validate_spec(carried).model_dump() == spec.model_dump()
     assert job["spec"]["runPolicy"]["backoffLimit"] == 5
 
 
 def test_single_node_pytorchjob_has_no_workers(pytorchjob_crd: Path) -> None:
-    spec = load_spec(JOBS / "demo.yaml", ["cluster.target=kubernetes",
-                                          "cluster.kubernetes.image=example/ctxlaunch:1"])
+    spec = load_spec(
+        JOBS / "demo.yaml",
+        ["cluster.target=kubernetes", "cluster.kubernetes.image=example/ctxlaunch:1"],
+    )
     job = pytorchjob_doc(render(spec, "kubernetes"))
     assert list(job["spec"]["pytorchReplicaSpecs"]) == ["Master"]
     assert not list(crd_validator(pytorchjob_crd).iter_errors(job))
@@ -208,8 +217,7 @@ def hostile_spec(value: str, target: str):
     data["cluster"]["target"] = target
     data["cluster"]["gpu"] = "H100"
     data["cluster"]["kubernetes"] = {"image": "example/ctxlaunch:1"}
-    data["fabric"] = {"env": {"HOSTILE": value}, "nccl": {"NCCL_ALGO": value},
-                      "topo_file": value}
+    data["fabric"] = {"env": {"HOSTILE": value}, "nccl": {"NCCL_ALGO": value}, "topo_file": value}
     data["training"]["checkpoint"]["dir"] = value
     return validate_spec(data)
 
@@ -223,15 +231,19 @@ def test_hostile_values_are_inert_in_bash(value: str, tmp_path: Path) -> None:
     shellcheck(script)
     # No sbatch option comes from a value: sbatch reads #SBATCH lines only up to the first
     # command, and a value never lands before it.
-    assert sbatch_directives(text) == sbatch_directives(render(hostile_spec("x", "slurm"),
-                                                                "slurm"))
+    assert sbatch_directives(text) == sbatch_directives(render(hostile_spec("x", "slurm"), "slurm"))
     # Run the script's environment section in bash and read the values back byte for byte.
-    exports = text[text.index("set -euo pipefail"):text.index("# Rendezvous")]
+    exports = text[text.index("set -euo pipefail") : text.index("# Rendezvous")]
     probe = tmp_path / "probe.sh"
-    probe.write_text(exports + "\nprintf '%s\\0' \"$HOSTILE\" \"$NCCL_ALGO\" "
-                     "\"$CTXLAUNCH_SPEC_JSON\"\n")
-    result = subprocess.run(["bash", str(probe)], capture_output=True, cwd=tmp_path,
-                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    probe.write_text(
+        exports + '\nprintf \'%s\\0\' "$HOSTILE" "$NCCL_ALGO" "$CTXLAUNCH_SPEC_JSON"\n'
+    )
+    result = subprocess.run(
+        ["bash", str(probe)],
+        capture_output=True,
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
     assert result.returncode == 0, result.stderr
     hostile, nccl, spec_json = result.stdout.decode().split("\0")[:3]
     assert hostile == value and nccl == value
@@ -244,16 +256,21 @@ def test_hostile_values_are_inert_in_yaml(value: str) -> None:
     spec = hostile_spec(value, "kubernetes")
     docs = list(yaml.safe_load_all(render(spec, "kubernetes")))
     job = pytorchjob_doc(render(spec, "kubernetes"))
-    env = {e["name"]: e["value"] for e in
-           job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["env"]}
+    env = {
+        e["name"]: e["value"]
+        for e in job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0][
+            "env"
+        ]
+    }
     assert env["HOSTILE"] == value and env["NCCL_ALGO"] == value
     assert env["NCCL_TOPO_FILE"] == value
     assert json.loads(docs[0]["data"]["spec.json"])["training"]["checkpoint"]["dir"] == value
     assert len(docs) == 2
 
 
-@pytest.mark.parametrize("name", ["$(reboot)", "a'b", "evil\nname", "UPPER", "a b", "-lead",
-                                  "x" * 49])
+@pytest.mark.parametrize(
+    "name", ["$(reboot)", "a'b", "evil\nname", "UPPER", "a b", "-lead", "x" * 49]
+)
 def test_hostile_job_names_are_rejected(name: str) -> None:
     data = read_spec_data(JOBS / "demo.yaml")
     data["name"] = name
@@ -267,8 +284,9 @@ def test_templates_refuse_unquoted_values(tmp_path: Path, monkeypatch) -> None:
 
     from ctxlaunch.launch import render as render_module
 
-    env = render_module._environment().overlay(loader=jinja2.DictLoader(
-        {"bad.j2": "echo {{ value }}\n"}))
+    env = render_module._environment().overlay(
+        loader=jinja2.DictLoader({"bad.j2": "echo {{ value }}\n"})
+    )
     with pytest.raises(RenderError):
         env.get_template("bad.j2").render(value="$(id)")
     assert env.from_string("echo {{ value | sh }}").render(value="$(id)") == "echo '$(id)'"
@@ -276,8 +294,21 @@ def test_templates_refuse_unquoted_values(tmp_path: Path, monkeypatch) -> None:
 
 def test_templates_ship_inside_the_wheel(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if result.returncode and "hatchling" in result.stderr:
         pytest.skip("hatchling is not installed in this environment")
     assert result.returncode == 0, result.stderr
@@ -297,16 +328,25 @@ def trainer_validator(crd: Path):
     return jsonschema.Draft7Validator(pytorchjob_schema(crd, "v1alpha1"))
 
 
-GANGS = [[], ["cluster.kubernetes.queue=team-a"],
-         ["cluster.kubernetes.scheduler=volcano", "cluster.kubernetes.scheduler_queue=gpu",
-          "cluster.kubernetes.priority_class=high"],
-         ["cluster.kubernetes.scheduler=coscheduling",
-          "cluster.kubernetes.schedule_timeout_seconds=600"]]
+GANGS = [
+    [],
+    ["cluster.kubernetes.queue=team-a"],
+    [
+        "cluster.kubernetes.scheduler=volcano",
+        "cluster.kubernetes.scheduler_queue=gpu",
+        "cluster.kubernetes.priority_class=high",
+    ],
+    [
+        "cluster.kubernetes.scheduler=coscheduling",
+        "cluster.kubernetes.schedule_timeout_seconds=600",
+    ],
+]
 
 
 @pytest.mark.parametrize("sets", GANGS, ids=["plain", "kueue", "volcano", "coscheduling"])
 def test_trainjob_and_runtime_validate_against_the_trainer_crds(
-        sets: list[str], trainer_crds: dict[str, Path]) -> None:
+    sets: list[str], trainer_crds: dict[str, Path]
+) -> None:
     """TrainJob and TrainingRuntime against Trainer v2.3.0's schemas (unknown fields refused),
     and the runtime's pod template is the PyTorchJob's, container name and port aside."""
     spec = load_spec(JOBS / "llama3-70b-1m-k8s.yaml", ["cluster.kubernetes.api=trainjob", *sets])
@@ -314,8 +354,7 @@ def test_trainjob_and_runtime_validate_against_the_trainer_crds(
     for doc in (runtime, trainjob):
         validator = trainer_validator(trainer_crds[doc["kind"]])
         errors = sorted(validator.iter_errors(doc), key=str)
-        assert not errors, "\n".join(f"{e.message} at {'/'.join(map(str, e.path))}"
-                                     for e in errors)
+        assert not errors, "\n".join(f"{e.message} at {'/'.join(map(str, e.path))}" for e in errors)
     pod = trainjob_pod(runtime)
     legacy = load_spec(JOBS / "llama3-70b-1m-k8s.yaml", sets)
     master = pytorchjob_doc(render(legacy, "kubernetes"))["spec"]["pytorchReplicaSpecs"]["Master"]
@@ -334,7 +373,8 @@ def test_trainjob_and_runtime_validate_against_the_trainer_crds(
     if "cluster.kubernetes.scheduler=volcano" in sets:
         assert group == {"volcano": {}} and pod["spec"]["schedulerName"] == "volcano"
         assert runtime["spec"]["template"]["metadata"]["annotations"] == {
-            "scheduling.volcano.sh/queue-name": "gpu"}
+            "scheduling.volcano.sh/queue-name": "gpu"
+        }
     elif "cluster.kubernetes.scheduler=coscheduling" in sets:
         assert group == {"coscheduling": {"scheduleTimeoutSeconds": 600}}
         assert pod["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
@@ -347,7 +387,8 @@ def test_trainjob_and_runtime_validate_against_the_trainer_crds(
 
 @pytest.mark.parametrize("sets", GANGS[1:], ids=["kueue", "volcano", "coscheduling"])
 def test_pytorchjob_queue_and_gang_validate_against_the_real_crd(
-        sets: list[str], pytorchjob_crd: Path) -> None:
+    sets: list[str], pytorchjob_crd: Path
+) -> None:
     spec = load_spec(JOBS / "llama3-70b-1m-k8s.yaml", sets)
     job = pytorchjob_doc(render(spec, "kubernetes"))
     assert not list(crd_validator(pytorchjob_crd).iter_errors(job))
@@ -358,23 +399,27 @@ def test_pytorchjob_queue_and_gang_validate_against_the_real_crd(
         assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
         assert "kueue.x-k8s.io/queue-name" not in pod.get("labels", {})
     elif "cluster.kubernetes.scheduler=volcano" in sets:
-        assert policy["schedulingPolicy"] == {"minAvailable": 64, "queue": "gpu",
-                                              "priorityClass": "high"}
+        assert policy["schedulingPolicy"] == {
+            "minAvailable": 64,
+            "queue": "gpu",
+            "priorityClass": "high",
+        }
         assert pod["schedulerName"] == "volcano" and "suspend" not in policy
     else:
-        assert policy["schedulingPolicy"] == {"minAvailable": 64,
-                                              "scheduleTimeoutSeconds": 600}
+        assert policy["schedulingPolicy"] == {"minAvailable": 64, "scheduleTimeoutSeconds": 600}
         assert pod["schedulerName"] == "scheduler-plugins-scheduler"
 
 
-@pytest.mark.parametrize("sets,field", [
-    (["cluster.kubernetes.api=jobset"], "cluster.kubernetes.api"),
-    (["cluster.kubernetes.scheduler=kai"], "cluster.kubernetes.scheduler"),
-    (["cluster.kubernetes.scheduler_queue=gpu"], "cluster.kubernetes"),
-    (["cluster.kubernetes.queue=Team_A"], "cluster.kubernetes.queue"),
-])
-def test_bad_kubernetes_api_and_gang_settings_name_the_field(sets: list[str], field: str
-                                                             ) -> None:
+@pytest.mark.parametrize(
+    "sets,field",
+    [
+        (["cluster.kubernetes.api=jobset"], "cluster.kubernetes.api"),
+        (["cluster.kubernetes.scheduler=kai"], "cluster.kubernetes.scheduler"),
+        (["cluster.kubernetes.scheduler_queue=gpu"], "cluster.kubernetes"),
+        (["cluster.kubernetes.queue=Team_A"], "cluster.kubernetes.queue"),
+    ],
+)
+def test_bad_kubernetes_api_and_gang_settings_name_the_field(sets: list[str], field: str) -> None:
     with pytest.raises(SpecError) as caught:
         load_spec(JOBS / "llama3-70b-1m-k8s.yaml", sets)
     assert f"  - {field} (value:" in str(caught.value), str(caught.value)

@@ -47,16 +47,21 @@ def home(tmp_path: Path) -> Path:
 def test_demo_completes_with_logs_and_metrics_in_prometheus(tmp_path: Path, home: Path) -> None:
     require_prometheus()
     name = f"slurm-{uuid.uuid4().hex[:8]}"
-    job_id = submit(tmp_path, home, f"name={name}", "training.steps=4",
-                    "telemetry.prometheus=push", f"telemetry.pushgateway_url={PUSHGATEWAY_URL}",
-                    "telemetry.push_interval_seconds=1")
+    job_id = submit(
+        tmp_path,
+        home,
+        f"name={name}",
+        "training.steps=4",
+        "telemetry.prometheus=push",
+        f"telemetry.pushgateway_url={PUSHGATEWAY_URL}",
+        "telemetry.push_interval_seconds=1",
+    )
     # --follow streams the log from submission until the job is over, then returns.
     followed = ctx(home, tmp_path, "logs", job_id, "--follow", "--rank", "0", timeout=170)
     assert followed.returncode == 0, followed.stderr
     assert followed.stdout.splitlines()[-1].startswith("ctxlaunch: done: 4 steps")
     assert "step 1/4" in followed.stdout and "step 4/4" in followed.stdout
-    waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5",
-                 timeout=170)
+    waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5", timeout=170)
     assert waited.returncode == 0, waited.stdout + waited.stderr
     assert f"{job_id}: COMPLETED" in waited.stdout
     final = status(home, tmp_path, job_id)
@@ -66,8 +71,7 @@ def test_demo_completes_with_logs_and_metrics_in_prometheus(tmp_path: Path, home
     rank0 = ctx(home, tmp_path, "logs", job_id, "--rank", "0").stdout
     assert rank0.splitlines()[-1].startswith("ctxlaunch: done: 4 steps")
     # The job's metrics went through the Pushgateway into Prometheus, both ranks, final step.
-    found = poll(f'ctxlaunch_last_step{{job="{name}", run="{job_id}"}} == 4',
-                 lambda r: len(r) == 2)
+    found = poll(f'ctxlaunch_last_step{{job="{name}", run="{job_id}"}} == 4', lambda r: len(r) == 2)
     assert {s["metric"]["rank"] for s in found} == {"0", "1"}
     listed = ctx(home, tmp_path, "list").stdout
     assert job_id in listed and "COMPLETED" in listed
@@ -75,8 +79,11 @@ def test_demo_completes_with_logs_and_metrics_in_prometheus(tmp_path: Path, home
 
 @pytest.mark.timeout(300)
 def test_the_rendered_script_runs_with_plain_sbatch(tmp_path: Path, home: Path) -> None:
-    sets = [f"training.checkpoint.dir={tmp_path / 'ckpt'}", "training.steps=3",
-            *[s for s in QUICK if not s.startswith("cluster.target")]]
+    sets = [
+        f"training.checkpoint.dir={tmp_path / 'ckpt'}",
+        "training.steps=3",
+        *[s for s in QUICK if not s.startswith("cluster.target")],
+    ]
     args = [CTXLAUNCH, "render", str(JOBS / "demo.yaml"), "-t", "slurm", "-o", str(tmp_path)]
     for item in sets:
         args += ["--set", item]
@@ -85,14 +92,16 @@ def test_the_rendered_script_runs_with_plain_sbatch(tmp_path: Path, home: Path) 
     # The script starts `python3`: the submitter's environment (this venv first) travels with
     # the job, as it does for a user with an activated venv.
     env_path = f"{BIN}:{os.environ['PATH']}"
-    sbatch = run(["sbatch", "--parsable", str(tmp_path / "demo.sbatch")], home, tmp_path,
-                 PATH=env_path)
+    sbatch = run(
+        ["sbatch", "--parsable", str(tmp_path / "demo.sbatch")], home, tmp_path, PATH=env_path
+    )
     assert sbatch.returncode == 0, sbatch.stderr
     job_id = sbatch.stdout.strip().split(";")[0]
     deadline = time.monotonic() + 150
     while True:
-        state = run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"], home,
-                    tmp_path).stdout.strip()
+        state = run(
+            ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"], home, tmp_path
+        ).stdout.strip()
         if state in ("COMPLETED", "FAILED", "CANCELLED"):
             break
         assert time.monotonic() < deadline, f"plain sbatch job {job_id}: {state}"
@@ -113,12 +122,13 @@ def test_cancel_ends_a_running_job_within_seconds(tmp_path: Path, home: Path) ->
 
 
 @pytest.mark.timeout(240)
-def test_a_failing_trainer_reports_failed_with_the_failing_ranks_log(tmp_path: Path,
-                                                                      home: Path) -> None:
-    job_id = submit(tmp_path, home, "training.steps=20",
-                    CTXLAUNCH_INJECT_FAULT="kind=error,rank=1,step=2")
-    waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5",
-                 timeout=170)
+def test_a_failing_trainer_reports_failed_with_the_failing_ranks_log(
+    tmp_path: Path, home: Path
+) -> None:
+    job_id = submit(
+        tmp_path, home, "training.steps=20", CTXLAUNCH_INJECT_FAULT="kind=error,rank=1,step=2"
+    )
+    waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5", timeout=170)
     assert waited.returncode == 1, waited.stdout
     assert f"{job_id}: FAILED" in waited.stdout
     assert "rank 1 failed; its last lines:" in waited.stdout
@@ -127,20 +137,20 @@ def test_a_failing_trainer_reports_failed_with_the_failing_ranks_log(tmp_path: P
 
 @pytest.mark.timeout(240)
 def test_an_injected_oom_reports_oom_with_the_layout(tmp_path: Path, home: Path) -> None:
-    job_id = submit(tmp_path, home, "training.steps=20",
-                    CTXLAUNCH_INJECT_FAULT="kind=oom,rank=0,step=2")
-    waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5",
-                 timeout=170)
+    job_id = submit(
+        tmp_path, home, "training.steps=20", CTXLAUNCH_INJECT_FAULT="kind=oom,rank=0,step=2"
+    )
+    waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5", timeout=170)
     assert waited.returncode == 86, waited.stdout + waited.stderr
     assert f"{job_id}: OOM" in waited.stdout
-    assert "out of device memory with model tiny, seq_len 1024, cp 2 (ring, zigzag)" \
-        in waited.stdout
+    assert (
+        "out of device memory with model tiny, seq_len 1024, cp 2 (ring, zigzag)" in waited.stdout
+    )
     assert "out of memory on rank 0 at step 2: the planner predicted" in waited.stdout
 
 
 @pytest.mark.timeout(420)
-def test_preemption_checkpoints_requeues_resumes_and_matches(tmp_path: Path,
-                                                            home: Path) -> None:
+def test_preemption_checkpoints_requeues_resumes_and_matches(tmp_path: Path, home: Path) -> None:
     steps = ["training.steps=30", "training.checkpoint.interval=1000"]
     straight_dir = tmp_path / "straight"
     straight_dir.mkdir()
@@ -151,8 +161,9 @@ def test_preemption_checkpoints_requeues_resumes_and_matches(tmp_path: Path,
     signal = run(["scancel", "--signal=USR1", preempted], home, tmp_path)
     assert signal.returncode == 0, signal.stderr
     for job_id in (straight, preempted):
-        waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "300", "--poll", "0.5",
-                     timeout=320)
+        waited = ctx(
+            home, tmp_path, "wait", job_id, "--timeout", "300", "--poll", "0.5", timeout=320
+        )
         assert waited.returncode == 0, waited.stdout + waited.stderr
     final = status(home, tmp_path, preempted)
     assert final["state"] == "COMPLETED" and final["restarts"] == 1
@@ -192,22 +203,38 @@ def test_a_sweep_submits_as_one_job_array(tmp_path: Path, home: Path) -> None:
     import yaml
 
     sweep_file = tmp_path / "sweep.yaml"
-    sweep_file.write_text(yaml.safe_dump({"sweep": {
-        "name": "arr", "base": str(JOBS / "demo.yaml"),
-        "set": {"training.steps": 2, "training.checkpoint.dir": None,
-                **{k: v for k, v in (s.split("=", 1) for s in QUICK)
-                   if k != "training.seq_len"}},
-        "axes": {"training.seq_len": [512, 1024]}}}, sort_keys=False))
+    sweep_file.write_text(
+        yaml.safe_dump(
+            {
+                "sweep": {
+                    "name": "arr",
+                    "base": str(JOBS / "demo.yaml"),
+                    "set": {
+                        "training.steps": 2,
+                        "training.checkpoint.dir": None,
+                        **{
+                            k: v
+                            for k, v in (s.split("=", 1) for s in QUICK)
+                            if k != "training.seq_len"
+                        },
+                    },
+                    "axes": {"training.seq_len": [512, 1024]},
+                }
+            },
+            sort_keys=False,
+        )
+    )
     result = run([CTXLAUNCH, "sweep", str(sweep_file)], home, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     array_id = re.search(r"submitted job array (\d+) \(2 tasks", result.stderr).group(1)
     sweep_id = result.stdout.strip().splitlines()[-1]
     for task in (f"{array_id}_0", f"{array_id}_1"):
-        waited = ctx(home, tmp_path, "wait", task, "--timeout", "200", "--poll", "0.5",
-                     timeout=220)
+        waited = ctx(home, tmp_path, "wait", task, "--timeout", "200", "--poll", "0.5", timeout=220)
         assert waited.returncode == 0, waited.stdout + waited.stderr
     report = json.loads(ctx(home, tmp_path, "report", sweep_id, "--json").stdout)
-    assert [(r["training.seq_len"], r["state"]) for r in report["rows"]] == \
-        [(512, "COMPLETED"), (1024, "COMPLETED")]
+    assert [(r["training.seq_len"], r["state"]) for r in report["rows"]] == [
+        (512, "COMPLETED"),
+        (1024, "COMPLETED"),
+    ]
     assert all(r["tokens_per_second_per_gpu"] > 0 for r in report["rows"])
     assert "0: ctxlaunch: done: 2 steps" in ctx(home, tmp_path, "logs", f"{array_id}_1").stdout

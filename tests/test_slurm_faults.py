@@ -35,9 +35,15 @@ from .conftest import ROOT
 pytestmark = pytest.mark.slow
 STEPS = 40
 # Two ranks on two nodes, short steps, a checkpoint every 4 steps, a short collective timeout.
-TWO_NODES = ["training.seq_len=512", f"training.steps={STEPS}",
-             "training.checkpoint.interval=4", "cluster.nodes=2", "cluster.gpus_per_node=1",
-             "cluster.slurm.partition=low", "training.timeout_seconds=30"]
+TWO_NODES = [
+    "training.seq_len=512",
+    f"training.steps={STEPS}",
+    "training.checkpoint.interval=4",
+    "cluster.nodes=2",
+    "cluster.gpus_per_node=1",
+    "cluster.slurm.partition=low",
+    "training.timeout_seconds=30",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,8 +58,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> float:
     tmp_path = tmp_path_factory.mktemp("reference")
     home = tmp_path / "home"
     job_id = two_node_job(tmp_path, home)
-    waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "200", "--poll", "0.5",
-                 timeout=220)
+    waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "200", "--poll", "0.5", timeout=220)
     assert waited.returncode == 0, waited.stdout + waited.stderr
     return final_loss(home, job_id)
 
@@ -69,8 +74,17 @@ def two_node_job(tmp_path: Path, home: Path, *sets: str, **extra: str) -> str:
 
 
 def complete(home: Path, tmp_path: Path, job_id: str, timeout: float = 240) -> dict:
-    waited = ctx(home, tmp_path, "wait", job_id, "--timeout", str(timeout), "--poll", "0.5",
-                 timeout=timeout + 20)
+    waited = ctx(
+        home,
+        tmp_path,
+        "wait",
+        job_id,
+        "--timeout",
+        str(timeout),
+        "--poll",
+        "0.5",
+        timeout=timeout + 20,
+    )
     assert waited.returncode == 0, waited.stdout + waited.stderr
     return status(home, tmp_path, job_id)
 
@@ -85,12 +99,28 @@ def last_logged_step(log: str) -> int:
 
 @pytest.mark.timeout(420)
 def test_two_node_job_preempted_by_a_high_partition_job_resumes_and_matches(
-        tmp_path: Path, home: Path, reference: float) -> None:
+    tmp_path: Path, home: Path, reference: float
+) -> None:
     job_id = two_node_job(tmp_path, home)
     wait_for_log(home, tmp_path, job_id, r"^0: step 6/")
     # A job on the higher-tier partition wants both nodes: Slurm preempts ours (grace 10 s).
-    high = run(["sbatch", "--parsable", "-p", "high", "-N", "2", "--exclusive",
-                "-o", str(tmp_path / "high-%j.out"), "--wrap", "sleep 2"], home, tmp_path)
+    high = run(
+        [
+            "sbatch",
+            "--parsable",
+            "-p",
+            "high",
+            "-N",
+            "2",
+            "--exclusive",
+            "-o",
+            str(tmp_path / "high-%j.out"),
+            "--wrap",
+            "sleep 2",
+        ],
+        home,
+        tmp_path,
+    )
     assert high.returncode == 0, high.stderr
     final = complete(home, tmp_path, job_id)
     log = ctx(home, tmp_path, "logs", job_id).stdout
@@ -102,30 +132,41 @@ def test_two_node_job_preempted_by_a_high_partition_job_resumes_and_matches(
     assert f"stopped by preemption (exit 75); requeueing job {job_id} (restart 1 of 3)" in log
     assert resumed_steps(log)[0] == stopped
     # `logs` shows each run's lines in order: the first run, its requeue, the second run.
-    order = [f"job {job_id} restart 0 on", "stopped by preemption", f"job {job_id} restart 1 on",
-             "resumed from", "0: ctxlaunch: done: 40 steps"]
+    order = [
+        f"job {job_id} restart 0 on",
+        "stopped by preemption",
+        f"job {job_id} restart 1 on",
+        "resumed from",
+        "0: ctxlaunch: done: 40 steps",
+    ]
     positions = [log.index(text) for text in order]
     assert positions == sorted(positions), positions
     assert final["state"] == "COMPLETED" and final["restarts"] == 1
     assert final["history"][0].startswith("run 1: PREEMPTED, checkpoint at step")
     assert final_loss(home, job_id) == reference
-    high_state = run(["sacct", "-j", high.stdout.strip(), "-X", "-n", "-P", "-o", "State"],
-                     home, tmp_path)
+    high_state = run(
+        ["sacct", "-j", high.stdout.strip(), "-X", "-n", "-P", "-o", "State"], home, tmp_path
+    )
     assert high_state.stdout.strip() == "COMPLETED"
 
 
 @pytest.mark.timeout(480)
-def test_a_time_limit_checkpoints_requeues_and_completes_later(tmp_path: Path,
-                                                             home: Path) -> None:
+def test_a_time_limit_checkpoints_requeues_and_completes_later(tmp_path: Path, home: Path) -> None:
     # One minute per allocation, SIGUSR1 to the batch shell 20 s (plus up to the 30 s of
     # Slurm's limit checks) before it: at most ~34 s of steps after a ~6 s start. Every step
     # sleeps 0.5 s on top of its work (the `slow` fault), so the 80 steps take at least 40 s:
     # more than one allocation holds however fast the machine runs them (a run of 100 plain
     # steps once finished inside the first allocation), and at most ~6 allocations on a slow one.
-    job_id = two_node_job(tmp_path, home, "training.steps=80", "training.checkpoint.interval=50",
-                          "cluster.slurm.time_limit=00:01:00", "cluster.slurm.signal_seconds=20",
-                          "cluster.slurm.max_restarts=8",
-                          CTXLAUNCH_INJECT_FAULT="kind=slow,seconds=0.5")
+    job_id = two_node_job(
+        tmp_path,
+        home,
+        "training.steps=80",
+        "training.checkpoint.interval=50",
+        "cluster.slurm.time_limit=00:01:00",
+        "cluster.slurm.signal_seconds=20",
+        "cluster.slurm.max_restarts=8",
+        CTXLAUNCH_INJECT_FAULT="kind=slow,seconds=0.5",
+    )
     wait_for(home, tmp_path, job_id, {"PENDING", "RUNNING"}, timeout=30)
     deadline = time.monotonic() + 200
     while "stopped by the time limit" not in (log := ctx(home, tmp_path, "logs", job_id).stdout):
@@ -160,7 +201,8 @@ def node_pids(node: str) -> list[int]:
 
 @pytest.mark.timeout(420)
 def test_a_dead_node_requeues_the_job_which_resumes_and_matches(
-        tmp_path: Path, home: Path, reference: float) -> None:
+    tmp_path: Path, home: Path, reference: float
+) -> None:
     job_id = two_node_job(tmp_path, home)
     wait_for_log(home, tmp_path, job_id, r"^0: step 7/")
     # node2 dies at once: its slurmd, its step daemon and its rank.
@@ -175,8 +217,12 @@ def test_a_dead_node_requeues_the_job_which_resumes_and_matches(
         assert requeued["story"].startswith("NODE_FAIL and requeued (restart 1 of 3)"), requeued
     finally:
         # The node comes back (a fresh slurmd; ReturnToService=2 returns it at once).
-        started = subprocess.run([str(ROOT / "scripts/services/slurm.sh"), "start"],
-                                 capture_output=True, text=True, timeout=120)
+        started = subprocess.run(
+            [str(ROOT / "scripts/services/slurm.sh"), "start"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert started.returncode == 0, started.stderr
     final = complete(home, tmp_path, job_id)
     log = ctx(home, tmp_path, "logs", job_id).stdout
@@ -199,10 +245,14 @@ SIGNAL_PATHS = {
 
 @pytest.mark.timeout(480)
 def test_stop_signals_on_every_path_end_in_checkpoint_requeue_resume(
-        tmp_path: Path, home: Path, reference: float) -> None:
-    jobs = {name: two_node_job(tmp_path / name, home,
-                               f"training.checkpoint.dir={tmp_path / name / 'ckpt'}")
-            for name in SIGNAL_PATHS}
+    tmp_path: Path, home: Path, reference: float
+) -> None:
+    jobs = {
+        name: two_node_job(
+            tmp_path / name, home, f"training.checkpoint.dir={tmp_path / name / 'ckpt'}"
+        )
+        for name in SIGNAL_PATHS
+    }
     reached = {}
     for name, job_id in jobs.items():
         wait_for_log(home, tmp_path, job_id, r"^0: step 6/", timeout=150)
@@ -251,29 +301,30 @@ def rank_pid(job_id: str, node: str) -> int:
 
 
 @pytest.mark.timeout(300)
-def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path: Path,
-                                                                 home: Path) -> None:
-    job_id = two_node_job(tmp_path, home, "training.steps=100000",
-                          "training.timeout_seconds=20")
+def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(
+    tmp_path: Path, home: Path
+) -> None:
+    job_id = two_node_job(tmp_path, home, "training.steps=100000", "training.timeout_seconds=20")
     wait_for_log(home, tmp_path, job_id, r"^0: step 4/")
     os.kill(rank_pid(job_id, "node2"), signal.SIGSTOP)  # alive, silent: rank 1
-    waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5",
-                 timeout=170)
+    waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5", timeout=170)
     log = ctx(home, tmp_path, "logs", job_id).stdout
     assert waited.returncode == 1, waited.stdout + waited.stderr + log
     assert f"{job_id}: FAILED" in waited.stdout, waited.stdout + log
-    assert re.search(r"rank 1 \(silent \d+ s\) hung: stopped or stuck, not dead; rank 0 gave "
-                     r"up waiting for it after the collective timeout", waited.stdout), \
-        waited.stdout
+    assert re.search(
+        r"rank 1 \(silent \d+ s\) hung: stopped or stuck, not dead; rank 0 gave "
+        r"up waiting for it after the collective timeout",
+        waited.stdout,
+    ), waited.stdout
 
 
 @pytest.mark.timeout(300)
-def test_a_checkpoint_killed_mid_write_is_never_resumed_from(tmp_path: Path, home: Path,
-                                                            reference: float) -> None:
+def test_a_checkpoint_killed_mid_write_is_never_resumed_from(
+    tmp_path: Path, home: Path, reference: float
+) -> None:
     ckpt = tmp_path / "ckpt"
     job_id = two_node_job(tmp_path, home, CTXLAUNCH_INJECT_FAULT="kind=kill_in_save,rank=0,step=8")
-    waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5",
-                 timeout=170)
+    waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5", timeout=170)
     assert waited.returncode == 1 and f"{job_id}: FAILED" in waited.stdout, waited.stdout
     # Step 8's files were written, its commit marker never: step 4 stays the resume point.
     assert (ckpt / "step-00000008").is_dir() and not (ckpt / "step-00000008" / "COMMITTED").exists()
@@ -289,8 +340,9 @@ def small_disk(tmp_path: Path):
     """A 64 MiB tmpfs of our own, unmounted after the test."""
     mount = tmp_path / "small"
     mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "ctxlaunch-test", str(mount)],
-                   check=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "ctxlaunch-test", str(mount)], check=True
+    )
     try:
         yield mount
     finally:
@@ -299,10 +351,16 @@ def small_disk(tmp_path: Path):
 
 @pytest.mark.timeout(300)
 def test_a_full_disk_is_reported_and_the_previous_checkpoint_stays(
-        tmp_path: Path, home: Path, small_disk: Path) -> None:
+    tmp_path: Path, home: Path, small_disk: Path
+) -> None:
     ckpt = small_disk / "ckpt"
-    job_id = two_node_job(tmp_path, home, f"training.checkpoint.dir={ckpt}",
-                          "training.checkpoint.interval=10", "training.steps=100000")
+    job_id = two_node_job(
+        tmp_path,
+        home,
+        f"training.checkpoint.dir={ckpt}",
+        "training.checkpoint.interval=10",
+        "training.steps=100000",
+    )
     marker = ckpt / "step-00000010" / "COMMITTED"
     deadline = time.monotonic() + 150
     while not marker.exists():
@@ -313,17 +371,24 @@ def test_a_full_disk_is_reported_and_the_previous_checkpoint_stays(
     filler = small_disk / "filler"
     with open(filler, "wb") as handle:
         handle.write(b"\0" * (stats.f_bavail * stats.f_frsize - 2**20))
-    waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5",
-                 timeout=170)
+    waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5", timeout=170)
     assert waited.returncode == 1 and f"{job_id}: FAILED" in waited.stdout, waited.stdout
-    assert re.search(r"checkpoint \S+step-00000020 not written: the disk is full \(no space "
-                     r"left on device;", waited.stdout), waited.stdout
+    assert re.search(
+        r"checkpoint \S+step-00000020 not written: the disk is full \(no space "
+        r"left on device;",
+        waited.stdout,
+    ), waited.stdout
     assert "the newest complete checkpoint, step 10, is intact" in waited.stdout
     assert (ckpt / "step-00000010" / "COMMITTED").is_file()
     assert not (ckpt / "step-00000020" / "COMMITTED").exists()
     filler.unlink()
-    rerun = two_node_job(tmp_path, home, f"training.checkpoint.dir={ckpt}",
-                         "training.checkpoint.interval=10", "training.steps=12")
+    rerun = two_node_job(
+        tmp_path,
+        home,
+        f"training.checkpoint.dir={ckpt}",
+        "training.checkpoint.interval=10",
+        "training.steps=12",
+    )
     complete(home, tmp_path, rerun)
     assert resumed_steps(ctx(home, tmp_path, "logs", rerun).stdout) == [10]
     assert job_dir(home, rerun).is_dir()

@@ -56,26 +56,39 @@ def test_composition_must_equal_gpu_count() -> None:
 
 
 def test_tp_must_divide_heads_and_kv_heads() -> None:
-    found = problems(make(**{"model.heads": 24, "model.hidden": 3072, "parallel.tp": 16,
-                             "parallel.cp": 2}))
+    found = problems(
+        make(**{"model.heads": 24, "model.hidden": 3072, "parallel.tp": 16, "parallel.cp": 2})
+    )
     assert "model.heads = 24 must be divisible by tp = 16" in found["parallel.tp"]
     found = problems(make(**{"parallel.tp": 16, "parallel.cp": 2}))
     assert "kv_heads = 8 must be divisible by tp = 16" in found["parallel.tp"]
 
 
 def test_ulysses_degree_capped_by_kv_heads_names_hybrid() -> None:
-    found = problems(make(**{"parallel.cp": 16, "parallel.cp_algorithm": "ulysses",
-                             "cluster.nodes": 2}))
+    found = problems(
+        make(**{"parallel.cp": 16, "parallel.cp_algorithm": "ulysses", "cluster.nodes": 2})
+    )
     message = found["parallel.cp"]
     assert "exceeds the K/V heads per TP rank (8)" in message
     assert "hybrid" in message and "ulysses_degree: 8" in message and "ring degree 2" in message
 
 
 def test_ulysses_degree_must_divide_heads() -> None:
-    found = problems(make(**{"model.preset": "tiny-mha", "model.heads": 6, "model.kv_heads": 6,
-                             "model.hidden": 192, "parallel.cp": 4,
-                             "parallel.cp_algorithm": "ulysses", "cluster.nodes": 1,
-                             "cluster.gpus_per_node": 4, "training.seq_len": 1024}))
+    found = problems(
+        make(
+            **{
+                "model.preset": "tiny-mha",
+                "model.heads": 6,
+                "model.kv_heads": 6,
+                "model.hidden": 192,
+                "parallel.cp": 4,
+                "parallel.cp_algorithm": "ulysses",
+                "cluster.nodes": 1,
+                "cluster.gpus_per_node": 4,
+                "training.seq_len": 1024,
+            }
+        )
+    )
     assert "must divide the query heads" in found["parallel.cp"]
 
 
@@ -84,10 +97,16 @@ def test_ulysses_within_kv_heads_is_valid() -> None:
     assert spec.ulysses_degree == 8 and spec.ring_degree == 1
 
 
-@pytest.mark.parametrize("layout, seq, ok", [
-    ("zigzag", 131072, True), ("zigzag", 131072 + 8, False), ("zigzag", 131072 + 16, True),
-    ("contiguous", 131072 + 8, True), ("contiguous", 131072 + 4, False),
-])
+@pytest.mark.parametrize(
+    "layout, seq, ok",
+    [
+        ("zigzag", 131072, True),
+        ("zigzag", 131072 + 8, False),
+        ("zigzag", 131072 + 16, True),
+        ("contiguous", 131072 + 8, True),
+        ("contiguous", 131072 + 4, False),
+    ],
+)
 def test_sequence_divisibility(layout: str, seq: int, ok: bool) -> None:
     data = make(**{"parallel.cp_sharding": layout, "training.seq_len": seq})
     if ok:
@@ -99,15 +118,32 @@ def test_sequence_divisibility(layout: str, seq: int, ok: bool) -> None:
 
 
 def test_hybrid_degrees_multiply_to_cp() -> None:
-    spec = validate_spec(make(**{"parallel.cp": 16, "parallel.cp_algorithm": "hybrid",
-                                 "parallel.ulysses_degree": 8, "cluster.nodes": 2}))
+    spec = validate_spec(
+        make(
+            **{
+                "parallel.cp": 16,
+                "parallel.cp_algorithm": "hybrid",
+                "parallel.ulysses_degree": 8,
+                "cluster.nodes": 2,
+            }
+        )
+    )
     assert spec.ulysses_degree == 8 and spec.ring_degree == 2
-    found = problems(make(**{"parallel.cp": 16, "parallel.cp_algorithm": "hybrid",
-                             "parallel.ulysses_degree": 8, "parallel.ring_degree": 4,
-                             "cluster.nodes": 2}))
+    found = problems(
+        make(
+            **{
+                "parallel.cp": 16,
+                "parallel.cp_algorithm": "hybrid",
+                "parallel.ulysses_degree": 8,
+                "parallel.ring_degree": 4,
+                "cluster.nodes": 2,
+            }
+        )
+    )
     assert "8 x 4 = 32, but cp = 16" in found["parallel.ring_degree"]
-    found = problems(make(**{"parallel.cp": 8, "parallel.cp_algorithm": "hybrid",
-                             "parallel.ulysses_degree": 3}))
+    found = problems(
+        make(**{"parallel.cp": 8, "parallel.cp_algorithm": "hybrid", "parallel.ulysses_degree": 3})
+    )
     assert "must divide cp = 8" in found["parallel.ulysses_degree"]
     found = problems(make(**{"parallel.cp": 8, "parallel.cp_algorithm": "hybrid"}))
     assert "needs ulysses_degree" in found["parallel.ulysses_degree"]
@@ -116,17 +152,30 @@ def test_hybrid_degrees_multiply_to_cp() -> None:
 
 
 def test_hybrid_inner_degree_is_still_capped_by_kv_heads() -> None:
-    found = problems(make(**{"parallel.cp": 16, "parallel.cp_algorithm": "hybrid",
-                             "parallel.ulysses_degree": 16, "cluster.nodes": 2}))
+    found = problems(
+        make(
+            **{
+                "parallel.cp": 16,
+                "parallel.cp_algorithm": "hybrid",
+                "parallel.ulysses_degree": 16,
+                "cluster.nodes": 2,
+            }
+        )
+    )
     assert "exceeds the K/V heads" in found["parallel.ulysses_degree"]
 
 
-@pytest.mark.parametrize("field, value", [
-    ("name", "My_Job"), ("name", "job-"), ("name", "a" * 49),
-    ("cluster.kubernetes.namespace", "Team.A"),
-    ("cluster.kubernetes.service_account", "Bad_Name"),
-    ("cluster.kubernetes.image_pull_secrets", "[UPPER]"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("name", "My_Job"),
+        ("name", "job-"),
+        ("name", "a" * 49),
+        ("cluster.kubernetes.namespace", "Team.A"),
+        ("cluster.kubernetes.service_account", "Bad_Name"),
+        ("cluster.kubernetes.image_pull_secrets", "[UPPER]"),
+    ],
+)
 def test_kubernetes_names_follow_rfc1123(field: str, value: str) -> None:
     found = problems(make(**{field: value}))
     assert any(path.startswith(field) for path in found), found
@@ -142,25 +191,47 @@ def test_unknown_fields_are_errors_with_a_suggestion() -> None:
 
 
 def test_every_field_problem_is_reported_at_once() -> None:
-    data = make(**{"training.micro_batch": 0, "cluster.gpu": "X100", "model.layers": "many",
-                   "cluster.slurm.time_limit": "forever", "cluster.slurm.partition": "a b"})
+    data = make(
+        **{
+            "training.micro_batch": 0,
+            "cluster.gpu": "X100",
+            "model.layers": "many",
+            "cluster.slurm.time_limit": "forever",
+            "cluster.slurm.partition": "a b",
+        }
+    )
     found = problems(data)
-    assert {"training.micro_batch", "cluster.gpu", "model.layers", "cluster.slurm.time_limit",
-            "cluster.slurm.partition"} <= set(found)
+    assert {
+        "training.micro_batch",
+        "cluster.gpu",
+        "model.layers",
+        "cluster.slurm.time_limit",
+        "cluster.slurm.partition",
+    } <= set(found)
 
 
 def test_layout_problems_are_reported_together() -> None:
-    found = problems(make(**{"parallel.cp": 16, "parallel.cp_algorithm": "ulysses",
-                             "cluster.nodes": 2, "training.seq_len": 1000,
-                             "cluster.target": "local"}))
+    found = problems(
+        make(
+            **{
+                "parallel.cp": 16,
+                "parallel.cp_algorithm": "ulysses",
+                "cluster.nodes": 2,
+                "training.seq_len": 1000,
+                "cluster.target": "local",
+            }
+        )
+    )
     assert {"parallel.cp", "training.seq_len", "cluster.nodes"} <= set(found)
 
 
 def test_batch_arithmetic() -> None:
     spec = validate_spec(make(**{"training.global_batch": 16}))
     assert spec.grad_accum == 4 and spec.global_batch == 16
-    assert "multiple of micro_batch x dp" in problems(make(**{"training.global_batch": 6}))[
-        "training.global_batch"]
+    assert (
+        "multiple of micro_batch x dp"
+        in problems(make(**{"training.global_batch": 6}))["training.global_batch"]
+    )
     found = problems(make(**{"training.global_batch": 16, "training.grad_accum": 2}))
     assert "disagrees" in found["training.grad_accum"]
 
@@ -185,8 +256,9 @@ def test_push_telemetry_needs_a_url() -> None:
 def test_text_data_needs_a_path_and_a_byte_vocab() -> None:
     found = problems(make(**{"training.data.source": "text"}))
     assert "needs data.path" in found["training.data.path"]
-    found = problems(make(**{"training.data.source": "text", "training.data.path": "x.txt",
-                             "model.vocab": 100}))
+    found = problems(
+        make(**{"training.data.source": "text", "training.data.path": "x.txt", "model.vocab": 100})
+    )
     assert "vocab >= 256" in found["model.vocab"]
 
 
@@ -214,8 +286,15 @@ def test_presets_are_real_shapes_and_overridable() -> None:
 
 
 def test_overrides_parse_yaml_values() -> None:
-    data = apply_overrides(BASE, ["parallel.cp=4", "cluster.slurm.requeue=false",
-                                  "fabric.hcas=[mlx5_0, mlx5_1]", "name=other"])
+    data = apply_overrides(
+        BASE,
+        [
+            "parallel.cp=4",
+            "cluster.slurm.requeue=false",
+            "fabric.hcas=[mlx5_0, mlx5_1]",
+            "name=other",
+        ],
+    )
     assert data["parallel"]["cp"] == 4 and data["cluster"]["slurm"]["requeue"] is False
     assert data["fabric"]["hcas"] == ["mlx5_0", "mlx5_1"] and data["name"] == "other"
     assert BASE["parallel"]["cp"] == 8  # the input is not modified
@@ -257,8 +336,13 @@ def test_json_schema_describes_every_field_by_its_docstring() -> None:
     from ctxlaunch.contract import spec as spec_module
 
     schema = spec_module.json_schema()
-    models = [m for m in vars(spec_module).values() if isinstance(m, type)
-              and issubclass(m, spec_module._Strict) and m.__name__ in schema["$defs"]]
+    models = [
+        m
+        for m in vars(spec_module).values()
+        if isinstance(m, type)
+        and issubclass(m, spec_module._Strict)
+        and m.__name__ in schema["$defs"]
+    ]
     assert len(models) >= 15
     described = 0
     for model in models:
@@ -285,35 +369,79 @@ def test_slurm_times_are_not_read_as_base_60_numbers() -> None:
 
 def test_uneven_pipeline_stages_are_legal_and_balanced_counting_embedding_and_head() -> None:
     """Llama 3 405B's 126 layers at PP 16: lighter first and last stages."""
-    spec = validate_spec(make(**{"model.preset": "llama3-405b", "parallel.pp": 16,
-                                 "parallel.cp": 1, "parallel.tp": 2, "cluster.nodes": 4,
-                                 "training.grad_accum": 16}))
+    spec = validate_spec(
+        make(
+            **{
+                "model.preset": "llama3-405b",
+                "parallel.pp": 16,
+                "parallel.cp": 1,
+                "parallel.tp": 2,
+                "cluster.nodes": 4,
+                "training.grad_accum": 16,
+            }
+        )
+    )
     assert spec.stage_layers == (7,) + (8,) * 14 + (7,)
-    even = validate_spec(make(**{"model.preset": "llama3-70b", "parallel.pp": 8,
-                                 "parallel.cp": 4, "training.grad_accum": 8}))
+    even = validate_spec(
+        make(
+            **{
+                "model.preset": "llama3-70b",
+                "parallel.pp": 8,
+                "parallel.cp": 4,
+                "training.grad_accum": 8,
+            }
+        )
+    )
     assert even.stage_layers == (10,) * 8
-    given = validate_spec(make(**{"parallel.pp": 4, "parallel.cp": 2, "training.grad_accum": 4,
-                                  "parallel.stage_layers": "[6, 10, 10, 6]"}))
+    given = validate_spec(
+        make(
+            **{
+                "parallel.pp": 4,
+                "parallel.cp": 2,
+                "training.grad_accum": 4,
+                "parallel.stage_layers": "[6, 10, 10, 6]",
+            }
+        )
+    )
     assert given.stage_layers == (6, 10, 10, 6)
 
 
 def test_stage_layers_are_checked_against_the_stages_and_the_layers() -> None:
-    found = problems(make(**{"parallel.pp": 4, "parallel.cp": 2,
-                             "parallel.stage_layers": "[8, 8, 8]"}))
-    assert "3 entries but there are pp x virtual_stages = 4 x 1 = 4" in \
-        found["parallel.stage_layers"]
-    found = problems(make(**{"parallel.pp": 2, "parallel.cp": 2, "parallel.virtual_stages": 2,
-                             "parallel.stage_layers": "[8, 8, 8, 9]"}))
+    found = problems(
+        make(**{"parallel.pp": 4, "parallel.cp": 2, "parallel.stage_layers": "[8, 8, 8]"})
+    )
+    assert (
+        "3 entries but there are pp x virtual_stages = 4 x 1 = 4" in found["parallel.stage_layers"]
+    )
+    found = problems(
+        make(
+            **{
+                "parallel.pp": 2,
+                "parallel.cp": 2,
+                "parallel.virtual_stages": 2,
+                "parallel.stage_layers": "[8, 8, 8, 9]",
+            }
+        )
+    )
     assert "sum to 33 but model.layers = 32" in found["parallel.stage_layers"]
-    found = problems(make(**{"parallel.pp": 2, "parallel.cp": 2,
-                             "parallel.stage_layers": "[32, 0]"}))
+    found = problems(
+        make(**{"parallel.pp": 2, "parallel.cp": 2, "parallel.stage_layers": "[32, 0]"})
+    )
     assert "greater than or equal to 1" in found["parallel.stage_layers[1]"]
     found = problems(make(**{"model.layers": 3, "parallel.pp": 4, "parallel.cp": 2}))
     assert "cannot fill pp x virtual_stages = 4 stages" in found["parallel.pp"]
     found = problems(make(**{"parallel.virtual_stages": 2}))
     assert "needs pp > 1" in found["parallel.virtual_stages"]
-    found = problems(make(**{"parallel.pp": 4, "parallel.cp": 2, "parallel.virtual_stages": 2,
-                             "training.grad_accum": 6}))
+    found = problems(
+        make(
+            **{
+                "parallel.pp": 4,
+                "parallel.cp": 2,
+                "parallel.virtual_stages": 2,
+                "training.grad_accum": 6,
+            }
+        )
+    )
     assert "multiple of 4" in found["training.grad_accum"]
     found = problems(make(**{"parallel.pp": 4, "parallel.cp": 2, "training.grad_accum": 3}))
     assert "1F1B needs at least one per stage" in found["training.grad_accum"]
@@ -322,10 +450,21 @@ def test_stage_layers_are_checked_against_the_stages_and_the_layers() -> None:
 
 
 def test_tensor_parallel_splits_ffn_vocab_and_each_cp_ranks_tokens() -> None:
-    found = problems(make(**{"model.ffn_hidden": 14337, "model.vocab": 128257,
-                             "parallel.tp": 2, "parallel.cp": 4}))
+    found = problems(
+        make(
+            **{"model.ffn_hidden": 14337, "model.vocab": 128257, "parallel.tp": 2, "parallel.cp": 4}
+        )
+    )
     assert "ffn_hidden = 14337 must be divisible by tp = 2" in found["parallel.tp"]
     assert "vocab = 128257 must be divisible by tp = 2" in found["parallel.tp"]
-    found = problems(make(**{"training.seq_len": 131068, "parallel.tp": 2, "parallel.cp": 4,
-                             "parallel.cp_sharding": "contiguous"}))
+    found = problems(
+        make(
+            **{
+                "training.seq_len": 131068,
+                "parallel.tp": 2,
+                "parallel.cp": 4,
+                "parallel.cp_sharding": "contiguous",
+            }
+        )
+    )
     assert "divisible by cp x tp = 8" in found["training.seq_len"]

@@ -28,7 +28,8 @@ def test_terms_add_up_and_mfu_uses_both_conventions() -> None:
     assert st.tokens_per_second_per_gpu == pytest.approx(65536 * 2 * 4 / st.step_seconds / 32)
     assert st.mfu["full"] > st.mfu["causal"] > 0
     assert st.mfu["full"] == pytest.approx(
-        st.model_flops_per_second_per_gpu["full"] / GPUS["H100"].peak_bf16_flops)
+        st.model_flops_per_second_per_gpu["full"] / GPUS["H100"].peak_bf16_flops
+    )
 
 
 def test_fp8_runs_the_matmuls_at_twice_the_peak() -> None:
@@ -37,14 +38,16 @@ def test_fp8_runs_the_matmuls_at_twice_the_peak() -> None:
     fp8 = predict(LLAMA_8B, layout.replace(matmul_precision="fp8"), H100_NDR)
     eta = H100_NDR.eta_matmul
     assert fp8.terms["compute_matmul"] == pytest.approx(
-        bf16.terms["compute_matmul"] * eta["bf16"] / (2 * eta["fp8"]))
+        bf16.terms["compute_matmul"] * eta["bf16"] / (2 * eta["fp8"])
+    )
     assert fp8.terms["compute_attention"] == bf16.terms["compute_attention"]
 
 
 def test_ring_transfer_is_exposed_only_where_it_outlasts_the_hop_compute() -> None:
     layout = Layout(seq_len=131072, cp=16, dp=1)
-    nvlink_like = Machine.from_gpu(GPUS["H100"], network="infiniband-ndr", gpus_per_node=16,
-                                   nvlink_domain=16)
+    nvlink_like = Machine.from_gpu(
+        GPUS["H100"], network="infiniband-ndr", gpus_per_node=16, nvlink_domain=16
+    )
     hidden = predict(LLAMA_8B, layout, nvlink_like)
     assert hidden.detail["ring_hop_transfer_seconds"] < hidden.detail["ring_hop_compute_seconds"]
     assert hidden.terms["cp_ring_exposed"] == 0
@@ -53,8 +56,9 @@ def test_ring_transfer_is_exposed_only_where_it_outlasts_the_hop_compute() -> No
     d = exposed.detail
     assert d["ring_hop_transfer_seconds"] > d["ring_hop_compute_seconds"]
     # forward: (transfer - compute) per hop, 15 hops, 32 layers; backward adds its own excess
-    assert exposed.terms["cp_ring_exposed"] > 32 * 15 * (d["ring_hop_transfer_seconds"]
-                                                        - d["ring_hop_compute_seconds"])
+    assert exposed.terms["cp_ring_exposed"] > 32 * 15 * (
+        d["ring_hop_transfer_seconds"] - d["ring_hop_compute_seconds"]
+    )
 
 
 def test_allgather_cp_exposes_its_gather_and_runs_one_long_attention_call() -> None:
@@ -66,8 +70,12 @@ def test_allgather_cp_exposes_its_gather_and_runs_one_long_attention_call() -> N
     assert gathered.terms["cp_ring_exposed"] == 0 == ring.terms["cp_allgather"]
     kv_others = 15 * (131072 / 16) * LLAMA_8B.kv_hidden
     link = H100_NDR.network
-    expected = 32 * (2 * kv_others * 2 / H100_NDR.bandwidth(link) + 15 * link.latency_seconds
-                     + 2 * kv_others * 4 / H100_NDR.bandwidth(link) + 15 * link.latency_seconds)
+    expected = 32 * (
+        2 * kv_others * 2 / H100_NDR.bandwidth(link)
+        + 15 * link.latency_seconds
+        + 2 * kv_others * 4 / H100_NDR.bandwidth(link)
+        + 15 * link.latency_seconds
+    )
     assert gathered.terms["cp_allgather"] == pytest.approx(expected)
     # One call over the whole sequence's keys: the length ramp of 131K tokens, not of 8K, so
     # the same score entries take less time than the ring's sixteen block calls.
@@ -79,19 +87,23 @@ def test_allgather_cp_exposes_its_gather_and_runs_one_long_attention_call() -> N
 
     all_gather = layout.replace(cp_algorithm="allgather")
     assert commvolume.cp_block_bytes(LLAMA_8B, all_gather) == pytest.approx(
-        2 * kv_others * 2 + 2 * kv_others * 4)
+        2 * kv_others * 2 + 2 * kv_others * 4
+    )
     assert commvolume.cp_block_bytes(LLAMA_8B, all_gather) < commvolume.cp_block_bytes(
-        LLAMA_8B, layout)
+        LLAMA_8B, layout
+    )
     kv, a = LLAMA_8B.kv_hidden, 2
-    assert (memory._attention_workspace_bytes_per_token(LLAMA_8B, all_gather)
-            - memory._attention_workspace_bytes_per_token(LLAMA_8B, layout)) == pytest.approx(
-        16 * (2 * a * kv + 2 * 4 * kv) - (2 * 2 * 4 * kv + 2 * 2 * a * kv))
+    assert (
+        memory._attention_workspace_bytes_per_token(LLAMA_8B, all_gather)
+        - memory._attention_workspace_bytes_per_token(LLAMA_8B, layout)
+    ) == pytest.approx(16 * (2 * a * kv + 2 * 4 * kv) - (2 * 2 * 4 * kv + 2 * 2 * a * kv))
 
 
 def test_ulysses_all_to_all_and_tp_collectives_appear_with_their_degree() -> None:
     ring = predict(LLAMA_8B, Layout(seq_len=32768, cp=8, tp=1), H100_NDR)
-    ulysses = predict(LLAMA_8B, Layout(seq_len=32768, cp=8, cp_algorithm="ulysses",
-                                           ulysses_degree=8), H100_NDR)
+    ulysses = predict(
+        LLAMA_8B, Layout(seq_len=32768, cp=8, cp_algorithm="ulysses", ulysses_degree=8), H100_NDR
+    )
     assert ring.terms["ulysses_all_to_all"] == 0 < ulysses.terms["ulysses_all_to_all"]
     tp = predict(LLAMA_8B, Layout(seq_len=32768, tp=8), H100_NDR)
     assert tp.terms["tp_collectives"] > 0 and ring.terms["tp_collectives"] == 0
@@ -115,8 +127,9 @@ def test_full_recomputation_costs_a_forward() -> None:
     assert 1.25 < full.terms["compute_matmul"] / none.terms["compute_matmul"] < 1.34
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "llama3-8b-128k-slurm.yaml",
-                                  "llama3-70b-1m-k8s.yaml"])
+@pytest.mark.parametrize(
+    "name", ["demo.yaml", "llama3-8b-128k-slurm.yaml", "llama3-70b-1m-k8s.yaml"]
+)
 def test_every_runnable_example_gets_a_prediction(name: str) -> None:
     st = predict_spec(load_spec(JOBS / name))
     assert st.step_seconds > 0 and 0 < st.mfu["causal"] < 1
@@ -130,11 +143,13 @@ def test_cpu_overheads_are_counted_where_measured_and_absent_on_gpus() -> None:
     assert gpu.terms["framework_overhead"] == profiles.BUNDLED_MICROBATCH_OVERHEAD_SECONDS
     import dataclasses
 
-    cpu_like = dataclasses.replace(H100_NDR, causal_tile_tokens=512, sync_seconds=1e-3,
-                                   microbatch_overhead_seconds=0.01)
+    cpu_like = dataclasses.replace(
+        H100_NDR, causal_tile_tokens=512, sync_seconds=1e-3, microbatch_overhead_seconds=0.01
+    )
     cpu = predict(LLAMA_8B, layout, cpu_like)
     assert cpu.terms["compute_attention"] == pytest.approx(
-        gpu.terms["compute_attention"] * (1 + 512 / 4096))
+        gpu.terms["compute_attention"] * (1 + 512 / 4096)
+    )
     assert cpu.terms["framework_overhead"] == pytest.approx(0.01)
     # 3 ring hops forward and 3 backward per layer, plus the step's gradient all-reduce
     assert cpu.terms["sync_overhead"] == pytest.approx(1e-3 * (32 * 6 + 1))
@@ -160,8 +175,13 @@ def test_a_gemm_loses_its_last_wave_and_small_ones_are_memory_bound() -> None:
 def test_attention_by_length_head_dim_and_kernel_generation() -> None:
     from ctxlaunch.perf.profiles import attention_seconds
 
-    kw = {"peak": 1e15, "fraction": 0.3, "ramp_tokens": 1000.0, "sfu_ops_per_second": 4e12,
-          "matmul_flops_per_entry": 12}
+    kw = {
+        "peak": 1e15,
+        "fraction": 0.3,
+        "ramp_tokens": 1000.0,
+        "sfu_ops_per_second": 4e12,
+        "matmul_flops_per_entry": 12,
+    }
     entries = 1e12
     hidden = attention_seconds(entries, 128, 64000, exp_exposed=False, **kw)
     assert hidden == pytest.approx(entries * 12 * 128 / (0.3e15 * 64000 / 65000))
@@ -174,8 +194,12 @@ def test_attention_by_length_head_dim_and_kernel_generation() -> None:
     assert (d64 - hidden / 2) / d64 > (exposed - hidden) / exposed
 
 
-GPU_RUN = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / \
-    "gpu_steptime-2026-12-04-run2.json"
+GPU_RUN = (
+    Path(__file__).resolve().parent.parent
+    / "benchmarks"
+    / "results"
+    / "gpu_steptime-2026-12-04-run2.json"
+)
 
 
 def test_the_bundled_profile_is_its_h200_calibration_and_predicts_the_held_out_layouts() -> None:
@@ -188,35 +212,39 @@ def test_the_bundled_profile_is_its_h200_calibration_and_predicts_the_held_out_l
     bundled = profiles.profile("ctxlaunch")
     assert bundled.eta_matmul["bf16"] == pytest.approx(calibration.eta_matmul, abs=5e-4)
     assert bundled.attention_fraction == pytest.approx(calibration.attention_fraction, abs=5e-4)
-    assert bundled.attention_ramp_tokens == pytest.approx(calibration.attention_ramp_tokens,
-                                                          abs=1.0)
+    assert bundled.attention_ramp_tokens == pytest.approx(
+        calibration.attention_ramp_tokens, abs=1.0
+    )
     assert bundled.elementwise_fraction_of_hbm == pytest.approx(
-        calibration.elementwise_fraction_of_hbm, abs=5e-4)
-    assert bundled.loss_fraction_of_hbm == pytest.approx(calibration.loss_fraction_of_hbm,
-                                                         abs=5e-4)
+        calibration.elementwise_fraction_of_hbm, abs=5e-4
+    )
+    assert bundled.loss_fraction_of_hbm == pytest.approx(calibration.loss_fraction_of_hbm, abs=5e-4)
     assert bundled.microbatch_overhead_seconds == pytest.approx(
-        calibration.microbatch_overhead_seconds, abs=1e-4)
+        calibration.microbatch_overhead_seconds, abs=1e-4
+    )
     model = ModelSpec(preset="llama3.2-1b")
     h200 = Machine.from_gpu(GPUS["H200"], network="infiniband-ndr", gpus_per_node=1)
     assert h200.framework == "ctxlaunch" and not h200.overlap_dp
     errors = []
     for point in run["points"]:
-        layout = Layout(seq_len=point["seq_len"], micro_batch=point["micro_batch"],
-                        activation_checkpointing=point["checkpointing"])
+        layout = Layout(
+            seq_len=point["seq_len"],
+            micro_batch=point["micro_batch"],
+            activation_checkpointing=point["checkpointing"],
+        )
         predicted = predict(model, layout, h200).step_seconds
         errors.append(predicted / statistics.median(point["measured_steps"]) - 1)
     assert len(errors) == 7
     assert max(abs(e) for e in errors) <= bundled.expected_error, errors
     fit = predict(model, Layout(seq_len=16384, activation_checkpointing="selective"), h200)
-    megatron = Machine.from_gpu(GPUS["H200"], network="infiniband-ndr", gpus_per_node=1,
-                                framework="megatron")
+    megatron = Machine.from_gpu(
+        GPUS["H200"], network="infiniband-ndr", gpus_per_node=1, framework="megatron"
+    )
     # Megatron's fused kernels run the same elementwise bytes at the full bandwidth.
-    fused = predict(model, Layout(seq_len=16384, activation_checkpointing="selective"),
-                    megatron)
+    fused = predict(model, Layout(seq_len=16384, activation_checkpointing="selective"), megatron)
     assert fused.terms["compute_elementwise"] < fit.terms["compute_elementwise"] / 3
     with pytest.raises(ValueError, match="framework 'nope': not a known profile"):
-        Machine.from_gpu(GPUS["H200"], network="infiniband-ndr", gpus_per_node=1,
-                         framework="nope")
+        Machine.from_gpu(GPUS["H200"], network="infiniband-ndr", gpus_per_node=1, framework="nope")
 
 
 def test_the_loss_passes_over_the_logits_the_rank_holds_at_the_loss_rate() -> None:
@@ -233,8 +261,11 @@ def test_the_loss_passes_over_the_logits_the_rank_holds_at_the_loss_rate() -> No
     one = predict(model, Layout(seq_len=8192), h200).terms
     assert one["compute_loss"] == pytest.approx(8192 * 128256 * 52 / rate)
     assert LOSS_BYTES_PER_LOGIT == {2: 52.0, 4: 40.0}
-    fp32 = predict(model.model_copy(update={"dtype": "fp32"}),
-                   Layout(seq_len=8192, dtype="fp32", matmul_precision="fp32"), h200).terms
+    fp32 = predict(
+        model.model_copy(update={"dtype": "fp32"}),
+        Layout(seq_len=8192, dtype="fp32", matmul_precision="fp32"),
+        h200,
+    ).terms
     assert fp32["compute_loss"] == pytest.approx(one["compute_loss"] * 40 / 52)
     sharded = predict(model, Layout(seq_len=8192, tp=2, cp=2), h200).terms
     assert sharded["compute_loss"] == pytest.approx(one["compute_loss"] / 4)
@@ -244,4 +275,5 @@ def test_the_loss_passes_over_the_logits_the_rank_holds_at_the_loss_rate() -> No
 
     shared = dataclasses.replace(h200, loss_bytes_per_second=None)
     assert predict(model, Layout(seq_len=8192), shared).terms["compute_loss"] == pytest.approx(
-        8192 * 128256 * 52 / h200.elementwise_bytes_per_second)
+        8192 * 128256 * 52 / h200.elementwise_bytes_per_second
+    )

@@ -34,8 +34,9 @@ DASHBOARD = json.loads((ROOT / "manifests/grafana/ctxlaunch-training.json").read
 # Not from every run: the OOM event (the OOM test covers it), and the evaluation's series, which
 # exist only where training.eval.interval evaluates (tests/test_eval.py covers them).
 EVAL_ONLY = ("ctxlaunch_eval_loss", "ctxlaunch_eval_step", "ctxlaunch_passkey_retrieval_ratio")
-ALWAYS = [m.name for m in METRICS if m.name != "ctxlaunch_oom_event_info"
-          and m.name not in EVAL_ONLY]
+ALWAYS = [
+    m.name for m in METRICS if m.name != "ctxlaunch_oom_event_info" and m.name not in EVAL_ONLY
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,8 +49,17 @@ def unique(prefix: str) -> str:
 
 
 def command(tmp_path: Path, name: str, *sets: str) -> list[str]:
-    args = [CTXLAUNCH, "submit", str(JOBS / "demo.yaml"), "--set", f"name={name}",
-            "--set", "training.seq_len=1024", "--set", "training.checkpoint.dir=null"]
+    args = [
+        CTXLAUNCH,
+        "submit",
+        str(JOBS / "demo.yaml"),
+        "--set",
+        f"name={name}",
+        "--set",
+        "training.seq_len=1024",
+        "--set",
+        "training.checkpoint.dir=null",
+    ]
     for item in sets:
         args += ["--set", item]
     return args
@@ -118,13 +128,16 @@ def check_values(job: str) -> None:
     assert all(v >= 0 for v in values("ctxlaunch_cp_exposed_comm_seconds"))
     assert values("ctxlaunch_oom_events_total") == [0.0, 0.0]
     assert all(0 < v < 20 for v in values("ctxlaunch_loss"))
-    sources = {s["metric"]["source"] for s in
-               query(f'ctxlaunch_peak_flops_per_second{{job="{job}"}}')}
+    sources = {
+        s["metric"]["source"] for s in query(f'ctxlaunch_peak_flops_per_second{{job="{job}"}}')
+    }
     assert sources == {"measured_cpu_matmul"}  # stated as such on the CPU
 
 
 def check_dashboard(job: str, run: str) -> None:
-    for title, expr in dev_script("grafana_dashboard").panel_queries(DASHBOARD, {"job": job, "run": run}):
+    for title, expr in dev_script("grafana_dashboard").panel_queries(
+        DASHBOARD, {"job": job, "run": run}
+    ):
         if "ctxlaunch_oom_event_info" in expr:
             continue  # an event table: empty unless an OOM happened (the OOM test covers it)
         if any(name in expr for name in EVAL_ONLY):
@@ -136,15 +149,31 @@ def check_dashboard(job: str, run: str) -> None:
             raise AssertionError(f"dashboard panel {title!r}: no data for {expr}") from None
 
 
-def run_push_job(tmp_path: Path, job: str, *, steps: int, url: str = PUSHGATEWAY_URL,
-                 interval: float = 1, **extra_env: str) -> subprocess.CompletedProcess:
+def run_push_job(
+    tmp_path: Path,
+    job: str,
+    *,
+    steps: int,
+    url: str = PUSHGATEWAY_URL,
+    interval: float = 1,
+    **extra_env: str,
+) -> subprocess.CompletedProcess:
     """A local training run (CP 2 ring) pushing its metrics, to the end."""
     return subprocess.run(
-        command(tmp_path, job, f"training.steps={steps}", "telemetry.prometheus=push",
-                f"telemetry.pushgateway_url={url}",
-                f"telemetry.push_interval_seconds={interval}"),
-        cwd=tmp_path, env=env(tmp_path, **extra_env), capture_output=True, text=True,
-        timeout=180)
+        command(
+            tmp_path,
+            job,
+            f"training.steps={steps}",
+            "telemetry.prometheus=push",
+            f"telemetry.pushgateway_url={url}",
+            f"telemetry.push_interval_seconds={interval}",
+        ),
+        cwd=tmp_path,
+        env=env(tmp_path, **extra_env),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 @pytest.mark.timeout(240)
@@ -153,10 +182,20 @@ def test_scrape_mode_exports_every_metric(tmp_path: Path) -> None:
     port = free_port_pair()
     targets = add_scrape_targets(job, [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"])
     process = subprocess.Popen(
-        command(tmp_path, job, "training.steps=2000", "telemetry.prometheus=scrape",
-                f"telemetry.port={port}"),
-        cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True)
+        command(
+            tmp_path,
+            job,
+            "training.steps=2000",
+            "telemetry.prometheus=scrape",
+            f"telemetry.port={port}",
+        ),
+        cwd=tmp_path,
+        env=env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         poll(f'ctxlaunch_last_step{{job="{job}"}} >= 3', lambda r: len(r) == 2, timeout=90)
         run = check_every_metric(job)
@@ -181,16 +220,17 @@ def test_push_mode_exports_every_metric_and_the_final_values(tmp_path: Path) -> 
     poll(f'ctxlaunch_last_step{{job="{job}"}} == 5', lambda r: len(r) == 2)
     run = check_every_metric(job)
     check_values(job)
-    assert {s["metric"]["rank"]: float(s["value"][1]) for s in
-            query(f'ctxlaunch_target_steps{{job="{job}"}}')} == {"0": 5.0, "1": 5.0}
+    assert {
+        s["metric"]["rank"]: float(s["value"][1])
+        for s in query(f'ctxlaunch_target_steps{{job="{job}"}}')
+    } == {"0": 5.0, "1": 5.0}
     check_dashboard(job, run)
 
 
 @pytest.mark.timeout(240)
 def test_injected_oom_is_exported_with_the_layout_and_the_exit_status(tmp_path: Path) -> None:
     job = unique("oom")
-    result = run_push_job(tmp_path, job, steps=20,
-                          CTXLAUNCH_INJECT_FAULT="kind=oom,rank=1,step=3")
+    result = run_push_job(tmp_path, job, steps=20, CTXLAUNCH_INJECT_FAULT="kind=oom,rank=1,step=3")
     assert result.returncode == 86, result.stdout + result.stderr
     assert "out of memory on rank 1 at step 3: the planner predicted" in result.stderr
     assert "would fit with" in result.stderr
@@ -203,8 +243,13 @@ def test_injected_oom_is_exported_with_the_layout_and_the_exit_status(tmp_path: 
     assert labels["would_fit"]
     # The dashboard's OOM table now has its row.
     run = labels["run"]
-    table = [(t, q) for t, q in dev_script("grafana_dashboard").panel_queries(DASHBOARD, {"job": job, "run": run})
-             if "ctxlaunch_oom_event_info" in q]
+    table = [
+        (t, q)
+        for t, q in dev_script("grafana_dashboard").panel_queries(
+            DASHBOARD, {"job": job, "run": run}
+        )
+        if "ctxlaunch_oom_event_info" in q
+    ]
     assert table and all(query(q) for _, q in table)
 
 

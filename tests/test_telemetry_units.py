@@ -23,8 +23,10 @@ H100_BF16 = 989e12
 # FLOPs per token = 6 N + 12 L h s (full) or 6 N + 6 L h s (causal).
 HAND = {
     # (model, seq): (full, causal) FLOPs per token
-    ("8b", 8192): (6 * 7_504_924_672 + 12 * 32 * 4096 * 8192,
-                   6 * 7_504_924_672 + 6 * 32 * 4096 * 8192),
+    ("8b", 8192): (
+        6 * 7_504_924_672 + 12 * 32 * 4096 * 8192,
+        6 * 7_504_924_672 + 6 * 32 * 4096 * 8192,
+    ),
     ("8b", 131072): (45_029_548_032 + 206_158_430_208, 45_029_548_032 + 103_079_215_104),
     ("70b", 8192): (417_018_200_064 + 64_424_509_440, 417_018_200_064 + 32_212_254_720),
     ("70b", 131072): (417_018_200_064 + 1_030_792_151_040, 417_018_200_064 + 515_396_075_520),
@@ -39,7 +41,8 @@ def test_mfu_by_hand(key) -> None:
     tokens = 1000.0  # tokens/s/GPU
     assert mfu(tokens, model, seq, H100_BF16, "full") == pytest.approx(tokens * full / H100_BF16)
     assert mfu(tokens, model, seq, H100_BF16, "causal") == pytest.approx(
-        tokens * causal / H100_BF16)
+        tokens * causal / H100_BF16
+    )
 
 
 def test_mfu_examples_worked_out() -> None:
@@ -52,8 +55,17 @@ def test_mfu_examples_worked_out() -> None:
     assert mfu(300, LLAMA_70B, 131072, H100_BF16, "causal") == pytest.approx(0.28284, abs=1e-5)
 
 
-IDENTITY = Identity(job="j", run="r1", rank=1, local_rank=1, node="n", model="tiny", cp=2,
-                    cp_algorithm="ring", seq_len=2048)
+IDENTITY = Identity(
+    job="j",
+    run="r1",
+    rank=1,
+    local_rank=1,
+    node="n",
+    model="tiny",
+    cp=2,
+    cp_algorithm="ring",
+    seq_len=2048,
+)
 
 
 def test_exporter_series_carry_every_label() -> None:
@@ -65,15 +77,20 @@ def test_exporter_series_carry_every_label() -> None:
     for label in LABELS:
         assert f'{label}="' in line
     assert 'convention="full"' in line and line.endswith(" 0.5")
-    assert 'ctxlaunch_oom_events_total{' in text
+    assert "ctxlaunch_oom_events_total{" in text
     names = {m.name for m in METRICS}
     assert len(names) == len(METRICS) and all(n.startswith("ctxlaunch_") for n in names)
 
 
 def test_unreachable_pushgateway_is_logged_once_and_never_blocks() -> None:
     logged: list[str] = []
-    exporter = Exporter(IDENTITY, mode="push", pushgateway_url="http://127.0.0.1:9",
-                        push_interval_seconds=0.05, log=logged.append)
+    exporter = Exporter(
+        IDENTITY,
+        mode="push",
+        pushgateway_url="http://127.0.0.1:9",
+        push_interval_seconds=0.05,
+        log=logged.append,
+    )
     start = time.monotonic()
     for step in range(50):  # what a training loop does per step: set gauges
         exporter.set("ctxlaunch_last_step", step)
@@ -127,8 +144,13 @@ def test_the_cpu_peak_does_not_fall_when_the_core_is_shared() -> None:
     core = sorted(os.sched_getaffinity(0))[0]
 
     def peak() -> float:
-        out = subprocess.run([sys.executable, "-c", PINNED_PEAK, str(core)], check=True,
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-c", PINNED_PEAK, str(core)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return float(out.stdout)
 
     alone = peak()

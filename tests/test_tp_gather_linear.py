@@ -26,8 +26,10 @@ def _rank(rank: int, world: int, autocast: bool) -> dict[str, object]:
     grad_out = torch.randn(2, 64, 48, generator=generator)
     local = x_full.chunk(world, dim=1)[rank]
     results = {}
-    for name, fn in (("fused", lambda x: gather_linear(x, linear, group)),
-                     ("separate", lambda x: linear(gather_sequence(x, group)))):
+    for name, fn in (
+        ("fused", lambda x: gather_linear(x, linear, group)),
+        ("separate", lambda x: linear(gather_sequence(x, group))),
+    ):
         x = local.clone().requires_grad_()
         linear.weight.grad = None
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -37,9 +39,14 @@ def _rank(rank: int, world: int, autocast: bool) -> dict[str, object]:
         assert x.grad is not None and linear.weight.grad is not None
         # numpy, not tensors: tensors would pass through shared memory that vanishes with the
         # worker process.
-        results[name] = (out.detach().float().numpy(), x.grad.float().numpy(),
-                         linear.weight.grad.float().numpy(), str(x.grad.dtype),
-                         str(linear.weight.grad.dtype), meter.bytes)
+        results[name] = (
+            out.detach().float().numpy(),
+            x.grad.float().numpy(),
+            linear.weight.grad.float().numpy(),
+            str(x.grad.dtype),
+            str(linear.weight.grad.dtype),
+            meter.bytes,
+        )
     return results
 
 
@@ -51,8 +58,9 @@ def test_gather_linear_matches_gather_then_linear_at_tp2(autocast: bool) -> None
         fused, separate = result["fused"], result["separate"]
         assert fused[3:5] == separate[3:5] == ("torch.float32", "torch.float32")
         for name, f, s in zip(("out", "d x", "d weight"), fused[:3], separate[:3], strict=True):
-            torch.testing.assert_close(torch.from_numpy(f), torch.from_numpy(s), rtol=0, atol=0,
-                                       msg=name)
+            torch.testing.assert_close(
+                torch.from_numpy(f), torch.from_numpy(s), rtol=0, atol=0, msg=name
+            )
         # What each keeps for backward: the local (B, S/2, h) shard in the compute dtype (and
         # autocast's bf16 weight copy) instead of the gathered (B, S, h) input.
         a = 2 if autocast else 4

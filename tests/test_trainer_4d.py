@@ -23,26 +23,43 @@ COMMON = {"training.global_batch": 4, "training.steps": STEPS}
 
 # world -> [(model changes, layout changes)]
 LAYOUTS: dict[int, list[tuple[dict, dict]]] = {
-    2: [({}, {"parallel.tp": 2}),
-        ({}, {"parallel.pp": 2})],
-    4: [({}, {"parallel.tp": 2, "parallel.cp": 2, "parallel.cp_algorithm": "ring"}),
-        ({"model.preset": "tiny-mha"},
-         {"parallel.tp": 2, "parallel.cp": 2, "parallel.cp_algorithm": "ulysses"}),
+    2: [({}, {"parallel.tp": 2}), ({}, {"parallel.pp": 2})],
+    4: [
+        ({}, {"parallel.tp": 2, "parallel.cp": 2, "parallel.cp_algorithm": "ring"}),
+        (
+            {"model.preset": "tiny-mha"},
+            {"parallel.tp": 2, "parallel.cp": 2, "parallel.cp_algorithm": "ulysses"},
+        ),
         # ZeRO-3 through FSDP2 over DP x CP.
         ({}, {"parallel.pp": 2, "parallel.cp": 2, "training.zero_stage": 3}),
         # Full activation checkpointing: the TP collectives run again in the recomputation.
-        ({}, {"parallel.tp": 2, "parallel.pp": 2,
-              "training.activation_checkpointing": "full"}),
+        ({}, {"parallel.tp": 2, "parallel.pp": 2, "training.activation_checkpointing": "full"}),
         # DP 2 x PP 2, interleaved (two virtual stages per rank), one block per stage.
-        ({"model.layers": 4}, {"parallel.pp": 2, "parallel.virtual_stages": 2})],
-    8: [({}, {"parallel.tp": 2, "parallel.pp": 2, "parallel.cp": 2}),
+        ({"model.layers": 4}, {"parallel.pp": 2, "parallel.virtual_stages": 2}),
+    ],
+    8: [
+        ({}, {"parallel.tp": 2, "parallel.pp": 2, "parallel.cp": 2}),
         ({}, {"parallel.tp": 2, "parallel.pp": 2, "parallel.cp": 2, "training.zero_stage": 1}),
-        ({"model.preset": "tiny-mha"},
-         {"parallel.tp": 2, "parallel.cp": 4, "parallel.cp_algorithm": "hybrid",
-          "parallel.ulysses_degree": 2}),
+        (
+            {"model.preset": "tiny-mha"},
+            {
+                "parallel.tp": 2,
+                "parallel.cp": 4,
+                "parallel.cp_algorithm": "hybrid",
+                "parallel.ulysses_degree": 2,
+            },
+        ),
         # Uneven stages (3 + 1 blocks) with DP 2 x TP 2, ZeRO-2 through FSDP2 over DP.
-        ({"model.layers": 4}, {"parallel.tp": 2, "parallel.pp": 2,
-                               "parallel.stage_layers": "[3, 1]", "training.zero_stage": 2})],
+        (
+            {"model.layers": 4},
+            {
+                "parallel.tp": 2,
+                "parallel.pp": 2,
+                "parallel.stage_layers": "[3, 1]",
+                "training.zero_stage": 2,
+            },
+        ),
+    ],
 }
 
 
@@ -53,14 +70,16 @@ def _run_all(rank: int, world: int, specs: list[dict]) -> list[dict]:
 def compare(got: dict, want: dict) -> tuple[float, float]:
     """Assert losses and gradients agree; returns the largest gradient difference, absolute
     and relative to the largest entry of that gradient."""
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=1e-6
+    )
     assert set(got["grads"]) == set(want["grads"])
     worst_abs = worst_rel = 0.0
     for name, grad in want["grads"].items():
         a, b = torch.from_numpy(got["grads"][name]), torch.from_numpy(grad)
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, n=name: f"gradient of {n}: {m}")
+        torch.testing.assert_close(
+            a, b, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"gradient of {n}: {m}"
+        )
         diff = (a - b).abs()
         worst_abs = max(worst_abs, float(diff.max()))
         worst_rel = max(worst_rel, float(diff.max() / b.abs().max().clamp_min(1e-12)))
@@ -83,12 +102,15 @@ def test_tp_pp_layouts_match_single_process(world: int) -> None:
         want = single_process(model)
         worst = compare(got, want)
         loss_diff = max(abs(g - w) for g, w in zip(got["losses"], want["losses"]))
-        print(f"world {world} {model} {layout}: max loss diff {loss_diff:.2e}, max grad diff "
-              f"abs {worst[0]:.2e} rel {worst[1]:.2e}")
+        print(
+            f"world {world} {model} {layout}: max loss diff {loss_diff:.2e}, max grad diff "
+            f"abs {worst[0]:.2e} rel {worst[1]:.2e}"
+        )
 
 
-def _save_then_resume(rank: int, world: int, saving: dict, resuming: list[dict],
-                      checkpoint_dir: str) -> dict:
+def _save_then_resume(
+    rank: int, world: int, saving: dict, resuming: list[dict], checkpoint_dir: str
+) -> dict:
     """Train two steps at one layout and checkpoint; then, in the same job, resume that
     checkpoint at each other layout and train the last two steps."""
     from ctxlaunch.runtime.trainer.loop import Trainer
@@ -97,8 +119,16 @@ def _save_then_resume(rank: int, world: int, saving: dict, resuming: list[dict],
     def trainer_for(spec_data: dict) -> Trainer:
         spec = validate_spec(spec_data)
         p = spec.parallel
-        ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                            ulysses=spec.ulysses_degree, cp_sharding=p.cp_sharding, tp=p.tp, pp=p.pp)
+        ctx = build_context(
+            rank=rank,
+            world_size=world,
+            dp=spec.dp,
+            cp=p.cp,
+            ulysses=spec.ulysses_degree,
+            cp_sharding=p.cp_sharding,
+            tp=p.tp,
+            pp=p.pp,
+        )
         return Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
 
     first = trainer_for(saving)
@@ -117,14 +147,21 @@ def test_checkpoint_resumes_at_other_layouts(tmp_path) -> None:
     """Saved at TP 2 x PP 2, resumed at TP 1 x PP 4, at CP 4 (no TP/PP) and at TP 2 x DP 2
     with ZeRO-2 (FSDP2): the losses of the uninterrupted single-process run."""
     model = {"model.layers": 4}
-    common = {**model, **COMMON, "training.steps": 4,
-              "training.checkpoint.dir": str(tmp_path / "ckpt")}
+    common = {
+        **model,
+        **COMMON,
+        "training.steps": 4,
+        "training.checkpoint.dir": str(tmp_path / "ckpt"),
+    }
     saving = spec_for(4, **common, **{"parallel.tp": 2, "parallel.pp": 2})
-    resuming = [spec_for(4, **common, **{"parallel.pp": 4}),
-                spec_for(4, **common, **{"parallel.cp": 4}),
-                spec_for(4, **common, **{"parallel.tp": 2, "training.zero_stage": 2})]
-    got = run_distributed(_save_then_resume, 4, saving, resuming, str(tmp_path / "ckpt"),
-                          timeout_s=360)[0]
+    resuming = [
+        spec_for(4, **common, **{"parallel.pp": 4}),
+        spec_for(4, **common, **{"parallel.cp": 4}),
+        spec_for(4, **common, **{"parallel.tp": 2, "training.zero_stage": 2}),
+    ]
+    got = run_distributed(
+        _save_then_resume, 4, saving, resuming, str(tmp_path / "ckpt"), timeout_s=360
+    )[0]
     from ctxlaunch.runtime.trainer.loop import Trainer
     from ctxlaunch.runtime.trainer.parallelize import build_context
 

@@ -36,9 +36,15 @@ def spec_for(world: int, prefix: str, **changes) -> dict:
     base = {
         "name": "docmask",
         "model": {"preset": "tiny", "dtype": "fp32"},
-        "training": {"seq_len": SEQ_LEN, "micro_batch": 1, "global_batch": 4, "steps": 2,
-                     "seed": 7, "optimizer": {"lr": 1e-3, "warmup_steps": 1},
-                     "data": {"source": "tokens", "path": prefix, "document_mask": True}},
+        "training": {
+            "seq_len": SEQ_LEN,
+            "micro_batch": 1,
+            "global_batch": 4,
+            "steps": 2,
+            "seed": 7,
+            "optimizer": {"lr": 1e-3, "warmup_steps": 1},
+            "data": {"source": "tokens", "path": prefix, "document_mask": True},
+        },
         "parallel": {"cp": 1},
         "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": world},
     }
@@ -51,18 +57,34 @@ def test_packed_batches_carry_documents_positions_and_ignored_targets(tmp_path: 
     source = PackedTokens([prefix], None, seq_len=SEQ_LEN, vocab=256)
     for restart in (True, False):
         for cp, layout in ((1, "zigzag"), (2, "zigzag"), (2, "contiguous")):
-            shards = [Batches(source, seq_len=SEQ_LEN, micro_batch=2, global_batch=4, dp=1,
-                              dp_rank=0, cp=cp, cp_rank=r, cp_sharding=layout, document_mask=True,
-                              restart_positions=restart).get(1, 1) for r in range(cp)]
+            shards = [
+                Batches(
+                    source,
+                    seq_len=SEQ_LEN,
+                    micro_batch=2,
+                    global_batch=4,
+                    dp=1,
+                    dp_rank=0,
+                    cp=cp,
+                    cp_rank=r,
+                    cp_sharding=layout,
+                    document_mask=True,
+                    restart_positions=restart,
+                ).get(1, 1)
+                for r in range(cp)
+            ]
             for b in range(2):
                 packed = source.packed(6 + b)
                 ids = packed.document_ids
                 starts = [0] + [j for j in range(1, SEQ_LEN) if ids[j] != ids[j - 1]]
                 assert shards[0].documents[b] == tuple(starts) + (SEQ_LEN,)
-                want_targets = [int(t) if ids[j + 1] == ids[j] else IGNORE_INDEX
-                                for j, t in enumerate(packed.tokens[1:])]
-                want_positions = [j - max(s for s in starts if s <= j) if restart else j
-                                  for j in range(SEQ_LEN)]
+                want_targets = [
+                    int(t) if ids[j + 1] == ids[j] else IGNORE_INDEX
+                    for j, t in enumerate(packed.tokens[1:])
+                ]
+                want_positions = [
+                    j - max(s for s in starts if s <= j) if restart else j for j in range(SEQ_LEN)
+                ]
                 from ctxlaunch.cp import shard_positions
 
                 for r, shard in enumerate(shards):
@@ -72,15 +94,22 @@ def test_packed_batches_carry_documents_positions_and_ignored_targets(tmp_path: 
                     positions = shard.positions[b] if restart else shard.positions
                     assert positions.tolist() == [want_positions[j] for j in where]
             assert sum(s.predicted_tokens for s in shards) == sum(
-                t != IGNORE_INDEX for t in torch.cat([s.targets for s in shards]).flatten().tolist())
+                t != IGNORE_INDEX for t in torch.cat([s.targets for s in shards]).flatten().tolist()
+            )
     assert IGNORE_INDEX in shards[0].targets  # the corpus's documents are shorter than a sequence
 
 
 def test_document_mask_needs_packed_documents() -> None:
-    base = {"name": "x", "model": {"preset": "tiny"}, "training": {"seq_len": 64},
-            "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1}}
+    base = {
+        "name": "x",
+        "model": {"preset": "tiny"},
+        "training": {"seq_len": 64},
+        "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1},
+    }
     for source in ("synthetic", "text"):
-        data = {"source": source, "document_mask": True} | ({"path": "x.txt"} if source == "text" else {})
+        data = {"source": source, "document_mask": True} | (
+            {"path": "x.txt"} if source == "text" else {}
+        )
         with pytest.raises(SpecError) as caught:
             validate_spec(base | {"training": {"seq_len": 64, "data": data}})
         assert "training.data.document_mask" in str(caught.value)
@@ -92,18 +121,26 @@ def _train_all(rank: int, world: int, specs: list[dict]) -> list[dict]:
 
 
 def compare(got: dict, want: dict, what: str) -> float:
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
-                               rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: losses: {m}")
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]),
+        torch.tensor(want["losses"]),
+        rtol=1e-5,
+        atol=1e-6,
+        msg=lambda m: f"{what}: losses: {m}",
+    )
     worst = 0.0
     for name, grad in want["grads"].items():
         a, b = torch.from_numpy(got["grads"][name]), torch.from_numpy(grad)
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, n=name: f"{what}: gradient of {n}: {m}")
+        torch.testing.assert_close(
+            a, b, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{what}: gradient of {n}: {m}"
+        )
         # Relative to the gradient's own scale: the tiny model's gradients at initialisation
         # are ~1e-4, where atol alone would let a mis-weighted token mean (per-rank means
         # averaged, ~1 % off here) through.
         relative = float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-        assert relative <= 1e-5, f"{what}: gradient of {name} differs by {relative:.2e} of its largest entry"
+        assert relative <= 1e-5, (
+            f"{what}: gradient of {name} differs by {relative:.2e} of its largest entry"
+        )
         worst = max(worst, relative)
     return worst
 
@@ -130,7 +167,9 @@ def test_packed_step_matches_single_process(tmp_path: Path, restart: bool) -> No
     got = run_distributed(_train_all, 2, specs, timeout_s=380)[0]
     for changes, result in zip(LAYOUTS, got):
         worst = compare(result, want, str(changes or "dp 2"))
-        print(f"{changes or 'dp 2'} restart={restart}: worst relative gradient difference {worst:.2e}")
+        print(
+            f"{changes or 'dp 2'} restart={restart}: worst relative gradient difference {worst:.2e}"
+        )
 
 
 @pytest.mark.slow
@@ -161,6 +200,8 @@ def test_packed_step_is_each_document_alone_averaged_by_tokens(tmp_path: Path) -
     want = total / count
     want.backward()
     assert got["losses"][0] == pytest.approx(want.item(), rel=1e-6)
-    oracle = {"losses": [want.item()],
-              "grads": {name: p.grad.numpy() for name, p in model.named_parameters()}}
+    oracle = {
+        "losses": [want.item()],
+        "grads": {name: p.grad.numpy() for name, p in model.named_parameters()},
+    }
     compare({"losses": got["losses"][:1], "grads": got["grads"]}, oracle, "each document alone")

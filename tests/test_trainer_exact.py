@@ -20,16 +20,23 @@ pytestmark = pytest.mark.slow
 BASE = {
     "name": "exact",
     "model": {"preset": "tiny", "dtype": "fp32"},
-    "training": {"seq_len": 256, "micro_batch": 1, "global_batch": 2, "steps": 3, "seed": 7,
-                 "optimizer": {"lr": 1e-3, "warmup_steps": 1}},
+    "training": {
+        "seq_len": 256,
+        "micro_batch": 1,
+        "global_batch": 2,
+        "steps": 3,
+        "seed": 7,
+        "optimizer": {"lr": 1e-3, "warmup_steps": 1},
+    },
     "parallel": {"cp": 1},
     "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1},
 }
 
 
 def spec_for(world: int, **changes):
-    data = apply_overrides(BASE, [f"cluster.gpus_per_node={world}"]
-                           + [f"{k}={v}" for k, v in changes.items()])
+    data = apply_overrides(
+        BASE, [f"cluster.gpus_per_node={world}"] + [f"{k}={v}" for k, v in changes.items()]
+    )
     return validate_spec(data).model_dump(mode="json")
 
 
@@ -40,23 +47,44 @@ def train(world: int, spec_data: dict, steps: int = 3) -> dict:
 @pytest.fixture(scope="module")
 def reference() -> dict:
     """One process, the whole sequence, ZeRO-0: the oracle."""
-    return {model: train(1, spec_for(1, **{"model.preset": model}))
-            for model in ("tiny", "tiny-mha")}
+    return {
+        model: train(1, spec_for(1, **{"model.preset": model})) for model in ("tiny", "tiny-mha")
+    }
 
 
 LAYOUTS = [
     # (model, world, changes)
     ("tiny", 2, {"parallel.cp": 2, "parallel.cp_algorithm": "ring"}),
     ("tiny", 4, {"parallel.cp": 4, "parallel.cp_algorithm": "ring"}),
-    ("tiny", 2, {"parallel.cp": 2, "parallel.cp_algorithm": "ring", "parallel.cp_sharding": "contiguous"}),
+    (
+        "tiny",
+        2,
+        {"parallel.cp": 2, "parallel.cp_algorithm": "ring", "parallel.cp_sharding": "contiguous"},
+    ),
     ("tiny", 2, {"parallel.cp": 2, "parallel.cp_algorithm": "ulysses"}),
     ("tiny-mha", 4, {"parallel.cp": 4, "parallel.cp_algorithm": "ulysses"}),
-    ("tiny", 4, {"parallel.cp": 4, "parallel.cp_algorithm": "hybrid", "parallel.ulysses_degree": 2}),
+    (
+        "tiny",
+        4,
+        {"parallel.cp": 4, "parallel.cp_algorithm": "hybrid", "parallel.ulysses_degree": 2},
+    ),
     ("tiny", 4, {"parallel.cp": 2, "parallel.cp_algorithm": "ring"}),  # DP 2 x CP 2
     ("tiny", 2, {"parallel.cp": 2, "parallel.cp_algorithm": "ring", "training.zero_stage": 2}),
-    ("tiny-mha", 2, {"parallel.cp": 2, "parallel.cp_algorithm": "ulysses", "training.zero_stage": 2}),
-    ("tiny", 4, {"parallel.cp": 4, "parallel.cp_algorithm": "hybrid", "parallel.ulysses_degree": 2,
-                 "training.zero_stage": 2}),
+    (
+        "tiny-mha",
+        2,
+        {"parallel.cp": 2, "parallel.cp_algorithm": "ulysses", "training.zero_stage": 2},
+    ),
+    (
+        "tiny",
+        4,
+        {
+            "parallel.cp": 4,
+            "parallel.cp_algorithm": "hybrid",
+            "parallel.ulysses_degree": 2,
+            "training.zero_stage": 2,
+        },
+    ),
 ]
 
 
@@ -71,13 +99,18 @@ def test_layout_matches_single_process(case, reference: dict) -> None:
     model, world, changes = case
     got = train(world, spec_for(world, **{"model.preset": model}, **changes))
     want = reference[model]
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=1e-6
+    )
     assert set(got["grads"]) == set(want["grads"])
     for name, grad in want["grads"].items():
-        torch.testing.assert_close(torch.from_numpy(got["grads"][name]), torch.from_numpy(grad),
-                                   rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, n=name: f"gradient of {n}: {m}")
+        torch.testing.assert_close(
+            torch.from_numpy(got["grads"][name]),
+            torch.from_numpy(grad),
+            rtol=1e-4,
+            atol=1e-6,
+            msg=lambda m, n=name: f"gradient of {n}: {m}",
+        )
 
 
 def _run_with_stop(rank: int, world: int, spec_data: dict, stop_after: int | None) -> dict:
@@ -87,8 +120,16 @@ def _run_with_stop(rank: int, world: int, spec_data: dict, stop_after: int | Non
 
     spec = validate_spec(spec_data)
     p = spec.parallel
-    ctx = build_context(rank=rank, world_size=world, dp=spec.dp, cp=p.cp,
-                        ulysses=spec.ulysses_degree, cp_sharding=p.cp_sharding, tp=p.tp, pp=p.pp)
+    ctx = build_context(
+        rank=rank,
+        world_size=world,
+        dp=spec.dp,
+        cp=p.cp,
+        ulysses=spec.ulysses_degree,
+        cp_sharding=p.cp_sharding,
+        tp=p.tp,
+        pp=p.pp,
+    )
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     losses: list[float] = []
 
@@ -104,10 +145,19 @@ def _run_with_stop(rank: int, world: int, spec_data: dict, stop_after: int | Non
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("zero", [0, 2])
 def test_resume_reproduces_the_uninterrupted_run_exactly(zero: int, tmp_path: Path) -> None:
-    common = {"parallel.cp": 2, "training.steps": 6, "training.zero_stage": zero,
-              "training.checkpoint.interval": 100}
-    straight = run_distributed(_run_with_stop, 2, spec_for(
-        2, **common, **{"training.checkpoint.dir": str(tmp_path / "a")}), None, timeout_s=240)[0]
+    common = {
+        "parallel.cp": 2,
+        "training.steps": 6,
+        "training.zero_stage": zero,
+        "training.checkpoint.interval": 100,
+    }
+    straight = run_distributed(
+        _run_with_stop,
+        2,
+        spec_for(2, **common, **{"training.checkpoint.dir": str(tmp_path / "a")}),
+        None,
+        timeout_s=240,
+    )[0]
     assert straight["code"] == 0 and len(straight["losses"]) == 6
 
     ckpt = str(tmp_path / "b")

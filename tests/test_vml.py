@@ -22,7 +22,8 @@ def test_every_named_op_is_a_torch_unary_op() -> None:
 
 
 def test_the_warm_up_calls_each_op_once_per_precision_on_the_calling_thread(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     calls: list[tuple[str, torch.dtype, int, int]] = []
     for name in vml.VML_OPS:
         original = getattr(torch, name)
@@ -34,14 +35,16 @@ def test_the_warm_up_calls_each_op_once_per_precision_on_the_calling_thread(
         monkeypatch.setattr(torch, name, record)
     vml.warm_up()
     assert sorted((n, str(d)) for n, d, _, _ in calls) == sorted(
-        (n, str(d)) for n in vml.VML_OPS for d in (torch.float32, torch.float64))
+        (n, str(d)) for n in vml.VML_OPS for d in (torch.float32, torch.float64)
+    )
     # One element: below ATen's intra-op grain, so no worker thread runs it.
     assert {numel for _, _, numel, _ in calls} == {1}
     assert {ident for _, _, _, ident in calls} == {threading.get_ident()}
 
 
 def test_a_rank_warms_vml_before_it_sets_threads_or_joins_the_group(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import torch.distributed as dist
 
     from ctxlaunch.contract.loader import load_spec
@@ -60,8 +63,14 @@ def test_a_rank_warms_vml_before_it_sets_threads_or_joins_the_group(
 
     monkeypatch.setattr(dist, "init_process_group", init)
     spec = load_spec(JOBS / "demo.yaml")
-    denv = DistEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1",
-                   master_port=29500, launcher="torchrun")
+    denv = DistEnv(
+        rank=0,
+        world_size=2,
+        local_rank=0,
+        master_addr="127.0.0.1",
+        master_port=29500,
+        launcher="torchrun",
+    )
     with pytest.raises(RuntimeError, match="stop here"):
         trainer_main.join_process_group(spec, denv)
     assert order == ["warm_up", "threads", "init_process_group"]

@@ -37,8 +37,9 @@ app = typer.Typer(
 
 
 @app.callback()
-def _main(version: Annotated[bool, typer.Option("--version", help="Print the version.")] = False
-          ) -> None:
+def _main(
+    version: Annotated[bool, typer.Option("--version", help="Print the version.")] = False,
+) -> None:
     """Options before any command."""
     if version:
         out.print(__version__)
@@ -47,12 +48,23 @@ def _main(version: Annotated[bool, typer.Option("--version", help="Print the ver
 
 # Registered in this order: `ctxlaunch --help` lists the commands so.
 COMMANDS: list[tuple[str | None, Callable[..., None]]] = [
-    (None, cmd_spec.validate), (None, cmd_plan.plan), (None, cmd_plan.advise),
-    (None, cmd_plan.calibrate), (None, cmd_jobs.render), (None, cmd_jobs.submit),
-    (None, cmd_jobs.status), (None, cmd_jobs.logs), (None, cmd_jobs.cancel),
-    (None, cmd_jobs.wait), ("list", cmd_jobs.list_jobs), (None, cmd_sweeps.sweep),
-    (None, cmd_sweeps.report), (None, cmd_train.train), ("eval", cmd_eval.evaluate),
-    (None, cmd_export.export), (None, cmd_spec.schema),
+    (None, cmd_spec.validate),
+    (None, cmd_plan.plan),
+    (None, cmd_plan.advise),
+    (None, cmd_plan.calibrate),
+    (None, cmd_jobs.render),
+    (None, cmd_jobs.submit),
+    (None, cmd_jobs.status),
+    (None, cmd_jobs.logs),
+    (None, cmd_jobs.cancel),
+    (None, cmd_jobs.wait),
+    ("list", cmd_jobs.list_jobs),
+    (None, cmd_sweeps.sweep),
+    (None, cmd_sweeps.report),
+    (None, cmd_train.train),
+    ("eval", cmd_eval.evaluate),
+    (None, cmd_export.export),
+    (None, cmd_spec.schema),
 ]
 """(name when it is not the function's, the command)."""
 for command_name, command in COMMANDS:
@@ -65,8 +77,14 @@ def main() -> None:
     """The console script `ctxlaunch`."""
     # `submit --dry-run=server` (kubectl's spelling): the option parser has no optional-value
     # flags, so that one spelling is read as the hidden --dry-run-server.
-    sys.argv = ["--dry-run-server" if arg == "--dry-run=server" else
-                "--dry-run" if arg == "--dry-run=client" else arg for arg in sys.argv]
+    sys.argv = [
+        "--dry-run-server"
+        if arg == "--dry-run=server"
+        else "--dry-run"
+        if arg == "--dry-run=client"
+        else arg
+        for arg in sys.argv
+    ]
     try:
         app()
     finally:

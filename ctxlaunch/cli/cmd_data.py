@@ -13,30 +13,58 @@ from ctxlaunch.cli.common import err, fail, out
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.loader import SpecError, load_spec
 
-data = typer.Typer(name="data", help="Training data: tokenize text for source: tokens.",
-                   no_args_is_help=True)
+data = typer.Typer(
+    name="data", help="Training data: tokenize text for source: tokens.", no_args_is_help=True
+)
+
 
 @data.command("prepare")
 def prepare_command(
-    inputs: Annotated[list[Path], typer.Argument(
-        help="Text files (.txt: one document per file) or JSON lines (.jsonl/.json: one "
-             "document per line, its text in --json-field).", show_default=False)],
-    tokenizer: Annotated[Path, typer.Option(
-        "--tokenizer", "-t", help="A Hugging Face tokenizer.json (or its directory), a "
-        "SentencePiece .model or a tiktoken BPE file.", show_default=False)],
-    output: Annotated[Path, typer.Option(
-        "--output", "-o", help="Output prefix: writes OUTPUT.bin and OUTPUT.idx.",
-        show_default=False)],
-    json_field: Annotated[str, typer.Option(help="The JSON lines field holding the text.")]
-    = "text",
+    inputs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Text files (.txt: one document per file) or JSON lines (.jsonl/.json: one "
+            "document per line, its text in --json-field).",
+            show_default=False,
+        ),
+    ],
+    tokenizer: Annotated[
+        Path,
+        typer.Option(
+            "--tokenizer",
+            "-t",
+            help="A Hugging Face tokenizer.json (or its directory), a "
+            "SentencePiece .model or a tiktoken BPE file.",
+            show_default=False,
+        ),
+    ],
+    output: Annotated[
+        Path,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Output prefix: writes OUTPUT.bin and OUTPUT.idx.",
+            show_default=False,
+        ),
+    ],
+    json_field: Annotated[
+        str, typer.Option(help="The JSON lines field holding the text.")
+    ] = "text",
     workers: Annotated[int, typer.Option(min=1, help="Tokenizing processes.")] = 1,
-    model_vocab: Annotated[int | None, typer.Option(
-        min=1, help="The model's vocabulary: a tokenizer with more ids is refused.")] = None,
-    spec: Annotated[Path | None, typer.Option(
-        help="A job spec whose model.vocab the tokenizer must fit (instead of --model-vocab).")]
-    = None,
-    eod_token: Annotated[str | None, typer.Option(
-        help="The end-of-document token, when not the tokenizer's own eos.")] = None,
+    model_vocab: Annotated[
+        int | None,
+        typer.Option(min=1, help="The model's vocabulary: a tokenizer with more ids is refused."),
+    ] = None,
+    spec: Annotated[
+        Path | None,
+        typer.Option(
+            help="A job spec whose model.vocab the tokenizer must fit (instead of --model-vocab)."
+        ),
+    ] = None,
+    eod_token: Annotated[
+        str | None,
+        typer.Option(help="The end-of-document token, when not the tokenizer's own eos."),
+    ] = None,
 ) -> None:
     """Tokenize INPUT files into OUTPUT.bin / OUTPUT.idx (Megatron's indexed dataset),
     appending the end-of-document token to each document. Bad input exits 2, writing nothing."""
@@ -54,23 +82,39 @@ def prepare_command(
             err.print(str(exc), markup=False)
             raise typer.Exit(exitcodes.BAD_INPUT) from None
         if model_vocab is not None and model_vocab != vocab_from_spec:
-            fail(f"--model-vocab {model_vocab} disagrees with {spec}'s model.vocab "
-                             f"= {vocab_from_spec}; give one of them")
+            fail(
+                f"--model-vocab {model_vocab} disagrees with {spec}'s model.vocab "
+                f"= {vocab_from_spec}; give one of them"
+            )
         model_vocab = vocab_from_spec
     total_bytes = sum(p.stat().st_size for p in inputs if p.is_file())
-    progress = Progress("[progress.description]{task.description}", BarColumn(),
-                        DownloadColumn(), TimeRemainingColumn(), console=err,
-                        transient=True)
+    progress = Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=True,
+    )
     try:
         with progress:
             task = progress.add_task("tokenizing", total=total_bytes)
-            result = prepare(inputs, tokenizer, output, json_field=json_field,
-                             workers=workers, model_vocab=model_vocab, eod_token=eod_token,
-                             on_progress=lambda done: progress.update(task, completed=done))
+            result = prepare(
+                inputs,
+                tokenizer,
+                output,
+                json_field=json_field,
+                workers=workers,
+                model_vocab=model_vocab,
+                eod_token=eod_token,
+                on_progress=lambda done: progress.update(task, completed=done),
+            )
     except (PrepareError, TokenizerError) as exc:
         fail(str(exc))
     skipped = f", {result.empty_skipped} empty skipped" if result.empty_skipped else ""
-    out.print(f"wrote {result.bin_path} and {result.idx_path}: {result.documents} documents"
-               f"{skipped}, {result.tokens} tokens (vocab {result.vocab_size}, end of document "
-               f"{result.eod_id}) in {result.seconds:.2f} s, "
-               f"{result.tokens_per_second:,.0f} tokens/s")
+    out.print(
+        f"wrote {result.bin_path} and {result.idx_path}: {result.documents} documents"
+        f"{skipped}, {result.tokens} tokens (vocab {result.vocab_size}, end of document "
+        f"{result.eod_id}) in {result.seconds:.2f} s, "
+        f"{result.tokens_per_second:,.0f} tokens/s"
+    )

@@ -23,9 +23,13 @@ EVAL_MODULE = "ctxlaunch.runtime.trainer.evaluate"
 def evaluate(
     spec: SpecArg,
     set_: SetOpt = None,
-    checkpoint: Annotated[str | None, typer.Option(
-        "--checkpoint", help="A checkpoint step directory; default: the newest in "
-        "training.checkpoint.dir.")] = None,
+    checkpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--checkpoint",
+            help="A checkpoint step directory; default: the newest in training.checkpoint.dir.",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Evaluate a checkpoint on held-out data: loss and perplexity per context-length bucket,
@@ -34,18 +38,34 @@ def evaluate(
     job's)."""
     job = load(spec, set_)
     if job.parallel.pp > 1:
-        fail(f"parallel.pp = {job.parallel.pp}: evaluation runs forward only without a pipeline "
-             "schedule; --set parallel.pp=1 (the checkpoint loads at any layout)")
+        fail(
+            f"parallel.pp = {job.parallel.pp}: evaluation runs forward only without a pipeline "
+            "schedule; --set parallel.pp=1 (the checkpoint loads at any layout)"
+        )
     if job.cluster.nodes != 1:
-        fail(f"cluster.nodes = {job.cluster.nodes}: `ctxlaunch eval` runs on this machine; "
-             "--set cluster.nodes=1 with the GPUs of one node")
+        fail(
+            f"cluster.nodes = {job.cluster.nodes}: `ctxlaunch eval` runs on this machine; "
+            "--set cluster.nodes=1 with the GPUs of one node"
+        )
     ranks = job.cluster.gpus_per_node
     with tempfile.TemporaryDirectory(prefix="ctxlaunch-eval-") as scratch:
         result_path = Path(scratch) / "result.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-                   f"--nproc-per-node={ranks}", "--role=rank", f"--log-dir={scratch}/logs",
-                   "--tee=3", "--local-ranks-filter=0", "-m", EVAL_MODULE,
-                   "--out", str(result_path)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nnodes=1",
+            f"--nproc-per-node={ranks}",
+            "--role=rank",
+            f"--log-dir={scratch}/logs",
+            "--tee=3",
+            "--local-ranks-filter=0",
+            "-m",
+            EVAL_MODULE,
+            "--out",
+            str(result_path),
+        ]
         if checkpoint:
             command += ["--checkpoint", checkpoint]
         env = {**os.environ, SPEC_ENV: spec_json(job)}
@@ -55,8 +75,11 @@ def evaluate(
         if process.returncode or not result_path.is_file():
             errors = _rank_errors(Path(scratch) / "logs") or process.stderr.strip().splitlines()
             detail = "\n".join(errors[-12:])
-            code = exitcodes.BAD_INPUT if "error:" in detail and "Traceback" not in detail \
+            code = (
+                exitcodes.BAD_INPUT
+                if "error:" in detail and "Traceback" not in detail
                 else exitcodes.FAILED
+            )
             fail(f"evaluation failed (exit {process.returncode}):\n{detail}", code)
         result = json.loads(result_path.read_text())
     if as_json:
@@ -74,6 +97,5 @@ def _rank_errors(logs: Path) -> list[str]:
     """The lines of every rank's stderr that say what went wrong."""
     lines: list[str] = []
     for path in sorted(logs.glob("*/attempt_*/*/stderr.log")):
-        lines += [line for line in path.read_text(errors="replace").splitlines()
-                  if line.strip()]
+        lines += [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
     return lines

@@ -13,24 +13,43 @@ from ctxlaunch.contract.loader import SpecError, load_spec
 
 
 def export(
-    checkpoint: Annotated[Path, typer.Argument(
-        help="A checkpoint step directory (step-NNNNNNNN), or training.checkpoint.dir for its "
-             "newest committed step.", show_default=False)],
-    hf: Annotated[Path, typer.Option(
-        "--hf", help="The Hugging Face directory to write (must not exist).",
-        show_default=False)],
-    spec: Annotated[Path | None, typer.Option(
-        help="The job spec the checkpoint was trained with (default: the model the trainer "
-             "stored with the checkpoint).")] = None,
-    dtype: Annotated[str, typer.Option(
-        help="auto (the init_from checkpoint's dtype, else fp32), fp32, bf16 or fp16.")]
-    = "auto",
-    shard_size_mib: Annotated[int, typer.Option(
-        min=1, help="Largest safetensors shard, MiB.")] = 5 * 1024,
-    tokenizer: Annotated[Path | None, typer.Option(
-        help="A tokenizer to ship with it (tokenizer.json, a SentencePiece model or a tiktoken "
-             "file: written as tokenizer.json or tokenizer.model), beside the init_from "
-             "checkpoint's own tokenizer files.")] = None,
+    checkpoint: Annotated[
+        Path,
+        typer.Argument(
+            help="A checkpoint step directory (step-NNNNNNNN), or training.checkpoint.dir for its "
+            "newest committed step.",
+            show_default=False,
+        ),
+    ],
+    hf: Annotated[
+        Path,
+        typer.Option(
+            "--hf", help="The Hugging Face directory to write (must not exist).", show_default=False
+        ),
+    ],
+    spec: Annotated[
+        Path | None,
+        typer.Option(
+            help="The job spec the checkpoint was trained with (default: the model the trainer "
+            "stored with the checkpoint)."
+        ),
+    ] = None,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="auto (the init_from checkpoint's dtype, else fp32), fp32, bf16 or fp16."
+        ),
+    ] = "auto",
+    shard_size_mib: Annotated[int, typer.Option(min=1, help="Largest safetensors shard, MiB.")] = 5
+    * 1024,
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(
+            help="A tokenizer to ship with it (tokenizer.json, a SentencePiece model or a tiktoken "
+            "file: written as tokenizer.json or tokenizer.model), beside the init_from "
+            "checkpoint's own tokenizer files."
+        ),
+    ] = None,
 ) -> None:
     """Write CHECKPOINT (any layout: torch.distributed.checkpoint or DeepSpeed) as a Hugging
     Face LlamaForCausalLM directory: config.json with the RoPE it was trained with, safetensors
@@ -53,11 +72,19 @@ def export(
     if not checkpoint.is_dir():
         fail(f"{checkpoint} is not a directory")
     try:
-        step, files = export_hf(checkpoint, hf, model=model, dtype=dtype,
-                                shard_bytes=shard_size_mib * 2**20, tokenizer=tokenizer)
+        step, files = export_hf(
+            checkpoint,
+            hf,
+            model=model,
+            dtype=dtype,
+            shard_bytes=shard_size_mib * 2**20,
+            tokenizer=tokenizer,
+        )
     except (HFCheckpointError, ValueError, OSError) as exc:
         fail(f"export of {checkpoint} failed: {exc}")
     except (Exception, CheckpointException) as exc:  # a damaged checkpoint: DCP's or DeepSpeed's
-        fail(f"export of {checkpoint} failed reading it: {type(exc).__name__}: {exc}",
-             exitcodes.FAILED)
+        fail(
+            f"export of {checkpoint} failed reading it: {type(exc).__name__}: {exc}",
+            exitcodes.FAILED,
+        )
     out.print(f"wrote {hf} from {step}: {', '.join(files)}")

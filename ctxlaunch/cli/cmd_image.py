@@ -16,10 +16,14 @@ image = typer.Typer(help="The container image jobs run in.", no_args_is_help=Tru
 def check(
     spec: SpecArg,
     set_: SetOpt = None,
-    via: Annotated[str, typer.Option(
-        help="auto: a local container runtime (docker, podman, nerdctl) when one answers, "
-             "else a one-off pod on the spec's cluster; runtime; pod; local: this Python "
-             "(no image).")] = "auto",
+    via: Annotated[
+        str,
+        typer.Option(
+            help="auto: a local container runtime (docker, podman, nerdctl) when one answers, "
+            "else a one-off pod on the spec's cluster; runtime; pod; local: this Python "
+            "(no image)."
+        ),
+    ] = "auto",
     timeout: Annotated[float, typer.Option(help="Seconds the probe may take.")] = 600,
     context: Annotated[str | None, typer.Option(help="kubeconfig context (pod).")] = None,
 ) -> None:
@@ -35,8 +39,10 @@ def check(
         fail("cluster.kubernetes.image is not set: name the image to check")
     runtime = images.local_runtime() if via in ("auto", "runtime") else None
     if via == "runtime" and runtime is None:
-        fail(f"no container runtime answers here (tried {', '.join(images.RUNTIMES)})",
-             code=exitcodes.FAILED)
+        fail(
+            f"no container runtime answers here (tried {', '.join(images.RUNTIMES)})",
+            code=exitcodes.FAILED,
+        )
     try:
         if via == "local":
             result = images.check_local(job)
@@ -48,6 +54,9 @@ def check(
         fail(f"the probe pod could not run: {exc}", code=exitcodes.FAILED)
     out.print(result.output.rstrip("\n"), markup=False)
     verdict = "can" if result.ok else "cannot"
-    err.print(f"{job.cluster.kubernetes.image or 'this environment'} {verdict} start the "
-              f"trainer (probe in {result.where}, exit {result.returncode})", markup=False)
+    err.print(
+        f"{job.cluster.kubernetes.image or 'this environment'} {verdict} start the "
+        f"trainer (probe in {result.where}, exit {result.returncode})",
+        markup=False,
+    )
     raise typer.Exit(exitcodes.OK if result.ok else exitcodes.FAILED)

@@ -27,9 +27,15 @@ from ctxlaunch.contract import exitcodes
 def render(
     spec: SpecArg,
     target: Annotated[str, typer.Option("--target", "-t", help="slurm or kubernetes.")],
-    output: Annotated[Path | None, typer.Option(
-        "--output", "-o", help="Directory to write <name>.sbatch / <name>.yaml into "
-        "(atomically); default: print to stdout.")] = None,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Directory to write <name>.sbatch / <name>.yaml into "
+            "(atomically); default: print to stdout.",
+        ),
+    ] = None,
     set_: SetOpt = None,
 ) -> None:
     """Render a Slurm batch script or a Kubeflow PyTorchJob manifest.
@@ -55,23 +61,32 @@ def render(
     if output.exists() and not output.is_dir():
         fail(f"--output: {output} exists and is not a directory")
     for name, text in files.items():
-        path = atomic_write_text(output / name, text,
-                                 mode=0o755 if target == "slurm" else 0o644)
+        path = atomic_write_text(output / name, text, mode=0o755 if target == "slurm" else 0o644)
         err.print(f"wrote {path}")
 
 
 def submit(
     spec: SpecArg,
     set_: SetOpt = None,
-    dry_run: Annotated[bool, typer.Option(
-        "--dry-run", help="Print the exact command and bytes that would be submitted "
-        "(Kubernetes: --dry-run=server has the API server validate the objects and store "
-        "nothing).")] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Print the exact command and bytes that would be submitted "
+            "(Kubernetes: --dry-run=server has the API server validate the objects and store "
+            "nothing).",
+        ),
+    ] = False,
     server_dry_run: Annotated[bool, typer.Option("--dry-run-server", hidden=True)] = False,
-    force: Annotated[bool, typer.Option(
-        "--force", help="Submit even if the planner predicts the job will not fit.")] = False,
-    context: Annotated[str | None, typer.Option(
-        "--context", help="Kubernetes: the kubeconfig context (default: the current one).")
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Submit even if the planner predicts the job will not fit."),
+    ] = False,
+    context: Annotated[
+        str | None,
+        typer.Option(
+            "--context", help="Kubernetes: the kubeconfig context (default: the current one)."
+        ),
     ] = None,
 ) -> None:
     """Run or submit the job on its cluster.target (local by default, Slurm or Kubernetes).
@@ -86,10 +101,15 @@ def submit(
     print_warnings(job)
     report = plan_job(job, machine_for(job))
     if not report.fits and not force:
-        fail(f"{job.name} is predicted not to fit: {report.verdict()}. Change the spec (see "
-             f"`ctxlaunch plan {spec}`), or pass --force to submit anyway.")
-    options = (KubernetesOptions(context=context, server_dry_run=server_dry_run)
-               if context or server_dry_run else None)
+        fail(
+            f"{job.name} is predicted not to fit: {report.verdict()}. Change the spec (see "
+            f"`ctxlaunch plan {spec}`), or pass --force to submit anyway."
+        )
+    options = (
+        KubernetesOptions(context=context, server_dry_run=server_dry_run)
+        if context or server_dry_run
+        else None
+    )
     try:
         backend = get_backend(job.cluster.target, options)
     except (NotImplementedError, OptionsError) as exc:
@@ -124,9 +144,18 @@ def status(
     except RuntimeError as exc:  # the scheduler cannot be asked
         fail(str(exc), code=exitcodes.FAILED)
     if as_json:
-        out.print_json(json.dumps({"id": record.id, "backend_id": record.backend_id,
-                                   "name": record.name, "target": record.target,
-                                   **dataclasses.asdict(state), "detail": detail}))
+        out.print_json(
+            json.dumps(
+                {
+                    "id": record.id,
+                    "backend_id": record.backend_id,
+                    "name": record.name,
+                    "target": record.target,
+                    **dataclasses.asdict(state),
+                    "detail": detail,
+                }
+            )
+        )
         return
     out.print(status_line(record, state), markup=False)
     for line in detail:
@@ -135,8 +164,9 @@ def status(
 
 def logs(
     job: JobArg,
-    follow_: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job "
-                                          "ends.")] = False,
+    follow_: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")
+    ] = False,
     rank: Annotated[int | None, typer.Option("--rank", help="Only this rank's lines.")] = None,
 ) -> None:
     """Print a job's log (every rank's lines, labelled), or one rank's."""
@@ -162,8 +192,9 @@ def cancel(job: JobArg) -> None:
 
 def wait(
     job: JobArg,
-    timeout: Annotated[float | None, typer.Option(help="Give up after this many seconds "
-                                                  "(exit 1).")] = None,
+    timeout: Annotated[
+        float | None, typer.Option(help="Give up after this many seconds (exit 1).")
+    ] = None,
     poll: Annotated[float, typer.Option(help="Seconds between checks.")] = 2.0,
 ) -> None:
     """Wait until a job ends; exit 0 if it completed, 86 on an OOM, 1 otherwise."""

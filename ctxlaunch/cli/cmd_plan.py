@@ -20,10 +20,15 @@ if TYPE_CHECKING:
     from ctxlaunch.launch.jobstore import JobRecord
     from ctxlaunch.perf.machine import Machine
 
-FrameworkOpt = Annotated[str, typer.Option(
-    "--framework", help="Whose kernels and overlap to time: ctxlaunch (the bundled trainer, "
-    "the default) or megatron (Megatron-LM/NeMo: fused kernels, FP8 recipe, overlapped "
-    "gradient collectives); README, \"The step-time model's constants\".")]
+FrameworkOpt = Annotated[
+    str,
+    typer.Option(
+        "--framework",
+        help="Whose kernels and overlap to time: ctxlaunch (the bundled trainer, "
+        "the default) or megatron (Megatron-LM/NeMo: fused kernels, FP8 recipe, overlapped "
+        'gradient collectives); README, "The step-time model\'s constants".',
+    ),
+]
 
 
 def _machine(job: JobSpec, framework: str, **kwargs: Any) -> Machine:
@@ -32,8 +37,7 @@ def _machine(job: JobSpec, framework: str, **kwargs: Any) -> Machine:
     from ctxlaunch.perf.profiles import PROFILES
 
     if framework not in PROFILES:
-        fail(f"--framework {framework}: not a known profile (known: "
-             f"{', '.join(sorted(PROFILES))})")
+        fail(f"--framework {framework}: not a known profile (known: {', '.join(sorted(PROFILES))})")
     return machine_for(job, framework=framework, **kwargs)
 
 
@@ -63,16 +67,30 @@ def advise(
     set_: SetOpt = None,
     top: Annotated[int, typer.Option("--top", help="Show the N fastest layouts.", min=1)] = 10,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
-    gpus: Annotated[int | None, typer.Option(
-        "--gpus", help="Advise for this many GPUs instead of the spec's.", min=1)] = None,
-    nodes: Annotated[int | None, typer.Option(
-        "--nodes", help="Advise for this many nodes (of the spec's gpus_per_node).",
-        min=1)] = None,
-    fp8: Annotated[bool, typer.Option(
-        "--fp8", help="Time the weight matmuls in FP8 (Transformer Engine recipes; the "
-        "bundled trainer runs bf16/fp32).")] = False,
-    write: Annotated[Path | None, typer.Option(
-        "--write", help="Save the fastest layout as a spec to this file (atomically).")] = None,
+    gpus: Annotated[
+        int | None,
+        typer.Option("--gpus", help="Advise for this many GPUs instead of the spec's.", min=1),
+    ] = None,
+    nodes: Annotated[
+        int | None,
+        typer.Option(
+            "--nodes", help="Advise for this many nodes (of the spec's gpus_per_node).", min=1
+        ),
+    ] = None,
+    fp8: Annotated[
+        bool,
+        typer.Option(
+            "--fp8",
+            help="Time the weight matmuls in FP8 (Transformer Engine recipes; the "
+            "bundled trainer runs bf16/fp32).",
+        ),
+    ] = False,
+    write: Annotated[
+        Path | None,
+        typer.Option(
+            "--write", help="Save the fastest layout as a spec to this file (atomically)."
+        ),
+    ] = None,
     framework: FrameworkOpt = "ctxlaunch",
 ) -> None:
     """Rank every legal layout that fits by predicted step time.
@@ -96,16 +114,24 @@ def advise(
         if gpus < per_node:
             n_nodes, per_node = 1, gpus
         elif gpus % per_node:
-            fail(f"--gpus {gpus}: not a whole number of nodes of {per_node} GPUs "
-                 "(cluster.gpus_per_node)")
+            fail(
+                f"--gpus {gpus}: not a whole number of nodes of {per_node} GPUs "
+                "(cluster.gpus_per_node)"
+            )
         else:
             n_nodes = gpus // per_node
     if n_nodes is not None and n_nodes > 1 and job.cluster.target == "local":
-        fail(f"--nodes/--gpus: {n_nodes} nodes, but target local runs on one node; set "
-             "cluster.target (e.g. --set cluster.target=slurm)")
-    advice = run_advice(job, nodes=n_nodes, gpus_per_node=per_node,
-                        machine=_machine(job, framework, gpus_per_node=per_node),
-                        matmul_precision="fp8" if fp8 else None)
+        fail(
+            f"--nodes/--gpus: {n_nodes} nodes, but target local runs on one node; set "
+            "cluster.target (e.g. --set cluster.target=slurm)"
+        )
+    advice = run_advice(
+        job,
+        nodes=n_nodes,
+        gpus_per_node=per_node,
+        machine=_machine(job, framework, gpus_per_node=per_node),
+        matmul_precision="fp8" if fp8 else None,
+    )
     if note:
         advice.notes.insert(0, note)
     if write is not None:
@@ -123,21 +149,42 @@ def advise(
 
 
 def calibrate(
-    spec: Annotated[Path | None, typer.Argument(
-        help="Measure attention at this spec's model shape and dtype (default: the tiny "
-        "preset, fp32).", show_default=False)] = None,
+    spec: Annotated[
+        Path | None,
+        typer.Argument(
+            help="Measure attention at this spec's model shape and dtype (default: the tiny "
+            "preset, fp32).",
+            show_default=False,
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
-    submit: Annotated[bool, typer.Option(
-        "--submit", help="Run the calibration as a one-node job through the spec's own target "
-        "and save a machine profile (keyed by GPU type and fabric) that cluster.profile can "
-        "name.")] = False,
-    profile_out: Annotated[Path | None, typer.Option(
-        "--profile-out", help="Where --submit saves the profile (default: "
-        "profiles/<gpu>-<fabric>.json beside the spec).", show_default=False)] = None,
-    wait_: Annotated[float | None, typer.Option(
-        "--wait", help="With --submit on Kubernetes: wait up to this many seconds for the "
-        "calibration job to end, then save the profile its pod printed to its log.",
-        show_default=False)] = None,
+    submit: Annotated[
+        bool,
+        typer.Option(
+            "--submit",
+            help="Run the calibration as a one-node job through the spec's own target "
+            "and save a machine profile (keyed by GPU type and fabric) that cluster.profile can "
+            "name.",
+        ),
+    ] = False,
+    profile_out: Annotated[
+        Path | None,
+        typer.Option(
+            "--profile-out",
+            help="Where --submit saves the profile (default: "
+            "profiles/<gpu>-<fabric>.json beside the spec).",
+            show_default=False,
+        ),
+    ] = None,
+    wait_: Annotated[
+        float | None,
+        typer.Option(
+            "--wait",
+            help="With --submit on Kubernetes: wait up to this many seconds for the "
+            "calibration job to end, then save the profile its pod printed to its log.",
+            show_default=False,
+        ),
+    ] = None,
     set_: SetOpt = None,
 ) -> None:
     """Measure this CPU for the step-time model: matmul (at the model's shapes) and attention
@@ -154,10 +201,13 @@ def calibrate(
     if spec is not None:
         model = load(spec, set_).model
     try:
-        calibration = measure(heads=model.heads if model else 4,
-                              head_dim=model.head_dim if model else 32,
-                              dtype=model.dtype if model else "fp32", model=model,
-                              attention_seq=ATTENTION_SEQ)
+        calibration = measure(
+            heads=model.heads if model else 4,
+            head_dim=model.head_dim if model else 32,
+            dtype=model.dtype if model else "fp32",
+            model=model,
+            attention_seq=ATTENTION_SEQ,
+        )
     except RuntimeError as exc:
         fail(str(exc), code=exitcodes.FAILED)
     path = save_calibration(calibration)
@@ -165,23 +215,31 @@ def calibrate(
         out.print_json(json.dumps(dataclasses.asdict(calibration)))
     else:
         c = calibration
-        out.print(f"matmul {c.matmul_flops_per_second / 1e9:.1f} GFLOP/s, attention "
-                  f"{c.attention_flops_per_second / 1e9:.1f} GFLOP/s, memory "
-                  f"{c.memory_bytes_per_second / 1e9:.1f} GB/s, elementwise "
-                  f"{c.elementwise_bytes_per_second / 1e9:.2f} GB/s, gloo loopback "
-                  f"{c.link_bytes_per_second / 1e9:.2f} GB/s + {c.link_latency_seconds * 1e6:.0f}"
-                  f" us, {c.microbatch_overhead_seconds * 1e3:.1f} ms fixed per micro-batch "
-                  f"({c.cores} cores)")
+        out.print(
+            f"matmul {c.matmul_flops_per_second / 1e9:.1f} GFLOP/s, attention "
+            f"{c.attention_flops_per_second / 1e9:.1f} GFLOP/s, memory "
+            f"{c.memory_bytes_per_second / 1e9:.1f} GB/s, elementwise "
+            f"{c.elementwise_bytes_per_second / 1e9:.2f} GB/s, gloo loopback "
+            f"{c.link_bytes_per_second / 1e9:.2f} GB/s + {c.link_latency_seconds * 1e6:.0f}"
+            f" us, {c.microbatch_overhead_seconds * 1e3:.1f} ms fixed per micro-batch "
+            f"({c.cores} cores)"
+        )
         if c.one_thread:
             one = c.one_thread
-            out.print(f"one thread: matmul {one['matmul'] / 1e9:.1f} GFLOP/s, attention "
-                      f"{one['attention'] / 1e9:.1f} GFLOP/s, elementwise "
-                      f"{one['elementwise'] / 1e9:.2f} GB/s")
+            out.print(
+                f"one thread: matmul {one['matmul'] / 1e9:.1f} GFLOP/s, attention "
+                f"{one['attention'] / 1e9:.1f} GFLOP/s, elementwise "
+                f"{one['elementwise'] / 1e9:.2f} GB/s"
+            )
     err.print(f"wrote {path}")
 
 
-def _submit_calibration(spec: Path | None, profile_out: Path | None,
-                        overrides: list[str] | None, wait: float | None = None) -> None:
+def _submit_calibration(
+    spec: Path | None,
+    profile_out: Path | None,
+    overrides: list[str] | None,
+    wait: float | None = None,
+) -> None:
     """`calibrate SPEC --submit`: the calibration job on one node of the spec's target (the
     bundled calibration, ctxlaunch.runtime.calibrate, run where the trainer would be), then the
     profile it wrote."""
@@ -196,8 +254,10 @@ def _submit_calibration(spec: Path | None, profile_out: Path | None,
         fail(f"--wait {wait:g}: give a positive number of seconds")
     job = load(spec, overrides, **{"cluster.nodes": 1, "cluster.profile": None})
     if wait is not None and job.cluster.target != "kubernetes":
-        fail(f"--wait: for cluster.target kubernetes (the {job.cluster.target} job writes its "
-             "profile itself)")
+        fail(
+            f"--wait: for cluster.target kubernetes (the {job.cluster.target} job writes its "
+            "profile itself)"
+        )
     path = (profile_out or profile_path_for(job, spec)).expanduser().resolve()
     if path.exists() and path.is_dir():
         fail(f"--profile-out {path}: is a directory; give a file path")
@@ -213,12 +273,15 @@ def _submit_calibration(spec: Path | None, profile_out: Path | None,
     # The job's body: the calibration in place of the trainer, one process (it starts the
     # ranks it measures itself).
     command[at:] = [CALIBRATE_MODULE, command[at + 1], "--out", str(path)]
-    command = [("--nproc-per-node=1" if part.startswith("--nproc-per-node=") else part)
-               for part in command]
+    command = [
+        ("--nproc-per-node=1" if part.startswith("--nproc-per-node=") else part) for part in command
+    ]
     status = get_backend("local").schedule(dataclasses.replace(dryrun, command=command))
     if status != exitcodes.OK:
-        fail(f"calibration job {dryrun.job_id} failed (exit {status}); no profile written",
-             code=status)
+        fail(
+            f"calibration job {dryrun.job_id} failed (exit {status}); no profile written",
+            code=status,
+        )
     try:
         load_profile(path)
     except ValueError as exc:
@@ -244,16 +307,19 @@ def _submit_slurm_calibration(job: JobSpec, path: Path) -> None:
     if f"-m {TRAINER_MODULE} " not in script:
         fail("--submit: the Slurm script has no trainer line to replace", code=exitcodes.FAILED)
     script = script.replace(f"-m {TRAINER_MODULE} ", f"{body} ", 1)
-    script = script.replace(f"'--ntasks-per-node={job.cluster.gpus_per_node}'",
-                            "'--ntasks-per-node=1'", 1)
+    script = script.replace(
+        f"'--ntasks-per-node={job.cluster.gpus_per_node}'", "'--ntasks-per-node=1'", 1
+    )
     try:
         status = backend.schedule(dataclasses.replace(dryrun, artifact=script))
     except SlurmError as exc:
         fail(f"--submit: {exc}", code=exitcodes.FAILED)
     if status != exitcodes.OK:
         fail(f"calibration job {dryrun.job_id} was not submitted (exit {status})", code=status)
-    err.print(f"calibration job {dryrun.job_id} submitted; it writes {path} when it ends "
-              f"(ctxlaunch status {dryrun.job_id})")
+    err.print(
+        f"calibration job {dryrun.job_id} submitted; it writes {path} when it ends "
+        f"(ctxlaunch status {dryrun.job_id})"
+    )
 
 
 POD_PROFILE = "/tmp/ctxlaunch-run/profile.json"
@@ -273,23 +339,25 @@ def _submit_kubernetes_calibration(job: JobSpec, path: Path, wait: float | None)
     manifest = dryrun.artifact or ""
     if entry not in manifest:
         fail("--submit: the PyTorchJob has no pod entry point to replace", code=exitcodes.FAILED)
-    manifest = manifest.replace(entry, f'"-m", "{CALIBRATE_MODULE}", "/etc/ctxlaunch/spec.json",'
-                                f' "--out", "{POD_PROFILE}"]')
+    manifest = manifest.replace(
+        entry, f'"-m", "{CALIBRATE_MODULE}", "/etc/ctxlaunch/spec.json", "--out", "{POD_PROFILE}"]'
+    )
     try:
         record = backend.submit(dataclasses.replace(dryrun, artifact=manifest))
     except RuntimeError as exc:  # the backend's connection and admission errors (KubeError)
         fail(f"--submit: {exc}", code=exitcodes.FAILED)
     print(record.backend_id, flush=True)
     if wait is None:
-        err.print(f"calibration job {record.backend_id} created; its pod writes {POD_PROFILE} "
-                  "and prints the profile to its log (`ctxlaunch logs`); with --wait SECONDS "
-                  "this command saves it here")
+        err.print(
+            f"calibration job {record.backend_id} created; its pod writes {POD_PROFILE} "
+            "and prints the profile to its log (`ctxlaunch logs`); with --wait SECONDS "
+            "this command saves it here"
+        )
         return
     _save_profile_from_log(backend, record, path, wait)
 
 
-def _save_profile_from_log(backend: Backend, record: JobRecord, path: Path,
-                           wait: float) -> None:
+def _save_profile_from_log(backend: Backend, record: JobRecord, path: Path, wait: float) -> None:
     """Wait for the calibration job `record` to end, then write the profile its pod printed
     (the last `PROFILE_LINE` of its log) to `path`, checked before it is written."""
     from ctxlaunch.contract.fsutil import atomic_write_text
@@ -303,21 +371,31 @@ def _save_profile_from_log(backend: Backend, record: JobRecord, path: Path,
     except (KeyError, RuntimeError) as exc:
         fail(f"calibration job {job}: {exc}", code=exitcodes.FAILED)
     if not state.terminal:
-        fail(f"calibration job {job} still {state.state} after {wait:g} s; no profile written "
-             f"(`ctxlaunch status {job}`)", code=exitcodes.FAILED)
+        fail(
+            f"calibration job {job} still {state.state} after {wait:g} s; no profile written "
+            f"(`ctxlaunch status {job}`)",
+            code=exitcodes.FAILED,
+        )
     if state.state != "COMPLETED":
         why = "; ".join(backend.explain(record, state))
-        fail(f"calibration job {job} ended {state.state}{': ' + why if why else ''}; no "
-             "profile written", code=exitcodes.FAILED)
+        fail(
+            f"calibration job {job} ended {state.state}{': ' + why if why else ''}; no "
+            "profile written",
+            code=exitcodes.FAILED,
+        )
     printed = [line.split(PROFILE_LINE, 1)[1] for line in lines if PROFILE_LINE in line]
     if not printed:
-        fail(f"calibration job {job} completed but its log has no profile line; no profile "
-             "written", code=exitcodes.FAILED)
+        fail(
+            f"calibration job {job} completed but its log has no profile line; no profile written",
+            code=exitcodes.FAILED,
+        )
     try:
         text = json.dumps(json.loads(printed[-1]), indent=2) + "\n"
     except ValueError as exc:
-        fail(f"calibration job {job}: its profile line is not JSON ({exc}); no profile written",
-             code=exitcodes.FAILED)
+        fail(
+            f"calibration job {job}: its profile line is not JSON ({exc}); no profile written",
+            code=exitcodes.FAILED,
+        )
     staged = path.with_name(f".{path.name}.from-log")
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(staged, text)

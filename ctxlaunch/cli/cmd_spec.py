@@ -13,9 +13,11 @@ def validate(spec: SpecArg, set_: SetOpt = None) -> None:
     job = load(spec, set_)
     print_warnings(job)
     c, p = job.cluster, job.parallel
-    out.print(f"ok: {job.name}: {c.nodes} x {c.gpus_per_node} {c.gpu} "
-              f"(tp {p.tp}, pp {p.pp}, cp {p.cp} {p.cp_algorithm}, ep {p.ep}, dp {job.dp}), "
-              f"target {c.target}")
+    out.print(
+        f"ok: {job.name}: {c.nodes} x {c.gpus_per_node} {c.gpu} "
+        f"(tp {p.tp}, pp {p.pp}, cp {p.cp} {p.cp_algorithm}, ep {p.ep}, dp {job.dp}), "
+        f"target {c.target}"
+    )
 
 
 def schema() -> None:

@@ -16,13 +16,16 @@ from ctxlaunch.contract.loader import SpecError
 
 
 def sweep(
-    definition: Annotated[Path, typer.Argument(help="Sweep file (YAML, top-level `sweep:`).",
-                                               show_default=False)],
+    definition: Annotated[
+        Path, typer.Argument(help="Sweep file (YAML, top-level `sweep:`).", show_default=False)
+    ],
     set_: SetOpt = None,
-    dry_run: Annotated[bool, typer.Option(
-        "--dry-run", help="Show the points and what would be submitted.")] = False,
-    force: Annotated[bool, typer.Option(
-        "--force", help="Also submit points the planner predicts will not fit.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Show the points and what would be submitted.")
+    ] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Also submit points the planner predicts will not fit.")
+    ] = False,
 ) -> None:
     """Expand a sweep into jobs and submit them.
 
@@ -45,8 +48,9 @@ def sweep(
             sys.stdout.write(dryrun.describe())
         return
     try:
-        sweep_id = sweeps.submit(spec_def.name, spec_def.axes, points, reasons, submission,
-                                 log=err.print)
+        sweep_id = sweeps.submit(
+            spec_def.name, spec_def.axes, points, reasons, submission, log=err.print
+        )
     except RuntimeError as exc:  # the scheduler refused a group: nothing of it was submitted
         fail(str(exc))
     err.print(f"sweep {sweep_id}: `ctxlaunch report {sweep_id}` for the results")
@@ -54,16 +58,25 @@ def sweep(
 
 
 def report(
-    sweep_id: Annotated[str, typer.Argument(help="The id `ctxlaunch sweep` printed.",
-                                            show_default=False)],
-    csv_path: Annotated[Path | None, typer.Option("--csv", help="Also write the table as "
-                                                   "CSV.")] = None,
+    sweep_id: Annotated[
+        str, typer.Argument(help="The id `ctxlaunch sweep` printed.", show_default=False)
+    ],
+    csv_path: Annotated[
+        Path | None, typer.Option("--csv", help="Also write the table as CSV.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
-    plots: Annotated[Path | None, typer.Option(
-        "--plots", help="Write PNG plots (tokens/s/GPU, MFU, peak memory against sequence "
-        "length) into this directory.")] = None,
-    html_path: Annotated[Path | None, typer.Option(
-        "--html", help="Write one self-contained HTML page (plots and table).")] = None,
+    plots: Annotated[
+        Path | None,
+        typer.Option(
+            "--plots",
+            help="Write PNG plots (tokens/s/GPU, MFU, peak memory against sequence "
+            "length) into this directory.",
+        ),
+    ] = None,
+    html_path: Annotated[
+        Path | None,
+        typer.Option("--html", help="Write one self-contained HTML page (plots and table)."),
+    ] = None,
 ) -> None:
     """A sweep's results against the models' predictions, one row per point.
 

@@ -11,11 +11,14 @@ from ctxlaunch.cli.common import SetOpt
 
 
 def train(
-    spec: Annotated[Path | None, typer.Argument(
-        help="Job spec; default: $CTXLAUNCH_SPEC_JSON.", show_default=False)] = None,
+    spec: Annotated[
+        Path | None,
+        typer.Argument(help="Job spec; default: $CTXLAUNCH_SPEC_JSON.", show_default=False),
+    ] = None,
     set_: SetOpt = None,
-    run_dir: Annotated[str | None, typer.Option(
-        "--run-dir", help="Where metrics.jsonl and summary.json go.")] = None,
+    run_dir: Annotated[
+        str | None, typer.Option("--run-dir", help="Where metrics.jsonl and summary.json go.")
+    ] = None,
 ) -> None:
     """Run one rank of the bundled trainer (what torchrun, srun or a PyTorchJob pod starts)."""
     from ctxlaunch.runtime.trainer.main import main as trainer_main

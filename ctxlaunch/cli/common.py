@@ -26,8 +26,9 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 SpecArg = Annotated[Path, typer.Argument(help="Job spec (YAML).", show_default=False)]
 SetOpt = Annotated[
     list[str] | None,
-    typer.Option("--set", "-s", help="Override a field: path.to.field=value (YAML value). "
-                 "Repeatable."),
+    typer.Option(
+        "--set", "-s", help="Override a field: path.to.field=value (YAML value). Repeatable."
+    ),
 ]
 
 
@@ -56,8 +57,9 @@ def print_warnings(spec: JobSpec) -> None:
         err.print(f"[yellow]warning:[/] {warning}", markup=True)
 
 
-JobArg = Annotated[str, typer.Argument(help="ctxlaunch job id or the scheduler's job id.",
-                                       show_default=False)]
+JobArg = Annotated[
+    str, typer.Argument(help="ctxlaunch job id or the scheduler's job id.", show_default=False)
+]
 
 
 def find_job(reference: str) -> tuple[JobRecord, Backend]:
@@ -69,6 +71,8 @@ def find_job(reference: str) -> tuple[JobRecord, Backend]:
         record = jobstore.find(reference)
     except KeyError:
         known = ", ".join(r.backend_id or r.id for r in jobstore.all_records()[-5:])
-        fail(f"no job {reference!r} in {jobstore.jobs_root()}"
-             + (f" (recent: {known})" if known else ""))
+        fail(
+            f"no job {reference!r} in {jobstore.jobs_root()}"
+            + (f" (recent: {known})" if known else "")
+        )
     return record, get_backend(record.target)

@@ -26,11 +26,13 @@ def print_plan(report: PlanReport) -> None:
     """`plan`'s tables: memory, other CP degrees, FLOPs, and the predicted step."""
     job, e = report.spec, report.estimate
     p, t = job.parallel, job.training
-    out.print(f"[bold]{job.name}[/]: {job.model.preset or 'custom'} model, "
-              f"seq_len {t.seq_len:,} x micro_batch {t.micro_batch}, {job.cluster.nodes} x "
-              f"{job.cluster.gpus_per_node} {job.cluster.gpu}, tp {p.tp} pp {p.pp} cp {p.cp} "
-              f"({p.cp_algorithm}, {p.cp_sharding}) dp {job.dp}, ZeRO-{t.zero_stage}, "
-              f"checkpointing {t.activation_checkpointing}, {job.model.dtype}")
+    out.print(
+        f"[bold]{job.name}[/]: {job.model.preset or 'custom'} model, "
+        f"seq_len {t.seq_len:,} x micro_batch {t.micro_batch}, {job.cluster.nodes} x "
+        f"{job.cluster.gpus_per_node} {job.cluster.gpu}, tp {p.tp} pp {p.pp} cp {p.cp} "
+        f"({p.cp_algorithm}, {p.cp_sharding}) dp {job.dp}, ZeRO-{t.zero_stage}, "
+        f"checkpointing {t.activation_checkpointing}, {job.model.dtype}"
+    )
     table = Table(title="Per-GPU memory (busiest rank)", title_justify="left")
     table.add_column("part")
     table.add_column("GiB", justify="right")
@@ -49,9 +51,15 @@ def print_plan(report: PlanReport) -> None:
         cps.add_column(column, justify="left" if column == "note" else "right")
     for o in report.cp_options:
         note = "" if o.legal else (o.reason or "")
-        cps.add_row(str(o.cp), str(o.gpus), str(o.nodes), gib(o.estimate.total),
-                    "yes" if o.fits else "no", f"{o.longest_seq_len:,}",
-                    note[:90] + ("..." if len(note) > 90 else ""))
+        cps.add_row(
+            str(o.cp),
+            str(o.gpus),
+            str(o.nodes),
+            gib(o.estimate.total),
+            "yes" if o.fits else "no",
+            f"{o.longest_seq_len:,}",
+            note[:90] + ("..." if len(note) > 90 else ""),
+        )
     out.print(cps)
 
     f = report.flops
@@ -61,22 +69,33 @@ def print_plan(report: PlanReport) -> None:
     flops.add_column("per step", justify="right")
     flops.add_column("per GPU per step", justify="right")
     for conv in ("full", "causal"):
-        flops.add_row(f"{conv}: {f['conventions'][conv]}", f"{f['per_token'][conv]:.4g}",
-                      f"{f['per_step'][conv]:.4g}", f"{f['per_gpu_per_step'][conv]:.4g}")
+        flops.add_row(
+            f"{conv}: {f['conventions'][conv]}",
+            f"{f['per_token'][conv]:.4g}",
+            f"{f['per_step'][conv]:.4g}",
+            f"{f['per_gpu_per_step'][conv]:.4g}",
+        )
     out.print(flops)
-    out.print(f"parameters: {f['params_total']:,} ({f['params_matmul']:,} in matmuls); "
-              f"tokens per step: {f['tokens_per_step']:,}")
+    out.print(
+        f"parameters: {f['params_total']:,} ({f['params_matmul']:,} in matmuls); "
+        f"tokens per step: {f['tokens_per_step']:,}"
+    )
     st = report.step_time
     if st is not None:
-        out.print(f"predicted step: {st['step_seconds']:.4g} s, "
-                  f"{st['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, MFU "
-                  f"{st['mfu']['full']:.1%} (full) / {st['mfu']['causal']:.1%} (causal); "
-                  f"`ctxlaunch advise` ranks the other layouts")
+        out.print(
+            f"predicted step: {st['step_seconds']:.4g} s, "
+            f"{st['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, MFU "
+            f"{st['mfu']['full']:.1%} (full) / {st['mfu']['causal']:.1%} (causal); "
+            f"`ctxlaunch advise` ranks the other layouts"
+        )
         error = st.get("expected_error") or 0.0
         framework = st.get("framework", "ctxlaunch")
-        text = (f"expected error: +/-{error:.0%} ({framework} profile; README, \"The step-time "
-                "model's constants\")" if error
-                else f"expected error: not measured ({framework} profile)")
+        text = (
+            f'expected error: +/-{error:.0%} ({framework} profile; README, "The step-time '
+            "model's constants\")"
+            if error
+            else f"expected error: not measured ({framework} profile)"
+        )
         out.print(text, markup=False)
 
 
@@ -86,8 +105,10 @@ def print_phases(report: PlanReport) -> None:
     top = report.peak_phase
     if top is None:
         return
-    table = Table(title="The step, phase by phase (busiest rank, GiB, before the allowance)",
-                  title_justify="left")
+    table = Table(
+        title="The step, phase by phase (busiest rank, GiB, before the allowance)",
+        title_justify="left",
+    )
     table.add_column("phase")
     for name, _ in top.parts():
         table.add_column(name.replace("_", " "), justify="right")
@@ -105,10 +126,12 @@ def status_line(record: JobRecord, status: Status) -> str:
     """One line for a job's state (and its story below it, when it has one)."""
     parts = [f"{record.backend_id or record.id}: {status.state}"]
     if status.scheduler_state and status.scheduler_state != status.state:
-        scheduler = "TrainJob" if record.extra.get("api") == "trainjob" else \
-            _SCHEDULERS.get(record.target, record.target)
-        parts.append(f"({scheduler}: "
-                     f"{status.scheduler_state})")
+        scheduler = (
+            "TrainJob"
+            if record.extra.get("api") == "trainjob"
+            else _SCHEDULERS.get(record.target, record.target)
+        )
+        parts.append(f"({scheduler}: {status.scheduler_state})")
     if status.reason:
         parts.append(f"reason {status.reason}")
     if status.nodes:
@@ -128,28 +151,49 @@ def jobs_table(rows: list[tuple[JobRecord, str]]) -> Table:
     for column in ("job", "name", "target", "scheduler id", "state", "submitted"):
         table.add_column(column)
     for record, state in rows:
-        table.add_row(record.id, record.name, record.target, record.backend_id, state,
-                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created)))
+        table.add_row(
+            record.id,
+            record.name,
+            record.target,
+            record.backend_id,
+            state,
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created)),
+        )
     return table
 
 
-def sweep_points_table(definition: SweepDefinition, points: list[Point], runnable: int,
-                       reasons: dict[int, str]) -> Table:
+def sweep_points_table(
+    definition: SweepDefinition, points: list[Point], runnable: int, reasons: dict[int, str]
+) -> Table:
     """`sweep`: every point with its axis values and whether it runs (why not)."""
-    table = Table(title=f"sweep {definition.name}: {len(points)} points, {runnable} to run",
-                  title_justify="left")
+    table = Table(
+        title=f"sweep {definition.name}: {len(points)} points, {runnable} to run",
+        title_justify="left",
+    )
     for column in ("name", *definition.axes, "runs"):
         table.add_column(column)
     for point in points:
-        table.add_row(point.name, *(str(v) for v in point.values.values()),
-                      "yes" if point.index not in reasons else "no: " + reasons[point.index])
+        table.add_row(
+            point.name,
+            *(str(v) for v in point.values.values()),
+            "yes" if point.index not in reasons else "no: " + reasons[point.index],
+        )
     return table
 
 
-REPORT_COLUMNS = ("state", "step_seconds", "predicted_step_seconds", "step_error",
-                  "tokens_per_second_per_gpu", "predicted_tokens_per_second_per_gpu",
-                  "mfu_causal", "predicted_mfu_causal", "peak_memory_gib",
-                  "predicted_peak_memory_gib", "final_loss")
+REPORT_COLUMNS = (
+    "state",
+    "step_seconds",
+    "predicted_step_seconds",
+    "step_error",
+    "tokens_per_second_per_gpu",
+    "predicted_tokens_per_second_per_gpu",
+    "mfu_causal",
+    "predicted_mfu_causal",
+    "peak_memory_gib",
+    "predicted_peak_memory_gib",
+    "final_loss",
+)
 """`report`'s columns after the point's name and axis values."""
 
 
@@ -158,14 +202,27 @@ def report_table(data: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
     table = Table(title=f"sweep {data['name']} ({data['id']})", title_justify="left")
     shown = ["name", *data["axes"], *REPORT_COLUMNS]
     # The evaluation's columns where some point evaluated (training.eval.interval).
-    shown += [c for c in ("eval_loss", "eval_loss_longest", "passkey_retrieved")
-              if any(row.get(c) is not None for row in rows)]
+    shown += [
+        c
+        for c in ("eval_loss", "eval_loss_longest", "passkey_retrieved")
+        if any(row.get(c) is not None for row in rows)
+    ]
     for column in shown:
-        table.add_column(column.replace("predicted_", "pred. ").replace("_", " "),
-                         justify="left" if column in ("name", "state") else "right")
+        table.add_column(
+            column.replace("predicted_", "pred. ").replace("_", " "),
+            justify="left" if column in ("name", "state") else "right",
+        )
     for row in rows:
-        table.add_row(*("" if row.get(c) is None else
-                        f"{row[c]:+.1%}" if c == "step_error" else
-                        f"{row[c]:,.4g}" if isinstance(row.get(c), float) else str(row[c])
-                        for c in shown))
+        table.add_row(
+            *(
+                ""
+                if row.get(c) is None
+                else f"{row[c]:+.1%}"
+                if c == "step_error"
+                else f"{row[c]:,.4g}"
+                if isinstance(row.get(c), float)
+                else str(row[c])
+                for c in shown
+            )
+        )
     return table

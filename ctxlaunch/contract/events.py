@@ -118,8 +118,9 @@ def parse_events(lines: list[str]) -> list[Event]:
             continue
         kind = record.pop("event")
         moment = record.pop("time", 0.0)
-        events.append(Event(kind, float(moment) if isinstance(moment, (int, float)) else 0.0,
-                            record))
+        events.append(
+            Event(kind, float(moment) if isinstance(moment, (int, float)) else 0.0, record)
+        )
     return events
 
 
@@ -141,8 +142,10 @@ def requeue_printf(events_file: str, restart_var: str, cause_var: str, exit_var:
     variables = {"restart": restart_var, "cause": cause_var, "exit": exit_var}
     quoted = {"cause"}  # the JSON strings; the others are numbers
     names = EVENT_FIELDS[REQUEUE]
-    body = ",".join([f'"event":"{REQUEUE}"', '"time":%s']
-                    + [f'"{name}":' + ('"%s"' if name in quoted else "%s") for name in names])
+    body = ",".join(
+        [f'"event":"{REQUEUE}"', '"time":%s']
+        + [f'"{name}":' + ('"%s"' if name in quoted else "%s") for name in names]
+    )
     arguments = " ".join(['"$(date +%s)"'] + [f'"${{{variables[name]}}}"' for name in names])
     # Single quotes: the format is literal to the shell; printf fills in the %s.
     return f"printf '{{{body}}}\\n' {arguments} 2>/dev/null >> {events_file} || true"

@@ -26,8 +26,18 @@ SHAPE_KEYS: dict[str, str] = {
 """ModelSpec field -> config.json key (kv_heads, tie_embeddings and norm_eps have defaults in
 transformers and are read apart)."""
 
-ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
-             "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
+ROPE_KEYS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "attention_factor",
+    "mscale",
+    "mscale_all_dim",
+    "truncate",
+)
 """The RoPE-scaling parameters ctxlaunch reproduces (see `RopeScaling` in spec.py)."""
 
 
@@ -41,9 +51,10 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise HFConfigError(f"model.init_from: no {CONFIG_FILE} in {directory} (a Hugging Face "
-                            "checkpoint directory holds config.json and model.safetensors)"
-                            ) from None
+        raise HFConfigError(
+            f"model.init_from: no {CONFIG_FILE} in {directory} (a Hugging Face "
+            "checkpoint directory holds config.json and model.safetensors)"
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise HFConfigError(f"model.init_from: cannot read {path}: {exc}") from None
     if not isinstance(data, dict):
@@ -61,14 +72,19 @@ def rope_from_config(config: dict[str, Any], where: str) -> tuple[float, dict[st
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ("default", "linear", "llama3", "yarn"):
-        raise HFConfigError(f"{where}: RoPE type {kind!r} is not supported (ctxlaunch has "
-                            "default, linear, llama3 and yarn)")
+        raise HFConfigError(
+            f"{where}: RoPE type {kind!r} is not supported (ctxlaunch has "
+            "default, linear, llama3 and yarn)"
+        )
     scaling: dict[str, Any] = {"type": kind}
     for key in ROPE_KEYS:
         if params.get(key) is not None:
             scaling[key] = params[key]
-    if kind in ("llama3", "yarn") and "original_max_position_embeddings" not in scaling \
-            and "max_position_embeddings" in config:
+    if (
+        kind in ("llama3", "yarn")
+        and "original_max_position_embeddings" not in scaling
+        and "max_position_embeddings" in config
+    ):
         # transformers' default: the pretraining length is the config's maximum.
         scaling["original_max_position_embeddings"] = config["max_position_embeddings"]
     if kind == "yarn" and "factor" not in scaling:
@@ -89,39 +105,46 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
     architectures = config.get("architectures") or []
     model_type = config.get("model_type")
     if architectures and architectures != [LLAMA_ARCHITECTURE]:
-        raise HFConfigError(f"{where}: architecture {', '.join(map(str, architectures))} is not "
-                            f"supported; model.init_from takes {LLAMA_ARCHITECTURE} checkpoints "
-                            "(Llama 2, 3, 3.1, 3.2)")
+        raise HFConfigError(
+            f"{where}: architecture {', '.join(map(str, architectures))} is not "
+            f"supported; model.init_from takes {LLAMA_ARCHITECTURE} checkpoints "
+            "(Llama 2, 3, 3.1, 3.2)"
+        )
     if model_type != "llama":
-        raise HFConfigError(f"{where}: model_type {model_type!r} is not supported; model.init_from "
-                            "takes Llama checkpoints (model_type llama)")
+        raise HFConfigError(
+            f"{where}: model_type {model_type!r} is not supported; model.init_from "
+            "takes Llama checkpoints (model_type llama)"
+        )
     missing = [key for key in SHAPE_KEYS.values() if not isinstance(config.get(key), int)]
     if missing:
         raise HFConfigError(f"{where}: missing or non-integer {', '.join(missing)}")
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag):
-            raise HFConfigError(f"{where}: {flag} is true; ctxlaunch's projections have no "
-                                "biases")
+            raise HFConfigError(f"{where}: {flag} is true; ctxlaunch's projections have no biases")
     act = config.get("hidden_act", "silu")
     if act != "silu":
-        raise HFConfigError(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu "
-                            "only)")
+        raise HFConfigError(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim")
     if head_dim is not None and head_dim * heads != hidden:
-        raise HFConfigError(f"{where}: head_dim = {head_dim} differs from hidden_size / "
-                            f"num_attention_heads = {hidden} / {heads}; ctxlaunch's heads are "
-                            "hidden / heads wide")
+        raise HFConfigError(
+            f"{where}: head_dim = {head_dim} differs from hidden_size / "
+            f"num_attention_heads = {hidden} / {heads}; ctxlaunch's heads are "
+            "hidden / heads wide"
+        )
     if config.get("pretraining_tp", 1) not in (1, None):
-        raise HFConfigError(f"{where}: pretraining_tp = {config['pretraining_tp']} is not "
-                            "supported (1 only)")
+        raise HFConfigError(
+            f"{where}: pretraining_tp = {config['pretraining_tp']} is not supported (1 only)"
+        )
     theta, scaling = rope_from_config(config, where)
     fields: dict[str, Any] = {name: config[key] for name, key in SHAPE_KEYS.items()}
     fields.update(
         kv_heads=config.get("num_key_value_heads") or heads,
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        rope_theta=theta, rope_scaling=scaling)
+        rope_theta=theta,
+        rope_scaling=scaling,
+    )
     return fields
 
 

@@ -33,8 +33,9 @@ class Problem:
     has_value: bool = False
 
     def __str__(self) -> str:
-        shown = f" (value: {_short(self.value)})" if self.has_value and self.value is not None \
-            else ""
+        shown = (
+            f" (value: {_short(self.value)})" if self.has_value and self.value is not None else ""
+        )
         return f"{self.path or '<spec>'}{shown}: {self.message}"
 
 
@@ -68,19 +69,26 @@ class _SpecLoader(yaml.SafeLoader):
 
 
 _SpecLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers
-            if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    first: [
+        (tag, regexp)
+        for tag, regexp in resolvers
+        if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+    ]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _SpecLoader.add_implicit_resolver(
     "tag:yaml.org,2002:int",
     re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
-    list("-+0123456789"))
+    list("-+0123456789"),
+)
 _SpecLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
-               r"|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."))
+    re.compile(
+        r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
 
 
 def load_yaml(text: str) -> Any:
@@ -99,13 +107,20 @@ def parse_yaml(text: str, source: str) -> dict[str, Any]:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise SpecError(source, [Problem(
-            "", f"the spec must be a YAML mapping of fields, not a {type(data).__name__}")])
+        raise SpecError(
+            source,
+            [
+                Problem(
+                    "", f"the spec must be a YAML mapping of fields, not a {type(data).__name__}"
+                )
+            ],
+        )
     return data
 
 
-def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str],
-                    source: str = "--set") -> dict[str, Any]:
+def apply_overrides(
+    data: Mapping[str, Any], overrides: Iterable[str], source: str = "--set"
+) -> dict[str, Any]:
     """Apply `path.to.field=value` overrides; the value is parsed as YAML (so 4 is an int,
     true a bool, [a, b] a list). Returns a new mapping; the input is not modified."""
     result = json.loads(json.dumps(data, default=str)) if data else {}
@@ -130,8 +145,12 @@ def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str],
                 if isinstance(child, str) and i == 0 and part == "model":
                     child = node[part] = {"preset": child}  # `model: llama3-8b` shorthand
                 else:
-                    problems.append(Problem(".".join(parts[: i + 1]),
-                        f"--set {key}: {'.'.join(parts[: i + 1])} is not a mapping"))
+                    problems.append(
+                        Problem(
+                            ".".join(parts[: i + 1]),
+                            f"--set {key}: {'.'.join(parts[: i + 1])} is not a mapping",
+                        )
+                    )
                     break
             node = child
         else:
@@ -173,13 +192,16 @@ def _to_problem(err: Mapping[str, Any], data: Mapping[str, Any]) -> Problem:
     kind = err["type"]
     message = str(err["msg"])
     if message.startswith("Value error, "):
-        message = message[len("Value error, "):]
+        message = message[len("Value error, ") :]
     if kind == "extra_forbidden":
         known = _known_fields(loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        message = (f"unknown field{hint}. Fields allowed here: {', '.join(known)}"
-                   if known else "unknown field")
+        message = (
+            f"unknown field{hint}. Fields allowed here: {', '.join(known)}"
+            if known
+            else "unknown field"
+        )
         return Problem(path, message)
     if kind == "missing":
         return Problem(path, "required field is missing")
@@ -189,9 +211,19 @@ def _to_problem(err: Mapping[str, Any], data: Mapping[str, Any]) -> Problem:
 
 def _is_internal(part: Any) -> bool:
     # pydantic adds validator names such as "function-after[...]" to some locations.
-    return isinstance(part, str) and ("[" in part and "]" in part and "(" not in part) \
-        and part.split("[", 1)[0] in {"function-after", "function-before", "function-wrap",
-                                       "function-plain", "tagged-union", "union"}
+    return (
+        isinstance(part, str)
+        and ("[" in part and "]" in part and "(" not in part)
+        and part.split("[", 1)[0]
+        in {
+            "function-after",
+            "function-before",
+            "function-wrap",
+            "function-plain",
+            "tagged-union",
+            "union",
+        }
+    )
 
 
 def _format_path(loc: Sequence[Any]) -> str:

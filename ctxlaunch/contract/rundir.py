@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,55 @@ start)."""
 POD_MODULE = "ctxlaunch.runtime.podentry"
 """A PyTorchJob pod's command: torchrun on the trainer, exiting with a status the training
 operator's ExitCode restart policy reads right (see ctxlaunch.runtime.podentry)."""
+
+CALIBRATE_MODULE = "ctxlaunch.runtime.calibration.job"
+"""`python -m ctxlaunch.runtime.calibration.job SPEC [--out PROFILE]`: the calibration job,
+one process per node, that measures the node and prints (and writes) its machine profile."""
+CALIBRATE_FUNCTION = "calibrate_node"
+"""The function of CALIBRATE_MODULE a function job (submitit) calls: `calibrate_node(spec_json,
+out)` returns the profile as JSON-able data."""
+RESULT_LINE = "ctxlaunch result: "
+"""How the log line that carries a job's result (JSON) begins: a job whose filesystem is not the
+submitter's (a pod) hands its result back through its log."""
+
+
+@dataclass(frozen=True)
+class JobEntry:
+    """What a job runs on each node. The launch request turns it into the command line of the
+    batch script, the pod or the local launcher; a function job (`function` set) goes to Slurm
+    through submitit, which calls `module.function(spec_json, *args)` and returns its result."""
+
+    name: str
+    """What the job is, in words ("training", "calibration")."""
+    module: str
+    """The module `python -m` starts; it takes the spec file and `--run-dir DIR` first."""
+    args: tuple[str, ...] = ()
+    """Further arguments after the spec and the run directory."""
+    ranks_per_node: int | None = None
+    """Processes per node; None: one per GPU (cluster.gpus_per_node)."""
+    function: str | None = None
+    """For a job whose result comes back: the function of `module` that returns it."""
+    result_file: str | None = None
+    """Where the job writes its result besides printing it (a path on a shared filesystem)."""
+
+
+TRAINING = JobEntry(name="training", module=TRAINER_MODULE)
+"""The trainer, one rank per GPU."""
+
+
+def calibration_entry(out: str | None) -> JobEntry:
+    """The calibration job: one process per node; it writes its profile to `out` when the
+    submitter shares the job's filesystem (None: the result comes back through the log or the
+    function's return value only)."""
+    return JobEntry(
+        name="calibration",
+        module=CALIBRATE_MODULE,
+        args=("--out", out) if out else (),
+        ranks_per_node=1,
+        function=CALIBRATE_FUNCTION,
+        result_file=out,
+    )
+
 
 SPEC_ENV = "CTXLAUNCH_SPEC_JSON"
 """The resolved spec travels to every rank in this variable (Slurm) or as a mounted file."""
@@ -106,8 +156,10 @@ def combine_exit_codes(codes: Iterable[int | None]) -> int:
     codes = list(codes)
     if any(c == exitcodes.OOM for c in codes):
         return exitcodes.OOM
-    if any(c is None or c not in (exitcodes.OK, exitcodes.PREEMPTED, exitcodes.BAD_INPUT)
-           for c in codes):
+    if any(
+        c is None or c not in (exitcodes.OK, exitcodes.PREEMPTED, exitcodes.BAD_INPUT)
+        for c in codes
+    ):
         return exitcodes.FAILED
     if any(c == exitcodes.BAD_INPUT for c in codes):
         return exitcodes.BAD_INPUT

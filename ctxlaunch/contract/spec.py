@@ -40,7 +40,9 @@ SLURM_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 SLURM_TIME = re.compile(r"^(\d+-\d{1,2}(:\d{2}){0,2}|\d+(:\d{2}){0,2})$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 K8S_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
-LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+LABEL_KEY = re.compile(
+    r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
 LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 IMAGE_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:@]*$")
 
@@ -109,8 +111,10 @@ class Llama3Rope(_Strict):
     @model_validator(mode="after")
     def _band(self) -> Llama3Rope:
         if self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(f"high_freq_factor = {self.high_freq_factor} must exceed "
-                             f"low_freq_factor = {self.low_freq_factor}")
+            raise ValueError(
+                f"high_freq_factor = {self.high_freq_factor} must exceed "
+                f"low_freq_factor = {self.low_freq_factor}"
+            )
         return self
 
 
@@ -139,12 +143,21 @@ class YarnRope(_Strict):
     """Round the ramp's ends to whole dimensions (transformers' default)."""
 
 
-RopeScaling = Annotated[DefaultRope | LinearRope | Llama3Rope | YarnRope,
-                        Field(discriminator="type")]
+RopeScaling = Annotated[
+    DefaultRope | LinearRope | Llama3Rope | YarnRope, Field(discriminator="type")
+]
 """RoPE frequency scaling, as transformers computes it, chosen by `type`."""
 
-SHAPE_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "norm_eps",
-                "tie_embeddings")
+SHAPE_FIELDS = (
+    "layers",
+    "hidden",
+    "heads",
+    "kv_heads",
+    "ffn_hidden",
+    "vocab",
+    "norm_eps",
+    "tie_embeddings",
+)
 """What `init_from`'s config.json fixes: a spec may repeat these, but must agree."""
 
 
@@ -193,9 +206,16 @@ class ModelSpec(_Strict):
         if isinstance(data, dict) and data.get("preset") is not None:
             name = data["preset"]
             if name not in MODEL_PRESETS:
-                raise PydanticCustomError("preset", "{message}", {"message": (
-                    f"unknown model preset {name!r}; known presets: "
-                    + ", ".join(sorted(MODEL_PRESETS)))})
+                raise PydanticCustomError(
+                    "preset",
+                    "{message}",
+                    {
+                        "message": (
+                            f"unknown model preset {name!r}; known presets: "
+                            + ", ".join(sorted(MODEL_PRESETS))
+                        )
+                    },
+                )
             data = {**MODEL_PRESETS[name], **data}
         return data
 
@@ -207,12 +227,20 @@ class ModelSpec(_Strict):
         directory = str(data["init_from"])
         where = str(Path(directory) / CONFIG_FILE)
         if data.get("preset") is not None:
-            raise PydanticCustomError("init_from", "{message}", {"message": (
-                f"give model.preset or model.init_from, not both (init_from {directory!r} "
-                "fixes the shape)")})
+            raise PydanticCustomError(
+                "init_from",
+                "{message}",
+                {
+                    "message": (
+                        f"give model.preset or model.init_from, not both (init_from {directory!r} "
+                        "fixes the shape)"
+                    )
+                },
+            )
         required = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
         if not (Path(directory) / CONFIG_FILE).exists() and all(
-                data.get(name) is not None for name in required):
+            data.get(name) is not None for name in required
+        ):
             # Not on this machine (a login node renders a job whose checkpoint lives on the
             # cluster): the spec's own shape stands here; validation warns, and the trainer,
             # where the directory is, validates again against its config.json.
@@ -224,9 +252,16 @@ class ModelSpec(_Strict):
         for name in SHAPE_FIELDS:
             given = data.get(name)
             if given is not None and given != fields[name]:
-                raise PydanticCustomError("init_from", "{message}", {"message": (
-                    f"model.{name} = {given!r} disagrees with {fields[name]!r} in {where} "
-                    f"(model.init_from); fix: remove model.{name} or make it agree")})
+                raise PydanticCustomError(
+                    "init_from",
+                    "{message}",
+                    {
+                        "message": (
+                            f"model.{name} = {given!r} disagrees with {fields[name]!r} in {where} "
+                            f"(model.init_from); fix: remove model.{name} or make it agree"
+                        )
+                    },
+                )
         # rope_theta and rope_scaling in the spec win: that is how a context is extended.
         return {**fields, **data}
 
@@ -234,18 +269,33 @@ class ModelSpec(_Strict):
     def _check_shape(self) -> ModelSpec:
         problems = []
         if self.hidden % self.heads:
-            problems.append(_problem(("hidden",), self.hidden,
-                f"hidden = {self.hidden} must be divisible by heads = {self.heads} "
-                "(head_dim = hidden / heads); fix: change hidden or heads"))
+            problems.append(
+                _problem(
+                    ("hidden",),
+                    self.hidden,
+                    f"hidden = {self.hidden} must be divisible by heads = {self.heads} "
+                    "(head_dim = hidden / heads); fix: change hidden or heads",
+                )
+            )
         if self.heads % self.kv_heads:
-            problems.append(_problem(("kv_heads",), self.kv_heads,
-                f"heads = {self.heads} must be divisible by kv_heads = {self.kv_heads} "
-                "(each K/V head serves a whole group of query heads); fix: pick kv_heads that "
-                "divides heads"))
+            problems.append(
+                _problem(
+                    ("kv_heads",),
+                    self.kv_heads,
+                    f"heads = {self.heads} must be divisible by kv_heads = {self.kv_heads} "
+                    "(each K/V head serves a whole group of query heads); fix: pick kv_heads that "
+                    "divides heads",
+                )
+            )
         elif self.hidden % self.heads == 0 and (self.hidden // self.heads) % 2:
-            problems.append(_problem(("hidden",), self.hidden,
-                f"head_dim = hidden / heads = {self.hidden // self.heads} must be even for "
-                "RoPE (it rotates pairs); fix: change hidden or heads"))
+            problems.append(
+                _problem(
+                    ("hidden",),
+                    self.hidden,
+                    f"head_dim = hidden / heads = {self.hidden // self.heads} must be even for "
+                    "RoPE (it rotates pairs); fix: change hidden or heads",
+                )
+            )
         if problems:
             raise ValidationError.from_exception_data(type(self).__name__, problems)
         return self
@@ -340,9 +390,16 @@ class DataSpec(_Strict):
     @model_validator(mode="after")
     def _path_for_text(self) -> DataSpec:
         if self.source == "text" and not self.path:
-            raise ValidationError.from_exception_data("DataSpec", [_problem(
-                ("path",), self.path,
-                "data.source = text needs data.path (the text file to read byte-level)")])
+            raise ValidationError.from_exception_data(
+                "DataSpec",
+                [
+                    _problem(
+                        ("path",),
+                        self.path,
+                        "data.source = text needs data.path (the text file to read byte-level)",
+                    )
+                ],
+            )
         return self
 
     @model_validator(mode="after")
@@ -351,25 +408,49 @@ class DataSpec(_Strict):
         if self.source != "tokens":
             for name in ("paths", "weights"):
                 if getattr(self, name) is not None:
-                    problems.append(_problem((name,), getattr(self, name),
-                                             f"data.{name} needs data.source = tokens"))
+                    problems.append(
+                        _problem(
+                            (name,), getattr(self, name), f"data.{name} needs data.source = tokens"
+                        )
+                    )
             if self.document_mask:
-                problems.append(_problem(("document_mask",), self.document_mask,
-                    f"data.document_mask needs data.source = tokens (documents packed into "
-                    f"sequences); source {self.source} has no documents"))
+                problems.append(
+                    _problem(
+                        ("document_mask",),
+                        self.document_mask,
+                        f"data.document_mask needs data.source = tokens (documents packed into "
+                        f"sequences); source {self.source} has no documents",
+                    )
+                )
         elif (self.path is None) == (self.paths is None):
-            problems.append(_problem(("path",), self.path,
-                "data.source = tokens needs exactly one of data.path (one indexed dataset) "
-                "and data.paths (several, with data.weights)"))
-        elif self.weights is not None and (self.paths is None
-                                            or len(self.weights) != len(self.paths)):
-            problems.append(_problem(("weights",), self.weights,
-                f"data.weights has {len(self.weights)} entries but data.paths has "
-                f"{len(self.paths or [])}: give one weight per path"))
+            problems.append(
+                _problem(
+                    ("path",),
+                    self.path,
+                    "data.source = tokens needs exactly one of data.path (one indexed dataset) "
+                    "and data.paths (several, with data.weights)",
+                )
+            )
+        elif self.weights is not None and (
+            self.paths is None or len(self.weights) != len(self.paths)
+        ):
+            problems.append(
+                _problem(
+                    ("weights",),
+                    self.weights,
+                    f"data.weights has {len(self.weights)} entries but data.paths has "
+                    f"{len(self.paths or [])}: give one weight per path",
+                )
+            )
         if self.mean_document_tokens is not None and not self.document_mask:
-            problems.append(_problem(("mean_document_tokens",), self.mean_document_tokens,
-                "data.mean_document_tokens costs a document mask: it needs "
-                "data.document_mask: true"))
+            problems.append(
+                _problem(
+                    ("mean_document_tokens",),
+                    self.mean_document_tokens,
+                    "data.mean_document_tokens costs a document mask: it needs "
+                    "data.document_mask: true",
+                )
+            )
         if problems:
             raise ValidationError.from_exception_data("DataSpec", problems)
         return self
@@ -382,13 +463,18 @@ class DataSpec(_Strict):
         if self.source == "text" and self.path is not None and not Path(self.path).is_file():
             out.append(f"training.data.path {self.path}: no such file")
         if self.source == "tokens":
-            entries = ([("path", str(self.path))] if self.paths is None
-                       else [(f"paths[{i}]", p) for i, p in enumerate(self.paths)])
+            entries = (
+                [("path", str(self.path))]
+                if self.paths is None
+                else [(f"paths[{i}]", p) for i, p in enumerate(self.paths)]
+            )
             for name, value in entries:
                 missing = [str(f) for f in indexed_files(value) if not f.is_file()]
                 if missing:
-                    out.append(f"training.data.{name} {value}: no such file: "
-                               f"{', '.join(missing)} (make it with `ctxlaunch data prepare`)")
+                    out.append(
+                        f"training.data.{name} {value}: no such file: "
+                        f"{', '.join(missing)} (make it with `ctxlaunch data prepare`)"
+                    )
         return out
 
 
@@ -525,12 +611,15 @@ class ParallelSpec(_Strict):
                     continue
                 value = data.pop(old)
                 if new in data and data[new] != value:
-                    raise ValueError(f"parallel.{old} (the old name of parallel.{new}) is "
-                                     f"{value!r} but parallel.{new} is {data[new]!r}; fix: "
-                                     f"give only parallel.{new}")
+                    raise ValueError(
+                        f"parallel.{old} (the old name of parallel.{new}) is "
+                        f"{value!r} but parallel.{new} is {data[new]!r}; fix: "
+                        f"give only parallel.{new}"
+                    )
                 data[new] = value
-                renamed.append(f"parallel.{old} is deprecated: write parallel.{new} (the "
-                               "same values)")
+                renamed.append(
+                    f"parallel.{old} is deprecated: write parallel.{new} (the same values)"
+                )
                 warnings.warn(renamed[-1], DeprecationWarning, stacklevel=2)
         spec = handler(data)
         spec._renamed = renamed
@@ -578,7 +667,8 @@ class SlurmSpec(_Strict):
     def _slurm_name(cls, value: str | None) -> str | None:
         if value is not None and not SLURM_NAME.match(value):
             raise ValueError(
-                f"{value!r} is not a Slurm name: use letters, digits, '_', '.', '-' only")
+                f"{value!r} is not a Slurm name: use letters, digits, '_', '.', '-' only"
+            )
         return value
 
     @field_validator("time_limit")
@@ -587,7 +677,8 @@ class SlurmSpec(_Strict):
         if not SLURM_TIME.match(value):
             raise ValueError(
                 f"{value!r} is not a Slurm time: use MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
-                "D-HH:MM:SS")
+                "D-HH:MM:SS"
+            )
         return value
 
     @field_validator("mem")
@@ -665,7 +756,8 @@ class KubernetesSpec(_Strict):
         if len(value) > 63 or not RFC1123_LABEL.match(value):
             raise ValueError(
                 f"{value!r} is not a valid namespace: an RFC 1123 label (lowercase letters, "
-                "digits and '-', starting and ending with a letter or digit, at most 63)")
+                "digits and '-', starting and ending with a letter or digit, at most 63)"
+            )
         return value
 
     @field_validator("queue", "scheduler_queue")
@@ -674,7 +766,8 @@ class KubernetesSpec(_Strict):
         if value is not None and (len(value) > 63 or not RFC1123_LABEL.match(value)):
             raise ValueError(
                 f"{value!r} is not a valid queue name: an RFC 1123 label (lowercase letters, "
-                "digits and '-', at most 63)")
+                "digits and '-', at most 63)"
+            )
         return value
 
     @model_validator(mode="after")
@@ -691,7 +784,8 @@ class KubernetesSpec(_Strict):
         if value is not None and (len(value) > 253 or not RFC1123_SUBDOMAIN.match(value)):
             raise ValueError(
                 f"{value!r} is not a valid name: an RFC 1123 subdomain (lowercase letters, "
-                "digits, '-' and '.')")
+                "digits, '-' and '.')"
+            )
         return value
 
     @field_validator("image_pull_secrets")
@@ -757,8 +851,10 @@ class ClusterSpec(_Strict):
             return None
         path = Path(value).expanduser().resolve()
         if not path.is_file():
-            raise ValueError(f"{value}: no such file (a machine profile written by "
-                             "`ctxlaunch calibrate SPEC --submit`)")
+            raise ValueError(
+                f"{value}: no such file (a machine profile written by "
+                "`ctxlaunch calibrate SPEC --submit`)"
+            )
         return str(path)
 
     @model_validator(mode="after")
@@ -770,20 +866,43 @@ class ClusterSpec(_Strict):
         try:
             data = json.loads(Path(self.profile).read_text())
         except (OSError, ValueError) as exc:
-            raise ValidationError.from_exception_data("ClusterSpec", [_problem(
-                ("profile",), self.profile, f"{self.profile}: not a readable JSON machine "
-                f"profile ({exc})")]) from None
+            raise ValidationError.from_exception_data(
+                "ClusterSpec",
+                [
+                    _problem(
+                        ("profile",),
+                        self.profile,
+                        f"{self.profile}: not a readable JSON machine profile ({exc})",
+                    )
+                ],
+            ) from None
         gpu = data.get("gpu") if isinstance(data, dict) else None
         if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
-            raise ValidationError.from_exception_data("ClusterSpec", [_problem(
-                ("profile",), self.profile, f"{self.profile}: not a machine profile (no "
-                f"format {PROFILE_FORMAT!r}); write one with `ctxlaunch calibrate SPEC "
-                "--submit`")])
+            raise ValidationError.from_exception_data(
+                "ClusterSpec",
+                [
+                    _problem(
+                        ("profile",),
+                        self.profile,
+                        f"{self.profile}: not a machine profile (no "
+                        f"format {PROFILE_FORMAT!r}); write one with `ctxlaunch calibrate SPEC "
+                        "--submit`",
+                    )
+                ],
+            )
         if gpu != self.gpu:
-            raise ValidationError.from_exception_data("ClusterSpec", [_problem(
-                ("profile",), self.profile, f"{self.profile} was measured on gpu {gpu!r}, but "
-                f"cluster.gpu is {self.gpu!r}; fix: calibrate this cluster or name its "
-                "profile")])
+            raise ValidationError.from_exception_data(
+                "ClusterSpec",
+                [
+                    _problem(
+                        ("profile",),
+                        self.profile,
+                        f"{self.profile} was measured on gpu {gpu!r}, but "
+                        f"cluster.gpu is {self.gpu!r}; fix: calibrate this cluster or name its "
+                        "profile",
+                    )
+                ],
+            )
         return self
 
     @property
@@ -840,8 +959,11 @@ class FabricSpec(_Strict):
     @field_validator("gdr_level")
     @classmethod
     def _gdr(cls, value: str | None) -> str | None:
-        if value is not None and value not in {"LOC", "PIX", "PXB", "PHB", "SYS"} \
-                and not value.isdigit():
+        if (
+            value is not None
+            and value not in {"LOC", "PIX", "PXB", "PHB", "SYS"}
+            and not value.isdigit()
+        ):
             raise ValueError(f"{value!r}: use LOC, PIX, PXB, PHB, SYS or a number")
         return value
 
@@ -874,17 +996,25 @@ class TelemetrySpec(_Strict):
     @field_validator("pushgateway_url")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(r"^https?://[A-Za-z0-9._\-\[\]:]+(/[\w./\-]*)?$",
-                                              value):
+        if value is not None and not re.match(
+            r"^https?://[A-Za-z0-9._\-\[\]:]+(/[\w./\-]*)?$", value
+        ):
             raise ValueError(f"{value!r} is not an http(s) URL")
         return value
 
     @model_validator(mode="after")
     def _push_needs_url(self) -> TelemetrySpec:
         if self.prometheus == "push" and not self.pushgateway_url:
-            raise ValidationError.from_exception_data("TelemetrySpec", [_problem(
-                ("pushgateway_url",), None,
-                "telemetry.prometheus = push needs telemetry.pushgateway_url")])
+            raise ValidationError.from_exception_data(
+                "TelemetrySpec",
+                [
+                    _problem(
+                        ("pushgateway_url",),
+                        None,
+                        "telemetry.prometheus = push needs telemetry.pushgateway_url",
+                    )
+                ],
+            )
         return self
 
 
@@ -911,7 +1041,8 @@ class JobSpec(_Strict):
             raise ValueError(
                 f"{value!r} is not a valid job name: lowercase letters, digits and '-', "
                 f"starting and ending with a letter or digit, at most {MAX_JOB_NAME} "
-                "characters (it names Slurm jobs and Kubernetes pods)")
+                "characters (it names Slurm jobs and Kubernetes pods)"
+            )
         return value
 
     @model_validator(mode="after")
@@ -919,10 +1050,15 @@ class JobSpec(_Strict):
         problems = layout_problems(self)
         fabric = self.cluster.profile_fabric
         if fabric is not None and fabric != self.fabric.network:
-            problems.append(_problem(("cluster", "profile"), self.cluster.profile,
-                f"{self.cluster.profile} was measured over fabric {fabric!r}, but "
-                f"fabric.network is {self.fabric.network!r}; fix: calibrate this cluster or "
-                "name its profile"))
+            problems.append(
+                _problem(
+                    ("cluster", "profile"),
+                    self.cluster.profile,
+                    f"{self.cluster.profile} was measured over fabric {fabric!r}, but "
+                    f"fabric.network is {self.fabric.network!r}; fix: calibrate this cluster or "
+                    "name its profile",
+                )
+            )
         if problems:
             raise ValidationError.from_exception_data("JobSpec", problems)
         return self
@@ -1017,9 +1153,13 @@ def _field_docstrings() -> dict[str, dict[str, str]]:
             continue
         docs = found.setdefault(node.name, {})
         for field, after in itertools.pairwise(node.body):
-            if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
-                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                    and isinstance(after.value.value, str)):
+            if (
+                isinstance(field, ast.AnnAssign)
+                and isinstance(field.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 docs[field.target.id] = inspect.cleandoc(after.value.value)
     return found
 
@@ -1029,13 +1169,17 @@ def _describe_fields() -> None:
     declares it), and rebuild the models, the nested ones first, so that
     model_json_schema says them."""
     docs = _field_docstrings()
-    models = [m for m in globals().values()
-              if isinstance(m, type) and issubclass(m, _Strict) and m.__module__ == __name__]
+    models = [
+        m
+        for m in globals().values()
+        if isinstance(m, type) and issubclass(m, _Strict) and m.__module__ == __name__
+    ]
     changed = False
     for model in models:
         for name, info in model.model_fields.items():
-            owner = next((k for k in model.__mro__
-                          if name in k.__dict__.get("__annotations__", {})), model)
+            owner = next(
+                (k for k in model.__mro__ if name in k.__dict__.get("__annotations__", {})), model
+            )
             doc = docs.get(owner.__name__, {}).get(name)
             if info.description is None and doc is not None:
                 info.description = doc
@@ -1055,12 +1199,12 @@ def json_schema() -> dict[str, Any]:
     shape = model.pop("required", [])
     presets = sorted(MODEL_PRESETS)
     model["properties"]["preset"] = {
-        "anyOf": [{"enum": presets}, {"type": "null"}], "default": None,
-        "description": model["properties"]["preset"].get("description", "")}
-    model["anyOf"] = [{"required": ["preset"]}, {"required": ["init_from"]},
-                      {"required": shape}]
-    schema["properties"]["model"] = {"anyOf": [{"enum": presets},
-                                               {"$ref": "#/$defs/ModelSpec"}]}
+        "anyOf": [{"enum": presets}, {"type": "null"}],
+        "default": None,
+        "description": model["properties"]["preset"].get("description", ""),
+    }
+    model["anyOf"] = [{"required": ["preset"]}, {"required": ["init_from"]}, {"required": shape}]
+    schema["properties"]["model"] = {"anyOf": [{"enum": presets}, {"$ref": "#/$defs/ModelSpec"}]}
     return schema
 
 
@@ -1075,37 +1219,72 @@ def layout_problems(spec: JobSpec) -> list[InitErrorDetails]:
     # Composition: TP x PP x CP x EP x DP = nodes x gpus_per_node.
     if p.dp is None:
         if world % non_dp:
-            out.append(_problem(("parallel",), {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep},
-                f"tp x pp x cp x ep = {non_dp} must divide the GPU count nodes x gpus_per_node "
-                f"= {c.nodes} x {c.gpus_per_node} = {world} (dp is derived as the quotient); "
-                "fix: change a degree or the node count"))
+            out.append(
+                _problem(
+                    ("parallel",),
+                    {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep},
+                    f"tp x pp x cp x ep = {non_dp} must divide the GPU count nodes x gpus_per_node "
+                    f"= {c.nodes} x {c.gpus_per_node} = {world} (dp is derived as the quotient); "
+                    "fix: change a degree or the node count",
+                )
+            )
     elif non_dp * p.dp != world:
-        out.append(_problem(("parallel", "dp"), p.dp,
-            f"tp x pp x cp x ep x dp = {p.tp} x {p.pp} x {p.cp} x {p.ep} x {p.dp} = "
-            f"{non_dp * p.dp}, but nodes x gpus_per_node = {world}; fix: make them equal, or "
-            "omit dp to derive it"))
+        out.append(
+            _problem(
+                ("parallel", "dp"),
+                p.dp,
+                f"tp x pp x cp x ep x dp = {p.tp} x {p.pp} x {p.cp} x {p.ep} x {p.dp} = "
+                f"{non_dp * p.dp}, but nodes x gpus_per_node = {world}; fix: make them equal, or "
+                "omit dp to derive it",
+            )
+        )
 
     if m.heads % p.tp:
-        out.append(_problem(("parallel", "tp"), p.tp,
-            f"model.heads = {m.heads} must be divisible by tp = {p.tp}"))
+        out.append(
+            _problem(
+                ("parallel", "tp"),
+                p.tp,
+                f"model.heads = {m.heads} must be divisible by tp = {p.tp}",
+            )
+        )
     if m.kv_heads % p.tp:
-        out.append(_problem(("parallel", "tp"), p.tp,
-            f"model.kv_heads = {m.kv_heads} must be divisible by tp = {p.tp} (each TP rank "
-            "needs whole K/V heads)"))
+        out.append(
+            _problem(
+                ("parallel", "tp"),
+                p.tp,
+                f"model.kv_heads = {m.kv_heads} must be divisible by tp = {p.tp} (each TP rank "
+                "needs whole K/V heads)",
+            )
+        )
     if t.engine == "deepspeed" and (p.tp > 1 or p.pp > 1):
-        out.append(_problem(("training", "engine"), t.engine,
-            f"engine deepspeed shards whole-model states and knows nothing of TP slices or "
-            f"pipeline stages, but tp = {p.tp}, pp = {p.pp}; fix: engine: fsdp2 (or auto), or "
-            "tp: 1 and pp: 1"))
+        out.append(
+            _problem(
+                ("training", "engine"),
+                t.engine,
+                f"engine deepspeed shards whole-model states and knows nothing of TP slices or "
+                f"pipeline stages, but tp = {p.tp}, pp = {p.pp}; fix: engine: fsdp2 (or auto), or "
+                "tp: 1 and pp: 1",
+            )
+        )
     if t.engine == "deepspeed" and t.zero_stage == 0:
-        out.append(_problem(("training", "engine"), t.engine,
-            "engine deepspeed needs zero_stage >= 1 (ZeRO-0 is plain torch); fix: "
-            "zero_stage: 1, 2 or 3, or engine: auto"))
+        out.append(
+            _problem(
+                ("training", "engine"),
+                t.engine,
+                "engine deepspeed needs zero_stage >= 1 (ZeRO-0 is plain torch); fix: "
+                "zero_stage: 1, 2 or 3, or engine: auto",
+            )
+        )
     out.extend(pipeline_problems(m, p, spec.grad_accum if composition_ok else None))
     out.extend(tensor_parallel_problems(m, p, t.seq_len))
     if p.ep > 1:
-        out.append(_problem(("parallel", "ep"), p.ep,
-            "ep > 1 needs a mixture-of-experts model; ctxlaunch models are dense; fix: ep: 1"))
+        out.append(
+            _problem(
+                ("parallel", "ep"),
+                p.ep,
+                "ep > 1 needs a mixture-of-experts model; ctxlaunch models are dense; fix: ep: 1",
+            )
+        )
 
     out.extend(cp_problems(m, p, t.seq_len))
 
@@ -1114,26 +1293,43 @@ def layout_problems(spec: JobSpec) -> list[InitErrorDetails]:
     if dp and t.global_batch is not None:
         per_step = t.micro_batch * dp
         if t.global_batch % per_step:
-            out.append(_problem(("training", "global_batch"), t.global_batch,
-                f"global_batch must be a multiple of micro_batch x dp = {t.micro_batch} x {dp} "
-                f"= {per_step}; fix: global_batch = {_round_up(t.global_batch, per_step)}"))
+            out.append(
+                _problem(
+                    ("training", "global_batch"),
+                    t.global_batch,
+                    f"global_batch must be a multiple of micro_batch x dp = {t.micro_batch} x {dp} "
+                    f"= {per_step}; fix: global_batch = {_round_up(t.global_batch, per_step)}",
+                )
+            )
         elif t.grad_accum is not None and t.grad_accum * per_step != t.global_batch:
-            out.append(_problem(("training", "grad_accum"), t.grad_accum,
-                f"grad_accum = {t.grad_accum} disagrees with global_batch / (micro_batch x dp) "
-                f"= {t.global_batch // per_step}; fix: give only one of them"))
+            out.append(
+                _problem(
+                    ("training", "grad_accum"),
+                    t.grad_accum,
+                    f"grad_accum = {t.grad_accum} disagrees with global_batch / (micro_batch x dp) "
+                    f"= {t.global_batch // per_step}; fix: give only one of them",
+                )
+            )
 
     if t.data.source == "text" and m.vocab < 256:
-        out.append(_problem(("model", "vocab"), m.vocab,
-            "byte-level text data needs vocab >= 256"))
+        out.append(_problem(("model", "vocab"), m.vocab, "byte-level text data needs vocab >= 256"))
     out.extend(eval_problems(t, p))
 
     # Targets.
     if c.target == "local" and c.nodes != 1:
-        out.append(_problem(("cluster", "nodes"), c.nodes,
-            "target local runs on this machine: nodes must be 1"))
+        out.append(
+            _problem(
+                ("cluster", "nodes"), c.nodes, "target local runs on this machine: nodes must be 1"
+            )
+        )
     if c.target == "kubernetes" and not c.kubernetes.image:
-        out.append(_problem(("cluster", "kubernetes", "image"), None,
-            "target kubernetes needs an image with ctxlaunch installed"))
+        out.append(
+            _problem(
+                ("cluster", "kubernetes", "image"),
+                None,
+                "target kubernetes needs an image with ctxlaunch installed",
+            )
+        )
     return out
 
 
@@ -1142,78 +1338,138 @@ def eval_problems(t: TrainingSpec, p: ParallelSpec) -> list[InitErrorDetails]:
     out: list[InitErrorDetails] = []
     e = t.eval
     if e.interval and p.pp > 1:
-        out.append(_problem(("training", "eval", "interval"), e.interval,
-            f"evaluation during training needs pp = 1 (it runs forward only, with no pipeline "
-            f"schedule), but pp = {p.pp}; fix: interval: 0, and run `ctxlaunch eval` on the "
-            "checkpoint with --set parallel.pp=1 (checkpoints load at any layout)"))
+        out.append(
+            _problem(
+                ("training", "eval", "interval"),
+                e.interval,
+                f"evaluation during training needs pp = 1 (it runs forward only, with no pipeline "
+                f"schedule), but pp = {p.pp}; fix: interval: 0, and run `ctxlaunch eval` on the "
+                "checkpoint with --set parallel.pp=1 (checkpoints load at any layout)",
+            )
+        )
     for i, length in enumerate(e.passkey.lengths or []):
         if length > t.seq_len:
-            out.append(_problem(("training", "eval", "passkey", "lengths", i), length,
-                f"a passkey prompt of {length} tokens does not fit in training.seq_len = "
-                f"{t.seq_len}; fix: at most {t.seq_len}"))
+            out.append(
+                _problem(
+                    ("training", "eval", "passkey", "lengths", i),
+                    length,
+                    f"a passkey prompt of {length} tokens does not fit in training.seq_len = "
+                    f"{t.seq_len}; fix: at most {t.seq_len}",
+                )
+            )
     return out
 
 
-def pipeline_problems(m: ModelSpec, p: ParallelSpec,
-                      grad_accum: int | None) -> list[InitErrorDetails]:
+def pipeline_problems(
+    m: ModelSpec, p: ParallelSpec, grad_accum: int | None
+) -> list[InitErrorDetails]:
     """Stages: at least one block each, an explicit split that adds up, and enough
     micro-batches to fill the schedule."""
     out: list[InitErrorDetails] = []
     stages = p.pp * p.virtual_stages
     if p.virtual_stages > 1 and p.pp == 1:
-        out.append(_problem(("parallel", "virtual_stages"), p.virtual_stages,
-            "virtual_stages > 1 interleaves pipeline stages and needs pp > 1; fix: "
-            "virtual_stages: 1"))
+        out.append(
+            _problem(
+                ("parallel", "virtual_stages"),
+                p.virtual_stages,
+                "virtual_stages > 1 interleaves pipeline stages and needs pp > 1; fix: "
+                "virtual_stages: 1",
+            )
+        )
     if p.stage_layers is not None:
         if len(p.stage_layers) != stages:
-            out.append(_problem(("parallel", "stage_layers"), p.stage_layers,
-                f"stage_layers has {len(p.stage_layers)} entries but there are pp x "
-                f"virtual_stages = {p.pp} x {p.virtual_stages} = {stages} stages; fix: one "
-                "entry per stage, or omit it for a balanced split"))
+            out.append(
+                _problem(
+                    ("parallel", "stage_layers"),
+                    p.stage_layers,
+                    f"stage_layers has {len(p.stage_layers)} entries but there are pp x "
+                    f"virtual_stages = {p.pp} x {p.virtual_stages} = {stages} stages; fix: one "
+                    "entry per stage, or omit it for a balanced split",
+                )
+            )
         elif sum(p.stage_layers) != m.layers:
-            out.append(_problem(("parallel", "stage_layers"), p.stage_layers,
-                f"stage_layers sum to {sum(p.stage_layers)} but model.layers = {m.layers}; "
-                "fix: make them add up, or omit stage_layers for a balanced split"))
+            out.append(
+                _problem(
+                    ("parallel", "stage_layers"),
+                    p.stage_layers,
+                    f"stage_layers sum to {sum(p.stage_layers)} but model.layers = {m.layers}; "
+                    "fix: make them add up, or omit stage_layers for a balanced split",
+                )
+            )
     elif m.layers < stages:
-        out.append(_problem(("parallel", "pp"), p.pp,
-            f"model.layers = {m.layers} cannot fill pp x virtual_stages = {stages} stages "
-            "with at least one block each; fix: fewer stages"))
+        out.append(
+            _problem(
+                ("parallel", "pp"),
+                p.pp,
+                f"model.layers = {m.layers} cannot fill pp x virtual_stages = {stages} stages "
+                "with at least one block each; fix: fewer stages",
+            )
+        )
     if p.pp > 1 and m.tie_embeddings:
-        out.append(_problem(("model", "tie_embeddings"), True,
-            "tied embeddings put one weight on the first and the last pipeline stage; the "
-            "trainer does not synchronise it across stages; fix: tie_embeddings: false or pp: 1"))
+        out.append(
+            _problem(
+                ("model", "tie_embeddings"),
+                True,
+                "tied embeddings put one weight on the first and the last pipeline stage; the "
+                "trainer does not synchronise it across stages; fix: tie_embeddings: false or pp: 1",
+            )
+        )
     if p.pp > 1 and grad_accum is not None and 0 < grad_accum < p.pp:
-        out.append(_problem(("training", "grad_accum"), grad_accum,
-            f"the pipeline runs the step's {grad_accum} micro-batches (grad_accum) through "
-            f"pp = {p.pp} stages; 1F1B needs at least one per stage; fix: grad_accum (or "
-            f"global_batch / (micro_batch x dp)) >= {p.pp}"))
+        out.append(
+            _problem(
+                ("training", "grad_accum"),
+                grad_accum,
+                f"the pipeline runs the step's {grad_accum} micro-batches (grad_accum) through "
+                f"pp = {p.pp} stages; 1F1B needs at least one per stage; fix: grad_accum (or "
+                f"global_batch / (micro_batch x dp)) >= {p.pp}",
+            )
+        )
     elif p.virtual_stages > 1 and grad_accum is not None and grad_accum % p.pp:
-        out.append(_problem(("training", "grad_accum"), grad_accum,
-            f"interleaved 1F1B runs the step's {grad_accum} micro-batches (grad_accum) in "
-            f"rounds of pp = {p.pp}; fix: grad_accum (or global_batch) a multiple of {p.pp}"))
+        out.append(
+            _problem(
+                ("training", "grad_accum"),
+                grad_accum,
+                f"interleaved 1F1B runs the step's {grad_accum} micro-batches (grad_accum) in "
+                f"rounds of pp = {p.pp}; fix: grad_accum (or global_batch) a multiple of {p.pp}",
+            )
+        )
     return out
 
 
-def tensor_parallel_problems(m: ModelSpec, p: ParallelSpec,
-                             seq_len: int) -> list[InitErrorDetails]:
+def tensor_parallel_problems(m: ModelSpec, p: ParallelSpec, seq_len: int) -> list[InitErrorDetails]:
     """TP splits heads, the SwiGLU width and the vocabulary; sequence parallelism splits each
     CP rank's tokens."""
     out: list[InitErrorDetails] = []
     if p.tp == 1:
         return out
     if m.ffn_hidden % p.tp:
-        out.append(_problem(("parallel", "tp"), p.tp,
-            f"model.ffn_hidden = {m.ffn_hidden} must be divisible by tp = {p.tp} (the SwiGLU "
-            "width is split over the TP ranks)"))
+        out.append(
+            _problem(
+                ("parallel", "tp"),
+                p.tp,
+                f"model.ffn_hidden = {m.ffn_hidden} must be divisible by tp = {p.tp} (the SwiGLU "
+                "width is split over the TP ranks)",
+            )
+        )
     if m.vocab % p.tp:
-        out.append(_problem(("parallel", "tp"), p.tp,
-            f"model.vocab = {m.vocab} must be divisible by tp = {p.tp} (the embedding and the "
-            "output head are split by vocabulary)"))
+        out.append(
+            _problem(
+                ("parallel", "tp"),
+                p.tp,
+                f"model.vocab = {m.vocab} must be divisible by tp = {p.tp} (the embedding and the "
+                "output head are split by vocabulary)",
+            )
+        )
     if seq_len % (p.cp * p.tp):
-        out.append(_problem(("training", "seq_len"), seq_len,
-            f"sequence parallelism splits each CP rank's seq_len / cp tokens over tp = {p.tp} "
-            f"ranks: seq_len must be divisible by cp x tp = {p.cp * p.tp}; fix: seq_len = "
-            f"{_round_up(seq_len, p.cp * p.tp)}"))
+        out.append(
+            _problem(
+                ("training", "seq_len"),
+                seq_len,
+                f"sequence parallelism splits each CP rank's seq_len / cp tokens over tp = {p.tp} "
+                f"ranks: seq_len must be divisible by cp x tp = {p.cp * p.tp}; fix: seq_len = "
+                f"{_round_up(seq_len, p.cp * p.tp)}",
+            )
+        )
     return out
 
 
@@ -1224,65 +1480,115 @@ def cp_problems(m: ModelSpec, p: ParallelSpec, seq_len: int) -> list[InitErrorDe
     # same way as the ring: a CP sharding means the same token placement whatever the algorithm.
     if p.cp > 1:
         if p.cp_sharding == "zigzag" and seq_len % (2 * p.cp):
-            out.append(_problem(("training", "seq_len"), seq_len,
-                f"cp_sharding zigzag with cp = {p.cp} needs seq_len divisible by 2 x cp = "
-                f"{2 * p.cp} (each rank holds chunks i and 2N-1-i of 2N); fix: seq_len = "
-                f"{_round_up(seq_len, 2 * p.cp)}"))
+            out.append(
+                _problem(
+                    ("training", "seq_len"),
+                    seq_len,
+                    f"cp_sharding zigzag with cp = {p.cp} needs seq_len divisible by 2 x cp = "
+                    f"{2 * p.cp} (each rank holds chunks i and 2N-1-i of 2N); fix: seq_len = "
+                    f"{_round_up(seq_len, 2 * p.cp)}",
+                )
+            )
         if p.cp_sharding == "contiguous" and seq_len % p.cp:
-            out.append(_problem(("training", "seq_len"), seq_len,
-                f"cp_sharding contiguous with cp = {p.cp} needs seq_len divisible by cp; fix: "
-                f"seq_len = {_round_up(seq_len, p.cp)}"))
+            out.append(
+                _problem(
+                    ("training", "seq_len"),
+                    seq_len,
+                    f"cp_sharding contiguous with cp = {p.cp} needs seq_len divisible by cp; fix: "
+                    f"seq_len = {_round_up(seq_len, p.cp)}",
+                )
+            )
     heads_per_tp, kv_per_tp = m.heads // p.tp or 1, m.kv_heads // p.tp or 1
     if p.cp_algorithm != "hybrid" and (p.ulysses_degree is not None or p.ring_degree is not None):
         field = "ulysses_degree" if p.ulysses_degree is not None else "ring_degree"
-        out.append(_problem(("parallel", field), getattr(p, field),
-            f"{field} applies to cp_algorithm hybrid only (this spec uses {p.cp_algorithm}); "
-            "fix: remove it, or use cp_algorithm: hybrid"))
+        out.append(
+            _problem(
+                ("parallel", field),
+                getattr(p, field),
+                f"{field} applies to cp_algorithm hybrid only (this spec uses {p.cp_algorithm}); "
+                "fix: remove it, or use cp_algorithm: hybrid",
+            )
+        )
     if p.cp_algorithm == "ulysses":
-        out.extend(_ulysses_problems(("parallel", "cp"), p.cp, heads_per_tp, kv_per_tp, p.cp,
-                                     hybrid=False))
+        out.extend(
+            _ulysses_problems(("parallel", "cp"), p.cp, heads_per_tp, kv_per_tp, p.cp, hybrid=False)
+        )
     elif p.cp_algorithm == "hybrid":
         if p.ulysses_degree is None:
-            out.append(_problem(("parallel", "ulysses_degree"), None,
-                "cp_algorithm hybrid needs ulysses_degree (the inner, all-to-all degree); "
-                f"the ring degree is cp / ulysses_degree; e.g. ulysses_degree: "
-                f"{_largest_common_divisor_at_most((p.cp, heads_per_tp, kv_per_tp), p.cp)}"))
+            out.append(
+                _problem(
+                    ("parallel", "ulysses_degree"),
+                    None,
+                    "cp_algorithm hybrid needs ulysses_degree (the inner, all-to-all degree); "
+                    f"the ring degree is cp / ulysses_degree; e.g. ulysses_degree: "
+                    f"{_largest_common_divisor_at_most((p.cp, heads_per_tp, kv_per_tp), p.cp)}",
+                )
+            )
         else:
             u = p.ulysses_degree
             if p.cp % u:
-                out.append(_problem(("parallel", "ulysses_degree"), u,
-                    f"hybrid degrees multiply to cp: ulysses_degree = {u} must divide cp = "
-                    f"{p.cp}"))
+                out.append(
+                    _problem(
+                        ("parallel", "ulysses_degree"),
+                        u,
+                        f"hybrid degrees multiply to cp: ulysses_degree = {u} must divide cp = "
+                        f"{p.cp}",
+                    )
+                )
             elif p.ring_degree is not None and p.ring_degree * u != p.cp:
-                out.append(_problem(("parallel", "ring_degree"), p.ring_degree,
-                    f"hybrid degrees multiply to cp: ulysses_degree x ring_degree = {u} x "
-                    f"{p.ring_degree} = {u * p.ring_degree}, but cp = {p.cp}"))
-            out.extend(_ulysses_problems(("parallel", "ulysses_degree"), u, heads_per_tp,
-                                         kv_per_tp, p.cp, hybrid=True))
+                out.append(
+                    _problem(
+                        ("parallel", "ring_degree"),
+                        p.ring_degree,
+                        f"hybrid degrees multiply to cp: ulysses_degree x ring_degree = {u} x "
+                        f"{p.ring_degree} = {u * p.ring_degree}, but cp = {p.cp}",
+                    )
+                )
+            out.extend(
+                _ulysses_problems(
+                    ("parallel", "ulysses_degree"), u, heads_per_tp, kv_per_tp, p.cp, hybrid=True
+                )
+            )
     return out
 
 
-def _ulysses_problems(loc: tuple[str, ...], degree: int, heads: int, kv_heads: int,
-                      cp: int, *, hybrid: bool) -> list[InitErrorDetails]:
+def _ulysses_problems(
+    loc: tuple[str, ...], degree: int, heads: int, kv_heads: int, cp: int, *, hybrid: bool
+) -> list[InitErrorDetails]:
     out = []
     best = _largest_common_divisor_at_most((cp, heads, kv_heads), kv_heads)
     if hybrid:
         fix = f"ulysses_degree: {best} (ring degree {cp // best})"
     elif best > 1:
-        fix = (f"use cp_algorithm: hybrid with ulysses_degree: {best} (ring degree "
-               f"{cp // best}), so Ulysses stays within the K/V heads and a ring covers the rest")
+        fix = (
+            f"use cp_algorithm: hybrid with ulysses_degree: {best} (ring degree "
+            f"{cp // best}), so Ulysses stays within the K/V heads and a ring covers the rest"
+        )
     else:
         fix = "use cp_algorithm: ring"
     if heads % degree:
-        out.append(_problem(loc, degree,
-            f"the Ulysses degree {degree} must divide the query heads per TP rank ({heads}): "
-            f"the all-to-all hands each rank whole heads; fix: {fix}"))
+        out.append(
+            _problem(
+                loc,
+                degree,
+                f"the Ulysses degree {degree} must divide the query heads per TP rank ({heads}): "
+                f"the all-to-all hands each rank whole heads; fix: {fix}",
+            )
+        )
     if degree > kv_heads or kv_heads % degree:
-        out.append(_problem(loc, degree,
-            f"the Ulysses degree {degree} "
-            + (f"exceeds the K/V heads per TP rank ({kv_heads})" if degree > kv_heads
-               else f"does not divide the K/V heads per TP rank ({kv_heads})")
-            + f": each rank must receive whole K/V heads; fix: {fix}"))
+        out.append(
+            _problem(
+                loc,
+                degree,
+                f"the Ulysses degree {degree} "
+                + (
+                    f"exceeds the K/V heads per TP rank ({kv_heads})"
+                    if degree > kv_heads
+                    else f"does not divide the K/V heads per TP rank ({kv_heads})"
+                )
+                + f": each rank must receive whole K/V heads; fix: {fix}",
+            )
+        )
     return out
 
 
@@ -1295,34 +1601,43 @@ def layout_warnings(spec: JobSpec) -> list[str]:
         out.append(
             f"parallel.cp = {p.cp} on {c.gpu}, a PCIe-only GPU: every K/V transfer crosses the "
             "PCIe bus (and the network beyond a node); expect CP to be communication-bound. "
-            "Prefer fewer, larger-memory GPUs per CP group, or Ulysses to send less.")
+            "Prefer fewer, larger-memory GPUs per CP group, or Ulysses to send less."
+        )
     elif p.cp > 1 and c.gpu != "cpu" and cp_span > spec.nvlink_domain:
         out.append(
             f"the CP group (tp x cp = {cp_span} ranks) spans beyond the NVLink domain "
-            f"({spec.nvlink_domain} GPUs): K/V traffic crosses the inter-node network.")
-    if (p.cp > 1 and p.cp_algorithm == "ring" and cp_span > c.gpus_per_node and c.nodes > 1):
+            f"({spec.nvlink_domain} GPUs): K/V traffic crosses the inter-node network."
+        )
+    if p.cp > 1 and p.cp_algorithm == "ring" and cp_span > c.gpus_per_node and c.nodes > 1:
         kv_per_tp = max(spec.model.kv_heads // p.tp, 1)
         heads_per_tp = max(spec.model.heads // p.tp, 1)
-        inner = _largest_common_divisor_at_most((p.cp, heads_per_tp, kv_per_tp),
-                                                c.gpus_per_node // p.tp)
+        inner = _largest_common_divisor_at_most(
+            (p.cp, heads_per_tp, kv_per_tp), c.gpus_per_node // p.tp
+        )
         if inner > 1:
             out.append(
                 f"the ring CP group ({p.cp} ranks) is wider than a node ({c.gpus_per_node} "
                 f"GPUs) while Ulysses would fit in one: consider cp_algorithm: hybrid with "
                 f"ulysses_degree: {inner} (all-to-all inside the node, ring of "
-                f"{p.cp // inner} across nodes).")
+                f"{p.cp // inner} across nodes)."
+            )
     out += p.deprecations
     if p.cp_sharding == "contiguous" and p.cp > 1:
         out.append(
             "cp_sharding contiguous with causal attention leaves CP ranks unbalanced (rank N-1 does "
-            "N times rank 0's work); zigzag balances it.")
-    out += [f"{missing} on this machine; the trainer needs it where it runs"
-            for missing in spec.training.data.missing_files()]
+            "N times rank 0's work); zigzag balances it."
+        )
+    out += [
+        f"{missing} on this machine; the trainer needs it where it runs"
+        for missing in spec.training.data.missing_files()
+    ]
     init_from = spec.model.init_from
     if init_from is not None and not (Path(init_from) / CONFIG_FILE).is_file():
-        out.append(f"model.init_from {init_from}: no {CONFIG_FILE} on this machine; the shape "
-                   "the spec gives is used here, and the trainer checks it against the "
-                   "checkpoint where it runs")
+        out.append(
+            f"model.init_from {init_from}: no {CONFIG_FILE} on this machine; the shape "
+            "the spec gives is used here, and the trainer checks it against the "
+            "checkpoint where it runs"
+        )
     return out
 
 

@@ -84,7 +84,6 @@ def exposed():
         _exposed_s += time.perf_counter() - start
 
 
-
 @contextlib.contextmanager
 def simulated_link_delay(seconds: float):
     """Within this block, each ring ``wait`` returns no sooner than ``seconds`` after its commit."""
@@ -120,7 +119,9 @@ class RingComm:
         self._committed_at = 0.0
         self._stream = stream
 
-    def send_recv(self, to_send: torch.Tensor, recv_buffer: torch.Tensor | None = None) -> torch.Tensor:
+    def send_recv(
+        self, to_send: torch.Tensor, recv_buffer: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Queue sending ``to_send`` (contiguous) and receiving a tensor like it; return the receive
         buffer, which holds the data only after :meth:`wait`."""
         if recv_buffer is None:

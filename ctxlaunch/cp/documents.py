@@ -50,15 +50,18 @@ def normalise_documents(documents: Sequence[Sequence[int]], batch: int, seq_len:
     for b, bounds in enumerate(documents):
         bounds = tuple(int(x) for x in bounds)
         if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != seq_len:
-            raise ValueError(f"documents[{b}] = {bounds} must run from 0 to the sequence length {seq_len}")
+            raise ValueError(
+                f"documents[{b}] = {bounds} must run from 0 to the sequence length {seq_len}"
+            )
         if any(a >= c for a, c in zip(bounds, bounds[1:], strict=False)):
             raise ValueError(f"documents[{b}] = {bounds} must be strictly increasing")
         result.append(bounds)
     return tuple(result)
 
 
-def check_documents(documents: Sequence[Sequence[int]] | None, causal: bool, batch: int,
-                    seq_len: int) -> CuSeqlens | None:
+def check_documents(
+    documents: Sequence[Sequence[int]] | None, causal: bool, batch: int, seq_len: int
+) -> CuSeqlens | None:
     """``normalise_documents`` for the attention functions (None passes through); a document
     mask is causal, so ``causal=False`` with documents is a ValueError."""
     if documents is None:
@@ -83,7 +86,10 @@ def batch_groups(documents: CuSeqlens) -> list[tuple[slice, tuple[int, ...]]]:
 def shard_runs(rank: int, world_size: int, sharding: str, s_local: int) -> list[Run]:
     """The contiguous runs of ``rank``'s shard: (local start, global start, length)."""
     chunk = s_local * world_size // num_chunks(world_size, sharding)
-    return [(i * chunk, c * chunk, chunk) for i, c in enumerate(shard_chunk_ids(rank, world_size, sharding))]
+    return [
+        (i * chunk, c * chunk, chunk)
+        for i, c in enumerate(shard_chunk_ids(rank, world_size, sharding))
+    ]
 
 
 def _documents_in(bounds: tuple[int, ...], start: int, stop: int) -> range:
@@ -120,7 +126,9 @@ def block_pieces(bounds: tuple[int, ...], q_runs: list[Run], kv_runs: list[Run])
                 # document holding this run's first token can reach back into it.
                 doc = bisect.bisect_right(bounds, q_start) - 1
                 if bounds[doc] < kv_stop:
-                    full.append((_overlap(q_run, bounds, doc), _overlap(kv_run, bounds, doc), False))
+                    full.append(
+                        (_overlap(q_run, bounds, doc), _overlap(kv_run, bounds, doc), False)
+                    )
             # else the K/V run comes later: hidden by causality.
     return diagonal + full
 
@@ -165,8 +173,9 @@ class AttentionArea:
         return max(self.per_rank_computed) / max(self.per_rank_unmasked)
 
 
-def attention_area(documents: Sequence[Sequence[int]], seq_len: int, world_size: int,
-                   sharding: str = "zigzag") -> AttentionArea:
+def attention_area(
+    documents: Sequence[Sequence[int]], seq_len: int, world_size: int, sharding: str = "zigzag"
+) -> AttentionArea:
     """The attention area the document-masked ring schedule computes, and what it saves against
     the unmasked causal schedule, for one boundary list per batch element. Pure (no process
     group); Ulysses computes the same per-document triangles on head shards."""
@@ -191,6 +200,12 @@ def attention_area(documents: Sequence[Sequence[int]], seq_len: int, world_size:
                     blocks_computed += 1
                 elif plain:
                     blocks_skipped += 1
-    return AttentionArea(computed=sum(computed), unmasked=sum(unmasked),
-                         per_rank_computed=tuple(computed), per_rank_unmasked=tuple(unmasked),
-                         blocks_computed=blocks_computed, blocks_skipped=blocks_skipped, pieces=pieces)
+    return AttentionArea(
+        computed=sum(computed),
+        unmasked=sum(unmasked),
+        per_rank_computed=tuple(computed),
+        per_rank_unmasked=tuple(unmasked),
+        blocks_computed=blocks_computed,
+        blocks_skipped=blocks_skipped,
+        pieces=pieces,
+    )

@@ -84,7 +84,8 @@ def hybrid_attention(
     plan = HeadShardPlan(ulysses_group, members, cp_world_size, sharding, q.size(2))
 
     def attend(qh, kh, vh):
-        return ring_attention(qh, kh, vh, ring_group, causal, sharding, scale, return_lse=True,
-                              documents=documents)
+        return ring_attention(
+            qh, kh, vh, ring_group, causal, sharding, scale, return_lse=True, documents=documents
+        )
 
     return head_sharded_attention(q, k, v, plan, attend, return_lse)

@@ -45,18 +45,31 @@ class KernelChoice:
         """The account of the choice for the run's first lines."""
         if self.chosen_by != "measured":
             return f"{self.kernel} ({self.chosen_by})"
-        timed = ", ".join(f"{name} {s * 1e3:.3f} ms" for name, s in
-                          sorted(self.seconds.items(), key=lambda item: item[1]))
+        timed = ", ".join(
+            f"{name} {s * 1e3:.3f} ms"
+            for name, s in sorted(self.seconds.items(), key=lambda item: item[1])
+        )
         refused = "".join(f"; {name} not used: {why}" for name, why in self.refused.items())
         b, hq, hkv, s, d = self.shape
-        return (f"{self.kernel} (fastest fwd+bwd at {b}x{hq}/{hkv} heads x {s} x {d}: "
-                f"{timed}{refused})")
+        return (
+            f"{self.kernel} (fastest fwd+bwd at {b}x{hq}/{hkv} heads x {s} x {d}: {timed}{refused})"
+        )
 
 
-def choose(batch: int, heads: int, kv_heads: int, block: int, head_dim: int,
-           dtype: torch.dtype, device: torch.device, *, causal: bool = True,
-           repeats: int = 10, candidates: Sequence[str] = kernels.CUDA_KERNELS,
-           measure_on_cpu: bool = False) -> KernelChoice:
+def choose(
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    block: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    causal: bool = True,
+    repeats: int = 10,
+    candidates: Sequence[str] = kernels.CUDA_KERNELS,
+    measure_on_cpu: bool = False,
+) -> KernelChoice:
     """The kernel for attention calls of this shape, made the one `kernels` calls.
 
     `measure_on_cpu` runs the measurement on the CPU too, where every candidate runs the same
@@ -73,8 +86,9 @@ def choose(batch: int, heads: int, kv_heads: int, block: int, head_dim: int,
     generator = torch.Generator(device=device).manual_seed(0)
 
     def randn(h: int) -> torch.Tensor:
-        return torch.randn(batch, h, block, head_dim, generator=generator, device=device,
-                           dtype=dtype)
+        return torch.randn(
+            batch, h, block, head_dim, generator=generator, device=device, dtype=dtype
+        )
 
     q, k, v, grad = randn(heads), randn(kv_heads), randn(kv_heads), randn(heads)
     scale = kernels.resolve_scale(q, None)
@@ -108,8 +122,9 @@ def choose(batch: int, heads: int, kv_heads: int, block: int, head_dim: int,
     return KernelChoice(fastest, "measured", shape, seconds, refused)
 
 
-def _disagreement(result: Sequence[torch.Tensor], reference: Sequence[torch.Tensor],
-                  reference_name: str) -> str:
+def _disagreement(
+    result: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], reference_name: str
+) -> str:
     """'' where `result` (out, lse, dq, dk, dv) agrees with `reference` (from kernel
     `reference_name`), else what differs."""
     names = ("out", "lse", "dq", "dk", "dv")

@@ -25,7 +25,9 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (B, H, S, D), got shape {tuple(t.shape)}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(
+            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if q.size(0) != k.size(0) or q.size(3) != k.size(3):
         raise ValueError(
             f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch (dim 0) and head dim (dim 3)"
@@ -145,16 +147,29 @@ def _reduce_kv_grad(dx: torch.Tensor, n_rep: int) -> torch.Tensor:
 def _cuda_forward(q, k, v, causal, scale):
     if _use_flash(q) and _cuda_kernel == "cudnn":
         out, lse, *_ = aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False, scale=scale)
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )
         return out, lse.view(lse.shape[:3])
     if _use_flash(q):
-        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        out, lse, *_ = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )
         return out, lse
     n_rep = q.size(1) // k.size(1)
     q, k, v = q.contiguous(), _expand_kv(k, n_rep).contiguous(), _expand_kv(v, n_rep).contiguous()
     out, lse, *_ = aten._efficient_attention_forward(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        None, None, None, None, None, 0.0, int(causal), True, scale=scale,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        None,
+        None,
+        None,
+        None,
+        None,
+        0.0,
+        int(causal),
+        True,
+        scale=scale,
     )
     return out.transpose(1, 2), lse[..., : q.size(2)]
 
@@ -167,12 +182,41 @@ def _cuda_backward(grad_out, q, k, v, out, lse, causal, scale):
     if _use_flash(q) and _cuda_kernel == "cudnn":
         # No bias, dense inputs (no cumulative lengths), no dropout (the seeds are never read).
         return aten._scaled_dot_product_cudnn_attention_backward(
-            grad_out, q, k, v, out, lse.unsqueeze(-1), no_rng, no_rng, None, None, None, sq, sk,
-            0.0, causal, scale=scale)
+            grad_out,
+            q,
+            k,
+            v,
+            out,
+            lse.unsqueeze(-1),
+            no_rng,
+            no_rng,
+            None,
+            None,
+            None,
+            sq,
+            sk,
+            0.0,
+            causal,
+            scale=scale,
+        )
     if _use_flash(q):
         # cum_seq_q/k are None for dense (non-nested) inputs.
         return aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, k, v, out, lse, None, None, sq, sk, 0.0, causal, no_rng, no_rng, scale=scale
+            grad_out,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            None,
+            None,
+            sq,
+            sk,
+            0.0,
+            causal,
+            no_rng,
+            no_rng,
+            scale=scale,
         )
     n_rep = q.size(1) // k.size(1)
     q, k, v = q.contiguous(), _expand_kv(k, n_rep).contiguous(), _expand_kv(v, n_rep).contiguous()
@@ -180,9 +224,23 @@ def _cuda_backward(grad_out, q, k, v, out, lse, causal, scale):
     padded = -(-sq // _EFFICIENT_LSE_ALIGN) * _EFFICIENT_LSE_ALIGN
     lse = torch.nn.functional.pad(lse, (0, padded - sq))
     dq, dk, dv, _ = aten._efficient_attention_backward(
-        grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        None, out.transpose(1, 2), None, None, sq, sk, lse, 0.0, no_rng, no_rng,
-        int(causal), False, scale=scale,
+        grad_out.transpose(1, 2),
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        None,
+        out.transpose(1, 2),
+        None,
+        None,
+        sq,
+        sk,
+        lse,
+        0.0,
+        no_rng,
+        no_rng,
+        int(causal),
+        False,
+        scale=scale,
     )
     dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     return dq, _reduce_kv_grad(dk, n_rep), _reduce_kv_grad(dv, n_rep)

@@ -44,8 +44,13 @@ class MergeScratch:
         return buffer.view(-1)[: math.prod(shape)].view(shape)
 
 
-def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
-                scratch: MergeScratch | None = None) -> None:
+def merge_block(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block_out: torch.Tensor,
+    block_lse: torch.Tensor,
+    scratch: MergeScratch | None = None,
+) -> None:
     """Fold ``(block_out, block_lse)`` into the fp32 accumulators ``(out, lse)`` in place.
 
     ``block_out`` may have a lower dtype. Without ``scratch`` the eager form allocates its two
@@ -59,8 +64,12 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
         except Exception as exc:  # noqa: BLE001 - no compiler here: the eager merge is exact too
             # Compiling fails before the compiled pass has written anything.
             _fused_enabled = False
-            warnings.warn(f"ctxlaunch.cp: the compiled ring merge failed ({exc!r}); merging "
-                          "eagerly from now on", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"ctxlaunch.cp: the compiled ring merge failed ({exc!r}); merging "
+                "eagerly from now on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     scratch = scratch if scratch is not None else MergeScratch(out)
     weight = MergeScratch.take(scratch.rows, lse.shape)
     block = MergeScratch.take(scratch.block, out.shape)
@@ -71,7 +80,9 @@ def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     torch.logaddexp(lse, block_lse, out=lse)
 
 
-def merge_math(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+def merge_math(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
     """The merge as one functional expression, written back in place (what ``fused_merge``
     compiles)."""
     weight = torch.sigmoid(block_lse - lse).unsqueeze(-1)

@@ -40,7 +40,8 @@ class _DocumentAttention(torch.autograd.Function):
         lse = q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
         for batch, rows in _document_rows(documents):
             out[batch, :, rows], lse[batch, :, rows] = kernels.attention_forward(
-                q[batch, :, rows], k[batch, :, rows], v[batch, :, rows], True, scale)
+                q[batch, :, rows], k[batch, :, rows], v[batch, :, rows], True, scale
+            )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (documents, scale)
         ctx.mark_non_differentiable(lse)
@@ -53,14 +54,24 @@ class _DocumentAttention(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for batch, rows in _document_rows(documents):
             dq[batch, :, rows], dk[batch, :, rows], dv[batch, :, rows] = kernels.attention_backward(
-                grad_out[batch, :, rows], q[batch, :, rows], k[batch, :, rows], v[batch, :, rows],
-                out[batch, :, rows], lse[batch, :, rows], True, scale)
+                grad_out[batch, :, rows],
+                q[batch, :, rows],
+                k[batch, :, rows],
+                v[batch, :, rows],
+                out[batch, :, rows],
+                lse[batch, :, rows],
+                True,
+                scale,
+            )
         return dq, dk, dv, None, None
 
 
 def _document_rows(documents: CuSeqlens) -> list[tuple[slice, slice]]:
-    return [(batch, slice(start, stop)) for batch, bounds in batch_groups(documents)
-            for start, stop in zip(bounds, bounds[1:], strict=False)]
+    return [
+        (batch, slice(start, stop))
+        for batch, bounds in batch_groups(documents)
+        for start, stop in zip(bounds, bounds[1:], strict=False)
+    ]
 
 
 def full_attention(

@@ -66,8 +66,15 @@ def _accumulator(q: torch.Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
-def _pieces(rank: int, src: int, world_size: int, causal: bool, sharding: str, s_local: int,
-            documents: CuSeqlens | None) -> list[BatchPart]:
+def _pieces(
+    rank: int,
+    src: int,
+    world_size: int,
+    causal: bool,
+    sharding: str,
+    s_local: int,
+    documents: CuSeqlens | None,
+) -> list[BatchPart]:
     """The pieces of the block of ``src``'s K/V for this rank's queries. Unmasked: at most one
     (``_block``); under a document mask the rectangles of each batch group, diagonal first."""
     if documents is None:
@@ -75,8 +82,11 @@ def _pieces(rank: int, src: int, world_size: int, causal: bool, sharding: str, s
         return [] if block is None else [(_ALL, *block)]
     q_runs = shard_runs(rank, world_size, sharding, s_local)
     kv_runs = q_runs if src == rank else shard_runs(src, world_size, sharding, s_local)
-    return [(batch, *piece) for batch, bounds in batch_groups(documents)
-            for piece in block_pieces(bounds, q_runs, kv_runs)]
+    return [
+        (batch, *piece)
+        for batch, bounds in batch_groups(documents)
+        for piece in block_pieces(bounds, q_runs, kv_runs)
+    ]
 
 
 class _Rotation:
@@ -132,18 +142,24 @@ def _ring_forward(q, k, v, group, causal, sharding, scale, documents=None):
                 kv.post(comm)
             k_held, v_held = kv.held
             src = (rank - step) % world_size
-            for batch, rows, kv_rows, block_causal in _pieces(rank, src, world_size, causal, sharding,
-                                                              q.size(2), documents):
+            for batch, rows, kv_rows, block_causal in _pieces(
+                rank, src, world_size, causal, sharding, q.size(2), documents
+            ):
                 block_out, block_lse = kernels.attention_forward(
-                    q[batch, :, rows], k_held[batch, :, kv_rows], v_held[batch, :, kv_rows],
-                    block_causal, scale,
+                    q[batch, :, rows],
+                    k_held[batch, :, kv_rows],
+                    v_held[batch, :, kv_rows],
+                    block_causal,
+                    scale,
                 )
                 if step == 0 and block_causal == causal:
                     # Step 0's diagonal piece(s) cover every local query row exactly once.
                     out[batch, :, rows].copy_(block_out)
                     lse[batch, :, rows].copy_(block_lse)
                 else:
-                    merge_block(out[batch, :, rows], lse[batch, :, rows], block_out, block_lse, scratch)
+                    merge_block(
+                        out[batch, :, rows], lse[batch, :, rows], block_out, block_lse, scratch
+                    )
             if step + 1 < world_size:
                 comm.wait()
                 kv.advance()
@@ -174,7 +190,7 @@ def _split_diagonal(pieces: list[BatchPart]) -> tuple[list[BatchPart], list[Batc
     causal = [p for p in pieces if p[3]]
     if full:
         return full, causal
-    return causal[: len(causal) // 2], causal[len(causal) // 2:]
+    return causal[: len(causal) // 2], causal[len(causal) // 2 :]
 
 
 def _ring_backward(grad_out, q, k, v, out, lse, group, causal, sharding, scale, documents=None):
@@ -188,12 +204,24 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, sharding, scale, 
     dk_home = torch.zeros_like(k, dtype=acc)
     dv_home = torch.zeros_like(v, dtype=acc)
 
-    def backward_block(batch: slice, rows: slice, kv_rows: slice, block_causal: bool,
-                       k_shard: torch.Tensor, v_shard: torch.Tensor, dk: torch.Tensor,
-                       dv: torch.Tensor) -> None:
+    def backward_block(
+        batch: slice,
+        rows: slice,
+        kv_rows: slice,
+        block_causal: bool,
+        k_shard: torch.Tensor,
+        v_shard: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+    ) -> None:
         block_dq, block_dk, block_dv = kernels.attention_backward(
-            grad_out[batch, :, rows], q[batch, :, rows], k_shard[batch, :, kv_rows],
-            v_shard[batch, :, kv_rows], out[batch, :, rows], lse[batch, :, rows], block_causal,
+            grad_out[batch, :, rows],
+            q[batch, :, rows],
+            k_shard[batch, :, kv_rows],
+            v_shard[batch, :, kv_rows],
+            out[batch, :, rows],
+            lse[batch, :, rows],
+            block_causal,
             scale,
         )
         # In place, the kernel's dtype converted on the fly (CUDA casts inside the add kernel).
@@ -207,12 +235,14 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, sharding, scale, 
         diagonal_last = [(_ALL, *part) for part in last]
     else:
         diagonal_first, diagonal_last = _split_diagonal(
-            _pieces(rank, rank, world_size, causal, sharding, q.size(2), documents))
+            _pieces(rank, rank, world_size, causal, sharding, q.size(2), documents)
+        )
     kv = _Rotation((k, v), world_size, keep_first=True)
     # The dK/dV accumulators in flight: this rank's first travelling pair is filled at step 1;
     # from step 2 on each pair in hand is what rank-1 sent while we computed.
-    grads = _Rotation((torch.zeros_like(dk_home), torch.zeros_like(dv_home)), world_size,
-                      keep_first=False)
+    grads = _Rotation(
+        (torch.zeros_like(dk_home), torch.zeros_like(dv_home)), world_size, keep_first=False
+    )
     for step in range(world_size):
         with _hop("backward", step):
             if step + 1 < world_size:

@@ -79,7 +79,9 @@ def shard_positions(
     )
 
 
-def shard_indices(seq_len: int, world_size: int, sharding: str = "zigzag", device=None) -> torch.Tensor:
+def shard_indices(
+    seq_len: int, world_size: int, sharding: str = "zigzag", device=None
+) -> torch.Tensor:
     """Global positions of the rank-ordered concatenation of all shards (what an all-gather yields).
 
     ``full.index_select(dim, shard_indices(...))`` lays out every rank's shard back to back;
@@ -90,12 +92,16 @@ def shard_indices(seq_len: int, world_size: int, sharding: str = "zigzag", devic
     )
 
 
-def unshard_indices(seq_len: int, world_size: int, sharding: str = "zigzag", device=None) -> torch.Tensor:
+def unshard_indices(
+    seq_len: int, world_size: int, sharding: str = "zigzag", device=None
+) -> torch.Tensor:
     """Permutation that puts the rank-ordered concatenation of shards back in natural token order."""
     return torch.argsort(shard_indices(seq_len, world_size, sharding, device))
 
 
-def group_chunk_plan(member_ranks: list[int], world_size: int, sharding: str) -> list[tuple[int, int, int]]:
+def group_chunk_plan(
+    member_ranks: list[int], world_size: int, sharding: str
+) -> list[tuple[int, int, int]]:
     """How the shards of ``member_ranks`` (CP ranks of a Ulysses group) interleave into token order.
 
     Returns ``(member, slot, dest)`` triples: chunk ``slot`` of member ``member``'s shard is chunk
@@ -125,7 +131,9 @@ def shard_for_rank(
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
-def unshard_from_shards(shards: list[torch.Tensor], dim: int = 2, sharding: str = "zigzag") -> torch.Tensor:
+def unshard_from_shards(
+    shards: list[torch.Tensor], dim: int = 2, sharding: str = "zigzag"
+) -> torch.Tensor:
     """Reassemble the full tensor from every rank's shard (index = rank), in natural token order."""
     check_sharding(sharding)
     gathered = torch.cat(shards, dim=dim)

@@ -27,13 +27,17 @@ class HeadShardPlan:
     group of ``cp_world_size`` ranks (the Ulysses group itself, or one inner group of a hybrid).
     """
 
-    def __init__(self, group, member_ranks: list[int], cp_world_size: int, sharding: str, s_local: int):
+    def __init__(
+        self, group, member_ranks: list[int], cp_world_size: int, sharding: str, s_local: int
+    ):
         self.group = group
         self.size = len(member_ranks)
         self.chunks = group_chunk_plan(member_ranks, cp_world_size, sharding)
         self.chunk_len = s_local * self.size // len(self.chunks)
 
-    def copy_chunks(self, gathered: torch.Tensor, per_member: torch.Tensor, to_gathered: bool) -> None:
+    def copy_chunks(
+        self, gathered: torch.Tensor, per_member: torch.Tensor, to_gathered: bool
+    ) -> None:
         """Copy between ``per_member`` (n, B, h, s, D) and ``gathered`` (B, h, n*s, D) chunk by chunk;
         narrow copies move the data once, where index_select after a permute would move it twice."""
         c = self.chunk_len
@@ -54,7 +58,9 @@ def _seq_to_heads(xs: list[torch.Tensor], plan: HeadShardPlan) -> list[torch.Ten
     n = plan.size
     heads = [x.size(1) // n for x in xs]
     # Member j gets head group j of every tensor; all_to_all_single splits dim 0.
-    send = torch.cat([x.unflatten(1, (n, h)).movedim(1, 0) for x, h in zip(xs, heads, strict=True)], dim=2)
+    send = torch.cat(
+        [x.unflatten(1, (n, h)).movedim(1, 0) for x, h in zip(xs, heads, strict=True)], dim=2
+    )
     recv = torch.empty_like(send)
     with exposed():  # blocking: nothing overlaps an all-to-all here
         dist.all_to_all_single(recv, send, group=plan.group)

@@ -44,8 +44,18 @@ def probe_args(spec: JobSpec) -> list[str]:
 def runtime_command(runtime: str, image: str, args: list[str]) -> list[str]:
     """The command that runs the probe in `image` with a local container runtime."""
     namespace = ["--namespace", "k8s.io"] if runtime == "nerdctl" else []
-    return [runtime, *namespace, "run", "--rm", "--entrypoint", "python3", image,
-            "-m", PROBE_MODULE, *args]
+    return [
+        runtime,
+        *namespace,
+        "run",
+        "--rm",
+        "--entrypoint",
+        "python3",
+        image,
+        "-m",
+        PROBE_MODULE,
+        *args,
+    ]
 
 
 def local_runtime() -> str | None:
@@ -64,22 +74,31 @@ def local_runtime() -> str | None:
 
 
 def check_local(spec: JobSpec) -> ProbeResult:
-    result = subprocess.run([sys.executable, "-m", PROBE_MODULE, *probe_args(spec)],
-                            capture_output=True, text=True, timeout=300)
-    return ProbeResult("this Python (" + sys.executable + ")", result.returncode,
-                       result.stdout + result.stderr)
+    result = subprocess.run(
+        [sys.executable, "-m", PROBE_MODULE, *probe_args(spec)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return ProbeResult(
+        "this Python (" + sys.executable + ")", result.returncode, result.stdout + result.stderr
+    )
 
 
 def check_runtime(spec: JobSpec, runtime: str, timeout: float = 900) -> ProbeResult:
     image = spec.cluster.kubernetes.image or ""
     try:
-        result = subprocess.run(runtime_command(runtime, image, probe_args(spec)),
-                                capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(
+            runtime_command(runtime, image, probe_args(spec)),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:
-        return ProbeResult(f"{runtime} run {image}", 124,
-                           f"the probe did not finish within {timeout:.0f} s")
-    return ProbeResult(f"{runtime} run {image}", result.returncode,
-                       result.stdout + result.stderr)
+        return ProbeResult(
+            f"{runtime} run {image}", 124, f"the probe did not finish within {timeout:.0f} s"
+        )
+    return ProbeResult(f"{runtime} run {image}", result.returncode, result.stdout + result.stderr)
 
 
 def probe_pod(spec: JobSpec, name: str) -> dict[str, Any]:
@@ -87,25 +106,42 @@ def probe_pod(spec: JobSpec, name: str) -> dict[str, Any]:
     (the probe needs none to see NCCL in torch), never restarted."""
     k = spec.cluster.kubernetes
     pod_spec: dict[str, Any] = {
-        "restartPolicy": "Never", "automountServiceAccountToken": False,
-        "containers": [{"name": "probe", "image": k.image, "imagePullPolicy":
-                        k.image_pull_policy, "command": ["python3", "-m", PROBE_MODULE,
-                                                         *probe_args(spec)]}]}
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "containers": [
+            {
+                "name": "probe",
+                "image": k.image,
+                "imagePullPolicy": k.image_pull_policy,
+                "command": ["python3", "-m", PROBE_MODULE, *probe_args(spec)],
+            }
+        ],
+    }
     if k.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s} for s in k.image_pull_secrets]
     if k.node_selector:
         pod_spec["nodeSelector"] = dict(k.node_selector)
     if k.tolerations:
         pod_spec["tolerations"] = [t.model_dump(exclude_none=True) for t in k.tolerations]
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": k.namespace,
-                         "labels": {"app.kubernetes.io/name": "ctxlaunch",
-                                    "ctxlaunch/image-check": spec.name}},
-            "spec": pod_spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": k.namespace,
+            "labels": {"app.kubernetes.io/name": "ctxlaunch", "ctxlaunch/image-check": spec.name},
+        },
+        "spec": pod_spec,
+    }
 
 
-def check_pod(spec: JobSpec, context: str | None = None, kubeconfig: str | None = None,
-              timeout: float = 600, poll: float = 1.0) -> ProbeResult:
+def check_pod(
+    spec: JobSpec,
+    context: str | None = None,
+    kubeconfig: str | None = None,
+    timeout: float = 600,
+    poll: float = 1.0,
+) -> ProbeResult:
     """Run the probe as a pod on the spec's cluster; the pod is deleted whatever happens.
     KubeError when the pod cannot be created; a result with returncode 124 when it does not
     end within `timeout` (its phase and why, e.g. an image that cannot be pulled)."""
@@ -124,11 +160,17 @@ def check_pod(spec: JobSpec, context: str | None = None, kubeconfig: str | None 
             phase = (pod.get("status") or {}).get("phase", "Pending")
             if phase in ("Succeeded", "Failed"):
                 _, response = conn.request("GET", f"{path}/{name}/log", raw=True)
-                return ProbeResult(where, 0 if phase == "Succeeded" else 1,
-                                   response.read().decode(errors="replace"))
+                return ProbeResult(
+                    where,
+                    0 if phase == "Succeeded" else 1,
+                    response.read().decode(errors="replace"),
+                )
             if time.monotonic() > deadline:
-                return ProbeResult(where, 124, f"the pod is still {phase} after {timeout:.0f} s"
-                                   f"{pod_waiting_reason(pod)}")
+                return ProbeResult(
+                    where,
+                    124,
+                    f"the pod is still {phase} after {timeout:.0f} s{pod_waiting_reason(pod)}",
+                )
             time.sleep(poll)
     finally:
         conn.delete(f"{path}/{name}")

@@ -95,8 +95,10 @@ def _finalize(value: Any) -> Any:
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value
-    raise RenderError(f"template emitted an unquoted value {value!r}: pass it through a "
-                      "quoting filter (sh, yaml, envname, sbatch, code)")
+    raise RenderError(
+        f"template emitted an unquoted value {value!r}: pass it through a "
+        "quoting filter (sh, yaml, envname, sbatch, code)"
+    )
 
 
 def templates_dir() -> Path:
@@ -118,8 +120,9 @@ def _environment() -> jinja2.Environment:
         autoescape=False,
         finalize=_finalize,
     )
-    env.filters.update(sh=shell_quote, yaml=yaml_quote, envname=env_name, sbatch=sbatch_directive,
-                       code=shell_code)
+    env.filters.update(
+        sh=shell_quote, yaml=yaml_quote, envname=env_name, sbatch=sbatch_directive, code=shell_code
+    )
     return env
 
 
@@ -149,16 +152,26 @@ def render_files(spec: JobSpec, target: Target, sweep: str | None = None) -> dic
     files = {name: render_request(request, target, name)}
     if request.metrics_ports:
         monitor = monitor_name(spec.name)
-        files[monitor] = _environment().get_template(MONITOR_TEMPLATE).render(
-            request=request, version=__version__, filename=monitor)
+        files[monitor] = (
+            _environment()
+            .get_template(MONITOR_TEMPLATE)
+            .render(request=request, version=__version__, filename=monitor)
+        )
     return files
 
 
 def render_request(request: SlurmRequest | KubernetesRequest, target: Target, filename: str) -> str:
     """Fill the target's template with a request (the Slurm backend renders its own request)."""
     template = _environment().get_template(
-        TRAINJOB_TEMPLATE if isinstance(request, KubernetesRequest) and request.api == "trainjob"
-        else TEMPLATES[target])
-    return template.render(request=request, version=__version__, filename=filename,
-                           monitor_filename=monitor_name(request.name)
-                           if isinstance(request, KubernetesRequest) else None)
+        TRAINJOB_TEMPLATE
+        if isinstance(request, KubernetesRequest) and request.api == "trainjob"
+        else TEMPLATES[target]
+    )
+    return template.render(
+        request=request,
+        version=__version__,
+        filename=filename,
+        monitor_filename=monitor_name(request.name)
+        if isinstance(request, KubernetesRequest)
+        else None,
+    )

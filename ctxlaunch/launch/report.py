@@ -21,9 +21,16 @@ from ctxlaunch.contract.hardware import GiB
 from ctxlaunch.launch.sweep import RESULT_FIELDS, result_row
 from ctxlaunch.perf.flops import CONVENTIONS, flops_per_token
 
-PREDICTED_FIELDS = ("predicted_step_seconds", "step_error", "predicted_tokens_per_second_per_gpu",
-                    "mfu_causal", "predicted_mfu_causal", "mfu_full", "predicted_mfu_full",
-                    "predicted_peak_memory_gib")
+PREDICTED_FIELDS = (
+    "predicted_step_seconds",
+    "step_error",
+    "predicted_tokens_per_second_per_gpu",
+    "mfu_causal",
+    "predicted_mfu_causal",
+    "mfu_full",
+    "predicted_mfu_full",
+    "predicted_peak_memory_gib",
+)
 EVAL_FIELDS = ("eval_loss", "eval_loss_longest", "passkey_retrieved")
 """From the point's last evaluation (training.eval.interval): the held-out loss, the loss of
 the longest context-length bucket, and the share of passkey probes retrieved."""
@@ -36,8 +43,15 @@ class SweepReport:
 
     @property
     def columns(self) -> list[str]:
-        return ["name", *self.sweep["axes"], "state", *RESULT_FIELDS, "peak_memory_gib",
-                *PREDICTED_FIELDS, *EVAL_FIELDS]
+        return [
+            "name",
+            *self.sweep["axes"],
+            "state",
+            *RESULT_FIELDS,
+            "peak_memory_gib",
+            *PREDICTED_FIELDS,
+            *EVAL_FIELDS,
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         return {"sweep": self.sweep["id"], "rows": self.rows}
@@ -89,7 +103,9 @@ def predict_row(row: dict[str, Any], spec: Any, calibration: Any) -> None:
         row[f"predicted_mfu_{convention}"] = time.mfu[convention]
         row[f"mfu_{convention}"] = (
             measured * flops_per_token(spec.model, spec.training.seq_len, convention) / reference
-            if measured else None)
+            if measured
+            else None
+        )
     step = row.get("step_seconds")
     row["step_error"] = step and time.step_seconds / step - 1
 
@@ -141,8 +157,12 @@ def build_report(sweep: dict[str, Any], calibration: Any = None) -> SweepReport:
 # plots
 # --------------------------------------------------------------------------------------------
 PLOTS = (
-    ("tokens_per_second_per_gpu", "predicted_tokens_per_second_per_gpu", "tokens/s per GPU",
-     "throughput"),
+    (
+        "tokens_per_second_per_gpu",
+        "predicted_tokens_per_second_per_gpu",
+        "tokens/s per GPU",
+        "throughput",
+    ),
     ("mfu_causal", "predicted_mfu_causal", "MFU (causal convention)", "mfu"),
     ("peak_memory_gib", "predicted_peak_memory_gib", "peak memory per rank (GiB)", "memory"),
 )
@@ -158,8 +178,10 @@ def _series(rows: list[dict[str, Any]]) -> dict[tuple[str, int], list[dict[str, 
                 parts.append(row["cp_algorithm"])
             label = ", ".join(parts) or "cp 1"
             groups.setdefault((label, row["cp"]), []).append(row)
-    return {k: sorted(v, key=lambda r: r["seq_len"]) for k, v in sorted(groups.items(),
-                                                                         key=lambda i: i[0][::-1])}
+    return {
+        k: sorted(v, key=lambda r: r["seq_len"])
+        for k, v in sorted(groups.items(), key=lambda i: i[0][::-1])
+    }
 
 
 def plot_pngs(report: SweepReport) -> dict[str, bytes]:
@@ -177,10 +199,16 @@ def plot_pngs(report: SweepReport) -> dict[str, bytes]:
         for i, ((algorithm, cp), rows) in enumerate(series.items()):
             colour = f"C{i % 10}"
             tag = algorithm if cp == 1 else f"{algorithm}, cp {cp}"
-            ax.plot([r["seq_len"] for r in rows], [r[predicted_key] for r in rows], "-",
-                    color=colour, label=f"{tag} (predicted)")
-            measured = [(r["seq_len"], r[measured_key]) for r in rows
-                        if r.get(measured_key) is not None]
+            ax.plot(
+                [r["seq_len"] for r in rows],
+                [r[predicted_key] for r in rows],
+                "-",
+                color=colour,
+                label=f"{tag} (predicted)",
+            )
+            measured = [
+                (r["seq_len"], r[measured_key]) for r in rows if r.get(measured_key) is not None
+            ]
             if measured:
                 ax.plot(*zip(*measured, strict=False), "o", color=colour, label=f"{tag} (measured)")
         ax.set_xscale("log", base=2)
@@ -207,16 +235,22 @@ def html_page(report: SweepReport, pngs: dict[str, bytes]) -> str:
         return "" if value is None else html.escape(str(value))
 
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{cell(row.get(c))}</td>" for c in columns) + "</tr>"
-                   for row in report.rows)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{cell(row.get(c))}</td>" for c in columns) + "</tr>"
+        for row in report.rows
+    )
     images = "".join(
         f'<img alt="{html.escape(name)}" src="data:image/png;base64,'
-        f'{base64.b64encode(data).decode()}">' for name, data in pngs.items())
+        f'{base64.b64encode(data).decode()}">'
+        for name, data in pngs.items()
+    )
     title = html.escape(f"sweep {report.sweep['name']} ({report.sweep['id']})")
-    return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{title}</title>"
-            "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;"
-            "font-size:12px}td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}"
-            "img{max-width:48%;margin:4px}</style></head><body>"
-            f"<h1>{title}</h1><p>Lines: predicted by ctxlaunch's step-time and memory models; "
-            "points: measured. step_error = predicted / measured step time - 1.</p>"
-            f"{images}<table><tr>{head}</tr>{body}</table></body></html>\n")
+    return (
+        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{title}</title>'
+        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;"
+        "font-size:12px}td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}"
+        "img{max-width:48%;margin:4px}</style></head><body>"
+        f"<h1>{title}</h1><p>Lines: predicted by ctxlaunch's step-time and memory models; "
+        "points: measured. step_error = predicted / measured step time - 1.</p>"
+        f"{images}<table><tr>{head}</tr>{body}</table></body></html>\n"
+    )

@@ -56,8 +56,11 @@ def job_environment(spec: JobSpec) -> dict[str, str]:
         if fabric.hcas and fabric.network in RDMA_NETWORKS:
             # A leading '=' makes NCCL match the names exactly (mlx5_1 would also match mlx5_10).
             env["NCCL_IB_HCA"] = "=" + ",".join(fabric.hcas)
-        gid = fabric.gid_index if fabric.gid_index is not None else (
-            3 if fabric.network == "roce" else None)
+        gid = (
+            fabric.gid_index
+            if fabric.gid_index is not None
+            else (3 if fabric.network == "roce" else None)
+        )
         if gid is not None and fabric.network in RDMA_NETWORKS:
             env["NCCL_IB_GID_INDEX"] = str(gid)
         if fabric.gdr_level:
@@ -117,9 +120,14 @@ class SlurmRequest:
     """A job array: task i keeps its metrics and summary in <array_run_dir>/i."""
 
 
-def slurm_request(spec: JobSpec, python: str = "python3", run_dir: str | None = None,
-               log_dir: str | None = None, array: list[JobSpec] | None = None,
-               job_name: str | None = None) -> SlurmRequest:
+def slurm_request(
+    spec: JobSpec,
+    python: str = "python3",
+    run_dir: str | None = None,
+    log_dir: str | None = None,
+    array: list[JobSpec] | None = None,
+    job_name: str | None = None,
+) -> SlurmRequest:
     """The sbatch script's parts. `python` runs the trainer on the nodes; `run_dir` (metrics,
     summary, exit statuses) and `log_dir` are set by the Slurm backend to the job's record
     directory, and left to the defaults when rendering for plain sbatch.
@@ -154,7 +162,8 @@ def slurm_request(spec: JobSpec, python: str = "python3", run_dir: str | None = 
     if array:
         directives.append(f"--array=0-{len(array) - 1}")
     directives += [
-        "--output=" + ("" if log_dir == "." else log_dir.rstrip("/") + "/")
+        "--output="
+        + ("" if log_dir == "." else log_dir.rstrip("/") + "/")
         + ("%x-%A_%a.out" if array else "%x-%j.out"),
         # Requeued runs append to the same log rather than truncating the first run's.
         "--open-mode=append",
@@ -169,8 +178,7 @@ def slurm_request(spec: JobSpec, python: str = "python3", run_dir: str | None = 
         env[RUN_DIR_ENV] = run_dir
     # The trainer's own run directory: $CTXLAUNCH_RUN_DIR (a job array's task sets its own),
     # else its default. Job names are RFC 1123 labels: nothing in them needs quoting.
-    events_file = (f'"${{{RUN_DIR_ENV}:-{default_run_dir(job_name or spec.name)}}}"'
-                   f"/{EVENTS_FILE}")
+    events_file = f'"${{{RUN_DIR_ENV}:-{default_run_dir(job_name or spec.name)}}}"/{EVENTS_FILE}'
     return SlurmRequest(
         job_name=job_name or spec.name,
         directives=directives,
@@ -181,8 +189,11 @@ def slurm_request(spec: JobSpec, python: str = "python3", run_dir: str | None = 
         requeue=s.requeue,
         signal_seconds=s.signal_seconds,
         rendezvous_port_shell=ShellCode(slurm_rendezvous_port_shell("SLURM_JOB_ID")),
-        requeue_event=ShellCode(requeue_printf(events_file, restart_var="restarts",
-                                               cause_var="cause", exit_var="status")),
+        requeue_event=ShellCode(
+            requeue_printf(
+                events_file, restart_var="restarts", cause_var="cause", exit_var="status"
+            )
+        ),
         spec_env=SPEC_ENV,
         spec_json=spec_json(spec),
         log_dir=log_dir,
@@ -297,8 +308,11 @@ def kubernetes_request(spec: JobSpec, sweep: str | None = None) -> KubernetesReq
     if k.scheduler:
         run_policy["schedulingPolicy"] = scheduling_policy(k, c.nodes)
     tolerations = [t.model_dump(exclude_none=True) for t in k.tolerations]
-    labels = {"app.kubernetes.io/name": "ctxlaunch", "ctxlaunch/job": spec.name,
-              **({SWEEP_LABEL: sweep} if sweep else {})}
+    labels = {
+        "app.kubernetes.io/name": "ctxlaunch",
+        "ctxlaunch/job": spec.name,
+        **({SWEEP_LABEL: sweep} if sweep else {}),
+    }
     trainjob = k.api == "trainjob"
     return KubernetesRequest(
         name=spec.name,
@@ -324,8 +338,9 @@ def kubernetes_request(spec: JobSpec, sweep: str | None = None) -> KubernetesReq
         spec_file=K8S_SPEC_FILE,
         # The profile is a file on the submitter's machine, not in the pod: the pod's spec
         # leaves it out (a path that is not there would fail the spec's validation).
-        spec_json=spec_json(spec.model_copy(update={
-            "cluster": spec.cluster.model_copy(update={"profile": None})})),
+        spec_json=spec_json(
+            spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"profile": None})})
+        ),
         config_map=f"{spec.name}-spec",
         master_port=TRAINJOB_MASTER_PORT if trainjob else K8S_MASTER_PORT,
         api=k.api,
@@ -340,9 +355,9 @@ def kubernetes_request(spec: JobSpec, sweep: str | None = None) -> KubernetesReq
         service_account=k.service_account,
         priority_class=k.priority_class,
         run_policy=run_policy,
-        metrics_ports=[(f"metrics-{r}", spec.telemetry.port + r)
-                       for r in range(c.gpus_per_node)]
-        if spec.telemetry.prometheus == "scrape" else [],
+        metrics_ports=[(f"metrics-{r}", spec.telemetry.port + r) for r in range(c.gpus_per_node)]
+        if spec.telemetry.prometheus == "scrape"
+        else [],
     )
 
 
@@ -359,8 +374,9 @@ def scheduling_policy(k: KubernetesSpec, nodes: int) -> dict[str, Any]:
     return policy
 
 
-def trainjob_request(k: KubernetesSpec, name: str, nodes: int, labels: dict[str, str]
-                  ) -> TrainJobRequest:
+def trainjob_request(
+    k: KubernetesSpec, name: str, nodes: int, labels: dict[str, str]
+) -> TrainJobRequest:
     """What a TrainJob needs beside the pod spec: suspension for Kueue, the JobSet's restarts
     (failurePolicy) and the Job's permanent exits (podFailurePolicy), the gang's PodGroup."""
     spec: dict[str, Any] = {}
@@ -368,24 +384,50 @@ def trainjob_request(k: KubernetesSpec, name: str, nodes: int, labels: dict[str,
         spec["suspend"] = True
     if k.active_deadline_seconds is not None:
         spec["activeDeadlineSeconds"] = k.active_deadline_seconds
-    jobset: dict[str, Any] = {"failurePolicy": {
-        "maxRestarts": k.backoff_limit,
-        "rules": [{"name": "permanent-exit", "action": "FailJobSet",
-                   "onJobFailureReasons": ["PodFailurePolicy"]}]}}
+    jobset: dict[str, Any] = {
+        "failurePolicy": {
+            "maxRestarts": k.backoff_limit,
+            "rules": [
+                {
+                    "name": "permanent-exit",
+                    "action": "FailJobSet",
+                    "onJobFailureReasons": ["PodFailurePolicy"],
+                }
+            ],
+        }
+    }
     if k.ttl_seconds_after_finished is not None:
         jobset["ttlSecondsAfterFinished"] = k.ttl_seconds_after_finished
     # backoffLimit 0: one failed pod fails its Job and the JobSet restarts every node together,
     # as torchrun's rendezvous needs.
-    job = {"backoffLimit": 0, "podFailurePolicy": {"rules": [
-        {"action": "FailJob", "onExitCodes": {"containerName": TRAINJOB_CONTAINER,
-                                              "operator": "In", "values": PERMANENT_EXITS}}]}}
+    job = {
+        "backoffLimit": 0,
+        "podFailurePolicy": {
+            "rules": [
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {
+                        "containerName": TRAINJOB_CONTAINER,
+                        "operator": "In",
+                        "values": PERMANENT_EXITS,
+                    },
+                }
+            ]
+        },
+    }
     pod_group: dict[str, Any] = {}
     if k.scheduler == "volcano":
         pod_group = {"volcano": {}}
     elif k.scheduler == "coscheduling":
         pod_group = {"coscheduling": {"scheduleTimeoutSeconds": k.schedule_timeout_seconds or 60}}
     return TrainJobRequest(
-        runtime=f"{name}-runtime", num_nodes=nodes, suspend=bool(k.queue),
-        runtime_labels={**labels, "trainer.kubeflow.org/framework": "torch"}, spec=spec, jobset=jobset, job=job,
+        runtime=f"{name}-runtime",
+        num_nodes=nodes,
+        suspend=bool(k.queue),
+        runtime_labels={**labels, "trainer.kubeflow.org/framework": "torch"},
+        spec=spec,
+        jobset=jobset,
+        job=job,
         pod_group_policy=pod_group,
-        annotations={VOLCANO_QUEUE_ANNOTATION: k.scheduler_queue} if k.scheduler_queue else {})
+        annotations={VOLCANO_QUEUE_ANNOTATION: k.scheduler_queue} if k.scheduler_queue else {},
+    )

@@ -77,8 +77,9 @@ class Point:
     """Why the point cannot run (the spec's own error), when it cannot."""
 
 
-def load_sweep(path: str | Path, overrides: Iterable[str] = ()
-               ) -> tuple[SweepDefinition, list[Point]]:
+def load_sweep(
+    path: str | Path, overrides: Iterable[str] = ()
+) -> tuple[SweepDefinition, list[Point]]:
     """Read a sweep file and expand it; `overrides` (path=value) apply to every point after
     the file's own `set`."""
     path = Path(path)
@@ -88,12 +89,19 @@ def load_sweep(path: str | Path, overrides: Iterable[str] = ()
     try:
         definition = SweepDefinition.model_validate(data["sweep"])
     except ValidationError as exc:
-        raise SpecError(str(path), [Problem("sweep." + ".".join(map(str, e["loc"])),
-                                            e["msg"].removeprefix("Value error, "))
-                                    for e in exc.errors()]) from None
-    base = apply_overrides(read_spec_data(path.parent / definition.base),
-                           [f"{k}={json.dumps(v)}" for k, v in definition.set.items()]
-                           + list(overrides))
+        raise SpecError(
+            str(path),
+            [
+                Problem(
+                    "sweep." + ".".join(map(str, e["loc"])), e["msg"].removeprefix("Value error, ")
+                )
+                for e in exc.errors()
+            ],
+        ) from None
+    base = apply_overrides(
+        read_spec_data(path.parent / definition.base),
+        [f"{k}={json.dumps(v)}" for k, v in definition.set.items()] + list(overrides),
+    )
     return definition, expand(definition, base)
 
 
@@ -103,13 +111,13 @@ def expand(definition: SweepDefinition, base: dict[str, Any]) -> list[Point]:
     for index, combination in enumerate(itertools.product(*(values for _, values in axes))):
         values = dict(zip((path for path, _ in axes), combination, strict=True))
         name = point_name(definition.name, combination)
-        data = apply_overrides(base, [f"{k}={json.dumps(v)}" for k, v in values.items()]
-                               + [f"name={name}"])
+        data = apply_overrides(
+            base, [f"{k}={json.dumps(v)}" for k, v in values.items()] + [f"name={name}"]
+        )
         try:
             points.append(Point(index, values, name, validate_spec(data, name)))
         except SpecError as exc:
-            points.append(Point(index, values, name, None,
-                                "; ".join(str(p) for p in exc.problems)))
+            points.append(Point(index, values, name, None, "; ".join(str(p) for p in exc.problems)))
     return points
 
 
@@ -136,8 +144,9 @@ def slurm_groups(points: list[Point]) -> list[list[Point]]:
 RESULT_FIELDS = ("tokens_per_second_per_gpu", "step_seconds", "final_loss")
 
 
-def result_row(point_record: dict[str, Any], state: str, summary: dict[str, Any] | None
-               ) -> dict[str, Any]:
+def result_row(
+    point_record: dict[str, Any], state: str, summary: dict[str, Any] | None
+) -> dict[str, Any]:
     row = {"name": point_record["name"], **point_record["values"], "state": state}
     for field in RESULT_FIELDS:
         row[field] = summary.get(field) if summary else None
@@ -190,16 +199,24 @@ def prepare(name: str, runnable: list[Point]) -> Submission:
     target = _specs(runnable)[0].cluster.target
     backend = get_backend(target)
     sweep_id = jobstore.new_id("sweep", name)
-    groups = [[runnable[index] for index in group]
-              for group in backend.sweep_groups(_specs(runnable))]
-    dryruns = [backend.sweep_dryrun(sweep_id, f"{name}-{i}" if len(groups) > 1 else name,
-                                    _specs(group))
-               for i, group in enumerate(groups)]
+    groups = [
+        [runnable[index] for index in group] for group in backend.sweep_groups(_specs(runnable))
+    ]
+    dryruns = [
+        backend.sweep_dryrun(sweep_id, f"{name}-{i}" if len(groups) > 1 else name, _specs(group))
+        for i, group in enumerate(groups)
+    ]
     return Submission(target, groups, dryruns, sweep_id)
 
 
-def submit(name: str, axes: Iterable[str], points: list[Point], reasons: dict[int, str],
-           submission: Submission, log: Callable[[str], object] = print) -> str:
+def submit(
+    name: str,
+    axes: Iterable[str],
+    points: list[Point],
+    reasons: dict[int, str],
+    submission: Submission,
+    log: Callable[[str], object] = print,
+) -> str:
     """Submit (Slurm arrays) or run (locally, one after another) the prepared points and save
     the sweep's record; returns the sweep id for `ctxlaunch report`. A scheduler's refusal
     raises RuntimeError (nothing of that group was submitted); a point refused on its own (a
@@ -213,11 +230,18 @@ def submit(name: str, axes: Iterable[str], points: list[Point], reasons: dict[in
 
     backend = get_backend(submission.target)
     sweep_id = submission.sweep_id
-    entries = {p.index: {"index": p.index, "name": p.name, "values": p.values, "job": None,
-                         "skipped": reasons.get(p.index),
-                         # the resolved spec, so `report` can predict the point
-                         "spec": p.spec.model_dump(mode="json") if p.spec else None}
-               for p in points}
+    entries = {
+        p.index: {
+            "index": p.index,
+            "name": p.name,
+            "values": p.values,
+            "job": None,
+            "skipped": reasons.get(p.index),
+            # the resolved spec, so `report` can predict the point
+            "spec": p.spec.model_dump(mode="json") if p.spec else None,
+        }
+        for p in points
+    }
     refused = 0
     for group, dryrun in zip(submission.groups, submission.dryruns, strict=True):
         try:
@@ -233,7 +257,15 @@ def submit(name: str, axes: Iterable[str], points: list[Point], reasons: dict[in
             log(jobs.note)
     if refused == len(submission.groups):
         raise RuntimeError("no point of the sweep was submitted")
-    jobstore.save_sweep(sweep_id, {"id": sweep_id, "name": name, "target": submission.target,
-                                   "created": time.time(), "axes": list(axes),
-                                   "points": [entries[i] for i in sorted(entries)]})
+    jobstore.save_sweep(
+        sweep_id,
+        {
+            "id": sweep_id,
+            "name": name,
+            "target": submission.target,
+            "created": time.time(),
+            "axes": list(axes),
+            "points": [entries[i] for i in sorted(entries)],
+        },
+    )
     return sweep_id

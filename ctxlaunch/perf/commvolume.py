@@ -116,8 +116,9 @@ def tp_block_bytes(model: ModelSpec, layout: Layout, *, stream: int | None = Non
     bytes (default `stream_bytes(layout)`)."""
     width = stream_bytes(layout) if stream is None else stream
     n_stream, n_compute = tp_collectives_per_block(layout)
-    return (n_stream * tp_message_bytes(model, layout, width)
-            + n_compute * tp_message_bytes(model, layout, layout.compute_bytes))
+    return n_stream * tp_message_bytes(model, layout, width) + n_compute * tp_message_bytes(
+        model, layout, layout.compute_bytes
+    )
 
 
 def tp_edge_bytes(model: ModelSpec, layout: Layout, *, first: bool, last: bool) -> float:
@@ -130,8 +131,10 @@ def tp_edge_bytes(model: ModelSpec, layout: Layout, *, first: bool, last: bool) 
     # The bundled trainer's chunked loss runs its all-reduces in forward only; a recomputed
     # loss runs them again in backward.
     loss_passes = 1 if layout.framework == "ctxlaunch" else 2
-    return (2 * frac_t * n * model.hidden * 4 * (first + last)
-            + loss_passes * 2 * frac_t * n * 3 * 4 * last)
+    return (
+        2 * frac_t * n * model.hidden * 4 * (first + last)
+        + loss_passes * 2 * frac_t * n * 3 * 4 * last
+    )
 
 
 def ring_hop_bytes(model: ModelSpec, layout: Layout) -> tuple[float, float]:
@@ -159,8 +162,14 @@ def ulysses_all_to_all_bytes(model: ModelSpec, layout: Layout) -> float:
     """Bytes one rank sends in one direction of a block's Ulysses all-to-alls (q, k, v to
     heads, or the output back): (U-1)/U * n*(2h + 2h_kv)/t * a."""
     u = layout.ulysses_degree
-    return ((u - 1) / u * _local_tokens(layout) * (2 * model.hidden + 2 * model.kv_hidden)
-            / layout.tp * layout.compute_bytes)
+    return (
+        (u - 1)
+        / u
+        * _local_tokens(layout)
+        * (2 * model.hidden + 2 * model.kv_hidden)
+        / layout.tp
+        * layout.compute_bytes
+    )
 
 
 def ulysses_passes(layout: Layout) -> float:
@@ -181,8 +190,11 @@ def cp_block_bytes(model: ModelSpec, layout: Layout) -> float:
     ring = layout.ring_degree
     forward, backward = ring_hop_bytes(model, layout)
     ring_bytes = (ring - 1) * (ring_forwards(layout) * forward + backward)
-    ulysses = (ulysses_passes(layout) * ulysses_all_to_all_bytes(model, layout)
-               if layout.ulysses_degree > 1 else 0.0)
+    ulysses = (
+        ulysses_passes(layout) * ulysses_all_to_all_bytes(model, layout)
+        if layout.ulysses_degree > 1
+        else 0.0
+    )
     return ring_bytes + ulysses
 
 
@@ -192,8 +204,9 @@ def pp_message_bytes(model: ModelSpec, layout: Layout, *, stream: int | None = N
     return _local_tokens(layout) * model.hidden / layout.tp * width
 
 
-def dp_step_bytes(layout: Layout, params: float, *, norm_params: float = 0,
-                  grad_bytes: int | None = None) -> float:
+def dp_step_bytes(
+    layout: Layout, params: float, *, norm_params: float = 0, grad_bytes: int | None = None
+) -> float:
     """Bytes one rank sends per step reducing gradients (and gathering weights) over the DP x CP
     replicas, for `params` parameters held (`norm_params` of them replicated over TP);
     `grad_bytes`: the gradients' element bytes (default fp32 under ZeRO-0, else the compute
@@ -214,9 +227,16 @@ def dp_step_bytes(layout: Layout, params: float, *, norm_params: float = 0,
     return volume + (2 * frac_t * 4 * norm_params if norm_params else 0.0)
 
 
-def step_comm_bytes(model: ModelSpec, layout: Layout, *, blocks: int | None = None,
-                    first_stage: bool = True, last_stage: bool = True,
-                    stage_params: int = 0, norm_params: int = 0) -> CommVolume:
+def step_comm_bytes(
+    model: ModelSpec,
+    layout: Layout,
+    *,
+    blocks: int | None = None,
+    first_stage: bool = True,
+    last_stage: bool = True,
+    stage_params: int = 0,
+    norm_params: int = 0,
+) -> CommVolume:
     """Bytes sent per optimizer step by one rank of a pipeline stage holding `blocks` blocks
     (default: all), per dimension; see the module docstring for each term.
     `stage_params`: parameters this rank holds (its TP slice of its stages) for the DP term;
@@ -225,8 +245,10 @@ def step_comm_bytes(model: ModelSpec, layout: Layout, *, blocks: int | None = No
     m = layout.grad_accum
     tp_bytes = 0.0
     if layout.tp > 1:
-        tp_bytes = m * (layers * tp_block_bytes(model, layout)
-                        + tp_edge_bytes(model, layout, first=first_stage, last=last_stage))
+        tp_bytes = m * (
+            layers * tp_block_bytes(model, layout)
+            + tp_edge_bytes(model, layout, first=first_stage, last=last_stage)
+        )
     cp_bytes = m * layers * cp_block_bytes(model, layout)
     pp_bytes = m * pp_message_bytes(model, layout) * ((not last_stage) + (not first_stage))
     dp_bytes = dp_step_bytes(layout, stage_params, norm_params=norm_params)

@@ -99,13 +99,19 @@ def flops_per_token(model: ModelShape, seq_len: int, convention: MfuConvention) 
     return 6.0 * count_params(model).matmul + attention_flops_per_token(model, seq_len, convention)
 
 
-def mfu(tokens_per_second_per_gpu: float, model: ModelShape, seq_len: int,
-        peak_flops_per_gpu: float, convention: MfuConvention) -> float:
+def mfu(
+    tokens_per_second_per_gpu: float,
+    model: ModelShape,
+    seq_len: int,
+    peak_flops_per_gpu: float,
+    convention: MfuConvention,
+) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s per GPU over the GPU's peak."""
     if peak_flops_per_gpu <= 0:
         raise ValueError(f"peak_flops_per_gpu must be positive, got {peak_flops_per_gpu}")
-    return tokens_per_second_per_gpu * flops_per_token(model, seq_len, convention) \
-        / peak_flops_per_gpu
+    return (
+        tokens_per_second_per_gpu * flops_per_token(model, seq_len, convention) / peak_flops_per_gpu
+    )
 
 
 def token_weighted_document_tokens(document_lengths: Iterable[int]) -> float:
@@ -124,6 +130,7 @@ def document_attention_fraction(seq_len: int, document_tokens: float) -> float:
     L(L+1)/2 over S(S+1)/2 = (m + 1) / (S + 1) with m = sum L^2 / S, m capped at S (documents
     longer than a sequence are cut into whole sequences). 1 when m >= S."""
     if seq_len < 1 or document_tokens <= 0:
-        raise ValueError(f"seq_len ({seq_len}) and document_tokens ({document_tokens}) must be "
-                         "positive")
+        raise ValueError(
+            f"seq_len ({seq_len}) and document_tokens ({document_tokens}) must be positive"
+        )
     return (min(float(document_tokens), seq_len) + 1) / (seq_len + 1)

@@ -75,15 +75,30 @@ class Layout:
         """The layout a validated spec runs with."""
         t, p = spec.training, spec.parallel
         return cls(
-            seq_len=t.seq_len, micro_batch=t.micro_batch, grad_accum=spec.grad_accum,
-            tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=spec.dp, virtual_stages=p.virtual_stages,
-            stage_layers=spec.stage_layers, cp_algorithm=p.cp_algorithm,
-            ulysses_degree=spec.ulysses_degree, cp_sharding=p.cp_sharding, zero_stage=t.zero_stage,
-            engine=t.engine, activation_checkpointing=t.activation_checkpointing,
+            seq_len=t.seq_len,
+            micro_batch=t.micro_batch,
+            grad_accum=spec.grad_accum,
+            tp=p.tp,
+            pp=p.pp,
+            cp=p.cp,
+            ep=p.ep,
+            dp=spec.dp,
+            virtual_stages=p.virtual_stages,
+            stage_layers=spec.stage_layers,
+            cp_algorithm=p.cp_algorithm,
+            ulysses_degree=spec.ulysses_degree,
+            cp_sharding=p.cp_sharding,
+            zero_stage=t.zero_stage,
+            engine=t.engine,
+            activation_checkpointing=t.activation_checkpointing,
             dtype=spec.model.dtype,
             matmul_precision="bf16" if spec.model.dtype == "bf16" else "fp32",
-            attended_fraction=(document_attention_fraction(t.seq_len, t.data.mean_document_tokens)
-                               if t.data.document_mask and t.data.mean_document_tokens else 1.0))
+            attended_fraction=(
+                document_attention_fraction(t.seq_len, t.data.mean_document_tokens)
+                if t.data.document_mask and t.data.mean_document_tokens
+                else 1.0
+            ),
+        )
 
     def replace(self, **changes: Any) -> Layout:
         """This layout with some fields changed."""
@@ -95,8 +110,11 @@ class Layout:
         degree, grad_accum from the global batch)."""
         hybrid = self.cp_algorithm == "hybrid"
         return {
-            "parallel.tp": self.tp, "parallel.pp": self.pp, "parallel.cp": self.cp,
-            "parallel.ep": self.ep, "parallel.dp": self.dp,
+            "parallel.tp": self.tp,
+            "parallel.pp": self.pp,
+            "parallel.cp": self.cp,
+            "parallel.ep": self.ep,
+            "parallel.dp": self.dp,
             "parallel.cp_algorithm": self.cp_algorithm,
             "parallel.ulysses_degree": self.ulysses_degree if hybrid else None,
             "parallel.ring_degree": None,
@@ -120,14 +138,21 @@ class Layout:
         for path, value in self.overrides().items():
             section, name = path.split(".")
             sections.setdefault(section, {})[name] = value
-        return spec.model_copy(update={
-            section: getattr(spec, section).model_copy(update=fields)
-            for section, fields in sections.items()})
+        return spec.model_copy(
+            update={
+                section: getattr(spec, section).model_copy(update=fields)
+                for section, fields in sections.items()
+            }
+        )
 
     def describe_degrees(self) -> str:
         """How the GPUs are split, in one phrase: "tp 8 pp 1 cp 4 hybrid u2 dp 2"."""
-        algo = ("" if self.cp == 1 else f" {self.cp_algorithm}"
-                + (f" u{self.ulysses_degree}" if self.cp_algorithm == "hybrid" else ""))
+        algo = (
+            ""
+            if self.cp == 1
+            else f" {self.cp_algorithm}"
+            + (f" u{self.ulysses_degree}" if self.cp_algorithm == "hybrid" else "")
+        )
         return f"tp {self.tp} pp {self.pp} cp {self.cp}{algo} dp {self.dp}"
 
     # ----------------------------------------------------------------------------------------
@@ -163,8 +188,11 @@ class Layout:
     @property
     def fsdp(self) -> bool:
         """The bundled trainer shards model states with FSDP2 (training.engine, resolved)."""
-        return self.framework == "ctxlaunch" and resolve_state_engine(
-            self.engine, self.zero_stage, tp=self.tp, pp=self.pp) == "fsdp2"
+        return (
+            self.framework == "ctxlaunch"
+            and resolve_state_engine(self.engine, self.zero_stage, tp=self.tp, pp=self.pp)
+            == "fsdp2"
+        )
 
     @property
     def fsdp_sharded(self) -> bool:

@@ -99,9 +99,16 @@ class Machine:
     """The profile's held-out relative error (0: not known, e.g. a CPU calibration)."""
 
     @classmethod
-    def from_gpu(cls, gpu: GpuInfo, *, network: str, gpus_per_node: int,
-                 nvlink_domain: int | None = None, framework: str = "ctxlaunch",
-                 **changes: Any) -> Machine:
+    def from_gpu(
+        cls,
+        gpu: GpuInfo,
+        *,
+        network: str,
+        gpus_per_node: int,
+        nvlink_domain: int | None = None,
+        framework: str = "ctxlaunch",
+        **changes: Any,
+    ) -> Machine:
         """The data-sheet machine of `gpu` over the `network` fabric, timed with the kernels
         and overlap of `framework` (a profile of ctxlaunch.perf.profiles)."""
         prof: FrameworkProfile = profile(framework)
@@ -109,24 +116,36 @@ class Machine:
         if gpu.fp8:
             peaks["fp8"] = 2 * gpu.peak_bf16_flops
         domain = nvlink_domain or gpu.nvlink_domain
-        machine = cls(name=gpu.name, peak_flops=peaks,
-                      memory_bytes_per_second=gpu.hbm_bytes_per_second,
-                      gpus_per_node=gpus_per_node, nvlink_domain=domain,
-                      intra_node=LINKS[gpu.intra_node_link], network=LINKS[network],
-                      peak_reference_flops=gpu.peak_bf16_flops,
-                      eta_matmul=dict(prof.eta_matmul), eta_attention=prof.attention_fraction,
-                      overlap_dp=prof.overlap_dp,
-                      elementwise_bytes_per_second=(
-                          prof.elementwise_fraction_of_hbm * gpu.hbm_bytes_per_second
-                          if prof.elementwise_fraction_of_hbm < 1 else None),
-                      loss_bytes_per_second=(
-                          prof.loss_fraction_of_hbm * gpu.hbm_bytes_per_second
-                          if prof.loss_fraction_of_hbm < 1 else None),
-                      microbatch_overhead_seconds=prof.microbatch_overhead_seconds,
-                      framework=prof.name, sm_count=gpu.sm_count,
-                      sfu_ops_per_second=gpu.sfu_ops_per_second, exp_exposed=prof.exp_exposed,
-                      attention_ramp_tokens=prof.attention_ramp_tokens,
-                      expected_error=prof.expected_error)
+        machine = cls(
+            name=gpu.name,
+            peak_flops=peaks,
+            memory_bytes_per_second=gpu.hbm_bytes_per_second,
+            gpus_per_node=gpus_per_node,
+            nvlink_domain=domain,
+            intra_node=LINKS[gpu.intra_node_link],
+            network=LINKS[network],
+            peak_reference_flops=gpu.peak_bf16_flops,
+            eta_matmul=dict(prof.eta_matmul),
+            eta_attention=prof.attention_fraction,
+            overlap_dp=prof.overlap_dp,
+            elementwise_bytes_per_second=(
+                prof.elementwise_fraction_of_hbm * gpu.hbm_bytes_per_second
+                if prof.elementwise_fraction_of_hbm < 1
+                else None
+            ),
+            loss_bytes_per_second=(
+                prof.loss_fraction_of_hbm * gpu.hbm_bytes_per_second
+                if prof.loss_fraction_of_hbm < 1
+                else None
+            ),
+            microbatch_overhead_seconds=prof.microbatch_overhead_seconds,
+            framework=prof.name,
+            sm_count=gpu.sm_count,
+            sfu_ops_per_second=gpu.sfu_ops_per_second,
+            exp_exposed=prof.exp_exposed,
+            attention_ramp_tokens=prof.attention_ramp_tokens,
+            expected_error=prof.expected_error,
+        )
         return dataclasses.replace(machine, **changes) if changes else machine
 
     def link_for_span(self, span: int) -> LinkInfo:
@@ -207,28 +226,42 @@ class Calibration:
         if share >= self.cores and one_thread_overhead:
             overhead = one_thread_overhead
         overhead *= max(1.0, share / max(self.cores, 1))
-        link = LinkInfo("gloo loopback (measured)", self.link_bytes_per_second,
-                        self.link_latency_seconds, f"measured {self.measured_at}")
+        link = LinkInfo(
+            "gloo loopback (measured)",
+            self.link_bytes_per_second,
+            self.link_latency_seconds,
+            f"measured {self.measured_at}",
+        )
         syncs = {int(k): v for k, v in (self.sync_seconds or {}).items()}
         nearest = min(syncs, key=lambda k: (abs(k - share), k)) if syncs else None
         sync = jitter = 0.0
         if nearest is not None and share > 1:
             sync = syncs[nearest]
             jitter = (self.sync_jitter or {}).get(str(nearest), 0.0)
-        return Machine(name="cpu", peak_flops={"bf16": rate, "fp32": rate},
-                       memory_bytes_per_second=self.memory_bytes_per_second / share,
-                       gpus_per_node=gpus_per_node, nvlink_domain=gpus_per_node,
-                       intra_node=link, network=link,
-                       eta_matmul={"bf16": 1.0, "fp32": 1.0}, eta_comm=1.0,
-                       attention_flops_per_second=self._per_rank(
-                           self.attention_flops_per_second, "attention", share),
-                       attention_ramp_tokens=self._attention_ramp(share),
-                       overlap_dp=False, peak_reference_flops=rate,
-                       microbatch_overhead_seconds=overhead, sync_seconds=sync,
-                       sync_jitter=jitter,
-                       causal_tile_tokens=self.causal_tile_tokens,
-                       elementwise_bytes_per_second=(self._per_rank(
-                           self.elementwise_bytes_per_second, "elementwise", share) or None))
+        return Machine(
+            name="cpu",
+            peak_flops={"bf16": rate, "fp32": rate},
+            memory_bytes_per_second=self.memory_bytes_per_second / share,
+            gpus_per_node=gpus_per_node,
+            nvlink_domain=gpus_per_node,
+            intra_node=link,
+            network=link,
+            eta_matmul={"bf16": 1.0, "fp32": 1.0},
+            eta_comm=1.0,
+            attention_flops_per_second=self._per_rank(
+                self.attention_flops_per_second, "attention", share
+            ),
+            attention_ramp_tokens=self._attention_ramp(share),
+            overlap_dp=False,
+            peak_reference_flops=rate,
+            microbatch_overhead_seconds=overhead,
+            sync_seconds=sync,
+            sync_jitter=jitter,
+            causal_tile_tokens=self.causal_tile_tokens,
+            elementwise_bytes_per_second=(
+                self._per_rank(self.elementwise_bytes_per_second, "elementwise", share) or None
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -278,28 +311,40 @@ class GpuCalibration:
         """The `ctxlaunch` profile's machine for this GPU and fabric with the measured
         constants; the intra-node link is the collectives' median bus bandwidth and latency
         (the model's `eta_comm` is taken back out, since the measurement already holds it)."""
-        base = Machine.from_gpu(GPUS[self.gpu], network=self.network,
-                                gpus_per_node=gpus_per_node, framework="ctxlaunch")
+        base = Machine.from_gpu(
+            GPUS[self.gpu], network=self.network, gpus_per_node=gpus_per_node, framework="ctxlaunch"
+        )
         eta = dict(base.eta_matmul)
         eta[self.precision] = self.eta_matmul
         intra = base.intra_node
         if self.collectives:
             bus = sorted(c["bus_bytes_per_second"] for c in self.collectives.values())
             latency = sorted(c["latency_seconds"] for c in self.collectives.values())
-            intra = LinkInfo(f"{intra.name} (measured)", bus[len(bus) // 2] / base.eta_comm,
-                             latency[len(latency) // 2],
-                             f"{self.device_name}, measured {self.measured_at}")
+            intra = LinkInfo(
+                f"{intra.name} (measured)",
+                bus[len(bus) // 2] / base.eta_comm,
+                latency[len(latency) // 2],
+                f"{self.device_name}, measured {self.measured_at}",
+            )
         return dataclasses.replace(
-            base, name=f"{self.gpu} (measured)", eta_matmul=eta,
+            base,
+            name=f"{self.gpu} (measured)",
+            eta_matmul=eta,
             eta_attention=self.attention_fraction,
             attention_ramp_tokens=self.attention_ramp_tokens,
-            elementwise_bytes_per_second=(self.elementwise_fraction_of_hbm
-                                          * base.memory_bytes_per_second),
+            elementwise_bytes_per_second=(
+                self.elementwise_fraction_of_hbm * base.memory_bytes_per_second
+            ),
             loss_bytes_per_second=(
-                self.elementwise_fraction_of_hbm if self.loss_fraction_of_hbm is None
-                else self.loss_fraction_of_hbm) * base.memory_bytes_per_second,
-            microbatch_overhead_seconds=self.microbatch_overhead_seconds, intra_node=intra,
-            expected_error=self.expected_error)
+                self.elementwise_fraction_of_hbm
+                if self.loss_fraction_of_hbm is None
+                else self.loss_fraction_of_hbm
+            )
+            * base.memory_bytes_per_second,
+            microbatch_overhead_seconds=self.microbatch_overhead_seconds,
+            intra_node=intra,
+            expected_error=self.expected_error,
+        )
 
 
 def calibration_path() -> Path:
@@ -318,8 +363,9 @@ def load_calibration(path: Path | None = None) -> Calibration | None:
 
 def save_calibration(calibration: Calibration, path: Path | None = None) -> Path:
     """Save the CPU constants atomically; returns the path written."""
-    return atomic_write_text(path or calibration_path(),
-                             json.dumps(asdict(calibration), indent=2) + "\n")
+    return atomic_write_text(
+        path or calibration_path(), json.dumps(asdict(calibration), indent=2) + "\n"
+    )
 
 
 def profile_path_for(spec: JobSpec, spec_path: Path | None = None) -> Path:
@@ -335,12 +381,18 @@ def save_profile(calibration: Calibration | GpuCalibration, spec: JobSpec, path:
     fabric of `spec` (what cluster.profile checks), with the node shape they were taken on."""
     from ctxlaunch.contract.spec import PROFILE_FORMAT
 
-    data = {"format": PROFILE_FORMAT, "gpu": spec.cluster.gpu,
-            "fabric": spec.fabric.network, "framework": "ctxlaunch",
-            "kind": "gpu" if isinstance(calibration, GpuCalibration) else "cpu",
-            "nodes": spec.cluster.nodes, "gpus_per_node": spec.cluster.gpus_per_node,
-            "model": spec.model.preset or "custom", "measured_at": calibration.measured_at,
-            "calibration": asdict(calibration)}
+    data = {
+        "format": PROFILE_FORMAT,
+        "gpu": spec.cluster.gpu,
+        "fabric": spec.fabric.network,
+        "framework": "ctxlaunch",
+        "kind": "gpu" if isinstance(calibration, GpuCalibration) else "cpu",
+        "nodes": spec.cluster.nodes,
+        "gpus_per_node": spec.cluster.gpus_per_node,
+        "model": spec.model.preset or "custom",
+        "measured_at": calibration.measured_at,
+        "calibration": asdict(calibration),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
@@ -356,9 +408,14 @@ def load_profile(path: Path) -> Calibration | GpuCalibration:
         raise ValueError(f"cluster.profile: {path} is not a machine profile ({exc})") from None
 
 
-def machine_for(spec: JobSpec, *, gpus_per_node: int | None = None,
-                calibration: Calibration | None = None, saved: bool = True,
-                framework: str = "ctxlaunch") -> Machine:
+def machine_for(
+    spec: JobSpec,
+    *,
+    gpus_per_node: int | None = None,
+    calibration: Calibration | None = None,
+    saved: bool = True,
+    framework: str = "ctxlaunch",
+) -> Machine:
     """The machine `spec` runs on, with `gpus_per_node` (default: the spec's own; how many
     nodes does not change a node's rates): the GPU and fabric tables timed with `framework`'s
     profile (default the bundled trainer's); the constants of the machine profile the spec
@@ -374,5 +431,10 @@ def machine_for(spec: JobSpec, *, gpus_per_node: int | None = None,
         measured = calibration or (load_calibration() if saved else None)
         if measured is not None:
             return measured.machine(gpus_per_node=per_node)
-    return Machine.from_gpu(c.gpu_info, network=spec.fabric.network, gpus_per_node=per_node,
-                            nvlink_domain=spec.nvlink_domain, framework=framework)
+    return Machine.from_gpu(
+        c.gpu_info,
+        network=spec.fabric.network,
+        gpus_per_node=per_node,
+        nvlink_domain=spec.nvlink_domain,
+        framework=framework,
+    )

@@ -136,6 +136,7 @@ GPU_FIXED_ALLOWANCE = int(1.5 * GiB)
 CPU_FIXED_ALLOWANCE = int(0.4 * GiB)
 FRAGMENTATION = 0.05
 
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Predicted peak memory of one rank, by part, in bytes."""
@@ -155,8 +156,15 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return (self.parameters + self.gradients + self.optimizer_states + self.activations
-                + self.workspace + self.communication_buffers + self.allowance)
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer_states
+            + self.activations
+            + self.workspace
+            + self.communication_buffers
+            + self.allowance
+        )
 
     @property
     def headroom(self) -> int:
@@ -179,8 +187,12 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict[str, int | bool]:
         out: dict[str, int | bool] = {f"{name}_bytes": value for name, value in self.parts()}
-        out.update(total_bytes=self.total, capacity_bytes=self.capacity,
-                   headroom_bytes=self.headroom, fits=self.fits)
+        out.update(
+            total_bytes=self.total,
+            capacity_bytes=self.capacity,
+            headroom_bytes=self.headroom,
+            fits=self.fits,
+        )
         return out
 
 
@@ -278,14 +290,16 @@ def activation_bytes(model: ModelSpec, layout: Layout) -> float:
     if layout.pp == 1:
         return stage_activation_bytes(model, layout, model.layers, first=True, last=True)
     # 1F1B: stage r holds the activations of up to pp - r micro-batches in flight.
-    return max(min(layout.pp - r, layout.grad_accum)
-               * stage_activation_bytes(model, layout, held, first=r == 0,
-                                        last=r == layout.pp - 1)
-               for r, held in enumerate(layout.rank_layers(model.layers)))
+    return max(
+        min(layout.pp - r, layout.grad_accum)
+        * stage_activation_bytes(model, layout, held, first=r == 0, last=r == layout.pp - 1)
+        for r, held in enumerate(layout.rank_layers(model.layers))
+    )
 
 
-def stage_activation_bytes(model: ModelSpec, layout: Layout, blocks: int, *,
-                           first: bool, last: bool) -> float:
+def stage_activation_bytes(
+    model: ModelSpec, layout: Layout, blocks: int, *, first: bool, last: bool
+) -> float:
     """Bytes one micro-batch leaves saved for backward on a pipeline stage of `blocks` blocks
     (with the embedding if `first`, the final norm and the loss if `last`)."""
     t = layout.tp
@@ -304,8 +318,9 @@ def stage_activation_bytes(model: ModelSpec, layout: Layout, blocks: int, *,
         if layout.framework != "ctxlaunch":
             outside += 8 * t  # the int64 targets, which a recomputed loss keeps
     per_block = block_activation_bytes_per_token(model, layout)
-    return tokens * (per_block * blocks + outside) \
-        + autocast_weight_copy_bytes(model, layout) * blocks
+    return (
+        tokens * (per_block * blocks + outside) + autocast_weight_copy_bytes(model, layout) * blocks
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,13 +346,22 @@ class Phase:
 
     @property
     def total(self) -> float:
-        return (self.parameters + self.gradients + self.optimizer_states + self.activations
-                + self.workspace)
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer_states
+            + self.activations
+            + self.workspace
+        )
 
     def parts(self) -> list[tuple[str, float]]:
-        return [("parameters", self.parameters), ("gradients", self.gradients),
-                ("optimizer_states", self.optimizer_states), ("activations", self.activations),
-                ("workspace", self.workspace)]
+        return [
+            ("parameters", self.parameters),
+            ("gradients", self.gradients),
+            ("optimizer_states", self.optimizer_states),
+            ("activations", self.activations),
+            ("workspace", self.workspace),
+        ]
 
     def to_dict(self) -> dict[str, str | int]:
         out: dict[str, str | int] = {"name": self.name, "stage": self.stage}
@@ -351,20 +375,31 @@ def _states(model: ModelSpec, layout: Layout) -> tuple[float, float, float]:
     return state_bytes(model, layout, params)
 
 
-def state_bytes(model: ModelSpec, layout: Layout, params: int,
-                stage: int | None = None) -> tuple[int, int, int]:
+def state_bytes(
+    model: ModelSpec, layout: Layout, params: int, stage: int | None = None
+) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer states) bytes of `params` parameters on one rank (PP
     rank `stage`, or any), by the engine the layout runs (FSDP2, DeepSpeed or plain torch)."""
     if layout.fsdp:
-        return fsdp_state_bytes(params, zero3_gathered_params(model, layout, params, stage),
-                                layout.zero_stage, layout.shard_group,
-                                param_bytes=_fsdp_param_bytes(layout))
-    return model_state_bytes(params, largest_layer_params(model, layout.tp), layout.zero_stage,
-                             layout.shard_group, layout.dtype)
+        return fsdp_state_bytes(
+            params,
+            zero3_gathered_params(model, layout, params, stage),
+            layout.zero_stage,
+            layout.shard_group,
+            param_bytes=_fsdp_param_bytes(layout),
+        )
+    return model_state_bytes(
+        params,
+        largest_layer_params(model, layout.tp),
+        layout.zero_stage,
+        layout.shard_group,
+        layout.dtype,
+    )
 
 
-def zero3_gathered_params(model: ModelSpec, layout: Layout, params: int,
-                          stage: int | None = None) -> int:
+def zero3_gathered_params(
+    model: ModelSpec, layout: Layout, params: int, stage: int | None = None
+) -> int:
     """FSDP2 ZeRO-3: the parameters gathered at the peak (a block's backward) on PP rank
     `stage` (None: any, so the embedding and the head both): that block's, the next one's
     (prefetched), and the root module's (embedding; final norm and head), which the trainer
@@ -467,14 +502,16 @@ def _head_grad_bytes(model: ModelSpec, layout: Layout, params_bytes_per_param: f
     return params_bytes_per_param * (counts.head or counts.embedding) / layout.tp
 
 
-def _last_block_grad_bytes(model: ModelSpec, layout: Layout, params_bytes_per_param: float) -> \
-        float:
+def _last_block_grad_bytes(
+    model: ModelSpec, layout: Layout, params_bytes_per_param: float
+) -> float:
     """Gradients produced by the time the last block's feed-forward is differentiated: the
     output head (or tied embedding), the final norm gain, the down projection."""
     counts = count_params(model)
     head = counts.head if counts.head else counts.embedding
-    return params_bytes_per_param * (head + model.hidden + model.hidden * model.ffn_hidden) \
-        / layout.tp
+    return (
+        params_bytes_per_param * (head + model.hidden + model.hidden * model.ffn_hidden) / layout.tp
+    )
 
 
 def stage_params(model: ModelSpec, layout: Layout, stage: int) -> int:
@@ -575,8 +612,9 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
     # DeepSpeed ZeRO-1/2 (bf16): the fp32 gradient partition exists only inside the optimizer
     # step, and backward fills one reduce bucket (`deepspeed_bucket_bytes`).
     bucket = deepspeed_bucket_bytes(layout)
-    held_states = optimizer - (4 * stage_params(model, layout, stage) // layout.shard_group
-                               if bucket else 0)
+    held_states = optimizer - (
+        4 * stage_params(model, layout, stage) // layout.shard_group if bucket else 0
+    )
     saved = in_flight * one
     phases = [Phase("forward", parameters, 0.0, held_states, saved, buffers, stage)]
     buffers += bucket  # from the first backward hook to the end of backward
@@ -590,8 +628,9 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
         # the accumulating unsharded ones), the head's new gradient not yet added in (FSDP2:
         # unsharded, in the gathered weights' dtype).
         loss_input = r * h * full_tokens
-        head_grad = _head_grad_bytes(model, layout,
-                                     _fsdp_param_bytes(layout) if fsdp else grad_per_param)
+        head_grad = _head_grad_bytes(
+            model, layout, _fsdp_param_bytes(layout) if fsdp else grad_per_param
+        )
         work = buffers + loss_input + _loss_workspace_bytes(model, layout)
         if pp == 1:
             # The trainer's loss runs inside the root module's forward, where FSDP2 still
@@ -600,9 +639,17 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
         phases.append(Phase("loss", parameters, head_grad, held_states, saved, work, stage))
         if n > 1:
             kept = between * (1 + (not first)) if pp > 1 else 0.0
-            phases.append(Phase(f"loss (micro-batch 2 of {n})", parameters,
-                                head_grad + (accumulated_unsharded or gradients), held_states,
-                                saved, work + kept, stage))
+            phases.append(
+                Phase(
+                    f"loss (micro-batch 2 of {n})",
+                    parameters,
+                    head_grad + (accumulated_unsharded or gradients),
+                    held_states,
+                    saved,
+                    work + kept,
+                    stage,
+                )
+            )
     # The last block's feed-forward backward: the loss's saved tensors released (last stage),
     # the SwiGLU output replaced by its gradient (same bytes), gate and up's gradients and the
     # chunk's fp32 temporaries on top, with the gradient flowing into the block (on a stage
@@ -614,8 +661,10 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
     # first the previous backward's input gradient stays referenced (the stage's grads_input)
     # until the next one replaces it.
     f = model.ffn_hidden / layout.tp
-    recompute = tokens * (_feed_forward_recompute_bytes_per_token(model, layout)
-                          + _attention_recompute_bytes_per_token(model, layout))
+    recompute = tokens * (
+        _feed_forward_recompute_bytes_per_token(model, layout)
+        + _attention_recompute_bytes_per_token(model, layout)
+    )
     if layout.activation_checkpointing != "none" and layout.fp32_weights and layout.dtype == "bf16":
         recompute += 2.0 * 3 * h * model.ffn_hidden / layout.tp  # bf16 weight copies again
     # Under FSDP2 the gradients of the block being differentiated, and of the root's weights
@@ -628,18 +677,23 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
     else:
         released = 0.0
         produced = produced_per_param * h * model.ffn_hidden / layout.tp  # the down projection
-    root_unsharded = _head_grad_bytes(model, layout, produced_per_param) if fsdp and last \
-        else 0.0
-    ffn_work = (r * h * tokens if last else 0.0) + 2 * a * f * full_tokens \
+    root_unsharded = _head_grad_bytes(model, layout, produced_per_param) if fsdp and last else 0.0
+    ffn_work = (
+        (r * h * tokens if last else 0.0)
+        + 2 * a * f * full_tokens
         + _swiglu_backward_temporaries(model, layout)
+    )
     # Later backwards only hold fewer micro-batches, except the last stage's kept outputs, and
     # on a stage that warms up with two forwards or more (in_flight >= 2) the output of its
     # last-but-one warm-up forward: Schedule1F1B keeps that forward's send work (which holds
     # the sent tensor) in `send_work` until the step returns, so from that micro-batch's own
     # backward on (j >= in_flight - 1) one more output is held.
     retained_from = in_flight - 1 if pp > 1 and not last and in_flight >= 2 else n
-    backwards = {0, min(1, n - 1)} | ({n - 1} if pp > 1 and last else set()) \
+    backwards = (
+        {0, min(1, n - 1)}
+        | ({n - 1} if pp > 1 and last else set())
         | ({retained_from} if retained_from < n else set())
+    )
     for j in sorted(backwards):
         held = (min(j + in_flight, n) - j) * one + recompute - released
         extra = 0.0
@@ -651,27 +705,58 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
             extra += between
         name = "block backward" if j == 0 else f"block backward (micro-batch {j + 1} of {n})"
         accumulated = (accumulated_unsharded or gradients) if j > 0 else 0.0
-        phases.append(Phase(name, parameters, produced + accumulated if fsdp else
-                            (produced if j == 0 else gradients), held_states, held,
-                            buffers + ffn_work + extra, stage))
+        phases.append(
+            Phase(
+                name,
+                parameters,
+                produced + accumulated if fsdp else (produced if j == 0 else gradients),
+                held_states,
+                held,
+                buffers + ffn_work + extra,
+                stage,
+            )
+        )
         if sharded_sync:
             # The end of that block's backward: what the micro-batch saved in it released, its
             # unsharded gradients and the fp32 reduce-scatter input.
-            phases.append(Phase(f"{name}, FSDP2 reduce-scatter", parameters,
-                                root_unsharded + accumulated, held_states,
-                                held - tokens * block_activation_bytes_per_token(model, layout),
-                                buffers + extra + r * h * tokens
-                                + fsdp_block_backward_bytes(model, layout), stage))
+            phases.append(
+                Phase(
+                    f"{name}, FSDP2 reduce-scatter",
+                    parameters,
+                    root_unsharded + accumulated,
+                    held_states,
+                    held - tokens * block_activation_bytes_per_token(model, layout),
+                    buffers + extra + r * h * tokens + fsdp_block_backward_bytes(model, layout),
+                    stage,
+                )
+            )
     if accumulated_unsharded:
         # After the last backward: each block's accumulated gradients copied into an fp32
         # reduce-scatter input, the previous block's still held (one retained by default).
-        phases.append(Phase("FSDP2 reduce-scatter after the last backward", parameters,
-                            accumulated_unsharded + gradients, held_states, 0.0,
-                            buffers + 2 * 4 * _block_params(model, layout), stage))
+        phases.append(
+            Phase(
+                "FSDP2 reduce-scatter after the last backward",
+                parameters,
+                accumulated_unsharded + gradients,
+                held_states,
+                0.0,
+                buffers + 2 * 4 * _block_params(model, layout),
+                stage,
+            )
+        )
     # The optimizer step: every gradient, and foreach AdamW's fp32 denominator for every
     # parameter (sqrt of the second moment, divided, plus eps) before the update.
-    phases.append(Phase("optimizer step", parameters, gradients, optimizer, 0.0,
-                        buffers - bucket + parameters, stage))
+    phases.append(
+        Phase(
+            "optimizer step",
+            parameters,
+            gradients,
+            optimizer,
+            0.0,
+            buffers - bucket + parameters,
+            stage,
+        )
+    )
     return phases
 
 
@@ -684,8 +769,9 @@ def peak(model: ModelSpec, layout: Layout, stage: int | None = None) -> Phase:
 # --------------------------------------------------------------------------------------------
 # model states
 # --------------------------------------------------------------------------------------------
-def params_per_rank(model: ModelSpec, tp: int, pp: int,
-                    rank_layers: list[int] | None = None) -> int:
+def params_per_rank(
+    model: ModelSpec, tp: int, pp: int, rank_layers: list[int] | None = None
+) -> int:
     """Parameters held by the busiest rank before ZeRO sharding: a pipeline stage's blocks
     (plus the embedding or the head on the end stages) split by TP. `rank_layers`: blocks per
     PP rank (default: the balanced split the validator gives a spec, `default_rank_layers`)."""
@@ -699,8 +785,9 @@ def params_per_rank(model: ModelSpec, tp: int, pp: int,
     return -(-max(held) // tp)
 
 
-def model_state_bytes(params: int, largest_layer_params: int, stage: int, shard_group: int,
-                      dtype: str) -> tuple[int, int, int]:
+def model_state_bytes(
+    params: int, largest_layer_params: int, stage: int, shard_group: int, dtype: str
+) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer states) bytes per rank; see the module docstring."""
     n = shard_group
     if stage == 0:
@@ -718,8 +805,9 @@ def model_state_bytes(params: int, largest_layer_params: int, stage: int, shard_
     return 4 * params // n + 4 * largest_layer_params, 4 * params // n, 12 * params // n
 
 
-def fsdp_state_bytes(params: int, zero3_gathered: int, stage: int,
-                     shard_group: int, *, param_bytes: int = 4) -> tuple[int, int, int]:
+def fsdp_state_bytes(
+    params: int, zero3_gathered: int, stage: int, shard_group: int, *, param_bytes: int = 4
+) -> tuple[int, int, int]:
     """FSDP2 over DP x CP (ZeRO >= 1 with TP or PP): fp32 master weights, fp32 gradients and
     Adam states sharded, 16/Nd per parameter; the gathered weights in `param_bytes` per element
     (2 under bf16: the mixed-precision policy gathers bf16 copies of the fp32 shards), every
@@ -743,8 +831,13 @@ def deepspeed_bucket_bytes(layout: Layout) -> int:
     deepspeed/runtime/zero/stage_1_and_2.py; one, since the trainer sets overlap_comm false),
     allocated at the first gradient hook of every micro-batch and dropped before the step.
     Measured: 400,000,000 bytes at 200 M elements (tests/test_memory_peak.py)."""
-    if (layout.framework != "ctxlaunch" or layout.fsdp or layout.zero_stage not in (1, 2)
-            or layout.shard_group == 1 or layout.dtype != "bf16"):
+    if (
+        layout.framework != "ctxlaunch"
+        or layout.fsdp
+        or layout.zero_stage not in (1, 2)
+        or layout.shard_group == 1
+        or layout.dtype != "bf16"
+    ):
         return 0
     return ZERO_BUCKET_ELEMENTS * layout.compute_bytes
 
@@ -785,30 +878,44 @@ def estimate(model: ModelSpec, layout: Layout, gpu: GpuInfo) -> MemoryEstimate:
     """Predicted peak memory of the busiest rank."""
     parameters, gradients, optimizer = _states(model, layout)
     gradients += pipeline_accumulated_grad_bytes(
-        layout, params_per_rank(model, layout.tp, layout.pp, layout.rank_layers(model.layers)))
+        layout, params_per_rank(model, layout.tp, layout.pp, layout.rank_layers(model.layers))
+    )
     activations = activation_bytes(model, layout)
     tokens = layout.tokens_per_rank / layout.tp
     workspace = max(
         _loss_workspace_bytes(model, layout),
-        tokens * (_attention_workspace_bytes_per_token(model, layout)
-                  + _recompute_bytes_per_token(model, layout)
-                  # gradients flowing between blocks: d(out) and d(in) of the block
-                  + 2 * layout.residual_bytes * model.hidden),
+        tokens
+        * (
+            _attention_workspace_bytes_per_token(model, layout)
+            + _recompute_bytes_per_token(model, layout)
+            # gradients flowing between blocks: d(out) and d(in) of the block
+            + 2 * layout.residual_bytes * model.hidden
+        ),
     )
     # The phase-by-phase peak (issue 18): never plan below what is live at the highest moment
     # of a steady-state step of the bundled trainer, whatever the sum of the parts above says.
     comm = _communication_buffer_bytes(layout)
     if layout.framework == "ctxlaunch":
-        workspace = max(workspace, peak(model, layout).total
-                        - (parameters + gradients + optimizer + activations
-                           + deepspeed_bucket_bytes(layout)))
+        workspace = max(
+            workspace,
+            peak(model, layout).total
+            - (parameters + gradients + optimizer + activations + deepspeed_bucket_bytes(layout)),
+        )
     known = parameters + gradients + optimizer + activations + workspace + comm
-    fixed = CPU_FIXED_ALLOWANCE if gpu.name == "cpu" else GPU_FIXED_ALLOWANCE + \
-        cuda_kernel_allowance(model, layout)
+    fixed = (
+        CPU_FIXED_ALLOWANCE
+        if gpu.name == "cpu"
+        else GPU_FIXED_ALLOWANCE + cuda_kernel_allowance(model, layout)
+    )
     return MemoryEstimate(
-        parameters=int(parameters), gradients=int(gradients), optimizer_states=int(optimizer),
-        activations=int(activations), workspace=int(workspace), communication_buffers=int(comm),
-        allowance=int(fixed + FRAGMENTATION * known), capacity=gpu.memory_bytes,
+        parameters=int(parameters),
+        gradients=int(gradients),
+        optimizer_states=int(optimizer),
+        activations=int(activations),
+        workspace=int(workspace),
+        communication_buffers=int(comm),
+        allowance=int(fixed + FRAGMENTATION * known),
+        capacity=gpu.memory_bytes,
     )
 
 
@@ -818,8 +925,13 @@ def sequence_granularity(cp: int, cp_sharding: str = "zigzag") -> int:
     return max(unit, 1024) if 1024 % unit == 0 else unit
 
 
-def longest_sequence(model: ModelSpec, layout: Layout, gpu: GpuInfo,
-                     cp_sharding: str = "zigzag", limit: int = 1 << 24) -> int:
+def longest_sequence(
+    model: ModelSpec,
+    layout: Layout,
+    gpu: GpuInfo,
+    cp_sharding: str = "zigzag",
+    limit: int = 1 << 24,
+) -> int:
     """The longest sequence (a multiple of `sequence_granularity`) that fits at the layout's
     CP degree; 0 when not even the shortest fits."""
     unit = sequence_granularity(layout.cp, cp_sharding)

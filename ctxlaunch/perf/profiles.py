@@ -88,8 +88,17 @@ class FrameworkProfile:
     sources: str
 
 
-def gemm_seconds(m: float, n: float, k: float, *, peak: float, eta: float, sm_count: int,
-                 hbm_bytes_per_second: float, element_bytes: float) -> float:
+def gemm_seconds(
+    m: float,
+    n: float,
+    k: float,
+    *,
+    peak: float,
+    eta: float,
+    sm_count: int,
+    hbm_bytes_per_second: float,
+    element_bytes: float,
+) -> float:
     """One GEMM C[m, n] = A[m, k] B[k, n]: the larger of its tensor-core time and its memory
     time. The tensor-core time is the FLOPs at `eta` x `peak`, divided by the last wave's
     occupancy (tiles of GEMM_TILE spread over `sm_count` SMs in whole waves: wave
@@ -108,9 +117,18 @@ def gemm_seconds(m: float, n: float, k: float, *, peak: float, eta: float, sm_co
     return max(flop_time / occupancy, memory_time)
 
 
-def attention_seconds(entries: float, head_dim: int, call_tokens: float, *, peak: float,
-                      fraction: float, ramp_tokens: float, sfu_ops_per_second: float,
-                      exp_exposed: bool, matmul_flops_per_entry: float) -> float:
+def attention_seconds(
+    entries: float,
+    head_dim: int,
+    call_tokens: float,
+    *,
+    peak: float,
+    fraction: float,
+    ramp_tokens: float,
+    sfu_ops_per_second: float,
+    exp_exposed: bool,
+    matmul_flops_per_entry: float,
+) -> float:
     """Flash attention over `entries` score entries (query x key pairs computed, all heads),
     each costing `matmul_flops_per_entry` x `head_dim` FLOPs (12 forward + backward, 16 with a
     recomputed forward), in calls of `call_tokens` tokens: the matmuls at `fraction` x `peak`
@@ -125,20 +143,29 @@ def attention_seconds(entries: float, head_dim: int, call_tokens: float, *, peak
     return seconds
 
 
-def solve_attention(calls: list[tuple[int, float, int, int]], *, peak: float,
-                    sfu_ops_per_second: float, exp_exposed: bool = True) -> tuple[float, float]:
+def solve_attention(
+    calls: list[tuple[int, float, int, int]],
+    *,
+    peak: float,
+    sfu_ops_per_second: float,
+    exp_exposed: bool = True,
+) -> tuple[float, float]:
     """(R / `peak`, L0) of the flash kernel from two timed causal calls, each (tokens, seconds
     of one forward + backward, heads, head_dim): the L0 at which both calls give the same
     matmul rate R once the exponentials are taken out as `attention_seconds` charges them
     (t = E x (12 d / (R x L / (L + L0)) + 2 / SFU), E = heads x L^2 / 2). Calls whose rate does
     not grow with length (noise, or a kernel with no ramp) give L0 = 0 and the longer call's
     rate."""
+
     def rates(ramp: float) -> list[float]:
         out = []
         for tokens, seconds, heads, head_dim in calls:
             entries = heads * tokens * tokens / 2
-            exp = (entries * EXP_PER_ENTRY / sfu_ops_per_second
-                   if exp_exposed and sfu_ops_per_second > 0 else 0.0)
+            exp = (
+                entries * EXP_PER_ENTRY / sfu_ops_per_second
+                if exp_exposed and sfu_ops_per_second > 0
+                else 0.0
+            )
             matmul_seconds = max(seconds - exp, seconds * 1e-3)
             out.append(12 * head_dim * entries / (matmul_seconds * tokens / (tokens + ramp)))
         return out
@@ -181,33 +208,42 @@ none/selective/full, micro-batch 1-2): -8.8 % (BENCHMARKS.md 7d)."""
 
 PROFILES: dict[str, FrameworkProfile] = {
     "ctxlaunch": FrameworkProfile(
-        name="ctxlaunch", eta_matmul={**MEGATRON_ETA_MATMUL, "bf16": BUNDLED_ETA_MATMUL_BF16},
+        name="ctxlaunch",
+        eta_matmul={**MEGATRON_ETA_MATMUL, "bf16": BUNDLED_ETA_MATMUL_BF16},
         attention_fraction=BUNDLED_ATTENTION_FRACTION,
-        attention_ramp_tokens=BUNDLED_ATTENTION_RAMP_TOKENS, exp_exposed=True,
+        attention_ramp_tokens=BUNDLED_ATTENTION_RAMP_TOKENS,
+        exp_exposed=True,
         elementwise_fraction_of_hbm=BUNDLED_ELEMENTWISE_FRACTION,
         loss_fraction_of_hbm=BUNDLED_LOSS_FRACTION,
         microbatch_overhead_seconds=BUNDLED_MICROBATCH_OVERHEAD_SECONDS,
-        overlap_dp=False, expected_error=BUNDLED_EXPECTED_ERROR,
+        overlap_dp=False,
+        expected_error=BUNDLED_EXPECTED_ERROR,
         sources="one H200 calibrated by the calibration job's code (benchmarks/gpu_steptime.py, "
-                "4 Dec 2026): BF16 GEMM efficiency of the model's projections, the attention "
-                "kernel the trainer picks (cuDNN; exponentials charged), the blocks' "
-                "elementwise rate, the loss's rate and the fixed cost per micro-batch from "
-                "the trainer's own steps at two depths; FP8 and FP32 GEMMs: the published "
-                "runs' fit; expected error: 9 %, the largest of seven held-out trainer "
-                "layouts on that H200 (BENCHMARKS.md section 7d)"),
+        "4 Dec 2026): BF16 GEMM efficiency of the model's projections, the attention "
+        "kernel the trainer picks (cuDNN; exponentials charged), the blocks' "
+        "elementwise rate, the loss's rate and the fixed cost per micro-batch from "
+        "the trainer's own steps at two depths; FP8 and FP32 GEMMs: the published "
+        "runs' fit; expected error: 9 %, the largest of seven held-out trainer "
+        "layouts on that H200 (BENCHMARKS.md section 7d)",
+    ),
     "megatron": FrameworkProfile(
-        name="megatron", eta_matmul=dict(MEGATRON_ETA_MATMUL),
+        name="megatron",
+        eta_matmul=dict(MEGATRON_ETA_MATMUL),
         attention_fraction=ATTENTION_MATMUL_FRACTION,
-        attention_ramp_tokens=ATTENTION_RAMP_TOKENS, exp_exposed=True,
-        elementwise_fraction_of_hbm=1.0, loss_fraction_of_hbm=1.0,
-        microbatch_overhead_seconds=0.0, overlap_dp=True,
+        attention_ramp_tokens=ATTENTION_RAMP_TOKENS,
+        exp_exposed=True,
+        elementwise_fraction_of_hbm=1.0,
+        loss_fraction_of_hbm=1.0,
+        microbatch_overhead_seconds=0.0,
+        overlap_dp=True,
         expected_error=0.13,
         sources="GEMM efficiencies (BF16, FP8): fitted on the published runs' fit subset; "
-                "attention: the flash kernel's rate measured on one H200 (FA2 generation, "
-                "exponentials exposed where the GPU table has an SFU rate); elementwise: fused "
-                "at HBM bandwidth; expected error: 13 %, which 6 of the 7 held-out published "
-                "rows stay within (the seventh, Llama 3 at 131K, is 26 % slow: BENCHMARKS.md "
-                "section 7c)"),
+        "attention: the flash kernel's rate measured on one H200 (FA2 generation, "
+        "exponentials exposed where the GPU table has an SFU rate); elementwise: fused "
+        "at HBM bandwidth; expected error: 13 %, which 6 of the 7 held-out published "
+        "rows stay within (the seventh, Llama 3 at 131K, is 26 % slow: BENCHMARKS.md "
+        "section 7c)",
+    ),
 }
 
 
@@ -216,5 +252,6 @@ def profile(name: str) -> FrameworkProfile:
     try:
         return PROFILES[name]
     except KeyError:
-        raise ValueError(f"framework {name!r}: not a known profile (known: "
-                         f"{', '.join(sorted(PROFILES))})") from None
+        raise ValueError(
+            f"framework {name!r}: not a known profile (known: {', '.join(sorted(PROFILES))})"
+        ) from None

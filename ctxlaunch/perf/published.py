@@ -25,19 +25,26 @@ from ctxlaunch.perf.machine import Machine
 from ctxlaunch.perf.memory import MemoryEstimate, estimate
 from ctxlaunch.perf.steptime import StepTime, predict
 
-NEMO = ("NVIDIA NeMo, docs/source/performance/performance_long_sequence.md "
-        "(github.com/NVIDIA/NeMo, commit 8cfedd72); TFLOPS/GPU counted by NeMo's formula of the "
-        "time (full score matrix: the causal discount came in NeMo PR #14424, Aug 2025)")
+NEMO = (
+    "NVIDIA NeMo, docs/source/performance/performance_long_sequence.md "
+    "(github.com/NVIDIA/NeMo, commit 8cfedd72); TFLOPS/GPU counted by NeMo's formula of the "
+    "time (full score matrix: the causal discount came in NeMo PR #14424, Aug 2025)"
+)
 NEMO_H100 = NEMO + ", LLAMA2-7B (FP8), DGX-H100, NeMo 24.03.01"
-NEMO_B200 = (NEMO + ", LLAMA3-8B (FP8), DGX-B200, NeMo 25.04.rc2; the table's '# of GPUs' "
-             "column is misprinted: TP x CP x DP is the count used here")
-LLAMA3 = ("Llama Team, AI @ Meta, 'The Llama 3 Herd of Models', arXiv:2407.21783, Table 4 "
-          "(405B pre-training on H100 80GB over 400 Gb/s RoCE, BF16); also "
-          "../shared/docs/domain.md")
+NEMO_B200 = (
+    NEMO + ", LLAMA3-8B (FP8), DGX-B200, NeMo 25.04.rc2; the table's '# of GPUs' "
+    "column is misprinted: TP x CP x DP is the count used here"
+)
+LLAMA3 = (
+    "Llama Team, AI @ Meta, 'The Llama 3 Herd of Models', arXiv:2407.21783, Table 4 "
+    "(405B pre-training on H100 80GB over 400 Gb/s RoCE, BF16); also "
+    "../shared/docs/domain.md"
+)
 
 # Through model_validate: the preset fills in the rest of the fields.
-LLAMA2_7B = ModelSpec.model_validate({"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 32,
-                                      "ffn_hidden": 11008, "vocab": 32000})
+LLAMA2_7B = ModelSpec.model_validate(
+    {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 32, "ffn_hidden": 11008, "vocab": 32000}
+)
 LLAMA3_8B = ModelSpec.model_validate({"preset": "llama3-8b"})
 LLAMA3_405B = ModelSpec.model_validate({"preset": "llama3-405b"})
 
@@ -76,15 +83,42 @@ class PublishedRun:
 
     @property
     def tokens_per_second_per_gpu(self) -> float:
-        return self.tflops_per_gpu * 1e12 / flops_per_token(self.model, self.seq_len,
-                                                            self.convention)
+        return (
+            self.tflops_per_gpu * 1e12 / flops_per_token(self.model, self.seq_len, self.convention)
+        )
 
 
-def _nemo(table: str, model: ModelSpec, gpu: str, seq_k: int, batch: int, tp: int, pp: int,
-          dp: int, cp: int, tflops: float, source: str) -> PublishedRun:
+def _nemo(
+    table: str,
+    model: ModelSpec,
+    gpu: str,
+    seq_k: int,
+    batch: int,
+    tp: int,
+    pp: int,
+    dp: int,
+    cp: int,
+    tflops: float,
+    source: str,
+) -> PublishedRun:
     # NeMo's Megatron runs use the distributed optimizer (ZeRO-1) over 400 Gb/s InfiniBand.
-    return PublishedRun(table, model, gpu, "infiniband-ndr", seq_k * 1024, batch, tp, pp, cp, dp,
-                        "fp8", tflops, "full", 1, source)
+    return PublishedRun(
+        table,
+        model,
+        gpu,
+        "infiniband-ndr",
+        seq_k * 1024,
+        batch,
+        tp,
+        pp,
+        cp,
+        dp,
+        "fp8",
+        tflops,
+        "full",
+        1,
+        source,
+    )
 
 
 ROWS: list[PublishedRun] = [
@@ -112,21 +146,73 @@ ROWS: list[PublishedRun] = [
     # under 5 %, at 131K by 1.4x: "causal" is the reading under which 380 TFLOP/s at 131K is
     # consistent with 400 at 8K on the same GPUs (see the README's discussion). FSDP sharding
     # optimizer states and gradients, weights kept after forward: ZeRO-2.
-    PublishedRun("llama3", LLAMA3_405B, "H100", "roce", 8192, 32 * 64, 8, 16, 1, 64, "bf16",
-                 430, "causal", 2, LLAMA3),
-    PublishedRun("llama3", LLAMA3_405B, "H100", "roce", 8192, 16 * 128, 8, 16, 1, 128, "bf16",
-                 400, "causal", 2, LLAMA3),
+    PublishedRun(
+        "llama3",
+        LLAMA3_405B,
+        "H100",
+        "roce",
+        8192,
+        32 * 64,
+        8,
+        16,
+        1,
+        64,
+        "bf16",
+        430,
+        "causal",
+        2,
+        LLAMA3,
+    ),
+    PublishedRun(
+        "llama3",
+        LLAMA3_405B,
+        "H100",
+        "roce",
+        8192,
+        16 * 128,
+        8,
+        16,
+        1,
+        128,
+        "bf16",
+        400,
+        "causal",
+        2,
+        LLAMA3,
+    ),
     # Meta's CP is all-gather based, not a ring (section 3.3.2): K/V all-gathered, then the
     # attention of the local query chunk; the gather exposed on the critical path.
-    PublishedRun("llama3", LLAMA3_405B, "H100", "roce", 131072, 16 * 8, 8, 16, 16, 8, "bf16",
-                 380, "causal", 2, LLAMA3, cp_algorithm="allgather"),
+    PublishedRun(
+        "llama3",
+        LLAMA3_405B,
+        "H100",
+        "roce",
+        131072,
+        16 * 8,
+        8,
+        16,
+        16,
+        8,
+        "bf16",
+        380,
+        "causal",
+        2,
+        LLAMA3,
+        cp_algorithm="allgather",
+    ),
 ]
 
-HELD_OUT = frozenset({
-    "nemo-h100-16k-tp2pp1cp1dp8", "nemo-h100-128k-tp4pp1cp4dp8", "nemo-h100-1024k-tp8pp1cp32dp4",
-    "nemo-b200-16k-tp1pp1cp1dp4", "nemo-b200-128k-tp2pp1cp4dp4", "nemo-b200-1024k-tp4pp1cp16dp4",
-    "llama3-128k-tp8pp16cp16dp8",
-})
+HELD_OUT = frozenset(
+    {
+        "nemo-h100-16k-tp2pp1cp1dp8",
+        "nemo-h100-128k-tp4pp1cp4dp8",
+        "nemo-h100-1024k-tp8pp1cp32dp4",
+        "nemo-b200-16k-tp1pp1cp1dp4",
+        "nemo-b200-128k-tp2pp1cp4dp4",
+        "nemo-b200-1024k-tp4pp1cp16dp4",
+        "llama3-128k-tp8pp16cp16dp8",
+    }
+)
 """Rows the fit never sees (benchmarks/fit_steptime.py fits on FIT_ROWS only): every third
 length of each NeMo table, and Llama 3's one long-context row (so its BF16 efficiency is
 fitted at 8K and checked at 131K with CP 16). Their errors are reported on their own
@@ -140,17 +226,28 @@ VIRTUAL_STAGES = (1, 2, 4, 8)
 
 def row_machine(row: PublishedRun, **changes: Any) -> Machine:
     """The data-sheet machine a row ran on (eight GPUs a node), with `changes`."""
-    return Machine.from_gpu(GPUS[row.gpu], network=row.network, gpus_per_node=8,
-                            framework="megatron", **changes)
+    return Machine.from_gpu(
+        GPUS[row.gpu], network=row.network, gpus_per_node=8, framework="megatron", **changes
+    )
 
 
 def candidate_layouts(row: PublishedRun) -> list[Layout]:
     """The published layout with every setting the source leaves open, planned with
     Megatron's memory habits."""
-    base = Layout(seq_len=row.seq_len, micro_batch=1, grad_accum=row.global_batch // row.dp,
-                      tp=row.tp, pp=row.pp, cp=row.cp, dp=row.dp, cp_algorithm=row.cp_algorithm,
-                      zero_stage=row.zero_stage, dtype="bf16", matmul_precision=row.precision,
-                  framework="megatron")
+    base = Layout(
+        seq_len=row.seq_len,
+        micro_batch=1,
+        grad_accum=row.global_batch // row.dp,
+        tp=row.tp,
+        pp=row.pp,
+        cp=row.cp,
+        dp=row.dp,
+        cp_algorithm=row.cp_algorithm,
+        zero_stage=row.zero_stage,
+        dtype="bf16",
+        matmul_precision=row.precision,
+        framework="megatron",
+    )
     out = []
     # Llama 3's 126 layers over 16 stages are uneven (Meta drops a layer from the first and
     # the last stage), so chunks are not required to be equal here; at most a layer each.
@@ -176,6 +273,9 @@ def _fits_with_margin(estimate_: MemoryEstimate) -> bool:
 def best_fitting(row: PublishedRun, machine: Machine) -> tuple[Layout, StepTime] | None:
     """The fastest of the row's candidate layouts that the planner says fits."""
     gpu = GPUS[row.gpu]
-    fitting = [(layout, predict(row.model, layout, machine)) for layout in candidate_layouts(row)
-               if _fits_with_margin(estimate(row.model, layout, gpu))]
+    fitting = [
+        (layout, predict(row.model, layout, machine))
+        for layout in candidate_layouts(row)
+        if _fits_with_margin(estimate(row.model, layout, gpu))
+    ]
     return min(fitting, key=lambda pair: pair[1].step_seconds) if fitting else None

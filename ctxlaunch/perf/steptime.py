@@ -105,27 +105,35 @@ class StepTime:
         """The prediction's expected error in words, for `plan` and `advise`."""
         if not self.expected_error:
             return f"{self.framework} profile, expected error not measured"
-        return (f"+/-{self.expected_error:.0%} expected ({self.framework} profile; README, "
-                "\"The step-time model's constants\", says where the range comes from)")
+        return (
+            f"+/-{self.expected_error:.0%} expected ({self.framework} profile; README, "
+            '"The step-time model\'s constants", says where the range comes from)'
+        )
 
     def to_dict(self) -> dict[str, object]:
-        return {"step_seconds": self.step_seconds,
-                "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
-                "model_tflops_per_gpu": {c: v / 1e12 for c, v in
-                                         self.model_flops_per_second_per_gpu.items()},
-                "mfu": self.mfu, "terms_seconds": self.terms, "detail": self.detail,
-                "framework": self.framework, "expected_error": self.expected_error}
+        return {
+            "step_seconds": self.step_seconds,
+            "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
+            "model_tflops_per_gpu": {
+                c: v / 1e12 for c, v in self.model_flops_per_second_per_gpu.items()
+            },
+            "mfu": self.mfu,
+            "terms_seconds": self.terms,
+            "detail": self.detail,
+            "framework": self.framework,
+            "expected_error": self.expected_error,
+        }
 
 
-def _collective_seconds(volume_bytes: float, steps: int, link: LinkInfo,
-                        machine: Machine) -> float:
+def _collective_seconds(volume_bytes: float, steps: int, link: LinkInfo, machine: Machine) -> float:
     if steps <= 0 or volume_bytes <= 0:
         return 0.0
     return volume_bytes / machine.bandwidth(link) + steps * link.latency_seconds
 
 
-def _matmul_seconds(model: ModelSpec, layout: Layout, machine: Machine, n: float,
-                    layers: float, vocab: float) -> tuple[float, float]:
+def _matmul_seconds(
+    model: ModelSpec, layout: Layout, machine: Machine, n: float, layers: float, vocab: float
+) -> tuple[float, float]:
     """(seconds, FLOPs) of one micro-batch's weight matmuls on the busiest stage: every
     projection's forward, input-gradient and weight-gradient GEMM at its own shape
     (`profiles.gemm_seconds`: wave quantisation, memory-bound small GEMMs), TP-sharded, plus a
@@ -135,10 +143,16 @@ def _matmul_seconds(model: ModelSpec, layout: Layout, machine: Machine, n: float
     element = 1.0 if precision == "fp8" else float(layout.compute_bytes)
 
     def gemm(m: float, cols: float, inner: float) -> float:
-        return gemm_seconds(m, cols, inner, peak=machine.peak_flops[precision],
-                            eta=machine.eta_matmul[precision], sm_count=machine.sm_count,
-                            hbm_bytes_per_second=machine.memory_bytes_per_second,
-                            element_bytes=element)
+        return gemm_seconds(
+            m,
+            cols,
+            inner,
+            peak=machine.peak_flops[precision],
+            eta=machine.eta_matmul[precision],
+            sm_count=machine.sm_count,
+            hbm_bytes_per_second=machine.memory_bytes_per_second,
+            element_bytes=element,
+        )
 
     def projection(d_in: float, d_out: float, forwards: int) -> float:
         forward = gemm(n, d_out, d_in)
@@ -147,16 +161,18 @@ def _matmul_seconds(model: ModelSpec, layout: Layout, machine: Machine, n: float
     mode = layout.activation_checkpointing
     attention_forwards = 2 if mode == "full" else 1
     ffn_forwards = 1 if mode == "none" else 2
-    block = (projection(h, (h + 2 * h_kv) / t, attention_forwards)   # fused q, k, v
-             + projection(h / t, h, attention_forwards)              # output
-             + projection(h, 2 * f / t, ffn_forwards)                # fused gate, up
-             + projection(f / t, h, ffn_forwards))                   # down
+    block = (
+        projection(h, (h + 2 * h_kv) / t, attention_forwards)  # fused q, k, v
+        + projection(h / t, h, attention_forwards)  # output
+        + projection(h, 2 * f / t, ffn_forwards)  # fused gate, up
+        + projection(f / t, h, ffn_forwards)
+    )  # down
     head = projection(h, vocab / t, 1)
     attention_weights, ffn_weights = 2 * h * h + 2 * h * h_kv, 3 * h * f
-    recompute = {"none": 0, "selective": ffn_weights,
-                 "full": attention_weights + ffn_weights}[mode]
-    flops = (n * layers * (6 * (attention_weights + ffn_weights) + 2 * recompute)
-             + 6 * n * h * vocab) / t
+    recompute = {"none": 0, "selective": ffn_weights, "full": attention_weights + ffn_weights}[mode]
+    flops = (
+        n * layers * (6 * (attention_weights + ffn_weights) + 2 * recompute) + 6 * n * h * vocab
+    ) / t
     return layers * block + head, flops
 
 
@@ -177,16 +193,21 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
     # --- compute ------------------------------------------------------------------------------
     counts = count_params(model)
     head_weights = counts.head or counts.embedding
-    t_matmul, matmul_flops = _matmul_seconds(model, layout, machine, n, layers,
-                                             head_weights / h)
+    t_matmul, matmul_flops = _matmul_seconds(model, layout, machine, n, layers, head_weights / h)
     # Causal attention with balanced (zigzag) sharding: each token attends to s/2 keys on
     # average; forward 4*h*s_keys, backward 8*h*s_keys, a recomputed forward 4 more. A document
     # mask computes `attended_fraction` of that area; the diagonal tiles a causal kernel wastes
     # stay the same in total (each document's causal call wastes in proportion to its length).
     keys = layout.seq_len / 2
     per_entry = 12 + (4 if mode == "full" else 0)
-    entries = (n * layers * model.heads / t * keys
-               * (layout.attended_fraction + machine.causal_tile_tokens / layout.seq_len))
+    entries = (
+        n
+        * layers
+        * model.heads
+        / t
+        * keys
+        * (layout.attended_fraction + machine.causal_tile_tokens / layout.seq_len)
+    )
     attention_flops = entries * per_entry * model.head_dim
     if machine.attention_flops_per_second:  # measured (the CPU calibration)
         # The bundled trainer's calls: the whole sequence (CP 1, Ulysses), a ring block of
@@ -200,22 +221,33 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
         # sequence's keys, as long a key loop per query tile as a call over all s tokens
         # (r = 1 above): the ramp is that of the whole sequence.
         t_attention = attention_seconds(
-            entries, model.head_dim, layout.seq_len / r,
+            entries,
+            model.head_dim,
+            layout.seq_len / r,
             peak=machine.peak_flops["bf16" if layout.dtype == "bf16" else "fp32"],
-            fraction=machine.eta_attention, ramp_tokens=machine.attention_ramp_tokens,
-            sfu_ops_per_second=machine.sfu_ops_per_second, exp_exposed=machine.exp_exposed,
-            matmul_flops_per_entry=per_entry)
+            fraction=machine.eta_attention,
+            ramp_tokens=machine.attention_ramp_tokens,
+            sfu_ops_per_second=machine.sfu_ops_per_second,
+            exp_exposed=machine.exp_exposed,
+            matmul_flops_per_entry=per_entry,
+        )
     # Elementwise traffic of one whole block per token, TP-sharded below (/t): the block's own
     # tensors, not the copies a TP or FSDP2 trainer keeps around it (gathered norm outputs,
     # fp32 residual), which the published runs' frameworks do not make.
-    saved = block_activation_bytes_per_token(model, layout.replace(
-        activation_checkpointing="none", tp=1, pp=1))
+    saved = block_activation_bytes_per_token(
+        model, layout.replace(activation_checkpointing="none", tp=1, pp=1)
+    )
     passes = ELEMENTWISE_HBM_PASSES + {"none": 0.0, "selective": 0.5, "full": 1.0}[mode]
     elementwise_rate = machine.elementwise_bytes_per_second or machine.memory_bytes_per_second
     t_elementwise = n * layers * saved * passes / t / elementwise_rate
     # The loss runs on the last stage only, which the busiest stage is taken to be under PP.
-    t_loss = (n * model.vocab / t * LOSS_BYTES_PER_LOGIT[2 if a <= 2 else 4]
-              / (machine.loss_bytes_per_second or elementwise_rate))
+    t_loss = (
+        n
+        * model.vocab
+        / t
+        * LOSS_BYTES_PER_LOGIT[2 if a <= 2 else 4]
+        / (machine.loss_bytes_per_second or elementwise_rate)
+    )
 
     # Every volume below is commvolume's (checked against the trainer's real traffic). The
     # residual-stream tensors sent over TP and PP are timed at the compute dtype's width, as
@@ -229,17 +261,27 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
         link = machine.link_for_span(t)
         n_stream, n_compute = commvolume.tp_collectives_per_block(layout)
         t_tp = layers * (
-            n_stream * _collective_seconds(commvolume.tp_message_bytes(model, layout, stream),
-                                           t - 1, link, machine)
-            + n_compute * _collective_seconds(commvolume.tp_message_bytes(model, layout, a),
-                                              t - 1, link, machine))
+            n_stream
+            * _collective_seconds(
+                commvolume.tp_message_bytes(model, layout, stream), t - 1, link, machine
+            )
+            + n_compute
+            * _collective_seconds(
+                commvolume.tp_message_bytes(model, layout, a), t - 1, link, machine
+            )
+        )
 
     # --- CP: Ulysses all-to-alls, ring hops against hop compute ---------------------------------
     t_ulysses = 0.0
     if u > 1:
         link = machine.link_for_span(t * u)
-        t_ulysses = layers * commvolume.ulysses_passes(layout) * _collective_seconds(
-            commvolume.ulysses_all_to_all_bytes(model, layout), u - 1, link, machine)
+        t_ulysses = (
+            layers
+            * commvolume.ulysses_passes(layout)
+            * _collective_seconds(
+                commvolume.ulysses_all_to_all_bytes(model, layout), u - 1, link, machine
+            )
+        )
     t_ring = 0.0
     hop_transfer_fwd = hop_compute_fwd = 0.0
     if r > 1:
@@ -251,8 +293,7 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
         hop_compute_fwd = attention_fwd_layer / r
         exposed_fwd = max(0.0, hop_transfer_fwd - hop_compute_fwd)
         exposed_bwd = max(0.0, hop_transfer_bwd - 2 * hop_compute_fwd)
-        t_ring = layers * (r - 1) * (commvolume.ring_forwards(layout) * exposed_fwd
-                                     + exposed_bwd)
+        t_ring = layers * (r - 1) * (commvolume.ring_forwards(layout) * exposed_fwd + exposed_bwd)
 
     # All-gather CP (Llama 3): K/V gathered from the cp - 1 other ranks before each layer's
     # attention, dK/dV reduce-scattered after its backward; on the critical path, not
@@ -263,15 +304,21 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
         link = machine.link_for_span(t * cp)
         gather_bytes, scatter_bytes = commvolume.allgather_bytes(model, layout)
         t_allgather = layers * (
-            commvolume.ring_forwards(layout) * _collective_seconds(gather_bytes, cp - 1, link,
-                                                                   machine)
-            + _collective_seconds(scatter_bytes, cp - 1, link, machine))
+            commvolume.ring_forwards(layout)
+            * _collective_seconds(gather_bytes, cp - 1, link, machine)
+            + _collective_seconds(scatter_bytes, cp - 1, link, machine)
+        )
 
-    micro = t_matmul + t_attention + t_elementwise + t_loss + t_tp + t_ulysses + t_ring + t_allgather
+    micro = (
+        t_matmul + t_attention + t_elementwise + t_loss + t_tp + t_ulysses + t_ring + t_allgather
+    )
     forwards = commvolume.ring_forwards(layout)
-    syncs = layers * ((forwards * 4 + 4 if t > 1 else 0) + (2 * forwards + 2 if u > 1 else 0)
-                      + ((r - 1) * (forwards + 1) if r > 1 else 0)
-                      + (forwards + 1 if allgather else 0))
+    syncs = layers * (
+        (forwards * 4 + 4 if t > 1 else 0)
+        + (2 * forwards + 2 if u > 1 else 0)
+        + ((r - 1) * (forwards + 1) if r > 1 else 0)
+        + (forwards + 1 if allgather else 0)
+    )
 
     # --- PP -------------------------------------------------------------------------------------
     t_bubble = t_p2p = 0.0
@@ -314,29 +361,38 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
         "dp_collectives_exposed": t_dp_exposed,
         "optimizer": t_optimizer,
         "framework_overhead": m * machine.microbatch_overhead_seconds,
-        "sync_overhead": (m * syncs + (1 if group > 1 else 0)) * (
-            machine.sync_seconds + machine.sync_jitter * (micro / max(syncs, 1)) ** 0.5),
+        "sync_overhead": (m * syncs + (1 if group > 1 else 0))
+        * (machine.sync_seconds + machine.sync_jitter * (micro / max(syncs, 1)) ** 0.5),
     }
     step = sum(terms.values())
     world = layout.world_size
     tokens_per_second = layout.tokens_per_step / step / world
-    achieved = {c: tokens_per_second * flops_per_token(model, layout.seq_len, c)
-                for c in CONVENTIONS}
+    achieved = {
+        c: tokens_per_second * flops_per_token(model, layout.seq_len, c) for c in CONVENTIONS
+    }
     reference = machine.peak_reference_flops or machine.peak_flops["bf16"]
     return StepTime(
-        terms=terms, step_seconds=step, tokens_per_second_per_gpu=tokens_per_second,
+        terms=terms,
+        step_seconds=step,
+        tokens_per_second_per_gpu=tokens_per_second,
         model_flops_per_second_per_gpu=achieved,
         mfu={c: achieved[c] / reference for c in CONVENTIONS},
-        detail={"ring_hop_transfer_seconds": hop_transfer_fwd,
-                "ring_hop_compute_seconds": hop_compute_fwd,
-                "dp_collectives_seconds": t_dp,
-                "microbatch_seconds": micro},
-        framework=machine.framework, expected_error=machine.expected_error,
+        detail={
+            "ring_hop_transfer_seconds": hop_transfer_fwd,
+            "ring_hop_compute_seconds": hop_compute_fwd,
+            "dp_collectives_seconds": t_dp,
+            "microbatch_seconds": micro,
+        },
+        framework=machine.framework,
+        expected_error=machine.expected_error,
     )
 
 
 def predict_spec(spec: JobSpec, machine: Machine | None = None, **changes: Any) -> StepTime:
     """`predict` for a validated spec (its layout with `changes`) on `machine` (default: the
     spec's GPU and fabric tables)."""
-    return predict(spec.model, Layout.from_spec(spec).replace(**changes),
-                   machine or machine_for(spec, saved=False))
+    return predict(
+        spec.model,
+        Layout.from_spec(spec).replace(**changes),
+        machine or machine_for(spec, saved=False),
+    )

@@ -50,14 +50,20 @@ class Candidate:
         """The layout in one line, as the table and the rejections name it."""
         lay = self.layout
         v = f" v{lay.virtual_stages}" if lay.virtual_stages > 1 else ""
-        return (f"{lay.describe_degrees()}{v}, mb {lay.micro_batch}, ZeRO-{lay.zero_stage}, "
-                f"checkpointing {lay.activation_checkpointing}")
+        return (
+            f"{lay.describe_degrees()}{v}, mb {lay.micro_batch}, ZeRO-{lay.zero_stage}, "
+            f"checkpointing {lay.activation_checkpointing}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The candidate for --json, with the `--set` overrides that make a spec run it."""
-        return {"layout": self.describe(), "changes": self.layout.overrides(),
-                "memory_total_bytes": self.memory.total, "fits": self.memory.fits,
-                **self.time.to_dict()}
+        return {
+            "layout": self.describe(),
+            "changes": self.layout.overrides(),
+            "memory_total_bytes": self.memory.total,
+            "fits": self.memory.fits,
+            **self.time.to_dict(),
+        }
 
 
 @dataclass(frozen=True)
@@ -103,8 +109,10 @@ class Advice:
     def rank_labels(self, top: int | None = None) -> list[str]:
         """'1', or '=1' for every layout tied with the fastest, then their own ranks."""
         tied = sum(1 for c in self.ranked if self.ties_best(c))
-        return ["=1" if tied > 1 and self.ties_best(c) else str(i)
-                for i, c in enumerate(self.ranked[:top], 1)]
+        return [
+            "=1" if tied > 1 and self.ties_best(c) else str(i)
+            for i, c in enumerate(self.ranked[:top], 1)
+        ]
 
     def rejected_by_kind(self) -> dict[str, list[Rejection]]:
         out: dict[str, list[Rejection]] = {"illegal": [], "no fit": [], "dominated": []}
@@ -115,22 +123,30 @@ class Advice:
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
         groups = self.rejected_by_kind()
         return {
-            "job": self.spec.name, "gpu": self.spec.cluster.gpu, "nodes": self.nodes,
-            "gpus_per_node": self.gpus_per_node, "seq_len": self.spec.training.seq_len,
+            "job": self.spec.name,
+            "gpu": self.spec.cluster.gpu,
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus_per_node,
+            "seq_len": self.spec.training.seq_len,
             "tokens_per_step": self.spec.tokens_per_step,
-            "layouts_timed": self.layouts_timed, "memory_estimates": self.memory_estimates,
+            "layouts_timed": self.layouts_timed,
+            "memory_estimates": self.memory_estimates,
             "validator_calls": self.validator_calls,
-            "ranked": [{**c.to_dict(), "rank": label, "tied_with_best": label == "=1"}
-                       for c, label in zip(self.ranked[:top], self.rank_labels(top),
-                                           strict=True)],
+            "ranked": [
+                {**c.to_dict(), "rank": label, "tied_with_best": label == "=1"}
+                for c, label in zip(self.ranked[:top], self.rank_labels(top), strict=True)
+            ],
             "ranked_total": len(self.ranked),
             "expected_error": self.expected_error,
             "tied_with_best": sum(1 for c in self.ranked if self.ties_best(c)),
             "own_layout": self.own.to_dict() if self.own else None,
-            "rejected": {kind: {"count": len(items),
-                                "layouts": [{"layout": r.layout, "reason": r.reason}
-                                            for r in items]}
-                         for kind, items in groups.items()},
+            "rejected": {
+                kind: {
+                    "count": len(items),
+                    "layouts": [{"layout": r.layout, "reason": r.reason} for r in items],
+                }
+                for kind, items in groups.items()
+            },
             "notes": self.notes,
         }
 
@@ -140,8 +156,14 @@ def _rank_key(c: Candidate) -> tuple[float, int, int, int, int, int]:
     digits), the simpler one: less model parallelism (TP x PP x CP), lower ZeRO stage, smaller
     micro-batch, fewer virtual stages, then less memory."""
     lay = c.layout
-    return (float(f"{c.time.step_seconds:.4g}"), lay.tp * lay.pp * lay.cp, lay.zero_stage,
-            lay.micro_batch, lay.virtual_stages, c.memory.total)
+    return (
+        float(f"{c.time.step_seconds:.4g}"),
+        lay.tp * lay.pp * lay.cp,
+        lay.zero_stage,
+        lay.micro_batch,
+        lay.virtual_stages,
+        c.memory.total,
+    )
 
 
 def _divisors(n: int) -> list[int]:
@@ -150,12 +172,18 @@ def _divisors(n: int) -> list[int]:
 
 def _with_global_batch(spec: JobSpec, global_batch: int) -> JobSpec:
     """`spec` with this many sequences per step (not re-validated)."""
-    return spec.model_copy(update={"training": spec.training.model_copy(
-        update={"global_batch": global_batch, "grad_accum": None})})
+    return spec.model_copy(
+        update={
+            "training": spec.training.model_copy(
+                update={"global_batch": global_batch, "grad_accum": None}
+            )
+        }
+    )
 
 
-def degree_options(spec: JobSpec, world: int, gpus_per_node: int,
-                   nvlink_domain: int) -> list[Layout]:
+def degree_options(
+    spec: JobSpec, world: int, gpus_per_node: int, nvlink_domain: int
+) -> list[Layout]:
     """Every split of `world` GPUs into TP x PP x CP x DP with a CP algorithm, as layouts of
     `spec` (one sequence per micro-batch, the tokens per step held); TP stays inside the NVLink
     domain (and a node); PP up to one layer per stage."""
@@ -165,8 +193,15 @@ def degree_options(spec: JobSpec, world: int, gpus_per_node: int,
     base = Layout.from_spec(spec).replace(micro_batch=1, virtual_stages=1, stage_layers=())
 
     def split(tp: int, pp: int, cp: int, dp: int, algorithm: str, ulysses: int) -> Layout:
-        return base.replace(tp=tp, pp=pp, cp=cp, dp=dp, cp_algorithm=algorithm,
-                            ulysses_degree=ulysses, grad_accum=max(global_batch // dp, 1))
+        return base.replace(
+            tp=tp,
+            pp=pp,
+            cp=cp,
+            dp=dp,
+            cp_algorithm=algorithm,
+            ulysses_degree=ulysses,
+            grad_accum=max(global_batch // dp, 1),
+        )
 
     tp_limit = min(nvlink_domain, gpus_per_node)
     pp_limit = model.layers
@@ -184,13 +219,18 @@ def degree_options(spec: JobSpec, world: int, gpus_per_node: int,
                     continue
                 out.append(split(tp, pp, cp, dp, "ring", 1))
                 out.append(split(tp, pp, cp, dp, "ulysses", cp))
-                out.extend(split(tp, pp, cp, dp, "hybrid", u)
-                           for u in _divisors(cp) if 1 < u < cp)
+                out.extend(split(tp, pp, cp, dp, "hybrid", u) for u in _divisors(cp) if 1 < u < cp)
     return out
 
 
-def advise(spec: JobSpec, *, nodes: int | None = None, gpus_per_node: int | None = None,
-           machine: Machine | None = None, matmul_precision: str | None = None) -> Advice:
+def advise(
+    spec: JobSpec,
+    *,
+    nodes: int | None = None,
+    gpus_per_node: int | None = None,
+    machine: Machine | None = None,
+    matmul_precision: str | None = None,
+) -> Advice:
     """Rank every legal layout of `spec` on `nodes` x `gpus_per_node` GPUs (the spec's own by
     default; on `machine`, else the spec's tables: the CLI passes `machine_for`'s choice, with
     any saved CPU calibration). The tokens per step (global batch x seq_len) are held.
@@ -232,80 +272,111 @@ def advise(spec: JobSpec, *, nodes: int | None = None, gpus_per_node: int | None
         for micro_batch in MICRO_BATCHES:
             if global_batch % (micro_batch * degrees.dp):
                 continue
-            layout = degrees.replace(micro_batch=micro_batch,
-                                     grad_accum=global_batch // (micro_batch * degrees.dp))
+            layout = degrees.replace(
+                micro_batch=micro_batch, grad_accum=global_batch // (micro_batch * degrees.dp)
+            )
             if micro_batch > 1 and problem(layout.apply_to(base)):
                 continue
             leanest = memory(layout.replace(activation_checkpointing="full", zero_stage=3))
             if not leanest.fits:
                 what = degrees.describe_degrees() + f", mb {micro_batch}"
-                advice.rejected.append(Rejection(
-                    "no fit", what, f"{leanest.total / GiB:.1f} GiB with full checkpointing "
-                    f"and ZeRO-3, of {leanest.capacity / GiB:.1f} GiB"))
+                advice.rejected.append(
+                    Rejection(
+                        "no fit",
+                        what,
+                        f"{leanest.total / GiB:.1f} GiB with full checkpointing "
+                        f"and ZeRO-3, of {leanest.capacity / GiB:.1f} GiB",
+                    )
+                )
                 break  # a larger micro-batch needs more
             settings = []
             for mode in CHECKPOINTING:
-                fitting = [(mode, z) for z in ZERO_STAGES
-                           if memory(layout.replace(activation_checkpointing=mode,
-                                                    zero_stage=z)).fits]
+                fitting = [
+                    (mode, z)
+                    for z in ZERO_STAGES
+                    if memory(layout.replace(activation_checkpointing=mode, zero_stage=z)).fits
+                ]
                 if fitting:
                     settings.append(fitting)
             timed_modes, pruned = settings[:2], settings[2:]
             for group in pruned:
                 for mode, z in group:
-                    advice.rejected.append(Rejection(
-                        "dominated", f"{degrees.describe_degrees()}, mb {micro_batch}, ZeRO-{z}, "
-                        f"checkpointing {mode}", "fits, but recomputes more than a lighter "
-                        "setting of the same layout that also fits"))
+                    advice.rejected.append(
+                        Rejection(
+                            "dominated",
+                            f"{degrees.describe_degrees()}, mb {micro_batch}, ZeRO-{z}, "
+                            f"checkpointing {mode}",
+                            "fits, but recomputes more than a lighter "
+                            "setting of the same layout that also fits",
+                        )
+                    )
             stages = [1]
             if degrees.pp > 1:
-                stages = [v for v in _divisors(model.layers // degrees.pp)
-                          if v <= MAX_VIRTUAL_STAGES]
+                stages = [
+                    v for v in _divisors(model.layers // degrees.pp) if v <= MAX_VIRTUAL_STAGES
+                ]
             for v in stages:
                 if v > 1 and problem(layout.replace(virtual_stages=v).apply_to(base)):
                     continue
                 for mode, z in itertools.chain.from_iterable(timed_modes):
-                    candidate_layout = layout.replace(activation_checkpointing=mode,
-                                                      zero_stage=z, virtual_stages=v)
+                    candidate_layout = layout.replace(
+                        activation_checkpointing=mode, zero_stage=z, virtual_stages=v
+                    )
                     # Interleaved stages hold more warm-up micro-batches than v = 1, where
                     # the setting was found to fit: each is checked at its own v.
                     candidate_memory = memory(candidate_layout)
                     if not candidate_memory.fits:
-                        advice.rejected.append(Rejection(
-                            "no fit", f"{degrees.describe_degrees()} v{v}, mb {micro_batch}, "
-                            f"ZeRO-{z}, checkpointing {mode}",
-                            f"{candidate_memory.total / GiB:.1f} GiB with {v} virtual "
-                            f"stages, of {candidate_memory.capacity / GiB:.1f} GiB"))
+                        advice.rejected.append(
+                            Rejection(
+                                "no fit",
+                                f"{degrees.describe_degrees()} v{v}, mb {micro_batch}, "
+                                f"ZeRO-{z}, checkpointing {mode}",
+                                f"{candidate_memory.total / GiB:.1f} GiB with {v} virtual "
+                                f"stages, of {candidate_memory.capacity / GiB:.1f} GiB",
+                            )
+                        )
                         continue
                     advice.layouts_timed += 1
-                    timed.append(Candidate(candidate_layout, candidate_memory,
-                                           predict(model, candidate_layout, machine)))
+                    timed.append(
+                        Candidate(
+                            candidate_layout,
+                            candidate_memory,
+                            predict(model, candidate_layout, machine),
+                        )
+                    )
         if not timed:
             continue
         timed.sort(key=_rank_key)
         advice.ranked.append(timed[0])
         for other in timed[1:]:
-            advice.rejected.append(Rejection(
-                "dominated", other.describe(),
-                f"{other.time.step_seconds / timed[0].time.step_seconds - 1:+.1%} step time "
-                f"against {timed[0].describe()}"))
+            advice.rejected.append(
+                Rejection(
+                    "dominated",
+                    other.describe(),
+                    f"{other.time.step_seconds / timed[0].time.step_seconds - 1:+.1%} step time "
+                    f"against {timed[0].describe()}",
+                )
+            )
     advice.ranked.sort(key=_rank_key)
-    if (nodes, gpn) == (spec.cluster.nodes, spec.cluster.gpus_per_node) \
-            and not layout_problems(spec):
+    if (nodes, gpn) == (spec.cluster.nodes, spec.cluster.gpus_per_node) and not layout_problems(
+        spec
+    ):
         own = Layout.from_spec(spec)
         if estimate(model, own, gpu).fits:
             advice.own = predict(model, own, machine)
     if not advice.ranked:
-        advice.notes.append("no layout fits on this many GPUs: add GPUs (--gpus, --nodes) or "
-                            "shorten the sequence")
+        advice.notes.append(
+            "no layout fits on this many GPUs: add GPUs (--gpus, --nodes) or shorten the sequence"
+        )
     return advice
 
 
 # --------------------------------------------------------------------------------------------
 # the command's input and output
 # --------------------------------------------------------------------------------------------
-def load_for_advice(path: Any, overrides: list[str] | None
-                    ) -> tuple[dict[str, Any], JobSpec, str | None]:
+def load_for_advice(
+    path: Any, overrides: list[str] | None
+) -> tuple[dict[str, Any], JobSpec, str | None]:
     """(the spec's data with the overrides, the validated spec, a note). A spec whose only
     problems are its layout is still advised on: its parallel section is reset to one GPU per
     replica (the search varies it anyway) and the note says so. Anything else raises the
@@ -316,18 +387,26 @@ def load_for_advice(path: Any, overrides: list[str] | None
     try:
         return data, validate_spec(data, str(path)), None
     except SpecError as exc:
-        layout_only = all(p.path.startswith(("parallel", "training.seq_len",
-                                             "training.global_batch", "training.grad_accum"))
-                          for p in exc.problems)
+        layout_only = all(
+            p.path.startswith(
+                ("parallel", "training.seq_len", "training.global_batch", "training.grad_accum")
+            )
+            for p in exc.problems
+        )
         if not layout_only:
             raise
-        reset = {k: v for k, v in (data.get("parallel") or {}).items() if k in ("cp_sharding", "layout")}
+        reset = {
+            k: v for k, v in (data.get("parallel") or {}).items() if k in ("cp_sharding", "layout")
+        }
         try:
             job = validate_spec({**data, "parallel": reset}, str(path))
         except SpecError:
             raise exc from None
-        return data, job, (f"the spec's own layout is illegal ({exc.problems[0]}); advising "
-                           "over every layout")
+        return (
+            data,
+            job,
+            (f"the spec's own layout is illegal ({exc.problems[0]}); advising over every layout"),
+        )
 
 
 def advice_spec_text(data: dict[str, Any], advice: Advice, source: str) -> str:
@@ -340,16 +419,21 @@ def advice_spec_text(data: dict[str, Any], advice: Advice, source: str) -> str:
     from ctxlaunch.contract.loader import apply_overrides, validate_spec
 
     assert advice.best is not None
-    changes = {**advice.best.layout.overrides(), "cluster.nodes": advice.nodes,
-               "cluster.gpus_per_node": advice.gpus_per_node}
+    changes = {
+        **advice.best.layout.overrides(),
+        "cluster.nodes": advice.nodes,
+        "cluster.gpus_per_node": advice.gpus_per_node,
+    }
     new = apply_overrides(data, [f"{k}={json.dumps(v)}" for k, v in changes.items()])
     for section in ("parallel", "training"):  # drop the nulls the changes set
         new[section] = {k: v for k, v in new[section].items() if v is not None}
     validate_spec(new, source)
-    header = (f"# ctxlaunch advise: {advice.best.describe()}; predicted "
-              f"{advice.best.time.step_seconds:.3g} s/step, "
-              f"{advice.best.time.tokens_per_second_per_gpu:,.0f} tokens/s/GPU, "
-              f"{advice.best.memory.total / GiB:.1f} GiB/GPU\n")
+    header = (
+        f"# ctxlaunch advise: {advice.best.describe()}; predicted "
+        f"{advice.best.time.step_seconds:.3g} s/step, "
+        f"{advice.best.time.tokens_per_second_per_gpu:,.0f} tokens/s/GPU, "
+        f"{advice.best.memory.total / GiB:.1f} GiB/GPU\n"
+    )
     return header + yaml.safe_dump(new, sort_keys=False)
 
 
@@ -359,31 +443,59 @@ def print_advice(console: Any, advice: Advice, top: int) -> None:
     s = advice.spec
     for note in advice.notes:
         console.print(f"note: {note}", markup=False)
-    console.print(f"[bold]{s.name}[/]: {s.model.preset or 'custom'} model, seq_len "
-                  f"{s.training.seq_len:,}, {s.tokens_per_step:,} tokens per step, "
-                  f"{advice.nodes} x {advice.gpus_per_node} {s.cluster.gpu} over "
-                  f"{s.fabric.network}")
-    table = Table(title=f"Fastest layouts that fit ({len(advice.ranked)} ranked)",
-                  title_justify="left")
-    for column in ("#", "layout", "GiB/GPU", "step s", "tokens/s/GPU", "MFU full",
-                   "MFU causal", "largest overhead"):
-        table.add_column(column, justify="left" if column in ("layout", "largest overhead")
-                         else "right")
+    console.print(
+        f"[bold]{s.name}[/]: {s.model.preset or 'custom'} model, seq_len "
+        f"{s.training.seq_len:,}, {s.tokens_per_step:,} tokens per step, "
+        f"{advice.nodes} x {advice.gpus_per_node} {s.cluster.gpu} over "
+        f"{s.fabric.network}"
+    )
+    table = Table(
+        title=f"Fastest layouts that fit ({len(advice.ranked)} ranked)", title_justify="left"
+    )
+    for column in (
+        "#",
+        "layout",
+        "GiB/GPU",
+        "step s",
+        "tokens/s/GPU",
+        "MFU full",
+        "MFU causal",
+        "largest overhead",
+    ):
+        table.add_column(
+            column, justify="left" if column in ("layout", "largest overhead") else "right"
+        )
     compute = ("compute_matmul", "compute_attention", "compute_elementwise", "compute_loss")
     for label, c in zip(advice.rank_labels(top), advice.ranked[:top], strict=True):
-        overheads = {k: v for k, v in c.time.terms.items()
-                     if k not in compute and v > 1e-3 * c.time.step_seconds}
+        overheads = {
+            k: v
+            for k, v in c.time.terms.items()
+            if k not in compute and v > 1e-3 * c.time.step_seconds
+        }
         worst = max(overheads, key=overheads.__getitem__) if overheads else None
-        worst_text = (f"{worst.replace('_', ' ')} {overheads[worst] / c.time.step_seconds:.1%}"
-                      if worst else "-")
-        table.add_row(label, c.describe(), f"{c.memory.total / GiB:,.1f}",
-                      f"{c.time.step_seconds:.4g}", f"{c.time.tokens_per_second_per_gpu:,.0f}",
-                      f"{c.time.mfu['full']:.1%}", f"{c.time.mfu['causal']:.1%}", worst_text)
+        worst_text = (
+            f"{worst.replace('_', ' ')} {overheads[worst] / c.time.step_seconds:.1%}"
+            if worst
+            else "-"
+        )
+        table.add_row(
+            label,
+            c.describe(),
+            f"{c.memory.total / GiB:,.1f}",
+            f"{c.time.step_seconds:.4g}",
+            f"{c.time.tokens_per_second_per_gpu:,.0f}",
+            f"{c.time.mfu['full']:.1%}",
+            f"{c.time.mfu['causal']:.1%}",
+            worst_text,
+        )
     console.print(table)
     if advice.best is not None:
         tied = sum(1 for c in advice.ranked if advice.ties_best(c))
-        console.print(f"step times {advice.best.time.range_text()}; {tied} layout(s) within "
-                      "that of the fastest rank as ties (=1)", markup=False)
+        console.print(
+            f"step times {advice.best.time.range_text()}; {tied} layout(s) within "
+            "that of the fastest rank as ties (=1)",
+            markup=False,
+        )
     if advice.own is not None and advice.best is not None:
         p = s.parallel
         console.print(
@@ -392,12 +504,16 @@ def print_advice(console: Any, advice: Advice, top: int) -> None:
             f"): {advice.own.step_seconds:.4g} s/step, "
             f"{advice.own.tokens_per_second_per_gpu:,.0f} tokens/s/GPU; the fastest is "
             f"{advice.own.step_seconds / advice.best.time.step_seconds - 1:.1%} faster",
-            markup=False)
+            markup=False,
+        )
     for kind, items in advice.rejected_by_kind().items():
         if not items:
             continue
         console.print(f"rejected, {kind}: {len(items)}", markup=False)
         for r in items[:3]:
             console.print(f"  {r.layout}: {r.reason}", markup=False)
-    console.print(f"timed {advice.layouts_timed} layouts ({advice.memory_estimates} memory "
-                  f"estimates, {advice.validator_calls} validator calls)", markup=False)
+    console.print(
+        f"timed {advice.layouts_timed} layouts ({advice.memory_estimates} memory "
+        f"estimates, {advice.validator_calls} validator calls)",
+        markup=False,
+    )

@@ -83,16 +83,16 @@ class PlanReport:
     def verdict(self) -> str:
         """One line: fits or not, by how much, and what would fit."""
         e, gib = self.estimate, GiB
-        head = (f"{e.total / gib:.1f} GiB of {e.capacity / gib:.1f} GiB per "
-                f"{self.spec.cluster.gpu}")
+        head = f"{e.total / gib:.1f} GiB of {e.capacity / gib:.1f} GiB per {self.spec.cluster.gpu}"
         if e.fits:
             return f"fits: {head}, {e.headroom / gib:.1f} GiB headroom"
         out = f"does not fit: {head}, {-e.headroom / gib:.1f} GiB over"
         alternatives = []
         if self.smallest_fitting_cp is not None and self.smallest_fitting_cp.cp != self.layout.cp:
             o = self.smallest_fitting_cp
-            alternatives.append(f"cp = {o.cp} ({o.gpus} GPUs on {o.nodes} node"
-                                f"{'s' if o.nodes != 1 else ''})")
+            alternatives.append(
+                f"cp = {o.cp} ({o.gpus} GPUs on {o.nodes} node{'s' if o.nodes != 1 else ''})"
+            )
         alternatives += [s.describe() for s in self.suggestions[:2]]
         if alternatives:
             out += "; would fit with " + " or ".join(alternatives)
@@ -106,13 +106,22 @@ class PlanReport:
             "job": s.name,
             "gpu": {"type": s.cluster.gpu, "capacity_bytes": self.estimate.capacity},
             "layout": {
-                "nodes": s.cluster.nodes, "gpus_per_node": s.cluster.gpus_per_node,
-                "tp": s.parallel.tp, "pp": s.parallel.pp, "cp": s.parallel.cp,
-                "ep": s.parallel.ep, "dp": s.dp, "cp_algorithm": s.parallel.cp_algorithm,
-                "ulysses_degree": s.ulysses_degree, "ring_degree": s.ring_degree,
-                "cp_sharding": s.parallel.cp_sharding, "seq_len": s.training.seq_len,
-                "micro_batch": s.training.micro_batch, "grad_accum": s.grad_accum,
-                "global_batch": s.global_batch, "zero_stage": s.training.zero_stage,
+                "nodes": s.cluster.nodes,
+                "gpus_per_node": s.cluster.gpus_per_node,
+                "tp": s.parallel.tp,
+                "pp": s.parallel.pp,
+                "cp": s.parallel.cp,
+                "ep": s.parallel.ep,
+                "dp": s.dp,
+                "cp_algorithm": s.parallel.cp_algorithm,
+                "ulysses_degree": s.ulysses_degree,
+                "ring_degree": s.ring_degree,
+                "cp_sharding": s.parallel.cp_sharding,
+                "seq_len": s.training.seq_len,
+                "micro_batch": s.training.micro_batch,
+                "grad_accum": s.grad_accum,
+                "global_batch": s.global_batch,
+                "zero_stage": s.training.zero_stage,
                 "activation_checkpointing": s.training.activation_checkpointing,
                 "dtype": s.model.dtype,
             },
@@ -123,15 +132,24 @@ class PlanReport:
             },
             "verdict": self.verdict(),
             "cp_options": [
-                {"cp": o.cp, "gpus": o.gpus, "nodes": o.nodes, "legal": o.legal,
-                 "reason": o.reason, "total_bytes": o.estimate.total, "fits": o.fits,
-                 "longest_seq_len": o.longest_seq_len}
+                {
+                    "cp": o.cp,
+                    "gpus": o.gpus,
+                    "nodes": o.nodes,
+                    "legal": o.legal,
+                    "reason": o.reason,
+                    "total_bytes": o.estimate.total,
+                    "fits": o.fits,
+                    "longest_seq_len": o.longest_seq_len,
+                }
                 for o in self.cp_options
             ],
-            "smallest_fitting_cp": (self.smallest_fitting_cp.cp
-                                    if self.smallest_fitting_cp else None),
-            "suggestions": [{"changes": x.changes, "total_bytes": x.estimate.total}
-                            for x in self.suggestions],
+            "smallest_fitting_cp": (
+                self.smallest_fitting_cp.cp if self.smallest_fitting_cp else None
+            ),
+            "suggestions": [
+                {"changes": x.changes, "total_bytes": x.estimate.total} for x in self.suggestions
+            ],
             "flops": self.flops,
             "step_time": self.step_time,
             "warnings": self.warnings,
@@ -156,8 +174,11 @@ def plan_job(spec: JobSpec, machine: Machine | None = None) -> PlanReport:
         flops=flops_report(spec),
         warnings=spec.warnings(),
         phases=peak_phases(spec.model, layout),
-        step_time=(predict(spec.model, layout, machine or machine_for(spec, saved=False)).to_dict()
-                   if current.fits else None),
+        step_time=(
+            predict(spec.model, layout, machine or machine_for(spec, saved=False)).to_dict()
+            if current.fits
+            else None
+        ),
     )
 
 
@@ -173,11 +194,17 @@ def cp_options(spec: JobSpec, layout: Layout) -> list[CpOption]:
         gpus = p.tp * p.pp * p.ep * cp * layout.dp
         problems = cp_problems(spec.model, p.model_copy(update={"cp": cp}), spec.training.seq_len)
         reason = problem_message(problems[0]) if problems else None
-        out.append(CpOption(
-            cp=cp, gpus=gpus, nodes=-(-gpus // per_node), legal=not problems, reason=reason,
-            estimate=estimate(spec.model, variant, gpu),
-            longest_seq_len=longest_sequence(spec.model, variant, gpu, p.cp_sharding),
-        ))
+        out.append(
+            CpOption(
+                cp=cp,
+                gpus=gpus,
+                nodes=-(-gpus // per_node),
+                legal=not problems,
+                reason=reason,
+                estimate=estimate(spec.model, variant, gpu),
+                longest_seq_len=longest_sequence(spec.model, variant, gpu, p.cp_sharding),
+            )
+        )
     return out
 
 
@@ -187,12 +214,13 @@ def suggestions(spec: JobSpec, layout: Layout) -> list[Suggestion]:
     modes = ["none", "selective", "full"]
     gpu = spec.cluster.gpu_info
     out = []
-    for mode in modes[modes.index(layout.activation_checkpointing):]:
+    for mode in modes[modes.index(layout.activation_checkpointing) :]:
         for stage in range(layout.zero_stage, 4):
             if (mode, stage) == (layout.activation_checkpointing, layout.zero_stage):
                 continue
-            e = estimate(spec.model, layout.replace(activation_checkpointing=mode,
-                                                    zero_stage=stage), gpu)
+            e = estimate(
+                spec.model, layout.replace(activation_checkpointing=mode, zero_stage=stage), gpu
+            )
             if e.fits:
                 changes: dict[str, Any] = {}
                 if mode != layout.activation_checkpointing:

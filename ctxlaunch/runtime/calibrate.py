@@ -37,11 +37,17 @@ def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def measure_compute(*, heads: int = 4, head_dim: int = 32, seq: int = 2048,
-                    dtype: str = "fp32", repeats: int = 5,
-                    projections: tuple[tuple[int, int], ...] = (), threads: int = 0,
-                    attention_seq: int | None = None
-                    ) -> tuple[float, float, float, float]:
+def measure_compute(
+    *,
+    heads: int = 4,
+    head_dim: int = 32,
+    seq: int = 2048,
+    dtype: str = "fp32",
+    repeats: int = 5,
+    projections: tuple[tuple[int, int], ...] = (),
+    threads: int = 0,
+    attention_seq: int | None = None,
+) -> tuple[float, float, float, float]:
     """(matmul FLOP/s, attention FLOP/s forward + backward on a full block, the causal
     diagonal's waste in tokens, copy bytes/s), each from the best of `repeats` runs with all of
     this machine's cores in this process. The matmul rate is the model's own: forward and both
@@ -68,7 +74,7 @@ def measure_compute(*, heads: int = 4, head_dim: int = 32, seq: int = 2048,
 
         def products() -> None:
             for x, w, g in zip(inputs, weights, grads, strict=True):
-                torch.mm(x, w)      # forward
+                torch.mm(x, w)  # forward
                 torch.mm(g, w.t())  # input gradient
                 torch.mm(x.t(), g)  # weight gradient
 
@@ -100,8 +106,14 @@ def measure_compute(*, heads: int = 4, head_dim: int = 32, seq: int = 2048,
     return matmul, attention_rate, tile, copy
 
 
-def run_ranks(target: Callable[..., None], ranks: int, args: tuple[Any, ...], expect: int,
-               timeout_s: float, what: str) -> list[Any]:
+def run_ranks(
+    target: Callable[..., None],
+    ranks: int,
+    args: tuple[Any, ...],
+    expect: int,
+    timeout_s: float,
+    what: str,
+) -> list[Any]:
     """Run `target(rank, init_file, *args, results)` in `ranks` spawned processes; collect
     `expect` results. A process that dies or a run past `timeout_s` ends every process and
     raises RuntimeError: a measurement never hangs."""
@@ -117,8 +129,10 @@ def run_ranks(target: Callable[..., None], ranks: int, args: tuple[Any, ...], ex
     fd, init_file = tempfile.mkstemp(prefix="ctxlaunch_calibrate_")
     os.close(fd)
     os.unlink(init_file)  # the file store creates it
-    procs = [ctx.Process(target=target, args=(r, init_file, *args, results), daemon=True)
-             for r in range(ranks)]
+    procs = [
+        ctx.Process(target=target, args=(r, init_file, *args, results), daemon=True)
+        for r in range(ranks)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s
@@ -131,8 +145,9 @@ def run_ranks(target: Callable[..., None], ranks: int, args: tuple[Any, ...], ex
                 values.append(results.get(timeout=1.0))
             except queue.Empty:
                 if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(f"{what}: a process died (exit codes "
-                                       f"{[p.exitcode for p in procs]})") from None
+                    raise RuntimeError(
+                        f"{what}: a process died (exit codes {[p.exitcode for p in procs]})"
+                    ) from None
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -144,8 +159,9 @@ def run_ranks(target: Callable[..., None], ranks: int, args: tuple[Any, ...], ex
     return values
 
 
-def _pingpong(rank: int, init_file: str, sizes: list[int], repeats: int,
-              results: Queue[Any]) -> None:
+def _pingpong(
+    rank: int, init_file: str, sizes: list[int], repeats: int, results: Queue[Any]
+) -> None:
     import time
 
     import torch
@@ -173,16 +189,16 @@ def _pingpong(rank: int, init_file: str, sizes: list[int], repeats: int,
     dist.destroy_process_group()
 
 
-def _sync_worker(rank: int, init_file: str, world: int, runs: tuple[tuple[int, int], ...],
-                 results: Queue[Any]) -> None:
+def _sync_worker(
+    rank: int, init_file: str, world: int, runs: tuple[tuple[int, int], ...], results: Queue[Any]
+) -> None:
     import time
 
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     message = torch.zeros(1024)
     incoming = torch.empty_like(message)
 
@@ -192,8 +208,10 @@ def _sync_worker(rank: int, init_file: str, world: int, runs: tuple[tuple[int, i
         for _ in range(iterations):
             torch.mm(a, a)
             if exchange:
-                ops = [dist.P2POp(dist.isend, message, (rank + 1) % world),
-                       dist.P2POp(dist.irecv, incoming, (rank - 1) % world)]
+                ops = [
+                    dist.P2POp(dist.isend, message, (rank + 1) % world),
+                    dist.P2POp(dist.irecv, incoming, (rank - 1) % world),
+                ]
                 for request in dist.batch_isend_irecv(ops):
                     request.wait()
         dist.barrier()
@@ -210,21 +228,29 @@ def _sync_worker(rank: int, init_file: str, world: int, runs: tuple[tuple[int, i
     dist.destroy_process_group()
 
 
-def measure_sync_intervals(ranks: int, runs: tuple[tuple[int, int], ...],
-                           timeout_s: float = 120.0) -> list[tuple[float, float]]:
+def measure_sync_intervals(
+    ranks: int, runs: tuple[tuple[int, int], ...], timeout_s: float = 120.0
+) -> list[tuple[float, float]]:
     """Per (size, iterations) in `runs`, all in one set of processes: (seconds one ring exchange
     adds, seconds of compute between two exchanges) when `ranks` processes (one thread each)
     share the cores, as the trainer's ranks do: every rank computes one `size`-square product,
     then sends to the next and receives from the previous; less the same compute without the
     exchanges. Both are the mean over the ranks."""
-    per_rank = [v for _, v in run_ranks(_sync_worker, ranks, (ranks, runs), ranks, timeout_s,
-                                        "sync measurement")]
-    return [(sum(r[i][0] for r in per_rank) / ranks, sum(r[i][1] for r in per_rank) / ranks)
-            for i in range(len(runs))]
+    per_rank = [
+        v
+        for _, v in run_ranks(
+            _sync_worker, ranks, (ranks, runs), ranks, timeout_s, "sync measurement"
+        )
+    ]
+    return [
+        (sum(r[i][0] for r in per_rank) / ranks, sum(r[i][1] for r in per_rank) / ranks)
+        for i in range(len(runs))
+    ]
 
 
-def measure_sync(ranks: int, *, iterations: int = 40, size: int = 192,
-                 timeout_s: float = 120.0) -> float:
+def measure_sync(
+    ranks: int, *, iterations: int = 40, size: int = 192, timeout_s: float = 120.0
+) -> float:
     """Seconds one ring exchange adds between compute steps (`measure_sync_intervals`)."""
     return measure_sync_intervals(ranks, ((size, iterations),), timeout_s)[0][0]
 
@@ -244,8 +270,8 @@ def fit_sync_jitter(short: tuple[float, float], long: tuple[float, float]) -> tu
     (cost_short, tau_short), (cost_long, tau_long) = short, long
     if tau_long <= tau_short or cost_long <= cost_short:
         return cost_short, 0.0
-    growth = (cost_long - cost_short) / (tau_long ** 0.5 - tau_short ** 0.5)
-    return max(0.0, cost_short - growth * tau_short ** 0.5), growth
+    growth = (cost_long - cost_short) / (tau_long**0.5 - tau_short**0.5)
+    return max(0.0, cost_short - growth * tau_short**0.5), growth
 
 
 def measure_sync_curve(ranks: int, *, readings: int = 3) -> tuple[float, float]:
@@ -255,8 +281,10 @@ def measure_sync_curve(ranks: int, *, readings: int = 3) -> tuple[float, float]:
     import statistics
 
     taken = [measure_sync_intervals(ranks, SYNC_RUNS) for _ in range(readings)]
-    short, long = ((statistics.median(r[i][0] for r in taken),
-                    statistics.median(r[i][1] for r in taken)) for i in range(2))
+    short, long = (
+        (statistics.median(r[i][0] for r in taken), statistics.median(r[i][1] for r in taken))
+        for i in range(2)
+    )
     return fit_sync_jitter(short, long)
 
 
@@ -268,25 +296,31 @@ def fit_line(xs: tuple[float, ...] | list[float], ys: list[float]) -> tuple[floa
     n = len(xs)
     mean_x, mean_y = sum(xs) / n, sum(ys) / n
     spread = sum((x - mean_x) ** 2 for x in xs)
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
-             if spread > 0 else 0.0)
+    slope = (
+        sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
+        if spread > 0
+        else 0.0
+    )
     bandwidth = max(1.0 / slope if slope > 0 else 0.0, xs[-1] / ys[-1])
     latency = max(ys[0] - xs[0] / bandwidth, 0.0)
     return bandwidth, latency
 
 
-def measure_loopback(sizes: tuple[int, ...] = (4096, 262144, 4 * 2**20, 16 * 2**20),
-                     repeats: int = 5, timeout_s: float = 120.0) -> tuple[float, float]:
+def measure_loopback(
+    sizes: tuple[int, ...] = (4096, 262144, 4 * 2**20, 16 * 2**20),
+    repeats: int = 5,
+    timeout_s: float = 120.0,
+) -> tuple[float, float]:
     """(bytes/s, latency s) of gloo point-to-point between two processes over 127.0.0.1: the
     least-squares line through the best one-way time at each message size."""
-    (times,) = run_ranks(_pingpong, 2, (list(sizes), repeats), 1, timeout_s,
-                         "gloo loopback measurement")
+    (times,) = run_ranks(
+        _pingpong, 2, (list(sizes), repeats), 1, timeout_s, "gloo loopback measurement"
+    )
     bandwidth, latency = fit_line(sizes, times)
     return bandwidth, max(latency, 1e-6)
 
 
-def _model_step_seconds(model: ModelSpec, seq: int, repeats: int,
-                        threads: int = 0) -> float:
+def _model_step_seconds(model: ModelSpec, seq: int, repeats: int, threads: int = 0) -> float:
     """Best time of the trainer's own model (forward, backward, AdamW step) at `seq` tokens,
     with `threads` threads in this process (0: every core)."""
     import os
@@ -310,9 +344,14 @@ def _model_step_seconds(model: ModelSpec, seq: int, repeats: int,
     return _best_seconds(step, repeats)
 
 
-def measure_model_residual(model: ModelSpec, calibration: Calibration, *,
-                           lengths: tuple[int, int] = (256, 1024), repeats: int = 5,
-                           threads: int = 0) -> tuple[float, float]:
+def measure_model_residual(
+    model: ModelSpec,
+    calibration: Calibration,
+    *,
+    lengths: tuple[int, int] = (256, 1024),
+    repeats: int = 5,
+    threads: int = 0,
+) -> tuple[float, float]:
     """(fixed seconds per micro-batch, elementwise bytes/s) from the real model's step at two
     short lengths, where attention is small: what the matmul, attention and optimizer terms
     (at the rates just measured) leave is a fixed cost plus a per-token one. The per-token part
@@ -328,13 +367,15 @@ def measure_model_residual(model: ModelSpec, calibration: Calibration, *,
     ranks = calibration.cores if threads == 1 else 1
     # The elementwise term at the copy rate (as `rate` below starts from), whatever was fitted.
     bare = dataclasses.replace(calibration, elementwise_bytes_per_second=0.0)
-    machine = dataclasses.replace(bare.machine(gpus_per_node=ranks),
-                                  microbatch_overhead_seconds=0.0, sync_seconds=0.0)
+    machine = dataclasses.replace(
+        bare.machine(gpus_per_node=ranks), microbatch_overhead_seconds=0.0, sync_seconds=0.0
+    )
     residual, modelled_elementwise = [], []
     for seq in lengths:
         seconds = _model_step_seconds(model, seq, repeats, threads)
-        terms = predict(model, Layout(seq_len=seq, dtype=model.dtype,
-                                      matmul_precision=model.dtype), machine).terms
+        terms = predict(
+            model, Layout(seq_len=seq, dtype=model.dtype, matmul_precision=model.dtype), machine
+        ).terms
         # The loss's passes run at the elementwise rate on the CPU (one rate fitted for both).
         elementwise = terms["compute_elementwise"] + terms["compute_loss"]
         residual.append(seconds - (sum(terms.values()) - elementwise))
@@ -380,12 +421,21 @@ def fit_ramp(short: int, short_rate: float, long: int, long_rate: float) -> tupl
     return 1 / intercept, slope / intercept
 
 
-def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str = "fp32",
-            repeats: int = 5, sizes: tuple[int, ...] = (4096, 262144, 4 * 2**20, 16 * 2**20),
-            model: ModelSpec | None = None, sync_ranks: tuple[int, ...] = (2, 4),
-            attention_seq: int | None = None,
-            attention_ramp_seqs: tuple[int, int] | None = None,
-            sync_readings: int = 3, rate_readings: int = 3) -> Calibration:
+def measure(
+    *,
+    heads: int = 4,
+    head_dim: int = 32,
+    seq: int = 2048,
+    dtype: str = "fp32",
+    repeats: int = 5,
+    sizes: tuple[int, ...] = (4096, 262144, 4 * 2**20, 16 * 2**20),
+    model: ModelSpec | None = None,
+    sync_ranks: tuple[int, ...] = (2, 4),
+    attention_seq: int | None = None,
+    attention_ramp_seqs: tuple[int, int] | None = None,
+    sync_readings: int = 3,
+    rate_readings: int = 3,
+) -> Calibration:
     """Every constant the step-time model needs on this CPU; `model` (a ModelSpec, default the
     tiny preset) is what the matmul rate, the elementwise rate and the per-micro-batch overhead
     are measured on. Attention is measured on one block of `attention_seq` tokens (default
@@ -404,13 +454,21 @@ def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str =
     from ctxlaunch.contract.spec import ModelSpec
 
     model = model or ModelSpec.model_validate({"preset": "tiny", "dtype": dtype})
-    projections = ((model.hidden, model.hidden + 2 * model.kv_hidden),  # fused q, k, v
-                   (model.hidden, model.hidden),                        # output
-                   (model.hidden, 2 * model.ffn_hidden),                # fused gate, up
-                   (model.ffn_hidden, model.hidden))                    # down
+    projections = (
+        (model.hidden, model.hidden + 2 * model.kv_hidden),  # fused q, k, v
+        (model.hidden, model.hidden),  # output
+        (model.hidden, 2 * model.ffn_hidden),  # fused gate, up
+        (model.ffn_hidden, model.hidden),
+    )  # down
     ramp_seqs = None if attention_seq else attention_ramp_seqs
-    common: dict[str, Any] = dict(heads=heads, head_dim=head_dim, seq=seq, dtype=dtype,
-                                  repeats=repeats, projections=projections)
+    common: dict[str, Any] = dict(
+        heads=heads,
+        head_dim=head_dim,
+        seq=seq,
+        dtype=dtype,
+        repeats=repeats,
+        projections=projections,
+    )
 
     def attention_rates(threads: int) -> tuple[float, float, float, float, float]:
         """(matmul, attention rate, ramp L0, causal tile, copy) with `threads` threads."""
@@ -428,35 +486,48 @@ def measure(*, heads: int = 4, head_dim: int = 32, seq: int = 2048, dtype: str =
     matmul_1, attention_1, ramp_1, _, _ = median_each([r[1] for r in rounds])
     bandwidth, latency = measure_loopback(sizes=sizes, repeats=repeats)
     calibration = Calibration(
-        matmul_flops_per_second=matmul, attention_flops_per_second=attention,
-        memory_bytes_per_second=copy, link_bytes_per_second=bandwidth,
-        link_latency_seconds=latency, cores=os.cpu_count() or 1, causal_tile_tokens=tile,
+        matmul_flops_per_second=matmul,
+        attention_flops_per_second=attention,
+        memory_bytes_per_second=copy,
+        link_bytes_per_second=bandwidth,
+        link_latency_seconds=latency,
+        cores=os.cpu_count() or 1,
+        causal_tile_tokens=tile,
         attention_ramp_tokens=ramp,
         # One thread: what each rank gets when the ranks fill the cores.
-        one_thread={"matmul": matmul_1, "attention": attention_1,
-                    "attention_ramp_tokens": ramp_1},
-        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    residuals = [(measure_model_residual(model, calibration, repeats=repeats),
-                  measure_model_residual(model, calibration, repeats=repeats, threads=1))
-                 for _ in range(rate_readings)]
+        one_thread={"matmul": matmul_1, "attention": attention_1, "attention_ramp_tokens": ramp_1},
+        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+    residuals = [
+        (
+            measure_model_residual(model, calibration, repeats=repeats),
+            measure_model_residual(model, calibration, repeats=repeats, threads=1),
+        )
+        for _ in range(rate_readings)
+    ]
     overhead, elementwise = median_each([r[0] for r in residuals])
     overhead_1, elementwise_1 = median_each([r[1] for r in residuals])
     curves = {str(n): measure_sync_curve(n, readings=sync_readings) for n in sync_ranks}
     return dataclasses.replace(
-        calibration, microbatch_overhead_seconds=overhead,
+        calibration,
+        microbatch_overhead_seconds=overhead,
         elementwise_bytes_per_second=elementwise,
         sync_seconds={n: s0 for n, (s0, _) in curves.items()},
         sync_jitter={n: growth for n, (_, growth) in curves.items()},
-        one_thread={"matmul": matmul_1, "attention": attention_1,
-                    "attention_ramp_tokens": ramp_1, "elementwise": elementwise_1,
-                    "microbatch_overhead": overhead_1})
+        one_thread={
+            "matmul": matmul_1,
+            "attention": attention_1,
+            "attention_ramp_tokens": ramp_1,
+            "elementwise": elementwise_1,
+            "microbatch_overhead": overhead_1,
+        },
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # the calibration job's body (`ctxlaunch calibrate SPEC --submit` runs it instead of the trainer)
 # --------------------------------------------------------------------------------------------
 CALIBRATE_MODULE = "ctxlaunch.runtime.calibrate"
-
 
 
 PROFILE_LINE = "ctxlaunch calibrate: profile "
@@ -496,22 +567,34 @@ def run_job(spec_path: str | None, out_path: str) -> int:
         from ctxlaunch.runtime.calibrate_device import measure_device
 
         dry_run = os.environ.get(DRY_RUN_ENV) == "1"
-        print(f"ctxlaunch calibrate: measuring {spec.cluster.gpu} x "
-              f"{spec.cluster.gpus_per_node} over {spec.fabric.network}"
-              f"{' (dry run on the CPU)' if dry_run else ''}", flush=True)
+        print(
+            f"ctxlaunch calibrate: measuring {spec.cluster.gpu} x "
+            f"{spec.cluster.gpus_per_node} over {spec.fabric.network}"
+            f"{' (dry run on the CPU)' if dry_run else ''}",
+            flush=True,
+        )
         try:
-            calibration = measure_device(spec, dry_run=dry_run,
-                                         log=lambda line: print(line, flush=True))
+            calibration = measure_device(
+                spec, dry_run=dry_run, log=lambda line: print(line, flush=True)
+            )
         except RuntimeError as exc:
-            print(f"ctxlaunch calibrate: cluster.gpu {spec.cluster.gpu!r}: {exc}",
-                  file=sys.stderr)
+            print(f"ctxlaunch calibrate: cluster.gpu {spec.cluster.gpu!r}: {exc}", file=sys.stderr)
             return 2
     else:
         # Short on the CPU: 512-token attention, two repeats, one reading of each rate, three
         # message sizes, one sync width read once at each of its two compute lengths.
-        calibration = measure(heads=m.heads, head_dim=m.head_dim, dtype=m.dtype, model=m,
-                              seq=512, repeats=2, sizes=(4096, 262144, 2**20),
-                              sync_ranks=(2,), sync_readings=1, rate_readings=1)
+        calibration = measure(
+            heads=m.heads,
+            head_dim=m.head_dim,
+            dtype=m.dtype,
+            model=m,
+            seq=512,
+            repeats=2,
+            sizes=(4096, 262144, 2**20),
+            sync_ranks=(2,),
+            sync_readings=1,
+            rate_readings=1,
+        )
     written = save_profile(calibration, spec, Path(out_path))
     # The profile in the log too: where the job's filesystem is not the submitter's (a pod).
     print(f"{PROFILE_LINE}{json.dumps(json.loads(written.read_text()))}")
@@ -522,10 +605,12 @@ def run_job(spec_path: str | None, out_path: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog=f"python -m {CALIBRATE_MODULE}",
-                                     description=run_job.__doc__)
-    parser.add_argument("spec", nargs="?", default=None,
-                        help="the job's spec.json (default: $CTXLAUNCH_SPEC_JSON)")
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {CALIBRATE_MODULE}", description=run_job.__doc__
+    )
+    parser.add_argument(
+        "spec", nargs="?", default=None, help="the job's spec.json (default: $CTXLAUNCH_SPEC_JSON)"
+    )
     parser.add_argument("--out", required=True, help="where to write the machine profile")
     args = parser.parse_args(argv)
     return run_job(args.spec, args.out)

@@ -95,12 +95,17 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]
 def projections(model: ModelSpec) -> tuple[tuple[int, int], ...]:
     """The (in, out) of the trainer's weight matmuls in one block: fused q/k/v, output, fused
     gate/up, down."""
-    return ((model.hidden, model.hidden + 2 * model.kv_hidden), (model.hidden, model.hidden),
-            (model.hidden, 2 * model.ffn_hidden), (model.ffn_hidden, model.hidden))
+    return (
+        (model.hidden, model.hidden + 2 * model.kv_hidden),
+        (model.hidden, model.hidden),
+        (model.hidden, 2 * model.ffn_hidden),
+        (model.ffn_hidden, model.hidden),
+    )
 
 
-def measure_matmul_eta(model: ModelSpec, gpu_name: str, device: torch.device, tokens: int,
-                       repeats: int) -> tuple[float, float]:
+def measure_matmul_eta(
+    model: ModelSpec, gpu_name: str, device: torch.device, tokens: int, repeats: int
+) -> tuple[float, float]:
     """(large-GEMM efficiency, measured seconds) of the block's projections over `tokens`
     tokens in the compute precision: the efficiency at which `profiles.gemm_seconds` sums to
     the measured time."""
@@ -119,7 +124,7 @@ def measure_matmul_eta(model: ModelSpec, gpu_name: str, device: torch.device, to
 
     def products() -> None:
         for x, w, g in zip(inputs, weights, grads, strict=True):
-            torch.mm(x, w)      # forward
+            torch.mm(x, w)  # forward
             torch.mm(g, w.t())  # input gradient
             torch.mm(x.t(), g)  # weight gradient
 
@@ -127,16 +132,29 @@ def measure_matmul_eta(model: ModelSpec, gpu_name: str, device: torch.device, to
     element = 2.0 if model.dtype == "bf16" else 4.0
 
     def at_full_efficiency(m: float, n: float, k: float) -> float:
-        return gemm_seconds(m, n, k, peak=peak, eta=1.0, sm_count=gpu.sm_count,
-                            hbm_bytes_per_second=gpu.hbm_bytes_per_second, element_bytes=element)
+        return gemm_seconds(
+            m,
+            n,
+            k,
+            peak=peak,
+            eta=1.0,
+            sm_count=gpu.sm_count,
+            hbm_bytes_per_second=gpu.hbm_bytes_per_second,
+            element_bytes=element,
+        )
 
-    ideal = sum(at_full_efficiency(tokens, o, i) + at_full_efficiency(tokens, i, o)
-                + at_full_efficiency(i, o, tokens) for i, o in shapes)
+    ideal = sum(
+        at_full_efficiency(tokens, o, i)
+        + at_full_efficiency(tokens, i, o)
+        + at_full_efficiency(i, o, tokens)
+        for i, o in shapes
+    )
     return min(ideal / seconds, 1.0), seconds
 
 
-def measure_attention(model: ModelSpec, device: torch.device, lengths: tuple[int, int],
-                      repeats: int) -> tuple[str, list[tuple[int, float, int, int]]]:
+def measure_attention(
+    model: ModelSpec, device: torch.device, lengths: tuple[int, int], repeats: int
+) -> tuple[str, list[tuple[int, float, int, int]]]:
     """(the kernel the trainer picks at the longer length, [(call tokens, seconds, heads,
     head_dim)] of one causal forward + backward call at each length)."""
     import torch
@@ -156,8 +174,9 @@ def measure_attention(model: ModelSpec, device: torch.device, lengths: tuple[int
         v = torch.randn_like(k)
         grad = torch.randn_like(q)
 
-        def call(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v,
-                 grad: torch.Tensor = grad) -> None:
+        def call(
+            q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v, grad: torch.Tensor = grad
+        ) -> None:
             out, lse = attention_forward(q, k, v, True, scale)
             attention_backward(grad, q, k, v, out, lse, True, scale)
 
@@ -178,8 +197,15 @@ def _bus_bytes(op: str, size: int, world: int) -> float:
     return (world - 1) / world * size
 
 
-def _collective_worker(rank: int, init_file: str, world: int, backend: str,
-                       sizes: list[int], repeats: int, results: Queue[Any]) -> None:
+def _collective_worker(
+    rank: int,
+    init_file: str,
+    world: int,
+    backend: str,
+    sizes: list[int],
+    repeats: int,
+    results: Queue[Any],
+) -> None:
     import functools
 
     import torch
@@ -191,8 +217,7 @@ def _collective_worker(rank: int, init_file: str, world: int, backend: str,
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     best_seconds = _timer(device)
     # torch 2.13 names them *_single; the *_tensor names before.
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -204,8 +229,12 @@ def _collective_worker(rank: int, init_file: str, world: int, backend: str,
         part = torch.ones(n // world, dtype=torch.bfloat16, device=device)
         other = torch.empty_like(full)
 
-        def run_op(op: str, full: torch.Tensor = full, part: torch.Tensor = part,
-                   other: torch.Tensor = other) -> None:
+        def run_op(
+            op: str,
+            full: torch.Tensor = full,
+            part: torch.Tensor = part,
+            other: torch.Tensor = other,
+        ) -> None:
             if op == "all_reduce":
                 dist.all_reduce(full)
             elif op == "all_gather":
@@ -232,14 +261,21 @@ def _collective_worker(rank: int, init_file: str, world: int, backend: str,
     dist.destroy_process_group()
 
 
-def measure_collectives(world: int, backend: str, sizes: tuple[int, ...], repeats: int,
-                        timeout_s: float = 300.0) -> dict[str, dict[str, float]]:
+def measure_collectives(
+    world: int, backend: str, sizes: tuple[int, ...], repeats: int, timeout_s: float = 300.0
+) -> dict[str, dict[str, float]]:
     """{op: {"bus_bytes_per_second", "latency_seconds"}} among `world` processes (one per GPU
     with nccl)."""
     from ctxlaunch.runtime.calibrate import fit_line, run_ranks
 
-    (times,) = run_ranks(_collective_worker, world, (world, backend, list(sizes), repeats), 1,
-                         timeout_s, f"{backend} collectives measurement")
+    (times,) = run_ranks(
+        _collective_worker,
+        world,
+        (world, backend, list(sizes), repeats),
+        1,
+        timeout_s,
+        f"{backend} collectives measurement",
+    )
     out = {}
     for op in COLLECTIVES:
         bus = [_bus_bytes(op, size // 2 // world * world * 2, world) for size in sizes]
@@ -251,22 +287,30 @@ def measure_collectives(world: int, backend: str, sizes: tuple[int, ...], repeat
 # --------------------------------------------------------------------------------------------
 # the real trainer at three lengths
 # --------------------------------------------------------------------------------------------
-def trainer_spec_data(spec: JobSpec, seq: int, steps: int, gpu: str,
-                      layers: int = CALIBRATION_LAYERS) -> dict[str, Any]:
+def trainer_spec_data(
+    spec: JobSpec, seq: int, steps: int, gpu: str, layers: int = CALIBRATION_LAYERS
+) -> dict[str, Any]:
     """The calibration's trainer run: the spec's model cut to `layers` blocks (random
     weights), one rank on `gpu`, the spec's checkpointing and dtype, one sequence per step."""
     model = spec.model.model_dump(mode="json", exclude={"preset", "init_from"})
     model["layers"] = min(model["layers"], layers)
     t = spec.training
-    return {"name": f"calibrate-{seq}", "model": model,
-            "training": {"seq_len": seq, "steps": steps, "micro_batch": 1, "global_batch": 1,
-                         "activation_checkpointing": t.activation_checkpointing,
-                         "zero_stage": 0},
-            "cluster": {"target": "local", "gpu": gpu, "gpus_per_node": 1}}
+    return {
+        "name": f"calibrate-{seq}",
+        "model": model,
+        "training": {
+            "seq_len": seq,
+            "steps": steps,
+            "micro_batch": 1,
+            "global_batch": 1,
+            "activation_checkpointing": t.activation_checkpointing,
+            "zero_stage": 0,
+        },
+        "cluster": {"target": "local", "gpu": gpu, "gpus_per_node": 1},
+    }
 
 
-def run_trainer_steps(data: dict[str, Any], workdir: Path, warmup: int,
-                      timeout_s: float) -> float:
+def run_trainer_steps(data: dict[str, Any], workdir: Path, warmup: int, timeout_s: float) -> float:
     """The median step time after `warmup` steps of the real trainer run on `data` in its own
     process (one slow step, a host hiccup, does not move it); RuntimeError naming the run and
     its log's end where it fails."""
@@ -285,34 +329,64 @@ def run_trainer_steps(data: dict[str, Any], workdir: Path, warmup: int,
         port = s.getsockname()[1]
     # A world of its own: none of the launcher's (torchrun's agent store, Slurm's ranks, the
     # job's spec) reaches it, or it would wait for peers that are not coming.
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("TORCHELASTIC_", "SLURM_", "PET_", "GROUP_", "ROLE_"))
-           and key not in (SPEC_ENV, RUN_DIR_ENV, JOB_ID_ENV)}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-               LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", PYTHONUNBUFFERED="1")
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("TORCHELASTIC_", "SLURM_", "PET_", "GROUP_", "ROLE_"))
+        and key not in (SPEC_ENV, RUN_DIR_ENV, JOB_ID_ENV)
+    }
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        PYTHONUNBUFFERED="1",
+    )
     try:
-        done = subprocess.run([sys.executable, "-m", "ctxlaunch.runtime.trainer", str(spec_path),
-                               "--run-dir", str(workdir / "run")], env=env, text=True,
-                              capture_output=True, timeout=timeout_s)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ctxlaunch.runtime.trainer",
+                str(spec_path),
+                "--run-dir",
+                str(workdir / "run"),
+            ],
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired:
-        raise RuntimeError(f"trainer at {data['training']['seq_len']} tokens did not finish in "
-                           f"{timeout_s:.0f} s") from None
+        raise RuntimeError(
+            f"trainer at {data['training']['seq_len']} tokens did not finish in {timeout_s:.0f} s"
+        ) from None
     metrics = workdir / "run" / "metrics.jsonl"
-    steps = ([json.loads(line) for line in metrics.read_text().splitlines() if line]
-             if metrics.exists() else [])
+    steps = (
+        [json.loads(line) for line in metrics.read_text().splitlines() if line]
+        if metrics.exists()
+        else []
+    )
     timed = [s["step_seconds"] for s in steps[warmup:] if "step_seconds" in s]
     if done.returncode != 0 or not timed:
         tail = (done.stdout + done.stderr)[-1500:]
-        raise RuntimeError(f"trainer at {data['training']['seq_len']} tokens failed (exit "
-                           f"{done.returncode}):\n{tail}")
+        raise RuntimeError(
+            f"trainer at {data['training']['seq_len']} tokens failed (exit "
+            f"{done.returncode}):\n{tail}"
+        )
     return statistics.median(timed)
 
 
 def _least_squares(rows: list[list[float]], values: list[float]) -> list[float]:
     """x minimising |rows x - values| (normal equations, Gauss-Jordan; a handful of unknowns)."""
     k = len(rows[0])
-    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)]
-         + [sum(r[i] * v for r, v in zip(rows, values, strict=True))] for i in range(k)]
+    a = [
+        [sum(r[i] * r[j] for r in rows) for j in range(k)]
+        + [sum(r[i] * v for r, v in zip(rows, values, strict=True))]
+        for i in range(k)
+    ]
     for col in range(k):
         pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
         a[col], a[pivot] = a[pivot], a[col]
@@ -334,8 +408,9 @@ def fit_residual(points: list[tuple[float, dict[str, float]]]) -> tuple[float, f
     slowdown below 1 (faster than the bandwidth: noise) is held at 1 and a negative fixed cost
     at 0, the others fitted again with it held."""
     rows = [[1.0, t["compute_elementwise"], t["compute_loss"]] for _, t in points]
-    values = [m - (sum(t.values()) - t["compute_elementwise"] - t["compute_loss"])
-              for m, t in points]
+    values = [
+        m - (sum(t.values()) - t["compute_elementwise"] - t["compute_loss"]) for m, t in points
+    ]
     bounds = (0.0, 1.0, 1.0)  # fixed >= 0; slowdowns >= 1
     best: tuple[float, list[float]] | None = None
     for held in range(8):  # each unknown free or held at its bound; the best feasible fit
@@ -345,8 +420,9 @@ def fit_residual(points: list[tuple[float, dict[str, float]]]) -> tuple[float, f
         for i, value in fixed_at.items():
             x[i] = value
         if free:
-            rest = [v - sum(r[i] * x[i] for i in fixed_at) for r, v in zip(rows, values,
-                                                                        strict=True)]
+            rest = [
+                v - sum(r[i] * x[i] for i in fixed_at) for r, v in zip(rows, values, strict=True)
+            ]
             try:
                 solved = _least_squares([[r[i] for i in free] for r in rows], rest)
             except ValueError:
@@ -355,8 +431,9 @@ def fit_residual(points: list[tuple[float, dict[str, float]]]) -> tuple[float, f
                 x[i] = value
         if any(x[i] < bounds[i] - 1e-12 for i in range(3)):
             continue
-        error = sum((sum(r[i] * x[i] for i in range(3)) - v) ** 2
-                    for r, v in zip(rows, values, strict=True))
+        error = sum(
+            (sum(r[i] * x[i] for i in range(3)) - v) ** 2 for r, v in zip(rows, values, strict=True)
+        )
         if best is None or error < best[0] - 1e-18:
             best = (error, x)
     assert best is not None  # every unknown held at its bound is always feasible
@@ -377,17 +454,24 @@ def calibration_lengths(spec: JobSpec, gpu: str) -> tuple[int, int, int]:
     longest = longest_sequence(cut.model, Layout.from_spec(cut), GPUS[gpu])
     top = min(longest, 32768) // 1024 * 1024
     if top < 8192:
-        raise RuntimeError(f"the planner fits only {longest} tokens of the calibration model "
-                           f"({CALIBRATION_LAYERS} blocks of the spec's) on one {gpu}: too "
-                           "short to calibrate on")
+        raise RuntimeError(
+            f"the planner fits only {longest} tokens of the calibration model "
+            f"({CALIBRATION_LAYERS} blocks of the spec's) on one {gpu}: too "
+            "short to calibrate on"
+        )
     return top * 3 // 16 // 256 * 256, top * 3 // 8 // 256 * 256, top * 3 // 4 // 256 * 256
 
 
 # --------------------------------------------------------------------------------------------
 # the whole measurement
 # --------------------------------------------------------------------------------------------
-def measure_device(spec: JobSpec, *, dry_run: bool = False, repeats: int | None = None,
-                   log: Callable[[str], None] = print) -> GpuCalibration:
+def measure_device(
+    spec: JobSpec,
+    *,
+    dry_run: bool = False,
+    repeats: int | None = None,
+    log: Callable[[str], None] = print,
+) -> GpuCalibration:
     """Every constant of a GPU machine profile for `spec`'s GPU type and fabric, measured on
     this node (see the module docstring); `dry_run`: the same code on this CPU."""
     import dataclasses
@@ -411,8 +495,10 @@ def measure_device(spec: JobSpec, *, dry_run: bool = False, repeats: int | None 
         repeats = repeats or 2
     else:
         if not torch.cuda.is_available():
-            raise RuntimeError("no CUDA device on this node (torch.cuda.is_available() is "
-                               "False): a GPU profile is measured on the GPU it names")
+            raise RuntimeError(
+                "no CUDA device on this node (torch.cuda.is_available() is "
+                "False): a GPU profile is measured on the GPU it names"
+            )
         device, backend = torch.device("cuda", 0), "nccl"
         name = torch.cuda.get_device_name(device)
         world = min(spec.cluster.gpus_per_node, torch.cuda.device_count())
@@ -427,25 +513,37 @@ def measure_device(spec: JobSpec, *, dry_run: bool = False, repeats: int | None 
     if world > 1:
         collectives = measure_collectives(world, backend, sizes, repeats)
         for op, c in collectives.items():
-            log(f"  {op}: {c['bus_bytes_per_second'] / 1e9:.2f} GB/s bus, "
-                f"{c['latency_seconds'] * 1e6:.1f} us")
+            log(
+                f"  {op}: {c['bus_bytes_per_second'] / 1e9:.2f} GB/s bus, "
+                f"{c['latency_seconds'] * 1e6:.1f} us"
+            )
     eta, matmul_s = measure_matmul_eta(model, spec.cluster.gpu, device, fit_b, repeats)
     log(f"  matmuls at {fit_b} tokens: {matmul_s * 1e3:.2f} ms, efficiency {eta:.3f}")
     kernel, calls = measure_attention(model, device, (fit_a * 3 // 2, fit_b * 3 // 2), repeats)
     peak = gpu.peak_bf16_flops if model.dtype == "bf16" else gpu.peak_fp32_flops
     fraction, ramp = solve_attention(calls, peak=peak, sfu_ops_per_second=gpu.sfu_ops_per_second)
-    log(f"  attention ({kernel}) at {[c[0] for c in calls]} tokens: "
+    log(
+        f"  attention ({kernel}) at {[c[0] for c in calls]} tokens: "
         f"{[round(c[1] * 1e3, 3) for c in calls]} ms, rate {fraction:.3f} of the peak, "
-        f"ramp {ramp:.0f} tokens")
+        f"ramp {ramp:.0f} tokens"
+    )
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
     calibration = GpuCalibration(
-        gpu=spec.cluster.gpu, device_name=name, network=spec.fabric.network,
-        gpus_per_node=spec.cluster.gpus_per_node, precision=model.dtype, eta_matmul=eta,
-        attention_fraction=fraction, attention_ramp_tokens=ramp, attention_kernel=kernel,
-        collectives=collectives, dry_run=dry_run,
-        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        gpu=spec.cluster.gpu,
+        device_name=name,
+        network=spec.fabric.network,
+        gpus_per_node=spec.cluster.gpus_per_node,
+        precision=model.dtype,
+        eta_matmul=eta,
+        attention_fraction=fraction,
+        attention_ramp_tokens=ramp,
+        attention_kernel=kernel,
+        collectives=collectives,
+        dry_run=dry_run,
+        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
 
     # The trainer's steps: fixed cost + the blocks' elementwise work + the loss's passes,
     # beyond what is timed above; the shallow run at the longer fit length tells the two apart.
@@ -456,34 +554,51 @@ def measure_device(spec: JobSpec, *, dry_run: bool = False, repeats: int | None 
     with tempfile.TemporaryDirectory(prefix="ctxlaunch-calibrate-") as tmp:
         for depth, seq in runs:
             data = trainer_spec_data(spec, seq, warmup + steps, trainer_gpu, depth)
-            measured[depth, seq] = run_trainer_steps(data, Path(tmp) / f"{depth}-{seq}",
-                                                     warmup, timeout_s=240 if dry_run else 600)
-            log(f"  trainer, {depth} blocks at {seq} tokens: "
-                f"{measured[depth, seq]:.4f} s per step")
+            measured[depth, seq] = run_trainer_steps(
+                data, Path(tmp) / f"{depth}-{seq}", warmup, timeout_s=240 if dry_run else 600
+            )
+            log(f"  trainer, {depth} blocks at {seq} tokens: {measured[depth, seq]:.4f} s per step")
 
     def step_terms(depth: int, seq: int, machine_calibration: GpuCalibration) -> dict[str, float]:
         cut = validate_spec(trainer_spec_data(spec, seq, 1, trainer_gpu, depth))
-        return predict(cut.model, Layout.from_spec(cut),
-                       machine_calibration.machine(gpus_per_node=1)).terms
+        return predict(
+            cut.model, Layout.from_spec(cut), machine_calibration.machine(gpus_per_node=1)
+        ).terms
 
     # At the HBM bandwidth (fractions 1), with no fixed cost: what the model times.
-    bare = dataclasses.replace(calibration, elementwise_fraction_of_hbm=1.0,
-                               loss_fraction_of_hbm=1.0, microbatch_overhead_seconds=0.0)
+    bare = dataclasses.replace(
+        calibration,
+        elementwise_fraction_of_hbm=1.0,
+        loss_fraction_of_hbm=1.0,
+        microbatch_overhead_seconds=0.0,
+    )
     fitted = runs[:3]
     fraction, loss_fraction, fixed = fit_residual(
-        [(measured[run], step_terms(*run, bare)) for run in fitted])
-    calibration = dataclasses.replace(calibration, elementwise_fraction_of_hbm=fraction,
-                                      loss_fraction_of_hbm=loss_fraction,
-                                      microbatch_overhead_seconds=fixed)
+        [(measured[run], step_terms(*run, bare)) for run in fitted]
+    )
+    calibration = dataclasses.replace(
+        calibration,
+        elementwise_fraction_of_hbm=fraction,
+        loss_fraction_of_hbm=loss_fraction,
+        microbatch_overhead_seconds=fixed,
+    )
     held_run = runs[3]
     predicted = sum(step_terms(*held_run, calibration).values())
     error = predicted / measured[held_run] - 1
-    log(f"  elementwise at {fraction:.4f} and the loss at {loss_fraction:.4f} of the HBM "
+    log(
+        f"  elementwise at {fraction:.4f} and the loss at {loss_fraction:.4f} of the HBM "
         f"bandwidth, {fixed * 1e3:.2f} ms fixed per micro-batch; held out {held} tokens: "
-        f"predicted {predicted:.4f} s, measured {measured[held_run]:.4f} s ({error:+.1%})")
+        f"predicted {predicted:.4f} s, measured {measured[held_run]:.4f} s ({error:+.1%})"
+    )
     return dataclasses.replace(
-        calibration, expected_error=abs(error),
-        lengths={"matmul": fit_b, "attention": [c[0] for c in calls],
-                 "trainer_fit": [fit_a, fit_b], "trainer_held_out": held,
-                 "trainer_shallow_layers": shallow},
-        trainer_step_seconds={f"{depth}x{seq}": v for (depth, seq), v in measured.items()})
+        calibration,
+        expected_error=abs(error),
+        lengths={
+            "matmul": fit_b,
+            "attention": [c[0] for c in calls],
+            "trainer_fit": [fit_a, fit_b],
+            "trainer_held_out": held,
+            "trainer_shallow_layers": shallow,
+        },
+        trainer_step_seconds={f"{depth}x{seq}": v for (depth, seq), v in measured.items()},
+    )

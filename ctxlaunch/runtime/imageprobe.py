@@ -36,9 +36,11 @@ def check_nccl() -> str:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_nccl_available():
-        raise RuntimeError(f"torch {torch.__version__} is built without NCCL (CUDA "
-                           f"{torch.version.cuda or 'none'}): a GPU job cannot communicate; "
-                           "use a CUDA build of torch")
+        raise RuntimeError(
+            f"torch {torch.__version__} is built without NCCL (CUDA "
+            f"{torch.version.cuda or 'none'}): a GPU job cannot communicate; "
+            "use a CUDA build of torch"
+        )
     version = torch.cuda.nccl.version()
     return "NCCL " + ".".join(map(str, version if isinstance(version, tuple) else (version,)))
 
@@ -52,16 +54,21 @@ def check_train() -> str:
     script = shutil.which("ctxlaunch")
     if script is None:
         raise RuntimeError("no ctxlaunch on PATH (is ctxlaunch installed in the image?)")
-    result = subprocess.run([script, "train", "--help"], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [script, "train", "--help"], capture_output=True, text=True, timeout=120
+    )
     if result.returncode != 0:
-        raise RuntimeError(f"`ctxlaunch train --help` exited {result.returncode}: "
-                           + (result.stderr.strip().splitlines() or ["(no output)"])[-1])
+        raise RuntimeError(
+            f"`ctxlaunch train --help` exited {result.returncode}: "
+            + (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+        )
     return f"{script} train --help runs"
 
 
 CHECKS: dict[str, Callable[[], str]] = {
-    "torch": check_torch, "nccl": check_nccl, "entrypoint": check_entrypoint,
+    "torch": check_torch,
+    "nccl": check_nccl,
+    "entrypoint": check_entrypoint,
     "train": check_train,
 }
 
@@ -70,8 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     unknown = [a for a in args if a != "--no-nccl"]
     if unknown:
-        print(f"usage: python3 -m ctxlaunch.runtime.imageprobe [--no-nccl] (not {unknown})",
-              file=sys.stderr)
+        print(
+            f"usage: python3 -m ctxlaunch.runtime.imageprobe [--no-nccl] (not {unknown})",
+            file=sys.stderr,
+        )
         return 2
     failed = 0
     for name, check in CHECKS.items():

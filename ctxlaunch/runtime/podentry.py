@@ -36,8 +36,18 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 def torchrun_command(spec_path: str, run_dir: Path) -> list[str]:
     # --role=rank --tee=3: every line of rank r is prefixed "[rank<r>]:", so `ctxlaunch logs
     # --rank` can pick one rank's lines out of a pod's log.
-    return [sys.executable, "-m", "torch.distributed.run", "--role=rank", "--tee=3",
-            "-m", TRAINER_MODULE, spec_path, "--run-dir", str(run_dir)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--role=rank",
+        "--tee=3",
+        "-m",
+        TRAINER_MODULE,
+        spec_path,
+        "--run-dir",
+        str(run_dir),
+    ]
 
 
 def oom_kills(root: Path = CGROUP_ROOT) -> int:
@@ -83,9 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         # retryable), not a failure.
         codes = [exitcodes.OOM if c is None else c for c in codes]
     status = combine_exit_codes(codes)
-    print(f"ctxlaunch: torchrun exited {returncode}; rank exit statuses "
-          + ", ".join("killed" if c is None else str(c) for c in codes)
-          + f"; pod exits {exitcodes.pod_exit_status(status)}", file=sys.stderr, flush=True)
+    print(
+        f"ctxlaunch: torchrun exited {returncode}; rank exit statuses "
+        + ", ".join("killed" if c is None else str(c) for c in codes)
+        + f"; pod exits {exitcodes.pod_exit_status(status)}",
+        file=sys.stderr,
+        flush=True,
+    )
     return exitcodes.pod_exit_status(status)
 
 

@@ -18,8 +18,24 @@ multi-threaded call. A few microseconds; a no-op where torch has no MKL.
 
 from __future__ import annotations
 
-VML_OPS = ("acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp", "log", "log10",
-           "log2", "sin", "sqrt", "tan", "tanh", "trunc")
+VML_OPS = (
+    "acos",
+    "asin",
+    "atan",
+    "cos",
+    "erf",
+    "erfc",
+    "erfinv",
+    "exp",
+    "log",
+    "log10",
+    "log2",
+    "sin",
+    "sqrt",
+    "tan",
+    "tanh",
+    "trunc",
+)
 """The ops vml.h implements with MKL (IMPLEMENT_VML_MKL), float and double each."""
 
 

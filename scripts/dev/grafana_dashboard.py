@@ -91,203 +91,387 @@ def _per_rank(metric: str, extra: str = "", legend: str = RANK_LEGEND) -> Target
 
 _CAUSAL = 'convention="causal"'
 _FULL = 'convention="full"'
-_CAUSAL_NOTE = ("causal convention: attention FLOPs halved for the causal mask, as Megatron-LM "
-                "counts them")
-_FULL_NOTE = ("full convention: the whole s x s attention score matrix counted, as PaLM, "
-              "torchtitan and NeMo count it; higher than causal for the same run")
-_PEAK = Target(f"max by (run, source) ({_q('ctxlaunch_peak_flops_per_second')})",
-               "peak FLOP/s ({{source}}, {{run}})")
+_CAUSAL_NOTE = (
+    "causal convention: attention FLOPs halved for the causal mask, as Megatron-LM counts them"
+)
+_FULL_NOTE = (
+    "full convention: the whole s x s attention score matrix counted, as PaLM, "
+    "torchtitan and NeMo count it; higher than causal for the same run"
+)
+_PEAK = Target(
+    f"max by (run, source) ({_q('ctxlaunch_peak_flops_per_second')})",
+    "peak FLOP/s ({{source}}, {{run}})",
+)
 
 ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
-    ("Overview", (
-        PanelSpec(
-            "Last step", "The last completed optimizer step, highest over the selected ranks.",
-            "stat", "none",
-            (Target(f"max by (run) ({_q('ctxlaunch_last_step')})", "{{run}}", instant=True),),
-            width=4, height=5, decimals=0),
-        PanelSpec(
-            "Time since last step",
-            "Seconds since the slowest selected rank completed its last step (ranks step "
-            f"together, so one that lags is stuck). Red at {STALL_SECONDS} s, where the "
-            "CtxlaunchTrainingStalled alert starts counting.",
-            "stat", "s",
-            (Target(f"time() - min by (run) ({_q('ctxlaunch_last_step_timestamp_seconds')})",
-                    "{{run}}", instant=True),),
-            width=4, height=5,
-            thresholds=((None, "green"), (STALL_SECONDS // 5, "orange"), (STALL_SECONDS, "red"))),
-        PanelSpec(
-            "MFU, mean over ranks (causal and full conventions)",
-            f"Mean model FLOPs utilisation over the selected ranks. {_CAUSAL_NOTE}; "
-            f"{_FULL_NOTE}.",
-            "stat", "percentunit",
-            (Target(f"avg by (run) ({_q('ctxlaunch_mfu_ratio', _CAUSAL)})",
-                    "causal {{run}}", instant=True),
-             Target(f"avg by (run) ({_q('ctxlaunch_mfu_ratio', _FULL)})",
-                    "full {{run}}", instant=True)),
-            width=6, height=5,
-            thresholds=((None, "red"), (MFU_CAUSAL_MIN, "green"))),
-        PanelSpec(
-            "Tokens/s, all selected GPUs",
-            "Tokens trained per second, summed over the selected ranks.",
-            "stat", "short",
-            (Target(f"sum by (run) ({_q('ctxlaunch_tokens_per_second_per_gpu')})", "{{run}}",
-                    instant=True),),
-            width=5, height=5),
-        PanelSpec(
-            "OOM events in the time range",
-            "Out-of-memory errors caught at a step, summed over the selected ranks, within the "
-            "dashboard's time range (increase of ctxlaunch_oom_events_total).",
-            "stat", "none",
-            (Target(f"sum by (run) (increase({_q('ctxlaunch_oom_events_total')}[$__range]))",
-                    "{{run}}", instant=True),),
-            width=5, height=5, decimals=0, thresholds=((None, "green"), (1, "red"))),
-        PanelSpec(
-            "Run layout",
-            "Model, context-parallel degree and algorithm, and sequence length of each run.",
-            "table", "none",
-            (Target("count by (run, model, cp, cp_algorithm, seq_len) "
-                    f"({_q('ctxlaunch_last_step')})", "", instant=True, table=True),),
-            width=24, height=4),
-    )),
-    ("Throughput", (
-        PanelSpec(
-            "MFU per rank, causal convention",
-            f"Model FLOPs utilisation (achieved / peak), {_CAUSAL_NOTE}. The "
-            f"CtxlaunchMFULow alert fires when the mean is below {MFU_CAUSAL_MIN:.0%}.",
-            "timeseries", "percentunit", (_per_rank("ctxlaunch_mfu_ratio", _CAUSAL),),
-            min=0, thresholds=((None, "red"), (MFU_CAUSAL_MIN, "transparent"))),
-        PanelSpec(
-            "MFU per rank, full convention",
-            f"Model FLOPs utilisation (achieved / peak), {_FULL_NOTE}.",
-            "timeseries", "percentunit", (_per_rank("ctxlaunch_mfu_ratio", _FULL),), min=0),
-        PanelSpec(
-            "Achieved TFLOP/s per GPU, causal convention",
-            f"Model FLOP/s per GPU over the last step, {_CAUSAL_NOTE}; dashed: the peak MFU is "
-            "measured against.",
-            "timeseries", "flops",
-            (_per_rank("ctxlaunch_model_flops_per_second_per_gpu", _CAUSAL), _PEAK),
-            min=0, dashed="^peak"),
-        PanelSpec(
-            "Achieved TFLOP/s per GPU, full convention",
-            f"Model FLOP/s per GPU over the last step, {_FULL_NOTE}; dashed: the peak MFU is "
-            "measured against.",
-            "timeseries", "flops",
-            (_per_rank("ctxlaunch_model_flops_per_second_per_gpu", _FULL), _PEAK),
-            min=0, dashed="^peak"),
-        PanelSpec(
-            "Tokens/s per GPU", "Tokens trained per second per GPU over the last step.",
-            "timeseries", "short", (_per_rank("ctxlaunch_tokens_per_second_per_gpu"),), min=0),
-        PanelSpec(
-            "Step time", "Wall time of the last optimizer step.",
-            "timeseries", "s", (_per_rank("ctxlaunch_step_duration_seconds"),), min=0),
-    )),
-    ("Progress", (
-        PanelSpec(
-            "Loss", "Mean next-token loss of the last step.",
-            "timeseries", "none", (_per_rank("ctxlaunch_loss"),)),
-        PanelSpec(
-            "Time since last step per rank",
-            "Seconds since each rank completed its last step; a rank that stops while the "
-            "others go on stands out here.",
-            "timeseries", "s",
-            (Target(f"time() - {_q('ctxlaunch_last_step_timestamp_seconds')}", RANK_LEGEND),),
-            min=0, thresholds=((None, "transparent"), (STALL_SECONDS, "red"))),
-    )),
-    ("Memory", (
-        PanelSpec(
-            "Memory per rank against capacity",
-            "Peak allocated and peak reserved memory of each rank, the device's capacity "
-            "(dashed) and the planner's predicted peak (dotted). On the CPU allocated and "
-            "reserved are both the peak RSS and capacity is the host's memory.",
-            "timeseries", "bytes",
-            (_per_rank("ctxlaunch_memory_peak_allocated_bytes",
-                       legend="rank {{rank}} peak allocated ({{run}})"),
-             _per_rank("ctxlaunch_memory_peak_reserved_bytes",
-                       legend="rank {{rank}} peak reserved ({{run}})"),
-             _per_rank("ctxlaunch_memory_capacity_bytes",
-                       legend="rank {{rank}} capacity ({{run}})"),
-             _per_rank("ctxlaunch_planner_predicted_peak_bytes",
-                       legend="rank {{rank}} planner predicted peak ({{run}})")),
-            width=24, height=9, min=0, dashed="capacity", dotted="predicted"),
-        PanelSpec(
-            "Memory headroom per rank",
-            "1 - peak reserved / capacity. The CtxlaunchMemoryHeadroomLow alert fires below "
-            f"{MEMORY_HEADROOM_MIN:.0%}.",
-            "timeseries", "percentunit",
-            (Target(f"1 - {_q('ctxlaunch_memory_peak_reserved_bytes')} / "
-                    f"{_q('ctxlaunch_memory_capacity_bytes')}", RANK_LEGEND),),
-            width=8, min=0, max=1,
-            thresholds=((None, "red"), (MEMORY_HEADROOM_MIN, "transparent"))),
-        PanelSpec(
-            "Allocator retries per rank (increase over 5m)",
-            "Times the CUDA caching allocator freed its cache and retried an allocation: "
-            "memory pressure short of an OOM.",
-            "timeseries", "none",
-            (Target(f"increase({_q('ctxlaunch_allocator_retries_total')}[5m])", RANK_LEGEND),),
-            width=8, min=0),
-        PanelSpec(
-            "OOM events per rank (increase over 5m)",
-            "Out-of-memory errors caught at a step (increase of ctxlaunch_oom_events_total).",
-            "timeseries", "none",
-            (Target(f"increase({_q('ctxlaunch_oom_events_total')}[5m])", RANK_LEGEND),),
-            width=8, min=0),
-        PanelSpec(
-            "OOM events: step, planner prediction, what would fit",
-            "One row per OOM in the time range (ctxlaunch_oom_event_info): the step, the "
-            "planner's predicted peak and the capacity in bytes, and what the planner says "
-            "would fit.",
-            "table", "none",
-            (Target("max by (run, rank, node, step, predicted_peak_bytes, capacity_bytes, "
-                    "would_fit) (last_over_time("
-                    f"{_q('ctxlaunch_oom_event_info')}[$__range]))", "", instant=True,
-                    table=True),),
-            width=24, height=6),
-    )),
-    ("Evaluation at length", (
-        PanelSpec(
-            "Held-out loss per context length",
-            "Next-token loss on held-out data at each evaluation (training.eval.interval), one "
-            "series per context-length bucket of token positions, and the mean (bucket all). "
-            "A model that uses its long context predicts late tokens better: the long buckets "
-            "lie below the short ones.",
-            "timeseries", "none",
-            (Target(f"max by (run, bucket) ({_q('ctxlaunch_eval_loss')})",
-                    "{{bucket}} ({{run}})"),),
-            width=12),
-        PanelSpec(
-            "Passkey retrieval by prompt length and depth",
-            "Share of passkey probes retrieved at the last evaluation (every answer token the "
-            "model's arg-max), per prompt length in tokens and depth of the number in the filler.",
-            "table", "percentunit",
-            (Target(f"max by (run, length, depth) ({_q('ctxlaunch_passkey_retrieval_ratio')})",
-                    "", instant=True, table=True),),
-            width=12),
-    )),
-    ("Context parallelism", (
-        PanelSpec(
-            "Exposed ring communication per rank (seconds)",
-            "Time in the last step spent waiting for ring K/V (or dK/dV) transfers after the "
-            "block's compute had finished: communication that compute did not hide.",
-            "timeseries", "s", (_per_rank("ctxlaunch_cp_exposed_comm_seconds"),), min=0),
-        PanelSpec(
-            "Exposed ring communication, fraction of step time",
-            "Exposed communication / step time. The CtxlaunchExposedCommHigh alert fires above "
-            f"{EXPOSED_COMM_MAX:.0%}.",
-            "timeseries", "percentunit",
-            (Target(f"{_q('ctxlaunch_cp_exposed_comm_seconds')} / "
-                    f"{_q('ctxlaunch_step_duration_seconds')}", RANK_LEGEND),),
-            min=0, thresholds=((None, "transparent"), (EXPOSED_COMM_MAX, "red"))),
-        PanelSpec(
-            "Attention kernel per rank",
-            "The attention kernel each rank's attention calls run on (ctxlaunch_attention_kernel"
-            "_info) and how it was chosen: measured at the run's block shape, forced by "
-            "CTXLAUNCH_ATTENTION_KERNEL, or the only one for the device and dtype.",
-            "table", "none",
-            (Target("max by (run, rank, node, kernel, chosen_by) (last_over_time("
-                    f"{_q('ctxlaunch_attention_kernel_info')}[$__range]))", "", instant=True,
-                    table=True),),
-            width=24, height=5),
-    )),
+    (
+        "Overview",
+        (
+            PanelSpec(
+                "Last step",
+                "The last completed optimizer step, highest over the selected ranks.",
+                "stat",
+                "none",
+                (Target(f"max by (run) ({_q('ctxlaunch_last_step')})", "{{run}}", instant=True),),
+                width=4,
+                height=5,
+                decimals=0,
+            ),
+            PanelSpec(
+                "Time since last step",
+                "Seconds since the slowest selected rank completed its last step (ranks step "
+                f"together, so one that lags is stuck). Red at {STALL_SECONDS} s, where the "
+                "CtxlaunchTrainingStalled alert starts counting.",
+                "stat",
+                "s",
+                (
+                    Target(
+                        f"time() - min by (run) ({_q('ctxlaunch_last_step_timestamp_seconds')})",
+                        "{{run}}",
+                        instant=True,
+                    ),
+                ),
+                width=4,
+                height=5,
+                thresholds=(
+                    (None, "green"),
+                    (STALL_SECONDS // 5, "orange"),
+                    (STALL_SECONDS, "red"),
+                ),
+            ),
+            PanelSpec(
+                "MFU, mean over ranks (causal and full conventions)",
+                f"Mean model FLOPs utilisation over the selected ranks. {_CAUSAL_NOTE}; "
+                f"{_FULL_NOTE}.",
+                "stat",
+                "percentunit",
+                (
+                    Target(
+                        f"avg by (run) ({_q('ctxlaunch_mfu_ratio', _CAUSAL)})",
+                        "causal {{run}}",
+                        instant=True,
+                    ),
+                    Target(
+                        f"avg by (run) ({_q('ctxlaunch_mfu_ratio', _FULL)})",
+                        "full {{run}}",
+                        instant=True,
+                    ),
+                ),
+                width=6,
+                height=5,
+                thresholds=((None, "red"), (MFU_CAUSAL_MIN, "green")),
+            ),
+            PanelSpec(
+                "Tokens/s, all selected GPUs",
+                "Tokens trained per second, summed over the selected ranks.",
+                "stat",
+                "short",
+                (
+                    Target(
+                        f"sum by (run) ({_q('ctxlaunch_tokens_per_second_per_gpu')})",
+                        "{{run}}",
+                        instant=True,
+                    ),
+                ),
+                width=5,
+                height=5,
+            ),
+            PanelSpec(
+                "OOM events in the time range",
+                "Out-of-memory errors caught at a step, summed over the selected ranks, within the "
+                "dashboard's time range (increase of ctxlaunch_oom_events_total).",
+                "stat",
+                "none",
+                (
+                    Target(
+                        f"sum by (run) (increase({_q('ctxlaunch_oom_events_total')}[$__range]))",
+                        "{{run}}",
+                        instant=True,
+                    ),
+                ),
+                width=5,
+                height=5,
+                decimals=0,
+                thresholds=((None, "green"), (1, "red")),
+            ),
+            PanelSpec(
+                "Run layout",
+                "Model, context-parallel degree and algorithm, and sequence length of each run.",
+                "table",
+                "none",
+                (
+                    Target(
+                        "count by (run, model, cp, cp_algorithm, seq_len) "
+                        f"({_q('ctxlaunch_last_step')})",
+                        "",
+                        instant=True,
+                        table=True,
+                    ),
+                ),
+                width=24,
+                height=4,
+            ),
+        ),
+    ),
+    (
+        "Throughput",
+        (
+            PanelSpec(
+                "MFU per rank, causal convention",
+                f"Model FLOPs utilisation (achieved / peak), {_CAUSAL_NOTE}. The "
+                f"CtxlaunchMFULow alert fires when the mean is below {MFU_CAUSAL_MIN:.0%}.",
+                "timeseries",
+                "percentunit",
+                (_per_rank("ctxlaunch_mfu_ratio", _CAUSAL),),
+                min=0,
+                thresholds=((None, "red"), (MFU_CAUSAL_MIN, "transparent")),
+            ),
+            PanelSpec(
+                "MFU per rank, full convention",
+                f"Model FLOPs utilisation (achieved / peak), {_FULL_NOTE}.",
+                "timeseries",
+                "percentunit",
+                (_per_rank("ctxlaunch_mfu_ratio", _FULL),),
+                min=0,
+            ),
+            PanelSpec(
+                "Achieved TFLOP/s per GPU, causal convention",
+                f"Model FLOP/s per GPU over the last step, {_CAUSAL_NOTE}; dashed: the peak MFU is "
+                "measured against.",
+                "timeseries",
+                "flops",
+                (_per_rank("ctxlaunch_model_flops_per_second_per_gpu", _CAUSAL), _PEAK),
+                min=0,
+                dashed="^peak",
+            ),
+            PanelSpec(
+                "Achieved TFLOP/s per GPU, full convention",
+                f"Model FLOP/s per GPU over the last step, {_FULL_NOTE}; dashed: the peak MFU is "
+                "measured against.",
+                "timeseries",
+                "flops",
+                (_per_rank("ctxlaunch_model_flops_per_second_per_gpu", _FULL), _PEAK),
+                min=0,
+                dashed="^peak",
+            ),
+            PanelSpec(
+                "Tokens/s per GPU",
+                "Tokens trained per second per GPU over the last step.",
+                "timeseries",
+                "short",
+                (_per_rank("ctxlaunch_tokens_per_second_per_gpu"),),
+                min=0,
+            ),
+            PanelSpec(
+                "Step time",
+                "Wall time of the last optimizer step.",
+                "timeseries",
+                "s",
+                (_per_rank("ctxlaunch_step_duration_seconds"),),
+                min=0,
+            ),
+        ),
+    ),
+    (
+        "Progress",
+        (
+            PanelSpec(
+                "Loss",
+                "Mean next-token loss of the last step.",
+                "timeseries",
+                "none",
+                (_per_rank("ctxlaunch_loss"),),
+            ),
+            PanelSpec(
+                "Time since last step per rank",
+                "Seconds since each rank completed its last step; a rank that stops while the "
+                "others go on stands out here.",
+                "timeseries",
+                "s",
+                (Target(f"time() - {_q('ctxlaunch_last_step_timestamp_seconds')}", RANK_LEGEND),),
+                min=0,
+                thresholds=((None, "transparent"), (STALL_SECONDS, "red")),
+            ),
+        ),
+    ),
+    (
+        "Memory",
+        (
+            PanelSpec(
+                "Memory per rank against capacity",
+                "Peak allocated and peak reserved memory of each rank, the device's capacity "
+                "(dashed) and the planner's predicted peak (dotted). On the CPU allocated and "
+                "reserved are both the peak RSS and capacity is the host's memory.",
+                "timeseries",
+                "bytes",
+                (
+                    _per_rank(
+                        "ctxlaunch_memory_peak_allocated_bytes",
+                        legend="rank {{rank}} peak allocated ({{run}})",
+                    ),
+                    _per_rank(
+                        "ctxlaunch_memory_peak_reserved_bytes",
+                        legend="rank {{rank}} peak reserved ({{run}})",
+                    ),
+                    _per_rank(
+                        "ctxlaunch_memory_capacity_bytes", legend="rank {{rank}} capacity ({{run}})"
+                    ),
+                    _per_rank(
+                        "ctxlaunch_planner_predicted_peak_bytes",
+                        legend="rank {{rank}} planner predicted peak ({{run}})",
+                    ),
+                ),
+                width=24,
+                height=9,
+                min=0,
+                dashed="capacity",
+                dotted="predicted",
+            ),
+            PanelSpec(
+                "Memory headroom per rank",
+                "1 - peak reserved / capacity. The CtxlaunchMemoryHeadroomLow alert fires below "
+                f"{MEMORY_HEADROOM_MIN:.0%}.",
+                "timeseries",
+                "percentunit",
+                (
+                    Target(
+                        f"1 - {_q('ctxlaunch_memory_peak_reserved_bytes')} / "
+                        f"{_q('ctxlaunch_memory_capacity_bytes')}",
+                        RANK_LEGEND,
+                    ),
+                ),
+                width=8,
+                min=0,
+                max=1,
+                thresholds=((None, "red"), (MEMORY_HEADROOM_MIN, "transparent")),
+            ),
+            PanelSpec(
+                "Allocator retries per rank (increase over 5m)",
+                "Times the CUDA caching allocator freed its cache and retried an allocation: "
+                "memory pressure short of an OOM.",
+                "timeseries",
+                "none",
+                (Target(f"increase({_q('ctxlaunch_allocator_retries_total')}[5m])", RANK_LEGEND),),
+                width=8,
+                min=0,
+            ),
+            PanelSpec(
+                "OOM events per rank (increase over 5m)",
+                "Out-of-memory errors caught at a step (increase of ctxlaunch_oom_events_total).",
+                "timeseries",
+                "none",
+                (Target(f"increase({_q('ctxlaunch_oom_events_total')}[5m])", RANK_LEGEND),),
+                width=8,
+                min=0,
+            ),
+            PanelSpec(
+                "OOM events: step, planner prediction, what would fit",
+                "One row per OOM in the time range (ctxlaunch_oom_event_info): the step, the "
+                "planner's predicted peak and the capacity in bytes, and what the planner says "
+                "would fit.",
+                "table",
+                "none",
+                (
+                    Target(
+                        "max by (run, rank, node, step, predicted_peak_bytes, capacity_bytes, "
+                        "would_fit) (last_over_time("
+                        f"{_q('ctxlaunch_oom_event_info')}[$__range]))",
+                        "",
+                        instant=True,
+                        table=True,
+                    ),
+                ),
+                width=24,
+                height=6,
+            ),
+        ),
+    ),
+    (
+        "Evaluation at length",
+        (
+            PanelSpec(
+                "Held-out loss per context length",
+                "Next-token loss on held-out data at each evaluation (training.eval.interval), one "
+                "series per context-length bucket of token positions, and the mean (bucket all). "
+                "A model that uses its long context predicts late tokens better: the long buckets "
+                "lie below the short ones.",
+                "timeseries",
+                "none",
+                (
+                    Target(
+                        f"max by (run, bucket) ({_q('ctxlaunch_eval_loss')})",
+                        "{{bucket}} ({{run}})",
+                    ),
+                ),
+                width=12,
+            ),
+            PanelSpec(
+                "Passkey retrieval by prompt length and depth",
+                "Share of passkey probes retrieved at the last evaluation (every answer token the "
+                "model's arg-max), per prompt length in tokens and depth of the number in the filler.",
+                "table",
+                "percentunit",
+                (
+                    Target(
+                        f"max by (run, length, depth) ({_q('ctxlaunch_passkey_retrieval_ratio')})",
+                        "",
+                        instant=True,
+                        table=True,
+                    ),
+                ),
+                width=12,
+            ),
+        ),
+    ),
+    (
+        "Context parallelism",
+        (
+            PanelSpec(
+                "Exposed ring communication per rank (seconds)",
+                "Time in the last step spent waiting for ring K/V (or dK/dV) transfers after the "
+                "block's compute had finished: communication that compute did not hide.",
+                "timeseries",
+                "s",
+                (_per_rank("ctxlaunch_cp_exposed_comm_seconds"),),
+                min=0,
+            ),
+            PanelSpec(
+                "Exposed ring communication, fraction of step time",
+                "Exposed communication / step time. The CtxlaunchExposedCommHigh alert fires above "
+                f"{EXPOSED_COMM_MAX:.0%}.",
+                "timeseries",
+                "percentunit",
+                (
+                    Target(
+                        f"{_q('ctxlaunch_cp_exposed_comm_seconds')} / "
+                        f"{_q('ctxlaunch_step_duration_seconds')}",
+                        RANK_LEGEND,
+                    ),
+                ),
+                min=0,
+                thresholds=((None, "transparent"), (EXPOSED_COMM_MAX, "red")),
+            ),
+            PanelSpec(
+                "Attention kernel per rank",
+                "The attention kernel each rank's attention calls run on (ctxlaunch_attention_kernel"
+                "_info) and how it was chosen: measured at the run's block shape, forced by "
+                "CTXLAUNCH_ATTENTION_KERNEL, or the only one for the device and dtype.",
+                "table",
+                "none",
+                (
+                    Target(
+                        "max by (run, rank, node, kernel, chosen_by) (last_over_time("
+                        f"{_q('ctxlaunch_attention_kernel_info')}[$__range]))",
+                        "",
+                        instant=True,
+                        table=True,
+                    ),
+                ),
+                width=24,
+                height=5,
+            ),
+        ),
+    ),
 )
 
 
@@ -303,17 +487,27 @@ def build_dashboard() -> dict:
 
     datasource = model.DataSourceRef(type_val="prometheus", uid="${datasource}")
 
-    def label_values(name: str, query: str, *, label: str, multi: bool,
-                     sort: model.VariableSort) -> dash.QueryVariable:
-        variable = (dash.QueryVariable(name).label(label).datasource(datasource).query(query)
-                    .refresh(model.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(sort))
+    def label_values(
+        name: str, query: str, *, label: str, multi: bool, sort: model.VariableSort
+    ) -> dash.QueryVariable:
+        variable = (
+            dash.QueryVariable(name)
+            .label(label)
+            .datasource(datasource)
+            .query(query)
+            .refresh(model.VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(sort)
+        )
         if multi:
             variable = variable.multi(True).include_all(True).all_value(".*")
         return variable
 
     def thresholds(steps: tuple[tuple[float | None, str], ...]) -> dash.ThresholdsConfig:
-        return (dash.ThresholdsConfig().mode(model.ThresholdsMode.ABSOLUTE)
-                .steps([model.Threshold(value=value, color=colour) for value, colour in steps]))
+        return (
+            dash.ThresholdsConfig()
+            .mode(model.ThresholdsMode.ABSOLUTE)
+            .steps([model.Threshold(value=value, color=colour) for value, colour in steps])
+        )
 
     def query(target: Target, ref_id: str) -> prometheus.Dataquery:
         q = prometheus.Dataquery().expr(target.expr).ref_id(ref_id).datasource(datasource)
@@ -327,40 +521,71 @@ def build_dashboard() -> dict:
     def panel(spec: PanelSpec):
         builder: timeseries.Panel | stat.Panel | table.Panel
         if spec.kind == "timeseries":
-            builder = (timeseries.Panel()
-                       .legend(common_builders.VizLegendOptions()
-                               .display_mode(common.LegendDisplayMode.TABLE)
-                               .placement(common.LegendPlacement.BOTTOM)
-                               .show_legend(True).calcs(["lastNotNull", "mean"]))
-                       .tooltip(common_builders.VizTooltipOptions()
-                                .mode(common.TooltipDisplayMode.MULTI)
-                                .sort(common.SortOrder.DESCENDING))
-                       .line_width(1).fill_opacity(0).show_points(common.VisibilityMode.NEVER)
-                       .span_nulls(True))
+            builder = (
+                timeseries.Panel()
+                .legend(
+                    common_builders.VizLegendOptions()
+                    .display_mode(common.LegendDisplayMode.TABLE)
+                    .placement(common.LegendPlacement.BOTTOM)
+                    .show_legend(True)
+                    .calcs(["lastNotNull", "mean"])
+                )
+                .tooltip(
+                    common_builders.VizTooltipOptions()
+                    .mode(common.TooltipDisplayMode.MULTI)
+                    .sort(common.SortOrder.DESCENDING)
+                )
+                .line_width(1)
+                .fill_opacity(0)
+                .show_points(common.VisibilityMode.NEVER)
+                .span_nulls(True)
+            )
             if spec.thresholds:
                 builder = builder.thresholds_style(
-                    common_builders.GraphThresholdsStyleConfig()
-                    .mode(common.GraphTresholdsStyleMode.DASHED))
+                    common_builders.GraphThresholdsStyleConfig().mode(
+                        common.GraphTresholdsStyleMode.DASHED
+                    )
+                )
             for regexp, fill in ((spec.dashed, "dash"), (spec.dotted, "dot")):
                 if regexp:
-                    builder = builder.override_by_regexp(regexp, [model.DynamicConfigValue(
-                        id_val="custom.lineStyle",
-                        value={"fill": fill, "dash": [10, 10] if fill == "dash" else [0, 10]})])
+                    builder = builder.override_by_regexp(
+                        regexp,
+                        [
+                            model.DynamicConfigValue(
+                                id_val="custom.lineStyle",
+                                value={
+                                    "fill": fill,
+                                    "dash": [10, 10] if fill == "dash" else [0, 10],
+                                },
+                            )
+                        ],
+                    )
         elif spec.kind == "stat":
-            builder = (stat.Panel()
-                       .reduce_options(common_builders.ReduceDataOptions()
-                                       .calcs(["lastNotNull"]).values(False))
-                       .graph_mode(common.BigValueGraphMode.NONE)
-                       .color_mode(common.BigValueColorMode.VALUE)
-                       .text_mode(common.BigValueTextMode.VALUE_AND_NAME))
+            builder = (
+                stat.Panel()
+                .reduce_options(
+                    common_builders.ReduceDataOptions().calcs(["lastNotNull"]).values(False)
+                )
+                .graph_mode(common.BigValueGraphMode.NONE)
+                .color_mode(common.BigValueColorMode.VALUE)
+                .text_mode(common.BigValueTextMode.VALUE_AND_NAME)
+            )
         elif spec.kind == "table":
-            builder = table.Panel().with_transformation(model.DataTransformerConfig(
-                id_val="organize", options={"excludeByName": {"Time": True, "Value": True}}))
+            builder = table.Panel().with_transformation(
+                model.DataTransformerConfig(
+                    id_val="organize", options={"excludeByName": {"Time": True, "Value": True}}
+                )
+            )
         else:
             raise ValueError(f"unknown panel kind {spec.kind!r} of panel {spec.title!r}")
-        builder = (builder.title(spec.title).description(spec.description)
-                   .datasource(datasource).unit(spec.unit)
-                   .span(spec.width).height(spec.height))
+        builder = (
+            builder.title(spec.title)
+            .description(spec.description)
+            .datasource(datasource)
+            .unit(spec.unit)
+            .span(spec.width)
+            .height(spec.height)
+        )
         for i, target in enumerate(spec.targets):
             builder = builder.with_target(query(target, chr(ord("A") + i)))
         if spec.min is not None:
@@ -373,24 +598,51 @@ def build_dashboard() -> dict:
             builder = builder.thresholds(thresholds(spec.thresholds))
         return builder
 
-    builder = (dash.Dashboard(TITLE).uid(UID)
-               .description("Throughput, MFU (both FLOP-counting conventions), memory against "
-                            "capacity, OOMs and exposed context-parallel communication of "
-                            "ctxlaunch training runs, per rank.")
-               .tags(["ctxlaunch", "training", "context-parallel"])
-               .editable().tooltip(model.DashboardCursorSync.CROSSHAIR)
-               .time("now-1h", "now").refresh("10s").timezone("browser")
-               .with_variable(dash.DatasourceVariable("datasource").label("Data source")
-                              .type("prometheus"))
-               .with_variable(label_values("job", "label_values(ctxlaunch_last_step, job)",
-                                           label="Job", multi=False,
-                                           sort=model.VariableSort.ALPHABETICAL_ASC))
-               .with_variable(label_values(
-                   "run", 'label_values(ctxlaunch_last_step{job="$job"}, run)', label="Run",
-                   multi=True, sort=model.VariableSort.ALPHABETICAL_DESC))
-               .with_variable(label_values(
-                   "rank", 'label_values(ctxlaunch_last_step{job="$job", run=~"$run"}, rank)',
-                   label="Rank", multi=True, sort=model.VariableSort.NUMERICAL_ASC)))
+    builder = (
+        dash.Dashboard(TITLE)
+        .uid(UID)
+        .description(
+            "Throughput, MFU (both FLOP-counting conventions), memory against "
+            "capacity, OOMs and exposed context-parallel communication of "
+            "ctxlaunch training runs, per rank."
+        )
+        .tags(["ctxlaunch", "training", "context-parallel"])
+        .editable()
+        .tooltip(model.DashboardCursorSync.CROSSHAIR)
+        .time("now-1h", "now")
+        .refresh("10s")
+        .timezone("browser")
+        .with_variable(
+            dash.DatasourceVariable("datasource").label("Data source").type("prometheus")
+        )
+        .with_variable(
+            label_values(
+                "job",
+                "label_values(ctxlaunch_last_step, job)",
+                label="Job",
+                multi=False,
+                sort=model.VariableSort.ALPHABETICAL_ASC,
+            )
+        )
+        .with_variable(
+            label_values(
+                "run",
+                'label_values(ctxlaunch_last_step{job="$job"}, run)',
+                label="Run",
+                multi=True,
+                sort=model.VariableSort.ALPHABETICAL_DESC,
+            )
+        )
+        .with_variable(
+            label_values(
+                "rank",
+                'label_values(ctxlaunch_last_step{job="$job", run=~"$run"}, rank)',
+                label="Rank",
+                multi=True,
+                sort=model.VariableSort.NUMERICAL_ASC,
+            )
+        )
+    )
     panel_id = 1
     for row_title, specs in ROWS:
         builder = builder.with_row(dash.Row(row_title).id(panel_id))
@@ -438,17 +690,25 @@ def panel_queries(dashboard: dict, variables: dict[str, str]) -> list[tuple[str,
             raise KeyError(f"no value for dashboard variable ${name}; pass it in variables")
         return values[name]
 
-    return [(panel["title"], _VARIABLE.sub(substitute, target["expr"]))
-            for panel in iter_panels(dashboard) for target in panel.get("targets", [])]
+    return [
+        (panel["title"], _VARIABLE.sub(substitute, target["expr"]))
+        for panel in iter_panels(dashboard)
+        for target in panel.get("targets", [])
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
     """Write the dashboard JSON (default: manifests/grafana/ctxlaunch-training.json)."""
     parser = argparse.ArgumentParser(
         prog="python scripts/dev/grafana_dashboard.py",
-        description="Generate the ctxlaunch Grafana dashboard (JSON model).")
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT,
-                        help=f"file to write, '-' for stdout (default: {DEFAULT_OUTPUT})")
+        description="Generate the ctxlaunch Grafana dashboard (JSON model).",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=DEFAULT_OUTPUT,
+        help=f"file to write, '-' for stdout (default: {DEFAULT_OUTPUT})",
+    )
     args = parser.parse_args(argv)
     text = dashboard_json(build_dashboard())
     if str(args.output) == "-":

@@ -36,8 +36,9 @@ def connection(kubeconfig: Path) -> tuple[str, ssl.SSLContext, str]:
 
 def get(server: str, context: ssl.SSLContext, token: str, path: str) -> dict:
     request = urllib.request.Request(server + path, headers={"Authorization": f"Bearer {token}"})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
-                                         urllib.request.HTTPSHandler(context=context))
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context)
+    )
     with opener.open(request, timeout=10) as response:
         return json.loads(response.read())
 
@@ -79,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     written = None
     while True:
         try:
-            lines = hosts_lines(get(server, context, token, "/api/v1/services"),
-                                get(server, context, token, "/api/v1/endpoints"))
+            lines = hosts_lines(
+                get(server, context, token, "/api/v1/services"),
+                get(server, context, token, "/api/v1/endpoints"),
+            )
         except OSError as exc:
             print(f"kube-dns-feed: {exc}", file=sys.stderr, flush=True)
             time.sleep(2.0)

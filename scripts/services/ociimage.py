@@ -40,9 +40,13 @@ MANIFEST_MEDIA = "application/vnd.oci.image.manifest.v1+json"
 EPOCH = 0  # every file's mtime in a layer: layers are reproducible
 BUSYBOX = Path("/bin/busybox")
 BUSYBOX_TOOLS = ("sh", "nslookup", "seq", "sleep", "echo", "cat", "ls", "env", "mkdir", "rm")
-DEFAULT_CACHE = Path(os.environ.get("CTXLAUNCH_KUBE_CACHE")
-                     or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                     / "ctxlaunch") / "images"
+DEFAULT_CACHE = (
+    Path(
+        os.environ.get("CTXLAUNCH_KUBE_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ctxlaunch"
+    )
+    / "images"
+)
 
 
 class ImageError(RuntimeError):
@@ -85,8 +89,13 @@ class Layer:
         info.linkname = target
         self._tar.addfile(info)
 
-    def file(self, name: str, source: Path | None = None, data: bytes | None = None,
-             mode: int | None = None) -> None:
+    def file(
+        self,
+        name: str,
+        source: Path | None = None,
+        data: bytes | None = None,
+        mode: int | None = None,
+    ) -> None:
         name = name.strip("/")
         if name in self._seen:
             return
@@ -192,44 +201,62 @@ def cached_layer(cache: Path, key: str, fill) -> tuple[Path, str, int]:
 # --------------------------------------------------------------------------------------------
 # the image archive and its import
 # --------------------------------------------------------------------------------------------
-def image_blobs(layers: list[tuple[Path, str, int]], ref: str, env: list[str],
-                entrypoint: list[str] | None, cmd: list[str] | None, workdir: str = "/"
-                ) -> tuple[list[tuple[str, bytes]], dict]:
+def image_blobs(
+    layers: list[tuple[Path, str, int]],
+    ref: str,
+    env: list[str],
+    entrypoint: list[str] | None,
+    cmd: list[str] | None,
+    workdir: str = "/",
+) -> tuple[list[tuple[str, bytes]], dict]:
     """The config and manifest blobs (digest, bytes) and the index of an image of `layers`."""
     config = {
-        "architecture": "amd64", "os": "linux",
+        "architecture": "amd64",
+        "os": "linux",
         "created": "1970-01-01T00:00:00Z",
-        "config": {"Env": env, "WorkingDir": workdir,
-                   **({"Entrypoint": entrypoint} if entrypoint else {}),
-                   **({"Cmd": cmd} if cmd else {})},
+        "config": {
+            "Env": env,
+            "WorkingDir": workdir,
+            **({"Entrypoint": entrypoint} if entrypoint else {}),
+            **({"Cmd": cmd} if cmd else {}),
+        },
         "rootfs": {"type": "layers", "diff_ids": [d for _, d, _ in layers]},
         "history": [{"created_by": "ctxlaunch scripts/services/ociimage.py"} for _ in layers],
     }
     config_bytes = json.dumps(config, sort_keys=True).encode()
     config_digest = "sha256:" + hashlib.sha256(config_bytes).hexdigest()
     manifest = {
-        "schemaVersion": 2, "mediaType": MANIFEST_MEDIA,
-        "config": {"mediaType": CONFIG_MEDIA, "digest": config_digest,
-                   "size": len(config_bytes)},
+        "schemaVersion": 2,
+        "mediaType": MANIFEST_MEDIA,
+        "config": {"mediaType": CONFIG_MEDIA, "digest": config_digest, "size": len(config_bytes)},
         "layers": [{"mediaType": LAYER_MEDIA, "digest": d, "size": s} for _, d, s in layers],
     }
     manifest_bytes = json.dumps(manifest, sort_keys=True).encode()
     manifest_digest = "sha256:" + hashlib.sha256(manifest_bytes).hexdigest()
     index = {
         "schemaVersion": 2,
-        "manifests": [{"mediaType": MANIFEST_MEDIA, "digest": manifest_digest,
-                       "size": len(manifest_bytes),
-                       "platform": {"architecture": "amd64", "os": "linux"},
-                       "annotations": {"io.containerd.image.name": ref,
-                                       "org.opencontainers.image.ref.name": ref}}],
+        "manifests": [
+            {
+                "mediaType": MANIFEST_MEDIA,
+                "digest": manifest_digest,
+                "size": len(manifest_bytes),
+                "platform": {"architecture": "amd64", "os": "linux"},
+                "annotations": {
+                    "io.containerd.image.name": ref,
+                    "org.opencontainers.image.ref.name": ref,
+                },
+            }
+        ],
     }
     return [(config_digest, config_bytes), (manifest_digest, manifest_bytes)], index
 
 
-def write_archive(out, layers: list[tuple[Path, str, int]], blobs: list[tuple[str, bytes]],
-                  index: dict) -> None:
+def write_archive(
+    out, layers: list[tuple[Path, str, int]], blobs: list[tuple[str, bytes]], index: dict
+) -> None:
     """The OCI image layout as one tar stream to the binary file `out`."""
     with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+
         def add_bytes(name: str, data: bytes) -> None:
             info = tarfile.TarInfo(name)
             info.size, info.mtime, info.mode = len(data), EPOCH, 0o644
@@ -257,14 +284,33 @@ def has_image(containerd: str, ref: str) -> bool:
     return ref in result.stdout.split()
 
 
-def import_image(containerd: str, layers: list[tuple[Path, str, int]], ref: str, env: list[str],
-                 entrypoint: list[str] | None = None, cmd: list[str] | None = None) -> None:
+def import_image(
+    containerd: str,
+    layers: list[tuple[Path, str, int]],
+    ref: str,
+    env: list[str],
+    entrypoint: list[str] | None = None,
+    cmd: list[str] | None = None,
+) -> None:
     """Stream the archive into `ctr -n k8s.io images import -` (it unpacks for the CRI's
     snapshotter)."""
     blobs, index = image_blobs(layers, ref, env, entrypoint, cmd)
-    process = subprocess.Popen(["ctr", "--address", containerd, "-n", "k8s.io", "images",
-                                "import", "--no-unpack=false", "-"], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [
+            "ctr",
+            "--address",
+            containerd,
+            "-n",
+            "k8s.io",
+            "images",
+            "import",
+            "--no-unpack=false",
+            "-",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     assert process.stdin is not None and process.stdout is not None
     try:
         write_archive(process.stdin, layers, blobs, index)
@@ -275,8 +321,9 @@ def import_image(containerd: str, layers: list[tuple[Path, str, int]], ref: str,
     if process.wait() != 0:
         raise ImageError(f"ctr images import of {ref} failed: {output.strip()}")
     if not has_image(containerd, ref):
-        raise ImageError(f"ctr images import reported success but {ref} is not listed: "
-                         f"{output.strip()}")
+        raise ImageError(
+            f"ctr images import reported success but {ref} is not listed: {output.strip()}"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,26 +346,37 @@ SOURCE_PARTS = ("ctxlaunch", "templates", "pyproject.toml")
 def venv_of(repo: Path) -> Path:
     venv = Path(os.environ.get("VIRTUAL_ENV") or sys.prefix)
     if not (venv / "pyvenv.cfg").is_file():
-        raise ImageError(f"{venv} is not a virtual environment (no pyvenv.cfg): run this with "
-                         "the project's .venv/bin/python")
+        raise ImageError(
+            f"{venv} is not a virtual environment (no pyvenv.cfg): run this with "
+            "the project's .venv/bin/python"
+        )
     return venv
 
 
 def base_python(venv: Path) -> Path:
     """The installation the venv was made from (pyvenv.cfg's home is its bin directory)."""
-    cfg = dict(line.split(" = ", 1) for line in (venv / "pyvenv.cfg").read_text().splitlines()
-               if " = " in line)
+    cfg = dict(
+        line.split(" = ", 1)
+        for line in (venv / "pyvenv.cfg").read_text().splitlines()
+        if " = " in line
+    )
     return Path(cfg["home"]).parent
 
 
 def env_key(repo: Path, venv: Path) -> str:
-    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / \
-        "site-packages"
+    site = (
+        venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    )
     dists = sorted(p.name for p in site.glob("*.dist-info"))
     torch = next((d for d in dists if d.startswith("torch-")), "no-torch")
     h = hashlib.sha256()
-    for part in ((repo / "pyproject.toml").read_bytes(), sys.version.encode(), str(venv).encode(),
-                 str(base_python(venv)).encode(), "\n".join(dists).encode()):
+    for part in (
+        (repo / "pyproject.toml").read_bytes(),
+        sys.version.encode(),
+        str(venv).encode(),
+        str(base_python(venv)).encode(),
+        "\n".join(dists).encode(),
+    ):
         h.update(part)
         h.update(b"\0")
     return f"env-{torch.removesuffix('.dist-info')}-{h.hexdigest()[:16]}"
@@ -350,8 +408,7 @@ def shared_libraries(paths: Iterable[Path]) -> set[Path]:
     found: set[Path] = set()
     batch = [str(p) for p in paths]
     for start in range(0, len(batch), 64):
-        result = subprocess.run(["ldd", *batch[start:start + 64]], capture_output=True,
-                                text=True)
+        result = subprocess.run(["ldd", *batch[start : start + 64]], capture_output=True, text=True)
         for line in result.stdout.splitlines():
             match = re.search(r"=>\s*(/\S+)|^\s*(/\S+)\s+\(0x", line)
             if match:
@@ -373,8 +430,16 @@ def fill_env(layer: Layer, venv: Path) -> None:
     layer.file("/usr/bin/busybox", source=BUSYBOX, mode=0o755)
     for tool in BUSYBOX_TOOLS:
         layer.symlink(f"/usr/bin/{tool}", "busybox")
-    layer.tree(python, python, skip=[f"lib/{lib}/test", f"lib/{lib}/site-packages(/.*)?",
-                                     rf"lib/{lib}/config-.*", r"lib/.*\.a"])
+    layer.tree(
+        python,
+        python,
+        skip=[
+            f"lib/{lib}/test",
+            f"lib/{lib}/site-packages(/.*)?",
+            rf"lib/{lib}/config-.*",
+            r"lib/.*\.a",
+        ],
+    )
     layer.tree(venv, venv)
     binaries = [p for p in (python / "bin").iterdir() if p.is_file() and not p.is_symlink()]
     binaries += [p for p in python.rglob("*.so*") if p.is_file()]
@@ -424,13 +489,20 @@ def project_image(repo: Path, containerd: str, cache: Path, tag_prefix: str) -> 
     env_layer = cached_layer(cache, ekey, lambda lay: fill_env(lay, venv))
     built = time.monotonic()
     src_layer = cached_layer(cache, skey, lambda lay: fill_source(lay, repo))
-    env = [f"PATH={venv}/bin:/usr/local/bin:/usr/bin:/bin", f"VIRTUAL_ENV={venv}",
-           "PYTHONPATH=/opt/ctxlaunch", "PYTHONDONTWRITEBYTECODE=1", "HOME=/root"]
+    env = [
+        f"PATH={venv}/bin:/usr/local/bin:/usr/bin:/bin",
+        f"VIRTUAL_ENV={venv}",
+        "PYTHONPATH=/opt/ctxlaunch",
+        "PYTHONDONTWRITEBYTECODE=1",
+        "HOME=/root",
+    ]
     import_image(containerd, [env_layer, src_layer], ref, env=env, cmd=["python3"])
     done = time.monotonic()
-    print(f"ociimage: {ref}: layers {built - started:.1f} s "
-          f"(environment {env_layer[2] / 1e9:.2f} GB), import {done - built:.1f} s",
-          file=sys.stderr)
+    print(
+        f"ociimage: {ref}: layers {built - started:.1f} s "
+        f"(environment {env_layer[2] / 1e9:.2f} GB), import {done - built:.1f} s",
+        file=sys.stderr,
+    )
     # Keep the cache small: the newest few source layers only.
     sources = sorted(cache.glob("src-*.tar"), key=lambda p: p.stat().st_mtime)
     for old in sources[:-4]:
@@ -461,8 +533,7 @@ def main(argv: list[str] | None = None) -> int:
             pause_image(args.pause, args.ref, args.containerd, args.cache)
             print(args.ref)
         else:
-            print(project_image(args.repo.resolve(), args.containerd, args.cache,
-                                args.tag_prefix))
+            print(project_image(args.repo.resolve(), args.containerd, args.cache, args.tag_prefix))
     except ImageError as exc:
         print(f"ociimage: error: {exc}", file=sys.stderr)
         return 1

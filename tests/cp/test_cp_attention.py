@@ -81,9 +81,13 @@ def _check_method(rank, world_size, method):
             _assert_close(t.grad, shard(want), tol, f"{name}: d{label}")
         if dtype == torch.bfloat16:
             # CP must not be much less accurate than the same kernel over the whole sequence.
-            single_err = (full_attention(q, k, v, causal=causal, scale=scale).double() - ref_out).abs().max()
+            single_err = (
+                (full_attention(q, k, v, causal=causal, scale=scale).double() - ref_out).abs().max()
+            )
             cp_err = (out.double() - shard(ref_out)).abs().max()
-            assert cp_err <= 2 * single_err + 1e-3, f"{name}: bf16 error {cp_err} vs single-process {single_err}"
+            assert cp_err <= 2 * single_err + 1e-3, (
+                f"{name}: bf16 error {cp_err} vs single-process {single_err}"
+            )
 
 
 def _assert_close(got, want, tol, what):
@@ -111,7 +115,9 @@ def _check_groups_and_errors(rank, world_size):
     # unshard_sequence gathers what shard_sequence cut, for both shardings.
     x = torch.arange(2 * 3 * 32, dtype=torch.float32).view(2, 3, 32)
     for sharding in ("zigzag", "contiguous"):
-        torch.testing.assert_close(unshard_sequence(shard_sequence(x, None, 2, sharding), None, 2, sharding), x)
+        torch.testing.assert_close(
+            unshard_sequence(shard_sequence(x, None, 2, sharding), None, 2, sharding), x
+        )
     # A group that is not the default one: the ring runs on global ranks through it.
     ulysses_group, ring_group = new_hybrid_groups(2)
     assert dist.get_world_size(ring_group) == 2 and dist.get_world_size(ulysses_group) == 2
@@ -120,11 +126,19 @@ def _check_groups_and_errors(rank, world_size):
     with pytest.raises(ValueError) as err:
         ulysses_attention(q, k, v, None)
     message = str(err.value)
-    assert "key/value heads (2)" in message and "Ulysses degree (4)" in message and "hybrid" in message
-    with pytest.raises(ValueError, match=r"query heads \(6\) must be divisible by the Ulysses degree \(4\)"):
-        ulysses_attention(torch.randn(1, 6, 8, 16), torch.randn(1, 6, 8, 16), torch.randn(1, 6, 8, 16), None)
+    assert (
+        "key/value heads (2)" in message and "Ulysses degree (4)" in message and "hybrid" in message
+    )
+    with pytest.raises(
+        ValueError, match=r"query heads \(6\) must be divisible by the Ulysses degree \(4\)"
+    ):
+        ulysses_attention(
+            torch.randn(1, 6, 8, 16), torch.randn(1, 6, 8, 16), torch.randn(1, 6, 8, 16), None
+        )
     with pytest.raises(ValueError, match="sequence length 12 cannot be sharded over N=4"):
-        ring_attention(torch.randn(1, 4, 3, 16), torch.randn(1, 4, 3, 16), torch.randn(1, 4, 3, 16), None)
+        ring_attention(
+            torch.randn(1, 4, 3, 16), torch.randn(1, 4, 3, 16), torch.randn(1, 4, 3, 16), None
+        )
     with pytest.raises(ValueError, match="same length, got 8 and 4"):
         ring_attention(q, torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16), None)
     with pytest.raises(ValueError, match="sharding='stripe' is not supported"):
@@ -142,9 +156,13 @@ def _check_groups_and_errors(rank, world_size):
     local = [shard_sequence(t, cp_group).clone().requires_grad_() for t in (q4, k4, v4)]
     out = hybrid_attention(*local, ulysses_1, ring_2)
     out.sum().backward()
-    torch.testing.assert_close(out.double(), shard_sequence(ref_out, cp_group), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out.double(), shard_sequence(ref_out, cp_group), rtol=1e-5, atol=1e-5
+    )
     for t, want in zip(local, ref_grads):
-        torch.testing.assert_close(t.grad.double(), shard_sequence(want, cp_group), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            t.grad.double(), shard_sequence(want, cp_group), rtol=1e-5, atol=1e-5
+        )
     # A simulated slow link (the overlap benchmark's hook) delays transfers, never changes them.
     local = [t.clone().requires_grad_() for t in (q, k, v)]
     ring_attention(*local, None).sum().backward()

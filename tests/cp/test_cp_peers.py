@@ -42,21 +42,42 @@ def _check_torch_ring(rank, world_size):
         q, k, v, grad = (shard_sequence(t, None, 2, sharding) for t in full)
         scale = 0.25
         theirs_out, theirs_lse = _templated_ring_attention(
-            dist.group.WORLD, 2, aten._scaled_dot_product_flash_attention_for_cpu,
-            q, k, v, is_causal=causal, dropout_p=0.0, scale=scale,
+            dist.group.WORLD,
+            2,
+            aten._scaled_dot_product_flash_attention_for_cpu,
+            q,
+            k,
+            v,
+            is_causal=causal,
+            dropout_p=0.0,
+            scale=scale,
         )[:2]
         theirs_grads = _templated_ring_attention_backward(
-            dist.group.WORLD, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-            grad_out=grad, grad_out_name="grad_out", query=q, key=k, value=v, out=theirs_out,
-            logsumexp=theirs_lse, is_causal=causal, dropout_p=0.0, scale=scale,
+            dist.group.WORLD,
+            2,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            grad_out=grad,
+            grad_out_name="grad_out",
+            query=q,
+            key=k,
+            value=v,
+            out=theirs_out,
+            logsumexp=theirs_lse,
+            is_causal=causal,
+            dropout_p=0.0,
+            scale=scale,
         )[:3]
         local = [t.clone().requires_grad_() for t in (q, k, v)]
-        out, lse = ring_attention(*local, None, causal=causal, sharding=sharding, scale=scale, return_lse=True)
+        out, lse = ring_attention(
+            *local, None, causal=causal, sharding=sharding, scale=scale, return_lse=True
+        )
         out.backward(grad)
         torch.testing.assert_close(out, theirs_out, **TIGHT, msg=lambda m: f"{name}: out\n{m}")
         torch.testing.assert_close(lse, theirs_lse, **TIGHT, msg=lambda m: f"{name}: lse\n{m}")
         for label, t, want in zip("qkv", local, theirs_grads):
-            torch.testing.assert_close(t.grad, want, **TIGHT, msg=lambda m: f"{name}: d{label}\n{m}")
+            torch.testing.assert_close(
+                t.grad, want, **TIGHT, msg=lambda m: f"{name}: d{label}\n{m}"
+            )
 
 
 @pytest.mark.timeout(180)
@@ -68,7 +89,12 @@ def test_ring_equals_torch_templated_ring_attention(world_size):
 def _sdpa_bshd(q, k, v, causal, scale):
     """DeepSpeed's inner attention: [b, s, h, d] in and out."""
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale, enable_gqa=True
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=True,
     )
     return out.transpose(1, 2)
 
@@ -102,7 +128,9 @@ def _check_deepspeed_ulysses(rank, world_size):
         out = ulysses_attention(*local, None, causal=causal, sharding=sharding, scale=scale)
         out.backward(grad)
         tol = TIGHT if dtype == torch.float32 else BF16
-        torch.testing.assert_close(out, ds_out.transpose(1, 2), **tol, msg=lambda m: f"{name}: out\n{m}")
+        torch.testing.assert_close(
+            out, ds_out.transpose(1, 2), **tol, msg=lambda m: f"{name}: out\n{m}"
+        )
         for label, t, want in zip("qkv", local, ds_in):
             want = want.grad.transpose(1, 2)
             torch.testing.assert_close(t.grad, want, **tol, msg=lambda m: f"{name}: d{label}\n{m}")

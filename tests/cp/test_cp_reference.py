@@ -42,7 +42,9 @@ def test_full_attention_bf16_keeps_dtype_and_fp32_lse():
 
 def test_bad_shapes_are_rejected():
     q = torch.randn(1, 6, 8, 4)
-    with pytest.raises(ValueError, match=r"query heads \(6\) must be a multiple of key/value heads \(4\)"):
+    with pytest.raises(
+        ValueError, match=r"query heads \(6\) must be a multiple of key/value heads \(4\)"
+    ):
         full_attention(q, torch.randn(1, 4, 8, 4), torch.randn(1, 4, 8, 4))
     with pytest.raises(ValueError, match="must be 4-D"):
         full_attention(q[0], q, q)

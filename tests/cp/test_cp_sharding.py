@@ -52,7 +52,9 @@ def test_illegal_lengths_are_rejected_with_the_rule(seq_len, world_size, shardin
     with pytest.raises(ValueError) as err:
         shard_positions(seq_len, 0, world_size, sharding)
     message = str(err.value)
-    assert f"sequence length {seq_len}" in message and f"N={world_size}" in message and rule in message
+    assert (
+        f"sequence length {seq_len}" in message and f"N={world_size}" in message and rule in message
+    )
     with pytest.raises(ValueError, match=f"sequence length {seq_len}"):
         shard_for_rank(torch.zeros(1, 1, seq_len, 1), 0, world_size, dim=2, sharding=sharding)
 
@@ -65,7 +67,9 @@ def test_unknown_layout_and_rank_are_rejected():
 
 
 @pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("ring_size, ulysses_size", [(2, 2), (2, 4), (4, 2), (3, 2), (1, 4), (4, 1)])
+@pytest.mark.parametrize(
+    "ring_size, ulysses_size", [(2, 2), (2, 4), (4, 2), (3, 2), (1, 4), (4, 1)]
+)
 def test_ulysses_group_gathers_a_ring_shard(sharding, ring_size, ulysses_size):
     """The fact hybrid attention rests on: Ulysses group r of U consecutive CP ranks gathers, in
     ascending order, exactly ring rank r's shard of a ring of R ranks under the same sharding."""
@@ -74,8 +78,12 @@ def test_ulysses_group_gathers_a_ring_shard(sharding, ring_size, ulysses_size):
     chunk = seq_len // num_chunks(world_size, sharding)
     for r in range(ring_size):
         members = list(range(r * ulysses_size, (r + 1) * ulysses_size))
-        member_positions = [shard_positions(seq_len, m, world_size, sharding).view(-1, chunk) for m in members]
-        gathered = torch.empty(len(group_chunk_plan(members, world_size, sharding)), chunk, dtype=torch.long)
+        member_positions = [
+            shard_positions(seq_len, m, world_size, sharding).view(-1, chunk) for m in members
+        ]
+        gathered = torch.empty(
+            len(group_chunk_plan(members, world_size, sharding)), chunk, dtype=torch.long
+        )
         for member, slot, dest in group_chunk_plan(members, world_size, sharding):
             gathered[dest] = member_positions[member][slot]
         assert torch.equal(gathered.flatten(), shard_positions(seq_len, r, ring_size, sharding))

@@ -28,20 +28,27 @@ def packed_documents(seq_len: int) -> list[tuple[int, ...]]:
     documents of uneven lengths: boundaries inside chunks, on chunk edges, a document shorter
     than a chunk (2 tokens), one spanning several chunks, and one document for the whole."""
     s = seq_len
-    return [(0, 5, 7, s // 2 - 3, s // 2 + 4, s), (0, s // 4, s // 2, s), (0, 5, 7, s // 2 - 3, s // 2 + 4, s)]
+    return [
+        (0, 5, 7, s // 2 - 3, s // 2 + 4, s),
+        (0, s // 4, s // 2, s),
+        (0, 5, 7, s // 2 - 3, s // 2 + 4, s),
+    ]
 
 
 def per_document_reference(q, k, v, grad, documents):
     """Each document alone through float64 full causal attention: out, lse, (dq, dk, dv)."""
-    out, lse = torch.zeros_like(q, dtype=torch.float64), torch.zeros(q.shape[:3], dtype=torch.float64)
+    out, lse = (
+        torch.zeros_like(q, dtype=torch.float64),
+        torch.zeros(q.shape[:3], dtype=torch.float64),
+    )
     grads = [torch.zeros_like(t, dtype=torch.float64) for t in (q, k, v)]
     for b, bounds in enumerate(documents):
         for start, stop in zip(bounds, bounds[1:]):
-            piece = [t[b:b + 1, :, start:stop] for t in (q, k, v, grad)]
+            piece = [t[b : b + 1, :, start:stop] for t in (q, k, v, grad)]
             o, lse_piece, gs = reference_with_grads(*piece, causal=True)
-            out[b:b + 1, :, start:stop], lse[b:b + 1, :, start:stop] = o, lse_piece
+            out[b : b + 1, :, start:stop], lse[b : b + 1, :, start:stop] = o, lse_piece
             for acc, g in zip(grads, gs):
-                acc[b:b + 1, :, start:stop] = g
+                acc[b : b + 1, :, start:stop] = g
     return out, lse, grads
 
 
@@ -57,7 +64,10 @@ def _check(rank, world_size):
             name = f"{method} N={world_size} {sharding}"
             g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
             q = torch.randn(3, 4, seq_len, 8, generator=g, dtype=torch.float64)
-            k, v = (torch.randn(3, kv_heads, seq_len, 8, generator=g, dtype=torch.float64) for _ in range(2))
+            k, v = (
+                torch.randn(3, kv_heads, seq_len, 8, generator=g, dtype=torch.float64)
+                for _ in range(2)
+            )
             grad = torch.randn(3, 4, seq_len, 8, generator=g, dtype=torch.float64)
             ref_out, ref_lse, ref_grads = per_document_reference(q, k, v, grad, documents)
 
@@ -73,7 +83,10 @@ def _check(rank, world_size):
             else:
                 out, lse = hybrid_attention(*local, *hybrid_groups, **kwargs)
             out.backward(shard(grad))
-            errors = {"out": (out.detach() - shard(ref_out)).abs().max(), "lse": (lse - shard(ref_lse)).abs().max()}
+            errors = {
+                "out": (out.detach() - shard(ref_out)).abs().max(),
+                "lse": (lse - shard(ref_lse)).abs().max(),
+            }
             for label, t, want in zip("qkv", local, ref_grads):
                 errors[f"d{label}"] = (t.grad - shard(want)).abs().max()
             for what, err in errors.items():
@@ -105,12 +118,17 @@ def test_document_mask_matches_each_document_alone(world_size):
 def test_full_attention_with_documents_and_errors():
     g = torch.Generator().manual_seed(3)
     q = torch.randn(3, 4, 48, 8, generator=g, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(3, 2, 48, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    k, v = (
+        torch.randn(3, 2, 48, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        for _ in range(2)
+    )
     grad = torch.randn(3, 4, 48, 8, generator=g, dtype=torch.float64)
     documents = packed_documents(48)
     out, lse = full_attention(q, k, v, return_lse=True, documents=documents)
     out.backward(grad)
-    ref_out, ref_lse, ref_grads = per_document_reference(q.detach(), k.detach(), v.detach(), grad, documents)
+    ref_out, ref_lse, ref_grads = per_document_reference(
+        q.detach(), k.detach(), v.detach(), grad, documents
+    )
     torch.testing.assert_close(out, ref_out, **TOL)
     torch.testing.assert_close(lse, ref_lse, **TOL)
     for t, want in zip((q, k, v), ref_grads):

@@ -45,13 +45,18 @@ def _check_hops(rank, world_size):
     kv_bytes = B * HKV * S_LOCAL * D * 4  # one fp32 K (or V) shard
     for sharding, causal, documents in CASES:
         name = f"{sharding} causal={causal} documents={documents}"
-        ring_attention(q, k, v, causal=causal, sharding=sharding, documents=documents).sum().backward()
+        ring_attention(
+            q, k, v, causal=causal, sharding=sharding, documents=documents
+        ).sum().backward()
         before = commit_sizes()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = ring_attention(q, k, v, causal=causal, sharding=sharding, documents=documents)
             out.backward(torch.ones_like(out))
-        sent = {size: n - before.get(size, 0) for size, n in commit_sizes().items()
-                if n != before.get(size, 0)}
+        sent = {
+            size: n - before.get(size, 0)
+            for size, n in commit_sizes().items()
+            if n != before.get(size, 0)
+        }
         # Forward: N-1 hops of K and V. Backward: N-1 hops of K and V, and N-1 of the fp32 dK/dV
         # accumulators (the same sizes here, fp32 inputs): 3 (N-1) commits of 2 shards each.
         assert sent == {2 * kv_bytes: 3 * (world_size - 1)}, (name, sent)

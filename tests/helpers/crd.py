@@ -14,14 +14,21 @@ def strict_json_schema(node: Any) -> Any:
         return [strict_json_schema(item) for item in node]
     if not isinstance(node, dict):
         return node
-    out = {key: strict_json_schema(value) for key, value in node.items()
-           if not key.startswith("x-kubernetes-")}
+    out = {
+        key: strict_json_schema(value)
+        for key, value in node.items()
+        if not key.startswith("x-kubernetes-")
+    }
     if node.get("x-kubernetes-int-or-string"):
         out.pop("type", None)
         out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
     preserve = node.get("x-kubernetes-preserve-unknown-fields", False)
-    if node.get("type") == "object" and "properties" in node and not preserve \
-            and "additionalProperties" not in node:
+    if (
+        node.get("type") == "object"
+        and "properties" in node
+        and not preserve
+        and "additionalProperties" not in node
+    ):
         out["additionalProperties"] = False
     return out
 

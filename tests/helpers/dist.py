@@ -32,7 +32,9 @@ def _worker(call, environ, rank, world_size, init_file, results, threads):
     # What torchrun would set (DeepSpeed insists on LOCAL_RANK).
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        )
         value = fn(rank, world_size, *args)
         results.put((rank, True, value))
     except BaseException:  # noqa: BLE001 - the parent re-raises it with the rank attached
@@ -57,8 +59,11 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0, thread
     os.close(fd)
     os.unlink(init_file)  # the file store creates it; a stale one would confuse it
     procs = [
-        ctx.Process(target=_worker, args=(call, dict(os.environ), rank, world_size, init_file,
-                                          results, threads), daemon=True)
+        ctx.Process(
+            target=_worker,
+            args=(call, dict(os.environ), rank, world_size, init_file, results, threads),
+            daemon=True,
+        )
         for rank in range(world_size)
     ]
     for p in procs:
@@ -70,14 +75,20 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 120.0, thread
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(values))
-                raise AssertionError(f"ranks {missing} did not finish within {timeout_s:.0f} s (hang?)")
+                raise AssertionError(
+                    f"ranks {missing} did not finish within {timeout_s:.0f} s (hang?)"
+                )
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in values]
+                dead = [
+                    r for r, p in enumerate(procs) if p.exitcode is not None and r not in values
+                ]
                 if dead:
-                    raise AssertionError(f"ranks {dead} exited without a result (exit codes "
-                                         f"{[procs[r].exitcode for r in dead]})") from None
+                    raise AssertionError(
+                        f"ranks {dead} exited without a result (exit codes "
+                        f"{[procs[r].exitcode for r in dead]})"
+                    ) from None
                 continue
             if not ok:
                 raise AssertionError(f"rank {rank} of {world_size} failed:\n{value}")

@@ -22,10 +22,16 @@ KUBECTL = str(BIN / "kubectl")
 IMAGE = "example/ctxlaunch:1"
 
 
-def kubectl(*args: str, kubeconfig: Path = KUBE_ADMIN, check: bool = True, stdin: str = ""
-            ) -> subprocess.CompletedProcess:
-    result = subprocess.run([KUBECTL, "--kubeconfig", str(kubeconfig), *args], input=stdin,
-                            capture_output=True, text=True, timeout=60)
+def kubectl(
+    *args: str, kubeconfig: Path = KUBE_ADMIN, check: bool = True, stdin: str = ""
+) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [KUBECTL, "--kubeconfig", str(kubeconfig), *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if check:
         assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
     return result
@@ -46,17 +52,24 @@ def home(tmp_path: Path) -> Path:
     return tmp_path / "home"
 
 
-def ctx(home: Path, *args: str, kubeconfig: Path = KUBE_ADMIN, timeout: float = 60
-        ) -> subprocess.CompletedProcess:
+def ctx(
+    home: Path, *args: str, kubeconfig: Path = KUBE_ADMIN, timeout: float = 60
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "CTXLAUNCH_HOME": str(home), "KUBECONFIG": str(kubeconfig)}
-    return subprocess.run([CTXLAUNCH, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [CTXLAUNCH, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def spec_args(namespace: str, name: str = "demo", *sets: str) -> list[str]:
     args = [str(JOBS / "demo.yaml")]
-    for item in ("cluster.target=kubernetes", f"cluster.kubernetes.image={IMAGE}",
-                 f"cluster.kubernetes.namespace={namespace}", f"name={name}", *sets):
+    for item in (
+        "cluster.target=kubernetes",
+        f"cluster.kubernetes.image={IMAGE}",
+        f"cluster.kubernetes.namespace={namespace}",
+        f"name={name}",
+        *sets,
+    ):
         args += ["--set", item]
     return args
 
@@ -93,8 +106,17 @@ def contains(actual, expected, where: str = "") -> None:
 
 def render_dir(tmp_path: Path, spec: Path, namespace: str, *sets: str) -> Path:
     out = tmp_path / "rendered"
-    args = [CTXLAUNCH, "render", str(spec), "--target", "kubernetes", "--output", str(out),
-            "--set", f"cluster.kubernetes.namespace={namespace}"]
+    args = [
+        CTXLAUNCH,
+        "render",
+        str(spec),
+        "--target",
+        "kubernetes",
+        "--output",
+        str(out),
+        "--set",
+        f"cluster.kubernetes.namespace={namespace}",
+    ]
     for item in sets:
         args += ["--set", item]
     result = subprocess.run(args, capture_output=True, text=True, timeout=60)
@@ -102,32 +124,79 @@ def render_dir(tmp_path: Path, spec: Path, namespace: str, *sets: str) -> Path:
     return out
 
 
-def play_pod(namespace: str, name: str, labels: dict[str, str], container: str, *,
-             exit_code: int | None = None, reason: str = "Error",
-             node: str | None = None) -> str:
+def play_pod(
+    namespace: str,
+    name: str,
+    labels: dict[str, str],
+    container: str,
+    *,
+    exit_code: int | None = None,
+    reason: str = "Error",
+    node: str | None = None,
+) -> str:
     """Play the controller that creates a job's pod and the kubelet that runs it: a pod with
     the controller's `labels` whose trainer `container` runs, or, given `exit_code`, ended
     with it (the pod's status subresource, as the kubelet writes it); its uid."""
-    spec: dict = {"automountServiceAccountToken": False, "restartPolicy": "Never",
-                  "containers": [{"name": container, "image": IMAGE}]}
+    spec: dict = {
+        "automountServiceAccountToken": False,
+        "restartPolicy": "Never",
+        "containers": [{"name": container, "image": IMAGE}],
+    }
     if node is not None:
         spec["nodeName"] = node
-    kubectl("create", "-f", "-", stdin=json.dumps({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels},
-        "spec": spec}))
+    kubectl(
+        "create",
+        "-f",
+        "-",
+        stdin=json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name, "namespace": namespace, "labels": labels},
+                "spec": spec,
+            }
+        ),
+    )
     if exit_code is None:
         phase, ready = "Running", True
         state: dict = {"running": {"startedAt": "2026-12-01T00:00:00Z"}}
     else:
         phase, ready = "Failed", False
-        state = {"terminated": {"exitCode": exit_code, "reason": reason,
-                                "startedAt": "2026-12-01T00:00:00Z",
-                                "finishedAt": "2026-12-01T00:00:05Z"}}
-    kubectl("patch", "pod", name, "-n", namespace, "--subresource=status", "--type=merge",
-            "-p", json.dumps({"status": {"phase": phase, "containerStatuses": [{
-                "name": container, "image": IMAGE, "imageID": "", "ready": ready,
-                "restartCount": 0, "state": state}]}}))
+        state = {
+            "terminated": {
+                "exitCode": exit_code,
+                "reason": reason,
+                "startedAt": "2026-12-01T00:00:00Z",
+                "finishedAt": "2026-12-01T00:00:05Z",
+            }
+        }
+    kubectl(
+        "patch",
+        "pod",
+        name,
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps(
+            {
+                "status": {
+                    "phase": phase,
+                    "containerStatuses": [
+                        {
+                            "name": container,
+                            "image": IMAGE,
+                            "imageID": "",
+                            "ready": ready,
+                            "restartCount": 0,
+                            "state": state,
+                        }
+                    ],
+                }
+            }
+        ),
+    )
     pod = get("pod", namespace, name)
     assert pod is not None
     return pod["metadata"]["uid"]

@@ -20,13 +20,16 @@ REPO = Path(__file__).resolve().parents[2]
 NODE_DIR = SERVICES_DIR / "kubernetes-node"
 NODE_ADMIN = NODE_DIR / "admin.kubeconfig"
 CONTAINERD_SOCK = NODE_DIR / "run" / "containerd.sock"
-CACHE_DIR = Path(os.environ.get("CTXLAUNCH_KUBE_CACHE")
-                 or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                 / "ctxlaunch")
+CACHE_DIR = Path(
+    os.environ.get("CTXLAUNCH_KUBE_CACHE")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ctxlaunch"
+)
 NODE_TAINT_KEY = "ctxlaunch.dev/node-tests"
 """The node registers with this NoSchedule taint: only pods that tolerate it run there."""
-START_HINT = ("start it with `CTXLAUNCH_KUBE_NODE=1 scripts/services/kubernetes.sh start` "
-              "(scripts/services/all.sh start does it)")
+START_HINT = (
+    "start it with `CTXLAUNCH_KUBE_NODE=1 scripts/services/kubernetes.sh start` "
+    "(scripts/services/all.sh start does it)"
+)
 KUBECTL = str(Path(sys.executable).parent / "kubectl")
 CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
 TOLERATION = json.dumps([{"key": NODE_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}])
@@ -47,25 +50,37 @@ def require_node() -> None:
     if os.environ.get("CTXLAUNCH_KUBE_NODE_TESTS") == "0":
         pytest.skip("CTXLAUNCH_KUBE_NODE_TESTS=0: the real-node tests are turned off")
     if not node_installed():
-        pytest.skip(f"the Kubernetes node is not installed (no {CACHE_DIR}/kube-node-*/kubelet): "
-                    "run `scripts/services/kubernetes.sh install`")
+        pytest.skip(
+            f"the Kubernetes node is not installed (no {CACHE_DIR}/kube-node-*/kubelet): "
+            "run `scripts/services/kubernetes.sh install`"
+        )
     if crd_path() is None:
-        pytest.skip("the PyTorchJob CRD is absent (set CTXLAUNCH_PYTORCHJOB_CRD or provide "
-                    "../shared/crds/kubeflow.org_pytorchjobs.yaml): the node was not started")
+        pytest.skip(
+            "the PyTorchJob CRD is absent (set CTXLAUNCH_PYTORCHJOB_CRD or provide "
+            "../shared/crds/kubeflow.org_pytorchjobs.yaml): the node was not started"
+        )
     if not NODE_ADMIN.is_file():
         pytest.fail(f"no {NODE_ADMIN}: the single-node cluster is not up; {START_HINT}")
-    result = kubectl("get", "node", "-o",
-                     "jsonpath={.items[*].status.conditions[?(@.type==\"Ready\")].status}",
-                     check=False)
+    result = kubectl(
+        "get",
+        "node",
+        "-o",
+        'jsonpath={.items[*].status.conditions[?(@.type=="Ready")].status}',
+        check=False,
+    )
     if result.returncode != 0 or "True" not in result.stdout.split():
-        pytest.fail(f"the node is not Ready ({(result.stderr or result.stdout).strip()}); "
-                    f"{START_HINT}")
+        pytest.fail(
+            f"the node is not Ready ({(result.stderr or result.stdout).strip()}); {START_HINT}"
+        )
 
 
-def kubectl(*args: str, check: bool = True, timeout: float = 60
-            ) -> subprocess.CompletedProcess:
-    result = subprocess.run([KUBECTL, "--kubeconfig", str(NODE_ADMIN), *args],
-                            capture_output=True, text=True, timeout=timeout)
+def kubectl(*args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [KUBECTL, "--kubeconfig", str(NODE_ADMIN), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check:
         assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
     return result
@@ -73,10 +88,20 @@ def kubectl(*args: str, check: bool = True, timeout: float = 60
 
 def project_image(timeout: float = 1500) -> str:
     """The project image's reference, built (or taken from the cache) and imported."""
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "services" / "ociimage.py"),
-                             "project", "--repo", str(REPO), "--containerd",
-                             str(CONTAINERD_SOCK)], capture_output=True, text=True,
-                            timeout=timeout)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "services" / "ociimage.py"),
+            "project",
+            "--repo",
+            str(REPO),
+            "--containerd",
+            str(CONTAINERD_SOCK),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert result.returncode == 0, result.stderr
     sys.stderr.write(result.stderr)
     return result.stdout.strip()
@@ -85,16 +110,22 @@ def project_image(timeout: float = 1500) -> str:
 def ctx(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`ctxlaunch ARGS` with its own home, against the node's API server."""
     env = {**os.environ, "CTXLAUNCH_HOME": str(home), "KUBECONFIG": str(NODE_ADMIN)}
-    return subprocess.run([CTXLAUNCH, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [CTXLAUNCH, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def submit_args(image: str, namespace: str, name: str, *sets: str) -> list[str]:
     """`ctxlaunch submit`'s arguments for the demo job on the node, with `sets` (PATH=VALUE)."""
     args = [str(REPO / "jobs" / "demo.yaml")]
-    for item in ("cluster.target=kubernetes", f"cluster.kubernetes.image={image}",
-                 f"cluster.kubernetes.namespace={namespace}", f"name={name}",
-                 f"cluster.kubernetes.tolerations={TOLERATION}", *sets):
+    for item in (
+        "cluster.target=kubernetes",
+        f"cluster.kubernetes.image={image}",
+        f"cluster.kubernetes.namespace={namespace}",
+        f"name={name}",
+        f"cluster.kubernetes.tolerations={TOLERATION}",
+        *sets,
+    ):
         args += ["--set", item]
     return args
 
@@ -103,16 +134,21 @@ def new_namespace(prefix: str) -> str:
     """A fresh namespace, once the controller manager has made its default service account."""
     name = f"{prefix}-{uuid.uuid4().hex[:8]}"
     kubectl("create", "namespace", name)
-    wait_for(lambda: kubectl("get", "serviceaccount", "default", "-n", name,
-                             check=False).returncode == 0, 60,
-             "the controller manager's default service account")
+    wait_for(
+        lambda: (
+            kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0
+        ),
+        60,
+        "the controller manager's default service account",
+    )
     return name
 
 
 def job_pods(namespace: str, job: str) -> list[dict]:
     """The pods of PyTorchJob `job`, as JSON."""
-    result = kubectl("get", "pods", "-n", namespace, "-l",
-                     f"training.kubeflow.org/job-name={job}", "-o", "json")
+    result = kubectl(
+        "get", "pods", "-n", namespace, "-l", f"training.kubeflow.org/job-name={job}", "-o", "json"
+    )
     return json.loads(result.stdout)["items"]
 
 
@@ -122,10 +158,11 @@ def with_checkpoint_volume(namespace: str, job: str, host_dir: Path) -> None:
     operator stand-in makes its pods."""
     found = json.loads(kubectl("get", "pytorchjob", job, "-n", namespace, "-o", "json").stdout)
     template = found["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
-    template["volumes"].append({"name": "checkpoints",
-                                "hostPath": {"path": str(host_dir), "type": "Directory"}})
-    template["containers"][0]["volumeMounts"].append({"name": "checkpoints",
-                                                      "mountPath": "/checkpoints"})
+    template["volumes"].append(
+        {"name": "checkpoints", "hostPath": {"path": str(host_dir), "type": "Directory"}}
+    )
+    template["containers"][0]["volumeMounts"].append(
+        {"name": "checkpoints", "mountPath": "/checkpoints"}
+    )
     patch = {"spec": {"pytorchReplicaSpecs": {"Master": {"template": {"spec": template}}}}}
-    kubectl("patch", "pytorchjob", job, "-n", namespace, "--type", "merge", "-p",
-            json.dumps(patch))
+    kubectl("patch", "pytorchjob", job, "-n", namespace, "--type", "merge", "-p", json.dumps(patch))

@@ -87,7 +87,8 @@ class AllocatorTrace:
 
     def __init__(self) -> None:
         self._profiler = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        )
         self.peak_bytes = 0
         self.peak_phase = ""
         self.final_bytes = 0
@@ -120,11 +121,12 @@ class AllocatorTrace:
             node, op, current = stack.pop()
             name = str(node.name)
             if name.startswith(PHASE_PREFIX):
-                current = name[len(PHASE_PREFIX):]
+                current = name[len(PHASE_PREFIX) :]
             fields = node.extra_fields
             if isinstance(fields, torch._C._profiler._ExtraFields_Allocation):
-                events.append((node.start_time_ns, fields.id, fields.alloc_size, fields.ptr, op,
-                               current))
+                events.append(
+                    (node.start_time_ns, fields.id, fields.alloc_size, fields.ptr, op, current)
+                )
             elif not name.startswith(PHASE_PREFIX):
                 op = name
             stack.extend((child, op, current) for child in node.children)
@@ -169,8 +171,10 @@ def measure_training_peak(spec: JobSpec, ctx: ParallelContext, steps: int = 2) -
         engine = trainer.engine
         run, finish, apply = engine.run_micro_batches, engine.finish_gradients, engine.apply
         for step in range(1, steps + 1):
-            def run_marked(batches: list[MicroBatch], predicted_tokens: int,
-                           step: int = step) -> list[torch.Tensor]:
+
+            def run_marked(
+                batches: list[MicroBatch], predicted_tokens: int, step: int = step
+            ) -> list[torch.Tensor]:
                 with phase(f"step {step}/micro-batches"):
                     return run(batches, predicted_tokens)
 

@@ -56,8 +56,7 @@ class PyTorchJobOperator:
     """Reconciles every PyTorchJob in `namespace` every `interval` seconds on a thread
     (start()/stop()), or once per reconcile(name) call."""
 
-    def __init__(self, kubeconfig: str, namespace: str, init_image: str,
-                 interval: float = 0.5):
+    def __init__(self, kubeconfig: str, namespace: str, init_image: str, interval: float = 0.5):
         from kubernetes import client, config
 
         api = config.new_client_from_config(config_file=kubeconfig)
@@ -72,8 +71,7 @@ class PyTorchJobOperator:
 
     # -- the loop -------------------------------------------------------------------------------
     def start(self) -> PyTorchJobOperator:
-        self._thread = threading.Thread(target=self._run, name="pytorchjob-operator",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="pytorchjob-operator", daemon=True)
         self._thread.start()
         return self
 
@@ -87,8 +85,9 @@ class PyTorchJobOperator:
 
         while not self._stop.is_set():
             try:
-                jobs = self.custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace,
-                                                                 PLURAL)
+                jobs = self.custom.list_namespaced_custom_object(
+                    GROUP, VERSION, self.namespace, PLURAL
+                )
                 for job in jobs.get("items", []):
                     self.reconcile_job(job)
             except ApiException as exc:
@@ -111,8 +110,12 @@ class PyTorchJobOperator:
             _set_condition(status, "Created", f"PyTorchJob {name} is created.")
         replicas = job["spec"]["pytorchReplicaSpecs"]
         terminal = _is_true(status, "Succeeded") or _is_true(status, "Failed")
-        pods = {p.metadata.name: p for p in self.core.list_namespaced_pod(
-            self.namespace, label_selector=f"training.kubeflow.org/job-name={name}").items}
+        pods = {
+            p.metadata.name: p
+            for p in self.core.list_namespaced_pod(
+                self.namespace, label_selector=f"training.kubeflow.org/job-name={name}"
+            ).items
+        }
         replica_statuses: dict[str, dict[str, int]] = {}
         for rtype, spec in replicas.items():
             counts = {"active": 0, "succeeded": 0, "failed": 0}
@@ -134,17 +137,25 @@ class PyTorchJobOperator:
                     counts["failed"] += 1
                     code = _exit_code(pod)
                     policy = spec.get("restartPolicy", "Never")
-                    if policy == "ExitCode" and retryable(code) or policy in ("OnFailure",
-                                                                              "Always"):
+                    if (
+                        policy == "ExitCode"
+                        and retryable(code)
+                        or policy in ("OnFailure", "Always")
+                    ):
                         if pod.metadata.deletion_timestamp is None:
                             self.core.delete_namespaced_pod(pod_name, self.namespace)
-                            msg = (f"PyTorchJob {name} is restarting because {rtype} replica(s) "
-                                   "failed.")
+                            msg = (
+                                f"PyTorchJob {name} is restarting because {rtype} replica(s) "
+                                "failed."
+                            )
                             self._event(job, "PyTorchJobRestarting", msg)
                             _set_condition(status, "Restarting", msg)
                     elif policy == "ExitCode":
-                        _set_condition(status, "Failed", f"PyTorchJob {name} is failing because "
-                                       f"{rtype} replica(s) failed.")
+                        _set_condition(
+                            status,
+                            "Failed",
+                            f"PyTorchJob {name} is failing because {rtype} replica(s) failed.",
+                        )
             replica_statuses[rtype] = counts
             expected = int(spec.get("replicas", 1)) - counts["succeeded"]
             if rtype == "Master" or "Master" not in replicas:
@@ -152,59 +163,86 @@ class PyTorchJobOperator:
                     _set_condition(status, "Running", f"PyTorchJob {name} is running.")
                 if expected == 0:
                     status.setdefault("completionTime", _now())
-                    _set_condition(status, "Succeeded",
-                                   f"PyTorchJob {name} is successfully completed.")
+                    _set_condition(
+                        status, "Succeeded", f"PyTorchJob {name} is successfully completed."
+                    )
             if counts["failed"] > 0 and int(spec.get("replicas", 1)) > (
-                    counts["succeeded"] + counts["active"]):
+                counts["succeeded"] + counts["active"]
+            ):
                 if spec.get("restartPolicy", "Never") != "Never":
-                    _set_condition(status, "Restarting", f"PyTorchJob {name} is restarting "
-                                   f"because {counts['failed']} {rtype} replica(s) failed.")
+                    _set_condition(
+                        status,
+                        "Restarting",
+                        f"PyTorchJob {name} is restarting "
+                        f"because {counts['failed']} {rtype} replica(s) failed.",
+                    )
                 else:
                     status.setdefault("completionTime", _now())
-                    _set_condition(status, "Failed", f"PyTorchJob {name} is failed because "
-                                   f"{counts['failed']} {rtype} replica(s) failed.")
-        status["replicaStatuses"] = {k: {c: n for c, n in v.items() if n}
-                                     for k, v in replica_statuses.items()}
+                    _set_condition(
+                        status,
+                        "Failed",
+                        f"PyTorchJob {name} is failed because "
+                        f"{counts['failed']} {rtype} replica(s) failed.",
+                    )
+        status["replicaStatuses"] = {
+            k: {c: n for c, n in v.items() if n} for k, v in replica_statuses.items()
+        }
         status.setdefault("startTime", _now())
         if status != before:
             body = {"status": status}
-            self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, self.namespace,
-                                                              PLURAL, name, body)
+            self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, self.namespace, PLURAL, name, body
+            )
 
     # -- what it creates ----------------------------------------------------------------------
     def _labels(self, job_name: str, rt: str, index: int) -> dict[str, str]:
-        labels = {"training.kubeflow.org/operator-name": OPERATOR_NAME,
-                  "training.kubeflow.org/job-name": job_name,
-                  "training.kubeflow.org/replica-type": rt,
-                  "training.kubeflow.org/replica-index": str(index)}
+        labels = {
+            "training.kubeflow.org/operator-name": OPERATOR_NAME,
+            "training.kubeflow.org/job-name": job_name,
+            "training.kubeflow.org/replica-type": rt,
+            "training.kubeflow.org/replica-index": str(index),
+        }
         return labels
 
     def _owner(self, job: dict[str, Any]) -> dict[str, Any]:
-        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
-                "name": job["metadata"]["name"], "uid": job["metadata"]["uid"],
-                "controller": True, "blockOwnerDeletion": True}
+        return {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
+            "name": job["metadata"]["name"],
+            "uid": job["metadata"]["uid"],
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
 
-    def _ensure_service(self, job: dict[str, Any], rt: str, index: int,
-                        spec: dict[str, Any]) -> None:
+    def _ensure_service(
+        self, job: dict[str, Any], rt: str, index: int, spec: dict[str, Any]
+    ) -> None:
         from kubernetes.client.exceptions import ApiException
 
         name = f"{job['metadata']['name']}-{rt}-{index}"
         labels = self._labels(job["metadata"]["name"], rt, index)
-        ports = [{"name": p["name"], "port": p["containerPort"]}
-                 for c in spec["template"]["spec"]["containers"] if c["name"] == CONTAINER
-                 for p in c.get("ports", []) if p.get("name")]
-        body = {"apiVersion": "v1", "kind": "Service",
-                "metadata": {"name": name, "labels": labels,
-                             "ownerReferences": [self._owner(job)]},
-                "spec": {"clusterIP": "None", "selector": labels, "ports": ports}}
+        ports = [
+            {"name": p["name"], "port": p["containerPort"]}
+            for c in spec["template"]["spec"]["containers"]
+            if c["name"] == CONTAINER
+            for p in c.get("ports", [])
+            if p.get("name")
+        ]
+        body = {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": name, "labels": labels, "ownerReferences": [self._owner(job)]},
+            "spec": {"clusterIP": "None", "selector": labels, "ports": ports},
+        }
         try:
             self.core.create_namespaced_service(self.namespace, body)
         except ApiException as exc:
             if exc.status != 409:
                 raise
 
-    def pod_body(self, job: dict[str, Any], rtype: str, index: int, spec: dict[str, Any]
-                 ) -> dict[str, Any]:
+    def pod_body(
+        self, job: dict[str, Any], rtype: str, index: int, spec: dict[str, Any]
+    ) -> dict[str, Any]:
         """The pod createNewPod makes from the replica's template."""
         job_name = job["metadata"]["name"]
         replicas = job["spec"]["pytorchReplicaSpecs"]
@@ -222,61 +260,95 @@ class PyTorchJobOperator:
         nproc = int(nproc_text) if nproc_text and str(nproc_text).isdigit() else 1
         total = sum(int(r.get("replicas", 1)) for r in replicas.values())
         master_addr = f"{job_name}-master-0"
-        master_port = next((p["containerPort"] for c in
-                            replicas["Master"]["template"]["spec"]["containers"]
-                            if c["name"] == CONTAINER for p in c.get("ports", [])
-                            if p.get("name") == PORT_NAME), None) if "Master" in replicas else None
+        master_port = (
+            next(
+                (
+                    p["containerPort"]
+                    for c in replicas["Master"]["template"]["spec"]["containers"]
+                    if c["name"] == CONTAINER
+                    for p in c.get("ports", [])
+                    if p.get("name") == PORT_NAME
+                ),
+                None,
+            )
+            if "Master" in replicas
+            else None
+        )
         rank = index + 1 if rt == "worker" else index
         for container in pod_spec["containers"]:
             env = container.setdefault("env", [])
             env.append({"name": "PYTHONUNBUFFERED", "value": "1"})
             if "Master" in replicas:
-                env += [{"name": "MASTER_PORT", "value": str(master_port)},
-                        {"name": "PET_MASTER_PORT", "value": str(master_port)},
-                        {"name": "MASTER_ADDR", "value": master_addr},
-                        {"name": "PET_MASTER_ADDR", "value": master_addr},
-                        {"name": "WORLD_SIZE", "value": str(total * nproc)},
-                        {"name": "RANK", "value": str(rank)},
-                        {"name": "PET_NODE_RANK", "value": str(rank)}]
+                env += [
+                    {"name": "MASTER_PORT", "value": str(master_port)},
+                    {"name": "PET_MASTER_PORT", "value": str(master_port)},
+                    {"name": "MASTER_ADDR", "value": master_addr},
+                    {"name": "PET_MASTER_ADDR", "value": master_addr},
+                    {"name": "WORLD_SIZE", "value": str(total * nproc)},
+                    {"name": "RANK", "value": str(rank)},
+                    {"name": "PET_NODE_RANK", "value": str(rank)},
+                ]
             if nproc_text is not None:
                 env.append({"name": "PET_NPROC_PER_NODE", "value": str(nproc_text)})
             env.append({"name": "PET_NNODES", "value": str(total)})
         if rt == "worker" and "Master" in replicas:
-            pod_spec.setdefault("initContainers", []).append({
-                "name": "init-pytorch", "image": self.init_image,
-                "imagePullPolicy": "IfNotPresent",
-                "resources": {"limits": {"cpu": "100m", "memory": "20Mi"},
-                              "requests": {"cpu": "50m", "memory": "10Mi"}},
-                "command": ["sh", "-c",
-                            f"err=1;for i in $(seq {INIT_MAX_TRIES}); do if nslookup "
-                            f"{master_addr}; then err=0 && break; fi;echo waiting for master; "
-                            "sleep 2; done; exit $err"]})
+            pod_spec.setdefault("initContainers", []).append(
+                {
+                    "name": "init-pytorch",
+                    "image": self.init_image,
+                    "imagePullPolicy": "IfNotPresent",
+                    "resources": {
+                        "limits": {"cpu": "100m", "memory": "20Mi"},
+                        "requests": {"cpu": "50m", "memory": "10Mi"},
+                    },
+                    "command": [
+                        "sh",
+                        "-c",
+                        f"err=1;for i in $(seq {INIT_MAX_TRIES}); do if nslookup "
+                        f"{master_addr}; then err=0 && break; fi;echo waiting for master; "
+                        "sleep 2; done; exit $err",
+                    ],
+                }
+            )
         policy = spec.get("restartPolicy", "Never")
         pod_spec["restartPolicy"] = "Never" if policy == "ExitCode" else policy
         return {"apiVersion": "v1", "kind": "Pod", **template}
 
-    def _create_pod(self, job: dict[str, Any], rtype: str, index: int,
-                    spec: dict[str, Any]) -> None:
+    def _create_pod(
+        self, job: dict[str, Any], rtype: str, index: int, spec: dict[str, Any]
+    ) -> None:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            self.core.create_namespaced_pod(self.namespace,
-                                            self.pod_body(job, rtype, index, spec))
+            self.core.create_namespaced_pod(self.namespace, self.pod_body(job, rtype, index, spec))
         except ApiException as exc:
             if exc.status != 409:  # the old pod is still being deleted
                 raise
 
     def _event(self, job: dict[str, Any], reason: str, message: str) -> None:
         meta = job["metadata"]
-        self.core.create_namespaced_event(self.namespace, {
-            "apiVersion": "v1", "kind": "Event",
-            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}"},
-            "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
-                               "name": meta["name"], "namespace": self.namespace,
-                               "uid": meta["uid"]},
-            "reason": reason, "message": message, "type": "Warning", "count": 1,
-            "firstTimestamp": _now(), "lastTimestamp": _now(),
-            "source": {"component": OPERATOR_NAME}})
+        self.core.create_namespaced_event(
+            self.namespace,
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}"},
+                "involvedObject": {
+                    "apiVersion": f"{GROUP}/{VERSION}",
+                    "kind": KIND,
+                    "name": meta["name"],
+                    "namespace": self.namespace,
+                    "uid": meta["uid"],
+                },
+                "reason": reason,
+                "message": message,
+                "type": "Warning",
+                "count": 1,
+                "firstTimestamp": _now(),
+                "lastTimestamp": _now(),
+                "source": {"component": OPERATOR_NAME},
+            },
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -308,8 +380,16 @@ def _set_condition(status: dict[str, Any], ctype: str, message: str) -> None:
         if ctype in ("Failed", "Succeeded") and c["type"] == "Running":
             c = {**c, "status": "False"}
         kept.append(c)
-    kept.append({"type": ctype, "status": "True", "reason": reason, "message": message,
-                 "lastUpdateTime": now, "lastTransitionTime": now})
+    kept.append(
+        {
+            "type": ctype,
+            "status": "True",
+            "reason": reason,
+            "message": message,
+            "lastUpdateTime": now,
+            "lastTransitionTime": now,
+        }
+    )
     status["conditions"] = kept
 
 

@@ -54,8 +54,9 @@ def poll(expr: str, predicate=lambda result: bool(result), timeout: float = 30.0
         if predicate(result):
             return result
         time.sleep(0.5)
-    raise AssertionError(f"{expr!r} did not satisfy the check within {timeout:.0f} s; "
-                         f"last result: {result}")
+    raise AssertionError(
+        f"{expr!r} did not satisfy the check within {timeout:.0f} s; last result: {result}"
+    )
 
 
 def add_scrape_targets(name: str, targets: list[str]) -> Path:
@@ -92,14 +93,22 @@ def require_kubernetes() -> None:
     from tests.conftest import crd_path
 
     if crd_path() is None:
-        pytest.skip("the PyTorchJob CRD is absent (set CTXLAUNCH_PYTORCHJOB_CRD or provide "
-                    "../shared/crds/kubeflow.org_pytorchjobs.yaml): no Kubernetes API server "
-                    "was started")
+        pytest.skip(
+            "the PyTorchJob CRD is absent (set CTXLAUNCH_PYTORCHJOB_CRD or provide "
+            "../shared/crds/kubeflow.org_pytorchjobs.yaml): no Kubernetes API server "
+            "was started"
+        )
     kubectl = Path(sys.executable).parent / "kubectl"
     if not KUBE_ADMIN.is_file():
         pytest.fail(f"no {KUBE_ADMIN}: the Kubernetes API server is not up; {START_HINT}")
-    result = subprocess.run([str(kubectl), "--kubeconfig", str(KUBE_ADMIN), "get", "--raw",
-                             "/readyz"], capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [str(kubectl), "--kubeconfig", str(KUBE_ADMIN), "get", "--raw", "/readyz"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if result.returncode != 0 or result.stdout.strip() != "ok":
-        pytest.fail(f"the Kubernetes API server is not ready "
-                    f"({(result.stderr or result.stdout).strip()}); {START_HINT}")
+        pytest.fail(
+            f"the Kubernetes API server is not ready "
+            f"({(result.stderr or result.stdout).strip()}); {START_HINT}"
+        )

@@ -13,6 +13,7 @@ SHELLCHECK = shutil.which("shellcheck") or str(Path(sys.executable).parent / "sh
 
 def shellcheck(path: Path) -> None:
     subprocess.run(["bash", "-n", str(path)], check=True)
-    result = subprocess.run([SHELLCHECK, "--severity=style", str(path)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [SHELLCHECK, "--severity=style", str(path)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -16,16 +16,20 @@ from tests.conftest import JOBS
 BIN = Path(sys.executable).parent
 CTXLAUNCH = str(BIN / "ctxlaunch")
 # Small and quick: 1,024-token sequences, two CPU ranks, a node shared with other tests' jobs.
-QUICK = ["training.seq_len=1024", "training.log_interval=1", "cluster.target=slurm",
-         "cluster.slurm.exclusive=false", "cluster.slurm.time_limit=10:00"]
+QUICK = [
+    "training.seq_len=1024",
+    "training.log_interval=1",
+    "cluster.target=slurm",
+    "cluster.slurm.exclusive=false",
+    "cluster.slurm.time_limit=10:00",
+]
 
 
 def run(args: list[str], home: Path, cwd: Path, timeout: float = 120, **extra: str):
     env = {**os.environ, "CTXLAUNCH_HOME": str(home), **extra}
     if "CTXLAUNCH_INJECT_FAULT" not in extra:
         env.pop("CTXLAUNCH_INJECT_FAULT", None)
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def submit(tmp_path: Path, home: Path, *sets: str, **extra: str) -> str:
@@ -51,8 +55,9 @@ def status(home: Path, tmp_path: Path, job_id: str) -> dict:
     return json.loads(result.stdout)
 
 
-def wait_for(home: Path, tmp_path: Path, job_id: str, states: set[str],
-             timeout: float = 90) -> dict:
+def wait_for(
+    home: Path, tmp_path: Path, job_id: str, states: set[str], timeout: float = 90
+) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         current = status(home, tmp_path, job_id)
@@ -62,8 +67,7 @@ def wait_for(home: Path, tmp_path: Path, job_id: str, states: set[str],
         time.sleep(0.5)
 
 
-def wait_for_log(home: Path, tmp_path: Path, job_id: str, pattern: str,
-                 timeout: float = 90) -> str:
+def wait_for_log(home: Path, tmp_path: Path, job_id: str, pattern: str, timeout: float = 90) -> str:
     deadline = time.monotonic() + timeout
     while True:
         text = ctx(home, tmp_path, "logs", job_id).stdout
@@ -74,8 +78,11 @@ def wait_for_log(home: Path, tmp_path: Path, job_id: str, pattern: str,
 
 
 def job_dir(home: Path, job_id: str) -> Path:
-    (record,) = [p for p in (home / "jobs").iterdir()
-                 if json.loads((p / "job.json").read_text())["backend_id"] == job_id]
+    (record,) = [
+        p
+        for p in (home / "jobs").iterdir()
+        if json.loads((p / "job.json").read_text())["backend_id"] == job_id
+    ]
     return record
 
 

@@ -14,5 +14,10 @@ def train_once(data: dict, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(data))
     exe = Path(sys.executable).parent / "ctxlaunch"
-    return subprocess.run([str(exe), "train", str(path), "--run-dir", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [str(exe), "train", str(path), "--run-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )

@@ -31,11 +31,21 @@ def get_backend(target: str, options: BackendOptions | None = None) -> Backend:
     try:
         module, name = BACKENDS[target]
     except KeyError:
-        raise NotImplementedError(f"cluster.target {target!r}: no backend submits to {target}; "
-                                  f"use one of {', '.join(BACKENDS)}") from None
+        raise NotImplementedError(
+            f"cluster.target {target!r}: no backend submits to {target}; "
+            f"use one of {', '.join(BACKENDS)}"
+        ) from None
     cls: type[Backend] = getattr(import_module(f".{module}", __name__), name)
     return cls() if options is None else cls.with_options(options)
 
 
-__all__ = ["BACKENDS", "Backend", "BackendOptions", "DryRun", "KubernetesOptions",
-           "OptionsError", "combine_exit_codes", "get_backend"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "BackendOptions",
+    "DryRun",
+    "KubernetesOptions",
+    "OptionsError",
+    "combine_exit_codes",
+    "get_backend",
+]

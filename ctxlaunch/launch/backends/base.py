@@ -19,8 +19,18 @@ from ctxlaunch.contract.rundir import combine_exit_codes
 from ctxlaunch.contract.spec import JobSpec
 from ctxlaunch.launch.jobstore import JobRecord
 
-__all__ = ["Backend", "BackendOptions", "DryRun", "KubernetesOptions", "OptionsError", "Refused",
-           "Status", "SweepJobs", "combine_exit_codes", "describe_layout"]
+__all__ = [
+    "Backend",
+    "BackendOptions",
+    "DryRun",
+    "KubernetesOptions",
+    "OptionsError",
+    "Refused",
+    "Status",
+    "SweepJobs",
+    "combine_exit_codes",
+    "describe_layout",
+]
 
 
 @dataclass(frozen=True)
@@ -57,15 +67,29 @@ class DryRun:
         return "\n".join(lines) + "\n"
 
 
-TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED",
-                      "OUT_OF_MEMORY", "OOM", "BAD_INPUT"})
+TERMINAL = frozenset(
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "PREEMPTED",
+        "OUT_OF_MEMORY",
+        "OOM",
+        "BAD_INPUT",
+    }
+)
 """States a job does not leave (PREEMPTED: Slurm preempted it without requeueing it)."""
 
 WAIT_EXIT = {"COMPLETED": exitcodes.OK, "OOM": exitcodes.OOM, "BAD_INPUT": exitcodes.BAD_INPUT}
 """A final state -> the exit status of `ctxlaunch wait` (anything else failed: 1)."""
 
-EXIT_STATES = {exitcodes.OK: "COMPLETED", exitcodes.OOM: "OOM", exitcodes.BAD_INPUT: "BAD_INPUT",
-               exitcodes.PREEMPTED: "PREEMPTED"}
+EXIT_STATES = {
+    exitcodes.OK: "COMPLETED",
+    exitcodes.OOM: "OOM",
+    exitcodes.BAD_INPUT: "BAD_INPUT",
+    exitcodes.PREEMPTED: "PREEMPTED",
+}
 """A job's exit status -> its state, where the status says more than "failed"."""
 
 
@@ -96,10 +120,12 @@ class Status:
 def describe_layout(spec: dict) -> str:
     """The layout of a job from its recorded spec (JSON), for an OOM report."""
     p, t = spec.get("parallel", {}), spec.get("training", {})
-    return (f"model {spec.get('model', {}).get('preset') or 'custom'}, seq_len "
-            f"{t.get('seq_len')}, cp {p.get('cp')} ({p.get('cp_algorithm')}, "
-            f"{p.get('cp_sharding', p.get('layout'))}), activation_checkpointing "
-            f"{t.get('activation_checkpointing')}, ZeRO-{t.get('zero_stage')}")
+    return (
+        f"model {spec.get('model', {}).get('preset') or 'custom'}, seq_len "
+        f"{t.get('seq_len')}, cp {p.get('cp')} ({p.get('cp_algorithm')}, "
+        f"{p.get('cp_sharding', p.get('layout'))}), activation_checkpointing "
+        f"{t.get('activation_checkpointing')}, ZeRO-{t.get('zero_stage')}"
+    )
 
 
 @dataclass(frozen=True)
@@ -151,8 +177,9 @@ class Backend(ABC):
     def with_options(cls, options: BackendOptions) -> Backend:
         """This backend with options from the command line; OptionsError unless they are its
         own (by default a backend takes none)."""
-        raise OptionsError(f"{options.flags} are for cluster.target {options.target}, not "
-                           f"{cls.name}")
+        raise OptionsError(
+            f"{options.flags} are for cluster.target {options.target}, not {cls.name}"
+        )
 
     # -- submitting -----------------------------------------------------------------------------
     @abstractmethod

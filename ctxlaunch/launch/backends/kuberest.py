@@ -27,11 +27,27 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
-PLAIN_USER_KEYS = frozenset({"token", "tokenFile", "client-certificate", "client-certificate-data",
-                             "client-key", "client-key-data"})
+PLAIN_USER_KEYS = frozenset(
+    {
+        "token",
+        "tokenFile",
+        "client-certificate",
+        "client-certificate-data",
+        "client-key",
+        "client-key-data",
+    }
+)
 """The user fields this transport handles; a user with any other field gets the client."""
-PLAIN_CLUSTER_KEYS = frozenset({"server", "certificate-authority", "certificate-authority-data",
-                                "insecure-skip-tls-verify", "tls-server-name", "extensions"})
+PLAIN_CLUSTER_KEYS = frozenset(
+    {
+        "server",
+        "certificate-authority",
+        "certificate-authority-data",
+        "insecure-skip-tls-verify",
+        "tls-server-name",
+        "extensions",
+    }
+)
 
 
 @dataclass
@@ -43,8 +59,15 @@ class Direct:
     pool: Any  # urllib3.PoolManager
     authorization: str | None
 
-    def send(self, method: str, path: str, query: list[tuple[str, str]],
-             headers: dict[str, str], body: Any, timeout: float | None) -> Any:
+    def send(
+        self,
+        method: str,
+        path: str,
+        query: list[tuple[str, str]],
+        headers: dict[str, str],
+        body: Any,
+        timeout: float | None,
+    ) -> Any:
         """`body` (JSON-serialisable, or None) sent as JSON, as the client sends it for JSON
         and structured-YAML content types alike."""
         import urllib3
@@ -54,9 +77,14 @@ class Direct:
             headers["Authorization"] = self.authorization
         url = self.host + path + (f"?{urlencode(query)}" if query else "")
         data = None if body is None else json.dumps(body).encode()
-        return self.pool.request(method, url, body=data, headers=headers,
-                                 timeout=urllib3.Timeout(total=timeout),
-                                 preload_content=False)
+        return self.pool.request(
+            method,
+            url,
+            body=data,
+            headers=headers,
+            timeout=urllib3.Timeout(total=timeout),
+            preload_content=False,
+        )
 
 
 def load(kubeconfig: str, context: str | None) -> Direct | None:
@@ -118,8 +146,12 @@ def _direct(name: str, cluster: dict[str, Any], user: dict[str, Any], base: str)
             pool_args["assert_hostname"] = False
         if cluster.get("tls-server-name"):
             pool_args["server_hostname"] = cluster["tls-server-name"]
-    return Direct(host=host, context=name, pool=urllib3.PoolManager(**pool_args),
-                  authorization=f"Bearer {token}" if token else None)
+    return Direct(
+        host=host,
+        context=name,
+        pool=urllib3.PoolManager(**pool_args),
+        authorization=f"Bearer {token}" if token else None,
+    )
 
 
 def _path(path: str, base: str) -> str:

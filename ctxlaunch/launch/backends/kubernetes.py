@@ -51,10 +51,14 @@ from ctxlaunch.launch.render import artifact_name, render_files
 from ctxlaunch.launch.request import kubernetes_request
 
 FIELD_MANAGER = "ctxlaunch"
-OPERATOR_INSTALL = ("kubectl apply --server-side -k \"github.com/kubeflow/training-operator.git/"
-                    "manifests/overlays/standalone?ref=v1.9.4\"")
-TRAINER_INSTALL = ("kubectl apply --server-side -k \"github.com/kubeflow/trainer.git/"
-                   "manifests/overlays/manager?ref=v2.3.0\"")
+OPERATOR_INSTALL = (
+    'kubectl apply --server-side -k "github.com/kubeflow/training-operator.git/'
+    'manifests/overlays/standalone?ref=v1.9.4"'
+)
+TRAINER_INSTALL = (
+    'kubectl apply --server-side -k "github.com/kubeflow/trainer.git/'
+    'manifests/overlays/manager?ref=v2.3.0"'
+)
 # The training operator's pod labels (kubeflow.org/v1 common_types.go).
 JOB_NAME_LABEL = "training.kubeflow.org/job-name"
 REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
@@ -83,12 +87,26 @@ class JobApi:
 
 
 JOB_APIS: dict[str, JobApi] = {
-    "pytorchjob": JobApi("PyTorchJob", "kubeflow.org/v1", "pytorchjobs",
-                         "the Kubeflow training operator", "v1.9.4", OPERATOR_INSTALL, (1, 28),
-                         JOB_NAME_LABEL),
-    "trainjob": JobApi("TrainJob", "trainer.kubeflow.org/v1alpha1", "trainjobs",
-                       "Kubeflow Trainer (with JobSet)", "v2.3.0", TRAINER_INSTALL, (1, 31),
-                       JOBSET_NAME_LABEL),
+    "pytorchjob": JobApi(
+        "PyTorchJob",
+        "kubeflow.org/v1",
+        "pytorchjobs",
+        "the Kubeflow training operator",
+        "v1.9.4",
+        OPERATOR_INSTALL,
+        (1, 28),
+        JOB_NAME_LABEL,
+    ),
+    "trainjob": JobApi(
+        "TrainJob",
+        "trainer.kubeflow.org/v1alpha1",
+        "trainjobs",
+        "Kubeflow Trainer (with JobSet)",
+        "v2.3.0",
+        TRAINER_INSTALL,
+        (1, 31),
+        JOBSET_NAME_LABEL,
+    ),
 }
 """cluster.kubernetes.api -> the job kind; min_server: the Kubernetes version its operator
 supports (training-operator 1.9: 1.28+; Trainer 2.3: 1.31+); older servers get a warning."""
@@ -104,8 +122,12 @@ RESOURCES: dict[str, tuple[str, str]] = {
 permission checks ask in this order)."""
 
 CONDITION_STATES: list[tuple[str, str]] = [
-    ("Succeeded", "COMPLETED"), ("Failed", "FAILED"), ("Suspended", "SUSPENDED"),
-    ("Restarting", "PENDING"), ("Running", "RUNNING"), ("Created", "PENDING"),
+    ("Succeeded", "COMPLETED"),
+    ("Failed", "FAILED"),
+    ("Suspended", "SUSPENDED"),
+    ("Restarting", "PENDING"),
+    ("Running", "RUNNING"),
+    ("Created", "PENDING"),
 ]
 """A PyTorchJob's conditions -> ctxlaunch's states, the first true one (in this order) wins:
 the operator keeps the older conditions (Created stays true while Running) and sets Running
@@ -113,7 +135,9 @@ false only when the job ends. Restarting is a pod being replaced, like Slurm's R
 
 
 TRAINJOB_STATES: list[tuple[str, str]] = [
-    ("Complete", "COMPLETED"), ("Failed", "FAILED"), ("Suspended", "SUSPENDED"),
+    ("Complete", "COMPLETED"),
+    ("Failed", "FAILED"),
+    ("Suspended", "SUSPENDED"),
 ]
 """A TrainJob's true conditions -> ctxlaunch's states, the first wins; with none of them the job
 is RUNNING once a child Job is active (status.jobsStatus, copied from the JobSet), else
@@ -147,13 +171,31 @@ class _ClientTransport:
     def __init__(self, api: Any):
         self.api = api
 
-    def send(self, method: str, path: str, query: list[tuple[str, str]],
-             headers: dict[str, str], body: Any, timeout: float | None) -> Any:
+    def send(
+        self,
+        method: str,
+        path: str,
+        query: list[tuple[str, str]],
+        headers: dict[str, str],
+        body: Any,
+        timeout: float | None,
+    ) -> Any:
         method, url, headers, serialized, post = self.api.param_serialize(
-            method, path, query_params=query, header_params=headers, body=body,
-            auth_settings=["BearerToken"])
-        return self.api.call_api(method, url, header_params=headers, body=serialized,
-                                 post_params=post, _request_timeout=timeout).response
+            method,
+            path,
+            query_params=query,
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        return self.api.call_api(
+            method,
+            url,
+            header_params=headers,
+            body=serialized,
+            post_params=post,
+            _request_timeout=timeout,
+        ).response
 
 
 @dataclass
@@ -171,8 +213,11 @@ class Connection:
     def open(cls, context: str | None = None, kubeconfig: str | None = None) -> Connection:
         kubeconfig = kubeconfig or os.environ.get("KUBECONFIG") or None
         default = os.path.expanduser("~/.kube/config")
-        in_cluster = (kubeconfig is None and not os.path.exists(default)
-                      and bool(os.environ.get("KUBERNETES_SERVICE_HOST")))
+        in_cluster = (
+            kubeconfig is None
+            and not os.path.exists(default)
+            and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+        )
         if not in_cluster:
             from ctxlaunch.launch.backends import kuberest
 
@@ -182,8 +227,9 @@ class Connection:
         return cls._with_client(context, kubeconfig, default, in_cluster)
 
     @classmethod
-    def _with_client(cls, context: str | None, kubeconfig: str | None, default: str,
-                     in_cluster: bool) -> Connection:
+    def _with_client(
+        cls, context: str | None, kubeconfig: str | None, default: str, in_cluster: bool
+    ) -> Connection:
         """Through the official client: in a pod, and for kubeconfigs kuberest leaves to it."""
         from kubernetes import client, config
         from kubernetes.config.config_exception import ConfigException
@@ -195,19 +241,29 @@ class Connection:
                 context = "in-cluster"
             else:
                 configuration = client.Configuration()
-                config.load_kube_config(config_file=kubeconfig or default, context=context,
-                                        client_configuration=configuration)
+                config.load_kube_config(
+                    config_file=kubeconfig or default,
+                    context=context,
+                    client_configuration=configuration,
+                )
                 # Record the context by name, so that later status calls reach this server
                 # even after the kubeconfig's current context changed.
-                context = context or config.list_kube_config_contexts(
-                    kubeconfig or default)[1]["name"]
+                context = (
+                    context or config.list_kube_config_contexts(kubeconfig or default)[1]["name"]
+                )
         except (ConfigException, OSError, ValueError) as exc:
             where = kubeconfig or default
-            raise KubeError(f"no usable Kubernetes credentials in {where}"
-                            f"{f' (context {context})' if context else ''}: {exc}") from None
+            raise KubeError(
+                f"no usable Kubernetes credentials in {where}"
+                f"{f' (context {context})' if context else ''}: {exc}"
+            ) from None
         configuration.retries = 0  # a refused connection is an answer: fail at once
-        return cls(_ClientTransport(client.ApiClient(configuration)), configuration.host,
-                   context, kubeconfig)
+        return cls(
+            _ClientTransport(client.ApiClient(configuration)),
+            configuration.host,
+            context,
+            kubeconfig,
+        )
 
     @classmethod
     def for_record(cls, record: jobstore.JobRecord) -> Connection:
@@ -217,9 +273,16 @@ class Connection:
             return cls.open()
         return cls.open(extra.get("context"), extra.get("kubeconfig"))
 
-    def request(self, method: str, path: str, body: Any = None,
-                query: list[tuple[str, str]] | None = None, content_type: str | None = None,
-                timeout: float | None = 15.0, raw: bool = False) -> tuple[int, Any]:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: list[tuple[str, str]] | None = None,
+        content_type: str | None = None,
+        timeout: float | None = 15.0,
+        raw: bool = False,
+    ) -> tuple[int, Any]:
         """(HTTP status, decoded JSON body) of one request, or with `raw` the unread urllib3
         response (a log to stream or decode); ApiError for an HTTP error, KubeError when the
         server cannot be reached."""
@@ -236,14 +299,16 @@ class Connection:
         except (HTTPError, OSError) as exc:
             reason = _connection_reason(exc)
             if "CERTIFICATE_VERIFY_FAILED" in reason:
-                raise KubeError(f"the Kubernetes API server {self.host} presents a certificate "
-                                f"the kubeconfig's certificate-authority does not vouch for "
-                                f"({reason})") from None
-            raise KubeError(f"cannot reach the Kubernetes API server {self.host}: "
-                            f"{reason}") from None
+                raise KubeError(
+                    f"the Kubernetes API server {self.host} presents a certificate "
+                    f"the kubeconfig's certificate-authority does not vouch for "
+                    f"({reason})"
+                ) from None
+            raise KubeError(
+                f"cannot reach the Kubernetes API server {self.host}: {reason}"
+            ) from None
         if response.status >= 400:
-            raise ApiError(response.status, _api_message(response.status, response.reason,
-                                                         data))
+            raise ApiError(response.status, _api_message(response.status, response.reason, data))
         return response.status, json.loads(data) if data else None
 
     def get(self, path: str, **query: str) -> Any | None:
@@ -258,8 +323,12 @@ class Connection:
     def delete(self, path: str, propagation: str = "Background") -> bool:
         """Delete the object at `path`; False when it was not there."""
         try:
-            self.request("DELETE", path, body={"propagationPolicy": propagation},
-                         content_type="application/json")
+            self.request(
+                "DELETE",
+                path,
+                body={"propagationPolicy": propagation},
+                content_type="application/json",
+            )
         except ApiError as exc:
             if exc.status == 404:
                 return False
@@ -317,14 +386,28 @@ def has_resource(conn: Connection, group_version: str, resource: str) -> bool:
     return any(r.get("name") == resource for r in found.get("resources", []))
 
 
-def allowed(conn: Connection, namespace: str, group: str, resource: str, verb: str
-            ) -> tuple[bool, str]:
+def allowed(
+    conn: Connection, namespace: str, group: str, resource: str, verb: str
+) -> tuple[bool, str]:
     """Ask the server whether this user may `verb` `resource` here (SelfSubjectAccessReview)."""
-    review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
-              "spec": {"resourceAttributes": {"namespace": namespace, "verb": verb,
-                                              "group": group, "resource": resource}}}
-    _, answer = conn.request("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
-                             body=review, content_type="application/json")
+    review = {
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SelfSubjectAccessReview",
+        "spec": {
+            "resourceAttributes": {
+                "namespace": namespace,
+                "verb": verb,
+                "group": group,
+                "resource": resource,
+            }
+        },
+    }
+    _, answer = conn.request(
+        "POST",
+        "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+        body=review,
+        content_type="application/json",
+    )
     status = answer.get("status", {})
     return bool(status.get("allowed")), status.get("reason", "")
 
@@ -344,34 +427,48 @@ def version_warning(conn: Connection, api: JobApi) -> str | None:
     if version is None or version >= api.min_server:
         return None
     need = ".".join(map(str, api.min_server))
-    return (f"ctxlaunch: warning: the Kubernetes API server {conn.host} is "
-            f"{version[0]}.{version[1]}; {api.operator} {api.version} needs {need} or newer for a "
-            f"{api.kind}: going on, but that operator may not run it there")
+    return (
+        f"ctxlaunch: warning: the Kubernetes API server {conn.host} is "
+        f"{version[0]}.{version[1]}; {api.operator} {api.version} needs {need} or newer for a "
+        f"{api.kind}: going on, but that operator may not run it there"
+    )
 
 
-def preflight(conn: Connection, namespace: str, name: str, kinds: list[str],
-              api: JobApi = JOB_APIS["pytorchjob"]) -> bool:
+def preflight(
+    conn: Connection,
+    namespace: str,
+    name: str,
+    kinds: list[str],
+    api: JobApi = JOB_APIS["pytorchjob"],
+) -> bool:
     """Check, before anything is created, what would make the submission fail; raises KubeError
     with one line for the user. Returns whether the PodMonitor kind exists."""
     try:
         crd = has_resource(conn, api.group_version, api.resource)
     except ApiError as exc:
         if exc.status == 401:
-            raise KubeError(f"the Kubernetes API server {conn.host} rejected the credentials "
-                            f"(401 Unauthorized){_context_note(conn)}: check the token or "
-                            "certificate in your kubeconfig") from None
-        raise KubeError(f"the Kubernetes API server {conn.host} answered {exc.status}: {exc}"
-                        ) from None
+            raise KubeError(
+                f"the Kubernetes API server {conn.host} rejected the credentials "
+                f"(401 Unauthorized){_context_note(conn)}: check the token or "
+                "certificate in your kubeconfig"
+            ) from None
+        raise KubeError(
+            f"the Kubernetes API server {conn.host} answered {exc.status}: {exc}"
+        ) from None
     if not crd:
-        raise KubeError(f"the API server {conn.host} has no {api.kind} kind "
-                        f"({api.group_version}): {api.operator} is not installed there; "
-                        f"install {api.version} with: {api.install} (it needs Kubernetes "
-                        f"{'.'.join(map(str, api.min_server))} or newer)")
+        raise KubeError(
+            f"the API server {conn.host} has no {api.kind} kind "
+            f"({api.group_version}): {api.operator} is not installed there; "
+            f"install {api.version} with: {api.install} (it needs Kubernetes "
+            f"{'.'.join(map(str, api.min_server))} or newer)"
+        )
     try:
         if conn.get(f"/api/v1/namespaces/{namespace}") is None:
-            raise KubeError(f"namespace {namespace!r} does not exist on {conn.host}: create it "
-                            f"(kubectl create namespace {namespace}) or set "
-                            "cluster.kubernetes.namespace")
+            raise KubeError(
+                f"namespace {namespace!r} does not exist on {conn.host}: create it "
+                f"(kubectl create namespace {namespace}) or set "
+                "cluster.kubernetes.namespace"
+            )
     except ApiError as exc:
         if exc.status != 403:  # may not read namespaces: the create will tell
             raise
@@ -379,13 +476,17 @@ def preflight(conn: Connection, namespace: str, name: str, kinds: list[str],
         group, resource = _group_resource(kind)
         ok, reason = allowed(conn, namespace, group, resource, "create")
         if not ok:
-            raise KubeError(f"this user may not create {resource}{'.' + group if group else ''}"
-                            f" in namespace {namespace!r} (RBAC){_context_note(conn)}"
-                            + (f": {reason}" if reason else "")
-                            + "; ask the cluster admin for a Role that allows it")
+            raise KubeError(
+                f"this user may not create {resource}{'.' + group if group else ''}"
+                f" in namespace {namespace!r} (RBAC){_context_note(conn)}"
+                + (f": {reason}" if reason else "")
+                + "; ask the cluster admin for a Role that allows it"
+            )
     if conn.get(job_path(namespace, name, api.kind)) is not None:
-        raise KubeError(f"a {api.kind} {namespace}/{name} already exists: cancel it "
-                        f"(ctxlaunch cancel {namespace}/{name}) or change the job's name")
+        raise KubeError(
+            f"a {api.kind} {namespace}/{name} already exists: cancel it "
+            f"(ctxlaunch cancel {namespace}/{name}) or change the job's name"
+        )
     return has_resource(conn, "monitoring.coreos.com/v1", "podmonitors")
 
 
@@ -399,8 +500,9 @@ def _context_note(conn: Connection) -> str:
     return f" for context {conn.context}" if conn.context else ""
 
 
-def apply_objects(conn: Connection, objects: list[dict[str, Any]], dry_run: bool = False
-                  ) -> list[dict[str, Any]]:
+def apply_objects(
+    conn: Connection, objects: list[dict[str, Any]], dry_run: bool = False
+) -> list[dict[str, Any]]:
     """Server-side apply each object in order (field manager ctxlaunch). If one is refused,
     the objects this call created before it are deleted again, and KubeError says so."""
     query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
@@ -412,15 +514,23 @@ def apply_objects(conn: Connection, objects: list[dict[str, Any]], dry_run: bool
         meta = obj["metadata"]
         path = object_path(obj["kind"], meta["namespace"], meta["name"])
         try:
-            status, answer = conn.request("PATCH", path, body=obj, query=query,
-                                          content_type="application/apply-patch+yaml")
+            status, answer = conn.request(
+                "PATCH", path, body=obj, query=query, content_type="application/apply-patch+yaml"
+            )
         except KubeError as exc:
             removed = [o for o in reversed(created) if _delete_quietly(conn, o)]
-            undone = ("; removed what was created before it: "
-                      + ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in removed)
-                      ) if removed else ""
-            raise KubeError(f"the API server refused {obj['kind']} {meta['namespace']}/"
-                            f"{meta['name']}: {exc}{undone}") from None
+            undone = (
+                (
+                    "; removed what was created before it: "
+                    + ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in removed)
+                )
+                if removed
+                else ""
+            )
+            raise KubeError(
+                f"the API server refused {obj['kind']} {meta['namespace']}/"
+                f"{meta['name']}: {exc}{undone}"
+            ) from None
         if status == 201 and not dry_run:
             created.append(obj)
         applied.append(answer)
@@ -459,11 +569,23 @@ class KubernetesBackend(Backend):
         main = artifact_name(spec, "kubernetes")
         record_id = jobstore.new_id("k8s", spec.name)
         others = {name: text for name, text in files.items() if name != main}
-        return DryRun(target="kubernetes", spec=spec, job_id=record_id,
-                      command=["kubectl", "apply", "--server-side",
-                               f"--field-manager={FIELD_MANAGER}", "-f", main],
-                      env={JOB_ID_ENV: record_id}, artifact=files[main],
-                      artifact_name=main, extra_artifacts=others)
+        return DryRun(
+            target="kubernetes",
+            spec=spec,
+            job_id=record_id,
+            command=[
+                "kubectl",
+                "apply",
+                "--server-side",
+                f"--field-manager={FIELD_MANAGER}",
+                "-f",
+                main,
+            ],
+            env={JOB_ID_ENV: record_id},
+            artifact=files[main],
+            artifact_name=main,
+            extra_artifacts=others,
+        )
 
     def _connect(self) -> Connection:
         return Connection.open(self.options.context, self.options.kubeconfig)
@@ -476,12 +598,16 @@ class KubernetesBackend(Backend):
         objects = self._checked_objects(conn, dryrun, err)
         apply_objects(conn, objects, dry_run=True)
         for obj in objects:
-            print(f"{obj['kind']} {obj['metadata']['namespace']}/{obj['metadata']['name']} "
-                  "accepted by the server (dry run: nothing created)", file=err)
+            print(
+                f"{obj['kind']} {obj['metadata']['namespace']}/{obj['metadata']['name']} "
+                "accepted by the server (dry run: nothing created)",
+                file=err,
+            )
         return exitcodes.OK
 
-    def _checked_objects(self, conn: Connection, dryrun: DryRun, err: IO[str]
-                         ) -> list[dict[str, Any]]:
+    def _checked_objects(
+        self, conn: Connection, dryrun: DryRun, err: IO[str]
+    ) -> list[dict[str, Any]]:
         files = {dryrun.artifact_name or "": dryrun.artifact or "", **dryrun.extra_artifacts}
         objects = objects_of(files)
         request = kubernetes_request(dryrun.spec)
@@ -492,9 +618,12 @@ class KubernetesBackend(Backend):
         if warning:
             print(warning, file=err, flush=True)
         if not monitors and any(o["kind"] == "PodMonitor" for o in objects):
-            print("ctxlaunch: note: the cluster has no PodMonitor kind (no Prometheus "
-                  "Operator): submitting the job without it; its ranks still serve /metrics",
-                  file=err, flush=True)
+            print(
+                "ctxlaunch: note: the cluster has no PodMonitor kind (no Prometheus "
+                "Operator): submitting the job without it; its ranks still serve /metrics",
+                file=err,
+                flush=True,
+            )
             objects = [o for o in objects if o["kind"] != "PodMonitor"]
         return objects
 
@@ -516,22 +645,37 @@ class KubernetesBackend(Backend):
         spec = dryrun.spec
         request = kubernetes_request(spec)
         record = jobstore.JobRecord(
-            id=dryrun.job_id, name=spec.name, target="kubernetes",
-            created=time.time(), backend_id=f"{request.namespace}/{request.name}",
-            command=dryrun.command, artifact=dryrun.artifact_name,
-            extra={"namespace": request.namespace, "name": request.name, "context": conn.context,
-                   "api": request.api,
-                   "kubeconfig": conn.kubeconfig, "server": conn.host,
-                   "objects": [[o["kind"], o["metadata"]["name"]] for o in objects],
-                   "ranks_per_pod": request.nproc_per_node,
-                   "spec": spec.model_dump(mode="json")})
-        for name, text in {dryrun.artifact_name or "job.yaml": dryrun.artifact or "",
-                           **dryrun.extra_artifacts}.items():
+            id=dryrun.job_id,
+            name=spec.name,
+            target="kubernetes",
+            created=time.time(),
+            backend_id=f"{request.namespace}/{request.name}",
+            command=dryrun.command,
+            artifact=dryrun.artifact_name,
+            extra={
+                "namespace": request.namespace,
+                "name": request.name,
+                "context": conn.context,
+                "api": request.api,
+                "kubeconfig": conn.kubeconfig,
+                "server": conn.host,
+                "objects": [[o["kind"], o["metadata"]["name"]] for o in objects],
+                "ranks_per_pod": request.nproc_per_node,
+                "spec": spec.model_dump(mode="json"),
+            },
+        )
+        for name, text in {
+            dryrun.artifact_name or "job.yaml": dryrun.artifact or "",
+            **dryrun.extra_artifacts,
+        }.items():
             atomic_write_text(record.directory / name, text)
         jobstore.save(record)
-        print(f"ctxlaunch: submitted {job_api(request.api).kind} {record.backend_id} to {conn.host} "
-              f"({record.id}); follow it with `ctxlaunch status {record.backend_id}`",
-              file=err, flush=True)
+        print(
+            f"ctxlaunch: submitted {job_api(request.api).kind} {record.backend_id} to {conn.host} "
+            f"({record.id}); follow it with `ctxlaunch status {record.backend_id}`",
+            file=err,
+            flush=True,
+        )
         return record
 
     # -- an existing job ------------------------------------------------------------------------
@@ -551,8 +695,9 @@ class KubernetesBackend(Backend):
         pods = job_pods(conn, namespace, name, api)
         cancelled = bool(record.extra.get("cancelled"))
         if api.kind == "TrainJob":
-            return classify_trainjob(job, pods, jobset_restarts(conn, namespace, name),
-                                     cancelled=cancelled)
+            return classify_trainjob(
+                job, pods, jobset_restarts(conn, namespace, name), cancelled=cancelled
+            )
         found = classify(job, pods, cancelled=cancelled)
         restarts = max(found.restarts, restart_events(conn, namespace, name))
         return dataclasses.replace(found, restarts=restarts)
@@ -572,8 +717,7 @@ class KubernetesBackend(Backend):
                 lines += rank_lines(text.splitlines(keepends=True), rank)
         return lines
 
-    def follow_log(self, record: jobstore.JobRecord, rank: int | None = None
-                   ) -> Iterator[str]:
+    def follow_log(self, record: jobstore.JobRecord, rank: int | None = None) -> Iterator[str]:
         """The first pod's log (or rank's pod's) as it is written, until the job reaches a
         final state; waits for the pod while the job has none yet, and follows a pod the
         operator recreated under the same name (restartPolicy ExitCode) from its start."""
@@ -616,9 +760,13 @@ class KubernetesBackend(Backend):
         meta = pod["metadata"]
         path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/log"
         try:
-            _, response = conn.request("GET", path, query=[("container", trainer_container(pod)),
-                                                           ("follow", "true")],
-                                       raw=True, timeout=None)
+            _, response = conn.request(
+                "GET",
+                path,
+                query=[("container", trainer_container(pod)), ("follow", "true")],
+                raw=True,
+                timeout=None,
+            )
         except ApiError as exc:
             if exc.status in (400, 404):  # waiting to start, or deleted in between
                 return None
@@ -632,8 +780,9 @@ class KubernetesBackend(Backend):
         except KeyError:
             return True
 
-    def _follow_state(self, conn: Connection, record: jobstore.JobRecord, rank: int | None,
-                      uid: str) -> str:
+    def _follow_state(
+        self, conn: Connection, record: jobstore.JobRecord, rank: int | None, uid: str
+    ) -> str:
         """What follow_lines needs between reads: "over" once the job reached a final state,
         "replaced" once the followed pod is gone (deleted, or recreated under its name),
         else "running"."""
@@ -645,15 +794,18 @@ class KubernetesBackend(Backend):
             return "replaced"
         return "running" if pods[0]["metadata"].get("uid", "") == uid else "replaced"
 
-    def _log_pods(self, conn: Connection, record: jobstore.JobRecord, rank: int | None
-                  ) -> list[dict[str, Any]]:
+    def _log_pods(
+        self, conn: Connection, record: jobstore.JobRecord, rank: int | None
+    ) -> list[dict[str, Any]]:
         namespace, name = record.extra["namespace"], record.extra["name"]
         api = job_api(record)
         pods = job_pods(conn, namespace, name, api)
         if not pods:
-            raise NoPodsYet(f"{api.kind} {namespace}/{name} has no pods yet: "
-                            f"{api.operator} creates them once it sees the job (ctxlaunch status "
-                            f"{namespace}/{name} shows where it stands)")
+            raise NoPodsYet(
+                f"{api.kind} {namespace}/{name} has no pods yet: "
+                f"{api.operator} creates them once it sees the job (ctxlaunch status "
+                f"{namespace}/{name} shows where it stands)"
+            )
         if rank is None:
             return pods
         index = rank // int(record.extra.get("ranks_per_pod") or 1)
@@ -669,8 +821,9 @@ class KubernetesBackend(Backend):
         namespace, name = record.extra["namespace"], record.extra["name"]
         kind = job_api(record).kind
         if not conn.delete(job_path(namespace, name, kind), propagation="Foreground"):
-            raise KubeError(f"there is no {kind} {namespace}/{name} on {conn.host} "
-                            "(deleted already?)")
+            raise KubeError(
+                f"there is no {kind} {namespace}/{name} on {conn.host} (deleted already?)"
+            )
         for other, object_name in record.extra.get("objects", []):
             if other != kind:
                 conn.delete(object_path(other, namespace, object_name))
@@ -726,8 +879,9 @@ class LogStream:
         self._queue: queue.Queue[bytes | BaseException | None] = queue.Queue()
         self._abort = abort
         self._aborted = False
-        self._thread = threading.Thread(target=self._read, args=(lines,), daemon=True,
-                                        name="ctxlaunch-log")
+        self._thread = threading.Thread(
+            target=self._read, args=(lines,), daemon=True, name="ctxlaunch-log"
+        )
         self._thread.start()
 
     def _read(self, lines: Iterable[bytes]) -> None:
@@ -755,8 +909,12 @@ class LogStream:
         self._abort()
 
 
-def follow_lines(stream: LogStream, state: Callable[[], str], poll: float | None = None,
-                 drain: float | None = None) -> Iterator[bytes]:
+def follow_lines(
+    stream: LogStream,
+    state: Callable[[], str],
+    poll: float | None = None,
+    drain: float | None = None,
+) -> Iterator[bytes]:
     """A followed log's lines until it ends, or until `state()` (asked whenever the log was
     quiet for `poll` seconds) says "replaced" (the pod is gone), or says "over" (the job
     reached a final state) and the log then stays quiet for `drain` seconds: a follow stream
@@ -797,14 +955,16 @@ def _abort(response: Any) -> None:
 # --------------------------------------------------------------------------------------------
 # states, pods and logs
 # --------------------------------------------------------------------------------------------
-def job_pods(conn: Connection, namespace: str, name: str,
-             api: JobApi = JOB_APIS["pytorchjob"]) -> list[dict[str, Any]]:
+def job_pods(
+    conn: Connection, namespace: str, name: str, api: JobApi = JOB_APIS["pytorchjob"]
+) -> list[dict[str, Any]]:
     """The job's pods (the operator's job-name label, or JobSet's), by node rank (Master first,
     then Workers by index; a TrainJob's by completion index); none when this user may not list
     pods."""
     try:
-        found = conn.get(f"/api/v1/namespaces/{namespace}/pods",
-                         labelSelector=f"{api.pod_label}={name}")
+        found = conn.get(
+            f"/api/v1/namespaces/{namespace}/pods", labelSelector=f"{api.pod_label}={name}"
+        )
     except ApiError as exc:
         if exc.status == 403:
             return []
@@ -816,8 +976,9 @@ def restart_events(conn: Connection, namespace: str, name: str) -> int:
     """How often the operator restarted the job: under restartPolicy ExitCode it replaces a
     pod rather than restarting its container (no restartCount), and records a
     PyTorchJobRestarting event on the job each time (events expire, after an hour by default)."""
-    selector = (f"involvedObject.kind=PyTorchJob,involvedObject.name={name},"
-                "reason=PyTorchJobRestarting")
+    selector = (
+        f"involvedObject.kind=PyTorchJob,involvedObject.name={name},reason=PyTorchJobRestarting"
+    )
     try:
         found = conn.get(f"/api/v1/namespaces/{namespace}/events", fieldSelector=selector)
     except ApiError as exc:
@@ -861,8 +1022,9 @@ def container_exit(pod: dict[str, Any]) -> tuple[int, str] | None:
     return None
 
 
-def first_condition(job: dict[str, Any], table: list[tuple[str, str]]
-                    ) -> tuple[dict[str, Any] | None, str]:
+def first_condition(
+    job: dict[str, Any], table: list[tuple[str, str]]
+) -> tuple[dict[str, Any] | None, str]:
     """The first true condition of `table`'s types and its state (PENDING when none)."""
     status = job.get("status") or {}
     true = {c["type"]: c for c in status.get("conditions") or [] if c.get("status") == "True"}
@@ -880,18 +1042,26 @@ def refine(state: str, pods: list[dict[str, Any]]) -> tuple[str, int | None, int
             state = "OOM"
         elif any(c == exitcodes.BAD_INPUT for c, _ in exits):
             state = "BAD_INPUT"
-    restarts = sum(int(s.get("restartCount", 0)) for p in pods
-                   for s in p.get("status", {}).get("containerStatuses") or [])
+    restarts = sum(
+        int(s.get("restartCount", 0))
+        for p in pods
+        for s in p.get("status", {}).get("containerStatuses") or []
+    )
     return state, code, restarts
 
 
 def pod_nodes(pods: list[dict[str, Any]]) -> str:
-    return ",".join(dict.fromkeys(p["spec"]["nodeName"] for p in pods
-                                  if p.get("spec", {}).get("nodeName")))
+    return ",".join(
+        dict.fromkeys(p["spec"]["nodeName"] for p in pods if p.get("spec", {}).get("nodeName"))
+    )
 
 
-def classify_trainjob(job: dict[str, Any], pods: list[dict[str, Any]], jobset_restarts: int = 0,
-                      cancelled: bool = False) -> Status:
+def classify_trainjob(
+    job: dict[str, Any],
+    pods: list[dict[str, Any]],
+    jobset_restarts: int = 0,
+    cancelled: bool = False,
+) -> Status:
     """A TrainJob (its conditions and jobsStatus), its pods and its JobSet's restart count ->
     ctxlaunch's Status, in the same states as a PyTorchJob's."""
     condition, state = first_condition(job, TRAINJOB_STATES)
@@ -903,22 +1073,30 @@ def classify_trainjob(job: dict[str, Any], pods: list[dict[str, Any]], jobset_re
         state, raw = "CANCELLED", "Deleting"
     state, code, restarts = refine(state, pods)
     counts = "; ".join(
-        f"{j['name']}: " + ", ".join(f"{n} {k}" for k in ("active", "ready", "succeeded",
-                                                          "failed", "suspended")
-                                     if (n := j.get(k)))
-        for j in jobs if any(j.get(k) for k in ("active", "succeeded", "failed")))
+        f"{j['name']}: "
+        + ", ".join(
+            f"{n} {k}"
+            for k in ("active", "ready", "succeeded", "failed", "suspended")
+            if (n := j.get(k))
+        )
+        for j in jobs
+        if any(j.get(k) for k in ("active", "succeeded", "failed"))
+    )
     said = condition or {}
     reason = said.get("reason", "") if state not in ("RUNNING", "PENDING") else ""
     if reason and said.get("message"):
         reason = f"{reason}: {said['message']}"
-    return Status(state=state, scheduler_state=raw, exit_code=code,
-                  restarts=max(restarts, jobset_restarts),
-                  reason="; ".join(part for part in (reason, counts) if part),
-                  nodes=pod_nodes(pods))
+    return Status(
+        state=state,
+        scheduler_state=raw,
+        exit_code=code,
+        restarts=max(restarts, jobset_restarts),
+        reason="; ".join(part for part in (reason, counts) if part),
+        nodes=pod_nodes(pods),
+    )
 
 
-def classify(job: dict[str, Any], pods: list[dict[str, Any]], cancelled: bool = False
-             ) -> Status:
+def classify(job: dict[str, Any], pods: list[dict[str, Any]], cancelled: bool = False) -> Status:
     """A PyTorchJob and its pods -> ctxlaunch's Status."""
     status = job.get("status") or {}
     condition, state = first_condition(job, CONDITION_STATES)
@@ -927,14 +1105,21 @@ def classify(job: dict[str, Any], pods: list[dict[str, Any]], cancelled: bool = 
         state, raw = "CANCELLED", "Deleting"
     state, code, restarts = refine(state, pods)
     replicas = "; ".join(
-        f"{role}: " + ", ".join(f"{n} {k}" for k in ("active", "succeeded", "failed")
-                                if (n := counts.get(k)))
+        f"{role}: "
+        + ", ".join(f"{n} {k}" for k in ("active", "succeeded", "failed") if (n := counts.get(k)))
         for role, counts in sorted((status.get("replicaStatuses") or {}).items())
-        if any(counts.get(k) for k in ("active", "succeeded", "failed")))
+        if any(counts.get(k) for k in ("active", "succeeded", "failed"))
+    )
     reason = (condition or {}).get("reason", "") if state not in ("RUNNING", "PENDING") else ""
     reason = "; ".join(part for part in (reason, replicas) if part)
-    return Status(state=state, scheduler_state=raw, exit_code=code, restarts=restarts,
-                  reason=reason, nodes=pod_nodes(pods))
+    return Status(
+        state=state,
+        scheduler_state=raw,
+        exit_code=code,
+        restarts=restarts,
+        reason=reason,
+        nodes=pod_nodes(pods),
+    )
 
 
 def trainer_container(pod: dict[str, Any]) -> str:
@@ -949,8 +1134,12 @@ def pod_log(conn: Connection, pod: dict[str, Any], tail: int | None = None) -> s
     if tail:
         query.append(("tailLines", str(tail)))
     try:
-        _, response = conn.request("GET", f"/api/v1/namespaces/{meta['namespace']}/pods/"
-                                   f"{meta['name']}/log", query=query, raw=True)
+        _, response = conn.request(
+            "GET",
+            f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/log",
+            query=query,
+            raw=True,
+        )
     except ApiError as exc:
         raise KubeError(f"the log of pod {meta['name']} cannot be read: {exc}") from None
     return response.read().decode(errors="replace")
@@ -960,4 +1149,4 @@ def rank_lines(lines: list[str], rank: int) -> list[str]:
     """torchrun --role=rank --tee=3 prefixes rank r's lines with "[rank<r>]:"; keep one rank's,
     unprefixed."""
     prefix = f"[rank{rank}]:"
-    return [line[len(prefix):] for line in lines if line.startswith(prefix)]
+    return [line[len(prefix) :] for line in lines if line.startswith(prefix)]

@@ -48,39 +48,73 @@ class LocalBackend(Backend):
         directory = jobstore.jobs_root() / job_id
         ranks = spec.cluster.gpus_per_node
         command = [
-            self.python, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            f"--nproc-per-node={ranks}", "--role=rank", "--tee=3",
-            f"--log-dir={directory / 'torchrun'}", "--local-ranks-filter=0",
-            "-m", TRAINER_MODULE, str(directory / "spec.json"), "--run-dir", str(directory),
+            self.python,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nnodes=1",
+            f"--nproc-per-node={ranks}",
+            "--role=rank",
+            "--tee=3",
+            f"--log-dir={directory / 'torchrun'}",
+            "--local-ranks-filter=0",
+            "-m",
+            TRAINER_MODULE,
+            str(directory / "spec.json"),
+            "--run-dir",
+            str(directory),
         ]
         env = job_environment(spec)
         if spec.cluster.gpu == "cpu":
             env["OMP_NUM_THREADS"] = str(cpu_threads_per_rank(ranks))
         env[JOB_ID_ENV] = job_id
-        return DryRun(target="local", spec=spec, job_id=job_id, command=command, env=env,
-                      artifact=spec_json(spec) + "\n", artifact_name="spec.json")
+        return DryRun(
+            target="local",
+            spec=spec,
+            job_id=job_id,
+            command=command,
+            env=env,
+            artifact=spec_json(spec) + "\n",
+            artifact_name="spec.json",
+        )
 
-    def schedule(self, dryrun: DryRun, out: IO[str] | None = None, err: IO[str] | None = None
-                 ) -> int:
+    def schedule(
+        self, dryrun: DryRun, out: IO[str] | None = None, err: IO[str] | None = None
+    ) -> int:
         """Run the job here, streaming rank 0's lines; returns the job's exit status."""
         out = out or sys.stdout
         err = err or sys.stderr
         spec = dryrun.spec
         job_id = dryrun.job_id
-        record = jobstore.JobRecord(id=job_id, name=spec.name, target="local",
-                                    created=time.time(), backend_id=job_id,
-                                    command=dryrun.command, artifact="spec.json")
+        record = jobstore.JobRecord(
+            id=job_id,
+            name=spec.name,
+            target="local",
+            created=time.time(),
+            backend_id=job_id,
+            command=dryrun.command,
+            artifact="spec.json",
+        )
         directory = record.directory
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "spec.json").write_text(dryrun.artifact or "")
         jobstore.save(record)
-        print(f"ctxlaunch: local job {job_id} ({spec.cluster.gpus_per_node} ranks); logs and "
-              f"metrics in {directory}", file=err, flush=True)
+        print(
+            f"ctxlaunch: local job {job_id} ({spec.cluster.gpus_per_node} ranks); logs and "
+            f"metrics in {directory}",
+            file=err,
+            flush=True,
+        )
         agent_log = directory / "torchrun.log"
         with open(agent_log, "w", encoding="utf-8") as agent:
             process = subprocess.Popen(
-                dryrun.command, env={**os.environ, **dryrun.env}, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, text=True, bufsize=1)
+                dryrun.command,
+                env={**os.environ, **dryrun.env},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                bufsize=1,
+            )
             pumps = [
                 threading.Thread(target=_pump, args=(process.stdout, out, agent), daemon=True),
                 threading.Thread(target=_pump, args=(process.stderr, err, agent), daemon=True),
@@ -117,20 +151,23 @@ class LocalBackend(Backend):
         """Rank `rank`'s (default 0) output, from torchrun's log directory."""
         lines: list[str] = []
         for stream in ("stdout", "stderr"):
-            for path in sorted(record.directory.glob(
-                    f"torchrun/*/attempt_*/{rank if rank is not None else 0}/{stream}.log")):
+            for path in sorted(
+                record.directory.glob(
+                    f"torchrun/*/attempt_*/{rank if rank is not None else 0}/{stream}.log"
+                )
+            ):
                 lines += path.read_text(errors="replace").splitlines(keepends=True)
         return lines
 
-    def follow_log(self, record: jobstore.JobRecord, rank: int | None = None
-                   ) -> Iterator[str]:
+    def follow_log(self, record: jobstore.JobRecord, rank: int | None = None) -> Iterator[str]:
         """The log as it is: a local job is over by the time another command can ask."""
         return iter(self.read_log(record, rank))
 
     def cancel(self, record: jobstore.JobRecord) -> None:
         """A local job cannot be cancelled from another command."""
-        raise RuntimeError("a local job runs in the foreground of `ctxlaunch submit`: stop it "
-                           "there (Ctrl-C)")
+        raise RuntimeError(
+            "a local job runs in the foreground of `ctxlaunch submit`: stop it there (Ctrl-C)"
+        )
 
     def explain(self, record: jobstore.JobRecord, status: Status) -> list[str]:
         """The first failing rank's last lines."""
@@ -147,7 +184,7 @@ def _pump(stream: IO[str], console: IO[str], agent: IO[str]) -> None:
     own chatter goes to torchrun.log."""
     for line in stream:
         if line.startswith(RANK_PREFIX):
-            console.write(line[len(RANK_PREFIX):])
+            console.write(line[len(RANK_PREFIX) :])
             console.flush()
         else:
             agent.write(line)
@@ -155,10 +192,17 @@ def _pump(stream: IO[str], console: IO[str], agent: IO[str]) -> None:
 
 
 def _report_failure(directory: Path, codes: list[int | None], status: int, err: IO[str]) -> None:
-    names = {exitcodes.OOM: "out of memory", exitcodes.PREEMPTED: "preempted (checkpointed)",
-             exitcodes.BAD_INPUT: "rejected its input", exitcodes.FAILED: "failed"}
-    print(f"ctxlaunch: job {names.get(status, 'failed')} (exit {status}); rank exit codes: "
-          + ", ".join("killed" if c is None else str(c) for c in codes), file=err)
+    names = {
+        exitcodes.OOM: "out of memory",
+        exitcodes.PREEMPTED: "preempted (checkpointed)",
+        exitcodes.BAD_INPUT: "rejected its input",
+        exitcodes.FAILED: "failed",
+    }
+    print(
+        f"ctxlaunch: job {names.get(status, 'failed')} (exit {status}); rank exit codes: "
+        + ", ".join("killed" if c is None else str(c) for c in codes),
+        file=err,
+    )
     for rank, code in enumerate(codes):
         if code in (exitcodes.OK, exitcodes.PREEMPTED) or rank == 0:
             continue

@@ -29,16 +29,28 @@ from ctxlaunch.launch.request import slurm_request
 
 # Slurm's job states -> ctxlaunch's. The trainer's own exit statuses refine FAILED below.
 STATES: dict[str, str] = {
-    "PENDING": "PENDING", "CONFIGURING": "PENDING", "REQUEUED": "PENDING",
-    "REQUEUE_HOLD": "PENDING", "REQUEUE_FED": "PENDING", "RESV_DEL_HOLD": "PENDING",
-    "RUNNING": "RUNNING", "COMPLETING": "RUNNING", "SIGNALING": "RUNNING",
-    "STAGE_OUT": "RUNNING", "RESIZING": "RUNNING",
-    "SUSPENDED": "SUSPENDED", "STOPPED": "SUSPENDED",
+    "PENDING": "PENDING",
+    "CONFIGURING": "PENDING",
+    "REQUEUED": "PENDING",
+    "REQUEUE_HOLD": "PENDING",
+    "REQUEUE_FED": "PENDING",
+    "RESV_DEL_HOLD": "PENDING",
+    "RUNNING": "RUNNING",
+    "COMPLETING": "RUNNING",
+    "SIGNALING": "RUNNING",
+    "STAGE_OUT": "RUNNING",
+    "RESIZING": "RUNNING",
+    "SUSPENDED": "SUSPENDED",
+    "STOPPED": "SUSPENDED",
     "COMPLETED": "COMPLETED",
-    "FAILED": "FAILED", "NODE_FAIL": "FAILED", "BOOT_FAIL": "FAILED", "SPECIAL_EXIT": "FAILED",
+    "FAILED": "FAILED",
+    "NODE_FAIL": "FAILED",
+    "BOOT_FAIL": "FAILED",
+    "SPECIAL_EXIT": "FAILED",
     "REVOKED": "FAILED",
     "CANCELLED": "CANCELLED",
-    "TIMEOUT": "TIMEOUT", "DEADLINE": "TIMEOUT",
+    "TIMEOUT": "TIMEOUT",
+    "DEADLINE": "TIMEOUT",
     "PREEMPTED": "PREEMPTED",
     "OUT_OF_MEMORY": "OUT_OF_MEMORY",
 }
@@ -59,8 +71,13 @@ def query_status(job_id: str) -> Status:
         fields = dict(re.findall(r"(\w+)=(\S*)", result.stdout))
         raw = fields.get("JobState", "UNKNOWN")
         exit_code = int(fields.get("ExitCode", "0:0").split(":")[0])
-        return _classify(raw, exit_code, int(fields.get("Restarts", "0") or 0),
-                         fields.get("Reason", ""), fields.get("NodeList", ""))
+        return _classify(
+            raw,
+            exit_code,
+            int(fields.get("Restarts", "0") or 0),
+            fields.get("Reason", ""),
+            fields.get("NodeList", ""),
+        )
     result = _run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode,NodeList"])
     line = result.stdout.strip().splitlines()[-1:] if result.returncode == 0 else []
     if not line:
@@ -92,18 +109,19 @@ def runs_from_events(job_events: list[events.Event]) -> list[dict]:
         if event.kind == events.STARTED:
             restart = int(event.get("restart", len(runs)))
             while len(runs) <= restart:
-                runs.append({"checkpoint": runs[-1]["checkpoint"] if runs else None,
-                             "cause": ""})
+                runs.append({"checkpoint": runs[-1]["checkpoint"] if runs else None, "cause": ""})
         elif runs and event.kind == events.CHECKPOINT:
             runs[-1]["checkpoint"] = int(event.get("step"))
         elif runs and event.kind == events.REQUEUE:
-            runs[min(int(event.get("restart", len(runs) - 1)), len(runs) - 1)]["cause"] = (
-                str(event.get("cause", "")))
+            runs[min(int(event.get("restart", len(runs) - 1)), len(runs) - 1)]["cause"] = str(
+                event.get("cause", "")
+            )
     return runs
 
 
-def tell_story(status: Status, job_events: list[events.Event], states: list[str],
-               max_restarts: int) -> Status:
+def tell_story(
+    status: Status, job_events: list[events.Event], states: list[str], max_restarts: int
+) -> Status:
     """The status in words a user trusts: how each earlier run ended (from the job's events,
     else from Slurm's record of that run) and what the current state means."""
     import dataclasses
@@ -118,26 +136,39 @@ def tell_story(status: Status, job_events: list[events.Event], states: list[str]
             word = _CAUSE_WORDS.get(run["cause"], f"STOPPED by {run['cause']}")
         else:
             word = state or "REQUEUED"
-        saved = (f"checkpoint at step {run['checkpoint']}" if run["checkpoint"] is not None
-                 else "no checkpoint yet")
+        saved = (
+            f"checkpoint at step {run['checkpoint']}"
+            if run["checkpoint"] is not None
+            else "no checkpoint yet"
+        )
         history.append(f"run {index + 1}: {word}, {saved}, requeued")
     newest = next((r["checkpoint"] for r in reversed(runs) if r["checkpoint"] is not None), None)
-    saved = (f"the newest checkpoint is step {newest}" if newest is not None
-             else "no checkpoint was written")
+    saved = (
+        f"the newest checkpoint is step {newest}"
+        if newest is not None
+        else "no checkpoint was written"
+    )
     story = ""
     if not status.terminal and restarts:
         last = history[-1].split(": ", 1)[1].split(",")[0]
-        story = (f"{last} and requeued (restart {restarts} of {max_restarts}); "
-                 f"resumes from step {newest}" if newest is not None
-                 else f"{last} and requeued (restart {restarts} of {max_restarts})")
+        story = (
+            f"{last} and requeued (restart {restarts} of {max_restarts}); "
+            f"resumes from step {newest}"
+            if newest is not None
+            else f"{last} and requeued (restart {restarts} of {max_restarts})"
+        )
     elif status.state == "COMPLETED" and restarts:
-        story = (f"COMPLETED after {restarts} restart(s): "
-                 + ", ".join(h.split(": ", 1)[1].split(",")[0] for h in history))
+        story = f"COMPLETED after {restarts} restart(s): " + ", ".join(
+            h.split(": ", 1)[1].split(",")[0] for h in history
+        )
     elif status.state == "CANCELLED":
         story = f"CANCELLED by the user (scancel); {saved}"
     elif status.state == "TIMEOUT":
-        story = (f"TIMEOUT after a checkpoint at step {newest}; resubmit to resume from it"
-                 if newest is not None else "TIMEOUT before any checkpoint")
+        story = (
+            f"TIMEOUT after a checkpoint at step {newest}; resubmit to resume from it"
+            if newest is not None
+            else "TIMEOUT before any checkpoint"
+        )
     elif status.scheduler_state == "NODE_FAIL":
         story = f"NODE_FAIL: a node of the job failed and the job was not requeued; {saved}"
     elif status.state == "PREEMPTED":
@@ -153,8 +184,14 @@ def _classify(raw: str, exit_code: int, restarts: int, reason: str, nodes: str) 
         state = "OOM"
     elif state == "FAILED" and exit_code == exitcodes.BAD_INPUT:
         state = "BAD_INPUT"
-    return Status(state=state, scheduler_state=raw, exit_code=exit_code, restarts=restarts,
-                  reason=reason if reason not in ("None", "(null)") else "", nodes=nodes)
+    return Status(
+        state=state,
+        scheduler_state=raw,
+        exit_code=exit_code,
+        restarts=restarts,
+        reason=reason if reason not in ("None", "(null)") else "",
+        nodes=nodes,
+    )
 
 
 def sbatch_submit(script_path: Path) -> str:
@@ -171,8 +208,13 @@ def array_key(spec: JobSpec) -> tuple:
     """What the scripts of specs that can share one job array have in common: resources,
     environment, srun arguments and the requeue rule (their specs and names differ)."""
     request = slurm_request(spec, job_name="sweep")
-    return (tuple(request.directives), tuple(request.env.items()), tuple(request.srun_args),
-            request.max_restarts, request.requeue)
+    return (
+        tuple(request.directives),
+        tuple(request.env.items()),
+        tuple(request.srun_args),
+        request.max_restarts,
+        request.requeue,
+    )
 
 
 class SlurmBackend(Backend):
@@ -191,14 +233,24 @@ class SlurmBackend(Backend):
         """The script for one job (array None) or a job array, in a new record directory."""
         record_id = jobstore.new_id("slurm", name)
         directory = jobstore.jobs_root() / record_id
-        request = slurm_request(spec, python=self.python, run_dir=str(directory / "run"),
-                          log_dir=str(directory), array=array, job_name=name)
+        request = slurm_request(
+            spec,
+            python=self.python,
+            run_dir=str(directory / "run"),
+            log_dir=str(directory),
+            array=array,
+            job_name=name,
+        )
         script_name = f"{name}.sbatch"
-        return DryRun(target="slurm", spec=spec, job_id=record_id,
-                      command=["sbatch", str(directory / script_name)],
-                      env={JOB_ID_ENV: record_id},
-                      artifact=render_request(request, "slurm", script_name),
-                      artifact_name=script_name)
+        return DryRun(
+            target="slurm",
+            spec=spec,
+            job_id=record_id,
+            command=["sbatch", str(directory / script_name)],
+            env={JOB_ID_ENV: record_id},
+            artifact=render_request(request, "slurm", script_name),
+            artifact_name=script_name,
+        )
 
     @staticmethod
     def _submit(dryrun: DryRun) -> tuple[Path, str]:
@@ -223,14 +275,26 @@ class SlurmBackend(Backend):
         err = err or sys.stderr
         directory, slurm_id = self._submit(dryrun)
         record = jobstore.JobRecord(
-            id=directory.name, name=dryrun.spec.name, target="slurm", created=time.time(),
-            backend_id=slurm_id, command=dryrun.command, artifact=dryrun.artifact_name,
-            extra={"log": str(directory / f"{dryrun.spec.name}-{slurm_id}.out"),
-                   "run_dir": str(directory / "run"),
-                   "spec": dryrun.spec.model_dump(mode="json")})
+            id=directory.name,
+            name=dryrun.spec.name,
+            target="slurm",
+            created=time.time(),
+            backend_id=slurm_id,
+            command=dryrun.command,
+            artifact=dryrun.artifact_name,
+            extra={
+                "log": str(directory / f"{dryrun.spec.name}-{slurm_id}.out"),
+                "run_dir": str(directory / "run"),
+                "spec": dryrun.spec.model_dump(mode="json"),
+            },
+        )
         jobstore.save(record)
-        print(f"ctxlaunch: submitted Slurm job {slurm_id} ({record.id}); follow it with "
-              f"`ctxlaunch logs {slurm_id} --follow`", file=err, flush=True)
+        print(
+            f"ctxlaunch: submitted Slurm job {slurm_id} ({record.id}); follow it with "
+            f"`ctxlaunch logs {slurm_id} --follow`",
+            file=err,
+            flush=True,
+        )
         print(slurm_id, flush=True)
         return exitcodes.OK
 
@@ -251,10 +315,12 @@ class SlurmBackend(Backend):
         """Submit the array (sbatch's refusal ends the sweep: SlurmError); one record per
         task."""
         records = self.schedule_array(dryrun, specs)
-        return SweepJobs([record.id for record in records],
-                         note=f"submitted job array {records[0].extra['array']} "
-                              f"({len(records)} tasks: "
-                              f"{', '.join(spec.name for spec in specs)})")
+        return SweepJobs(
+            [record.id for record in records],
+            note=f"submitted job array {records[0].extra['array']} "
+            f"({len(records)} tasks: "
+            f"{', '.join(spec.name for spec in specs)})",
+        )
 
     def schedule_array(self, dryrun: DryRun, specs: list[JobSpec]) -> list[jobstore.JobRecord]:
         """Submit the array; returns one record per task (ids <array>_<i>), so status, logs,
@@ -265,12 +331,20 @@ class SlurmBackend(Backend):
         for index, spec in enumerate(specs):
             task = f"{array_id}_{index}"
             record = jobstore.JobRecord(
-                id=f"{directory.name}-{index}", name=spec.name, target="slurm",
-                created=time.time(), backend_id=task, command=dryrun.command,
+                id=f"{directory.name}-{index}",
+                name=spec.name,
+                target="slurm",
+                created=time.time(),
+                backend_id=task,
+                command=dryrun.command,
                 artifact=str(directory / (dryrun.artifact_name or "array.sbatch")),
-                extra={"log": str(directory / f"{array_name}-{task}.out"),
-                       "run_dir": str(directory / "run" / str(index)),
-                       "spec": spec.model_dump(mode="json"), "array": array_id})
+                extra={
+                    "log": str(directory / f"{array_name}-{task}.out"),
+                    "run_dir": str(directory / "run" / str(index)),
+                    "spec": spec.model_dump(mode="json"),
+                    "array": array_id,
+                },
+            )
             jobstore.save(record)
             records.append(record)
         return records
@@ -279,10 +353,15 @@ class SlurmBackend(Backend):
     def status(self, record: jobstore.JobRecord) -> Status:
         """Slurm's state, with the story of a requeued job told from its events."""
         status = query_status(record.backend_id)
-        max_restarts = record.extra.get("spec", {}).get("cluster", {}).get("slurm", {}).get(
-            "max_restarts", 0)
-        return tell_story(status, events.read_events(record.extra["run_dir"]),
-                          run_states(record.backend_id), max_restarts)
+        max_restarts = (
+            record.extra.get("spec", {}).get("cluster", {}).get("slurm", {}).get("max_restarts", 0)
+        )
+        return tell_story(
+            status,
+            events.read_events(record.extra["run_dir"]),
+            run_states(record.backend_id),
+            max_restarts,
+        )
 
     def read_log(self, record: jobstore.JobRecord, rank: int | None = None) -> list[str]:
         """The job's output file (every rank's lines labelled by srun), or one rank's."""
@@ -305,8 +384,11 @@ class SlurmBackend(Backend):
         lines = self.read_log(record)
         if status.state == "OOM":
             layout = describe_layout(record.extra.get("spec", {}))
-            oom = [line.split("error: ", 1)[1].rstrip() for line in lines
-                   if "error: out of memory" in line]
+            oom = [
+                line.split("error: ", 1)[1].rstrip()
+                for line in lines
+                if "error: out of memory" in line
+            ]
             return [f"out of device memory with {layout}"] + oom[:1]
         if status.state in ("FAILED", "BAD_INPUT"):
             ranks = failing_ranks(lines)
@@ -314,8 +396,9 @@ class SlurmBackend(Backend):
                 return [line.rstrip() for line in lines[-15:]]
             own = rank_lines(lines, ranks[0])
             # Its error line first: a traceback can push it out of the last lines.
-            error = next((line.split("] error: ", 1)[1].rstrip() for line in own
-                          if "] error: " in line), "")
+            error = next(
+                (line.split("] error: ", 1)[1].rstrip() for line in own if "] error: " in line), ""
+            )
             out = [f"rank {ranks[0]} error: {error}"] if error else []
             out.append(f"rank {ranks[0]} failed; its last lines:")
             return out + [line.rstrip() for line in own[-15:]]
@@ -352,7 +435,7 @@ def rank_lines(lines: list[str], rank: int | None) -> list[str]:
     for line in lines:
         match = _LABEL.match(line)
         if match and int(match.group(1)) == rank:
-            out.append(line[match.end():])
+            out.append(line[match.end() :])
     return out
 
 
@@ -365,8 +448,7 @@ def failing_ranks(lines: list[str]) -> list[int]:
     return ranks
 
 
-def follow(path: Path, job_id: str, rank: int | None, poll_seconds: float = 0.5
-           ) -> Iterator[str]:
+def follow(path: Path, job_id: str, rank: int | None, poll_seconds: float = 0.5) -> Iterator[str]:
     """Yield the log's lines as they are written, until the job is over."""
     position = 0
     while True:

@@ -42,8 +42,14 @@ HEADER = struct.Struct("<9sQBQQ")
 """magic, version, dtype code, sequence count, document-index length: 34 bytes."""
 
 DTYPE_CODES: dict[int, type[np.number]] = {
-    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32,
-    5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
 }
 """Megatron's DType enum: the .idx's code -> the .bin's numpy dtype."""
 
@@ -82,13 +88,16 @@ class IndexedDataset:
         self.bin_path, self.idx_path = indexed_files(path)
         for needed in (self.idx_path, self.bin_path):
             if not needed.is_file():
-                raise IndexedDataError(f"{needed}: no such file (an indexed dataset is a "
-                                       f"{self.prefix.name}.bin and .idx pair)")
+                raise IndexedDataError(
+                    f"{needed}: no such file (an indexed dataset is a "
+                    f"{self.prefix.name}.bin and .idx pair)"
+                )
         with open(self.idx_path, "rb") as stream:
             head = stream.read(HEADER.size)
         if len(head) < HEADER.size:
-            raise IndexedDataError(f"{self.idx_path}: {len(head)} bytes, too short for the "
-                                   f"{HEADER.size}-byte header")
+            raise IndexedDataError(
+                f"{self.idx_path}: {len(head)} bytes, too short for the {HEADER.size}-byte header"
+            )
         magic, version, code, sequences, index_length = HEADER.unpack(head)
         if magic != INDEX_MAGIC:
             raise IndexedDataError(f"{self.idx_path}: not a Megatron index (header {magic!r})")
@@ -101,37 +110,49 @@ class IndexedDataset:
         idx_size = self.idx_path.stat().st_size
         arrays_end = HEADER.size + 12 * self.sequence_count + 8 * int(index_length)
         if index_length < 1 or idx_size < arrays_end:
-            raise IndexedDataError(f"{self.idx_path}: {idx_size} bytes, but its header "
-                                   f"promises {arrays_end} ({sequences} sequences, "
-                                   f"{index_length} document-index entries)")
+            raise IndexedDataError(
+                f"{self.idx_path}: {idx_size} bytes, but its header "
+                f"promises {arrays_end} ({sequences} sequences, "
+                f"{index_length} document-index entries)"
+            )
 
         index = np.memmap(self.idx_path, dtype=np.uint8, mode="r")
         offset = HEADER.size
         self.sequence_lengths: npt.NDArray[np.int32] = np.frombuffer(
-            index, dtype=np.int32, count=self.sequence_count, offset=offset)
+            index, dtype=np.int32, count=self.sequence_count, offset=offset
+        )
         offset += self.sequence_lengths.nbytes
         self.sequence_pointers: npt.NDArray[np.int64] = np.frombuffer(
-            index, dtype=np.int64, count=self.sequence_count, offset=offset)
+            index, dtype=np.int64, count=self.sequence_count, offset=offset
+        )
         offset += self.sequence_pointers.nbytes
         self.document_indices: npt.NDArray[np.int64] = np.frombuffer(
-            index, dtype=np.int64, count=int(index_length), offset=offset)
+            index, dtype=np.int64, count=int(index_length), offset=offset
+        )
 
         itemsize = self.dtype.itemsize
         bin_size = self.bin_path.stat().st_size
         total = int(self.sequence_lengths.sum(dtype=np.int64))
         if bin_size < total * itemsize:
-            raise IndexedDataError(f"{self.bin_path}: {bin_size} bytes, but the index holds "
-                                   f"{total} tokens of {itemsize} bytes")
+            raise IndexedDataError(
+                f"{self.bin_path}: {bin_size} bytes, but the index holds "
+                f"{total} tokens of {itemsize} bytes"
+            )
         # Token offset of each sequence's start, then the end: a document with no sequences
         # (Megatron writes one for an empty text) starts and ends where the next one starts.
         sequence_starts = np.empty(self.sequence_count + 1, dtype=np.int64)
         sequence_starts[:-1] = self.sequence_pointers // itemsize
-        sequence_starts[-1] = total if self.sequence_count == 0 \
+        sequence_starts[-1] = (
+            total
+            if self.sequence_count == 0
             else sequence_starts[-2] + int(self.sequence_lengths[-1])
+        )
         self.document_starts: npt.NDArray[np.int64] = sequence_starts[self.document_indices]
         self.tokens: npt.NDArray[np.generic] = (
             np.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(total,))
-            if total else np.zeros(0, dtype=self.dtype))
+            if total
+            else np.zeros(0, dtype=self.dtype)
+        )
 
     def __len__(self) -> int:
         """The number of documents."""
@@ -150,7 +171,7 @@ class IndexedDataset:
         """Document `index`'s token ids (a view of the mapped .bin)."""
         if not 0 <= index < len(self):
             raise IndexError(f"{self.prefix}: document {index} of {len(self)}")
-        return self.tokens[self.document_starts[index]: self.document_starts[index + 1]]
+        return self.tokens[self.document_starts[index] : self.document_starts[index + 1]]
 
 
 class IndexedWriter:
@@ -167,8 +188,9 @@ class IndexedWriter:
         self._lengths = array("q")
         self._tmp: dict[str, Path] = {}
         for suffix in (".bin", ".idx"):
-            fd, name = tempfile.mkstemp(dir=self.prefix.parent,
-                                        prefix=f".{self.prefix.name}{suffix}.", suffix=".tmp")
+            fd, name = tempfile.mkstemp(
+                dir=self.prefix.parent, prefix=f".{self.prefix.name}{suffix}.", suffix=".tmp"
+            )
             os.close(fd)
             self._tmp[suffix] = Path(name)
         self._bin = open(self._tmp[".bin"], "wb")  # closed by commit or abort
@@ -176,8 +198,12 @@ class IndexedWriter:
     def __enter__(self) -> IndexedWriter:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 trace: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
         if kind is not None:
             self.abort()
         elif self._tmp:
@@ -200,14 +226,17 @@ class IndexedWriter:
         lengths = np.frombuffer(self._lengths, dtype=np.int64)
         if lengths.size and lengths.max() > np.iinfo(np.int32).max:
             self.abort()
-            raise IndexedDataError(f"{self.prefix}: a document of {lengths.max()} tokens "
-                                   "exceeds the format's int32 sequence length")
+            raise IndexedDataError(
+                f"{self.prefix}: a document of {lengths.max()} tokens "
+                "exceeds the format's int32 sequence length"
+            )
         pointers = np.zeros(lengths.size, dtype=np.int64)
         np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
         documents = np.arange(lengths.size + 1, dtype=np.int64)
         with open(self._tmp[".idx"], "wb") as index:
-            index.write(HEADER.pack(INDEX_MAGIC, INDEX_VERSION, self.code, lengths.size,
-                                    documents.size))
+            index.write(
+                HEADER.pack(INDEX_MAGIC, INDEX_VERSION, self.code, lengths.size, documents.size)
+            )
             index.write(lengths.astype(np.int32).tobytes())
             index.write(pointers.tobytes())
             index.write(documents.tobytes())

@@ -89,7 +89,8 @@ class PackedFile:
             raise ValueError(
                 f"training.data {self.dataset.prefix}: {train_tokens} training tokens in "
                 f"{lengths.size} documents ({int(self.held_out.sum())} held out) is shorter "
-                f"than one sequence (seq_len + 1 = {seq_len + 1})")
+                f"than one sequence (seq_len + 1 = {seq_len + 1})"
+            )
 
     def sequence(self, index: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Tokens and per-token document ids of this file's sequence `index` (modulo the
@@ -105,9 +106,10 @@ class PackedFile:
             take_from = max(start + filled, doc_start) - doc_start
             take = min(doc_stop - doc_start - take_from, tokens.size - filled)
             document = int(self.train_documents[k])
-            tokens[filled: filled + take] = self.dataset.document(document)[
-                take_from: take_from + take]
-            documents[filled: filled + take] = document
+            tokens[filled : filled + take] = self.dataset.document(document)[
+                take_from : take_from + take
+            ]
+            documents[filled : filled + take] = document
             filled += take
             k += 1
         return tokens, documents
@@ -148,8 +150,14 @@ class PackedTokens:
     """The trainer's `source: tokens`: `sequence(i)` is blend sequence i as a LongTensor of
     seq_len + 1 ids, `packed(i)` the same with its document ids."""
 
-    def __init__(self, paths: Sequence[str | Path], weights: Sequence[float] | None,
-                 seq_len: int, vocab: int, eval_fraction: float = 0.0):
+    def __init__(
+        self,
+        paths: Sequence[str | Path],
+        weights: Sequence[float] | None,
+        seq_len: int,
+        vocab: int,
+        eval_fraction: float = 0.0,
+    ):
         self.files = [PackedFile(p, seq_len, eval_fraction) for p in paths]
         self.schedule = BlendSchedule(weights or [1.0] * len(self.files))
         self.vocab = vocab
@@ -160,9 +168,11 @@ class PackedTokens:
         tokens, documents = self.files[chosen].sequence(local)
         top = int(tokens.max())
         if top >= self.vocab or int(tokens.min()) < 0:
-            raise ValueError(f"training.data {self.files[chosen].dataset.prefix}: token id "
-                             f"{top} is outside model.vocab = {self.vocab}; prepare the data "
-                             "with the model's tokenizer")
+            raise ValueError(
+                f"training.data {self.files[chosen].dataset.prefix}: token id "
+                f"{top} is outside model.vocab = {self.vocab}; prepare the data "
+                "with the model's tokenizer"
+            )
         return PackedSequence(chosen, tokens, documents)
 
     def sequence(self, index: int) -> torch.Tensor:

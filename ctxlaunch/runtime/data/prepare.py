@@ -79,8 +79,9 @@ def _records(path: Path) -> Iterator[_Record]:
         else:
             yield _Record(str(path), path.read_text(encoding="utf-8"), False)
     except UnicodeDecodeError as exc:
-        raise PrepareError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start} of a "
-                           "read block)") from None
+        raise PrepareError(
+            f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start} of a read block)"
+        ) from None
 
 
 _worker_tokenizer: Tokenizer | None = None
@@ -119,12 +120,12 @@ def _text_of(record: _Record, field: str) -> str:
         raise PrepareError(f"{record.source}: not a JSON object ({exc})") from None
     if not isinstance(data, dict) or field not in data:
         keys = ", ".join(sorted(data)) if isinstance(data, dict) else type(data).__name__
-        raise PrepareError(f"{record.source}: no field {field!r} (has: {keys}); "
-                           "choose the field with --json-field")
+        raise PrepareError(
+            f"{record.source}: no field {field!r} (has: {keys}); choose the field with --json-field"
+        )
     text = data[field]
     if not isinstance(text, str):
-        raise PrepareError(f"{record.source}: field {field!r} is {type(text).__name__}, "
-                           "not text")
+        raise PrepareError(f"{record.source}: field {field!r} is {type(text).__name__}, not text")
     return text
 
 
@@ -156,10 +157,17 @@ def check_inputs(inputs: Sequence[str | Path]) -> list[Path]:
     return paths
 
 
-def prepare(inputs: Sequence[str | Path], tokenizer_path: str | Path, output: str | Path, *,
-            json_field: str = "text", workers: int = 1, model_vocab: int | None = None,
-            eod_token: str | None = None,
-            on_progress: Callable[[int], None] | None = None) -> PrepareResult:
+def prepare(
+    inputs: Sequence[str | Path],
+    tokenizer_path: str | Path,
+    output: str | Path,
+    *,
+    json_field: str = "text",
+    workers: int = 1,
+    model_vocab: int | None = None,
+    eod_token: str | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> PrepareResult:
     """Tokenize `inputs` into OUTPUT.bin / OUTPUT.idx (see the module docstring for what a
     document is). `model_vocab`, when given, must hold every id the tokenizer can produce.
     `on_progress(bytes)` is called as each batch of input text is written. Raises PrepareError
@@ -168,8 +176,10 @@ def prepare(inputs: Sequence[str | Path], tokenizer_path: str | Path, output: st
     paths = check_inputs(inputs)
     tokenizer = load_tokenizer(tokenizer_path, eod_token)
     if model_vocab is not None and tokenizer.vocab_size > model_vocab:
-        raise PrepareError(f"tokenizer {tokenizer.path}: vocabulary of {tokenizer.vocab_size} "
-                           f"ids is larger than the model's {model_vocab} (model.vocab)")
+        raise PrepareError(
+            f"tokenizer {tokenizer.path}: vocabulary of {tokenizer.vocab_size} "
+            f"ids is larger than the model's {model_vocab} (model.vocab)"
+        )
     init_args = (str(tokenizer_path), eod_token, json_field)
     documents = tokens = empty = read = 0
     pool = None
@@ -178,7 +188,8 @@ def prepare(inputs: Sequence[str | Path], tokenizer_path: str | Path, output: st
             # spawn: the parent may hold threads (rich's live display, tokenizers' pool) that
             # a fork would copy in an unknown state.
             pool = multiprocessing.get_context("spawn").Pool(
-                workers, initializer=_start_worker, initargs=init_args)
+                workers, initializer=_start_worker, initargs=init_args
+            )
         try:
             batches = _batches(paths)
             sizes: list[int] = []
@@ -212,6 +223,14 @@ def prepare(inputs: Sequence[str | Path], tokenizer_path: str | Path, output: st
                 pool.terminate()
                 pool.join()
     bin_path, idx_path = indexed_files(output)
-    return PrepareResult(bin_path, idx_path, documents, tokens, read,
-                         time.perf_counter() - started, empty, tokenizer.vocab_size,
-                         tokenizer.eod_id)
+    return PrepareResult(
+        bin_path,
+        idx_path,
+        documents,
+        tokens,
+        read,
+        time.perf_counter() - started,
+        empty,
+        tokenizer.vocab_size,
+        tokenizer.eod_id,
+    )

@@ -20,8 +20,10 @@ class TokenizerError(ValueError):
     """A tokenizer file that cannot be loaded; the message names the path and the reason."""
 
 
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 """The pre-tokenizing split of Llama 3's tiktoken BPE (and of cl100k): a tiktoken file holds
 only the merges, so the split and the special tokens come from the convention it was made for."""
 
@@ -76,23 +78,30 @@ def _library(module: str, path: Path) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise TokenizerError(f"tokenizer {path}: needs the `{module.split('.')[0]}` package "
-                             f"({exc})") from None
+        raise TokenizerError(
+            f"tokenizer {path}: needs the `{module.split('.')[0]}` package ({exc})"
+        ) from None
 
 
 def _huggingface(path: Path, eod_token: str | None) -> Tokenizer:
     try:
         tokenizer = _library("tokenizers", path).Tokenizer.from_file(str(path))
     except Exception as exc:  # the Rust side raises a bare Exception for every malformed file
-        raise TokenizerError(f"tokenizer {path}: not a Hugging Face tokenizer.json ({exc})") \
-            from None
-    name = eod_token or _configured_eos(path) or next(
-        (n for n in EOD_NAMES if tokenizer.token_to_id(n) is not None), None)
+        raise TokenizerError(
+            f"tokenizer {path}: not a Hugging Face tokenizer.json ({exc})"
+        ) from None
+    name = (
+        eod_token
+        or _configured_eos(path)
+        or next((n for n in EOD_NAMES if tokenizer.token_to_id(n) is not None), None)
+    )
     eod = tokenizer.token_to_id(name) if name else None
     if eod is None:
-        raise TokenizerError(f"tokenizer {path}: no end-of-document token "
-                             f"({name or ' / '.join(EOD_NAMES)} not in its vocabulary); "
-                             "name one with --eod-token")
+        raise TokenizerError(
+            f"tokenizer {path}: no end-of-document token "
+            f"({name or ' / '.join(EOD_NAMES)} not in its vocabulary); "
+            "name one with --eod-token"
+        )
 
     # Special tokens written in the text are encoded as text, as tiktoken's encode_ordinary
     # and SentencePiece do: a document cannot end itself early by containing "</s>".
@@ -101,8 +110,9 @@ def _huggingface(path: Path, eod_token: str | None) -> Tokenizer:
     def encode(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False).ids)
 
-    return Tokenizer(path, "huggingface", tokenizer.get_vocab_size(with_added_tokens=True),
-                     eod, encode)
+    return Tokenizer(
+        path, "huggingface", tokenizer.get_vocab_size(with_added_tokens=True), eod, encode
+    )
 
 
 def _configured_eos(path: Path) -> str | None:
@@ -125,9 +135,11 @@ def _sentencepiece(path: Path, eod_token: str | None) -> Tokenizer:
         raise TokenizerError(f"tokenizer {path}: not a SentencePiece model ({exc})") from None
     eod = model.piece_to_id(eod_token) if eod_token else model.eos_id()
     if eod < 0 or (eod_token and model.id_to_piece(eod) != eod_token):
-        raise TokenizerError(f"tokenizer {path}: no end-of-document token "
-                             f"({eod_token or 'the model defines no eos'}); "
-                             "name one with --eod-token")
+        raise TokenizerError(
+            f"tokenizer {path}: no end-of-document token "
+            f"({eod_token or 'the model defines no eos'}); "
+            "name one with --eod-token"
+        )
 
     def encode(text: str) -> list[int]:
         return list(model.encode(text))
@@ -140,19 +152,23 @@ def _tiktoken(path: Path, eod_token: str | None) -> Tokenizer:
     try:
         ranks = _library("tiktoken.load", path).load_tiktoken_bpe(str(path))
     except Exception as exc:  # a binary or malformed file fails in base64 or int parsing
-        raise TokenizerError(f"tokenizer {path}: not a tiktoken BPE file (base64 token, rank "
-                             f"per line), a tokenizer.json or a SentencePiece model ({exc})") \
-            from None
+        raise TokenizerError(
+            f"tokenizer {path}: not a tiktoken BPE file (base64 token, rank "
+            f"per line), a tokenizer.json or a SentencePiece model ({exc})"
+        ) from None
     base = len(ranks)
     specials = ["<|begin_of_text|>", "<|end_of_text|>"] + [
-        f"<|reserved_special_token_{i}|>" for i in range(LLAMA3_SPECIAL_COUNT - 2)]
+        f"<|reserved_special_token_{i}|>" for i in range(LLAMA3_SPECIAL_COUNT - 2)
+    ]
     special_ids = {name: base + i for i, name in enumerate(specials)}
     name = eod_token or "<|end_of_text|>"
     if name not in special_ids:
-        raise TokenizerError(f"tokenizer {path}: no end-of-document token {name!r} among the "
-                             "Llama 3 special tokens")
-    encoding = tiktoken.Encoding(name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
-                                 special_tokens=special_ids)
+        raise TokenizerError(
+            f"tokenizer {path}: no end-of-document token {name!r} among the Llama 3 special tokens"
+        )
+    encoding = tiktoken.Encoding(
+        name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special_ids
+    )
 
     def encode(text: str) -> list[int]:
         # Text that looks like a special token is encoded as text: a document cannot end

@@ -41,27 +41,52 @@ class Identity:
     seq_len: int
 
     def labels(self) -> dict[str, str]:
-        return {"job": self.job, "run": self.run, "rank": str(self.rank), "node": self.node,
-                "model": self.model, "cp": str(self.cp), "cp_algorithm": self.cp_algorithm,
-                "seq_len": str(self.seq_len)}
+        return {
+            "job": self.job,
+            "run": self.run,
+            "rank": str(self.rank),
+            "node": self.node,
+            "model": self.model,
+            "cp": str(self.cp),
+            "cp_algorithm": self.cp_algorithm,
+            "seq_len": str(self.seq_len),
+        }
 
 
-def identity_from_spec(spec: JobSpec, rank: int, local_rank: int,
-                       run: str | None = None) -> Identity:
+def identity_from_spec(
+    spec: JobSpec, rank: int, local_rank: int, run: str | None = None
+) -> Identity:
     """The labels of this rank's series, from the spec and the launcher's environment."""
-    return Identity(job=spec.name, run=run or os.environ.get("CTXLAUNCH_RUN_ID")
-                    or os.environ.get("CTXLAUNCH_JOB_ID") or os.environ.get("SLURM_JOB_ID")
-                    or "manual", rank=rank, local_rank=local_rank, node=socket.gethostname(),
-                    model=spec.model.preset or "custom", cp=spec.parallel.cp,
-                    cp_algorithm=spec.parallel.cp_algorithm, seq_len=spec.training.seq_len)
+    return Identity(
+        job=spec.name,
+        run=run
+        or os.environ.get("CTXLAUNCH_RUN_ID")
+        or os.environ.get("CTXLAUNCH_JOB_ID")
+        or os.environ.get("SLURM_JOB_ID")
+        or "manual",
+        rank=rank,
+        local_rank=local_rank,
+        node=socket.gethostname(),
+        model=spec.model.preset or "custom",
+        cp=spec.parallel.cp,
+        cp_algorithm=spec.parallel.cp_algorithm,
+        seq_len=spec.training.seq_len,
+    )
 
 
 class Exporter:
     """The registry of one rank and its way out (scrape, push or nothing)."""
 
-    def __init__(self, identity: Identity, *, mode: str, port: int = 9400,
-                 pushgateway_url: str | None = None, push_interval_seconds: float = 15.0,
-                 log: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        mode: str,
+        port: int = 9400,
+        pushgateway_url: str | None = None,
+        push_interval_seconds: float = 15.0,
+        log: Callable[[str], None] | None = None,
+    ):
         self.identity = identity
         self.mode = mode
         self.registry = CollectorRegistry()
@@ -85,16 +110,18 @@ class Exporter:
         elif mode == "push":
             if not pushgateway_url:
                 raise ValueError("push mode needs a Pushgateway URL")
-            self._thread = threading.Thread(target=self._push_loop, name="ctxlaunch-push",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._push_loop, name="ctxlaunch-push", daemon=True
+            )
             self._thread.start()
 
     def _make(self, metric: Metric) -> Gauge | Counter:
         labelnames = list(LABELS) + list(metric.extra_labels)
         if metric.kind == "counter":
             # prometheus_client appends _total itself.
-            return Counter(metric.name.removesuffix("_total"), metric.help, labelnames,
-                           registry=self.registry)
+            return Counter(
+                metric.name.removesuffix("_total"), metric.help, labelnames, registry=self.registry
+            )
         return Gauge(metric.name, metric.help, labelnames, registry=self.registry)
 
     def series(self, name: str, **extra: str) -> Gauge | Counter:
@@ -120,8 +147,11 @@ class Exporter:
             start_http_server(port, registry=self.registry)
             self.port = port
         except OSError as exc:
-            self._warn_once("serve", f"ctxlaunch telemetry: cannot serve /metrics on port "
-                            f"{port} ({exc.strerror or exc}); training continues without it")
+            self._warn_once(
+                "serve",
+                f"ctxlaunch telemetry: cannot serve /metrics on port "
+                f"{port} ({exc.strerror or exc}); training continues without it",
+            )
 
     def push(self) -> bool:
         """Push now (from any thread); False if the Pushgateway could not be reached."""
@@ -130,12 +160,20 @@ class Exporter:
         grouping = {"run": self.identity.run, "rank": str(self.identity.rank)}
         with self._push_lock:
             try:
-                push_to_gateway(self.url, job=self.identity.job, registry=self.registry,
-                                grouping_key=grouping, timeout=PUSH_TIMEOUT_SECONDS)
+                push_to_gateway(
+                    self.url,
+                    job=self.identity.job,
+                    registry=self.registry,
+                    grouping_key=grouping,
+                    timeout=PUSH_TIMEOUT_SECONDS,
+                )
             except Exception as exc:  # noqa: BLE001 - any failure: log once, retry later
-                self._warn_once("push", f"ctxlaunch telemetry: cannot push to {self.url} "
-                                f"({exc}); retrying every {self.interval:g} s, training "
-                                "continues")
+                self._warn_once(
+                    "push",
+                    f"ctxlaunch telemetry: cannot push to {self.url} "
+                    f"({exc}); retrying every {self.interval:g} s, training "
+                    "continues",
+                )
                 return False
         if "push" in self._warned:
             self._warned.discard("push")

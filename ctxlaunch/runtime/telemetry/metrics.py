@@ -26,60 +26,108 @@ class Metric:
 
 METRICS: tuple[Metric, ...] = (
     Metric("ctxlaunch_step_duration_seconds", "gauge", "Wall time of the last optimizer step."),
-    Metric("ctxlaunch_tokens_per_second_per_gpu", "gauge",
-           "Tokens trained per second per GPU over the last step."),
-    Metric("ctxlaunch_model_flops_per_second_per_gpu", "gauge",
-           "Achieved model FLOP/s per GPU over the last step.", ("convention",)),
-    Metric("ctxlaunch_mfu_ratio", "gauge",
-           "Model FLOPs utilisation over the last step (achieved / peak). The full convention "
-           "counts the masked half of causal attention too, so where attention dominates "
-           "(long sequences, small models) it can read above 1; causal cannot.",
-           ("convention",)),
-    Metric("ctxlaunch_peak_flops_per_second", "gauge",
-           "The peak FLOP/s MFU is measured against: the GPU table's dense BF16/FP32 figure, or "
-           "on the CPU a matmul measured once at start.", ("source",)),
+    Metric(
+        "ctxlaunch_tokens_per_second_per_gpu",
+        "gauge",
+        "Tokens trained per second per GPU over the last step.",
+    ),
+    Metric(
+        "ctxlaunch_model_flops_per_second_per_gpu",
+        "gauge",
+        "Achieved model FLOP/s per GPU over the last step.",
+        ("convention",),
+    ),
+    Metric(
+        "ctxlaunch_mfu_ratio",
+        "gauge",
+        "Model FLOPs utilisation over the last step (achieved / peak). The full convention "
+        "counts the masked half of causal attention too, so where attention dominates "
+        "(long sequences, small models) it can read above 1; causal cannot.",
+        ("convention",),
+    ),
+    Metric(
+        "ctxlaunch_peak_flops_per_second",
+        "gauge",
+        "The peak FLOP/s MFU is measured against: the GPU table's dense BF16/FP32 figure, or "
+        "on the CPU a matmul measured once at start.",
+        ("source",),
+    ),
     Metric("ctxlaunch_loss", "gauge", "Mean next-token loss of the last step."),
-    Metric("ctxlaunch_memory_peak_allocated_bytes", "gauge",
-           "Peak memory allocated by tensors on this rank (CPU: peak RSS)."),
-    Metric("ctxlaunch_memory_peak_reserved_bytes", "gauge",
-           "Peak memory reserved by the allocator on this rank (CPU: peak RSS)."),
-    Metric("ctxlaunch_memory_capacity_bytes", "gauge",
-           "Memory of the device (CPU: the host's memory)."),
-    Metric("ctxlaunch_planner_predicted_peak_bytes", "gauge",
-           "The planner's prediction of this rank's peak memory, for comparison."),
-    Metric("ctxlaunch_predicted_step_duration_seconds", "gauge",
-           "The step-time model's prediction of a step (ctxlaunch.perf.steptime; on the CPU with "
-           "the constants `ctxlaunch calibrate` measured), for comparison."),
-    Metric("ctxlaunch_allocator_retries_total", "counter",
-           "Times the CUDA caching allocator freed its cache and retried an allocation."),
+    Metric(
+        "ctxlaunch_memory_peak_allocated_bytes",
+        "gauge",
+        "Peak memory allocated by tensors on this rank (CPU: peak RSS).",
+    ),
+    Metric(
+        "ctxlaunch_memory_peak_reserved_bytes",
+        "gauge",
+        "Peak memory reserved by the allocator on this rank (CPU: peak RSS).",
+    ),
+    Metric(
+        "ctxlaunch_memory_capacity_bytes", "gauge", "Memory of the device (CPU: the host's memory)."
+    ),
+    Metric(
+        "ctxlaunch_planner_predicted_peak_bytes",
+        "gauge",
+        "The planner's prediction of this rank's peak memory, for comparison.",
+    ),
+    Metric(
+        "ctxlaunch_predicted_step_duration_seconds",
+        "gauge",
+        "The step-time model's prediction of a step (ctxlaunch.perf.steptime; on the CPU with "
+        "the constants `ctxlaunch calibrate` measured), for comparison.",
+    ),
+    Metric(
+        "ctxlaunch_allocator_retries_total",
+        "counter",
+        "Times the CUDA caching allocator freed its cache and retried an allocation.",
+    ),
     Metric("ctxlaunch_oom_events_total", "counter", "Out-of-memory errors caught at a step."),
-    Metric("ctxlaunch_oom_event_info", "gauge",
-           "1 for an OOM that happened, labelled with the step, the planner's prediction and "
-           "what the planner says would fit.",
-           ("step", "predicted_peak_bytes", "capacity_bytes", "would_fit")),
+    Metric(
+        "ctxlaunch_oom_event_info",
+        "gauge",
+        "1 for an OOM that happened, labelled with the step, the planner's prediction and "
+        "what the planner says would fit.",
+        ("step", "predicted_peak_bytes", "capacity_bytes", "would_fit"),
+    ),
     Metric("ctxlaunch_last_step", "gauge", "The last completed optimizer step."),
-    Metric("ctxlaunch_target_steps", "gauge",
-           "The optimizer steps the run is to complete (training.steps): a run whose last step "
-           "reached it finished, and its silence is not a stall."),
-    Metric("ctxlaunch_last_step_timestamp_seconds", "gauge",
-           "Unix time the last step completed."),
-    Metric("ctxlaunch_eval_loss", "gauge",
-           "Held-out next-token loss at the last evaluation (training.eval.interval), per "
-           "context-length bucket [start, stop) of token positions; bucket \"all\" is the "
-           "mean over every token.", ("bucket",)),
+    Metric(
+        "ctxlaunch_target_steps",
+        "gauge",
+        "The optimizer steps the run is to complete (training.steps): a run whose last step "
+        "reached it finished, and its silence is not a stall.",
+    ),
+    Metric("ctxlaunch_last_step_timestamp_seconds", "gauge", "Unix time the last step completed."),
+    Metric(
+        "ctxlaunch_eval_loss",
+        "gauge",
+        "Held-out next-token loss at the last evaluation (training.eval.interval), per "
+        'context-length bucket [start, stop) of token positions; bucket "all" is the '
+        "mean over every token.",
+        ("bucket",),
+    ),
     Metric("ctxlaunch_eval_step", "gauge", "The training step of the last evaluation."),
-    Metric("ctxlaunch_passkey_retrieval_ratio", "gauge",
-           "Share of passkey probes retrieved at the last evaluation (every answer token the "
-           "arg-max), per prompt length in tokens and depth of the number in the filler.",
-           ("length", "depth")),
-    Metric("ctxlaunch_attention_kernel_info", "gauge",
-           "1, labelled with the attention kernel the rank's attention calls run on and how it "
-           "was chosen: measured (the fastest forward and backward at the run's block shape), "
-           "forced (CTXLAUNCH_ATTENTION_KERNEL) or only (one kernel fits the device and dtype).",
-           ("kernel", "chosen_by")),
-    Metric("ctxlaunch_cp_exposed_comm_seconds", "gauge",
-           "Time in the last step spent waiting for ring K/V (or dK/dV) transfers after the "
-           "block's compute had finished: communication that compute did not hide."),
+    Metric(
+        "ctxlaunch_passkey_retrieval_ratio",
+        "gauge",
+        "Share of passkey probes retrieved at the last evaluation (every answer token the "
+        "arg-max), per prompt length in tokens and depth of the number in the filler.",
+        ("length", "depth"),
+    ),
+    Metric(
+        "ctxlaunch_attention_kernel_info",
+        "gauge",
+        "1, labelled with the attention kernel the rank's attention calls run on and how it "
+        "was chosen: measured (the fastest forward and backward at the run's block shape), "
+        "forced (CTXLAUNCH_ATTENTION_KERNEL) or only (one kernel fits the device and dtype).",
+        ("kernel", "chosen_by"),
+    ),
+    Metric(
+        "ctxlaunch_cp_exposed_comm_seconds",
+        "gauge",
+        "Time in the last step spent waiting for ring K/V (or dK/dV) transfers after the "
+        "block's compute had finished: communication that compute did not hide.",
+    ),
 )
 
 BY_NAME = {m.name: m for m in METRICS}

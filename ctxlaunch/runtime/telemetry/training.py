@@ -72,9 +72,11 @@ def memory_stats(device: torch.device) -> tuple[int, int, int]:
     """(peak allocated, peak reserved, allocator retries) of this rank."""
     if device.type == "cuda":
         stats = torch.cuda.memory_stats(device)
-        return (int(stats.get("allocated_bytes.all.peak", 0)),
-                int(stats.get("reserved_bytes.all.peak", 0)),
-                int(stats.get("num_alloc_retries", 0)))
+        return (
+            int(stats.get("allocated_bytes.all.peak", 0)),
+            int(stats.get("reserved_bytes.all.peak", 0)),
+            int(stats.get("num_alloc_retries", 0)),
+        )
     from ctxlaunch.runtime.trainer.loop import peak_memory_bytes
 
     peak = peak_memory_bytes(device)
@@ -84,39 +86,51 @@ def memory_stats(device: torch.device) -> tuple[int, int, int]:
 class TrainingTelemetry:
     """The trainer's observer: `on_step(metrics)` each step, `on_oom(...)` on an OOM."""
 
-    def __init__(self, spec: JobSpec, *, rank: int, local_rank: int, device: torch.device,
-                 log: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        spec: JobSpec,
+        *,
+        rank: int,
+        local_rank: int,
+        device: torch.device,
+        log: Callable[[str], None] | None = None,
+    ):
         t = spec.telemetry
         self.spec, self.device, self.rank = spec, device, rank
-        self.exporter = Exporter(identity_from_spec(spec, rank, local_rank), mode=t.prometheus,
-                                 port=t.port, pushgateway_url=t.pushgateway_url,
-                                 push_interval_seconds=t.push_interval_seconds, log=log)
+        self.exporter = Exporter(
+            identity_from_spec(spec, rank, local_rank),
+            mode=t.prometheus,
+            port=t.port,
+            pushgateway_url=t.pushgateway_url,
+            push_interval_seconds=t.push_interval_seconds,
+            log=log,
+        )
         self.peak, source = peak_flops(spec, device)
         self.exporter.set("ctxlaunch_peak_flops_per_second", self.peak, source=source)
         self.capacity = device_capacity_bytes(device)
         self.exporter.set("ctxlaunch_memory_capacity_bytes", self.capacity)
-        self.prediction = estimate(spec.model, Layout.from_spec(spec),
-                                   spec.cluster.gpu_info)
+        self.prediction = estimate(spec.model, Layout.from_spec(spec), spec.cluster.gpu_info)
         self.exporter.set("ctxlaunch_planner_predicted_peak_bytes", self.prediction.total)
-        self.exporter.set("ctxlaunch_predicted_step_duration_seconds",
-                          predicted_step_seconds(spec))
+        self.exporter.set("ctxlaunch_predicted_step_duration_seconds", predicted_step_seconds(spec))
         self.exporter.set("ctxlaunch_target_steps", spec.training.steps)
         self._retries_seen = 0
 
     def attention_kernel(self, choice: KernelChoice) -> None:
         """Export the attention kernel the run chose (`fastpath.choose_attention_kernel`)."""
-        self.exporter.set("ctxlaunch_attention_kernel_info", 1, kernel=choice.kernel,
-                          chosen_by=choice.chosen_by)
+        self.exporter.set(
+            "ctxlaunch_attention_kernel_info", 1, kernel=choice.kernel, chosen_by=choice.chosen_by
+        )
 
     def on_step(self, m: StepMetrics) -> None:
         """Export one step's metrics."""
         e = self.exporter
         e.set("ctxlaunch_step_duration_seconds", m.step_seconds)
         e.set("ctxlaunch_tokens_per_second_per_gpu", m.tokens_per_second_per_gpu)
-        for convention, tflops in (("full", m.model_tflops_per_gpu_full),
-                                   ("causal", m.model_tflops_per_gpu_causal)):
-            e.set("ctxlaunch_model_flops_per_second_per_gpu", tflops * 1e12,
-                  convention=convention)
+        for convention, tflops in (
+            ("full", m.model_tflops_per_gpu_full),
+            ("causal", m.model_tflops_per_gpu_causal),
+        ):
+            e.set("ctxlaunch_model_flops_per_second_per_gpu", tflops * 1e12, convention=convention)
             e.set("ctxlaunch_mfu_ratio", tflops * 1e12 / self.peak, convention=convention)
         e.set("ctxlaunch_loss", m.loss)
         allocated, reserved, retries = memory_stats(self.device)
@@ -137,8 +151,12 @@ class TrainingTelemetry:
                 e.set("ctxlaunch_eval_loss", bucket.loss, bucket=f"{bucket.start}-{bucket.stop}")
         e.set("ctxlaunch_eval_loss", result.loss, bucket="all")
         for cell in result.passkey:
-            e.set("ctxlaunch_passkey_retrieval_ratio", cell.retrieved / cell.trials,
-                  length=str(cell.length), depth=f"{cell.depth:g}")
+            e.set(
+                "ctxlaunch_passkey_retrieval_ratio",
+                cell.retrieved / cell.trials,
+                length=str(cell.length),
+                depth=f"{cell.depth:g}",
+            )
         if result.step is not None:
             e.set("ctxlaunch_eval_step", result.step)
 
@@ -156,13 +174,20 @@ class TrainingTelemetry:
         would_fit = " or ".join(fits) if fits else "nothing the planner can vary"
         e = self.exporter
         e.inc("ctxlaunch_oom_events_total")
-        e.set("ctxlaunch_oom_event_info", 1, step=str(step),
-              predicted_peak_bytes=str(self.prediction.total),
-              capacity_bytes=str(self.capacity), would_fit=would_fit)
+        e.set(
+            "ctxlaunch_oom_event_info",
+            1,
+            step=str(step),
+            predicted_peak_bytes=str(self.prediction.total),
+            capacity_bytes=str(self.capacity),
+            would_fit=would_fit,
+        )
         e.push()  # now: the process is about to exit
-        return (f"out of memory on rank {self.rank} at step {step}: the planner predicted "
-                f"{self.prediction.total / GiB:.2f} GiB per rank against "
-                f"{self.prediction.capacity / GiB:.2f} GiB; would fit with {would_fit}")
+        return (
+            f"out of memory on rank {self.rank} at step {step}: the planner predicted "
+            f"{self.prediction.total / GiB:.2f} GiB per rank against "
+            f"{self.prediction.capacity / GiB:.2f} GiB; would fit with {would_fit}"
+        )
 
     def close(self) -> None:
         self.exporter.close()

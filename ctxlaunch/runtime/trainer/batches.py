@@ -47,9 +47,8 @@ class SyntheticTokens:
 
     def sequence(self, index: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        start = int(torch.randint(0, self.chain.numel() - self.half + 1, (1,),
-                                  generator=generator))
-        first = self.chain[start: start + self.half]
+        start = int(torch.randint(0, self.chain.numel() - self.half + 1, (1,), generator=generator))
+        first = self.chain[start : start + self.half]
         return torch.cat([first, first])[: self.seq_len + 1]
 
 
@@ -61,13 +60,15 @@ class ByteText:
         self.data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
         self.seq_len = seq_len
         if self.data.numel() < seq_len + 1:
-            raise ValueError(f"training.data.path {path}: {self.data.numel()} bytes is shorter "
-                             f"than one sequence (seq_len + 1 = {seq_len + 1})")
+            raise ValueError(
+                f"training.data.path {path}: {self.data.numel()} bytes is shorter "
+                f"than one sequence (seq_len + 1 = {seq_len + 1})"
+            )
         self.starts = self.data.numel() - seq_len
 
     def sequence(self, index: int) -> torch.Tensor:
         start = (index * self.seq_len) % self.starts
-        return self.data[start: start + self.seq_len + 1].long()
+        return self.data[start : start + self.seq_len + 1].long()
 
 
 IGNORE_INDEX = -100
@@ -101,39 +102,64 @@ class Batches:
     carries its document boundaries, ignores the targets that open the next document and,
     with `restart_positions`, numbers positions from 0 in each document."""
 
-    def __init__(self, source: TokenSource, *, seq_len: int, micro_batch: int,
-                 global_batch: int, dp: int, dp_rank: int, cp: int, cp_rank: int, cp_sharding: str,
-                 document_mask: bool = False, restart_positions: bool = True):
+    def __init__(
+        self,
+        source: TokenSource,
+        *,
+        seq_len: int,
+        micro_batch: int,
+        global_batch: int,
+        dp: int,
+        dp_rank: int,
+        cp: int,
+        cp_rank: int,
+        cp_sharding: str,
+        document_mask: bool = False,
+        restart_positions: bool = True,
+    ):
         self.source = source
         self.micro_batch, self.global_batch = micro_batch, global_batch
         self.dp, self.dp_rank = dp, dp_rank
         self.positions = shard_positions(seq_len, cp_rank, cp, cp_sharding)
         self._packed: Callable[[int], PackedSequence] | None = getattr(source, "packed", None)
         if document_mask and self._packed is None:
-            raise ValueError("training.data.document_mask needs a source of packed documents "
-                             "(source: tokens)")
+            raise ValueError(
+                "training.data.document_mask needs a source of packed documents (source: tokens)"
+            )
         self.document_mask, self.restart_positions = document_mask, restart_positions
 
     def get(self, step: int, micro: int) -> MicroBatch:
-        first = step * self.global_batch + micro * self.micro_batch * self.dp \
+        first = (
+            step * self.global_batch
+            + micro * self.micro_batch * self.dp
             + self.dp_rank * self.micro_batch
+        )
         indices = range(first, first + self.micro_batch)
         if self.document_mask and self._packed is not None:
             return self._masked([self._packed(i) for i in indices])
         sequences = torch.stack([self.source.sequence(i) for i in indices])
         inputs, targets = sequences[:, :-1], sequences[:, 1:]
-        return MicroBatch(tokens=inputs[:, self.positions].contiguous(),
-                          targets=targets[:, self.positions].contiguous(),
-                          positions=self.positions)
+        return MicroBatch(
+            tokens=inputs[:, self.positions].contiguous(),
+            targets=targets[:, self.positions].contiguous(),
+            positions=self.positions,
+        )
 
     def _masked(self, packed: list[PackedSequence]) -> MicroBatch:
-        return masked_micro_batch([torch.from_numpy(p.tokens) for p in packed],
-                                  [torch.from_numpy(p.document_ids) for p in packed],
-                                  self.positions, self.restart_positions)
+        return masked_micro_batch(
+            [torch.from_numpy(p.tokens) for p in packed],
+            [torch.from_numpy(p.document_ids) for p in packed],
+            self.positions,
+            self.restart_positions,
+        )
 
 
-def masked_micro_batch(sequences: list[torch.Tensor], document_ids: list[torch.Tensor],
-                       shard: torch.Tensor, restart_positions: bool) -> MicroBatch:
+def masked_micro_batch(
+    sequences: list[torch.Tensor],
+    document_ids: list[torch.Tensor],
+    shard: torch.Tensor,
+    restart_positions: bool,
+) -> MicroBatch:
     """A document-masked micro-batch of whole sequences (seq_len + 1 tokens, with each token's
     document id), at the positions `shard` of this CP rank: document boundaries, targets that
     open the next document ignored, positions restarted per document if asked."""
@@ -152,13 +178,15 @@ def masked_micro_batch(sequences: list[torch.Tensor], document_ids: list[torch.T
         index = torch.arange(seq_len).expand_as(own)
         start = torch.where(opens, index, 0).cummax(dim=1).values
         positions = (index - start)[:, shard].contiguous()
-    return MicroBatch(tokens=inputs[:, shard].contiguous(),
-                      targets=targets[:, shard].contiguous(),
-                      positions=positions, documents=documents)
+    return MicroBatch(
+        tokens=inputs[:, shard].contiguous(),
+        targets=targets[:, shard].contiguous(),
+        positions=positions,
+        documents=documents,
+    )
 
 
-def make_source(data_spec: DataSpec, vocab: int, seq_len: int,
-                seed: int) -> TokenSource:
+def make_source(data_spec: DataSpec, vocab: int, seq_len: int, seed: int) -> TokenSource:
     """The token source the spec's training.data names."""
     if data_spec.source == "text":
         if data_spec.path is None:  # DataSpec refuses this; the check is for the type
@@ -168,6 +196,5 @@ def make_source(data_spec: DataSpec, vocab: int, seq_len: int,
         from ctxlaunch.runtime.data.packing import PackedTokens
 
         paths = data_spec.paths or ([data_spec.path] if data_spec.path else [])
-        return PackedTokens(paths, data_spec.weights, seq_len,
-                            vocab, data_spec.eval_fraction)
+        return PackedTokens(paths, data_spec.weights, seq_len, vocab, data_spec.eval_fraction)
     return SyntheticTokens(vocab, seq_len, seed)

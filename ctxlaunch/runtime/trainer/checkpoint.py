@@ -60,8 +60,10 @@ def out_of_space(exc: BaseException, directory: str | Path) -> bool:
     latest = latest_step(directory)
     needed = 2**20
     if latest is not None:
-        needed = max(needed, sum(f.stat().st_size for f in step_dir(directory, latest).rglob("*")
-                                 if f.is_file()))
+        needed = max(
+            needed,
+            sum(f.stat().st_size for f in step_dir(directory, latest).rglob("*") if f.is_file()),
+        )
     try:
         return free_mib(directory) * 2**20 < needed
     except OSError:
@@ -88,7 +90,8 @@ def check_writable(directory: str | Path, rank: int) -> Path:
     except OSError as exc:
         raise CheckpointDirError(
             f"training.checkpoint.dir {str(path)!r} cannot be written ({exc.strerror or exc}); "
-            "fix the path or its permissions") from None
+            "fix the path or its permissions"
+        ) from None
     return path
 
 

@@ -50,7 +50,9 @@ if TYPE_CHECKING:
 class Engine(Protocol):
     """One rank's side of a training step, whatever keeps the model states."""
 
-    def run_micro_batches(self, batches: list[MicroBatch], predicted_tokens: int) -> list[torch.Tensor]:
+    def run_micro_batches(
+        self, batches: list[MicroBatch], predicted_tokens: int
+    ) -> list[torch.Tensor]:
         """Forward and backward over the step's micro-batches, gradients accumulated; their
         losses (detached) on the ranks that compute a loss (every rank without PP, the last
         stage with it). `predicted_tokens`: the step's count of predicted targets over every
@@ -94,25 +96,31 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices only, never on norm gains."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
-def make_optimizer(model: nn.Module, training: TrainingSpec, fused: bool = False) -> tuple[
-        torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def make_optimizer(
+    model: nn.Module, training: TrainingSpec, fused: bool = False
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW and its warm-up/cosine schedule, from the spec's training section: one fused
     kernel per step with `fused` (training.fused_optimizer), else `foreach`."""
     opt = training.optimizer
     kernel: dict[str, bool] = {"fused": True} if fused else {"foreach": True}
-    optimizer = torch.optim.AdamW(param_groups(model, opt.weight_decay), lr=opt.lr,
-                                  betas=opt.betas, eps=opt.eps, **kernel)
+    optimizer = torch.optim.AdamW(
+        param_groups(model, opt.weight_decay), lr=opt.lr, betas=opt.betas, eps=opt.eps, **kernel
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(training.steps, opt.warmup_steps, opt.min_lr_ratio))
+        optimizer, lr_lambda(training.steps, opt.warmup_steps, opt.min_lr_ratio)
+    )
     return optimizer, scheduler
 
 
-def _all_reduce_buckets(grads: list[torch.Tensor], group: dist.ProcessGroup | None,
-                        divisor: int) -> None:
+def _all_reduce_buckets(
+    grads: list[torch.Tensor], group: dist.ProcessGroup | None, divisor: int
+) -> None:
     """Sum `grads` over `group` in flat buckets of GRAD_BUCKET_ELEMENTS, divided by
     `divisor` (the planner counts one bucket's buffer)."""
     bucket: list[torch.Tensor] = []
@@ -125,7 +133,7 @@ def _all_reduce_buckets(grads: list[torch.Tensor], group: dist.ProcessGroup | No
             flat /= divisor
         offset = 0
         for grad in bucket:
-            grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
 
     for grad in grads:
@@ -160,8 +168,9 @@ class TorchEngine:
     over DP x CP by FSDP2 when `parallelize` wrapped the parts); bf16 compute through
     autocast; the pipeline schedule, or a forward and backward per micro-batch."""
 
-    def __init__(self, parts: ModelParts, spec: JobSpec, ctx: ParallelContext,
-                 device: torch.device):
+    def __init__(
+        self, parts: ModelParts, spec: JobSpec, ctx: ParallelContext, device: torch.device
+    ):
         t = spec.training
         self.parts, self.ctx, self.device, self.plan = parts, ctx, device, parts.plan
         self.grad_accum = spec.grad_accum
@@ -176,33 +185,42 @@ class TorchEngine:
         return self.parts.named_parameters()
 
     # -- a step --------------------------------------------------------------------------------
-    def run_micro_batches(self, batches: list[MicroBatch], predicted_tokens: int) -> list[torch.Tensor]:
-        self.parts.model.loss_divisor = loss_divisor(predicted_tokens, self.ctx.dp * self.ctx.cp,
-                                                     self.grad_accum)
-        autocast = torch.autocast(device_type=self.device.type,
-                                  dtype=self.autocast_dtype or torch.float32,
-                                  enabled=self.autocast_dtype is not None)
+    def run_micro_batches(
+        self, batches: list[MicroBatch], predicted_tokens: int
+    ) -> list[torch.Tensor]:
+        self.parts.model.loss_divisor = loss_divisor(
+            predicted_tokens, self.ctx.dp * self.ctx.cp, self.grad_accum
+        )
+        autocast = torch.autocast(
+            device_type=self.device.type,
+            dtype=self.autocast_dtype or torch.float32,
+            enabled=self.autocast_dtype is not None,
+        )
         schedule = self.parts.schedule
         if schedule is None:
             losses = []
             for batch in batches:
                 with autocast:
-                    loss = self.module(batch.tokens.to(self.device),
-                                       batch.positions.to(self.device),
-                                       batch.targets.to(self.device), batch.documents)
+                    loss = self.module(
+                        batch.tokens.to(self.device),
+                        batch.positions.to(self.device),
+                        batch.targets.to(self.device),
+                        batch.documents,
+                    )
                 (loss / self.grad_accum).backward()
                 losses.append(loss.detach())
             return losses
         for part in self.parts.parts:
             assert isinstance(part, StageModule)  # a schedule runs stages
             part.set_micro_inputs([(b.positions.to(self.device), b.documents) for b in batches])
-        args = ((torch.cat([b.tokens for b in batches]).to(self.device),) if self.parts.first
-                else ())
+        args = (torch.cat([b.tokens for b in batches]).to(self.device),) if self.parts.first else ()
         kwargs: dict[str, Any] = {}
         stage_losses: list[torch.Tensor] = []
         if self.parts.last:
-            kwargs = {"target": torch.cat([b.targets for b in batches]).to(self.device),
-                      "losses": stage_losses}
+            kwargs = {
+                "target": torch.cat([b.targets for b in batches]).to(self.device),
+                "losses": stage_losses,
+            }
         with autocast:
             schedule.step(*args, **kwargs)
         return [loss.detach() for loss in stage_losses]
@@ -210,11 +228,17 @@ class TorchEngine:
     def finish_gradients(self) -> None:
         params = [p for _, p in self.named_parameters() if p.grad is not None]
         if self.ctx.dp_cp_group is not None and not self.parts.sharded:  # FSDP reduce-scattered
-            _all_reduce_buckets([p.grad for p in params if p.grad is not None],
-                                self.ctx.dp_cp_group, self.ctx.dp * self.ctx.cp)
+            _all_reduce_buckets(
+                [p.grad for p in params if p.grad is not None],
+                self.ctx.dp_cp_group,
+                self.ctx.dp * self.ctx.cp,
+            )
         if self.ctx.tp > 1:
-            replicated = [_local(p.grad) for name, p in self.named_parameters()
-                          if self.plan[name] is None and p.grad is not None]
+            replicated = [
+                _local(p.grad)
+                for name, p in self.named_parameters()
+                if self.plan[name] is None and p.grad is not None
+            ]
             if replicated:
                 _all_reduce_buckets(replicated, self.ctx.tp_group, 1)
 
@@ -230,8 +254,11 @@ class TorchEngine:
             else:
                 split = split + square
         total = split + replicated / self.ctx.tp
-        groups = (self.ctx.dp_cp_group if self.parts.sharded else None, self.ctx.tp_group,
-                  self.ctx.pp_group)
+        groups = (
+            self.ctx.dp_cp_group if self.parts.sharded else None,
+            self.ctx.tp_group,
+            self.ctx.pp_group,
+        )
         for group in groups:
             if group is not None:
                 dist.all_reduce(total, group=group)
@@ -254,8 +281,11 @@ class TorchEngine:
 
     # -- checks --------------------------------------------------------------------------------
     def full_gradients(self) -> dict[str, torch.Tensor]:
-        grads = {name: _full(p.grad).detach().cpu().clone()
-                 for name, p in self.named_parameters() if p.grad is not None}
+        grads = {
+            name: _full(p.grad).detach().cpu().clone()
+            for name, p in self.named_parameters()
+            if p.grad is not None
+        }
         if self.ctx.world_size == 1:
             return grads
         mine = grads if self.ctx.dp_rank == 0 and self.ctx.cp_rank == 0 else {}
@@ -270,14 +300,24 @@ class TorchEngine:
         out = {}
         for name, by_rank in pieces.items():
             sharding = self.plan[name]
-            out[name] = (by_rank[0] if sharding is None or self.ctx.tp == 1
-                         else sharding.unshard([by_rank[r] for r in range(self.ctx.tp)]))
+            out[name] = (
+                by_rank[0]
+                if sharding is None or self.ctx.tp == 1
+                else sharding.unshard([by_rank[r] for r in range(self.ctx.tp)])
+            )
         return out
 
     # -- checkpoints: the layout-independent format (reshard.py) -------------------------------
     def _checkpoint(self) -> CheckpointState:
-        return CheckpointState(self.named_parameters(), self.optimizer, self.scheduler,
-                               self.plan, self.ctx.tp, self.ctx.tp_group, self.device)
+        return CheckpointState(
+            self.named_parameters(),
+            self.optimizer,
+            self.scheduler,
+            self.plan,
+            self.ctx.tp,
+            self.ctx.tp_group,
+            self.device,
+        )
 
     def save(self, path: Path) -> None:
         self._checkpoint().save(path)
@@ -291,11 +331,16 @@ def deepspeed_config(spec: JobSpec) -> dict[str, Any]:
     t = spec.training
     zero: dict[str, Any] = {"stage": t.zero_stage}
     if t.zero_stage in (1, 2):
-        zero.update(reduce_bucket_size=ZERO_BUCKET_ELEMENTS,
-                    allgather_bucket_size=ZERO_BUCKET_ELEMENTS, overlap_comm=False)
+        zero.update(
+            reduce_bucket_size=ZERO_BUCKET_ELEMENTS,
+            allgather_bucket_size=ZERO_BUCKET_ELEMENTS,
+            overlap_comm=False,
+        )
     if t.zero_stage == 3:
-        zero.update(stage3_prefetch_bucket_size=ZERO3_PREFETCH_ELEMENTS,
-                    reduce_bucket_size=ZERO_BUCKET_ELEMENTS)
+        zero.update(
+            stage3_prefetch_bucket_size=ZERO3_PREFETCH_ELEMENTS,
+            reduce_bucket_size=ZERO_BUCKET_ELEMENTS,
+        )
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": spec.grad_accum,
@@ -338,16 +383,26 @@ class DeepSpeedEngine:
         model = parts.model
         optimizer, scheduler = make_optimizer(model, t)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler,
-            config=deepspeed_config(spec), dist_init_required=False)
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=deepspeed_config(spec),
+            dist_init_required=False,
+        )
         self.model = self.engine.module
 
-    def run_micro_batches(self, batches: list[MicroBatch], predicted_tokens: int) -> list[torch.Tensor]:
+    def run_micro_batches(
+        self, batches: list[MicroBatch], predicted_tokens: int
+    ) -> list[torch.Tensor]:
         self.model.loss_divisor = loss_divisor(predicted_tokens, self.replicas, self.grad_accum)
         losses = []
         for micro, batch in enumerate(batches):
-            loss = self.engine(batch.tokens.to(self.device), batch.positions.to(self.device),
-                               batch.targets.to(self.device), batch.documents)
+            loss = self.engine(
+                batch.tokens.to(self.device),
+                batch.positions.to(self.device),
+                batch.targets.to(self.device),
+                batch.documents,
+            )
             self.engine.backward(loss)  # scales by 1/grad_accum itself
             if micro < self.grad_accum - 1:
                 self.engine.step()  # not a boundary: only advances DeepSpeed's micro-step count
@@ -360,8 +415,10 @@ class DeepSpeedEngine:
     def full_gradients(self) -> dict[str, torch.Tensor]:
         from deepspeed.utils import safe_get_full_grad
 
-        return {name: safe_get_full_grad(p).detach().float().clone()
-                for name, p in self.model.named_parameters()}
+        return {
+            name: safe_get_full_grad(p).detach().float().clone()
+            for name, p in self.model.named_parameters()
+        }
 
     def apply(self) -> float:
         self.engine.step()
@@ -376,14 +433,18 @@ class DeepSpeedEngine:
 
     def load(self, path: Path) -> None:
         load_path, _ = self.engine.load_checkpoint(
-            str(path.parent), tag=path.name, load_optimizer_states=True,
-            load_lr_scheduler_states=True)
+            str(path.parent),
+            tag=path.name,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+        )
         if load_path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {path}")
 
 
-def make_engine(parts: ModelParts, spec: JobSpec, ctx: ParallelContext,
-                device: torch.device) -> Engine:
+def make_engine(
+    parts: ModelParts, spec: JobSpec, ctx: ParallelContext, device: torch.device
+) -> Engine:
     """The engine `JobSpec.state_engine` names, on the parts `parallelize` built."""
     if spec.state_engine == "deepspeed":
         if dist.is_initialized():

@@ -52,10 +52,13 @@ EVAL_SEQUENCE_OFFSET = 1 << 40
 """Synthetic data has no held-out split: evaluation draws sequences from this index on, which
 no run trains on (a step would need 2^40 sequences before it)."""
 
-PASSKEY_PREFIX = ("There is an important piece of information hidden inside a lot of "
-                  "irrelevant text. Find it and memorize it. I will quiz you about it. ")
-PASSKEY_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There "
-                  "and back again. ")
+PASSKEY_PREFIX = (
+    "There is an important piece of information hidden inside a lot of "
+    "irrelevant text. Find it and memorize it. I will quiz you about it. "
+)
+PASSKEY_FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
 PASSKEY_QUESTION = "What is the pass key? The pass key is"
 
 
@@ -92,16 +95,19 @@ class PasskeyProbe:
         return range(start - 1, len(self.tokens) - 1)
 
 
-def passkey_probe(encode: Callable[[str], list[int]], length: int, depth: float,
-                  key: int) -> PasskeyProbe:
+def passkey_probe(
+    encode: Callable[[str], list[int]], length: int, depth: float, key: int
+) -> PasskeyProbe:
     """A prompt of exactly `length` tokens: instructions, filler with the needle at `depth`
     of it, the question and the answer."""
     prefix, needle = encode(PASSKEY_PREFIX), encode(passkey_needle(key))
     question, answer = encode(PASSKEY_QUESTION), encode(f" {key}")
     room = length - len(prefix) - len(needle) - len(question) - len(answer)
     if room < 0:
-        raise ValueError(f"a passkey prompt needs at least {length - room} tokens with this "
-                         f"tokenizer; training.eval.passkey.lengths has {length}")
+        raise ValueError(
+            f"a passkey prompt needs at least {length - room} tokens with this "
+            f"tokenizer; training.eval.passkey.lengths has {length}"
+        )
     filler_piece = encode(PASSKEY_FILLER)
     filler = (filler_piece * (room // max(len(filler_piece), 1) + 1))[:room]
     before = round(depth * room)
@@ -118,7 +124,8 @@ def passkey_probes(spec: JobSpec, encode: Callable[[str], list[int]]) -> list[Pa
         for depth in e.depths:
             for trial in range(e.trials):
                 key = random.Random(f"{spec.training.seed}/{length}/{depth}/{trial}").randrange(
-                    10_000, 100_000)
+                    10_000, 100_000
+                )
                 probes.append(passkey_probe(encode, length, depth, key))
     return probes
 
@@ -146,15 +153,22 @@ def held_out(spec: JobSpec) -> HeldOut:
     if data.source == "synthetic":
         synthetic = SyntheticTokens(spec.model.vocab, seq_len, t.seed)
         sequences = [synthetic.sequence(EVAL_SEQUENCE_OFFSET + i) for i in range(e.sequences)]
-        return HeldOut(sequences, "synthetic sequences no step trains on", None,
-                       "synthetic tokens carry no text: no passkey probe")
+        return HeldOut(
+            sequences,
+            "synthetic sequences no step trains on",
+            None,
+            "synthetic tokens carry no text: no passkey probe",
+        )
     if data.source == "text":
         assert data.path is not None  # DataSpec requires it
         text = ByteText(data.path, seq_len)
         sequences = [text.sequence(i) for i in range(e.sequences)]
-        return HeldOut(sequences, "the text file's first sequences (byte-level text has no "
-                       "held-out split: these are trained on too)",
-                       lambda s: list(s.encode("utf-8")))
+        return HeldOut(
+            sequences,
+            "the text file's first sequences (byte-level text has no "
+            "held-out split: these are trained on too)",
+            lambda s: list(s.encode("utf-8")),
+        )
     return _held_out_documents(spec)
 
 
@@ -164,26 +178,40 @@ def _held_out_documents(spec: JobSpec) -> HeldOut:
     t, e = spec.training, spec.training.eval
     data, seq_len = t.data, t.seq_len
     if data.eval_fraction <= 0:
-        raise ValueError("training.data.eval_fraction is 0: no documents are held out for "
-                         "evaluation; set it (e.g. 0.01; the split is by a fixed hash of each "
-                         "document's index, so training on the rest never sees them)")
+        raise ValueError(
+            "training.data.eval_fraction is 0: no documents are held out for "
+            "evaluation; set it (e.g. 0.01; the split is by a fixed hash of each "
+            "document's index, so training on the rest never sees them)"
+        )
     paths = data.paths or ([data.path] if data.path else [])
     streams = []
     for path in paths:
         held = list(PackedFile(path, seq_len, data.eval_fraction).eval_documents())
-        tokens = torch.cat([torch.from_numpy(t.astype("int64")) for _, t in held]) \
-            if held else torch.zeros(0, dtype=torch.long)
-        ids = torch.cat([torch.full((len(t),), d, dtype=torch.long) for d, t in held]) \
-            if held else torch.zeros(0, dtype=torch.long)
-        streams.append([(tokens[i: i + seq_len + 1], ids[i: i + seq_len + 1])
-                        for i in range(0, tokens.numel() - seq_len, seq_len)])
+        tokens = (
+            torch.cat([torch.from_numpy(t.astype("int64")) for _, t in held])
+            if held
+            else torch.zeros(0, dtype=torch.long)
+        )
+        ids = (
+            torch.cat([torch.full((len(t),), d, dtype=torch.long) for d, t in held])
+            if held
+            else torch.zeros(0, dtype=torch.long)
+        )
+        streams.append(
+            [
+                (tokens[i : i + seq_len + 1], ids[i : i + seq_len + 1])
+                for i in range(0, tokens.numel() - seq_len, seq_len)
+            ]
+        )
     # Round-robin over the files, up to the count asked for.
     windows = [w for group in _interleave(streams) for w in group][: e.sequences]
     sequences = [tokens for tokens, _ in windows]
     if not sequences:
-        raise ValueError(f"training.data: the held-out documents (eval_fraction "
-                         f"{data.eval_fraction}) hold fewer than seq_len + 1 = {seq_len + 1} "
-                         "tokens; raise eval_fraction or lower training.seq_len")
+        raise ValueError(
+            f"training.data: the held-out documents (eval_fraction "
+            f"{data.eval_fraction}) hold fewer than seq_len + 1 = {seq_len + 1} "
+            "tokens; raise eval_fraction or lower training.seq_len"
+        )
     encode, note = None, None
     if e.tokenizer is None:
         note = "no training.eval.tokenizer: no passkey probe"
@@ -191,12 +219,18 @@ def _held_out_documents(spec: JobSpec) -> HeldOut:
         from ctxlaunch.runtime.data.tokenizers import load_tokenizer
 
         encode = load_tokenizer(e.tokenizer).encode
-    return HeldOut(sequences, f"{len(sequences)} sequences of held-out documents", encode, note,
-                   [ids for _, ids in windows])
+    return HeldOut(
+        sequences,
+        f"{len(sequences)} sequences of held-out documents",
+        encode,
+        note,
+        [ids for _, ids in windows],
+    )
 
 
-def _interleave(streams: list[list[tuple[torch.Tensor, torch.Tensor]]]
-                ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+def _interleave(
+    streams: list[list[tuple[torch.Tensor, torch.Tensor]]],
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     longest = max((len(s) for s in streams), default=0)
     return [[s[i] for s in streams if i < len(s)] for i in range(longest)]
 
@@ -249,19 +283,24 @@ class EvalResult:
 
     def lines(self) -> list[str]:
         """The result as a table for the console."""
-        out = [f"held-out loss {self.loss:.4f} (perplexity {self.perplexity:.2f}) over "
-               f"{self.tokens:,} tokens in {self.sequences} sequences ({self.data})",
-               "context length      tokens      loss   perplexity"]
+        out = [
+            f"held-out loss {self.loss:.4f} (perplexity {self.perplexity:.2f}) over "
+            f"{self.tokens:,} tokens in {self.sequences} sequences ({self.data})",
+            "context length      tokens      loss   perplexity",
+        ]
         for b in self.buckets:
-            out.append(f"{b.start:>7,} - {b.stop:<8,} {b.tokens:>9,}  {b.loss:8.4f}  "
-                       f"{b.perplexity:11.2f}")
+            out.append(
+                f"{b.start:>7,} - {b.stop:<8,} {b.tokens:>9,}  {b.loss:8.4f}  {b.perplexity:11.2f}"
+            )
         if self.passkey:
             depths = sorted({c.depth for c in self.passkey})
             out.append("passkey retrieved (per depth)  " + "  ".join(f"{d:>5.2f}" for d in depths))
             for length in sorted({c.length for c in self.passkey}):
                 row = {c.depth: c for c in self.passkey if c.length == length}
-                out.append(f"  length {length:>8,}             " + "  ".join(
-                    f"{row[d].retrieved:>2}/{row[d].trials:<2}" for d in depths))
+                out.append(
+                    f"  length {length:>8,}             "
+                    + "  ".join(f"{row[d].retrieved:>2}/{row[d].trials:<2}" for d in depths)
+                )
         elif self.passkey_note:
             out.append(f"passkey: {self.passkey_note}")
         return out
@@ -272,12 +311,15 @@ class Evaluator:
     """Scores the held-out sequences and the passkey probes with `model` (this rank's part of
     it, at the context's layout)."""
 
-    def __init__(self, spec: JobSpec, ctx: ParallelContext, model: Transformer,
-                 device: torch.device):
+    def __init__(
+        self, spec: JobSpec, ctx: ParallelContext, model: Transformer, device: torch.device
+    ):
         if ctx.pp > 1:
-            raise ValueError("evaluation runs forward only without a pipeline schedule: it "
-                             "needs parallel.pp = 1 (checkpoints load at any layout: --set "
-                             "parallel.pp=1)")
+            raise ValueError(
+                "evaluation runs forward only without a pipeline schedule: it "
+                "needs parallel.pp = 1 (checkpoints load at any layout: --set "
+                "parallel.pp=1)"
+            )
         self.spec, self.ctx, self.model, self.device = spec, ctx, model, device
         t = spec.training
         self.seq_len = t.seq_len
@@ -299,31 +341,48 @@ class Evaluator:
         """The items this DP replica scores, None for the padding forwards that keep every
         replica at the same count."""
         per_replica = -(-count // self.ctx.dp)
-        return [i if i < count else None
-                for i in range(self.ctx.dp_rank, per_replica * self.ctx.dp, self.ctx.dp)]
+        return [
+            i if i < count else None
+            for i in range(self.ctx.dp_rank, per_replica * self.ctx.dp, self.ctx.dp)
+        ]
 
-    def _score(self, sequence: torch.Tensor, document_ids: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _score(
+        self, sequence: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-token (loss, hit, predicted, context length) of this rank's shard of one
         sequence; under a document mask attention stays in each document, the targets that
         open the next are not predicted, and context lengths restart (restart_positions)."""
         from ctxlaunch.runtime.trainer.batches import MicroBatch, masked_micro_batch
 
         if document_ids is not None:
-            batch = masked_micro_batch([sequence], [document_ids], self.positions,
-                                       self.restart_positions)
+            batch = masked_micro_batch(
+                [sequence], [document_ids], self.positions, self.restart_positions
+            )
         else:
-            batch = MicroBatch(tokens=sequence[:-1][self.positions].unsqueeze(0),
-                               targets=sequence[1:][self.positions].unsqueeze(0),
-                               positions=self.positions)
-        autocast = torch.autocast(device_type=self.device.type,
-                                  dtype=self.autocast_dtype or torch.float32,
-                                  enabled=self.autocast_dtype is not None)
+            batch = MicroBatch(
+                tokens=sequence[:-1][self.positions].unsqueeze(0),
+                targets=sequence[1:][self.positions].unsqueeze(0),
+                positions=self.positions,
+            )
+        autocast = torch.autocast(
+            device_type=self.device.type,
+            dtype=self.autocast_dtype or torch.float32,
+            enabled=self.autocast_dtype is not None,
+        )
         with torch.no_grad(), autocast:
-            loss, hit = self.model(batch.tokens.to(self.device), batch.positions.to(self.device),
-                                   batch.targets.to(self.device), batch.documents, scores=True)
-        return (loss.float().cpu(), hit.cpu(), batch.targets.flatten() != -100,
-                batch.positions.flatten())
+            loss, hit = self.model(
+                batch.tokens.to(self.device),
+                batch.positions.to(self.device),
+                batch.targets.to(self.device),
+                batch.documents,
+                scores=True,
+            )
+        return (
+            loss.float().cpu(),
+            hit.cpu(),
+            batch.targets.flatten() != -100,
+            batch.positions.flatten(),
+        )
 
     def _padded(self, tokens: list[int]) -> torch.Tensor:
         """A probe's prompt padded with filler after the answer to seq_len + 1 (causal: what
@@ -340,7 +399,8 @@ class Evaluator:
             chosen = index if index is not None else 0
             loss, _, predicted, context = self._score(
                 self.sequences[chosen],
-                self.document_ids[chosen] if self.document_ids is not None else None)
+                self.document_ids[chosen] if self.document_ids is not None else None,
+            )
             if index is not None and counts:
                 bucket_of = torch.bucketize(context, edges, right=True)
                 sums[0].index_add_(0, bucket_of, (loss * predicted).double())
@@ -357,41 +417,65 @@ class Evaluator:
             packed = torch.cat([sums.flatten(), probe_sums.flatten()])
             dist.all_reduce(packed)
             sums = packed[: sums.numel()].view_as(sums)
-            probe_sums = packed[sums.numel():].view_as(probe_sums)
+            probe_sums = packed[sums.numel() :].view_as(probe_sums)
         return self._result(step, sums, probe_sums)
 
-    def _result(self, step: int | None, sums: torch.Tensor,
-                probe_sums: torch.Tensor) -> EvalResult:
+    def _result(self, step: int | None, sums: torch.Tensor, probe_sums: torch.Tensor) -> EvalResult:
         buckets = []
         for i in range(len(self.edges) - 1):
             tokens = int(sums[1, i])
             loss = float(sums[0, i]) / tokens if tokens else float("nan")
-            buckets.append(Bucket(self.edges[i], self.edges[i + 1], tokens, loss,
-                                  math.exp(min(loss, 700.0)) if tokens else float("nan")))
+            buckets.append(
+                Bucket(
+                    self.edges[i],
+                    self.edges[i + 1],
+                    tokens,
+                    loss,
+                    math.exp(min(loss, 700.0)) if tokens else float("nan"),
+                )
+            )
         total = int(sums[1].sum())
         loss = float(sums[0].sum()) / total if total else float("nan")
         cells = []
         for length, depth in dict.fromkeys((p.length, p.depth) for p in self.probes):
-            members = [i for i, p in enumerate(self.probes) if (p.length, p.depth) == (length, depth)]
+            members = [
+                i for i, p in enumerate(self.probes) if (p.length, p.depth) == (length, depth)
+            ]
             hits, answers = probe_sums[0, members], probe_sums[1, members]
-            cells.append(PasskeyCell(length, depth, len(members),
-                                     int(((hits == answers) & (answers > 0)).sum()),
-                                     float(hits.sum() / answers.sum()) if answers.sum() else 0.0))
-        return EvalResult(step=step, sequences=len(self.sequences), tokens=total, loss=loss,
-                          perplexity=math.exp(min(loss, 700.0)), buckets=buckets,
-                          passkey=cells, passkey_note=self.passkey_note, data=self.data)
+            cells.append(
+                PasskeyCell(
+                    length,
+                    depth,
+                    len(members),
+                    int(((hits == answers) & (answers > 0)).sum()),
+                    float(hits.sum() / answers.sum()) if answers.sum() else 0.0,
+                )
+            )
+        return EvalResult(
+            step=step,
+            sequences=len(self.sequences),
+            tokens=total,
+            loss=loss,
+            perplexity=math.exp(min(loss, 700.0)),
+            buckets=buckets,
+            passkey=cells,
+            passkey_note=self.passkey_note,
+            data=self.data,
+        )
 
 
 # -- one rank of `ctxlaunch eval` ---------------------------------------------------------------
-def load_weights(parts: Any, spec: JobSpec, ctx: ParallelContext, device: torch.device,
-                 path: Path) -> None:
+def load_weights(
+    parts: Any, spec: JobSpec, ctx: ParallelContext, device: torch.device, path: Path
+) -> None:
     """This rank's weights from a checkpoint: the layout-independent DCP format at any layout,
     or a DeepSpeed checkpoint (consolidated by DeepSpeed's own zero_to_fp32)."""
     if (path / ".metadata").is_file():
         from ctxlaunch.runtime.trainer.reshard import CheckpointState
 
-        CheckpointState(parts.named_parameters(), None, None, parts.plan, ctx.tp,
-                        ctx.tp_group, device).load(path)
+        CheckpointState(
+            parts.named_parameters(), None, None, parts.plan, ctx.tp, ctx.tp_group, device
+        ).load(path)
         return
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -402,8 +486,9 @@ def load_weights(parts: Any, spec: JobSpec, ctx: ParallelContext, device: torch.
     with torch.no_grad():
         for name, param in parts.named_parameters():
             if name not in state:
-                raise ValueError(f"checkpoint {path} has no weight {name!r}: it was saved by "
-                                 "a different model")
+                raise ValueError(
+                    f"checkpoint {path} has no weight {name!r}: it was saved by a different model"
+                )
             write_local(param, state[name].to(param.dtype))
 
 
@@ -419,14 +504,18 @@ def checkpoint_to_load(spec: JobSpec, given: str | None) -> Path:
     directory = spec.training.checkpoint.dir
     step = checkpoint.latest_step(directory)
     if directory is None or step is None:
-        raise ValueError(f"no checkpoint to evaluate: training.checkpoint.dir is {directory!r} "
-                         f"and holds no committed step; train first or pass --checkpoint")
+        raise ValueError(
+            f"no checkpoint to evaluate: training.checkpoint.dir is {directory!r} "
+            f"and holds no committed step; train first or pass --checkpoint"
+        )
     return checkpoint.step_dir(directory, step)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ctxlaunch.runtime.trainer.evaluate",
-                                     description="One rank of `ctxlaunch eval`.")
+    parser = argparse.ArgumentParser(
+        prog="python -m ctxlaunch.runtime.trainer.evaluate",
+        description="One rank of `ctxlaunch eval`.",
+    )
     parser.add_argument("spec", nargs="?", help="job spec; default: $CTXLAUNCH_SPEC_JSON")
     parser.add_argument("--set", "-s", dest="overrides", action="append", default=[])
     parser.add_argument("--checkpoint", help="the checkpoint step directory to load")
@@ -456,8 +545,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exitcodes.BAD_INPUT
     if denv.rank == 0:
         out = Path(args.out)
-        with tempfile.NamedTemporaryFile("w", dir=out.parent, delete=False,
-                                         suffix=".tmp") as handle:
+        with tempfile.NamedTemporaryFile(
+            "w", dir=out.parent, delete=False, suffix=".tmp"
+        ) as handle:
             json.dump({"checkpoint": str(path), **result.to_dict()}, handle, indent=2)
         os.replace(handle.name, out)
     return exitcodes.OK

@@ -30,12 +30,18 @@ def attention_block_shape(spec: JobSpec, ctx: ParallelContext) -> tuple[int, int
     block = spec.training.seq_len // ring
     if ring > 1 and ctx.cp_sharding == "zigzag":
         block //= 2
-    return (spec.training.micro_batch, max(m.heads // split, 1), max(m.kv_heads // split, 1),
-            block, m.hidden // m.heads)
+    return (
+        spec.training.micro_batch,
+        max(m.heads // split, 1),
+        max(m.kv_heads // split, 1),
+        block,
+        m.hidden // m.heads,
+    )
 
 
-def choose_attention_kernel(spec: JobSpec, ctx: ParallelContext,
-                            device: torch.device) -> KernelChoice:
+def choose_attention_kernel(
+    spec: JobSpec, ctx: ParallelContext, device: torch.device
+) -> KernelChoice:
     """Measure the attention kernels at this rank's block shape (`ctxlaunch.cp.kernel_choice`)
     and use rank 0's choice on every rank, so that every rank runs the same kernel."""
     from ctxlaunch.cp import kernels
@@ -57,6 +63,8 @@ def describe(spec: JobSpec, device: torch.device, attention: KernelChoice) -> st
     """The run's first log line's account of the fast paths on `device`."""
     t = spec.training
     fused = resolve(t.fused_optimizer, device) and spec.state_engine != "deepspeed"
-    return (f"attention {attention.describe()}, compile "
-            f"{'on' if resolve(t.compile, device) else 'off'}, AdamW "
-            f"{'fused' if fused else 'foreach'}")
+    return (
+        f"attention {attention.describe()}, compile "
+        f"{'on' if resolve(t.compile, device) else 'off'}, AdamW "
+        f"{'fused' if fused else 'foreach'}"
+    )

@@ -39,11 +39,11 @@ class Fault:
             return
         if self.kind == "oom":
             raise torch.OutOfMemoryError(
-                f"injected by {ENV}: simulated allocation failure on rank {rank} at step {step}")
+                f"injected by {ENV}: simulated allocation failure on rank {rank} at step {step}"
+            )
         if self.kind == "error":
             raise RuntimeError(f"injected by {ENV}: failure on rank {rank} at step {step}")
         os.kill(os.getpid(), signal.SIGKILL)
-
 
     def maybe_fire_in_save(self, rank: int, step: int) -> None:
         """Called between writing the checkpoint of `step` and committing it."""
@@ -59,5 +59,9 @@ def from_env(env: dict[str, str] | None = None) -> Fault | None:
     kind = fields.get("kind", "")
     if kind not in KINDS:
         raise ValueError(f"{ENV}={text!r}: kind must be one of {', '.join(KINDS)}")
-    return Fault(kind=kind, rank=int(fields.get("rank", "0")), step=int(fields.get("step", "1")),
-                 seconds=float(fields.get("seconds", "0")))
+    return Fault(
+        kind=kind,
+        rank=int(fields.get("rank", "0")),
+        step=int(fields.get("step", "1")),
+        seconds=float(fields.get("seconds", "0")),
+    )

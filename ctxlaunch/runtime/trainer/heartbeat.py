@@ -61,6 +61,9 @@ def describe_hang(run_dir: Path, rank: int, world_size: int, timeout_seconds: in
         return None
     names = ", ".join(
         f"rank {r} ({'no heartbeat' if age == float('inf') else f'silent {age:.0f} s'})"
-        for r, age in sorted(stale.items()))
-    return (f"{names} hung: stopped or stuck, not dead; rank {rank} gave up waiting for it after "
-            f"the collective timeout (training.timeout_seconds = {timeout_seconds})")
+        for r, age in sorted(stale.items())
+    )
+    return (
+        f"{names} hung: stopped or stuck, not dead; rank {rank} gave up waiting for it after "
+        f"the collective timeout (training.timeout_seconds = {timeout_seconds})"
+    )

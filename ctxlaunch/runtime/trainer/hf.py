@@ -42,22 +42,33 @@ from ctxlaunch.runtime.trainer.tensor_parallel import Sharding
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "generation_config.json",
+)
 """Copied from the init_from directory into an export, when there."""
 
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
 _BLOCK_PARTS: dict[str, tuple[str, ...]] = {
     "attn_norm.weight": ("input_layernorm.weight",),
-    "attn.wqkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                         "self_attn.v_proj.weight"),
+    "attn.wqkv.weight": (
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+    ),
     "attn.wo.weight": ("self_attn.o_proj.weight",),
     "ffn_norm.weight": ("post_attention_layernorm.weight",),
     "ffn.w_gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "ffn.w_down.weight": ("mlp.down_proj.weight",),
 }
-_TOP: dict[str, str] = {"embed.weight": "model.embed_tokens.weight",
-                        "norm.weight": "model.norm.weight", "head.weight": "lm_head.weight"}
+_TOP: dict[str, str] = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "head.weight": "lm_head.weight",
+}
 
 
 class HFCheckpointError(RuntimeError):
@@ -71,8 +82,9 @@ def hf_names(name: str) -> tuple[str, ...]:
         return (_TOP[name],)
     match = _BLOCK.match(name)
     if match and match.group(2) in _BLOCK_PARTS:
-        return tuple(f"model.layers.{match.group(1)}.{part}"
-                     for part in _BLOCK_PARTS[match.group(2)])
+        return tuple(
+            f"model.layers.{match.group(1)}.{part}" for part in _BLOCK_PARTS[match.group(2)]
+        )
     raise KeyError(f"no Hugging Face name for parameter {name!r}")
 
 
@@ -103,8 +115,9 @@ class SafetensorsCheckpoint:
             except (OSError, ValueError, KeyError) as exc:
                 raise HFCheckpointError(f"cannot read {index}: {exc}") from None
         else:
-            raise HFCheckpointError(f"model.init_from: {self.directory} holds neither "
-                                    f"{SINGLE_FILE} nor {INDEX_FILE}")
+            raise HFCheckpointError(
+                f"model.init_from: {self.directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}"
+            )
         self._handles: dict[str, Any] = {}
 
     def _slice(self, hf_name: str) -> Any:
@@ -120,13 +133,14 @@ class SafetensorsCheckpoint:
     def shape(self, hf_name: str) -> tuple[int, ...]:
         return tuple(self._slice(hf_name).get_shape())
 
-    def read(self, hf_name: str, rows: tuple[int, int],
-             cols: tuple[int, int] | None = None) -> torch.Tensor:
+    def read(
+        self, hf_name: str, rows: tuple[int, int], cols: tuple[int, int] | None = None
+    ) -> torch.Tensor:
         """Rows [start, stop) (and columns, if given) of one tensor, read from disk alone."""
         piece = self._slice(hf_name)
         if cols is None:
-            return piece[rows[0]:rows[1]]
-        return piece[rows[0]:rows[1], cols[0]:cols[1]]
+            return piece[rows[0] : rows[1]]
+        return piece[rows[0] : rows[1], cols[0] : cols[1]]
 
     def dtype(self) -> torch.dtype:
         """The dtype of the checkpoint's tensors (of its embedding)."""
@@ -136,8 +150,9 @@ class SafetensorsCheckpoint:
         self._handles.clear()
 
 
-def check_shapes(checkpoint: SafetensorsCheckpoint, shapes: dict[str, torch.Size],
-                 model: ModelSpec) -> None:
+def check_shapes(
+    checkpoint: SafetensorsCheckpoint, shapes: dict[str, torch.Size], model: ModelSpec
+) -> None:
     """Every parameter's parts are in the checkpoint with the shapes the spec implies."""
     for name, shape in shapes.items():
         sizes = part_sizes(name, model) or (shape[0],)
@@ -145,13 +160,21 @@ def check_shapes(checkpoint: SafetensorsCheckpoint, shapes: dict[str, torch.Size
             want = (rows, *shape[1:])
             got = checkpoint.shape(hf_name)
             if got != want:
-                raise HFCheckpointError(f"{checkpoint.directory}: {hf_name} has shape "
-                                        f"{list(got)}, the model needs {list(want)}")
+                raise HFCheckpointError(
+                    f"{checkpoint.directory}: {hf_name} has shape "
+                    f"{list(got)}, the model needs {list(want)}"
+                )
 
 
-def read_local(checkpoint: SafetensorsCheckpoint, name: str, full_shape: torch.Size,
-               sharding: Sharding | None, tp: int, tp_rank: int,
-               rows: tuple[int, int]) -> torch.Tensor:
+def read_local(
+    checkpoint: SafetensorsCheckpoint,
+    name: str,
+    full_shape: torch.Size,
+    sharding: Sharding | None,
+    tp: int,
+    tp_rank: int,
+    rows: tuple[int, int],
+) -> torch.Tensor:
     """Rows [start, stop) of this TP rank's slice of parameter `name` (the rows it keeps
     under FSDP2), read from the checkpoint without reading the rest."""
     parts = hf_names(name)
@@ -186,8 +209,13 @@ def to_hf(state: dict[str, torch.Tensor], model: ModelSpec) -> dict[str, torch.T
     return out
 
 
-def hf_config(model: ModelSpec, *, dtype: torch.dtype, max_positions: int | None,
-              base: dict[str, Any] | None = None) -> dict[str, Any]:
+def hf_config(
+    model: ModelSpec,
+    *,
+    dtype: torch.dtype,
+    max_positions: int | None,
+    base: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """config.json of a LlamaForCausalLM with the spec's shape and RoPE (rope_theta and
     rope_scaling, the spelling transformers 4.x and 5.x both read). Keys of `base` (the
     init_from config: token ids and the like) are kept unless the model decides them."""
@@ -197,18 +225,30 @@ def hf_config(model: ModelSpec, *, dtype: torch.dtype, max_positions: int | None
     if not isinstance(scaling, DefaultRope):
         rope = scaling.model_dump(exclude_none=True)
         rope["rope_type"] = rope.pop("type")
-    positions = max(filter(None, (config.get("max_position_embeddings"), max_positions)),
-                    default=None)
-    config.update({
-        "architectures": [LLAMA_ARCHITECTURE], "model_type": "llama",
-        "vocab_size": model.vocab, "hidden_size": model.hidden,
-        "intermediate_size": model.ffn_hidden, "num_hidden_layers": model.layers,
-        "num_attention_heads": model.heads, "num_key_value_heads": model.kv_heads,
-        "head_dim": model.head_dim, "hidden_act": "silu", "rms_norm_eps": model.norm_eps,
-        "rope_theta": model.rope_theta, "rope_scaling": rope,
-        "tie_word_embeddings": model.tie_embeddings, "attention_bias": False,
-        "mlp_bias": False, "torch_dtype": str(dtype).removeprefix("torch."),
-    })
+    positions = max(
+        filter(None, (config.get("max_position_embeddings"), max_positions)), default=None
+    )
+    config.update(
+        {
+            "architectures": [LLAMA_ARCHITECTURE],
+            "model_type": "llama",
+            "vocab_size": model.vocab,
+            "hidden_size": model.hidden,
+            "intermediate_size": model.ffn_hidden,
+            "num_hidden_layers": model.layers,
+            "num_attention_heads": model.heads,
+            "num_key_value_heads": model.kv_heads,
+            "head_dim": model.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": model.norm_eps,
+            "rope_theta": model.rope_theta,
+            "rope_scaling": rope,
+            "tie_word_embeddings": model.tie_embeddings,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": str(dtype).removeprefix("torch."),
+        }
+    )
     if isinstance(scaling, YarnRope):
         # transformers checks YaRN's factor against max_position_embeddings / the original
         # length: the stretched context is the model's maximum.
@@ -231,9 +271,15 @@ def _shards(tensors: dict[str, torch.Tensor], shard_bytes: int) -> list[dict[str
     return shards
 
 
-def write_hf(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], *,
-             shard_bytes: int, tokenizer_from: Path | None = None,
-             tokenizer_file: tuple[Path, str] | None = None) -> list[str]:
+def write_hf(
+    out: Path,
+    tensors: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    *,
+    shard_bytes: int,
+    tokenizer_from: Path | None = None,
+    tokenizer_file: tuple[Path, str] | None = None,
+) -> list[str]:
     """Write a Hugging Face directory at `out` (which must not exist): config.json, the
     safetensors shards and their index, the tokenizer files of `tokenizer_from` and
     `tokenizer_file` (a file and the name it takes in `out`). Written
@@ -291,9 +337,11 @@ def read_dcp_weights(path: Path) -> dict[str, torch.Tensor]:
 
     reader = dcp.FileSystemReader(str(path))
     metadata = reader.read_metadata()
-    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in metadata.state_dict_metadata.items()
-             if key.startswith("model/") and isinstance(meta, TensorStorageMetadata)}
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model/") and isinstance(meta, TensorStorageMetadata)
+    }
     if not state:
         raise HFCheckpointError(f"{path}: no model weights in this checkpoint")
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
@@ -303,8 +351,10 @@ def read_dcp_weights(path: Path) -> dict[str, torch.Tensor]:
     for key, tensor in state.items():
         name, index = _whole_name(key)
         parts.setdefault(name, {})[index] = tensor
-    return {name: torch.cat([by_index[i] for i in sorted(by_index)], dim=_dim_of(name))
-            for name, by_index in sorted(parts.items())}
+    return {
+        name: torch.cat([by_index[i] for i in sorted(by_index)], dim=_dim_of(name))
+        for name, by_index in sorted(parts.items())
+    }
 
 
 def read_deepspeed_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -321,8 +371,10 @@ def read_training_weights(path: Path) -> dict[str, torch.Tensor]:
         return read_dcp_weights(path)
     if any(path.glob("*model_states.pt")):
         return read_deepspeed_weights(path)
-    raise HFCheckpointError(f"{path} is not a ctxlaunch checkpoint (no torch.distributed."
-                            "checkpoint .metadata, no DeepSpeed *model_states.pt)")
+    raise HFCheckpointError(
+        f"{path} is not a ctxlaunch checkpoint (no torch.distributed."
+        "checkpoint .metadata, no DeepSpeed *model_states.pt)"
+    )
 
 
 def export_dtype(name: str, model: ModelSpec, saved: torch.dtype) -> torch.dtype:
@@ -355,8 +407,10 @@ def resolve_step_dir(path: Path) -> Path:
         return path
     step = latest_step(path)
     if step is None:
-        raise HFCheckpointError(f"{path} is neither a committed checkpoint (no {MARKER}) nor a "
-                                "checkpoint directory with one")
+        raise HFCheckpointError(
+            f"{path} is neither a committed checkpoint (no {MARKER}) nor a "
+            "checkpoint directory with one"
+        )
     return step_dir(path, step)
 
 
@@ -370,9 +424,15 @@ def saved_info(step: Path) -> dict[str, Any]:
         raise HFCheckpointError(f"cannot read {step / MARKER}: {exc}") from None
 
 
-def export(checkpoint: Path, out: Path, *, model: ModelSpec | None = None,
-           dtype: str = "auto", shard_bytes: int = 5 * 2**30,
-           tokenizer: Path | None = None) -> tuple[Path, list[str]]:
+def export(
+    checkpoint: Path,
+    out: Path,
+    *,
+    model: ModelSpec | None = None,
+    dtype: str = "auto",
+    shard_bytes: int = 5 * 2**30,
+    tokenizer: Path | None = None,
+) -> tuple[Path, list[str]]:
     """Write the checkpoint (a step directory, or the newest under a checkpoint directory) as
     a Hugging Face Llama directory at `out`. The model section is `model`, else the one the
     trainer stored with the checkpoint. The tokenizer files are the init_from directory's, and
@@ -384,14 +444,18 @@ def export(checkpoint: Path, out: Path, *, model: ModelSpec | None = None,
 
         loaded = load_tokenizer(tokenizer)  # TokenizerError (a ValueError) names the problem
         tokenizer_vocab = loaded.vocab_size
-        tokenizer_file = (loaded.path, "tokenizer.json" if loaded.kind == "huggingface"
-                          else "tokenizer.model")
+        tokenizer_file = (
+            loaded.path,
+            "tokenizer.json" if loaded.kind == "huggingface" else "tokenizer.model",
+        )
     step = resolve_step_dir(Path(checkpoint))
     info = saved_info(step)
     if model is None:
         if "model" not in info:
-            raise HFCheckpointError(f"{step} does not record its model (written before ctxlaunch "
-                                    "stored it); pass --spec with the spec it was trained with")
+            raise HFCheckpointError(
+                f"{step} does not record its model (written before ctxlaunch "
+                "stored it); pass --spec with the spec it was trained with"
+            )
         data = dict(info["model"])
         if data.get("init_from") and not Path(data["init_from"], CONFIG_FILE).is_file():
             # Moved or deleted since: the stored section is resolved, so it stands without it
@@ -399,26 +463,38 @@ def export(checkpoint: Path, out: Path, *, model: ModelSpec | None = None,
             data["init_from"] = None
         model = ModelSpec.model_validate(data)
     if tokenizer_file is not None and tokenizer_vocab > model.vocab:
-        raise HFCheckpointError(f"--tokenizer {tokenizer}: {tokenizer_vocab} ids, more than "
-                                f"the model's vocab {model.vocab}")
+        raise HFCheckpointError(
+            f"--tokenizer {tokenizer}: {tokenizer_vocab} ids, more than "
+            f"the model's vocab {model.vocab}"
+        )
     weights = read_training_weights(step)
     expected = _expected_shapes(model)
     if set(weights) != set(expected):
         missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-        raise HFCheckpointError(f"{step} does not hold the model described: missing "
-                                f"{missing[:5]}, unexpected {extra[:5]}")
+        raise HFCheckpointError(
+            f"{step} does not hold the model described: missing "
+            f"{missing[:5]}, unexpected {extra[:5]}"
+        )
     for name, shape in expected.items():
         if tuple(weights[name].shape) != shape:
-            raise HFCheckpointError(f"{step} does not hold the model described: {name} is "
-                                    f"{list(weights[name].shape)}, the model needs {list(shape)}")
+            raise HFCheckpointError(
+                f"{step} does not hold the model described: {name} is "
+                f"{list(weights[name].shape)}, the model needs {list(shape)}"
+            )
     saved = next(iter(weights.values())).dtype
     target = export_dtype(dtype, model, saved)
     tensors = {k: v.to(target) for k, v in to_hf(weights, model).items()}
     base = init_from_config(model)
     config = hf_config(model, dtype=target, max_positions=info.get("seq_len"), base=base)
     tokenizer_dir = Path(model.init_from) if base is not None and model.init_from else None
-    return step, write_hf(out, tensors, config, shard_bytes=shard_bytes,
-                          tokenizer_from=tokenizer_dir, tokenizer_file=tokenizer_file)
+    return step, write_hf(
+        out,
+        tensors,
+        config,
+        shard_bytes=shard_bytes,
+        tokenizer_from=tokenizer_dir,
+        tokenizer_file=tokenizer_file,
+    )
 
 
 def _expected_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -426,10 +502,14 @@ def _expected_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (v, h), "norm.weight": (h,)}
     if not model.tie_embeddings:
         shapes["head.weight"] = (v, h)
-    block = {"attn_norm.weight": (h,), "ffn_norm.weight": (h,),
-             "attn.wqkv.weight": (model.heads * model.head_dim + 2 * model.kv_hidden, h),
-             "attn.wo.weight": (h, model.heads * model.head_dim),
-             "ffn.w_gate_up.weight": (2 * f, h), "ffn.w_down.weight": (h, f)}
+    block = {
+        "attn_norm.weight": (h,),
+        "ffn_norm.weight": (h,),
+        "attn.wqkv.weight": (model.heads * model.head_dim + 2 * model.kv_hidden, h),
+        "attn.wo.weight": (h, model.heads * model.head_dim),
+        "ffn.w_gate_up.weight": (2 * f, h),
+        "ffn.w_down.weight": (h, f),
+    }
     for i in range(model.layers):
         shapes |= {f"blocks.{i}.{leaf}": shape for leaf, shape in block.items()}
     return shapes

@@ -59,8 +59,14 @@ def peak_memory_bytes(device: torch.device) -> int:
 class Trainer:
     """Builds the model, the engine and the data for one rank, and runs the steps."""
 
-    def __init__(self, spec: JobSpec, ctx: ParallelContext, device: torch.device,
-                 run_dir: Path | None = None, log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        spec: JobSpec,
+        ctx: ParallelContext,
+        device: torch.device,
+        run_dir: Path | None = None,
+        log: Callable[[str], None] = print,
+    ):
         self.spec, self.ctx, self.device, self.log = spec, ctx, device, log
         self.run_dir = run_dir
         t = spec.training
@@ -68,29 +74,38 @@ class Trainer:
         model_module.set_compiled(fastpath.resolve(t.compile, device))
         with torch.device("meta"):  # parallelize materialises only this rank's share
             model = Transformer.from_spec(spec.model)
-        parts = parallelize(model, ctx=ctx, settings=ParallelSettings.from_spec(spec),
-                            device=device)
+        parts = parallelize(
+            model, ctx=ctx, settings=ParallelSettings.from_spec(spec), device=device
+        )
         self.engine: Engine = make_engine(parts, spec, ctx, device)
         self.batches = Batches(
-            make_source(t.data, spec.model.vocab, t.seq_len, t.seed), seq_len=t.seq_len,
-            micro_batch=t.micro_batch, global_batch=spec.global_batch, dp=ctx.dp,
-            dp_rank=ctx.dp_rank, cp=ctx.cp, cp_rank=ctx.cp_rank, cp_sharding=ctx.cp_sharding,
-            document_mask=t.data.document_mask, restart_positions=t.data.restart_positions)
+            make_source(t.data, spec.model.vocab, t.seq_len, t.seed),
+            seq_len=t.seq_len,
+            micro_batch=t.micro_batch,
+            global_batch=spec.global_batch,
+            dp=ctx.dp,
+            dp_rank=ctx.dp_rank,
+            cp=ctx.cp,
+            cp_rank=ctx.cp_rank,
+            cp_sharding=ctx.cp_sharding,
+            document_mask=t.data.document_mask,
+            restart_positions=t.data.restart_positions,
+        )
         self.evaluator = None
         if t.eval.interval:
             from ctxlaunch.runtime.trainer.evaluate import Evaluator
 
             self.evaluator = Evaluator(spec, ctx, parts.model, device)
         self.tokens_per_gpu = spec.tokens_per_step / ctx.world_size
-        self.flops_per_token = {c: flops_per_token(spec.model, t.seq_len, c)
-                                for c in ("full", "causal")}
+        self.flops_per_token = {
+            c: flops_per_token(spec.model, t.seq_len, c) for c in ("full", "causal")
+        }
         self.step = 0
         self._stop_agreed = False
         self.fault = faults.from_env()
 
     # -- one step ------------------------------------------------------------------------------
-    def train_step(self, on_gradients: Callable[[Engine], object] | None = None
-                   ) -> StepMetrics:
+    def train_step(self, on_gradients: Callable[[Engine], object] | None = None) -> StepMetrics:
         """Forward and backward over the step's micro-batches, average the gradients over the
         job, update. `on_gradients(engine)` runs between the two (checks read gradients)."""
         if self.fault is not None:
@@ -104,24 +119,33 @@ class Trainer:
             on_gradients(self.engine)
         norm = self.engine.apply()
         lr = self.engine.lr()
-        local = (torch.stack(losses).float().mean() if losses
-                 else torch.zeros((), device=self.device))
+        local = (
+            torch.stack(losses).float().mean() if losses else torch.zeros((), device=self.device)
+        )
         # The step's one host synchronisation: the loss and the gradient norm read together.
-        host = torch.stack([local.detach().float(),
-                            torch.as_tensor(norm, dtype=torch.float32, device=local.device)]
-                           ).cpu()
+        host = torch.stack(
+            [
+                local.detach().float(),
+                torch.as_tensor(norm, dtype=torch.float32, device=local.device),
+            ]
+        ).cpu()
         grad_norm = float(host[1])
         loss, self._stop_agreed = self._reduce(host[0])
         seconds = time.perf_counter() - start
         self.step += 1
         tokens_per_second = self.tokens_per_gpu / seconds
         return StepMetrics(
-            step=self.step, loss=loss, step_seconds=seconds,
+            step=self.step,
+            loss=loss,
+            step_seconds=seconds,
             tokens_per_second_per_gpu=tokens_per_second,
             model_tflops_per_gpu_full=tokens_per_second * self.flops_per_token["full"] / 1e12,
             model_tflops_per_gpu_causal=tokens_per_second * self.flops_per_token["causal"] / 1e12,
-            peak_memory_bytes=peak_memory_bytes(self.device), lr=lr, grad_norm=grad_norm,
-            exposed_comm_seconds=exposed_comm_seconds() - exposed_before)
+            peak_memory_bytes=peak_memory_bytes(self.device),
+            lr=lr,
+            grad_norm=grad_norm,
+            exposed_comm_seconds=exposed_comm_seconds() - exposed_before,
+        )
 
     def _predicted_tokens(self, batches: list[MicroBatch]) -> int:
         """The step's predicted-token count over every DP x CP rank and micro-batch (one
@@ -145,8 +169,9 @@ class Trainer:
         stop = stopsignal.received() is not None
         if not dist.is_initialized() or self.ctx.world_size == 1:
             return float(loss), stop
-        packed = torch.stack([loss.detach().to(torch.float64),
-                              torch.tensor(float(stop), dtype=torch.float64)])
+        packed = torch.stack(
+            [loss.detach().to(torch.float64), torch.tensor(float(stop), dtype=torch.float64)]
+        )
         dist.all_reduce(packed)
         return float(packed[0]) / (self.ctx.world_size // self.ctx.pp), bool(packed[1] > 0)
 
@@ -182,16 +207,27 @@ class Trainer:
                 f"checkpoint {path} not written: the disk is full (no space left on device; "
                 f"{checkpoint.free_mib(self.checkpoint_dir):.1f} MiB free in "
                 f"training.checkpoint.dir {self.checkpoint_dir}); "
-                + (f"the newest complete checkpoint, step {latest}, is intact and a rerun "
-                   f"resumes from it" if latest is not None else "no complete checkpoint yet")
+                + (
+                    f"the newest complete checkpoint, step {latest}, is intact and a rerun "
+                    f"resumes from it"
+                    if latest is not None
+                    else "no complete checkpoint yet"
+                )
             ) from None
         if self.fault is not None:
             self.fault.maybe_fire_in_save(self.ctx.rank, self.step)
         # The resolved model section travels with the weights: `ctxlaunch export` needs it.
-        checkpoint.commit(self.checkpoint_dir, self.step, self.ctx.rank,
-                          self.spec.training.checkpoint.keep,
-                          {"job": self.spec.name, "model": self.spec.model.model_dump(mode="json"),
-                           "seq_len": self.spec.training.seq_len})
+        checkpoint.commit(
+            self.checkpoint_dir,
+            self.step,
+            self.ctx.rank,
+            self.spec.training.checkpoint.keep,
+            {
+                "job": self.spec.name,
+                "model": self.spec.model.model_dump(mode="json"),
+                "seq_len": self.spec.training.seq_len,
+            },
+        )
         self.log(f"ctxlaunch: checkpoint {path}")
         if self.run_dir is not None:
             events.append_event(self.run_dir, events.CHECKPOINT, step=self.step, path=str(path))
@@ -204,8 +240,11 @@ class Trainer:
         stopsignal.install()
 
     # -- the run -------------------------------------------------------------------------------
-    def run(self, observers: Iterable[Callable[[StepMetrics], object]] = (),
-            eval_observers: Iterable[Callable[[EvalResult], object]] = ()) -> int:
+    def run(
+        self,
+        observers: Iterable[Callable[[StepMetrics], object]] = (),
+        eval_observers: Iterable[Callable[[EvalResult], object]] = (),
+    ) -> int:
         """Train to the spec's step count (or until a stop signal); returns the exit status.
         Every training.eval.interval steps, evaluate on the held-out data."""
         t = self.spec.training
@@ -231,17 +270,21 @@ class Trainer:
             if stop:
                 if self.run_dir is not None:
                     events.append_event(self.run_dir, events.STOP_SIGNAL, step=self.step)
-                self.log(f"ctxlaunch: stop signal received; checkpointed at step {self.step}, "
-                         f"exiting {exitcodes.PREEMPTED} to be requeued")
+                self.log(
+                    f"ctxlaunch: stop signal received; checkpointed at step {self.step}, "
+                    f"exiting {exitcodes.PREEMPTED} to be requeued"
+                )
                 return exitcodes.PREEMPTED
         self._summarise(history)
         return exitcodes.OK
 
     def _log_step(self, m: StepMetrics) -> None:
-        self.log(f"step {m.step}/{self.spec.training.steps}  loss {m.loss:.4f}  "
-                 f"step {m.step_seconds:.2f} s  {m.tokens_per_second_per_gpu:,.0f} tokens/s/GPU  "
-                 f"{m.model_tflops_per_gpu_full:.3f} TFLOP/s/GPU (full)  "
-                 f"peak {m.peak_memory_bytes / 2**30:.2f} GiB  lr {m.lr:.2e}")
+        self.log(
+            f"step {m.step}/{self.spec.training.steps}  loss {m.loss:.4f}  "
+            f"step {m.step_seconds:.2f} s  {m.tokens_per_second_per_gpu:,.0f} tokens/s/GPU  "
+            f"{m.model_tflops_per_gpu_full:.3f} TFLOP/s/GPU (full)  "
+            f"peak {m.peak_memory_bytes / 2**30:.2f} GiB  lr {m.lr:.2e}"
+        )
         if self.run_dir is not None and self.ctx.rank == 0:
             with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(asdict(m)) + "\n")
@@ -261,8 +304,10 @@ class Trainer:
             peaks = [0] * self.ctx.world_size
             dist.all_gather_object(peaks, peak)
         if self.ctx.rank == 0 and not history:  # resumed from the final checkpoint
-            self.log(f"ctxlaunch: done: {self.step} steps, all before this run (resumed from "
-                     "the final checkpoint)")
+            self.log(
+                f"ctxlaunch: done: {self.step} steps, all before this run (resumed from "
+                "the final checkpoint)"
+            )
         if self.ctx.rank != 0 or not history:
             return
         # The first step includes warm-up (allocations, kernel selection): leave it out.
@@ -280,9 +325,11 @@ class Trainer:
             "cp": self.ctx.cp,
             "cp_algorithm": self.spec.parallel.cp_algorithm,
         }
-        self.log(f"ctxlaunch: done: {summary['steps']} steps, loss {summary['first_loss']:.4f} "
-                 f"-> {summary['final_loss']:.4f}, "
-                 f"{summary['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, peak memory per "
-                 f"rank: " + ", ".join(f"{p / 2**30:.2f} GiB" for p in peaks))
+        self.log(
+            f"ctxlaunch: done: {summary['steps']} steps, loss {summary['first_loss']:.4f} "
+            f"-> {summary['final_loss']:.4f}, "
+            f"{summary['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, peak memory per "
+            f"rank: " + ", ".join(f"{p / 2**30:.2f} GiB" for p in peaks)
+        )
         if self.run_dir is not None:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

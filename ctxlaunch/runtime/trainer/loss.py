@@ -32,8 +32,9 @@ class VocabShard:
     group: dist.ProcessGroup
 
 
-def _loss_and_logit_grad_(work: torch.Tensor, targets: torch.Tensor, scale: float,
-                          vocab: VocabShard | None, grad: bool) -> torch.Tensor:
+def _loss_and_logit_grad_(
+    work: torch.Tensor, targets: torch.Tensor, scale: float, vocab: VocabShard | None, grad: bool
+) -> torch.Tensor:
     """The per-token loss (fp32, 0 where the target is -100) of the chunk's logits `work`
     (fp32 or wider); with `grad`, `work` becomes, in place, `scale` x the gradient of the
     summed loss with respect to those logits."""
@@ -68,16 +69,30 @@ def _loss_and_logit_grad_(work: torch.Tensor, targets: torch.Tensor, scale: floa
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                divisor: float, chunk_tokens: int, dtype: torch.dtype,
-                vocab: VocabShard | None, grad: bool) -> torch.Tensor:
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        divisor: float,
+        chunk_tokens: int,
+        dtype: torch.dtype,
+        vocab: VocabShard | None,
+        grad: bool,
+    ) -> torch.Tensor:
         scale = 1.0 / divisor
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)  # one copy for every chunk (none when already in `dtype`)
-            grad_hidden = (torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
-                           if grad and ctx.needs_input_grad[0] else None)
-            grad_weight = (torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
-                           if grad and ctx.needs_input_grad[1] else None)
+            grad_hidden = (
+                torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+                if grad and ctx.needs_input_grad[0]
+                else None
+            )
+            grad_weight = (
+                torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+                if grad and ctx.needs_input_grad[1]
+                else None
+            )
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for start in range(0, hidden.shape[0], chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
@@ -118,21 +133,29 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                          divisor: float, chunk_tokens: int,
-                          vocab: VocabShard | None = None) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    divisor: float,
+    chunk_tokens: int,
+    vocab: VocabShard | None = None,
+) -> torch.Tensor:
     """Sum over tokens of -log softmax(hidden @ weight.T)[target], divided by `divisor`;
     targets of -100 add nothing. The matmuls run in the autocast dtype when autocast is on,
     else in `hidden`'s; the softmax in fp32 (or wider). `vocab`: the TP shard of a
     vocabulary-parallel head (None: the whole vocabulary)."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"hidden must be (tokens, h) and targets (tokens,); got "
-                         f"{tuple(hidden.shape)} and {tuple(targets.shape)}")
+        raise ValueError(
+            f"hidden must be (tokens, h) and targets (tokens,); got "
+            f"{tuple(hidden.shape)} and {tuple(targets.shape)}"
+        )
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
     device = hidden.device.type
-    dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
-             else hidden.dtype)
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _ChunkedCrossEntropy.apply(hidden, weight, targets, float(divisor), chunk_tokens,
-                                      dtype, vocab, grad)
+    return _ChunkedCrossEntropy.apply(
+        hidden, weight, targets, float(divisor), chunk_tokens, dtype, vocab, grad
+    )

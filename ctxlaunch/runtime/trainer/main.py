@@ -46,13 +46,24 @@ class SetupError(Exception):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ctxlaunch.runtime.trainer",
-                                     description="Run one rank of a ctxlaunch job.")
+    parser = argparse.ArgumentParser(
+        prog="python -m ctxlaunch.runtime.trainer", description="Run one rank of a ctxlaunch job."
+    )
     parser.add_argument("spec", nargs="?", help=f"job spec (YAML/JSON); default: ${SPEC_ENV}")
-    parser.add_argument("--set", "-s", dest="overrides", action="append", default=[],
-                        metavar="PATH=VALUE", help="override a spec field")
-    parser.add_argument("--run-dir", help="where metrics.jsonl and summary.json go "
-                        "(default: $CTXLAUNCH_RUN_DIR, else runs/<job name>)")
+    parser.add_argument(
+        "--set",
+        "-s",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a spec field",
+    )
+    parser.add_argument(
+        "--run-dir",
+        help="where metrics.jsonl and summary.json go "
+        "(default: $CTXLAUNCH_RUN_DIR, else runs/<job name>)",
+    )
     return parser.parse_args(argv)
 
 
@@ -74,7 +85,8 @@ def check_world_size(spec: JobSpec, denv: DistEnv) -> None:
     if denv.world_size != expected:
         raise SetupError(
             f"the launcher started {denv.world_size} ranks but the spec describes "
-            f"{expected} (cluster.nodes x cluster.gpus_per_node); launch {expected}")
+            f"{expected} (cluster.nodes x cluster.gpus_per_node); launch {expected}"
+        )
 
 
 def join_process_group(spec: JobSpec, denv: DistEnv) -> torch.device:
@@ -97,9 +109,12 @@ def join_process_group(spec: JobSpec, denv: DistEnv) -> torch.device:
         torch.set_num_threads(cpu_threads_per_rank(spec.cluster.gpus_per_node))
     export_for_torch(denv)
     dist.init_process_group(
-        backend="nccl" if use_cuda else "gloo", init_method="env://",
-        rank=denv.rank, world_size=denv.world_size,
-        timeout=datetime.timedelta(seconds=spec.training.timeout_seconds))
+        backend="nccl" if use_cuda else "gloo",
+        init_method="env://",
+        rank=denv.rank,
+        world_size=denv.world_size,
+        timeout=datetime.timedelta(seconds=spec.training.timeout_seconds),
+    )
     set_wait_timeout(spec.training.timeout_seconds)
     return device
 
@@ -108,9 +123,16 @@ def rank_context(spec: JobSpec, denv: DistEnv) -> ParallelContext:
     """This rank's place in the spec's DP x CP x TP x PP layout (its groups)."""
     from ctxlaunch.runtime.trainer.parallelize import build_context
 
-    return build_context(rank=denv.rank, world_size=denv.world_size, dp=spec.dp,
-                         cp=spec.parallel.cp, ulysses=spec.ulysses_degree,
-                         cp_sharding=spec.parallel.cp_sharding, tp=spec.parallel.tp, pp=spec.parallel.pp)
+    return build_context(
+        rank=denv.rank,
+        world_size=denv.world_size,
+        dp=spec.dp,
+        cp=spec.parallel.cp,
+        ulysses=spec.ulysses_degree,
+        cp_sharding=spec.parallel.cp_sharding,
+        tp=spec.parallel.tp,
+        pp=spec.parallel.pp,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,15 +153,19 @@ def main(argv: list[str] | None = None) -> int:
         missing = spec.training.data.missing_files()
         init_from = spec.model.init_from
         if init_from is not None and not (Path(init_from) / "config.json").is_file():
-            missing.append(f"model.init_from {init_from}: no config.json (a Hugging Face "
-                           "checkpoint directory holds config.json and model.safetensors)")
+            missing.append(
+                f"model.init_from {init_from}: no config.json (a Hugging Face "
+                "checkpoint directory holds config.json and model.safetensors)"
+            )
         if missing:
             raise SetupError("; ".join(missing))
         import torch
 
         if spec.cluster.gpu != "cpu" and not torch.cuda.is_available():
-            raise SetupError(f"cluster.gpu = {spec.cluster.gpu} but no CUDA device is visible; "
-                             "use cluster.gpu: cpu to run on the CPU")
+            raise SetupError(
+                f"cluster.gpu = {spec.cluster.gpu} but no CUDA device is visible; "
+                "use cluster.gpu: cpu to run on the CPU"
+            )
         run_dir = Path(args.run_dir or os.environ.get(RUN_DIR_ENV) or default_run_dir(spec.name))
         run_dir.mkdir(parents=True, exist_ok=True)
     except (SpecError, SetupError, CheckpointDirError) as exc:
@@ -176,31 +202,35 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
     device = join_process_group(spec, denv)
     log = (lambda text: print(text, flush=True)) if denv.rank == 0 else (lambda text: None)
     code = exitcodes.FAILED
-    telemetry = TrainingTelemetry(spec, rank=denv.rank, local_rank=denv.local_rank,
-                                  device=device,
-                                  log=lambda text: print(f"{rank_tag} {text}", file=sys.stderr,
-                                                         flush=True))
+    telemetry = TrainingTelemetry(
+        spec,
+        rank=denv.rank,
+        local_rank=denv.local_rank,
+        device=device,
+        log=lambda text: print(f"{rank_tag} {text}", file=sys.stderr, flush=True),
+    )
     trainer = None
     try:
         ctx = rank_context(spec, denv)
         attention = fastpath.choose_attention_kernel(spec, ctx, device)
         telemetry.attention_kernel(attention)
-        log(f"ctxlaunch: {spec.name}: {denv.world_size} ranks ({denv.launcher}), dp {ctx.dp} "
+        log(
+            f"ctxlaunch: {spec.name}: {denv.world_size} ranks ({denv.launcher}), dp {ctx.dp} "
             f"x cp {ctx.cp} ({spec.parallel.cp_algorithm}, {ctx.cp_sharding}) x tp {ctx.tp} x pp "
             f"{ctx.pp} (blocks per stage {list(spec.stage_layers)}), "
             f"ZeRO-{spec.training.zero_stage}, {spec.model.dtype}, device {device.type}, "
-            + fastpath.describe(spec, device, attention))
+            + fastpath.describe(spec, device, attention)
+        )
         if denv.rank == 0:
-            events.append_event(run_dir, events.STARTED, restart=events.restart_count(),
-                                world_size=denv.world_size)
+            events.append_event(
+                run_dir, events.STARTED, restart=events.restart_count(), world_size=denv.world_size
+            )
         trainer = Trainer(spec, ctx, device, run_dir if denv.rank == 0 else None, log=log)
-        code = trainer.run(observers=[telemetry.on_step],
-                           eval_observers=[telemetry.on_eval])
+        code = trainer.run(observers=[telemetry.on_step], eval_observers=[telemetry.on_eval])
     except torch.OutOfMemoryError:
         step = trainer.step + 1 if trainer is not None else 0
         message = telemetry.on_oom(step)
-        print(f"{rank_tag} error: {message}\n{traceback.format_exc()}",
-              file=sys.stderr, flush=True)
+        print(f"{rank_tag} error: {message}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         events.append_event(run_dir, events.OOM, rank=denv.rank, step=step, message=message)
         code = exitcodes.OOM
     except CheckpointWriteError as exc:
@@ -210,12 +240,17 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
     except (Exception, CheckpointException):  # torch's CheckpointException is a BaseException
         # A dead peer surfaces here as a gloo/NCCL error or a timeout: report and leave at
         # once, never wait on the group again. A peer that is alive but silent is named.
-        hang = heartbeat.describe_hang(run_dir, denv.rank, denv.world_size,
-                                       spec.training.timeout_seconds)
-        print(f"{rank_tag} error: " + (hang or "training failed")
-              + f"\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        events.append_event(run_dir, events.FAILURE, rank=denv.rank,
-                            cause=hang or "training failed")
+        hang = heartbeat.describe_hang(
+            run_dir, denv.rank, denv.world_size, spec.training.timeout_seconds
+        )
+        print(
+            f"{rank_tag} error: " + (hang or "training failed") + f"\n{traceback.format_exc()}",
+            file=sys.stderr,
+            flush=True,
+        )
+        events.append_event(
+            run_dir, events.FAILURE, rank=denv.rank, cause=hang or "training failed"
+        )
         code = exitcodes.FAILED
     telemetry.close()
     record_exit(run_dir, denv.rank, code)

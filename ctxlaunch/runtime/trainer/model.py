@@ -59,8 +59,7 @@ ProjectIn = Callable[[torch.Tensor, nn.Linear], torch.Tensor]
 """project_in(x, linear) -> the block half's input projection of x (gathered under TP)."""
 
 
-def _token_scores(logits: torch.Tensor, targets: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss and whether the target is the arg-max (targets -100: loss 0, False)."""
     loss = F.cross_entropy(logits, targets, reduction="none", ignore_index=-100)
     return loss, logits.argmax(dim=-1) == targets
@@ -87,15 +86,17 @@ def _row_chunks(rows: int) -> Iterator[slice]:
 # Functions keep what they save and their token chunks: compiling changes only how one chunk
 # is computed, so the planner's constants still hold (its count of the eager backward's fp32
 # temporaries becomes an upper bound). Attention and the matmuls are never compiled.
-def _rms_forward_math(x: torch.Tensor, weight: torch.Tensor, eps: float
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_forward_math(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     x32 = _upcast(x)
     rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (x32 * rstd * _upcast(weight)).to(x.dtype), rstd
 
 
-def _rms_backward_math(x: torch.Tensor, grad_y: torch.Tensor, rstd: torch.Tensor,
-                       weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_backward_math(
+    x: torch.Tensor, grad_y: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_x in x's dtype, the gain's gradient summed over these rows, fp32) of rows."""
     normed = _upcast(x) * rstd
     g32 = _upcast(grad_y)
@@ -108,8 +109,9 @@ def _swiglu_forward_math(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _swiglu_backward_math(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _swiglu_backward_math(
+    gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_gate, grad_up) of rows, computed in fp32, in the inputs' dtype."""
     g32, dy32 = _upcast(gate), _upcast(dy)
     sig = torch.sigmoid(g32)
@@ -125,9 +127,12 @@ def _apply_rope_math(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 _EAGER_POINTWISE: dict[str, Callable[..., Any]] = {
-    "rms_forward": _rms_forward_math, "rms_backward": _rms_backward_math,
-    "swiglu_forward": _swiglu_forward_math, "swiglu_backward": _swiglu_backward_math,
-    "rope": _apply_rope_math}
+    "rms_forward": _rms_forward_math,
+    "rms_backward": _rms_backward_math,
+    "swiglu_forward": _swiglu_forward_math,
+    "swiglu_backward": _swiglu_backward_math,
+    "rope": _apply_rope_math,
+}
 _compiled_pointwise: dict[str, Callable[..., Any]] = {}
 _POINTWISE: dict[str, Callable[..., Any]] | None = None
 """The compiled kernels while `set_compiled(True)` holds, else None (the eager code below)."""
@@ -238,14 +243,15 @@ class _SwiGLU(torch.autograd.Function):
         return grad_gate.view(gate.shape), grad_up.view(up.shape)
 
 
-def inverse_frequencies(head_dim: int, theta: float,
-                        scaling: RopeScaling) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling
+) -> tuple[torch.Tensor, float]:
     """RoPE's inverse frequencies (head_dim / 2, fp32) and the factor cos and sin are
     multiplied by, computed as transformers' `ROPE_INIT_FUNCTIONS` do, in fp32 like them, so
     an imported model's logits match transformers' (modeling_rope_utils.py, 5.x)."""
     dim = head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
-    inv_freq = 1.0 / (theta ** exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if isinstance(scaling, LinearRope):
         return inv_freq / scaling.factor, 1.0
     if isinstance(scaling, Llama3Rope):
@@ -273,13 +279,15 @@ def _yarn(dim: int, theta: float, scaling: YarnRope) -> tuple[torch.Tensor, floa
     if attention_factor is None:
         if scaling.mscale and scaling.mscale_all_dim:
             attention_factor = get_mscale(factor, scaling.mscale) / get_mscale(
-                factor, scaling.mscale_all_dim)
+                factor, scaling.mscale_all_dim
+            )
         else:
             attention_factor = get_mscale(factor)
 
     def correction_dim(rotations: float) -> float:
-        return (dim * math.log(scaling.original_max_position_embeddings
-                               / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+        return (
+            dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi))
+        ) / (2 * math.log(theta))
 
     low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
     if scaling.truncate:
@@ -295,8 +303,13 @@ def _yarn(dim: int, theta: float, scaling: YarnRope) -> tuple[torch.Tensor, floa
     return inv_freq, float(attention_factor)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
-                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    positions: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    scaling: RopeScaling | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (S, head_dim), or (B, S, head_dim) for per-sequence positions (B, S), for
     the given token positions (rotate-half layout).
 
@@ -329,8 +342,9 @@ class Attention(nn.Module):
         self.project_in: ProjectIn = _project
         self.exit: Hook = _identity
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: Documents = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents = None
+    ) -> torch.Tensor:
         qkv = self.project_in(x, self.wqkv)
         b, s, _ = qkv.shape
         d = self.head_dim
@@ -339,12 +353,15 @@ class Attention(nn.Module):
         q = apply_rope(q.view(b, s, self.heads, d), cos, sin).transpose(1, 2).contiguous()
         k = apply_rope(k.view(b, s, self.kv_heads, d), cos, sin).transpose(1, 2).contiguous()
         v = v.view(b, s, self.kv_heads, d).transpose(1, 2).contiguous()
-        out = self.attend(q, k, v) if documents is None else self.attend(q, k, v, documents=documents)
+        out = (
+            self.attend(q, k, v) if documents is None else self.attend(q, k, v, documents=documents)
+        )
         return self.exit(self.wo(out.transpose(1, 2).reshape(b, s, self.heads * d)))
 
 
-def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     documents: Documents = None) -> torch.Tensor:
+def _local_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents = None
+) -> torch.Tensor:
     from ctxlaunch.cp import full_attention
 
     return full_attention(q, k, v, causal=True, documents=documents)
@@ -376,8 +393,9 @@ class Block(nn.Module):
     def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.ffn(self.ffn_norm(x))
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 documents: Documents = None) -> torch.Tensor:
+    def _forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents = None
+    ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, documents)
         if self.checkpointing == "selective":
             # Recompute the feed-forward half (linear in s, cheap); keep attention (quadratic
@@ -385,8 +403,9 @@ class Block(nn.Module):
             return checkpoint(self._feed_forward, x, use_reentrant=False)
         return self._feed_forward(x)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: Documents = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents = None
+    ) -> torch.Tensor:
         if self.checkpointing == "full":
             return checkpoint(self._forward, x, cos, sin, documents, use_reentrant=False)
         return self._forward(x, cos, sin, documents)
@@ -396,9 +415,20 @@ class Transformer(nn.Module):
     """The decoder. `forward(tokens, positions, targets)` returns the mean next-token loss over
     this rank's tokens."""
 
-    def __init__(self, *, layers: int, hidden: int, heads: int, kv_heads: int, ffn_hidden: int,
-                 vocab: int, rope_theta: float, norm_eps: float, tie_embeddings: bool,
-                 rope_scaling: RopeScaling | None = None):
+    def __init__(
+        self,
+        *,
+        layers: int,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        ffn_hidden: int,
+        vocab: int,
+        rope_theta: float,
+        norm_eps: float,
+        tie_embeddings: bool,
+        rope_scaling: RopeScaling | None = None,
+    ):
         super().__init__()
         self.hidden = hidden
         self.head_dim = hidden // heads
@@ -408,18 +438,21 @@ class Transformer(nn.Module):
         # embedding is vocabulary-parallel under TP.
         self.embed: nn.Module | None = nn.Embedding(vocab, hidden)
         self.blocks = nn.ModuleList(
-            Block(hidden, heads, kv_heads, ffn_hidden, norm_eps) for _ in range(layers))
+            Block(hidden, heads, kv_heads, ffn_hidden, norm_eps) for _ in range(layers)
+        )
         self.norm: RMSNorm | None = RMSNorm(hidden, norm_eps)
-        self.head: nn.Linear | None = (None if tie_embeddings
-                                       else nn.Linear(hidden, vocab, bias=False))
+        self.head: nn.Linear | None = (
+            None if tie_embeddings else nn.Linear(hidden, vocab, bias=False)
+        )
         self.loss_chunk_tokens = LOSS_CHUNK_TOKENS
         self.enter_loss: Hook = _identity
         """(B, S/t, h) -> (B, S, h) under TP: every TP rank scores every token."""
         self.chunked_loss: Callable[..., torch.Tensor] = chunked_cross_entropy
         """loss(hidden, weight, targets, divisor=, chunk_tokens=): `chunked_cross_entropy`,
         vocabulary-parallel under TP."""
-        self.token_scorer: Callable[[torch.Tensor, torch.Tensor],
-                                    tuple[torch.Tensor, torch.Tensor]] = _token_scores
+        self.token_scorer: Callable[
+            [torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+        ] = _token_scores
         """Forward-only per-token scores of fp32 logits (vocabulary-parallel under TP)."""
         self.loss_divisor: float | None = None
         """What `loss` divides its summed loss by; an engine sets it each step (the step's
@@ -429,10 +462,18 @@ class Transformer(nn.Module):
     @classmethod
     def from_spec(cls, model: ModelSpec) -> Transformer:
         """The decoder the spec's model section describes (on the current default device)."""
-        return cls(layers=model.layers, hidden=model.hidden, heads=model.heads,
-                   kv_heads=model.kv_heads, ffn_hidden=model.ffn_hidden, vocab=model.vocab,
-                   rope_theta=model.rope_theta, norm_eps=model.norm_eps,
-                   tie_embeddings=model.tie_embeddings, rope_scaling=model.rope_scaling)
+        return cls(
+            layers=model.layers,
+            hidden=model.hidden,
+            heads=model.heads,
+            kv_heads=model.kv_heads,
+            ffn_hidden=model.ffn_hidden,
+            vocab=model.vocab,
+            rope_theta=model.rope_theta,
+            norm_eps=model.norm_eps,
+            tie_embeddings=model.tie_embeddings,
+            rope_scaling=model.rope_scaling,
+        )
 
     def initial_value(self, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
         """The initial fp32 value (CPU) of the whole parameter `name`, from a generator seeded
@@ -463,25 +504,35 @@ class Transformer(nn.Module):
         for block in self.block_modules():
             block.checkpointing = mode
 
-    def run_blocks(self, x: torch.Tensor, positions: torch.Tensor, blocks: Iterable[Block],
-                   documents: Documents = None) -> torch.Tensor:
+    def run_blocks(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        blocks: Iterable[Block],
+        documents: Documents = None,
+    ) -> torch.Tensor:
         # Tables in the dtype q and k will have (autocast's, if on), made once for all blocks.
-        dtype = (torch.get_autocast_dtype(x.device.type)
-                 if torch.is_autocast_enabled(x.device.type) else x.dtype)
-        cos, sin = rope_tables(positions, self.head_dim, self.rope_theta, dtype,
-                               self.rope_scaling)
+        dtype = (
+            torch.get_autocast_dtype(x.device.type)
+            if torch.is_autocast_enabled(x.device.type)
+            else x.dtype
+        )
+        cos, sin = rope_tables(positions, self.head_dim, self.rope_theta, dtype, self.rope_scaling)
         for block in blocks:
             x = block(x, cos, sin, documents)
         return x
 
-    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor,
-                      documents: Documents = None) -> torch.Tensor:
+    def hidden_states(
+        self, tokens: torch.Tensor, positions: torch.Tensor, documents: Documents = None
+    ) -> torch.Tensor:
         """The final (normed) hidden states of the whole model (no pipeline split)."""
         if self.embed is None or self.norm is None:
-            raise RuntimeError("hidden_states needs the whole model; this one is a pipeline "
-                               "rank's part")
-        return self.norm(self.run_blocks(self.embed(tokens), positions, self.block_modules(),
-                                         documents))
+            raise RuntimeError(
+                "hidden_states needs the whole model; this one is a pipeline rank's part"
+            )
+        return self.norm(
+            self.run_blocks(self.embed(tokens), positions, self.block_modules(), documents)
+        )
 
     def _output_weight(self) -> torch.Tensor:
         owner = self.embed if self.head is None else self.head
@@ -490,17 +541,23 @@ class Transformer(nn.Module):
             raise RuntimeError("this pipeline rank holds no output head")
         return weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
-                documents: Documents = None, scores: bool = False
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        targets: torch.Tensor,
+        documents: Documents = None,
+        scores: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The mean loss; with `scores`, forward-only per-token scores instead (evaluation;
         through forward so that FSDP's and DeepSpeed's hooks gather the weights)."""
         hidden = self.hidden_states(tokens, positions, documents)
         return self.token_scores(hidden, targets) if scores else self.loss(hidden, targets)
 
     @torch.no_grad()
-    def token_scores(self, hidden: torch.Tensor, targets: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_scores(
+        self, hidden: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(next-token loss fp32, target is the arg-max) of every token of this CP rank, in
         its order, flattened over the batch; one logits chunk at a time."""
         hidden = self.enter_loss(hidden).flatten(0, 1)
@@ -520,9 +577,17 @@ class Transformer(nn.Module):
         None (the mean over this rank's predicted tokens)."""
         hidden = self.enter_loss(hidden).flatten(0, 1)
         targets = targets.flatten()
-        divisor = (self.loss_divisor if self.loss_divisor is not None
-                   else max(int((targets != -100).sum()), 1))
+        divisor = (
+            self.loss_divisor
+            if self.loss_divisor is not None
+            else max(int((targets != -100).sum()), 1)
+        )
         # The (tokens x vocab) logits exist one chunk at a time, each chunk's backward done in
         # its forward (loss.py).
-        return self.chunked_loss(hidden, self._output_weight(), targets, divisor=divisor,
-                                 chunk_tokens=self.loss_chunk_tokens)
+        return self.chunked_loss(
+            hidden,
+            self._output_weight(),
+            targets,
+            divisor=divisor,
+            chunk_tokens=self.loss_chunk_tokens,
+        )

@@ -86,18 +86,29 @@ class ParallelContext:
         return self.cp // self.ulysses
 
 
-def build_context(*, rank: int, world_size: int, dp: int, cp: int, ulysses: int,
-                  cp_sharding: str, tp: int = 1, pp: int = 1) -> ParallelContext:
+def build_context(
+    *,
+    rank: int,
+    world_size: int,
+    dp: int,
+    cp: int,
+    ulysses: int,
+    cp_sharding: str,
+    tp: int = 1,
+    pp: int = 1,
+) -> ParallelContext:
     """Create the process groups. Every rank creates every group in the same order
     (`new_group` is collective over the whole job) and keeps the ones it belongs to."""
     if tp * cp * dp * pp != world_size:
-        raise ValueError(f"tp x cp x dp x pp = {tp} x {cp} x {dp} x {pp} must equal the world "
-                         f"size {world_size}")
+        raise ValueError(
+            f"tp x cp x dp x pp = {tp} x {cp} x {dp} x {pp} must equal the world size {world_size}"
+        )
     if cp % ulysses:
         raise ValueError(f"the Ulysses degree {ulysses} must divide cp = {cp}")
     ring = cp // ulysses
     mine: dict[str, dist.ProcessGroup | None] = dict.fromkeys(
-        ("tp", "cp", "dp", "pp", "dp_cp", "ulysses", "ring"))
+        ("tp", "cp", "dp", "pp", "dp_cp", "ulysses", "ring")
+    )
 
     def at(t: int, c: int, d: int, p: int) -> int:
         return ((p * dp + d) * cp + c) * tp + t
@@ -133,10 +144,23 @@ def build_context(*, rank: int, world_size: int, dp: int, cp: int, ulysses: int,
             for c in range(cp):
                 make("pp", [at(t, c, d, p) for p in range(pp)])
     dp_cp = mine["dp_cp"] or (mine["cp"] if dp == 1 else mine["dp"])
-    return ParallelContext(rank=rank, world_size=world_size, dp=dp, cp=cp, ulysses=ulysses,
-                           cp_sharding=cp_sharding, cp_group=mine["cp"], dp_group=mine["dp"],
-                           ulysses_group=mine["ulysses"], ring_group=mine["ring"], tp=tp, pp=pp,
-                           tp_group=mine["tp"], pp_group=mine["pp"], dp_cp_group=dp_cp)
+    return ParallelContext(
+        rank=rank,
+        world_size=world_size,
+        dp=dp,
+        cp=cp,
+        ulysses=ulysses,
+        cp_sharding=cp_sharding,
+        cp_group=mine["cp"],
+        dp_group=mine["dp"],
+        ulysses_group=mine["ulysses"],
+        ring_group=mine["ring"],
+        tp=tp,
+        pp=pp,
+        tp_group=mine["tp"],
+        pp_group=mine["pp"],
+        dp_cp_group=dp_cp,
+    )
 
 
 def attention_for(ctx: ParallelContext, algorithm: str) -> AttentionFn:
@@ -144,15 +168,25 @@ def attention_for(ctx: ParallelContext, algorithm: str) -> AttentionFn:
     if ctx.cp == 1:
         return partial(cp_attention.full_attention, causal=True)
     if algorithm == "ring" or (algorithm == "hybrid" and ctx.ulysses == 1):
-        return partial(cp_attention.ring_attention, group=ctx.cp_group, causal=True,
-                       sharding=ctx.cp_sharding)
+        return partial(
+            cp_attention.ring_attention, group=ctx.cp_group, causal=True, sharding=ctx.cp_sharding
+        )
     if algorithm == "ulysses" or (algorithm == "hybrid" and ctx.ulysses == ctx.cp):
-        return partial(cp_attention.ulysses_attention, group=ctx.cp_group, causal=True,
-                       sharding=ctx.cp_sharding)
+        return partial(
+            cp_attention.ulysses_attention,
+            group=ctx.cp_group,
+            causal=True,
+            sharding=ctx.cp_sharding,
+        )
     if algorithm == "hybrid":
         assert ctx.ulysses_group is not None and ctx.ring_group is not None  # 1 < ulysses < cp
-        return partial(cp_attention.hybrid_attention, ulysses_group=ctx.ulysses_group,
-                       ring_group=ctx.ring_group, causal=True, sharding=ctx.cp_sharding)
+        return partial(
+            cp_attention.hybrid_attention,
+            ulysses_group=ctx.ulysses_group,
+            ring_group=ctx.ring_group,
+            causal=True,
+            sharding=ctx.cp_sharding,
+        )
     raise ValueError(f"unknown CP algorithm {algorithm!r}")
 
 
@@ -180,11 +214,19 @@ class ParallelSettings:
     @classmethod
     def from_spec(cls, spec: JobSpec) -> ParallelSettings:
         t = spec.training
-        return cls(cp_algorithm=spec.parallel.cp_algorithm,
-                   checkpointing=t.activation_checkpointing, state_engine=spec.state_engine,
-                   zero_stage=t.zero_stage, stage_layers=spec.stage_layers, seq_len=t.seq_len,
-                   micro_batch=t.micro_batch, n_micro=spec.grad_accum, seed=t.seed,
-                   bf16=spec.model.dtype == "bf16", init_from=spec.model if spec.model.init_from else None)
+        return cls(
+            cp_algorithm=spec.parallel.cp_algorithm,
+            checkpointing=t.activation_checkpointing,
+            state_engine=spec.state_engine,
+            zero_stage=t.zero_stage,
+            stage_layers=spec.stage_layers,
+            seq_len=t.seq_len,
+            micro_batch=t.micro_batch,
+            n_micro=spec.grad_accum,
+            seed=t.seed,
+            bf16=spec.model.dtype == "bf16",
+            init_from=spec.model if spec.model.init_from else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -213,8 +255,9 @@ class ModelParts:
         return [(name, p) for part in self.parts for name, p in part.named_parameters()]
 
 
-def parallelize(model: Transformer, *, ctx: ParallelContext, settings: ParallelSettings,
-                device: torch.device) -> ModelParts:
+def parallelize(
+    model: Transformer, *, ctx: ParallelContext, settings: ParallelSettings, device: torch.device
+) -> ModelParts:
     """Apply the layout to a model built on the meta device, in order: CP attention, TP,
     activation checkpointing, the pipeline split, FSDP2; then materialise what this rank
     holds and build the pipeline schedule.
@@ -231,13 +274,21 @@ def parallelize(model: Transformer, *, ctx: ParallelContext, settings: ParallelS
         block.attn.attend = attend
     plan = apply_tensor_parallel(model, ctx)
     model.set_checkpointing(settings.checkpointing)
-    stages = split_stages(model, stage_layers=settings.stage_layers, pp=ctx.pp,
-                          pp_rank=ctx.pp_rank) if ctx.pp > 1 else []
+    stages = (
+        split_stages(model, stage_layers=settings.stage_layers, pp=ctx.pp, pp_rank=ctx.pp_rank)
+        if ctx.pp > 1
+        else []
+    )
     parts: list[nn.Module] = list(stages) or [model]
     sharded = settings.state_engine == "fsdp2" and ctx.dp_cp_group is not None
     if ctx.dp_cp_group is not None and sharded:
-        _fully_shard(parts, ctx.dp_cp_group, device,
-                     reshard_after_forward=settings.zero_stage == 3, bf16=settings.bf16)
+        _fully_shard(
+            parts,
+            ctx.dp_cp_group,
+            device,
+            reshard_after_forward=settings.zero_stage == 3,
+            bf16=settings.bf16,
+        )
     if settings.init_from is not None:
         _materialise_from_hf(parts, full_shapes, plan, ctx, settings.init_from, device)
     else:
@@ -250,19 +301,38 @@ def parallelize(model: Transformer, *, ctx: ParallelContext, settings: ParallelS
         # Between stages the hidden states are in the residual stream's dtype: bf16 where
         # FSDP2 gathers bf16 parameters, else fp32 (autocast keeps an fp32 residual).
         schedule = pipeline_schedule(
-            model, stages, n_stages=n_stages, group=ctx.pp_group, device=device,
-            micro_batch=settings.micro_batch, tokens=tokens, sp_tokens=tokens // ctx.tp,
+            model,
+            stages,
+            n_stages=n_stages,
+            group=ctx.pp_group,
+            device=device,
+            micro_batch=settings.micro_batch,
+            tokens=tokens,
+            sp_tokens=tokens // ctx.tp,
             n_micro=settings.n_micro,
             hidden_dtype=torch.bfloat16 if sharded and settings.bf16 else torch.float32,
             shard_gradients=sharded and settings.zero_stage >= 2,
-            reshard_after_backward=settings.zero_stage == 3)
-    return ModelParts(model=model, parts=parts, schedule=schedule, plan=plan, sharded=sharded,
-                      first=not stages or stages[0].stage_index == 0,
-                      last=not stages or stages[-1].stage_index == n_stages - 1)
+            reshard_after_backward=settings.zero_stage == 3,
+        )
+    return ModelParts(
+        model=model,
+        parts=parts,
+        schedule=schedule,
+        plan=plan,
+        sharded=sharded,
+        first=not stages or stages[0].stage_index == 0,
+        last=not stages or stages[-1].stage_index == n_stages - 1,
+    )
 
 
-def _fully_shard(parts: list[nn.Module], dp_cp_group: dist.ProcessGroup,
-                 device: torch.device, *, reshard_after_forward: bool, bf16: bool) -> None:
+def _fully_shard(
+    parts: list[nn.Module],
+    dp_cp_group: dist.ProcessGroup,
+    device: torch.device,
+    *,
+    reshard_after_forward: bool,
+    bf16: bool,
+) -> None:
     """FSDP2 over the ranks holding the same slice (DP x CP), each block a unit. ZeRO-1/2
     keep the gathered weights from forward to backward (gradients and optimizer states
     sharded), ZeRO-3 re-shards them after forward. In bf16 the mixed-precision policy gathers
@@ -273,22 +343,35 @@ def _fully_shard(parts: list[nn.Module], dp_cp_group: dist.ProcessGroup,
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(dp_cp_group, device.type)
-    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if bf16 else MixedPrecisionPolicy())
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
     for part in parts:
-        blocks = part.block_list if isinstance(part, StageModule) else (
-            part.block_modules() if isinstance(part, Transformer) else [])
+        blocks = (
+            part.block_list
+            if isinstance(part, StageModule)
+            else (part.block_modules() if isinstance(part, Transformer) else [])
+        )
         for block in blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                        mp_policy=policy)
+            fully_shard(
+                block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy
+            )
         # The root's weights (embedding, final norm, head) stay gathered through backward: the
         # loss uses the head after the stage's forward returns.
         fully_shard(part, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
 
 
-def _materialise(part: nn.Module, model: Transformer, full_shapes: dict[str, torch.Size],
-                 plan: dict[str, Sharding | None], ctx: ParallelContext, seed: int,
-                 device: torch.device) -> None:
+def _materialise(
+    part: nn.Module,
+    model: Transformer,
+    full_shapes: dict[str, torch.Size],
+    plan: dict[str, Sharding | None],
+    ctx: ParallelContext,
+    seed: int,
+    device: torch.device,
+) -> None:
     """Allocate `part`'s parameters on `device` and write each its initial value's slice."""
     part.to_empty(device=device)
     with torch.no_grad():
@@ -300,9 +383,14 @@ def _materialise(part: nn.Module, model: Transformer, full_shapes: dict[str, tor
             write_local(param, value)
 
 
-def _materialise_from_hf(parts: list[nn.Module], full_shapes: dict[str, torch.Size],
-                         plan: dict[str, Sharding | None], ctx: ParallelContext,
-                         model: ModelSpec, device: torch.device) -> None:
+def _materialise_from_hf(
+    parts: list[nn.Module],
+    full_shapes: dict[str, torch.Size],
+    plan: dict[str, Sharding | None],
+    ctx: ParallelContext,
+    model: ModelSpec,
+    device: torch.device,
+) -> None:
     """Allocate the parts' parameters and read each one's value from the Hugging Face
     checkpoint: only this rank's TP slice, FSDP chunk and pipeline stages."""
     from ctxlaunch.runtime.trainer import hf
@@ -317,11 +405,18 @@ def _materialise_from_hf(parts: list[nn.Module], full_shapes: dict[str, torch.Si
                 for name, param in part.named_parameters():
                     sharding = plan[name]
                     tp, tp_rank = (ctx.tp, ctx.tp_rank) if sharding is not None else (1, 0)
-                    slice_rows = full_shapes[name][0] // tp if sharding and not sharding.dim \
+                    slice_rows = (
+                        full_shapes[name][0] // tp
+                        if sharding and not sharding.dim
                         else full_shapes[name][0]
+                    )
                     rows = local_rows(param, slice_rows)
-                    write_rows(param, hf.read_local(checkpoint, name, full_shapes[name],
-                                                    sharding, tp, tp_rank, rows))
+                    write_rows(
+                        param,
+                        hf.read_local(
+                            checkpoint, name, full_shapes[name], sharding, tp, tp_rank, rows
+                        ),
+                    )
     finally:
         checkpoint.close()
 
@@ -354,6 +449,5 @@ def apply_tensor_parallel(model: Transformer, ctx: ParallelContext) -> dict[str,
     model.embed = VocabParallelEmbedding(embedding, vocab_start, group)
     model.enter_loss = enter
     model.chunked_loss = partial(chunked_cross_entropy, vocab=VocabShard(vocab_start, group))
-    model.token_scorer = partial(vocab_parallel_token_scores, vocab_start=vocab_start,
-                                 group=group)
+    model.token_scorer = partial(vocab_parallel_token_scores, vocab_start=vocab_start, group=group)
     return plan

@@ -102,8 +102,9 @@ def stage_bounds(stage_layers: tuple[int, ...]) -> list[tuple[int, int]]:
     return bounds
 
 
-def split_stages(model: Transformer, *, stage_layers: tuple[int, ...], pp: int,
-                 pp_rank: int) -> list[StageModule]:
+def split_stages(
+    model: Transformer, *, stage_layers: tuple[int, ...], pp: int, pp_rank: int
+) -> list[StageModule]:
     """This PP rank's stage modules (stages pp_rank, pp_rank + pp, ...), each knowing its
     `stage_index`; the blocks, embedding, norm and head other ranks run are dropped from
     `model` (on the meta device they were never allocated)."""
@@ -111,8 +112,7 @@ def split_stages(model: Transformer, *, stage_layers: tuple[int, ...], pp: int,
     modules = []
     for index, (start, stop) in enumerate(stage_bounds(stage_layers)):
         if index % pp == pp_rank:
-            module = StageModule(model, start, stop, first=index == 0,
-                                 last=index == n_stages - 1)
+            module = StageModule(model, start, stop, first=index == 0, last=index == n_stages - 1)
             module.stage_index = index
             modules.append(module)
     held = {int(k) for m in modules for k in m.blocks}
@@ -126,8 +126,13 @@ def split_stages(model: Transformer, *, stage_layers: tuple[int, ...], pp: int,
     return modules
 
 
-def trainer_stage(*args: Any, recv_buffers: tuple[int, int] | None, shard_gradients: bool,
-                  reshard_after_backward: bool, **kwargs: Any) -> _PipelineStageBase:
+def trainer_stage(
+    *args: Any,
+    recv_buffers: tuple[int, int] | None,
+    shard_gradients: bool,
+    reshard_after_backward: bool,
+    **kwargs: Any,
+) -> _PipelineStageBase:
     """A `PipelineStage` with two changes to torch's (the module docstring):
     `recv_buffers` (activations, gradients): under 1F1B the receive buffers are shared among
     micro-batches, micro-batch i using buffer i mod that count (`pipeline_recv_buffers`), not
@@ -160,13 +165,17 @@ def trainer_stage(*args: Any, recv_buffers: tuple[int, int] | None, shard_gradie
                 self.grad_recv_info[i] = self.grad_recv_info[i % recv_buffers[1]]
 
         def backward_maybe_with_nosync(
-                self, backward_type: str, bwd_kwargs: dict,
-                last_backward: bool = False,
+            self,
+            backward_type: str,
+            bwd_kwargs: dict,
+            last_backward: bool = False,
         ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
-            if not shard_gradients or not isinstance(self.submod, FSDPModule) \
-                    or backward_type != "full":
-                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
-                                                          last_backward)
+            if (
+                not shard_gradients
+                or not isinstance(self.submod, FSDPModule)
+                or backward_type != "full"
+            ):
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
             # Every micro-batch's backward is a whole one in FSDP2's sense, as plain
             # accumulation without PP: its gradients are reduce-scattered and, at its end,
             # the last reduce-scatter's input is released (is_last_backward); the schedule's
@@ -174,20 +183,29 @@ def trainer_stage(*args: Any, recv_buffers: tuple[int, int] | None, shard_gradie
             self.submod.set_is_last_backward(True)
             self.submod.set_reshard_after_backward(reshard_after_backward)
             self.submod.set_requires_gradient_sync(True)
-            grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
-                                   bwd_kwargs["input_values"])
+            grads = stage_backward(
+                bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
+            )
             return tuple(grads), None
 
     return TrainerStage(*args, **kwargs)
 
 
-def pipeline_schedule(model: Transformer, modules: list[StageModule], *, n_stages: int,
-                      group: dist.ProcessGroup | None, device: torch.device, micro_batch: int,
-                      tokens: int, sp_tokens: int, n_micro: int,
-                      hidden_dtype: torch.dtype = torch.float32,
-                      shard_gradients: bool = False,
-                      reshard_after_backward: bool = False) -> PipelineScheduleMulti | \
-        PipelineScheduleSingle:
+def pipeline_schedule(
+    model: Transformer,
+    modules: list[StageModule],
+    *,
+    n_stages: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    micro_batch: int,
+    tokens: int,
+    sp_tokens: int,
+    n_micro: int,
+    hidden_dtype: torch.dtype = torch.float32,
+    shard_gradients: bool = False,
+    reshard_after_backward: bool = False,
+) -> PipelineScheduleMulti | PipelineScheduleSingle:
     """The schedule that runs this rank's (materialised) stage modules over `n_micro`
     micro-batches. `tokens`: one CP rank's tokens per sequence; `sp_tokens`: the share of them
     a TP rank holds between blocks; `hidden_dtype`: the dtype of the hidden states sent
@@ -205,17 +223,41 @@ def pipeline_schedule(model: Transformer, modules: list[StageModule], *, n_stage
         if module.stage_index == 0:
             example_in = torch.zeros(micro_batch, tokens, dtype=torch.long, device=device)
         else:
-            example_in = torch.zeros(micro_batch, sp_tokens, model.hidden, device=device,
-                                     dtype=hidden_dtype, requires_grad=True)
-        example_out = torch.zeros(micro_batch, sp_tokens, model.hidden, device=device,
-                                  dtype=hidden_dtype, requires_grad=True)
-        recv_buffers = pipeline_recv_buffers(n_stages, module.stage_index, n_micro) \
-            if len(modules) == 1 else None
-        stages.append(trainer_stage(module, module.stage_index, n_stages, device,
-                                    input_args=(example_in,), output_args=(example_out,),
-                                    group=group, recv_buffers=recv_buffers,
-                                    shard_gradients=shard_gradients,
-                                    reshard_after_backward=reshard_after_backward))
+            example_in = torch.zeros(
+                micro_batch,
+                sp_tokens,
+                model.hidden,
+                device=device,
+                dtype=hidden_dtype,
+                requires_grad=True,
+            )
+        example_out = torch.zeros(
+            micro_batch,
+            sp_tokens,
+            model.hidden,
+            device=device,
+            dtype=hidden_dtype,
+            requires_grad=True,
+        )
+        recv_buffers = (
+            pipeline_recv_buffers(n_stages, module.stage_index, n_micro)
+            if len(modules) == 1
+            else None
+        )
+        stages.append(
+            trainer_stage(
+                module,
+                module.stage_index,
+                n_stages,
+                device,
+                input_args=(example_in,),
+                output_args=(example_out,),
+                group=group,
+                recv_buffers=recv_buffers,
+                shard_gradients=shard_gradients,
+                reshard_after_backward=reshard_after_backward,
+            )
+        )
 
     def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return model.loss(output, targets)

@@ -72,11 +72,16 @@ def write_rows(target: torch.Tensor, rows: torch.Tensor) -> None:
 class CheckpointState:
     """The state dict of one rank's slice of the model and its AdamW states."""
 
-    def __init__(self, named_parameters: list[tuple[str, nn.Parameter]],
-                 optimizer: torch.optim.Optimizer | None,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-                 plan: dict[str, Sharding | None],
-                 tp: int, tp_group: dist.ProcessGroup | None, device: torch.device):
+    def __init__(
+        self,
+        named_parameters: list[tuple[str, nn.Parameter]],
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+        plan: dict[str, Sharding | None],
+        tp: int,
+        tp_group: dist.ProcessGroup | None,
+        device: torch.device,
+    ):
         self.params, self.optimizer, self.scheduler = named_parameters, optimizer, scheduler
         self.plan, self.tp = plan, tp
         self.mesh = None
@@ -107,9 +112,15 @@ class CheckpointState:
             return [(f"{name}#{i}", piece) for i, piece in enumerate(pieces)]
         from torch.distributed.tensor import DTensor, Shard
 
-        return [(f"{name}#{i}", DTensor.from_local(piece.contiguous(), self.mesh,
-                                                    [Shard(sharding.dim)], run_check=False))
-                for i, piece in enumerate(pieces)]
+        return [
+            (
+                f"{name}#{i}",
+                DTensor.from_local(
+                    piece.contiguous(), self.mesh, [Shard(sharding.dim)], run_check=False
+                ),
+            )
+            for i, piece in enumerate(pieces)
+        ]
 
     def _tensors(self, param: nn.Parameter) -> list[tuple[str, torch.Tensor]]:
         """(key, tensor) of what is saved for `param`: the weight, and its moments when an
@@ -152,8 +163,9 @@ class CheckpointState:
             return
         self.scheduler.load_state_dict(state["scheduler"])
         # The schedule's state holds its step, not the optimizer's current learning rate.
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(),
-                             strict=True):
+        for group, lr in zip(
+            self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True
+        ):
             group["lr"] = lr
 
     def save(self, path: Path) -> None:

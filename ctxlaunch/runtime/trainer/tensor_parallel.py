@@ -84,8 +84,9 @@ class _GatherLinear(torch.autograd.Function):
     gather and linear did under autocast."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup,
-                dtype: torch.dtype) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype
+    ) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
             local = x.to(dtype)  # cast, then gather: the same values, and half the bytes moved
             w = weight.to(dtype)  # autocast's copy of the weight, saved as it saved it
@@ -142,8 +143,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 @torch.no_grad()
-def vocab_parallel_token_scores(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
-                                group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_token_scores(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss and whether the target is the arg-max, of fp32 logits sharded by
     vocabulary (T, V/t); forward only. Targets -100 score loss 0 and False."""
     peak = logits.max(dim=-1).values
@@ -153,8 +155,9 @@ def vocab_parallel_token_scores(logits: torch.Tensor, targets: torch.Tensor, voc
     index = local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
     target_logit = logits.gather(-1, index).squeeze(-1)
     hit = (mine & (target_logit >= peak)).float()
-    packed = torch.stack([(logits - peak.unsqueeze(-1)).exp().sum(-1),
-                          (target_logit - peak) * mine, hit])
+    packed = torch.stack(
+        [(logits - peak.unsqueeze(-1)).exp().sum(-1), (target_logit - peak) * mine, hit]
+    )
     dist.all_reduce(packed, group=group)
     sum_exp, shifted_target, hit = packed
     valid = targets != -100
@@ -178,8 +181,10 @@ class Sharding:
         tp = len(shards)
         local = [p // tp for p in self.parts]
         per_rank = [s.split(local, dim=self.dim) for s in shards]
-        return torch.cat([torch.cat([r[i] for r in per_rank], dim=self.dim)
-                          for i in range(len(self.parts))], dim=self.dim)
+        return torch.cat(
+            [torch.cat([r[i] for r in per_rank], dim=self.dim) for i in range(len(self.parts))],
+            dim=self.dim,
+        )
 
 
 def shardings(model: Transformer) -> dict[str, Sharding | None]:
