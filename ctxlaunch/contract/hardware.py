@@ -129,7 +129,7 @@ GPUS: dict[str, GpuInfo] = {
         fp8=True,
         sm_count=142,
     ),
-    # "cpu" is one process on this machine's CPU (the local demo). Its peak is measured at run
+    # "cpu" is one process on the local CPU (the local demo). Its peak is measured at run
     # time by the trainer; the figures here only keep the planner's arithmetic total.
     "cpu": GpuInfo(
         "cpu",
@@ -185,8 +185,8 @@ LINKS: dict[str, LinkInfo] = {
     "efa": LinkInfo("AWS EFA", 400 * GBIT, 15e-6, "p5: 3,200 Gb/s EFA over 8 GPUs"),
     "tcp": LinkInfo("TCP", 100 * GBIT / 8, 30e-6, "one 100 GbE NIC per 8-GPU node, shared"),
     # This machine's loopback under gloo; the figures here only keep the arithmetic total:
-    # `ctxlaunch.runtime.calibrate` measures the real ones.
-    "loopback": LinkInfo("gloo loopback", 1e9, 50e-6, "measured by ctxlaunch.runtime.calibrate"),
+    # `ctxlaunch calibrate` measures the real ones.
+    "loopback": LinkInfo("gloo loopback", 1e9, 50e-6, "measured by ctxlaunch calibrate"),
 }
 
 

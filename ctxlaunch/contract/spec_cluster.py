@@ -1,0 +1,403 @@
+"""The cluster side of the job spec: where the job runs (local, Slurm, Kubernetes), on which
+GPUs, over which fabric, and how it exports metrics."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from ctxlaunch.contract.hardware import GpuInfo, GpuType, NetworkType, gpu_info
+from ctxlaunch.contract.spec_base import (
+    ENV_NAME,
+    IMAGE_REF,
+    K8S_QUANTITY,
+    LABEL_KEY,
+    LABEL_VALUE,
+    RFC1123_LABEL,
+    RFC1123_SUBDOMAIN,
+    SLURM_NAME,
+    SLURM_TIME,
+    PositiveInt,
+    _problem,
+    _Strict,
+)
+
+PROFILE_FORMAT = "ctxlaunch-machine-profile/1"
+"""The `format` of a machine profile file (ctxlaunch.perf.machine.save_profile)."""
+
+
+class SlurmSpec(_Strict):
+    """sbatch settings."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_limit: str = "04:00:00"
+    """Slurm time format: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS."""
+    exclusive: bool = True
+    """Whole nodes: long-context jobs want every GPU, NIC and CPU of a node."""
+    requeue: bool = True
+    """Requeue on preemption or node failure (the trainer resumes from its checkpoint)."""
+    max_restarts: int = Field(3, ge=0)
+    """Give up after this many requeues."""
+    signal_seconds: int = Field(120, ge=0)
+    """Ask Slurm for SIGUSR1 this many seconds before the time limit, to checkpoint; 0 = none."""
+    cpus_per_task: PositiveInt | None = None
+    """CPU cores per rank; default: Slurm's."""
+    mem: str | None = None
+    """Host memory per node (sbatch --mem), e.g. 0 for all of it or 512G."""
+    log_dir: str = "."
+    """Where sbatch writes the job's output (`<name>-<jobid>.out`), relative to the submit
+    directory; it must exist when the job starts (sbatch does not create it)."""
+
+    @field_validator("partition", "account", "qos")
+    @classmethod
+    def _slurm_name(cls, value: str | None) -> str | None:
+        if value is not None and not SLURM_NAME.match(value):
+            raise ValueError(
+                f"{value!r} is not a Slurm name: use letters, digits, '_', '.', '-' only"
+            )
+        return value
+
+    @field_validator("time_limit")
+    @classmethod
+    def _slurm_time(cls, value: str) -> str:
+        if not SLURM_TIME.match(value):
+            raise ValueError(
+                f"{value!r} is not a Slurm time: use MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
+                "D-HH:MM:SS"
+            )
+        return value
+
+    @field_validator("mem")
+    @classmethod
+    def _slurm_mem(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^\d+[KMGT]?$", value):
+            raise ValueError(f"{value!r} is not a Slurm memory size: e.g. 0, 512G, 480000M")
+        return value
+
+    @field_validator("log_dir")
+    @classmethod
+    def _log_dir(cls, value: str) -> str:
+        if not re.match(r"^[A-Za-z0-9_./\-]+$", value):
+            raise ValueError(f"{value!r}: use letters, digits, '_', '.', '-', '/' only")
+        return value
+
+
+class Toleration(_Strict):
+    """A Kubernetes toleration."""
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+
+
+class KubernetesSpec(_Strict):
+    """Kubernetes settings: a PyTorchJob (Kubeflow training-operator, kubeflow.org/v1) or a
+    TrainJob (Kubeflow Trainer v2, trainer.kubeflow.org/v1alpha1)."""
+
+    api: Literal["pytorchjob", "trainjob"] = "pytorchjob"
+    """pytorchjob: a PyTorchJob (training-operator 1.9, Kubernetes 1.28+); trainjob: a TrainJob
+    and its own TrainingRuntime (Kubeflow Trainer 2.3, JobSet, Kubernetes 1.31+)."""
+    queue: str | None = None
+    """Kueue LocalQueue: sets the kueue.x-k8s.io/queue-name label and submits the job
+    suspended, for Kueue to admit (PyTorchJob runPolicy.suspend, TrainJob spec.suspend)."""
+    scheduler: Literal["volcano", "coscheduling"] | None = None
+    """Gang scheduling, so that all nodes start together or none does: volcano (Volcano's
+    scheduler and PodGroup) or coscheduling (scheduler-plugins' PodGroup); default none."""
+    scheduler_queue: str | None = None
+    """Volcano queue of the job's PodGroup (scheduler: volcano only)."""
+    schedule_timeout_seconds: PositiveInt | None = None
+    """How long the gang may wait for all its pods to be schedulable (coscheduling only;
+    Trainer's default 60 s)."""
+    namespace: str = "default"
+    image: str | None = None
+    """Container image with ctxlaunch installed (required for target: kubernetes)."""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    service_account: str | None = None
+    node_selector: dict[str, str] = {}
+    tolerations: list[Toleration] = []
+    image_pull_secrets: list[str] = []
+    """Names of Secrets for pulling the image."""
+    host_network: bool = False
+    """Run pods on the host network (RDMA without a CNI); sets dnsPolicy ClusterFirstWithHostNet."""
+    shm_size: str = "64Gi"
+    """Size limit of the memory-backed /dev/shm (the default 64 MiB breaks NCCL and dataloaders)."""
+    rdma_resource: str | None = None
+    """RDMA device-plugin resource name, e.g. rdma/ib; default: rdma/ib on InfiniBand/RoCE."""
+    rdma_per_node: PositiveInt | None = None
+    """RDMA resource count per pod; default: one per GPU."""
+    cpu: str | None = None
+    """CPU request/limit per pod (Kubernetes quantity)."""
+    memory: str | None = None
+    """Memory request/limit per pod (Kubernetes quantity)."""
+    backoff_limit: int = Field(3, ge=0)
+    active_deadline_seconds: PositiveInt | None = None
+    ttl_seconds_after_finished: int | None = Field(None, ge=0)
+    clean_pod_policy: Literal["None", "Running", "All"] = "None"
+    priority_class: str | None = None
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        if len(value) > 63 or not RFC1123_LABEL.match(value):
+            raise ValueError(
+                f"{value!r} is not a valid namespace: an RFC 1123 label (lowercase letters, "
+                "digits and '-', starting and ending with a letter or digit, at most 63)"
+            )
+        return value
+
+    @field_validator("queue", "scheduler_queue")
+    @classmethod
+    def _queue(cls, value: str | None) -> str | None:
+        if value is not None and (len(value) > 63 or not RFC1123_LABEL.match(value)):
+            raise ValueError(
+                f"{value!r} is not a valid queue name: an RFC 1123 label (lowercase letters, "
+                "digits and '-', at most 63)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _scheduler_options(self) -> KubernetesSpec:
+        if self.scheduler_queue is not None and self.scheduler != "volcano":
+            raise ValueError("scheduler_queue is a Volcano queue: it needs scheduler: volcano")
+        if self.schedule_timeout_seconds is not None and self.scheduler != "coscheduling":
+            raise ValueError("schedule_timeout_seconds needs scheduler: coscheduling")
+        return self
+
+    @field_validator("service_account", "priority_class")
+    @classmethod
+    def _subdomain(cls, value: str | None) -> str | None:
+        if value is not None and (len(value) > 253 or not RFC1123_SUBDOMAIN.match(value)):
+            raise ValueError(
+                f"{value!r} is not a valid name: an RFC 1123 subdomain (lowercase letters, "
+                "digits, '-' and '.')"
+            )
+        return value
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _secrets(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if len(name) > 253 or not RFC1123_SUBDOMAIN.match(name):
+                raise ValueError(f"{name!r} is not a valid Secret name (RFC 1123 subdomain)")
+        return value
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, value: str | None) -> str | None:
+        if value is not None and not IMAGE_REF.match(value):
+            raise ValueError(f"{value!r} is not an image reference")
+        return value
+
+    @field_validator("shm_size", "cpu", "memory")
+    @classmethod
+    def _quantity(cls, value: str | None) -> str | None:
+        if value is not None and not K8S_QUANTITY.match(value):
+            raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 64Gi, 96, 1500Mi)")
+        return value
+
+    @field_validator("rdma_resource")
+    @classmethod
+    def _resource(cls, value: str | None) -> str | None:
+        if value is not None and not LABEL_KEY.match(value):
+            raise ValueError(f"{value!r} is not a resource name (e.g. rdma/ib)")
+        return value
+
+    @field_validator("node_selector")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, label in value.items():
+            if not LABEL_KEY.match(key) or not LABEL_VALUE.match(label) or len(label) > 63:
+                raise ValueError(f"{key!r}: {label!r} is not a valid label selector pair")
+        return value
+
+
+class ClusterSpec(_Strict):
+    """Where the job runs and on what."""
+
+    target: Literal["local", "slurm", "kubernetes"] = "local"
+    """local: this machine (torchrun); slurm: sbatch via submitit; kubernetes: a PyTorchJob or
+    a TrainJob (cluster.kubernetes.api)."""
+    nodes: PositiveInt = 1
+    gpus_per_node: PositiveInt = 1
+    """GPUs per node, one rank each (for gpu: cpu, the number of CPU processes)."""
+    gpu: GpuType = "H100"
+    """GPU type; its memory and peak FLOP/s come from ctxlaunch.contract.hardware.GPUS."""
+    slurm: SlurmSpec = SlurmSpec()
+    kubernetes: KubernetesSpec = KubernetesSpec()
+    profile: str | None = None
+    """A machine profile (JSON) that `ctxlaunch calibrate SPEC --submit` measured on this
+    cluster; plan, advise, telemetry's predicted step and report time the job with it. A
+    relative path is taken from the working directory and stored absolute."""
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_path(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        path = Path(value).expanduser().resolve()
+        if not path.is_file():
+            raise ValueError(
+                f"{value}: no such file (a machine profile written by "
+                "`ctxlaunch calibrate SPEC --submit`)"
+            )
+        return str(path)
+
+    @model_validator(mode="after")
+    def _check_profile(self) -> ClusterSpec:
+        if self.profile is None:
+            return self
+        import json
+
+        try:
+            data = json.loads(Path(self.profile).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValidationError.from_exception_data(
+                "ClusterSpec",
+                [
+                    _problem(
+                        ("profile",),
+                        self.profile,
+                        f"{self.profile}: not a readable JSON machine profile ({exc})",
+                    )
+                ],
+            ) from None
+        gpu = data.get("gpu") if isinstance(data, dict) else None
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+            raise ValidationError.from_exception_data(
+                "ClusterSpec",
+                [
+                    _problem(
+                        ("profile",),
+                        self.profile,
+                        f"{self.profile}: not a machine profile (no "
+                        f"format {PROFILE_FORMAT!r}); write one with `ctxlaunch calibrate SPEC "
+                        "--submit`",
+                    )
+                ],
+            )
+        if gpu != self.gpu:
+            raise ValidationError.from_exception_data(
+                "ClusterSpec",
+                [
+                    _problem(
+                        ("profile",),
+                        self.profile,
+                        f"{self.profile} was measured on gpu {gpu!r}, but "
+                        f"cluster.gpu is {self.gpu!r}; fix: calibrate this cluster or name its "
+                        "profile",
+                    )
+                ],
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def profile_fabric(self) -> str | None:
+        """The fabric the named profile was measured over (None: no profile)."""
+        if self.profile is None:
+            return None
+        import json
+
+        return str(json.loads(Path(self.profile).read_text()).get("fabric"))
+
+    @property
+    def gpu_info(self) -> GpuInfo:
+        return gpu_info(self.gpu)
+
+
+class FabricSpec(_Strict):
+    """The interconnect, and the NCCL environment it needs."""
+
+    nvlink_domain: PositiveInt | None = None
+    """GPUs per NVLink/NVSwitch domain; default from the GPU type (8, or 1 for PCIe-only)."""
+    network: NetworkType = "infiniband-ndr"
+    """Inter-node network; picks the NCCL defaults (see ctxlaunch.contract.hardware.FABRIC_NCCL_ENV)."""
+    hcas: list[str] = []
+    """HCA names for NCCL_IB_HCA, matched exactly (rendered with a leading '=')."""
+    socket_ifname: str | None = None
+    """NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME for bootstrap (e.g. eth0, or ^lo,docker)."""
+    gid_index: int | None = Field(None, ge=0)
+    """NCCL_IB_GID_INDEX; default 3 on RoCE (RoCE v2)."""
+    gdr_level: str | None = None
+    """NCCL_NET_GDR_LEVEL (LOC, PIX, PXB, PHB, SYS)."""
+    topo_file: str | None = None
+    """NCCL_TOPO_FILE: a topology XML (cloud VMs)."""
+    nccl: dict[str, str] = {}
+    """Per-job NCCL/torch variables, overriding the fabric defaults key by key."""
+    env: dict[str, str] = {}
+    """Any other environment for the trainer (overrides everything else)."""
+
+    @field_validator("hcas")
+    @classmethod
+    def _hcas(cls, value: list[str]) -> list[str]:
+        for hca in value:
+            if not re.match(r"^[A-Za-z0-9_]+(:\d+)?$", hca):
+                raise ValueError(f"{hca!r} is not an HCA name (e.g. mlx5_0 or mlx5_0:1)")
+        return value
+
+    @field_validator("gdr_level")
+    @classmethod
+    def _gdr(cls, value: str | None) -> str | None:
+        if (
+            value is not None
+            and value not in {"LOC", "PIX", "PXB", "PHB", "SYS"}
+            and not value.isdigit()
+        ):
+            raise ValueError(f"{value!r}: use LOC, PIX, PXB, PHB, SYS or a number")
+        return value
+
+    @field_validator("nccl", "env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, setting in value.items():
+            if not ENV_NAME.match(name):
+                raise ValueError(f"{name!r} is not an environment variable name")
+            if "\x00" in setting:
+                raise ValueError(f"{name}: the value contains a NUL byte")
+        return value
+
+
+class TelemetrySpec(_Strict):
+    """Prometheus export from every rank."""
+
+    prometheus: Literal["off", "scrape", "push"] = "off"
+    """scrape: each rank serves /metrics on port + local rank; push: ranks push to a
+    Pushgateway (batch jobs, Slurm)."""
+    port: int = Field(9400, ge=1024, le=65535)
+    """First scrape port (rank r on a node uses port + local rank)."""
+    pushgateway_url: str | None = None
+    """e.g. http://pushgateway.monitoring:9091 (push mode)."""
+    push_interval_seconds: float = Field(15.0, gt=0)
+
+    @field_validator("pushgateway_url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(
+            r"^https?://[A-Za-z0-9._\-\[\]:]+(/[\w./\-]*)?$", value
+        ):
+            raise ValueError(f"{value!r} is not an http(s) URL")
+        return value
+
+    @model_validator(mode="after")
+    def _push_needs_url(self) -> TelemetrySpec:
+        if self.prometheus == "push" and not self.pushgateway_url:
+            raise ValidationError.from_exception_data(
+                "TelemetrySpec",
+                [
+                    _problem(
+                        ("pushgateway_url",),
+                        None,
+                        "telemetry.prometheus = push needs telemetry.pushgateway_url",
+                    )
+                ],
+            )
+        return self

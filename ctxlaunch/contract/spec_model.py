@@ -1,0 +1,244 @@
+"""The model section of the job spec: a Llama-style decoder's shape and its RoPE scaling, given
+in full, from a preset, or from a Hugging Face checkpoint (init_from)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+from ctxlaunch.contract.hfconfig import CONFIG_FILE, HFConfigError, model_fields
+from ctxlaunch.contract.presets import MODEL_PRESETS
+from ctxlaunch.contract.spec_base import PositiveInt, _problem, _Strict
+
+
+class DefaultRope(_Strict):
+    """Plain RoPE: inverse frequencies theta^(-2i/d)."""
+
+    type: Literal["default"] = "default"
+
+
+class LinearRope(_Strict):
+    """Position interpolation: every inverse frequency divided by `factor`."""
+
+    type: Literal["linear"] = "linear"
+    factor: float = Field(ge=1)
+    """How many times the context is stretched."""
+
+
+class Llama3Rope(_Strict):
+    """Llama 3.1's scaling: low frequencies divided by `factor`, high ones kept, the band
+    between interpolated smoothly (transformers' `_compute_llama3_parameters`)."""
+
+    type: Literal["llama3"] = "llama3"
+    factor: float = Field(8.0, ge=1)
+    """Division of the low frequencies (8 in Llama 3.1)."""
+    low_freq_factor: float = Field(1.0, gt=0)
+    """Wavelengths above original_max_position_embeddings / low_freq_factor are scaled."""
+    high_freq_factor: float = Field(4.0, gt=0)
+    """Wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+    original_max_position_embeddings: PositiveInt = 8192
+    """The context length the model was pretrained at (8192 in Llama 3.1)."""
+
+    @model_validator(mode="after")
+    def _band(self) -> Llama3Rope:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"high_freq_factor = {self.high_freq_factor} must exceed "
+                f"low_freq_factor = {self.low_freq_factor}"
+            )
+        return self
+
+
+class YarnRope(_Strict):
+    """YaRN (transformers' `_compute_yarn_parameters`): frequencies blended between
+    interpolation and extrapolation by a ramp between the beta_fast and beta_slow rotation
+    counts, and cos/sin multiplied by an attention factor."""
+
+    type: Literal["yarn"] = "yarn"
+    factor: float = Field(ge=1)
+    """How many times the context is stretched."""
+    original_max_position_embeddings: PositiveInt
+    """The context length the model was pretrained at."""
+    beta_fast: float = Field(32.0, gt=0)
+    """Rotations below which a dimension is interpolated fully."""
+    beta_slow: float = Field(1.0, gt=0)
+    """Rotations above which a dimension is extrapolated (kept)."""
+    attention_factor: float | None = Field(None, gt=0)
+    """The cos/sin multiplier; default 0.1 ln(factor) + 1 (or the mscale ratio)."""
+    mscale: float | None = None
+    """With mscale_all_dim, the default attention factor is
+    (0.1 mscale ln f + 1) / (0.1 mscale_all_dim ln f + 1) (DeepSeek's form)."""
+    mscale_all_dim: float | None = None
+    """See mscale."""
+    truncate: bool = True
+    """Round the ramp's ends to whole dimensions (transformers' default)."""
+
+
+RopeScaling = Annotated[
+    DefaultRope | LinearRope | Llama3Rope | YarnRope, Field(discriminator="type")
+]
+"""RoPE frequency scaling, as transformers computes it, chosen by `type`."""
+
+SHAPE_FIELDS = (
+    "layers",
+    "hidden",
+    "heads",
+    "kv_heads",
+    "ffn_hidden",
+    "vocab",
+    "norm_eps",
+    "tie_embeddings",
+)
+"""What `init_from`'s config.json fixes: a spec may repeat these, but must agree."""
+
+
+class ModelSpec(_Strict):
+    """A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+
+    preset: str | None = None
+    """Start from a named shape (see `ctxlaunch.contract.presets`); fields given beside it override it."""
+    init_from: str | None = None
+    """A Hugging Face Llama checkpoint directory (config.json and model.safetensors, or shards
+    with model.safetensors.index.json): the shape, norm_eps, tie_embeddings, rope_theta and
+    rope_scaling come from its config.json, and training starts from its weights (each rank
+    reads only the slice it holds). Shape fields given beside it must agree with config.json;
+    rope_theta and rope_scaling given beside it override it (to extend the context)."""
+    layers: PositiveInt
+    """Transformer blocks."""
+    hidden: PositiveInt
+    """Model width h."""
+    heads: PositiveInt
+    """Query heads; head_dim = hidden / heads."""
+    kv_heads: PositiveInt
+    """Key/value heads (GQA); must divide heads."""
+    ffn_hidden: PositiveInt
+    """SwiGLU inner width."""
+    vocab: PositiveInt
+    """Vocabulary size (byte-level text data needs at least 256)."""
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    """Training precision: bf16 (mixed precision with fp32 master weights) or plain fp32."""
+    rope_theta: float = Field(10000.0, gt=0)
+    """RoPE base frequency."""
+    rope_scaling: RopeScaling = DefaultRope()
+    """RoPE frequency scaling: {type: default}, {type: linear, factor}, {type: llama3, factor,
+    low_freq_factor, high_freq_factor, original_max_position_embeddings} (Llama 3.1) or
+    {type: yarn, factor, original_max_position_embeddings, beta_fast, beta_slow,
+    attention_factor, ...}, computed as transformers does."""
+    norm_eps: float = Field(1e-5, gt=0)
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output head."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            data = {"preset": data}
+        if isinstance(data, dict) and data.get("preset") is not None:
+            name = data["preset"]
+            if name not in MODEL_PRESETS:
+                raise PydanticCustomError(
+                    "preset",
+                    "{message}",
+                    {
+                        "message": (
+                            f"unknown model preset {name!r}; known presets: "
+                            + ", ".join(sorted(MODEL_PRESETS))
+                        )
+                    },
+                )
+            data = {**MODEL_PRESETS[name], **data}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_init_from(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("init_from") is None:
+            return data
+        directory = str(data["init_from"])
+        where = str(Path(directory) / CONFIG_FILE)
+        if data.get("preset") is not None:
+            raise PydanticCustomError(
+                "init_from",
+                "{message}",
+                {
+                    "message": (
+                        f"give model.preset or model.init_from, not both (init_from {directory!r} "
+                        "fixes the shape)"
+                    )
+                },
+            )
+        required = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
+        if not (Path(directory) / CONFIG_FILE).exists() and all(
+            data.get(name) is not None for name in required
+        ):
+            # Not here (a login node renders a job whose checkpoint lives on the cluster): the
+            # spec's own shape stands here; validation warns, and the trainer, where the
+            # directory is, validates again against its config.json.
+            return data
+        try:
+            fields = model_fields(directory)
+        except HFConfigError as exc:
+            raise PydanticCustomError("init_from", "{message}", {"message": str(exc)}) from None
+        for name in SHAPE_FIELDS:
+            given = data.get(name)
+            if given is not None and given != fields[name]:
+                raise PydanticCustomError(
+                    "init_from",
+                    "{message}",
+                    {
+                        "message": (
+                            f"model.{name} = {given!r} disagrees with {fields[name]!r} in {where} "
+                            f"(model.init_from); fix: remove model.{name} or make it agree"
+                        )
+                    },
+                )
+        # rope_theta and rope_scaling in the spec win: that is how a context is extended.
+        return {**fields, **data}
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> ModelSpec:
+        problems = []
+        if self.hidden % self.heads:
+            problems.append(
+                _problem(
+                    ("hidden",),
+                    self.hidden,
+                    f"hidden = {self.hidden} must be divisible by heads = {self.heads} "
+                    "(head_dim = hidden / heads); fix: change hidden or heads",
+                )
+            )
+        if self.heads % self.kv_heads:
+            problems.append(
+                _problem(
+                    ("kv_heads",),
+                    self.kv_heads,
+                    f"heads = {self.heads} must be divisible by kv_heads = {self.kv_heads} "
+                    "(each K/V head serves a whole group of query heads); fix: pick kv_heads that "
+                    "divides heads",
+                )
+            )
+        elif self.hidden % self.heads == 0 and (self.hidden // self.heads) % 2:
+            problems.append(
+                _problem(
+                    ("hidden",),
+                    self.hidden,
+                    f"head_dim = hidden / heads = {self.hidden // self.heads} must be even for "
+                    "RoPE (it rotates pairs); fix: change hidden or heads",
+                )
+            )
+        if problems:
+            raise ValidationError.from_exception_data(type(self).__name__, problems)
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_hidden(self) -> int:
+        """Width of K (and of V): kv_heads x head_dim."""
+        return self.kv_heads * self.head_dim
