@@ -11,15 +11,15 @@ does). The held-out rows (HELD_OUT_ROWS) are never seen by the fit; their errors
 their own. Everything else is measured or a data sheet (ctxlaunch.perf.profiles). About a
 minute on 2 busy cores.
 
-Bundled profile: the H200 calibration that benchmarks/gpu_steptime.py's run 2 measured
-(calibrate_device.measure_device: the projections' GEMM efficiency, the attention kernel's R
+Bundled profile: the H200 calibration that benchmarks/gpu_steptime.py measured
+(calibration.gpu.measure_device: the projections' GEMM efficiency, the attention kernel's R
 and L0, the blocks' elementwise rate, the loss's rate and the fixed cost from the trainer's
-own steps at two depths), printed as profiles.py rounds it, then the seven trainer layouts
+own steps at two depths), printed as ctxlaunch/perf/fitted/ctxlaunch-h200.json rounds it, then the seven trainer layouts
 that calibration never ran, predicted with the committed profile against the trainer's
 measured steps (the median of each layout's timed steps).
 
-The chosen values are written by hand into ctxlaunch/perf/profiles.py; this script shows where
-they come from.
+The chosen values are written into the data files under ctxlaunch/perf/fitted/ (with the
+machine, command and date they come from); this script shows where they come from.
 """
 
 from __future__ import annotations
@@ -93,17 +93,17 @@ def bundled() -> None:
     c = data["calibration"]
     gpu = GPUS["H200"]
     print(f"calibration ({c['device_name']}, {c['measured_at']}, {data['torch']}):")
-    print(f"  BUNDLED_ETA_MATMUL_BF16 = {c['eta_matmul']:.3f}")
+    print(f"  eta_matmul_bf16 = {c['eta_matmul']:.3f}")
     print(
-        f"  BUNDLED_ATTENTION_FRACTION = {c['attention_fraction']:.3f} "
+        f"  attention_fraction = {c['attention_fraction']:.3f} "
         f"({c['attention_fraction'] * gpu.peak_bf16_flops / 1e12:.0f} TFLOP/s, "
-        f"{c['attention_kernel']}), BUNDLED_ATTENTION_RAMP_TOKENS = "
+        f"{c['attention_kernel']}), attention_ramp_tokens = "
         f"{c['attention_ramp_tokens']:.0f}"
     )
     print(
-        f"  BUNDLED_ELEMENTWISE_FRACTION = {c['elementwise_fraction_of_hbm']:.3f}, "
-        f"BUNDLED_LOSS_FRACTION = {c['loss_fraction_of_hbm']:.3f}, "
-        f"BUNDLED_MICROBATCH_OVERHEAD_SECONDS = {c['microbatch_overhead_seconds']:.4f}"
+        f"  elementwise_fraction_of_hbm = {c['elementwise_fraction_of_hbm']:.3f}, "
+        f"loss_fraction_of_hbm = {c['loss_fraction_of_hbm']:.3f}, "
+        f"microbatch_overhead_seconds = {c['microbatch_overhead_seconds']:.4f}"
     )
     print(f"  its own held-out trainer step: {c['expected_error']:.1%} off")
     model = ModelSpec.model_validate({"preset": "llama3.2-1b"})

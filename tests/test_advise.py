@@ -158,3 +158,9 @@ def test_framework_profiles_change_the_prediction_and_a_bad_name_is_refused() ->
     assert "expected error: +/-9% (ctxlaunch profile" in run("plan", path).output
     result = run("advise", path, "--framework", "deepspeed")
     assert result.exit_code == 2 and "--framework deepspeed: not a known profile" in result.output
+
+
+def test_fp8_on_a_machine_without_an_fp8_rate_is_bad_input() -> None:
+    result = runner.invoke(app, ["advise", str(JOBS / "demo.yaml"), "--fp8"])
+    assert result.exit_code == 2, result.output
+    assert "--fp8: cluster.gpu cpu has no FP8 matmul rate" in result.output

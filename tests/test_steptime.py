@@ -83,7 +83,7 @@ def test_allgather_cp_exposes_its_gather_and_runs_one_long_attention_call() -> N
     assert gathered.terms["compute_matmul"] == ring.terms["compute_matmul"]
     # What a rank receives per block (the same K/V elements as the ring's 15 forward hops), and
     # the planner holds the whole sequence's K/V and fp32 dK/dV while a layer's attention runs.
-    from ctxlaunch.perf import commvolume, memory
+    from ctxlaunch.perf import activations, commvolume
 
     all_gather = layout.replace(cp_algorithm="allgather")
     assert commvolume.cp_block_bytes(LLAMA_8B, all_gather) == pytest.approx(
@@ -94,8 +94,8 @@ def test_allgather_cp_exposes_its_gather_and_runs_one_long_attention_call() -> N
     )
     kv, a = LLAMA_8B.kv_hidden, 2
     assert (
-        memory._attention_workspace_bytes_per_token(LLAMA_8B, all_gather)
-        - memory._attention_workspace_bytes_per_token(LLAMA_8B, layout)
+        activations.attention_workspace_bytes_per_token(LLAMA_8B, all_gather)
+        - activations.attention_workspace_bytes_per_token(LLAMA_8B, layout)
     ) == pytest.approx(16 * (2 * a * kv + 2 * 4 * kv) - (2 * 2 * 4 * kv + 2 * 2 * a * kv))
 
 
@@ -140,7 +140,9 @@ def test_cpu_overheads_are_counted_where_measured_and_absent_on_gpus() -> None:
     gpu = predict(LLAMA_8B, layout, H100_NDR)
     # On GPUs: no per-sync cost; the fixed cost per micro-batch is the profile's measured one.
     assert gpu.terms["sync_overhead"] == 0
-    assert gpu.terms["framework_overhead"] == profiles.BUNDLED_MICROBATCH_OVERHEAD_SECONDS
+    assert (
+        gpu.terms["framework_overhead"] == profiles.profile("ctxlaunch").microbatch_overhead_seconds
+    )
     import dataclasses
 
     cpu_like = dataclasses.replace(
@@ -256,7 +258,7 @@ def test_the_loss_passes_over_the_logits_the_rank_holds_at_the_loss_rate() -> No
 
     model = ModelSpec(preset="llama3.2-1b")
     h200 = Machine.from_gpu(GPUS["H200"], network="infiniband-ndr", gpus_per_node=8)
-    rate = profiles.BUNDLED_LOSS_FRACTION * GPUS["H200"].hbm_bytes_per_second
+    rate = profiles.profile("ctxlaunch").loss_fraction_of_hbm * GPUS["H200"].hbm_bytes_per_second
     assert h200.loss_bytes_per_second == pytest.approx(rate)
     one = predict(model, Layout(seq_len=8192), h200).terms
     assert one["compute_loss"] == pytest.approx(8192 * 128256 * 52 / rate)

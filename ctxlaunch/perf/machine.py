@@ -1,5 +1,5 @@
 """The machine a prediction runs on: its rates and links (`Machine`), the CPU calibration record
-that `ctxlaunch calibrate` measures (ctxlaunch.runtime.calibrate), and `machine_for`, the one
+that `ctxlaunch calibrate` measures (ctxlaunch.runtime.calibration.cpu), and `machine_for`, the one
 place that resolves a spec's machine for `plan`, `advise`, `submit`, `report` and telemetry."""
 
 from __future__ import annotations
@@ -181,16 +181,18 @@ class Calibration:
     sync_seconds: dict[str, float] | None = None
     """Ranks -> the cost of one ring exchange between compute steps, beyond the compute, with
     that many processes sharing the cores, stated at no compute between them (s0 of
-    `calibrate.fit_sync_jitter`; without a growth, the reading between 0.1 ms compute steps)."""
+    `calibration.fitting.fit_sync_jitter`; without a growth, the reading between 0.1 ms
+    compute steps)."""
     sync_jitter: dict[str, float] | None = None
     """Ranks -> how that cost grows with the compute between exchanges (Machine.sync_jitter),
-    from a second measurement between longer compute steps (`calibrate.fit_sync_jitter`)."""
+    from a second measurement between longer compute steps
+    (`calibration.fitting.fit_sync_jitter`)."""
     elementwise_bytes_per_second: float = 0.0
     """What the model's elementwise work (norms, RoPE, SwiGLU, adds) achieves per modelled byte,
     with all cores: fitted on the real model's step at two short lengths (0: not measured, the
     copy bandwidth stands in)."""
     attention_ramp_tokens: float = 0.0
-    """L0 of attention's length ramp on this CPU: a call over L tokens runs at
+    """L0 of attention's length ramp on the calibrated CPU: a call over L tokens runs at
     attention_flops_per_second x L / (L + L0) (fitted on two block lengths none of the
     benchmark's calls use; 0: one rate for every length)."""
     one_thread: dict[str, float] | None = None
@@ -267,7 +269,7 @@ class Calibration:
 @dataclass(frozen=True)
 class GpuCalibration:
     """What the bundled trainer achieves on one GPU type and fabric, measured there by the
-    calibration job (ctxlaunch.runtime.calibrate_device): the `ctxlaunch` profile's fitted and
+    calibration job (ctxlaunch.runtime.calibration.gpu): the `ctxlaunch` profile's fitted and
     table constants replaced by the measured ones. Rates are fractions of the GPU table's
     peaks and bandwidth, so the profile's shape-level physics (wave quantisation, the length
     ramp) still applies to every layout."""
@@ -420,12 +422,12 @@ def machine_for(
     nodes does not change a node's rates): the GPU and fabric tables timed with `framework`'s
     profile (default the bundled trainer's); the constants of the machine profile the spec
     names (cluster.profile) when it names one, ahead of `calibration`; or on `gpu: cpu` the
-    constants measured here
+    constants `ctxlaunch calibrate` measured on the machine running the command
     (`calibration`, else the saved ones unless `saved` is False; the tables' placeholders
     where none were measured)."""
     c = spec.cluster
     per_node = gpus_per_node or c.gpus_per_node
-    if c.profile is not None:  # the spec's own machine, ahead of anything measured here
+    if c.profile is not None:  # the spec's own machine, ahead of any local calibration
         return load_profile(Path(c.profile)).machine(gpus_per_node=per_node)
     if c.gpu == "cpu":
         measured = calibration or (load_calibration() if saved else None)

@@ -2,23 +2,27 @@
 with its source; and the shape-level physics both use (a GEMM's efficiency from its shape, an
 attention call's from its length, head dimension and kernel generation).
 
+The constants fitted from measurements live in data files beside this module (fitted/*.json),
+each with what it holds, the machine and command that measured it, the date and the values;
+`fitted_values` reads each once.
+
 Two profiles:
 
 - ``ctxlaunch`` (the default): the bundled trainer, eager PyTorch under bf16 autocast, the
   attention kernel it picks by measurement (cuDNN's on the H200), no fused elementwise
   kernels, gradient collectives after the last backward (not overlapped). Where no
   calibration of the user's own GPUs is given, its constants are one calibration of an H200
-  by the calibration job's own code (`benchmarks/gpu_steptime.py`, run 2 of 4 Dec 2026,
-  BENCHMARKS.md section 7d): the projections' GEMM efficiency, the attention kernel's rate and
-  length ramp, the blocks' elementwise rate, the loss's rate and the fixed cost per
-  micro-batch. Seven trainer layouts that calibration never ran are its held-out check.
+  by the calibration job's own code (fitted/ctxlaunch-h200.json): the projections' GEMM
+  efficiency, the attention kernel's rate and length ramp, the blocks' elementwise rate, the
+  loss's rate and the fixed cost per micro-batch. Seven trainer layouts that calibration never
+  ran are its held-out check.
 - ``megatron``: Megatron-LM/NeMo (Transformer Engine's fused kernels, the FP8 delayed-scaling
   recipe, the distributed optimizer's gradient reduce-scatter and weight all-gather overlapped
   with compute). Its two matmul efficiencies are fitted on the published runs' fit subset
-  (ctxlaunch.perf.published.FIT_ROWS, benchmarks/fit_steptime.py); its attention is the same
-  flash kernel's measured rate, not fitted: the published Hopper runs (NeMo 24.03, Llama 3,
-  both before FlashAttention-3's release in July 2024) ran FA2-generation kernels, whose
-  exponentials are exposed; where the GPU table has no SFU rate (B200) none is charged.
+  (fitted/megatron-published.json); its attention is the same flash kernel's measured rate
+  (fitted/flash-attention-h200.json), not fitted: the published Hopper runs (NeMo 24.03,
+  Llama 3) ran FlashAttention-2-generation kernels, whose exponentials are exposed (they came
+  before FlashAttention-3); where the GPU table has no SFU rate (B200) none is charged.
 
 Both share the large-GEMM efficiency's meaning: the fraction of the tensor-core peak a large,
 well-shaped GEMM reaches; each GEMM of the step then loses what its shape costs
@@ -27,28 +31,58 @@ well-shaped GEMM reaches; each GEMM of the step then loses what its shape costs
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 FrameworkName = Literal["ctxlaunch", "megatron"]
 
-# --- measured on one H200, BENCHMARKS.md section 0 (benchmarks/results/gpu_check-2026-12-01.json,
-# "ring_schedule" one_flash_call_s): one causal flash call, forward + backward, 32 heads of 128,
-# bf16: 24.72 ms at 16,384 tokens and 376.7 ms at 65,536. Solved (benchmarks/fit_steptime.py
-# --bundled prints it) for the two unknowns of t = E x (12 d / (R x L / (L + L0)) + 2 / SFU),
-# E = heads x L^2 / 2 score entries, SFU the data-sheet exponential rate:
-ATTENTION_MATMUL_FRACTION = 0.318
+FITTED_DIR = Path(__file__).resolve().parent / "fitted"
+"""The data files of the fitted constants (shipped inside the package)."""
+
+
+@functools.cache
+def fitted_document(name: str) -> dict[str, Any]:
+    """The data file fitted/`name`.json, read once: "what" it holds, the "machine" and
+    "command" that measured it, the "method", the "date", the raw "results_file", its
+    "values" and what each value means ("meaning")."""
+    document: dict[str, Any] = json.loads((FITTED_DIR / f"{name}.json").read_text())
+    return document
+
+
+def fitted_values(name: str) -> dict[str, Any]:
+    """The "values" of the data file fitted/`name`.json (read once; do not modify)."""
+    values: dict[str, Any] = fitted_document(name)["values"]
+    return values
+
+
+def _fitted_source(name: str) -> str:
+    """Where a data file's values come from, in one line, for a profile's `sources`."""
+    document = fitted_document(name)
+    return (
+        f"fitted/{name}.json ({document['machine']}; `{document['command']}`, {document['date']})"
+    )
+
+
+# The flash kernel's rate on one H200 (FlashAttention-2 generation, exponentials exposed).
+_FLASH_H200 = fitted_values("flash-attention-h200")
+ATTENTION_MATMUL_FRACTION = float(_FLASH_H200["attention_matmul_fraction"])
 """R / the BF16 peak: the flash kernel's matmul rate on long calls (315 TFLOP/s on H200)."""
-ATTENTION_RAMP_TOKENS = 1231.0
+ATTENTION_RAMP_TOKENS = float(_FLASH_H200["attention_ramp_tokens"])
 """L0: a call over L tokens runs its matmuls at L / (L + L0) of R (short calls: fewer tiles
 per SM to hide the prologue and epilogue)."""
 EXP_PER_ENTRY = 2.0
 """Exponentials per score entry, forward + backward (FlashAttention-2 recomputes P in
 backward; Dao 2023, Algorithm 2)."""
 
-# --- fitted on the published runs' fit subset (benchmarks/fit_steptime.py):
-MEGATRON_ETA_MATMUL: dict[str, float] = {"bf16": 0.74, "fp8": 0.58, "fp32": 0.74}
+# Fitted on the published runs' fit subset.
+_MEGATRON_FIT = fitted_values("megatron-published")
+MEGATRON_ETA_MATMUL: dict[str, float] = {
+    precision: float(eta) for precision, eta in _MEGATRON_FIT["eta_matmul"].items()
+}
 
 # GEMM tiles (output rows x columns a thread block computes): cuBLAS/CUTLASS's large BF16/FP8
 # tile on Hopper and Blackwell, 256 x 128 (NVIDIA, "Matrix Multiplication Background User's
@@ -183,48 +217,33 @@ def solve_attention(
     return rates(lo)[1] / peak, lo
 
 
-# --- the bundled trainer on one H200, calibrated by `calibrate_device.measure_device`
-# (benchmarks/gpu_steptime.py, run 2 of 4 Dec 2026: benchmarks/results/
-# gpu_steptime-2026-12-04-run2.json "calibration"; torch 2.11.0+cu130, BENCHMARKS.md 7d):
-BUNDLED_ETA_MATMUL_BF16 = 0.853
-"""The block's four projections (forward and both backward GEMMs) over 12,288 tokens in bf16:
-5.53 ms, the large-GEMM efficiency at which `gemm_seconds` gives that time."""
-BUNDLED_ATTENTION_FRACTION = 0.603
-BUNDLED_ATTENTION_RAMP_TOKENS = 2590.0
-"""cuDNN's attention (the trainer's pick), causal forward + backward, 32 heads of 64, at 9,216
-and 18,432 tokens (2.94 and 10.77 ms), solved by `solve_attention` (exponentials charged)."""
-BUNDLED_ELEMENTWISE_FRACTION = 0.247
-BUNDLED_LOSS_FRACTION = 0.719
-BUNDLED_MICROBATCH_OVERHEAD_SECONDS = 0.0302
-"""From the trainer's steps (4 blocks at 6,144 and 12,288 tokens, 1 block at 12,288; 0.0833,
-0.1415 and 0.0946 s) less the terms above: the blocks' eager elementwise kernels (norms,
-RoPE, SwiGLU, residual adds, autocast casts) move the modelled bytes at 0.247 of the HBM
-bandwidth, the chunked fp32 loss its logits at 0.719, plus 30.2 ms per micro-batch. Eager
-kernels are memory-bound, so other GPUs get them at the same fractions of their own
-bandwidth (an assumption, stated in the README)."""
-BUNDLED_EXPECTED_ERROR = 0.09
-"""The largest error of the seven trainer layouts that calibration never ran (8K-64K tokens,
-none/selective/full, micro-batch 1-2): -8.8 % (BENCHMARKS.md 7d)."""
+# The bundled trainer on one H200, calibrated by `calibration.gpu.measure_device`.
+_BUNDLED_H200 = fitted_values("ctxlaunch-h200")
 
 PROFILES: dict[str, FrameworkProfile] = {
     "ctxlaunch": FrameworkProfile(
         name="ctxlaunch",
-        eta_matmul={**MEGATRON_ETA_MATMUL, "bf16": BUNDLED_ETA_MATMUL_BF16},
-        attention_fraction=BUNDLED_ATTENTION_FRACTION,
-        attention_ramp_tokens=BUNDLED_ATTENTION_RAMP_TOKENS,
+        eta_matmul={
+            **MEGATRON_ETA_MATMUL,
+            "bf16": float(_BUNDLED_H200["eta_matmul_bf16"]),
+        },
+        attention_fraction=float(_BUNDLED_H200["attention_fraction"]),
+        attention_ramp_tokens=float(_BUNDLED_H200["attention_ramp_tokens"]),
         exp_exposed=True,
-        elementwise_fraction_of_hbm=BUNDLED_ELEMENTWISE_FRACTION,
-        loss_fraction_of_hbm=BUNDLED_LOSS_FRACTION,
-        microbatch_overhead_seconds=BUNDLED_MICROBATCH_OVERHEAD_SECONDS,
+        elementwise_fraction_of_hbm=float(_BUNDLED_H200["elementwise_fraction_of_hbm"]),
+        loss_fraction_of_hbm=float(_BUNDLED_H200["loss_fraction_of_hbm"]),
+        microbatch_overhead_seconds=float(_BUNDLED_H200["microbatch_overhead_seconds"]),
         overlap_dp=False,
-        expected_error=BUNDLED_EXPECTED_ERROR,
-        sources="one H200 calibrated by the calibration job's code (benchmarks/gpu_steptime.py, "
-        "4 Dec 2026): BF16 GEMM efficiency of the model's projections, the attention "
-        "kernel the trainer picks (cuDNN; exponentials charged), the blocks' "
-        "elementwise rate, the loss's rate and the fixed cost per micro-batch from "
-        "the trainer's own steps at two depths; FP8 and FP32 GEMMs: the published "
-        "runs' fit; expected error: 9 %, the largest of seven held-out trainer "
-        "layouts on that H200 (BENCHMARKS.md section 7d)",
+        expected_error=float(_BUNDLED_H200["expected_error"]),
+        sources="one H200 calibrated by the calibration job's code: BF16 GEMM efficiency of the "
+        "model's projections, the attention kernel the trainer picks (cuDNN; exponentials "
+        "charged), the blocks' elementwise rate, the loss's rate and the fixed cost per "
+        "micro-batch from the trainer's own steps at two depths, "
+        + _fitted_source("ctxlaunch-h200")
+        + "; FP8 and FP32 GEMMs: the published runs' fit, "
+        + _fitted_source("megatron-published")
+        + "; expected error: the largest of seven trainer layouts on that H200 that the "
+        "calibration never ran",
     ),
     "megatron": FrameworkProfile(
         name="megatron",
@@ -236,13 +255,14 @@ PROFILES: dict[str, FrameworkProfile] = {
         loss_fraction_of_hbm=1.0,
         microbatch_overhead_seconds=0.0,
         overlap_dp=True,
-        expected_error=0.13,
-        sources="GEMM efficiencies (BF16, FP8): fitted on the published runs' fit subset; "
-        "attention: the flash kernel's rate measured on one H200 (FA2 generation, "
-        "exponentials exposed where the GPU table has an SFU rate); elementwise: fused "
-        "at HBM bandwidth; expected error: 13 %, which 6 of the 7 held-out published "
-        "rows stay within (the seventh, Llama 3 at 131K, is 26 % slow: BENCHMARKS.md "
-        "section 7c)",
+        expected_error=float(_MEGATRON_FIT["expected_error"]),
+        sources="GEMM efficiencies (BF16, FP8): fitted on the published runs' fit subset, "
+        + _fitted_source("megatron-published")
+        + "; attention: the flash kernel's rate measured on one H200 (FA2 generation, "
+        "exponentials exposed where the GPU table has an SFU rate), "
+        + _fitted_source("flash-attention-h200")
+        + "; elementwise: fused at HBM bandwidth; expected error: what 6 of the 7 held-out "
+        "published rows stay within (the seventh, Llama 3 at 131K, is 26 % slow)",
     ),
 }
 

@@ -215,8 +215,8 @@ HELD_OUT = frozenset(
 )
 """Rows the fit never sees (benchmarks/fit_steptime.py fits on FIT_ROWS only): every third
 length of each NeMo table, and Llama 3's one long-context row (so its BF16 efficiency is
-fitted at 8K and checked at 131K with CP 16). Their errors are reported on their own
-(BENCHMARKS.md section 7c) and set the Megatron profile's expected error."""
+fitted at 8K and checked at 131K with CP 16). Their errors are reported on their own and set
+the Megatron profile's expected error."""
 FIT_ROWS = [r for r in ROWS if r.name not in HELD_OUT]
 HELD_OUT_ROWS = [r for r in ROWS if r.name in HELD_OUT]
 
@@ -261,8 +261,8 @@ def candidate_layouts(row: PublishedRun) -> list[Layout]:
 
 PLANNER_MARGIN = 0.15
 """Headroom a setting must leave to count as fitting a published run: the planner's own
-error measured on a real GPU (it read 13-15 % low at 64K tokens on the H200, BENCHMARKS.md
-section 0). A setting that fits only inside that error is not one its authors could rely on."""
+error measured on a real GPU (it read 13-15 % low at 64K tokens on an H200). A setting that
+fits only inside that error is not one its authors could rely on."""
 
 
 def _fits_with_margin(estimate_: MemoryEstimate) -> bool:

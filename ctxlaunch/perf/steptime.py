@@ -1,8 +1,8 @@
 """The step-time model: how long one optimizer step takes for a layout, term by term.
 
 Pure arithmetic over the layout (`Layout`) and the machine (`Machine`: GPU and fabric
-tables, or the constants measured on this CPU); no I/O, no torch. `plan`, `advise`, `report`
-and the CPU self-check all call `predict`.
+tables, or the constants `ctxlaunch calibrate` measured on a CPU); no I/O, no torch. `plan`,
+`advise`, `report` and the CPU self-check all call `predict`.
 
 One rank of the busiest pipeline stage, one micro-batch of b sequences of s tokens; n = b*s/cp
 tokens held by the rank (CP splits the sequence), TP shards heads and weights:
@@ -53,9 +53,9 @@ tokens held by the rank (CP splits the sequence), TP shards heads and weights:
 Collectives move bytes at eta_comm x the data-sheet bandwidth of the slowest link their group
 spans (NVLink inside the NVLink domain; the network beyond it, one NIC per GPU) plus one
 latency per ring step. Every constant is a data-sheet value (ctxlaunch.contract.hardware),
-measured (ctxlaunch.runtime.calibrate on the CPU; the H200 run for the GPU profiles), or one
-of the fitted constants of a framework profile (ctxlaunch.perf.profiles); the README lists
-which.
+measured (ctxlaunch.runtime.calibration on the CPU; an H200 calibration for the GPU profiles),
+or one of the fitted constants of a framework profile (ctxlaunch.perf.profiles, whose data
+files say where each comes from); the README lists which.
 """
 
 from __future__ import annotations
@@ -65,10 +65,11 @@ from typing import TYPE_CHECKING, Any
 
 from ctxlaunch.contract.hardware import LinkInfo
 from ctxlaunch.perf import commvolume
+from ctxlaunch.perf.activations import block_activation_bytes_per_token
 from ctxlaunch.perf.flops import CONVENTIONS, MfuConvention, count_params, flops_per_token
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.machine import Machine, machine_for
-from ctxlaunch.perf.memory import block_activation_bytes_per_token, params_per_rank
+from ctxlaunch.perf.modelstates import params_per_rank
 from ctxlaunch.perf.profiles import attention_seconds, gemm_seconds
 
 if TYPE_CHECKING:
@@ -132,19 +133,21 @@ def _collective_seconds(volume_bytes: float, steps: int, link: LinkInfo, machine
 
 
 def _matmul_seconds(
-    model: ModelSpec, layout: Layout, machine: Machine, n: float, layers: float, vocab: float
+    model: ModelSpec, layout: Layout, machine: Machine, tokens: float, layers: float, vocab: float
 ) -> tuple[float, float]:
     """(seconds, FLOPs) of one micro-batch's weight matmuls on the busiest stage: every
     projection's forward, input-gradient and weight-gradient GEMM at its own shape
     (`profiles.gemm_seconds`: wave quantisation, memory-bound small GEMMs), TP-sharded, plus a
-    recomputed forward of what the checkpointing mode recomputes; the output head once."""
+    recomputed forward of what the checkpointing mode recomputes; the output head once.
+    `tokens`: the rank's tokens of the micro-batch; `layers`: the stage's blocks."""
+    # h, f, h_kv: the hidden, feed-forward and K/V widths; t: the TP degree.
     h, f, h_kv, t = model.hidden, model.ffn_hidden, model.kv_hidden, layout.tp
     precision = layout.matmul_precision
     element = 1.0 if precision == "fp8" else float(layout.compute_bytes)
 
-    def gemm(m: float, cols: float, inner: float) -> float:
+    def gemm(rows: float, cols: float, inner: float) -> float:
         return gemm_seconds(
-            m,
+            rows,
             cols,
             inner,
             peak=machine.peak_flops[precision],
@@ -155,8 +158,8 @@ def _matmul_seconds(
         )
 
     def projection(d_in: float, d_out: float, forwards: int) -> float:
-        forward = gemm(n, d_out, d_in)
-        return forwards * forward + gemm(n, d_in, d_out) + gemm(d_in, d_out, n)
+        forward = gemm(tokens, d_out, d_in)
+        return forwards * forward + gemm(tokens, d_in, d_out) + gemm(d_in, d_out, tokens)
 
     mode = layout.activation_checkpointing
     attention_forwards = 2 if mode == "full" else 1
@@ -171,202 +174,348 @@ def _matmul_seconds(
     attention_weights, ffn_weights = 2 * h * h + 2 * h * h_kv, 3 * h * f
     recompute = {"none": 0, "selective": ffn_weights, "full": attention_weights + ffn_weights}[mode]
     flops = (
-        n * layers * (6 * (attention_weights + ffn_weights) + 2 * recompute) + 6 * n * h * vocab
+        tokens * layers * (6 * (attention_weights + ffn_weights) + 2 * recompute)
+        + 6 * tokens * h * vocab
     ) / t
     return layers * block + head, flops
 
 
-def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
-    """Step time of `layout` on `machine`, term by term (see the module docstring)."""
-    L, h = model.layers, model.hidden
-    t, p, cp, v = layout.tp, layout.pp, layout.cp, layout.virtual_stages
-    u, r = layout.ulysses_degree, layout.ring_degree
-    allgather = layout.cp_algorithm == "allgather" and cp > 1
-    if allgather:
-        r = 1  # no ring: one attention call per layer over the gathered K/V
-    m = layout.grad_accum
-    a = layout.compute_bytes
-    n = layout.micro_batch * layout.seq_len / cp  # tokens held by the rank
-    layers = L / p
-    mode = layout.activation_checkpointing
+# --------------------------------------------------------------------------------------------
+# one micro-batch on the busiest stage: compute, then TP and CP communication
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Shape:
+    """What every term of one micro-batch reads of the layout."""
 
-    # --- compute ------------------------------------------------------------------------------
-    counts = count_params(model)
-    head_weights = counts.head or counts.embedding
-    t_matmul, matmul_flops = _matmul_seconds(model, layout, machine, n, layers, head_weights / h)
-    # Causal attention with balanced (zigzag) sharding: each token attends to s/2 keys on
-    # average; forward 4*h*s_keys, backward 8*h*s_keys, a recomputed forward 4 more. A document
-    # mask computes `attended_fraction` of that area; the diagonal tiles a causal kernel wastes
-    # stay the same in total (each document's causal call wastes in proportion to its length).
+    tokens_per_rank: float
+    """Tokens of the micro-batch the rank holds (CP splits the sequence)."""
+    layers_per_stage: float
+    ring_degree: int
+    """The ring's degree; 1 under all-gather CP, which runs one attention call per layer over
+    the gathered K/V."""
+    allgather: bool
+
+    @classmethod
+    def of(cls, model: ModelSpec, layout: Layout) -> _Shape:
+        allgather = layout.cp_algorithm == "allgather" and layout.cp > 1
+        return cls(
+            tokens_per_rank=layout.micro_batch * layout.seq_len / layout.cp,
+            layers_per_stage=model.layers / layout.pp,
+            ring_degree=1 if allgather else layout.ring_degree,
+            allgather=allgather,
+        )
+
+
+def _attention_compute_seconds(
+    model: ModelSpec, layout: Layout, machine: Machine, shape: _Shape
+) -> float:
+    """Causal attention with balanced (zigzag) sharding: each token attends to s/2 keys on
+    average; forward 4*h*s_keys, backward 8*h*s_keys, a recomputed forward 4 more. A document
+    mask computes `attended_fraction` of that area; the diagonal tiles a causal kernel wastes
+    stay the same in total (each document's causal call wastes in proportion to its length)."""
     keys = layout.seq_len / 2
-    per_entry = 12 + (4 if mode == "full" else 0)
+    flops_per_entry = 12 + (4 if layout.activation_checkpointing == "full" else 0)
     entries = (
-        n
-        * layers
+        shape.tokens_per_rank
+        * shape.layers_per_stage
         * model.heads
-        / t
+        / layout.tp
         * keys
         * (layout.attended_fraction + machine.causal_tile_tokens / layout.seq_len)
     )
-    attention_flops = entries * per_entry * model.head_dim
+    attention_flops = entries * flops_per_entry * model.head_dim
     if machine.attention_flops_per_second:  # measured (the CPU calibration)
         # The bundled trainer's calls: the whole sequence (CP 1, Ulysses), a ring block of
         # s / r tokens, or a zigzag ring's half-blocks of s / 2r; shorter calls run slower.
-        call = layout.seq_len / r / (2 if r > 1 and layout.cp_sharding == "zigzag" else 1)
-        ramp = 1.0 + machine.attention_ramp_tokens / call
-        t_attention = attention_flops * ramp / machine.attention_flops_per_second
-    else:
-        # One call covers the tokens a ring rank holds (Ulysses gathers the whole sequence
-        # over fewer heads). Under all-gather CP a rank's queries run over the whole gathered
-        # sequence's keys, as long a key loop per query tile as a call over all s tokens
-        # (r = 1 above): the ramp is that of the whole sequence.
-        t_attention = attention_seconds(
-            entries,
-            model.head_dim,
-            layout.seq_len / r,
-            peak=machine.peak_flops["bf16" if layout.dtype == "bf16" else "fp32"],
-            fraction=machine.eta_attention,
-            ramp_tokens=machine.attention_ramp_tokens,
-            sfu_ops_per_second=machine.sfu_ops_per_second,
-            exp_exposed=machine.exp_exposed,
-            matmul_flops_per_entry=per_entry,
+        ring_degree = shape.ring_degree
+        call_tokens = (
+            layout.seq_len
+            / ring_degree
+            / (2 if ring_degree > 1 and layout.cp_sharding == "zigzag" else 1)
         )
-    # Elementwise traffic of one whole block per token, TP-sharded below (/t): the block's own
-    # tensors, not the copies a TP or FSDP2 trainer keeps around it (gathered norm outputs,
-    # fp32 residual), which the published runs' frameworks do not make.
+        ramp = 1.0 + machine.attention_ramp_tokens / call_tokens
+        return attention_flops * ramp / machine.attention_flops_per_second
+    # One call covers the tokens a ring rank holds (Ulysses gathers the whole sequence over
+    # fewer heads). Under all-gather CP a rank's queries run over the whole gathered
+    # sequence's keys, as long a key loop per query tile as a call over all s tokens (ring
+    # degree 1): the ramp is that of the whole sequence.
+    return attention_seconds(
+        entries,
+        model.head_dim,
+        layout.seq_len / shape.ring_degree,
+        peak=machine.peak_flops["bf16" if layout.dtype == "bf16" else "fp32"],
+        fraction=machine.eta_attention,
+        ramp_tokens=machine.attention_ramp_tokens,
+        sfu_ops_per_second=machine.sfu_ops_per_second,
+        exp_exposed=machine.exp_exposed,
+        matmul_flops_per_entry=flops_per_entry,
+    )
+
+
+def _elementwise_rate(machine: Machine) -> float:
+    return machine.elementwise_bytes_per_second or machine.memory_bytes_per_second
+
+
+def _elementwise_seconds(
+    model: ModelSpec, layout: Layout, machine: Machine, shape: _Shape
+) -> float:
+    """Elementwise traffic of one whole block per token, TP-sharded: the block's own tensors,
+    not the copies a TP or FSDP2 trainer keeps around it (gathered norm outputs, fp32
+    residual), which the published runs' frameworks do not make."""
     saved = block_activation_bytes_per_token(
         model, layout.replace(activation_checkpointing="none", tp=1, pp=1)
     )
-    passes = ELEMENTWISE_HBM_PASSES + {"none": 0.0, "selective": 0.5, "full": 1.0}[mode]
-    elementwise_rate = machine.elementwise_bytes_per_second or machine.memory_bytes_per_second
-    t_elementwise = n * layers * saved * passes / t / elementwise_rate
-    # The loss runs on the last stage only, which the busiest stage is taken to be under PP.
-    t_loss = (
-        n
+    passes = (
+        ELEMENTWISE_HBM_PASSES
+        + {"none": 0.0, "selective": 0.5, "full": 1.0}[layout.activation_checkpointing]
+    )
+    return (
+        shape.tokens_per_rank
+        * shape.layers_per_stage
+        * saved
+        * passes
+        / layout.tp
+        / _elementwise_rate(machine)
+    )
+
+
+def _loss_seconds(model: ModelSpec, layout: Layout, machine: Machine, shape: _Shape) -> float:
+    """The loss's passes over the logits the rank holds. It runs on the last stage only, which
+    the busiest stage is taken to be under PP."""
+    return (
+        shape.tokens_per_rank
         * model.vocab
-        / t
-        * LOSS_BYTES_PER_LOGIT[2 if a <= 2 else 4]
-        / (machine.loss_bytes_per_second or elementwise_rate)
+        / layout.tp
+        * LOSS_BYTES_PER_LOGIT[2 if layout.compute_bytes <= 2 else 4]
+        / (machine.loss_bytes_per_second or _elementwise_rate(machine))
     )
 
-    # Every volume below is commvolume's (checked against the trainer's real traffic). The
-    # residual-stream tensors sent over TP and PP are timed at the compute dtype's width, as
-    # Megatron sends them and the efficiencies were fitted; the bundled trainer sends them in
-    # fp32 (commvolume.stream_bytes), which this model does not yet charge.
-    stream = a
 
-    # --- TP -------------------------------------------------------------------------------------
-    t_tp = 0.0
-    if t > 1:
-        link = machine.link_for_span(t)
-        n_stream, n_compute = commvolume.tp_collectives_per_block(layout)
-        t_tp = layers * (
-            n_stream
-            * _collective_seconds(
-                commvolume.tp_message_bytes(model, layout, stream), t - 1, link, machine
-            )
-            + n_compute
-            * _collective_seconds(
-                commvolume.tp_message_bytes(model, layout, a), t - 1, link, machine
-            )
+# Every volume below is commvolume's (checked against the trainer's real traffic).
+def _stream_bytes(layout: Layout) -> int:
+    """The width the residual-stream tensors sent over TP and PP are timed at: the compute
+    dtype's, as Megatron sends them and the efficiencies were fitted. The bundled trainer sends
+    them in fp32 (commvolume.stream_bytes), which this model does not yet charge."""
+    return layout.compute_bytes
+
+
+def _tp_seconds(model: ModelSpec, layout: Layout, machine: Machine, shape: _Shape) -> float:
+    """Megatron sequence parallelism's all-gathers and reduce-scatters, not overlapped."""
+    tp = layout.tp
+    if tp <= 1:
+        return 0.0
+    link = machine.link_for_span(tp)
+    stream_collectives, compute_collectives = commvolume.tp_collectives_per_block(layout)
+    return shape.layers_per_stage * (
+        stream_collectives
+        * _collective_seconds(
+            commvolume.tp_message_bytes(model, layout, _stream_bytes(layout)), tp - 1, link, machine
         )
-
-    # --- CP: Ulysses all-to-alls, ring hops against hop compute ---------------------------------
-    t_ulysses = 0.0
-    if u > 1:
-        link = machine.link_for_span(t * u)
-        t_ulysses = (
-            layers
-            * commvolume.ulysses_passes(layout)
-            * _collective_seconds(
-                commvolume.ulysses_all_to_all_bytes(model, layout), u - 1, link, machine
-            )
+        + compute_collectives
+        * _collective_seconds(
+            commvolume.tp_message_bytes(model, layout, layout.compute_bytes), tp - 1, link, machine
         )
-    t_ring = 0.0
-    hop_transfer_fwd = hop_compute_fwd = 0.0
-    if r > 1:
-        link = machine.link_for_span(t * cp)
-        hop_bytes_fwd, hop_bytes_bwd = commvolume.ring_hop_bytes(model, layout)
-        hop_transfer_fwd = _collective_seconds(hop_bytes_fwd, 1, link, machine)
-        hop_transfer_bwd = _collective_seconds(hop_bytes_bwd, 1, link, machine)
-        attention_fwd_layer = t_attention / layers / (3 + (1 if mode == "full" else 0))
-        hop_compute_fwd = attention_fwd_layer / r
-        exposed_fwd = max(0.0, hop_transfer_fwd - hop_compute_fwd)
-        exposed_bwd = max(0.0, hop_transfer_bwd - 2 * hop_compute_fwd)
-        t_ring = layers * (r - 1) * (commvolume.ring_forwards(layout) * exposed_fwd + exposed_bwd)
-
-    # All-gather CP (Llama 3): K/V gathered from the cp - 1 other ranks before each layer's
-    # attention, dK/dV reduce-scattered after its backward; on the critical path, not
-    # overlapped (arXiv:2407.21783, section 3.3.2: "the all-gather communication latency is
-    # exposed in the critical path").
-    t_allgather = 0.0
-    if allgather:
-        link = machine.link_for_span(t * cp)
-        gather_bytes, scatter_bytes = commvolume.allgather_bytes(model, layout)
-        t_allgather = layers * (
-            commvolume.ring_forwards(layout)
-            * _collective_seconds(gather_bytes, cp - 1, link, machine)
-            + _collective_seconds(scatter_bytes, cp - 1, link, machine)
-        )
-
-    micro = (
-        t_matmul + t_attention + t_elementwise + t_loss + t_tp + t_ulysses + t_ring + t_allgather
     )
+
+
+def _ulysses_seconds(model: ModelSpec, layout: Layout, machine: Machine, shape: _Shape) -> float:
+    """Ulysses' all-to-alls, not overlapped."""
+    ulysses_degree = layout.ulysses_degree
+    if ulysses_degree <= 1:
+        return 0.0
+    link = machine.link_for_span(layout.tp * ulysses_degree)
+    return (
+        shape.layers_per_stage
+        * commvolume.ulysses_passes(layout)
+        * _collective_seconds(
+            commvolume.ulysses_all_to_all_bytes(model, layout), ulysses_degree - 1, link, machine
+        )
+    )
+
+
+def _ring_seconds(
+    model: ModelSpec, layout: Layout, machine: Machine, shape: _Shape, attention_compute: float
+) -> tuple[float, float, float]:
+    """(exposed seconds, one forward hop's transfer, one forward hop's compute) of the ring:
+    each hop's transfer against the attention of the block in hand, only the excess exposed."""
+    ring_degree = shape.ring_degree
+    if ring_degree <= 1:
+        return 0.0, 0.0, 0.0
+    link = machine.link_for_span(layout.tp * layout.cp)
+    hop_bytes_fwd, hop_bytes_bwd = commvolume.ring_hop_bytes(model, layout)
+    hop_transfer_fwd = _collective_seconds(hop_bytes_fwd, 1, link, machine)
+    hop_transfer_bwd = _collective_seconds(hop_bytes_bwd, 1, link, machine)
+    attention_fwd_layer = (
+        attention_compute
+        / shape.layers_per_stage
+        / (3 + (1 if layout.activation_checkpointing == "full" else 0))
+    )
+    hop_compute_fwd = attention_fwd_layer / ring_degree
+    exposed_fwd = max(0.0, hop_transfer_fwd - hop_compute_fwd)
+    exposed_bwd = max(0.0, hop_transfer_bwd - 2 * hop_compute_fwd)
+    exposed = (
+        shape.layers_per_stage
+        * (ring_degree - 1)
+        * (commvolume.ring_forwards(layout) * exposed_fwd + exposed_bwd)
+    )
+    return exposed, hop_transfer_fwd, hop_compute_fwd
+
+
+def _allgather_seconds(model: ModelSpec, layout: Layout, machine: Machine, shape: _Shape) -> float:
+    """All-gather CP (Llama 3): K/V gathered from the cp - 1 other ranks before each layer's
+    attention, dK/dV reduce-scattered after its backward; on the critical path, not
+    overlapped (arXiv:2407.21783, section 3.3.2: "the all-gather communication latency is
+    exposed in the critical path")."""
+    if not shape.allgather:
+        return 0.0
+    cp = layout.cp
+    link = machine.link_for_span(layout.tp * cp)
+    gather_bytes, scatter_bytes = commvolume.allgather_bytes(model, layout)
+    return shape.layers_per_stage * (
+        commvolume.ring_forwards(layout) * _collective_seconds(gather_bytes, cp - 1, link, machine)
+        + _collective_seconds(scatter_bytes, cp - 1, link, machine)
+    )
+
+
+@dataclass(frozen=True)
+class _MicroBatchTime:
+    """One micro-batch on the busiest stage, seconds by term."""
+
+    matmul: float
+    attention: float
+    elementwise: float
+    loss: float
+    tp: float
+    ulysses: float
+    ring: float
+    allgather: float
+    ring_hop_transfer: float
+    ring_hop_compute: float
+
+    @property
+    def total(self) -> float:
+        return (
+            self.matmul
+            + self.attention
+            + self.elementwise
+            + self.loss
+            + self.tp
+            + self.ulysses
+            + self.ring
+            + self.allgather
+        )
+
+
+def _micro_batch_time(
+    model: ModelSpec, layout: Layout, machine: Machine, shape: _Shape
+) -> _MicroBatchTime:
+    counts = count_params(model)
+    head_weights = counts.head or counts.embedding
+    matmul, _ = _matmul_seconds(
+        model,
+        layout,
+        machine,
+        shape.tokens_per_rank,
+        shape.layers_per_stage,
+        head_weights / model.hidden,
+    )
+    attention = _attention_compute_seconds(model, layout, machine, shape)
+    ring, hop_transfer, hop_compute = _ring_seconds(model, layout, machine, shape, attention)
+    return _MicroBatchTime(
+        matmul=matmul,
+        attention=attention,
+        elementwise=_elementwise_seconds(model, layout, machine, shape),
+        loss=_loss_seconds(model, layout, machine, shape),
+        tp=_tp_seconds(model, layout, machine, shape),
+        ulysses=_ulysses_seconds(model, layout, machine, shape),
+        ring=ring,
+        allgather=_allgather_seconds(model, layout, machine, shape),
+        ring_hop_transfer=hop_transfer,
+        ring_hop_compute=hop_compute,
+    )
+
+
+def _syncs_per_micro_batch(layout: Layout, shape: _Shape) -> float:
+    """Blocking synchronisations of one micro-batch (TP collectives, all-to-alls, ring hops,
+    gathers): what the CPU's per-synchronisation cost is charged on."""
     forwards = commvolume.ring_forwards(layout)
-    syncs = layers * (
-        (forwards * 4 + 4 if t > 1 else 0)
-        + (2 * forwards + 2 if u > 1 else 0)
-        + ((r - 1) * (forwards + 1) if r > 1 else 0)
-        + (forwards + 1 if allgather else 0)
+    ring_degree = shape.ring_degree
+    return shape.layers_per_stage * (
+        (forwards * 4 + 4 if layout.tp > 1 else 0)
+        + (2 * forwards + 2 if layout.ulysses_degree > 1 else 0)
+        + ((ring_degree - 1) * (forwards + 1) if ring_degree > 1 else 0)
+        + (forwards + 1 if shape.allgather else 0)
     )
 
-    # --- PP -------------------------------------------------------------------------------------
-    t_bubble = t_p2p = 0.0
-    if p > 1:
-        t_bubble = (p - 1) / v * micro
-        link = machine.link_for_span(t * cp * layout.dp * p)
-        message = commvolume.pp_message_bytes(model, layout, stream=stream)
-        t_p2p = 2 * (p - 1) * _collective_seconds(message, 1, link, machine)
 
-    # --- DP / ZeRO over the DP x CP replicas -----------------------------------------------------
-    group = layout.dp * cp
-    params = params_per_rank(model, t, p)
-    t_dp = 0.0
-    if group > 1:
-        link = machine.link_for_span(t * cp * layout.dp)  # DP ranks are tp x cp apart
-        # Across nodes, the group's members in one node reduce there first and then use as
-        # many NICs in parallel (NCCL's hierarchical rings).
-        in_node = max(1, machine.gpus_per_node // (t * cp))
-        bandwidth_scale = in_node if link is machine.network else 1
-        volume = commvolume.dp_step_bytes(layout, params)
-        steps = 2 * (group - 1) if layout.zero_stage < 3 else 3 * m * (group - 1)
-        t_dp = _collective_seconds(volume / bandwidth_scale, steps, link, machine)
-    hide = micro if layout.zero_stage < 3 else m * micro
-    t_dp_exposed = max(0.0, t_dp - hide) if machine.overlap_dp else t_dp
+# --------------------------------------------------------------------------------------------
+# the step: the pipeline, DP / ZeRO and the optimizer
+# --------------------------------------------------------------------------------------------
+def _pipeline_seconds(
+    model: ModelSpec, layout: Layout, machine: Machine, micro_batch_seconds: float
+) -> tuple[float, float]:
+    """(bubble, point-to-point) seconds of the pipeline schedule: (p-1)/v micro-batch times on
+    top of the micro-batches, and the activations sent between stages during fill and drain."""
+    pp = layout.pp
+    if pp <= 1:
+        return 0.0, 0.0
+    bubble = (pp - 1) / layout.virtual_stages * micro_batch_seconds
+    link = machine.link_for_span(layout.tp * layout.cp * layout.dp * pp)
+    message = commvolume.pp_message_bytes(model, layout, stream=_stream_bytes(layout))
+    return bubble, 2 * (pp - 1) * _collective_seconds(message, 1, link, machine)
 
+
+def _dp_seconds(layout: Layout, machine: Machine, params: int) -> float:
+    """The gradient and weight collectives over the DP x CP replicas, before any overlap."""
+    group = layout.dp * layout.cp
+    if group <= 1:
+        return 0.0
+    tp_cp = layout.tp * layout.cp
+    link = machine.link_for_span(tp_cp * layout.dp)  # DP ranks are tp x cp apart
+    # Across nodes, the group's members in one node reduce there first and then use as
+    # many NICs in parallel (NCCL's hierarchical rings).
+    in_node = max(1, machine.gpus_per_node // tp_cp)
+    bandwidth_scale = in_node if link is machine.network else 1
+    volume = commvolume.dp_step_bytes(layout, params)
+    steps = 2 * (group - 1) if layout.zero_stage < 3 else 3 * layout.grad_accum * (group - 1)
+    return _collective_seconds(volume / bandwidth_scale, steps, link, machine)
+
+
+def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
+    """Step time of `layout` on `machine`, term by term (see the module docstring)."""
+    shape = _Shape.of(model, layout)
+    micro_batches = layout.grad_accum
+    micro = _micro_batch_time(model, layout, machine, shape)
+    micro_seconds = micro.total
+    syncs = _syncs_per_micro_batch(layout, shape)
+    bubble, p2p = _pipeline_seconds(model, layout, machine, micro_seconds)
+
+    group = layout.dp * layout.cp  # the DP x CP replicas
+    params = params_per_rank(model, layout.tp, layout.pp)
+    dp_seconds = _dp_seconds(layout, machine, params)
+    hide = micro_seconds if layout.zero_stage < 3 else micro_batches * micro_seconds
+    dp_exposed = max(0.0, dp_seconds - hide) if machine.overlap_dp else dp_seconds
     updated = params / group if layout.zero_stage >= 1 else params
-    t_optimizer = updated * OPTIMIZER_BYTES_PER_PARAM / machine.memory_bytes_per_second
 
     terms = {
-        "compute_matmul": m * t_matmul,
-        "compute_attention": m * t_attention,
-        "compute_elementwise": m * t_elementwise,
-        "compute_loss": m * t_loss,
-        "tp_collectives": m * t_tp,
-        "ulysses_all_to_all": m * t_ulysses,
-        "cp_ring_exposed": m * t_ring,
-        "cp_allgather": m * t_allgather,
-        "pp_bubble": t_bubble,
-        "pp_p2p": t_p2p,
-        "dp_collectives_exposed": t_dp_exposed,
-        "optimizer": t_optimizer,
-        "framework_overhead": m * machine.microbatch_overhead_seconds,
-        "sync_overhead": (m * syncs + (1 if group > 1 else 0))
-        * (machine.sync_seconds + machine.sync_jitter * (micro / max(syncs, 1)) ** 0.5),
+        "compute_matmul": micro_batches * micro.matmul,
+        "compute_attention": micro_batches * micro.attention,
+        "compute_elementwise": micro_batches * micro.elementwise,
+        "compute_loss": micro_batches * micro.loss,
+        "tp_collectives": micro_batches * micro.tp,
+        "ulysses_all_to_all": micro_batches * micro.ulysses,
+        "cp_ring_exposed": micro_batches * micro.ring,
+        "cp_allgather": micro_batches * micro.allgather,
+        "pp_bubble": bubble,
+        "pp_p2p": p2p,
+        "dp_collectives_exposed": dp_exposed,
+        "optimizer": updated * OPTIMIZER_BYTES_PER_PARAM / machine.memory_bytes_per_second,
+        "framework_overhead": micro_batches * machine.microbatch_overhead_seconds,
+        "sync_overhead": (micro_batches * syncs + (1 if group > 1 else 0))
+        * (machine.sync_seconds + machine.sync_jitter * (micro_seconds / max(syncs, 1)) ** 0.5),
     }
     step = sum(terms.values())
-    world = layout.world_size
-    tokens_per_second = layout.tokens_per_step / step / world
+    tokens_per_second = layout.tokens_per_step / step / layout.world_size
     achieved = {
         c: tokens_per_second * flops_per_token(model, layout.seq_len, c) for c in CONVENTIONS
     }
@@ -378,10 +527,10 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
         model_flops_per_second_per_gpu=achieved,
         mfu={c: achieved[c] / reference for c in CONVENTIONS},
         detail={
-            "ring_hop_transfer_seconds": hop_transfer_fwd,
-            "ring_hop_compute_seconds": hop_compute_fwd,
-            "dp_collectives_seconds": t_dp,
-            "microbatch_seconds": micro,
+            "ring_hop_transfer_seconds": micro.ring_hop_transfer,
+            "ring_hop_compute_seconds": micro.ring_hop_compute,
+            "dp_collectives_seconds": dp_seconds,
+            "microbatch_seconds": micro_seconds,
         },
         framework=machine.framework,
         expected_error=machine.expected_error,

@@ -25,8 +25,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from ctxlaunch.contract.hardware import GiB
-from ctxlaunch.contract.spec import JobSpec, layout_problems, problem_message
+from ctxlaunch.contract.hardware import GiB, GpuInfo
+from ctxlaunch.contract.spec import JobSpec, ModelSpec, layout_problems, problem_message
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.machine import Machine, machine_for
 from ctxlaunch.perf.memory import MemoryEstimate, estimate
@@ -219,8 +219,160 @@ def degree_options(
                     continue
                 out.append(split(tp, pp, cp, dp, "ring", 1))
                 out.append(split(tp, pp, cp, dp, "ulysses", cp))
-                out.extend(split(tp, pp, cp, dp, "hybrid", u) for u in _divisors(cp) if 1 < u < cp)
+                out.extend(
+                    split(tp, pp, cp, dp, "hybrid", ulysses)
+                    for ulysses in _divisors(cp)
+                    if 1 < ulysses < cp
+                )
     return out
+
+
+@dataclass
+class _Search:
+    """One `advise` run: the spec whose layouts it varies, the machine it times them on, and the
+    advice it fills in (rankings, rejections and the counts of what it asked)."""
+
+    advice: Advice
+    base: JobSpec
+    machine: Machine
+    gpu: GpuInfo
+    global_batch: int
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.base.model
+
+    def problem(self, variant: JobSpec) -> str | None:
+        """The validator's first problem with `variant`, or None where it is legal."""
+        self.advice.validator_calls += 1
+        problems = layout_problems(variant)
+        return problem_message(problems[0]) if problems else None
+
+    def memory(self, layout: Layout) -> MemoryEstimate:
+        self.advice.memory_estimates += 1
+        return estimate(self.model, layout, self.gpu)
+
+    def reject(self, kind: str, layout: str, reason: str) -> None:
+        self.advice.rejected.append(Rejection(kind, layout, reason))
+
+    def search_degrees(self, degrees: Layout) -> None:
+        """Rank the fastest setting of one set of degrees; reject the rest, or the degrees."""
+        # The validator sees the global batch the search holds (a layout only names it as
+        # micro-batch x grad_accum x dp, which rounds where dp does not divide it).
+        why = self.problem(_with_global_batch(degrees.apply_to(self.base), self.global_batch))
+        if why is not None:
+            self.reject("illegal", degrees.describe_degrees(), why)
+            return
+        timed: list[Candidate] = []
+        for micro_batch in MICRO_BATCHES:
+            candidates = self.time_micro_batch(degrees, micro_batch)
+            if candidates is None:
+                break  # a larger micro-batch needs more
+            timed.extend(candidates)
+        if not timed:
+            return
+        timed.sort(key=_rank_key)
+        fastest = timed[0]
+        self.advice.ranked.append(fastest)
+        for other in timed[1:]:
+            self.reject(
+                "dominated",
+                other.describe(),
+                f"{other.time.step_seconds / fastest.time.step_seconds - 1:+.1%} step time "
+                f"against {fastest.describe()}",
+            )
+
+    def time_micro_batch(self, degrees: Layout, micro_batch: int) -> list[Candidate] | None:
+        """The candidates of `degrees` at `micro_batch` sequences per micro-batch that fit,
+        timed; None when not even the leanest setting fits (nor will a larger micro-batch)."""
+        if self.global_batch % (micro_batch * degrees.dp):
+            return []
+        layout = degrees.replace(
+            micro_batch=micro_batch, grad_accum=self.global_batch // (micro_batch * degrees.dp)
+        )
+        if micro_batch > 1 and self.problem(layout.apply_to(self.base)):
+            return []
+        leanest = self.memory(layout.replace(activation_checkpointing="full", zero_stage=3))
+        if not leanest.fits:
+            self.reject(
+                "no fit",
+                degrees.describe_degrees() + f", mb {micro_batch}",
+                f"{leanest.total / GiB:.1f} GiB with full checkpointing "
+                f"and ZeRO-3, of {leanest.capacity / GiB:.1f} GiB",
+            )
+            return None
+        settings = self.fitting_settings(layout)
+        timed_settings, pruned = settings[:2], settings[2:]
+        for group in pruned:
+            for mode, zero_stage in group:
+                self.reject(
+                    "dominated",
+                    f"{degrees.describe_degrees()}, mb {micro_batch}, ZeRO-{zero_stage}, "
+                    f"checkpointing {mode}",
+                    "fits, but recomputes more than a lighter "
+                    "setting of the same layout that also fits",
+                )
+        candidates = []
+        for virtual_stages in self.virtual_stage_options(degrees):
+            if virtual_stages > 1 and self.problem(
+                layout.replace(virtual_stages=virtual_stages).apply_to(self.base)
+            ):
+                continue
+            for mode, zero_stage in itertools.chain.from_iterable(timed_settings):
+                candidate = self.time_setting(
+                    layout.replace(
+                        activation_checkpointing=mode,
+                        zero_stage=zero_stage,
+                        virtual_stages=virtual_stages,
+                    )
+                )
+                if candidate is not None:
+                    candidates.append(candidate)
+        return candidates
+
+    def fitting_settings(self, layout: Layout) -> list[list[tuple[str, int]]]:
+        """Per checkpointing mode, lightest first, the (mode, ZeRO stage) settings of `layout`
+        that fit; modes where none fits are left out."""
+        settings = []
+        for mode in CHECKPOINTING:
+            fitting = [
+                (mode, zero_stage)
+                for zero_stage in ZERO_STAGES
+                if self.memory(
+                    layout.replace(activation_checkpointing=mode, zero_stage=zero_stage)
+                ).fits
+            ]
+            if fitting:
+                settings.append(fitting)
+        return settings
+
+    def virtual_stage_options(self, degrees: Layout) -> list[int]:
+        """Virtual stages per rank to try: those that divide each stage's blocks, up to
+        MAX_VIRTUAL_STAGES (1 without PP)."""
+        if degrees.pp == 1:
+            return [1]
+        return [
+            virtual_stages
+            for virtual_stages in _divisors(self.model.layers // degrees.pp)
+            if virtual_stages <= MAX_VIRTUAL_STAGES
+        ]
+
+    def time_setting(self, layout: Layout) -> Candidate | None:
+        """`layout` timed where it fits (else rejected). Interleaved stages hold more warm-up
+        micro-batches than one stage per rank, where the setting was found to fit: each is
+        checked at its own virtual stages."""
+        memory = self.memory(layout)
+        if not memory.fits:
+            self.reject(
+                "no fit",
+                f"{layout.describe_degrees()} v{layout.virtual_stages}, mb {layout.micro_batch}, "
+                f"ZeRO-{layout.zero_stage}, checkpointing {layout.activation_checkpointing}",
+                f"{memory.total / GiB:.1f} GiB with {layout.virtual_stages} virtual "
+                f"stages, of {memory.capacity / GiB:.1f} GiB",
+            )
+            return None
+        self.advice.layouts_timed += 1
+        return Candidate(layout, memory, predict(self.model, layout, self.machine))
 
 
 def advise(
@@ -238,132 +390,26 @@ def advise(
     bf16/fp32 only). On a Megatron-profile machine (`--framework megatron`) the layouts are
     planned with Megatron's memory habits too (Layout.framework)."""
     nodes = nodes or spec.cluster.nodes
-    gpn = gpus_per_node or spec.cluster.gpus_per_node
-    world = nodes * gpn
-    cluster = spec.cluster.model_copy(update={"nodes": nodes, "gpus_per_node": gpn})
+    per_node = gpus_per_node or spec.cluster.gpus_per_node
+    cluster = spec.cluster.model_copy(update={"nodes": nodes, "gpus_per_node": per_node})
     base = spec.model_copy(update={"cluster": cluster})
     machine = machine or machine_for(base, saved=False)
-    gpu = cluster.gpu_info
-    global_batch = spec.global_batch
-    model = spec.model
-    advice = Advice(spec=base, nodes=nodes, gpus_per_node=gpn, ranked=[], rejected=[])
-
-    def problem(variant: JobSpec) -> str | None:
-        advice.validator_calls += 1
-        problems = layout_problems(variant)
-        return problem_message(problems[0]) if problems else None
-
-    def memory(layout: Layout) -> MemoryEstimate:
-        advice.memory_estimates += 1
-        return estimate(model, layout, gpu)
-
-    for degrees in degree_options(base, world, gpn, machine.nvlink_domain):
+    advice = Advice(spec=base, nodes=nodes, gpus_per_node=per_node, ranked=[], rejected=[])
+    search = _Search(advice, base, machine, cluster.gpu_info, spec.global_batch)
+    for degrees in degree_options(base, nodes * per_node, per_node, machine.nvlink_domain):
         if matmul_precision is not None:
             degrees = degrees.replace(matmul_precision=matmul_precision)
         if machine.framework == "megatron":
             degrees = degrees.replace(framework="megatron")
-        # The validator sees the global batch the search holds (a layout only names it as
-        # micro-batch x grad_accum x dp, which rounds where dp does not divide it).
-        why = problem(_with_global_batch(degrees.apply_to(base), global_batch))
-        if why is not None:
-            advice.rejected.append(Rejection("illegal", degrees.describe_degrees(), why))
-            continue
-        timed: list[Candidate] = []
-        for micro_batch in MICRO_BATCHES:
-            if global_batch % (micro_batch * degrees.dp):
-                continue
-            layout = degrees.replace(
-                micro_batch=micro_batch, grad_accum=global_batch // (micro_batch * degrees.dp)
-            )
-            if micro_batch > 1 and problem(layout.apply_to(base)):
-                continue
-            leanest = memory(layout.replace(activation_checkpointing="full", zero_stage=3))
-            if not leanest.fits:
-                what = degrees.describe_degrees() + f", mb {micro_batch}"
-                advice.rejected.append(
-                    Rejection(
-                        "no fit",
-                        what,
-                        f"{leanest.total / GiB:.1f} GiB with full checkpointing "
-                        f"and ZeRO-3, of {leanest.capacity / GiB:.1f} GiB",
-                    )
-                )
-                break  # a larger micro-batch needs more
-            settings = []
-            for mode in CHECKPOINTING:
-                fitting = [
-                    (mode, z)
-                    for z in ZERO_STAGES
-                    if memory(layout.replace(activation_checkpointing=mode, zero_stage=z)).fits
-                ]
-                if fitting:
-                    settings.append(fitting)
-            timed_modes, pruned = settings[:2], settings[2:]
-            for group in pruned:
-                for mode, z in group:
-                    advice.rejected.append(
-                        Rejection(
-                            "dominated",
-                            f"{degrees.describe_degrees()}, mb {micro_batch}, ZeRO-{z}, "
-                            f"checkpointing {mode}",
-                            "fits, but recomputes more than a lighter "
-                            "setting of the same layout that also fits",
-                        )
-                    )
-            stages = [1]
-            if degrees.pp > 1:
-                stages = [
-                    v for v in _divisors(model.layers // degrees.pp) if v <= MAX_VIRTUAL_STAGES
-                ]
-            for v in stages:
-                if v > 1 and problem(layout.replace(virtual_stages=v).apply_to(base)):
-                    continue
-                for mode, z in itertools.chain.from_iterable(timed_modes):
-                    candidate_layout = layout.replace(
-                        activation_checkpointing=mode, zero_stage=z, virtual_stages=v
-                    )
-                    # Interleaved stages hold more warm-up micro-batches than v = 1, where
-                    # the setting was found to fit: each is checked at its own v.
-                    candidate_memory = memory(candidate_layout)
-                    if not candidate_memory.fits:
-                        advice.rejected.append(
-                            Rejection(
-                                "no fit",
-                                f"{degrees.describe_degrees()} v{v}, mb {micro_batch}, "
-                                f"ZeRO-{z}, checkpointing {mode}",
-                                f"{candidate_memory.total / GiB:.1f} GiB with {v} virtual "
-                                f"stages, of {candidate_memory.capacity / GiB:.1f} GiB",
-                            )
-                        )
-                        continue
-                    advice.layouts_timed += 1
-                    timed.append(
-                        Candidate(
-                            candidate_layout,
-                            candidate_memory,
-                            predict(model, candidate_layout, machine),
-                        )
-                    )
-        if not timed:
-            continue
-        timed.sort(key=_rank_key)
-        advice.ranked.append(timed[0])
-        for other in timed[1:]:
-            advice.rejected.append(
-                Rejection(
-                    "dominated",
-                    other.describe(),
-                    f"{other.time.step_seconds / timed[0].time.step_seconds - 1:+.1%} step time "
-                    f"against {timed[0].describe()}",
-                )
-            )
+        search.search_degrees(degrees)
     advice.ranked.sort(key=_rank_key)
-    if (nodes, gpn) == (spec.cluster.nodes, spec.cluster.gpus_per_node) and not layout_problems(
-        spec
-    ):
+    if (nodes, per_node) == (
+        spec.cluster.nodes,
+        spec.cluster.gpus_per_node,
+    ) and not layout_problems(spec):
         own = Layout.from_spec(spec)
-        if estimate(model, own, gpu).fits:
-            advice.own = predict(model, own, machine)
+        if estimate(spec.model, own, search.gpu).fits:
+            advice.own = predict(spec.model, own, machine)
     if not advice.ranked:
         advice.notes.append(
             "no layout fits on this many GPUs: add GPUs (--gpus, --nodes) or shorten the sequence"

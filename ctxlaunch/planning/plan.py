@@ -14,13 +14,8 @@ from ctxlaunch.contract.spec import JobSpec, cp_problems, problem_message
 from ctxlaunch.perf.flops import CONVENTIONS, count_params, flops_per_token
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.machine import Machine, machine_for
-from ctxlaunch.perf.memory import (
-    MemoryEstimate,
-    Phase,
-    estimate,
-    longest_sequence,
-    peak_phases,
-)
+from ctxlaunch.perf.memory import MemoryEstimate, estimate, longest_sequence
+from ctxlaunch.perf.peakphases import Phase, peak_phases
 from ctxlaunch.perf.steptime import predict
 
 MAX_CP = 256

@@ -1,0 +1,202 @@
+"""What a rank saves for backward, per token and per pipeline stage, and the transients of one
+attention call and of the chunked loss. Part of the per-GPU memory model (ctxlaunch.perf.memory,
+which adds them up); pure arithmetic over the layout, no torch. The constants are derived from
+the block the trainer builds (ctxlaunch/runtime/trainer/model.py) and checked against memory
+measured with saved-tensor hooks (tests/test_memory_measured.py and
+benchmarks/activation_memory.py).
+
+Per rank, for one micro-batch of b sequences of s tokens, CP degree N, TP degree t:
+  tokens held  n = b * s / N            (sequence split by CP)
+  per-token activations are further divided by t (TP with Megatron-style sequence
+  parallelism shards the per-token tensors that TP would otherwise replicate; the norm outputs
+  the column-parallel projections read are kept as local shards and gathered again in
+  backward, as in Megatron), except what is gathered over TP outside the blocks: the gradient
+  of the loss input, the RoPE tables and the token ids.
+Pipeline stages (`stage_activation_bytes`): the first holds the embedding's saved ids, the last
+the final norm and the loss input; under 1F1B stage r keeps pp - r micro-batches in flight (at
+most grad_accum) and the planner takes the busiest stage. Interleaved schedules are planned as
+1F1B over each rank's blocks (an approximation). Measured: tests/test_memory_measured.py at
+TP 2 and on both stages of PP 2.
+
+Bytes saved for backward per token by one transformer block, with a = bytes of the compute
+dtype and r = bytes of the residual stream (both 2 in bf16 under DeepSpeed; r = 4 under ZeRO-0
+bf16, where torch autocast keeps fp32 weights and residual; both 4 in fp32), h the hidden size,
+h_kv the K/V width and f the feed-forward width:
+
+    tensor (who saves it)                         bytes/token
+    block input x (RMSNorm 1)                     r*h
+    RMSNorm 1 output (fused q/k/v projection)     a*h
+    q, k, v after RoPE (attention)                a*(h + 2*h_kv)
+    attention output (attention)                  a*h
+    log-sum-exp, fp32 (attention)                 4*heads
+    attention output, token-major (o projection)  a*h
+    x + attention (RMSNorm 2)                     r*h
+    RMSNorm 2 output (fused gate/up projection)   a*h
+    gate and up (SwiGLU)                          2*a*f
+    SwiGLU output (down projection)               a*f
+    two RMSNorm reciprocal RMS values, fp32       8
+
+    total: 2*r*h + a*(5*h + 2*h_kv + 3*f) + 4*heads + 8
+
+No s-by-s term: attention runs through flash kernels that keep only the log-sum-exp. For
+Llama-3-8B in bf16 (h 4096, h_kv 1024, f 14336, 32 heads) that is 147,592 bytes = 36.0*h per
+token, next to Korthikanti et al.'s 34*h for a GPT block with a 4h GELU MLP.
+
+Under ZeRO-0 bf16 (autocast) each block also keeps the bf16 copies of its matmul weights for
+backward: 2 bytes per weight, per block not recomputed.
+
+Activation checkpointing:
+- selective: the feed-forward half (RMSNorm 2 + SwiGLU, cheap and linear in s) is recomputed;
+  attention (quadratic to recompute) is kept. Saved per block: r*h + a*(4*h + 2*h_kv) + 4*heads
+  + 4, plus the feed-forward input r*h.
+- full: only each block's input r*h is kept; one block is recomputed at a time in backward.
+
+The functions below name these quantities by the table's symbols (a, r, h, h_kv, f).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ctxlaunch.perf.layout import Layout
+
+if TYPE_CHECKING:
+    from ctxlaunch.contract.spec import ModelSpec
+
+# Constants the trainer uses too, so the planner and the run agree.
+LOSS_CHUNK_TOKENS = 2048
+"""The output head and cross-entropy run over chunks of this many tokens, each recomputed in
+backward, so the (tokens x vocab) logits never exist for the whole local sequence at once."""
+BACKWARD_CHUNK_TOKENS = 1024
+"""The RMSNorm and SwiGLU backward passes compute their fp32 pointwise math over chunks of this
+many tokens, so those temporaries do not grow with the sequence."""
+
+
+def block_activation_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
+    """Bytes one transformer block saves for backward per token, for the layout's
+    checkpointing mode (the table in the module docstring)."""
+    # a, r, h, f, h_kv: the symbols of the module docstring's table.
+    a, r = layout.compute_bytes, layout.residual_bytes
+    h, f = model.hidden, model.ffn_hidden
+    h_kv = model.kv_hidden
+    attention_half = r * h + a * (4 * h + 2 * h_kv) + 4 * model.heads + 4
+    feed_forward_half = r * h + a * (h + 3 * f) + 4
+    # TP with sequence parallelism divides every per-token tensor by t, the norm outputs the
+    # column-parallel projections read included: as in Megatron, each projection keeps its
+    # input's local shard and gathers it again in backward (tensor_parallel.gather_linear).
+    mode = layout.activation_checkpointing
+    if mode == "none":
+        return attention_half + feed_forward_half
+    if mode == "selective":
+        return attention_half + r * h
+    return r * h
+
+
+def recompute_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
+    """What recomputing one block in backward adds back while it is being differentiated."""
+    mode = layout.activation_checkpointing
+    if mode == "none":
+        return 0.0
+    full = block_activation_bytes_per_token(model, layout.replace(activation_checkpointing="none"))
+    if mode == "full":
+        return full
+    selective = block_activation_bytes_per_token(model, layout)
+    return full - selective
+
+
+def attention_workspace_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
+    """Transient buffers of one attention call in backward (its peak), per local token:
+    fp32 dQ accumulator, K/V grads and their transfer buffers, kernel outputs."""
+    # a, h, h_kv: the symbols of the module docstring's table.
+    a = layout.compute_bytes
+    h, h_kv = model.hidden, model.kv_hidden
+    kernel_grads = a * 3 * h  # dq, dk, dv from the kernel, K/V expanded to all query heads
+    if layout.cp == 1:
+        return kernel_grads
+    if layout.cp_algorithm == "ulysses":
+        # all-to-all in and out buffers for q, k, v (and their grads): same size per rank.
+        return 2 * a * (h + 2 * h_kv) + kernel_grads
+    if layout.cp_algorithm == "allgather":
+        # fp32 dQ; the whole sequence's K/V gathered (cp x the local tokens) and their fp32
+        # dK/dV before the reduce-scatter.
+        return 4 * h + layout.cp * (2 * a * h_kv + 2 * 4 * h_kv) + kernel_grads
+    # ring (and the ring part of hybrid): fp32 dQ, fp32 dK/dV in hand and in flight, K/V in
+    # hand and in flight.
+    return 4 * h + 2 * 2 * 4 * h_kv + 2 * 2 * a * h_kv + kernel_grads
+
+
+def loss_workspace_bytes(model: ModelSpec, layout: Layout) -> float:
+    """The chunked loss's transients (runtime/trainer/loss.py: each chunk's backward done in its
+    forward): one chunk's logits in the compute dtype, in 16-bit their one fp32 upcast (the
+    softmax and then the logits' gradient, formed in place and cast back into the logits'
+    buffer; in fp32 the logits themselves are that work), and under autocast the head weight's
+    compute-dtype copy (made once for every chunk) and the chunk of the loss input cast to
+    it. The per-token statistics (about 50 bytes per token of the chunk) are left out. The
+    largest of what follows the softmax (the input gradient's chunk before it is written into
+    the fp32 whole, the head gradient's per-chunk product before it is added to the fp32
+    accumulator) is smaller than the upcast at any vocabulary above the hidden size."""
+    chunk_tokens = min(layout.tokens_per_rank, LOSS_CHUNK_TOKENS)
+    vocab_per_rank = model.vocab / layout.tp
+    # a, h: the symbols of the module docstring's table.
+    a, h = layout.compute_bytes, model.hidden
+    if layout.framework != "ctxlaunch":
+        # Other frameworks' habits keep the earlier model of a recomputed chunk: logits, their
+        # fp32 copy, the fp32 log-softmax and the fp32 logits gradient.
+        return (a + 12) * vocab_per_rank * chunk_tokens
+    upcast = 4 * vocab_per_rank * chunk_tokens if a != 4 else 0.0
+    copies = a * (vocab_per_rank + chunk_tokens) * h if layout.residual_bytes != a else 0.0
+    return a * vocab_per_rank * chunk_tokens + upcast + copies
+
+
+def autocast_weight_copy_bytes(model: ModelSpec, layout: Layout) -> float:
+    """ZeRO-0 bf16 runs under autocast: each block's matmuls save the bf16 copies of their fp32
+    weights for backward (2 bytes per weight), except where the block is recomputed."""
+    if layout.dtype != "bf16" or not layout.fp32_weights:
+        return 0.0
+    # h, h_kv, f: the symbols of the module docstring's table.
+    h, h_kv, f = model.hidden, model.kv_hidden, model.ffn_hidden
+    attention = h * (h + 2 * h_kv) + h * h
+    feed_forward = 3 * h * f
+    kept = {"none": attention + feed_forward, "selective": attention, "full": 0}
+    return 2.0 * kept[layout.activation_checkpointing] / layout.tp
+
+
+def activation_bytes(model: ModelSpec, layout: Layout) -> float:
+    """Bytes saved for backward on the busiest rank (the busiest pipeline stage) at the start
+    of backward."""
+    if layout.pp == 1:
+        return stage_activation_bytes(model, layout, model.layers, first=True, last=True)
+    # 1F1B: stage `stage` holds the activations of up to pp - stage micro-batches in flight.
+    return max(
+        min(layout.pp - stage, layout.grad_accum)
+        * stage_activation_bytes(
+            model, layout, stage_blocks, first=stage == 0, last=stage == layout.pp - 1
+        )
+        for stage, stage_blocks in enumerate(layout.rank_layers(model.layers))
+    )
+
+
+def stage_activation_bytes(
+    model: ModelSpec, layout: Layout, blocks: int, *, first: bool, last: bool
+) -> float:
+    """Bytes one micro-batch leaves saved for backward on a pipeline stage of `blocks` blocks
+    (with the embedding if `first`, the final norm and the loss if `last`)."""
+    tp = layout.tp
+    tokens = layout.tokens_per_rank / tp  # per rank, sequence-parallel under TP
+    r = layout.residual_bytes  # the table's r
+    # Outside the blocks, per sequence-parallel token: the RoPE cos/sin tables (one pair for
+    # every block, over the CP shard's tokens); on the first stage the int64 token ids (and,
+    # under TP, the vocabulary mask of the parallel embedding); on the last the final RMSNorm
+    # input and rstd, and the gradient of the chunked loss's input (gathered over TP): the loss
+    # computes it in forward and keeps it, in place of the input it no longer keeps.
+    outside = 2 * model.head_dim * layout.compute_bytes * tp
+    if first:
+        outside += 8 * tp + (tp if tp > 1 else 0)
+    if last:
+        outside += r * model.hidden + 4 + r * model.hidden * tp
+        if layout.framework != "ctxlaunch":
+            outside += 8 * tp  # the int64 targets, which a recomputed loss keeps
+    per_block = block_activation_bytes_per_token(model, layout)
+    return (
+        tokens * (per_block * blocks + outside) + autocast_weight_copy_bytes(model, layout) * blocks
+    )

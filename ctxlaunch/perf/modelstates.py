@@ -1,0 +1,266 @@
+"""Model states per rank: the parameters a rank holds, and their weights, gradients and optimizer
+states by the engine that runs them, with the engines' communication buffers. Part of the
+per-GPU memory model (ctxlaunch.perf.memory); pure arithmetic, no torch.
+
+Model states per parameter held by the rank (the sharding group of ZeRO is DP x CP, since every
+CP rank holds a replica of the weights), mirroring how the trainer runs them:
+- ZeRO-0 (plain torch; bf16 through autocast): fp32 weights 4 + fp32 gradients 4 + Adam 8 = 16.
+- ZeRO-1..3 (DeepSpeed, bf16): 16-bit weights 2, 16-bit gradients 2, and per sharded parameter
+  an fp32 gradient 4 + fp32 master 4 + Adam 8. DeepSpeed keeps the fp32 gradient partition the
+  ZeRO paper's 2 + 14/Nd leaves out; we follow DeepSpeed's own estimators
+  (estimate_zero2/zero3_model_states_mem_needs), which a test checks:
+      ZeRO-1: 4 + 16/Nd,  ZeRO-2: 2 + 18/Nd,  ZeRO-3: 18/Nd (+ 4 bytes x the largest layer,
+      the gathered parameters)
+- fp32 under DeepSpeed: weights 4, gradients 4 (full for ZeRO-1), master copy 4, Adam 8:
+      ZeRO-1: 8 + 12/Nd,  ZeRO-2: 4 + 16/Nd,  ZeRO-3: 20/Nd (+ 4 x largest layer)
+- FSDP2 (ZeRO >= 1 with TP or PP): fp32 master 4, fp32 gradient 4 and Adam 8, all sharded,
+  16/Nd, plus the gathered weights: in bf16 the mixed-precision policy gathers bf16 copies
+  (2 per parameter kept through backward under ZeRO 1-2, two blocks' under ZeRO-3), so no
+  autocast weight copies are saved and the residual stream is bf16 (`Layout.fsdp_bf16_params`);
+  in fp32, 4. In backward each block's gradients are produced unsharded in the gathered dtype
+  and copied into an fp32 reduce-scatter input (`fsdp_block_backward_bytes`). Under PP at
+  ZeRO-1 torch's pipelining skips FSDP2's gradient sync until after the last micro-batch, so
+  the stage's unsharded gradients accumulate in fp32 (4 per parameter) from the first backward
+  to the step; at ZeRO-2/3 the trainer reduce-scatters every micro-batch's gradients as FSDP2
+  does without PP (runtime/trainer/pipeline.py, trainer_stage), so only the fp32 shards
+  accumulate (4/Nd), and ZeRO-3 re-shards the weights after each backward.
+
+Nd above is the sharding group (`Layout.shard_group`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ctxlaunch.perf.flops import count_params
+from ctxlaunch.perf.layout import Layout, default_rank_layers
+
+if TYPE_CHECKING:
+    from ctxlaunch.contract.spec import ModelSpec
+
+# Constants the trainer uses too, so the planner and the run agree.
+GRAD_BUCKET_ELEMENTS = 25_000_000
+"""ZeRO-0: gradients are all-reduced over DP x CP in flat buckets of this many elements."""
+ZERO_BUCKET_ELEMENTS = 200_000_000
+"""ZeRO-1/2: DeepSpeed reduce_bucket_size and allgather_bucket_size."""
+ZERO3_PREFETCH_ELEMENTS = 50_000_000
+"""ZeRO-3: DeepSpeed stage3_prefetch_bucket_size."""
+
+
+# --------------------------------------------------------------------------------------------
+# parameters held
+# --------------------------------------------------------------------------------------------
+def params_per_rank(
+    model: ModelSpec, tp: int, pp: int, rank_layers: list[int] | None = None
+) -> int:
+    """Parameters held by the busiest rank before ZeRO sharding: a pipeline stage's blocks
+    (plus the embedding or the head on the end stages) split by TP. `rank_layers`: blocks per
+    PP rank (default: the balanced split the validator gives a spec, `default_rank_layers`)."""
+    counts = count_params(model)
+    if pp == 1:
+        return -(-counts.total // tp)
+    layers = rank_layers or default_rank_layers(model.layers, pp)
+    held = [counts.per_layer * blocks for blocks in layers]
+    held[0] += counts.embedding
+    held[-1] += counts.final_norm + counts.head
+    return -(-max(held) // tp)
+
+
+def stage_params(model: ModelSpec, layout: Layout, stage: int) -> int:
+    """Parameters PP rank `stage` holds before ZeRO sharding (its blocks, the embedding on the
+    first, the final norm and head on the last), split by TP."""
+    if layout.pp == 1:
+        return params_per_rank(model, layout.tp, 1)
+    counts = count_params(model)
+    held = counts.per_layer * layout.rank_layers(model.layers)[stage]
+    if stage == 0:
+        held += counts.embedding
+    if stage == layout.pp - 1:
+        held += counts.final_norm + counts.head
+    return -(-held // layout.tp)
+
+
+def largest_layer_params(model: ModelSpec, tp: int = 1) -> int:
+    counts = count_params(model)
+    return -(-max(counts.per_layer, counts.embedding, counts.head) // tp)
+
+
+def block_params(model: ModelSpec, layout: Layout) -> float:
+    """One block's parameters on a rank (its TP slice): what FSDP2 gathers and reduces as a
+    unit."""
+    return count_params(model).per_layer / layout.tp
+
+
+# --------------------------------------------------------------------------------------------
+# weights, gradients and optimizer states, by engine
+# --------------------------------------------------------------------------------------------
+def model_state_bytes(
+    params: int, largest_layer_params: int, stage: int, shard_group: int, dtype: str
+) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer states) bytes per rank; see the module docstring."""
+    if stage == 0:
+        return 4 * params, 4 * params, 8 * params
+    if dtype == "bf16":
+        if stage == 1:
+            return 2 * params, 2 * params, 16 * params // shard_group
+        if stage == 2:
+            return 2 * params, 2 * params // shard_group, 16 * params // shard_group
+        return (
+            2 * params // shard_group + 4 * largest_layer_params,
+            2 * params // shard_group,
+            14 * params // shard_group,
+        )
+    if stage == 1:
+        return 4 * params, 4 * params, 12 * params // shard_group
+    if stage == 2:
+        return 4 * params, 4 * params // shard_group, 12 * params // shard_group
+    return (
+        4 * params // shard_group + 4 * largest_layer_params,
+        4 * params // shard_group,
+        12 * params // shard_group,
+    )
+
+
+def fsdp_state_bytes(
+    params: int, zero3_gathered: int, stage: int, shard_group: int, *, param_bytes: int = 4
+) -> tuple[int, int, int]:
+    """FSDP2 over DP x CP (ZeRO >= 1 with TP or PP): fp32 master weights, fp32 gradients and
+    Adam states sharded, 16/Nd per parameter; the gathered weights in `param_bytes` per element
+    (2 under bf16: the mixed-precision policy gathers bf16 copies of the fp32 shards), every
+    block's kept from forward to backward under ZeRO 1-2, under ZeRO-3 `zero3_gathered`
+    (`zero3_gathered_params`: two blocks' and the root's)."""
+    if shard_group == 1:  # nothing to shard over: the trainer keeps plain fp32 states (ZeRO-0)
+        return 4 * params, 4 * params, 8 * params
+    gathered = param_bytes * (params if stage < 3 else zero3_gathered)
+    return (
+        4 * params // shard_group + gathered,
+        4 * params // shard_group,
+        8 * params // shard_group,
+    )
+
+
+def fsdp_param_bytes(layout: Layout) -> int:
+    """Bytes per element of FSDP2's gathered (unsharded) parameters and of the gradients
+    autograd produces into them before the reduce-scatter."""
+    return 2 if layout.fsdp_bf16_params else 4
+
+
+def zero3_gathered_params(
+    model: ModelSpec, layout: Layout, params: int, stage: int | None = None
+) -> int:
+    """FSDP2 ZeRO-3: the parameters gathered at the peak (a block's backward) on PP rank
+    `stage` (None: any, so the embedding and the head both): that block's, the next one's
+    (prefetched), and the root module's (embedding; final norm and head), which the trainer
+    keeps gathered from its forward through its backward (`reshard_after_forward=False`: the
+    loss uses the head after the forward returns); never more than the rank holds."""
+    counts = count_params(model)
+    first = stage is None or stage == 0
+    last = stage is None or stage == layout.pp - 1
+    root = (counts.embedding if first else 0) + (counts.final_norm + counts.head if last else 0)
+    return min(params, -(-(2 * counts.per_layer + root) // layout.tp))
+
+
+def state_bytes(
+    model: ModelSpec, layout: Layout, params: int, stage: int | None = None
+) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer states) bytes of `params` parameters on one rank (PP
+    rank `stage`, or any), by the engine the layout runs (FSDP2, DeepSpeed or plain torch)."""
+    if layout.fsdp:
+        return fsdp_state_bytes(
+            params,
+            zero3_gathered_params(model, layout, params, stage),
+            layout.zero_stage,
+            layout.shard_group,
+            param_bytes=fsdp_param_bytes(layout),
+        )
+    return model_state_bytes(
+        params,
+        largest_layer_params(model, layout.tp),
+        layout.zero_stage,
+        layout.shard_group,
+        layout.dtype,
+    )
+
+
+def busiest_rank_states(model: ModelSpec, layout: Layout) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer states) bytes on the rank that holds the most
+    parameters."""
+    params = params_per_rank(model, layout.tp, layout.pp, layout.rank_layers(model.layers))
+    return state_bytes(model, layout, params)
+
+
+def stage_states(model: ModelSpec, layout: Layout, stage: int) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer states) bytes on PP rank `stage`."""
+    return state_bytes(model, layout, stage_params(model, layout, stage), stage)
+
+
+# --------------------------------------------------------------------------------------------
+# gradient synchronisation and the engines' buffers
+# --------------------------------------------------------------------------------------------
+def pipeline_defers_gradient_sync(layout: Layout) -> bool:
+    """FSDP2 under PP at ZeRO-1: torch's pipelining runs every micro-batch's backward without
+    FSDP2's gradient sync or resharding (stage.py, backward_maybe_with_nosync) and
+    reduce-scatters once after the last (perform_reduce_grad). At ZeRO-2/3 the trainer's
+    stages reduce-scatter every micro-batch (pipeline.trainer_stage)."""
+    return layout.fsdp_sharded and layout.pp > 1 and layout.zero_stage < 2
+
+
+def pipeline_accumulated_grad_bytes(layout: Layout, params: int) -> float:
+    """What `pipeline_defers_gradient_sync` accumulates: the stage's `params`' unsharded
+    gradients in fp32, the reduce dtype (FSDPParam.to_accumulated_grad_if_needed), from the
+    first backward to the step."""
+    return 4.0 * params if pipeline_defers_gradient_sync(layout) else 0.0
+
+
+def fsdp_gather_buffer_bytes(model: ModelSpec, layout: Layout) -> float:
+    """The flat output of FSDP2's last all-gather in forward, the last block's weights in the
+    gathered dtype, which FSDP2 holds (FSDPCommContext.all_gather_state, so that no stream
+    reuses it early) until the root module's forward ends; measured on the CPU, where it is
+    live at the loss (tests/test_memory_peak.py)."""
+    if not layout.fsdp_sharded:
+        return 0.0
+    return fsdp_param_bytes(layout) * block_params(model, layout)
+
+
+def fsdp_block_backward_bytes(model: ModelSpec, layout: Layout) -> float:
+    """FSDP2's transients at the end of one block's backward: the block's unsharded gradients
+    in the gathered parameters' dtype, and the flat reduce-scatter input in fp32 (the reduce
+    dtype) they are copied into (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
+    foreach_reduce); under ZeRO-3 also the next block's gathered parameters (prefetched)."""
+    if not layout.fsdp_sharded:
+        return 0.0
+    block = block_params(model, layout)
+    prefetch = fsdp_param_bytes(layout) * block if layout.zero_stage == 3 else 0.0
+    return (fsdp_param_bytes(layout) + 4) * block + prefetch
+
+
+def deepspeed_bucket_bytes(layout: Layout) -> int:
+    """The bundled trainer under DeepSpeed ZeRO-1/2 in bf16: backward reduces gradients through
+    one contiguous bucket of reduce_bucket_size elements in the compute dtype (ipg_buffer in
+    deepspeed/runtime/zero/stage_1_and_2.py; one, since the trainer sets overlap_comm false),
+    allocated at the first gradient hook of every micro-batch and dropped before the step.
+    Measured: 400,000,000 bytes at 200 M elements (tests/test_memory_peak.py)."""
+    if (
+        layout.framework != "ctxlaunch"
+        or layout.fsdp
+        or layout.zero_stage not in (1, 2)
+        or layout.shard_group == 1
+        or layout.dtype != "bf16"
+    ):
+        return 0
+    return ZERO_BUCKET_ELEMENTS * layout.compute_bytes
+
+
+def communication_buffer_bytes(layout: Layout) -> int:
+    """The gradient all-reduce buckets (ZeRO-0) or DeepSpeed's reduce and gather buckets."""
+    if layout.shard_group == 1 or layout.fsdp:
+        # FSDP2's collectives gather into the parameters (model states) and reduce-scatter
+        # from per-block buffers the phases hold (`fsdp_block_backward_bytes`).
+        return 0
+    if layout.zero_stage == 0:
+        return 4 * GRAD_BUCKET_ELEMENTS
+    if deepspeed_bucket_bytes(layout):
+        return deepspeed_bucket_bytes(layout)  # in the phases too: counted once (`estimate`)
+    if layout.zero_stage in (1, 2):
+        return 2 * ZERO_BUCKET_ELEMENTS * layout.compute_bytes
+    return 2 * ZERO3_PREFETCH_ELEMENTS * layout.compute_bytes
