@@ -36,7 +36,7 @@ def _forward_backward(q, k, v, causal: bool, scale: float) -> None:  # type: ign
 def main() -> None:
     import torch
 
-    from ctxlaunch.runtime.calibrate import _best_seconds
+    from ctxlaunch.runtime.calibration.measuring import best_seconds
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 3072, 6144])
@@ -56,7 +56,7 @@ def main() -> None:
             rates = {}
             for threads in (1, cores):
                 torch.set_num_threads(threads)
-                rates[threads] = 12.0 * head_dim * entries / _best_seconds(call, args.repeats)
+                rates[threads] = 12.0 * head_dim * entries / best_seconds(call, args.repeats)
             row = {
                 "seq": seq,
                 "causal": causal,

@@ -6,7 +6,7 @@ several lengths, checkpointing modes and micro-batches, in one script (goal: wit
     python benchmarks/gpu_steptime.py --dry-run                    # the same code on a CPU
 
 First it calibrates the GPU as `ctxlaunch calibrate SPEC --submit` does
-(ctxlaunch.runtime.calibrate_device: matmuls, the attention kernel, the trainer cut to 4 blocks
+(ctxlaunch.runtime.calibration.gpu: matmuls, the attention kernel, the trainer cut to 4 blocks
 at 6K and 12K and to 1 block at 12K, 4 blocks at 24K held out). Each point is then the real
 trainer (`python -m ctxlaunch.runtime.trainer`, via gpu_check.run_trainer) in its own process;
 measured = the median step after the warm-up steps; predicted = `plan`'s step with that
@@ -116,11 +116,11 @@ def point(
 
 
 def calibrate(model: str, dry: bool) -> GpuCalibration:
-    """The H200 calibration the points are predicted with (ctxlaunch.runtime.calibrate_device,
+    """The H200 calibration the points are predicted with (ctxlaunch.runtime.calibration.gpu,
     as `ctxlaunch calibrate SPEC --submit` runs it): on one GPU, at lengths none of the points
     use; with `dry` its GPU code path on this CPU."""
     from ctxlaunch.contract.loader import validate_spec
-    from ctxlaunch.runtime.calibrate_device import measure_device
+    from ctxlaunch.runtime.calibration.gpu import measure_device
 
     data = trainer_spec(model, 8192, "selective", 1, "H200", None)
     return measure_device(

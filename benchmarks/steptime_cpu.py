@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/steptime_cpu.py [--lengths 4096 8192 16384] [--steps 3]
 
-1. Calibrates (`ctxlaunch.runtime.calibrate.measure`: matmul on the model's projections, attention
+1. Calibrates (`ctxlaunch.runtime.calibration.cpu.measure`: matmul on the model's projections, attention
    through the trainer's kernels, memory copy, the model's elementwise rate and fixed cost from
    its step at 256 and 1,024 tokens, gloo loopback) at the model's shape and saves the constants where `advise` and
    `report` read them ($CTXLAUNCH_HOME/cpu_calibration.json).
@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ctxlaunch.contract.loader import apply_overrides, validate_spec  # noqa: E402
 from ctxlaunch.launch.report import build_report  # noqa: E402
 from ctxlaunch.launch.sweep import Point, prepare, submit, triage  # noqa: E402
-from ctxlaunch.runtime.calibrate import ATTENTION_SEQ, measure, save_calibration  # noqa: E402
+from ctxlaunch.perf.machine import save_calibration  # noqa: E402
+from ctxlaunch.runtime.calibration.cpu import ATTENTION_SEQ, measure  # noqa: E402
 
 # (name, overrides): CP 1/2/4 x ring/Ulysses/hybrid, and TP 2 and PP 2 (two micro-batches
 # through the two stages: 1F1B needs one per stage) on their own.

@@ -5,7 +5,7 @@ and run 7).
 
     .venv/bin/python benchmarks/sync_cpu.py [--ranks 2 4] [--sizes 192 384 768 1024 1536 2048]
 
-For each rank count and square matmul size, `ctxlaunch.runtime.calibrate.measure_sync` (the
+For each rank count and square matmul size, `ctxlaunch.runtime.calibration.cpu.measure_sync` (the
 calibration's own measurement, which uses 192): every rank computes one size x size product,
 then sends to the next rank and receives from the previous; the best of two runs less the
 best of two runs of the same products without the exchanges, per exchange. The iteration
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ctxlaunch.runtime.calibrate import measure_sync  # noqa: E402
+from ctxlaunch.runtime.calibration.cpu import measure_sync  # noqa: E402
 
 ASSUMED_FLOPS = 1.4e11
 """One thread's matmul rate, only to size the iteration counts (the run times what it gets)."""

@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.contract.loader import load_spec
-from ctxlaunch.perf.machine import machine_for
+from ctxlaunch.perf.machine import Calibration, load_calibration, machine_for, save_calibration
 from ctxlaunch.perf.steptime import predict_spec
 from ctxlaunch.planning.advise import advise
-from ctxlaunch.runtime.calibrate import Calibration, load_calibration, measure, save_calibration
+from ctxlaunch.runtime.calibration.cpu import measure
 
 from .conftest import JOBS
 
@@ -99,7 +99,7 @@ def test_the_attention_rate_can_be_measured_on_its_own_block_length(
     # The real kernel, watched: every attention call runs on the attention block's length, the
     # projections' matmuls on `seq`.
     from ctxlaunch.cp import kernels
-    from ctxlaunch.runtime.calibrate import measure_compute
+    from ctxlaunch.runtime.calibration.cpu import measure_compute
 
     lengths: list[int] = []
     real = kernels.attention_forward
@@ -120,7 +120,7 @@ def test_the_attention_ramp_is_fitted_on_two_lengths_and_slows_short_calls() -> 
     """rate(L) = R x L / (L + L0) through two measured rates gives back R and L0; a rate that
     falls with the length (noise) gives no ramp; with a ramp, a layout whose calls are shorter
     (a zigzag ring of 4: half-blocks of s / 8) pays more attention time per FLOP."""
-    from ctxlaunch.runtime.calibrate import fit_ramp
+    from ctxlaunch.runtime.calibration.fitting import fit_ramp
 
     def rate(length: int) -> float:
         return 2e11 * length / (length + 1000.0)
@@ -155,7 +155,7 @@ def test_the_exchange_cost_grows_as_the_root_of_the_compute_between_exchanges() 
     whose exchange read cheaper (noise) gives no growth; s0 is the measured cost stated at no
     compute. The model charges each blocking synchronisation at its layout's own interval, the
     micro-batch's compute over its synchronisations."""
-    from ctxlaunch.runtime.calibrate import fit_sync_jitter
+    from ctxlaunch.runtime.calibration.fitting import fit_sync_jitter
 
     def cost(tau: float) -> float:
         return 4e-4 + 0.03 * tau**0.5

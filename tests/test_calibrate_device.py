@@ -1,4 +1,4 @@
-"""The GPU calibration (ctxlaunch.runtime.calibrate_device): its solvers recover the constants
+"""The GPU calibration (ctxlaunch.runtime.calibration.gpu): its solvers recover the constants
 that generated their inputs, its profile becomes the machine `plan` times with, and the whole
 calibration job runs end to end through the local backend. No GPU is here: the job runs its
 GPU code path on this CPU (CTXLAUNCH_CALIBRATE_DRY_RUN=1: gloo instead of NCCL, the real
@@ -20,8 +20,8 @@ from ctxlaunch.contract.loader import load_spec
 from ctxlaunch.perf import profiles
 from ctxlaunch.perf.machine import GpuCalibration, load_profile, machine_for, save_profile
 from ctxlaunch.perf.steptime import predict_spec
-from ctxlaunch.runtime.calibrate import fit_line
-from ctxlaunch.runtime.calibrate_device import COLLECTIVES, fit_residual
+from ctxlaunch.runtime.calibration.fitting import fit_line, fit_residual
+from ctxlaunch.runtime.calibration.gpu import COLLECTIVES
 
 from .conftest import JOBS
 

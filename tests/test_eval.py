@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from ctxlaunch.contract.loader import apply_overrides, validate_spec
-from ctxlaunch.runtime.trainer.evaluate import (
+from ctxlaunch.runtime.records import EvalResult
+from ctxlaunch.runtime.trainer.eval_data import (
     PASSKEY_PREFIX,
     PASSKEY_QUESTION,
-    EvalResult,
     bucket_edges,
     passkey_needle,
     passkey_probe,
@@ -131,7 +131,8 @@ def checkpoint(tmp_path_factory) -> Path:
 def _evaluate(rank: int, world: int, spec_data: dict, path: str | None = None) -> dict:
     """One rank's evaluation at the spec's layout: of the checkpoint at `path`, else of the
     seeded initial weights (the same at every layout)."""
-    from ctxlaunch.runtime.trainer.evaluate import Evaluator, load_weights
+    from ctxlaunch.runtime.trainer.eval_weights import load_weights
+    from ctxlaunch.runtime.trainer.evaluator import Evaluator
     from ctxlaunch.runtime.trainer.model import Transformer
     from ctxlaunch.runtime.trainer.parallelize import ParallelSettings, build_context, parallelize
 
@@ -173,7 +174,7 @@ def single(checkpoint) -> EvalResult:
 def direct_scores(checkpoint: Path) -> tuple[list[float], list[list[bool]]]:
     """The oracle, without the evaluator: the whole model in this process, logits of every
     held-out sequence and prompt at once."""
-    from ctxlaunch.runtime.trainer.evaluate import held_out, passkey_probes
+    from ctxlaunch.runtime.trainer.eval_data import held_out, passkey_probes
     from ctxlaunch.runtime.trainer.model import Transformer
     from ctxlaunch.runtime.trainer.reshard import CheckpointState
     from ctxlaunch.runtime.trainer.tensor_parallel import shardings
@@ -298,8 +299,8 @@ def test_evaluation_every_interval_during_training(tmp_path) -> None:
 
 
 def test_telemetry_exports_the_evaluation() -> None:
+    from ctxlaunch.runtime.records import Bucket, PasskeyCell
     from ctxlaunch.runtime.telemetry.training import TrainingTelemetry
-    from ctxlaunch.runtime.trainer.evaluate import Bucket, PasskeyCell
 
     spec = validate_spec(base_spec(**{"telemetry.prometheus": "off"}))
     telemetry = TrainingTelemetry(spec, rank=0, local_rank=0, device=torch.device("cpu"))
@@ -403,7 +404,7 @@ def test_document_masked_evaluation_scores_each_document_alone(tmp_path) -> None
     """Under training.data.document_mask the held-out loss is each held-out document's own
     loss, run alone from position 0 (the targets that open the next document not counted),
     bucketed by the position in its document; CP 2 ring scores the same."""
-    from ctxlaunch.runtime.trainer.evaluate import held_out
+    from ctxlaunch.runtime.trainer.eval_data import held_out
     from ctxlaunch.runtime.trainer.model import Transformer
 
     prefix = packed_corpus(tmp_path / "docs")

@@ -48,7 +48,7 @@ def test_a_rank_warms_vml_before_it_sets_threads_or_joins_the_group(
     import torch.distributed as dist
 
     from ctxlaunch.contract.loader import load_spec
-    from ctxlaunch.runtime.trainer import main as trainer_main
+    from ctxlaunch.runtime.trainer import rank_setup
     from ctxlaunch.runtime.trainer.distenv import DistEnv
     from tests.conftest import JOBS
 
@@ -72,5 +72,5 @@ def test_a_rank_warms_vml_before_it_sets_threads_or_joins_the_group(
         launcher="torchrun",
     )
     with pytest.raises(RuntimeError, match="stop here"):
-        trainer_main.join_process_group(spec, denv)
+        rank_setup.join_process_group(spec, denv)
     assert order == ["warm_up", "threads", "init_process_group"]

@@ -15,9 +15,7 @@ import typer
 
 from ctxlaunch.cli.common import SetOpt, SpecArg, err, fail, load, out
 from ctxlaunch.contract import exitcodes
-from ctxlaunch.contract.rundir import SPEC_ENV, cpu_threads_per_rank, spec_json
-
-EVAL_MODULE = "ctxlaunch.runtime.trainer.evaluate"
+from ctxlaunch.contract.rundir import EVAL_MODULE, SPEC_ENV, cpu_threads_per_rank, spec_json
 
 
 def evaluate(
@@ -85,7 +83,7 @@ def evaluate(
     if as_json:
         out.print(json.dumps(result, indent=2), markup=False)
         return
-    from ctxlaunch.runtime.trainer.evaluate import EvalResult
+    from ctxlaunch.runtime.records import EvalResult
 
     shown = EvalResult.from_dict(result)
     err.print(f"ctxlaunch: evaluated {result['checkpoint']}", markup=False)

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 TRAINER_MODULE = "ctxlaunch.runtime.trainer"
 """`python -m ctxlaunch.runtime.trainer`: one rank of the trainer (what torchrun and srun
 start)."""
+EVAL_MODULE = "ctxlaunch.runtime.trainer.eval_main"
+"""`python -m ctxlaunch.runtime.trainer.eval_main SPEC --out RESULT`: one rank of `ctxlaunch eval`
+(torchrun starts it), which evaluates a checkpoint and writes the result (JSON) from rank 0."""
 POD_MODULE = "ctxlaunch.runtime.podentry"
 """A PyTorchJob pod's command: torchrun on the trainer, exiting with a status the training
 operator's ExitCode restart policy reads right (see ctxlaunch.runtime.podentry)."""
@@ -39,7 +42,8 @@ submitter's (a pod) hands its result back through its log."""
 class JobEntry:
     """What a job runs on each node. The launch request turns it into the command line of the
     batch script, the pod or the local launcher; a function job (`function` set) goes to Slurm
-    through submitit, which calls `module.function(spec_json, *args)` and returns its result."""
+    through submitit, which calls `module.function(spec_json, result_file)` and hands back what
+    it returns."""
 
     name: str
     """What the job is, in words ("training", "calibration")."""

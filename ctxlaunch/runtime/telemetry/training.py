@@ -13,13 +13,13 @@ import torch
 from ctxlaunch.contract.hardware import GiB
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.memory import estimate
+from ctxlaunch.runtime.records import peak_memory_bytes
 from ctxlaunch.runtime.telemetry.exporter import Exporter, identity_from_spec
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
     from ctxlaunch.cp.kernel_choice import KernelChoice
-    from ctxlaunch.runtime.trainer.evaluate import EvalResult
-    from ctxlaunch.runtime.trainer.loop import StepMetrics
+    from ctxlaunch.runtime.records import EvalResult, StepMetrics
 
 
 def measure_cpu_peak_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 8) -> float:
@@ -77,8 +77,6 @@ def memory_stats(device: torch.device) -> tuple[int, int, int]:
             int(stats.get("reserved_bytes.all.peak", 0)),
             int(stats.get("num_alloc_retries", 0)),
         )
-    from ctxlaunch.runtime.trainer.loop import peak_memory_bytes
-
     peak = peak_memory_bytes(device)
     return peak, peak, 0
 
@@ -95,14 +93,14 @@ class TrainingTelemetry:
         device: torch.device,
         log: Callable[[str], None] | None = None,
     ):
-        t = spec.telemetry
+        telemetry = spec.telemetry
         self.spec, self.device, self.rank = spec, device, rank
         self.exporter = Exporter(
             identity_from_spec(spec, rank, local_rank),
-            mode=t.prometheus,
-            port=t.port,
-            pushgateway_url=t.pushgateway_url,
-            push_interval_seconds=t.push_interval_seconds,
+            mode=telemetry.prometheus,
+            port=telemetry.port,
+            pushgateway_url=telemetry.pushgateway_url,
+            push_interval_seconds=telemetry.push_interval_seconds,
             log=log,
         )
         self.peak, source = peak_flops(spec, device)
@@ -121,44 +119,48 @@ class TrainingTelemetry:
             "ctxlaunch_attention_kernel_info", 1, kernel=choice.kernel, chosen_by=choice.chosen_by
         )
 
-    def on_step(self, m: StepMetrics) -> None:
+    def on_step(self, metrics: StepMetrics) -> None:
         """Export one step's metrics."""
-        e = self.exporter
-        e.set("ctxlaunch_step_duration_seconds", m.step_seconds)
-        e.set("ctxlaunch_tokens_per_second_per_gpu", m.tokens_per_second_per_gpu)
+        exporter = self.exporter
+        exporter.set("ctxlaunch_step_duration_seconds", metrics.step_seconds)
+        exporter.set("ctxlaunch_tokens_per_second_per_gpu", metrics.tokens_per_second_per_gpu)
         for convention, tflops in (
-            ("full", m.model_tflops_per_gpu_full),
-            ("causal", m.model_tflops_per_gpu_causal),
+            ("full", metrics.model_tflops_per_gpu_full),
+            ("causal", metrics.model_tflops_per_gpu_causal),
         ):
-            e.set("ctxlaunch_model_flops_per_second_per_gpu", tflops * 1e12, convention=convention)
-            e.set("ctxlaunch_mfu_ratio", tflops * 1e12 / self.peak, convention=convention)
-        e.set("ctxlaunch_loss", m.loss)
+            exporter.set(
+                "ctxlaunch_model_flops_per_second_per_gpu", tflops * 1e12, convention=convention
+            )
+            exporter.set("ctxlaunch_mfu_ratio", tflops * 1e12 / self.peak, convention=convention)
+        exporter.set("ctxlaunch_loss", metrics.loss)
         allocated, reserved, retries = memory_stats(self.device)
-        e.set("ctxlaunch_memory_peak_allocated_bytes", allocated)
-        e.set("ctxlaunch_memory_peak_reserved_bytes", reserved)
+        exporter.set("ctxlaunch_memory_peak_allocated_bytes", allocated)
+        exporter.set("ctxlaunch_memory_peak_reserved_bytes", reserved)
         if retries > self._retries_seen:
-            e.inc("ctxlaunch_allocator_retries_total", retries - self._retries_seen)
+            exporter.inc("ctxlaunch_allocator_retries_total", retries - self._retries_seen)
             self._retries_seen = retries
-        e.set("ctxlaunch_cp_exposed_comm_seconds", m.exposed_comm_seconds)
-        e.set("ctxlaunch_last_step", m.step)
-        e.set("ctxlaunch_last_step_timestamp_seconds", time.time())
+        exporter.set("ctxlaunch_cp_exposed_comm_seconds", metrics.exposed_comm_seconds)
+        exporter.set("ctxlaunch_last_step", metrics.step)
+        exporter.set("ctxlaunch_last_step_timestamp_seconds", time.time())
 
     def on_eval(self, result: EvalResult) -> None:
         """Export an evaluation's loss per context-length bucket and passkey retrieval."""
-        e = self.exporter
+        exporter = self.exporter
         for bucket in result.buckets:
             if bucket.tokens:
-                e.set("ctxlaunch_eval_loss", bucket.loss, bucket=f"{bucket.start}-{bucket.stop}")
-        e.set("ctxlaunch_eval_loss", result.loss, bucket="all")
+                exporter.set(
+                    "ctxlaunch_eval_loss", bucket.loss, bucket=f"{bucket.start}-{bucket.stop}"
+                )
+        exporter.set("ctxlaunch_eval_loss", result.loss, bucket="all")
         for cell in result.passkey:
-            e.set(
+            exporter.set(
                 "ctxlaunch_passkey_retrieval_ratio",
                 cell.retrieved / cell.trials,
                 length=str(cell.length),
                 depth=f"{cell.depth:g}",
             )
         if result.step is not None:
-            e.set("ctxlaunch_eval_step", result.step)
+            exporter.set("ctxlaunch_eval_step", result.step)
 
     def on_oom(self, step: int) -> str:
         """Record and push an OOM at `step`; returns the line for the log: the prediction and
@@ -172,9 +174,9 @@ class TrainingTelemetry:
             fits.append(f"parallel.cp = {o.cp} ({o.gpus} GPUs)")
         fits += [s.describe() for s in report.suggestions[:2]]
         would_fit = " or ".join(fits) if fits else "nothing the planner can vary"
-        e = self.exporter
-        e.inc("ctxlaunch_oom_events_total")
-        e.set(
+        exporter = self.exporter
+        exporter.inc("ctxlaunch_oom_events_total")
+        exporter.set(
             "ctxlaunch_oom_event_info",
             1,
             step=str(step),
@@ -182,7 +184,7 @@ class TrainingTelemetry:
             capacity_bytes=str(self.capacity),
             would_fit=would_fit,
         )
-        e.push()  # now: the process is about to exit
+        exporter.push()  # now: the process is about to exit
         return (
             f"out of memory on rank {self.rank} at step {step}: the planner predicted "
             f"{self.prediction.total / GiB:.2f} GiB per rank against "

@@ -4,11 +4,10 @@ preemption signal."""
 from __future__ import annotations
 
 import json
-import resource
 import shutil
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ctxlaunch.contract import events, exitcodes
 from ctxlaunch.cp.comm import exposed_comm_seconds
 from ctxlaunch.perf.flops import flops_per_token
+from ctxlaunch.runtime.records import StepMetrics, peak_memory_bytes
 from ctxlaunch.runtime.trainer import checkpoint, fastpath, faults, stopsignal
 from ctxlaunch.runtime.trainer import model as model_module
 from ctxlaunch.runtime.trainer.batches import Batches, MicroBatch, make_source
@@ -28,32 +28,7 @@ from ctxlaunch.runtime.trainer.parallelize import ParallelContext, ParallelSetti
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
-    from ctxlaunch.runtime.trainer.evaluate import EvalResult
-
-
-@dataclass(frozen=True)
-class StepMetrics:
-    step: int
-    """Steps completed (1-based)."""
-    loss: float
-    """Mean next-token loss over every predicted token of the global batch."""
-    step_seconds: float
-    tokens_per_second_per_gpu: float
-    model_tflops_per_gpu_full: float
-    model_tflops_per_gpu_causal: float
-    peak_memory_bytes: int
-    """This rank's peak: CUDA max allocated, or the process's peak RSS on the CPU."""
-    lr: float
-    grad_norm: float
-    exposed_comm_seconds: float
-    """Time this rank spent blocked on CP communication during the step (not hidden by
-    compute)."""
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    from ctxlaunch.runtime.records import EvalResult
 
 
 class Trainer:
@@ -69,9 +44,9 @@ class Trainer:
     ):
         self.spec, self.ctx, self.device, self.log = spec, ctx, device, log
         self.run_dir = run_dir
-        t = spec.training
-        torch.manual_seed(t.seed)
-        model_module.set_compiled(fastpath.resolve(t.compile, device))
+        training = spec.training
+        torch.manual_seed(training.seed)
+        model_module.set_compiled(fastpath.resolve(training.compile, device))
         with torch.device("meta"):  # parallelize materialises only this rank's share
             model = Transformer.from_spec(spec.model)
         parts = parallelize(
@@ -79,26 +54,26 @@ class Trainer:
         )
         self.engine: Engine = make_engine(parts, spec, ctx, device)
         self.batches = Batches(
-            make_source(t.data, spec.model.vocab, t.seq_len, t.seed),
-            seq_len=t.seq_len,
-            micro_batch=t.micro_batch,
+            make_source(training.data, spec.model.vocab, training.seq_len, training.seed),
+            seq_len=training.seq_len,
+            micro_batch=training.micro_batch,
             global_batch=spec.global_batch,
             dp=ctx.dp,
             dp_rank=ctx.dp_rank,
             cp=ctx.cp,
             cp_rank=ctx.cp_rank,
             cp_sharding=ctx.cp_sharding,
-            document_mask=t.data.document_mask,
-            restart_positions=t.data.restart_positions,
+            document_mask=training.data.document_mask,
+            restart_positions=training.data.restart_positions,
         )
         self.evaluator = None
-        if t.eval.interval:
-            from ctxlaunch.runtime.trainer.evaluate import Evaluator
+        if training.eval.interval:
+            from ctxlaunch.runtime.trainer.evaluator import Evaluator
 
             self.evaluator = Evaluator(spec, ctx, parts.model, device)
         self.tokens_per_gpu = spec.tokens_per_step / ctx.world_size
         self.flops_per_token = {
-            c: flops_per_token(spec.model, t.seq_len, c) for c in ("full", "causal")
+            c: flops_per_token(spec.model, training.seq_len, c) for c in ("full", "causal")
         }
         self.step = 0
         self._stop_agreed = False
@@ -247,25 +222,29 @@ class Trainer:
     ) -> int:
         """Train to the spec's step count (or until a stop signal); returns the exit status.
         Every training.eval.interval steps, evaluate on the held-out data."""
-        t = self.spec.training
+        training = self.spec.training
         self.install_signal_handlers()
         self.resume()
         history: list[StepMetrics] = []
-        while self.step < t.steps:
+        while self.step < training.steps:
             metrics = self.train_step()
             history.append(metrics)
             for observer in observers:
                 observer(metrics)
-            if metrics.step % t.log_interval == 0 or metrics.step == t.steps:
+            if metrics.step % training.log_interval == 0 or metrics.step == training.steps:
                 self._log_step(metrics)
-            if self.evaluator is not None and metrics.step % t.eval.interval == 0:
+            if self.evaluator is not None and metrics.step % training.eval.interval == 0:
                 result = self.evaluator.run(metrics.step)
                 self._log_eval(result)
                 for eval_observer in eval_observers:
                     eval_observer(result)
             # A stop signal during the last step stops nothing: the run is done, not requeued.
-            stop = self._stop_agreed and self.step < t.steps
-            if stop or metrics.step % t.checkpoint.interval == 0 or metrics.step == t.steps:
+            stop = self._stop_agreed and self.step < training.steps
+            if (
+                stop
+                or metrics.step % training.checkpoint.interval == 0
+                or metrics.step == training.steps
+            ):
                 self.save_checkpoint()
             if stop:
                 if self.run_dir is not None:
@@ -278,17 +257,17 @@ class Trainer:
         self._summarise(history)
         return exitcodes.OK
 
-    def _log_step(self, m: StepMetrics) -> None:
+    def _log_step(self, metrics: StepMetrics) -> None:
         self.log(
-            f"step {m.step}/{self.spec.training.steps}  loss {m.loss:.4f}  "
-            f"step {m.step_seconds:.2f} s  {m.tokens_per_second_per_gpu:,.0f} tokens/s/GPU  "
-            f"{m.model_tflops_per_gpu_full:.3f} TFLOP/s/GPU (full)  "
-            f"peak {m.peak_memory_bytes / 2**30:.2f} GiB  lr {m.lr:.2e}"
+            f"step {metrics.step}/{self.spec.training.steps}  loss {metrics.loss:.4f}  "
+            f"step {metrics.step_seconds:.2f} s  {metrics.tokens_per_second_per_gpu:,.0f} tokens/s/GPU  "
+            f"{metrics.model_tflops_per_gpu_full:.3f} TFLOP/s/GPU (full)  "
+            f"peak {metrics.peak_memory_bytes / 2**30:.2f} GiB  lr {metrics.lr:.2e}"
         )
         if self.run_dir is not None and self.ctx.rank == 0:
             with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(asdict(m)) + "\n")
-            events.append_event(self.run_dir, events.STEP, step=m.step, loss=m.loss)
+                handle.write(json.dumps(asdict(metrics)) + "\n")
+            events.append_event(self.run_dir, events.STEP, step=metrics.step, loss=metrics.loss)
 
     def _log_eval(self, result: EvalResult) -> None:
         self.log(f"eval step {result.step}: " + "; ".join(result.lines()))

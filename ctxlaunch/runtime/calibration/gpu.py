@@ -1,7 +1,8 @@
 """Measuring a GPU node for the step-time model: what the bundled trainer really runs there.
 
-`ctxlaunch calibrate SPEC --submit` on a GPU spec runs `measure_device` as the calibration job's
-body on one node of the spec's own target. It measures, each through the trainer's own code:
+`ctxlaunch calibrate SPEC --submit` on a GPU spec runs `measure_device` in the calibration job
+(ctxlaunch.runtime.calibration.job) on one node of the spec's own target. It measures, each
+through the trainer's own code:
 
 - the weight matmuls at the model's own projection shapes and compute precision (forward and
   both backward products), solved for the large-GEMM efficiency that the model's shape-level
@@ -13,16 +14,16 @@ body on one node of the spec's own target. It measures, each through the trainer
 - the collectives among the node's GPUs (NCCL all-reduce, all-gather, reduce-scatter,
   all-to-all and send/recv, one process per GPU) at several message sizes: a bus bandwidth and
   a latency each, nccl-tests' bus-bandwidth convention;
-- the real trainer (`python -m ctxlaunch.runtime.trainer`, one GPU, the spec's model cut to at most
-  CALIBRATION_LAYERS blocks, the spec's checkpointing) at two lengths, and at the longer of
+- the real trainer (`python -m ctxlaunch.runtime.trainer`, one GPU, the spec's model cut to at
+  most CALIBRATION_LAYERS blocks, the spec's checkpointing) at two lengths, and at the longer of
   them again with SHALLOW_LAYERS blocks: what its steps take beyond the matmuls, attention
   and optimizer just timed is a fixed cost per micro-batch, the blocks' elementwise work
   (norms, RoPE, SwiGLU, residuals, casts: grows with depth and length) and the loss's passes
   over its logits (grow with length only). The two depths tell the blocks' rate from the
   loss's, so the profile holds for the whole model's depth, not only the cut one's; the three
-  runs set the two rates (as fractions of the HBM bandwidth) and the fixed cost. A fourth,
-  longer step is held out and predicted with every constant above: its error is the
-  profile's expected error.
+  runs set the two rates (as fractions of the HBM bandwidth) and the fixed cost
+  (`fitting.fit_residual`). A fourth, longer step is held out and predicted with every
+  constant above: its error is the profile's expected error.
 
 Lengths come from the planner (the longest sequence the cut model fits on one GPU), so the job
 never runs what the planner says will not fit. With `dry_run` the same code runs on this CPU
@@ -32,17 +33,24 @@ is, and its profile says it is a dry run.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import functools
 import json
 import os
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ctxlaunch.perf.machine import GpuCalibration
+from ctxlaunch.runtime.calibration.fitting import fit_line, fit_residual
+from ctxlaunch.runtime.calibration.measuring import block_projections, device_timer, run_ranks
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -66,43 +74,9 @@ DRY_LENGTHS = (256, 512, 1024)
 """(fit, fit, held out) trainer lengths of a dry run on the CPU."""
 
 
-def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
-    """best_seconds(fn, repeats): the best of `repeats` timed calls after one warm-up, with the
-    device synchronised around each (kernels are asynchronous on CUDA)."""
-    import torch
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def best_seconds(fn: Callable[[], object], repeats: int) -> float:
-        fn()
-        sync()
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            sync()
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    return best_seconds
-
-
 # --------------------------------------------------------------------------------------------
 # matmuls and attention, in this process
 # --------------------------------------------------------------------------------------------
-def projections(model: ModelSpec) -> tuple[tuple[int, int], ...]:
-    """The (in, out) of the trainer's weight matmuls in one block: fused q/k/v, output, fused
-    gate/up, down."""
-    return (
-        (model.hidden, model.hidden + 2 * model.kv_hidden),
-        (model.hidden, model.hidden),
-        (model.hidden, 2 * model.ffn_hidden),
-        (model.ffn_hidden, model.hidden),
-    )
-
-
 def measure_matmul_eta(
     model: ModelSpec, gpu_name: str, device: torch.device, tokens: int, repeats: int
 ) -> tuple[float, float]:
@@ -115,12 +89,12 @@ def measure_matmul_eta(
     from ctxlaunch.perf.profiles import gemm_seconds
 
     gpu = GPUS[gpu_name]
-    kind = torch.bfloat16 if model.dtype == "bf16" else torch.float32
+    element_type = torch.bfloat16 if model.dtype == "bf16" else torch.float32
     peak = gpu.peak_bf16_flops if model.dtype == "bf16" else gpu.peak_fp32_flops
-    shapes = projections(model)
-    weights = [torch.randn(i, o, dtype=kind, device=device) for i, o in shapes]
-    inputs = [torch.randn(tokens, i, dtype=kind, device=device) for i, _ in shapes]
-    grads = [torch.randn(tokens, o, dtype=kind, device=device) for _, o in shapes]
+    shapes = block_projections(model)
+    weights = [torch.randn(i, o, dtype=element_type, device=device) for i, o in shapes]
+    inputs = [torch.randn(tokens, i, dtype=element_type, device=device) for i, _ in shapes]
+    grads = [torch.randn(tokens, o, dtype=element_type, device=device) for _, o in shapes]
 
     def products() -> None:
         for x, w, g in zip(inputs, weights, grads, strict=True):
@@ -128,8 +102,8 @@ def measure_matmul_eta(
             torch.mm(g, w.t())  # input gradient
             torch.mm(x.t(), g)  # weight gradient
 
-    seconds = _timer(device)(products, repeats)
-    element = 2.0 if model.dtype == "bf16" else 4.0
+    seconds = device_timer(device)(products, repeats)
+    element_bytes = 2.0 if model.dtype == "bf16" else 4.0
 
     def at_full_efficiency(m: float, n: float, k: float) -> float:
         return gemm_seconds(
@@ -140,7 +114,7 @@ def measure_matmul_eta(
             eta=1.0,
             sm_count=gpu.sm_count,
             hbm_bytes_per_second=gpu.hbm_bytes_per_second,
-            element_bytes=element,
+            element_bytes=element_bytes,
         )
 
     ideal = sum(
@@ -162,15 +136,15 @@ def measure_attention(
     from ctxlaunch.cp.kernel_choice import choose
     from ctxlaunch.cp.kernels import attention_backward, attention_forward
 
-    kind = torch.bfloat16 if model.dtype == "bf16" else torch.float32
-    heads, kv_heads, d = model.heads, model.kv_heads, model.head_dim
-    choice = choose(1, heads, kv_heads, max(lengths), d, kind, device)
-    best_seconds = _timer(device)
-    scale = d**-0.5
+    element_type = torch.bfloat16 if model.dtype == "bf16" else torch.float32
+    heads, kv_heads, head_dim = model.heads, model.kv_heads, model.head_dim
+    choice = choose(1, heads, kv_heads, max(lengths), head_dim, element_type, device)
+    best_seconds = device_timer(device)
+    scale = head_dim**-0.5
     calls = []
     for length in lengths:
-        q = torch.randn(1, heads, length, d, dtype=kind, device=device)
-        k = torch.randn(1, kv_heads, length, d, dtype=kind, device=device)
+        q = torch.randn(1, heads, length, head_dim, dtype=element_type, device=device)
+        k = torch.randn(1, kv_heads, length, head_dim, dtype=element_type, device=device)
         v = torch.randn_like(k)
         grad = torch.randn_like(q)
 
@@ -180,7 +154,7 @@ def measure_attention(
             out, lse = attention_forward(q, k, v, True, scale)
             attention_backward(grad, q, k, v, out, lse, True, scale)
 
-        calls.append((length, best_seconds(call, repeats), heads, d))
+        calls.append((length, best_seconds(call, repeats), heads, head_dim))
     return choice.kernel, calls
 
 
@@ -206,8 +180,6 @@ def _collective_worker(
     repeats: int,
     results: Queue[Any],
 ) -> None:
-    import functools
-
     import torch
     import torch.distributed as dist
 
@@ -218,15 +190,15 @@ def _collective_worker(
     else:
         torch.set_num_threads(1)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-    best_seconds = _timer(device)
+    best_seconds = device_timer(device)
     # torch 2.13 names them *_single; the *_tensor names before.
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    out: dict[str, list[float]] = {op: [] for op in COLLECTIVES}
+    times: dict[str, list[float]] = {op: [] for op in COLLECTIVES}
     for size in sizes:
-        n = size // 2 // world * world  # bf16 elements, divisible by the world
-        full = torch.ones(n, dtype=torch.bfloat16, device=device)
-        part = torch.ones(n // world, dtype=torch.bfloat16, device=device)
+        elements = size // 2 // world * world  # bf16 elements, divisible by the world
+        full = torch.ones(elements, dtype=torch.bfloat16, device=device)
+        part = torch.ones(elements // world, dtype=torch.bfloat16, device=device)
         other = torch.empty_like(full)
 
         def run_op(
@@ -255,9 +227,9 @@ def _collective_worker(
         for op in COLLECTIVES:
             dist.barrier()
             seconds = best_seconds(functools.partial(run_op, op), repeats)
-            out[op].append(seconds / 2 if op == "send_recv" else seconds)  # one way
+            times[op].append(seconds / 2 if op == "send_recv" else seconds)  # one way
     if rank == 0:
-        results.put(out)
+        results.put(times)
     dist.destroy_process_group()
 
 
@@ -266,8 +238,6 @@ def measure_collectives(
 ) -> dict[str, dict[str, float]]:
     """{op: {"bus_bytes_per_second", "latency_seconds"}} among `world` processes (one per GPU
     with nccl)."""
-    from ctxlaunch.runtime.calibrate import fit_line, run_ranks
-
     (times,) = run_ranks(
         _collective_worker,
         world,
@@ -276,12 +246,12 @@ def measure_collectives(
         timeout_s,
         f"{backend} collectives measurement",
     )
-    out = {}
+    fitted = {}
     for op in COLLECTIVES:
         bus = [_bus_bytes(op, size // 2 // world * world * 2, world) for size in sizes]
         bandwidth, latency = fit_line(bus, times[op])
-        out[op] = {"bus_bytes_per_second": bandwidth, "latency_seconds": latency}
-    return out
+        fitted[op] = {"bus_bytes_per_second": bandwidth, "latency_seconds": latency}
+    return fitted
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,7 +264,6 @@ def trainer_spec_data(
     weights), one rank on `gpu`, the spec's checkpointing and dtype, one sequence per step."""
     model = spec.model.model_dump(mode="json", exclude={"preset", "init_from"})
     model["layers"] = min(model["layers"], layers)
-    t = spec.training
     return {
         "name": f"calibrate-{seq}",
         "model": model,
@@ -303,32 +272,22 @@ def trainer_spec_data(
             "steps": steps,
             "micro_batch": 1,
             "global_batch": 1,
-            "activation_checkpointing": t.activation_checkpointing,
+            "activation_checkpointing": spec.training.activation_checkpointing,
             "zero_stage": 0,
         },
         "cluster": {"target": "local", "gpu": gpu, "gpus_per_node": 1},
     }
 
 
-def run_trainer_steps(data: dict[str, Any], workdir: Path, warmup: int, timeout_s: float) -> float:
-    """The median step time after `warmup` steps of the real trainer run on `data` in its own
-    process (one slow step, a host hiccup, does not move it); RuntimeError naming the run and
-    its log's end where it fails."""
-    import socket
-    import statistics
-
-    import yaml
-
+def _solo_trainer_env() -> dict[str, str]:
+    """The environment of a trainer run of its own: a world of one on a free local port. None
+    of the launcher's (torchrun's agent store, Slurm's ranks, the job's spec) reaches it, or it
+    would wait for peers that are not coming."""
     from ctxlaunch.contract.rundir import JOB_ID_ENV, RUN_DIR_ENV, SPEC_ENV
 
-    workdir.mkdir(parents=True, exist_ok=True)
-    spec_path = workdir / "spec.yaml"
-    spec_path.write_text(yaml.safe_dump(data))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # A world of its own: none of the launcher's (torchrun's agent store, Slurm's ranks, the
-    # job's spec) reaches it, or it would wait for peers that are not coming.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     env = {
         key: value
         for key, value in os.environ.items()
@@ -344,24 +303,39 @@ def run_trainer_steps(data: dict[str, Any], workdir: Path, warmup: int, timeout_
         LOCAL_WORLD_SIZE="1",
         PYTHONUNBUFFERED="1",
     )
+    return env
+
+
+def run_trainer_steps(data: dict[str, Any], workdir: Path, warmup: int, timeout_s: float) -> float:
+    """The median step time after `warmup` steps of the real trainer run on `data` in its own
+    process (one slow step, a host hiccup, does not move it); RuntimeError naming the run and
+    its log's end where it fails."""
+    import yaml
+
+    from ctxlaunch.contract.rundir import TRAINER_MODULE
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path = workdir / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(data))
+    seq_len = data["training"]["seq_len"]
     try:
         done = subprocess.run(
             [
                 sys.executable,
                 "-m",
-                "ctxlaunch.runtime.trainer",
+                TRAINER_MODULE,
                 str(spec_path),
                 "--run-dir",
                 str(workdir / "run"),
             ],
-            env=env,
+            env=_solo_trainer_env(),
             text=True,
             capture_output=True,
             timeout=timeout_s,
         )
     except subprocess.TimeoutExpired:
         raise RuntimeError(
-            f"trainer at {data['training']['seq_len']} tokens did not finish in {timeout_s:.0f} s"
+            f"trainer at {seq_len} tokens did not finish in {timeout_s:.0f} s"
         ) from None
     metrics = workdir / "run" / "metrics.jsonl"
     steps = (
@@ -372,73 +346,8 @@ def run_trainer_steps(data: dict[str, Any], workdir: Path, warmup: int, timeout_
     timed = [s["step_seconds"] for s in steps[warmup:] if "step_seconds" in s]
     if done.returncode != 0 or not timed:
         tail = (done.stdout + done.stderr)[-1500:]
-        raise RuntimeError(
-            f"trainer at {data['training']['seq_len']} tokens failed (exit "
-            f"{done.returncode}):\n{tail}"
-        )
+        raise RuntimeError(f"trainer at {seq_len} tokens failed (exit {done.returncode}):\n{tail}")
     return statistics.median(timed)
-
-
-def _least_squares(rows: list[list[float]], values: list[float]) -> list[float]:
-    """x minimising |rows x - values| (normal equations, Gauss-Jordan; a handful of unknowns)."""
-    k = len(rows[0])
-    a = [
-        [sum(r[i] * r[j] for r in rows) for j in range(k)]
-        + [sum(r[i] * v for r, v in zip(rows, values, strict=True))]
-        for i in range(k)
-    ]
-    for col in range(k):
-        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
-        a[col], a[pivot] = a[pivot], a[col]
-        if abs(a[col][col]) < 1e-300:
-            raise ValueError("the calibration's trainer runs do not determine the constants")
-        for r in range(k):
-            if r != col:
-                factor = a[r][col] / a[col][col]
-                a[r] = [x - factor * y for x, y in zip(a[r], a[col], strict=True)]
-    return [a[i][k] / a[i][i] for i in range(k)]
-
-
-def fit_residual(points: list[tuple[float, dict[str, float]]]) -> tuple[float, float, float]:
-    """(blocks' elementwise rate, loss rate, both as fractions of the HBM bandwidth; fixed
-    seconds per micro-batch) from trainer steps, each (measured seconds, the model's terms with
-    both rates at the bandwidth and no fixed cost). What a step leaves beyond its other terms is
-    fixed + E x u + S x w, E and S the elementwise and loss terms at the bandwidth, u and w the
-    slowdowns (1 / rate): solved by least squares over the points (three determine it). A
-    slowdown below 1 (faster than the bandwidth: noise) is held at 1 and a negative fixed cost
-    at 0, the others fitted again with it held."""
-    rows = [[1.0, t["compute_elementwise"], t["compute_loss"]] for _, t in points]
-    values = [
-        m - (sum(t.values()) - t["compute_elementwise"] - t["compute_loss"]) for m, t in points
-    ]
-    bounds = (0.0, 1.0, 1.0)  # fixed >= 0; slowdowns >= 1
-    best: tuple[float, list[float]] | None = None
-    for held in range(8):  # each unknown free or held at its bound; the best feasible fit
-        fixed_at = {i: bounds[i] for i in range(3) if held >> i & 1}
-        free = [i for i in range(3) if i not in fixed_at]
-        x = [0.0] * 3
-        for i, value in fixed_at.items():
-            x[i] = value
-        if free:
-            rest = [
-                v - sum(r[i] * x[i] for i in fixed_at) for r, v in zip(rows, values, strict=True)
-            ]
-            try:
-                solved = _least_squares([[r[i] for i in free] for r in rows], rest)
-            except ValueError:
-                continue
-            for i, value in zip(free, solved, strict=True):
-                x[i] = value
-        if any(x[i] < bounds[i] - 1e-12 for i in range(3)):
-            continue
-        error = sum(
-            (sum(r[i] * x[i] for i in range(3)) - v) ** 2 for r, v in zip(rows, values, strict=True)
-        )
-        if best is None or error < best[0] - 1e-18:
-            best = (error, x)
-    assert best is not None  # every unknown held at its bound is always feasible
-    fixed, u, w = best[1]
-    return 1.0 / u, 1.0 / w, fixed
 
 
 def calibration_lengths(spec: JobSpec, gpu: str) -> tuple[int, int, int]:
@@ -465,6 +374,61 @@ def calibration_lengths(spec: JobSpec, gpu: str) -> tuple[int, int, int]:
 # --------------------------------------------------------------------------------------------
 # the whole measurement
 # --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Node:
+    """Where the measurement runs and at what sizes: the node's GPUs, or this CPU (dry run)."""
+
+    device: torch.device
+    backend: str
+    """The collectives' backend: nccl, or gloo on the CPU."""
+    device_name: str
+    world: int
+    """Processes the collectives run in (one per GPU)."""
+    message_sizes: tuple[int, ...]
+    lengths: tuple[int, int, int]
+    """(fit, fit, held out) trainer lengths."""
+    trainer_gpu: str
+    """The trainer runs' cluster.gpu."""
+    repeats: int
+    dry_run: bool
+
+
+def _node(spec: JobSpec, dry_run: bool, repeats: int | None) -> _Node:
+    """The node to measure `spec`'s GPU on; RuntimeError where it has no CUDA device (never a
+    profile of the CPU under a GPU's name) or the planner fits too little on one GPU."""
+    import torch
+
+    if dry_run:
+        return _Node(
+            device=torch.device("cpu"),
+            backend="gloo",
+            device_name="cpu (dry run)",
+            world=min(spec.cluster.gpus_per_node, 2),
+            message_sizes=DRY_MESSAGE_BYTES,
+            lengths=DRY_LENGTHS,
+            trainer_gpu="cpu",
+            repeats=repeats or 2,
+            dry_run=True,
+        )
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "no CUDA device on this node (torch.cuda.is_available() is "
+            "False): a GPU profile is measured on the GPU it names"
+        )
+    device = torch.device("cuda", 0)
+    return _Node(
+        device=device,
+        backend="nccl",
+        device_name=torch.cuda.get_device_name(device),
+        world=min(spec.cluster.gpus_per_node, torch.cuda.device_count()),
+        message_sizes=GPU_MESSAGE_BYTES,
+        lengths=calibration_lengths(spec, spec.cluster.gpu),
+        trainer_gpu=spec.cluster.gpu,
+        repeats=repeats or 10,
+        dry_run=False,
+    )
+
+
 def measure_device(
     spec: JobSpec,
     *,
@@ -474,52 +438,41 @@ def measure_device(
 ) -> GpuCalibration:
     """Every constant of a GPU machine profile for `spec`'s GPU type and fabric, measured on
     this node (see the module docstring); `dry_run`: the same code on this CPU."""
-    import dataclasses
-    import datetime
+    node = _node(spec, dry_run, repeats)
+    calibration, attention_lengths = _measure_kernels(spec, node, log)
+    runs, measured = _time_trainer(spec, node, log)
+    return _fit_trainer(spec, node, calibration, runs, measured, attention_lengths, log)
 
+
+def _measure_kernels(
+    spec: JobSpec, node: _Node, log: Callable[[str], None]
+) -> tuple[GpuCalibration, list[int]]:
+    """The profile's collectives, matmul efficiency and attention rate (the trainer's fitted
+    constants still unset), and the attention call lengths measured."""
     import torch
 
     from ctxlaunch.contract.hardware import GPUS
-    from ctxlaunch.contract.loader import validate_spec
-    from ctxlaunch.perf.layout import Layout
     from ctxlaunch.perf.profiles import solve_attention
-    from ctxlaunch.perf.steptime import predict
 
     gpu = GPUS[spec.cluster.gpu]
-    sizes: tuple[int, ...]
-    lengths: tuple[int, int, int]
-    if dry_run:
-        device, backend, name = torch.device("cpu"), "gloo", "cpu (dry run)"
-        world = min(spec.cluster.gpus_per_node, 2)
-        sizes, lengths, trainer_gpu = DRY_MESSAGE_BYTES, DRY_LENGTHS, "cpu"
-        repeats = repeats or 2
-    else:
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "no CUDA device on this node (torch.cuda.is_available() is "
-                "False): a GPU profile is measured on the GPU it names"
-            )
-        device, backend = torch.device("cuda", 0), "nccl"
-        name = torch.cuda.get_device_name(device)
-        world = min(spec.cluster.gpus_per_node, torch.cuda.device_count())
-        sizes, trainer_gpu = GPU_MESSAGE_BYTES, spec.cluster.gpu
-        lengths = calibration_lengths(spec, trainer_gpu)
-        repeats = repeats or 10
-    fit_a, fit_b, held = lengths
     model = spec.model
-
+    fit_short, fit_long, _ = node.lengths
     # Collectives first: the worker processes take the GPUs before this process holds any.
     collectives: dict[str, dict[str, float]] = {}
-    if world > 1:
-        collectives = measure_collectives(world, backend, sizes, repeats)
+    if node.world > 1:
+        collectives = measure_collectives(
+            node.world, node.backend, node.message_sizes, node.repeats
+        )
         for op, c in collectives.items():
             log(
                 f"  {op}: {c['bus_bytes_per_second'] / 1e9:.2f} GB/s bus, "
                 f"{c['latency_seconds'] * 1e6:.1f} us"
             )
-    eta, matmul_s = measure_matmul_eta(model, spec.cluster.gpu, device, fit_b, repeats)
-    log(f"  matmuls at {fit_b} tokens: {matmul_s * 1e3:.2f} ms, efficiency {eta:.3f}")
-    kernel, calls = measure_attention(model, device, (fit_a * 3 // 2, fit_b * 3 // 2), repeats)
+    eta, matmul_s = measure_matmul_eta(model, spec.cluster.gpu, node.device, fit_long, node.repeats)
+    log(f"  matmuls at {fit_long} tokens: {matmul_s * 1e3:.2f} ms, efficiency {eta:.3f}")
+    kernel, calls = measure_attention(
+        model, node.device, (fit_short * 3 // 2, fit_long * 3 // 2), node.repeats
+    )
     peak = gpu.peak_bf16_flops if model.dtype == "bf16" else gpu.peak_fp32_flops
     fraction, ramp = solve_attention(calls, peak=peak, sfu_ops_per_second=gpu.sfu_ops_per_second)
     log(
@@ -527,12 +480,11 @@ def measure_device(
         f"{[round(c[1] * 1e3, 3) for c in calls]} ms, rate {fraction:.3f} of the peak, "
         f"ramp {ramp:.0f} tokens"
     )
-    if device.type == "cuda":
+    if node.device.type == "cuda":
         torch.cuda.empty_cache()
-
     calibration = GpuCalibration(
         gpu=spec.cluster.gpu,
-        device_name=name,
+        device_name=node.device_name,
         network=spec.fabric.network,
         gpus_per_node=spec.cluster.gpus_per_node,
         precision=model.dtype,
@@ -541,26 +493,52 @@ def measure_device(
         attention_ramp_tokens=ramp,
         attention_kernel=kernel,
         collectives=collectives,
-        dry_run=dry_run,
+        dry_run=node.dry_run,
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
+    return calibration, [c[0] for c in calls]
 
-    # The trainer's steps: fixed cost + the blocks' elementwise work + the loss's passes,
-    # beyond what is timed above; the shallow run at the longer fit length tells the two apart.
-    warmup, steps = (1, 3) if dry_run else (3, 8)
-    deep, shallow = min(CALIBRATION_LAYERS, model.layers), min(SHALLOW_LAYERS, model.layers)
-    runs = [(deep, fit_a), (deep, fit_b), (shallow, fit_b), (deep, held)]
+
+def _time_trainer(
+    spec: JobSpec, node: _Node, log: Callable[[str], None]
+) -> tuple[list[tuple[int, int]], dict[tuple[int, int], float]]:
+    """The trainer's (blocks, tokens) runs, in order: deep at both fit lengths, shallow at the
+    longer one, deep at the held-out length; and the median step seconds of each. The
+    shallow run tells the blocks' elementwise work from the loss's passes."""
+    warmup, steps = (1, 3) if node.dry_run else (3, 8)
+    fit_short, fit_long, held = node.lengths
+    layers = spec.model.layers
+    deep, shallow = min(CALIBRATION_LAYERS, layers), min(SHALLOW_LAYERS, layers)
+    runs = [(deep, fit_short), (deep, fit_long), (shallow, fit_long), (deep, held)]
     measured: dict[tuple[int, int], float] = {}
     with tempfile.TemporaryDirectory(prefix="ctxlaunch-calibrate-") as tmp:
         for depth, seq in runs:
-            data = trainer_spec_data(spec, seq, warmup + steps, trainer_gpu, depth)
+            data = trainer_spec_data(spec, seq, warmup + steps, node.trainer_gpu, depth)
             measured[depth, seq] = run_trainer_steps(
-                data, Path(tmp) / f"{depth}-{seq}", warmup, timeout_s=240 if dry_run else 600
+                data, Path(tmp) / f"{depth}-{seq}", warmup, timeout_s=240 if node.dry_run else 600
             )
             log(f"  trainer, {depth} blocks at {seq} tokens: {measured[depth, seq]:.4f} s per step")
+    return runs, measured
+
+
+def _fit_trainer(
+    spec: JobSpec,
+    node: _Node,
+    calibration: GpuCalibration,
+    runs: list[tuple[int, int]],
+    measured: dict[tuple[int, int], float],
+    attention_lengths: list[int],
+    log: Callable[[str], None],
+) -> GpuCalibration:
+    """`calibration` completed from the trainer's steps: fixed cost + the blocks' elementwise
+    work + the loss's passes, beyond what the kernels' constants time, fitted on the first
+    three runs; the fourth, held out, predicted with every constant sets the expected error."""
+    from ctxlaunch.contract.loader import validate_spec
+    from ctxlaunch.perf.layout import Layout
+    from ctxlaunch.perf.steptime import predict
 
     def step_terms(depth: int, seq: int, machine_calibration: GpuCalibration) -> dict[str, float]:
-        cut = validate_spec(trainer_spec_data(spec, seq, 1, trainer_gpu, depth))
+        cut = validate_spec(trainer_spec_data(spec, seq, 1, node.trainer_gpu, depth))
         return predict(
             cut.model, Layout.from_spec(cut), machine_calibration.machine(gpus_per_node=1)
         ).terms
@@ -572,9 +550,8 @@ def measure_device(
         loss_fraction_of_hbm=1.0,
         microbatch_overhead_seconds=0.0,
     )
-    fitted = runs[:3]
     fraction, loss_fraction, fixed = fit_residual(
-        [(measured[run], step_terms(*run, bare)) for run in fitted]
+        [(measured[run], step_terms(*run, bare)) for run in runs[:3]]
     )
     calibration = dataclasses.replace(
         calibration,
@@ -585,6 +562,8 @@ def measure_device(
     held_run = runs[3]
     predicted = sum(step_terms(*held_run, calibration).values())
     error = predicted / measured[held_run] - 1
+    fit_short, fit_long, held = node.lengths
+    shallow_depth, _ = runs[2]
     log(
         f"  elementwise at {fraction:.4f} and the loss at {loss_fraction:.4f} of the HBM "
         f"bandwidth, {fixed * 1e3:.2f} ms fixed per micro-batch; held out {held} tokens: "
@@ -594,11 +573,11 @@ def measure_device(
         calibration,
         expected_error=abs(error),
         lengths={
-            "matmul": fit_b,
-            "attention": [c[0] for c in calls],
-            "trainer_fit": [fit_a, fit_b],
+            "matmul": fit_long,
+            "attention": attention_lengths,
+            "trainer_fit": [fit_short, fit_long],
             "trainer_held_out": held,
-            "trainer_shallow_layers": shallow,
+            "trainer_shallow_layers": shallow_depth,
         },
         trainer_step_seconds={f"{depth}x{seq}": v for (depth, seq), v in measured.items()},
     )

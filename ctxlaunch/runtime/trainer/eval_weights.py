@@ -1,0 +1,61 @@
+"""The weights `ctxlaunch eval` scores: which checkpoint (--checkpoint, else the newest committed
+one) and loading it into this rank's part of the model at the spec's layout."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from ctxlaunch.contract.spec import JobSpec
+    from ctxlaunch.runtime.trainer.parallelize import ParallelContext
+
+
+def load_weights(
+    parts: Any, spec: JobSpec, ctx: ParallelContext, device: torch.device, path: Path
+) -> None:
+    """This rank's weights from a checkpoint: the layout-independent DCP format at any layout,
+    or a DeepSpeed checkpoint (consolidated by DeepSpeed's own zero_to_fp32)."""
+    if (path / ".metadata").is_file():
+        from ctxlaunch.runtime.trainer.reshard import CheckpointState
+
+        CheckpointState(
+            parts.named_parameters(), None, None, parts.plan, ctx.tp, ctx.tp_group, device
+        ).load(path)
+        return
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from ctxlaunch.runtime.trainer.reshard import write_local
+
+    with contextlib.redirect_stdout(sys.stderr):
+        state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+    with torch.no_grad():
+        for name, param in parts.named_parameters():
+            if name not in state:
+                raise ValueError(
+                    f"checkpoint {path} has no weight {name!r}: it was saved by a different model"
+                )
+            write_local(param, state[name].to(param.dtype))
+
+
+def checkpoint_to_load(spec: JobSpec, given: str | None) -> Path:
+    """--checkpoint, or the newest committed checkpoint in training.checkpoint.dir."""
+    from ctxlaunch.runtime.trainer import checkpoint
+
+    if given:
+        path = Path(given)
+        if not path.is_dir():
+            raise ValueError(f"--checkpoint {given}: no such checkpoint directory")
+        return path
+    directory = spec.training.checkpoint.dir
+    step = checkpoint.latest_step(directory)
+    if directory is None or step is None:
+        raise ValueError(
+            f"no checkpoint to evaluate: training.checkpoint.dir is {directory!r} "
+            f"and holds no committed step; train first or pass --checkpoint"
+        )
+    return checkpoint.step_dir(directory, step)
