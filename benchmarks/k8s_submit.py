@@ -43,7 +43,7 @@ def measure(
     kind: str = "PyTorchJob",
 ) -> dict[str, float]:
     """Seconds from starting `command` until the job exists, and until it returns."""
-    from ctxlaunch.launch.backends.kubernetes import job_path
+    from ctxlaunch.launch.backends.kube_jobs import job_path
 
     exists: list[float] = []
     stop = threading.Event()
@@ -81,7 +81,8 @@ def main() -> None:
         "project's modules then compile from source at every command)",
     )
     args = parser.parse_args()
-    from ctxlaunch.launch.backends.kubernetes import JOB_APIS, Connection
+    from ctxlaunch.launch.backends.kube_connection import Connection
+    from ctxlaunch.launch.backends.kube_jobs import JOB_APIS
 
     kind = JOB_APIS[args.api].kind
 

@@ -1,5 +1,5 @@
-"""`ctxlaunch calibrate SPEC --submit` on target kubernetes: the spec's own PyTorchJob with the
-calibration in place of the pod entry point, created on the real kube-apiserver running here
+"""`ctxlaunch calibrate SPEC --submit` on target kubernetes: the spec's own PyTorchJob, rendered
+through the same template with the calibration job as the pods' entry, created on the real kube-apiserver running here
 (scripts/services/kubernetes.sh). No kubelet runs on that server, so the pods never start:
 this test checks what is created; tests/test_kubernetes_node.py runs the job on a real node
 and brings its profile back (--wait)."""
@@ -31,13 +31,14 @@ def test_calibration_job_is_created_on_the_api_server(namespace: str, home) -> N
     specs = job["spec"]["pytorchReplicaSpecs"]
     assert set(specs) == {"Master"}  # one node
     (container,) = specs["Master"]["template"]["spec"]["containers"]
+    # One process per pod, the calibration itself (not the trainer's torchrun); a pod shares no
+    # filesystem with the submitter, so the profile comes back through its log.
     assert container["command"] == [
         "python3",
         "-m",
-        "ctxlaunch.runtime.calibrate",
+        "ctxlaunch.runtime.calibration.job",
         "/etc/ctxlaunch/spec.json",
-        "--out",
-        "/tmp/ctxlaunch-run/profile.json",
     ]
+    assert job["spec"]["nprocPerNode"] == "1"
     kubectl("delete", "pytorchjobs,configmaps", "--all", "-n", namespace)
     kubectl("delete", "namespace", namespace, "--wait=false")

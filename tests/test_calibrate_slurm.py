@@ -1,6 +1,8 @@
-"""`ctxlaunch calibrate SPEC --submit` on target slurm: the spec's own batch script, with the
-calibration as its one task, submitted to the real Slurm cluster running here; the job writes
-the machine profile and ends COMPLETED. No timing is asserted."""
+"""`ctxlaunch calibrate SPEC --submit` on target slurm: the calibration job is a Python function
+whose return value is the machine profile, so it goes to the real Slurm cluster running here
+through submitit's executor, with the spec's resources and environment; the job writes the
+profile on the shared filesystem, and submitit hands the same profile back as the job's result.
+No timing is asserted."""
 
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(900)
-def test_calibration_job_through_slurm_writes_the_profile(tmp_path: Path) -> None:
+def test_calibration_job_through_slurm_writes_the_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     require_slurm()
     home = tmp_path / "home"
     profile = tmp_path / "team" / "cpu-ib.json"
@@ -39,12 +43,13 @@ def test_calibration_job_through_slurm_writes_the_profile(tmp_path: Path) -> Non
     assert result.returncode == 0, result.stdout + result.stderr
     job_id = result.stdout.strip().splitlines()[-1]
     assert job_id.isdigit(), result.stdout + result.stderr
-    script = next((home / "jobs").iterdir()).glob("*.sbatch")
-    text = next(script).read_text()
-    assert (
-        "-m ctxlaunch.runtime.calibrate --out" in text and "ctxlaunch.runtime.trainer" not in text
-    )
-    assert "'--ntasks-per-node=1'" in text
+    (record_dir,) = (home / "jobs").iterdir()
+    # submitit wrote and submitted its own batch script: one task, the job's environment
+    # exported first, the pickled call run by submitit's runner; never the trainer.
+    script = (record_dir / f"{job_id}_submission.sh").read_text()
+    assert "submitit.core._submit" in script and "ctxlaunch.runtime.trainer" not in script
+    assert "#SBATCH --ntasks-per-node=1" in script and "export PYTHONUNBUFFERED=1" in script
+    assert "#SBATCH --time=10:00" in script  # the spec's own time limit
     final = wait_for(
         home, tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=840
     )
@@ -52,3 +57,9 @@ def test_calibration_job_through_slurm_writes_the_profile(tmp_path: Path) -> Non
     data = json.loads(profile.read_text())
     assert (data["format"], data["gpu"], data["nodes"]) == (PROFILE_FORMAT, "cpu", 1)
     assert load_profile(profile).matmul_flops_per_second > 0
+    # The function's return value, read back through submitit, is the same profile.
+    from ctxlaunch.launch import jobstore
+    from ctxlaunch.launch.backends.slurm import SlurmBackend
+
+    monkeypatch.setenv("CTXLAUNCH_HOME", str(home))
+    assert SlurmBackend().result(jobstore.load(record_dir.name)) == data

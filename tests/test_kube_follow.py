@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import urllib3
 
-from ctxlaunch.launch.backends.kubernetes import LogStream, _abort, follow_lines
+from ctxlaunch.launch.backends.kube_logs import LogStream, abort_response, follow_lines
 
 
 def client_left(conn: socket.socket) -> bool:
@@ -81,12 +81,12 @@ class Kubelet:
 
     def stream(self) -> LogStream:
         """A follow stream of this log, as Connection.request(raw=True) returns it: the
-        unread urllib3 response, ended by _abort."""
+        unread urllib3 response, ended by abort_response."""
         pool = urllib3.PoolManager(retries=False)
         response = pool.request(
             "GET", f"http://127.0.0.1:{self.server.server_port}/log", preload_content=False
         )
-        return LogStream(response, lambda: _abort(response))
+        return LogStream(response, lambda: abort_response(response))
 
     def stop(self) -> None:
         self.end.set()

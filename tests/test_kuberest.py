@@ -43,7 +43,7 @@ def open_and_get(kubeconfig: Path) -> dict:
     client was imported."""
     code = (
         "import json, sys\n"
-        "from ctxlaunch.launch.backends.kubernetes import Connection\n"
+        "from ctxlaunch.launch.backends.kube_connection import Connection\n"
         f"conn = Connection.open(kubeconfig={str(kubeconfig)!r})\n"
         "version = conn.get('/version')\n"
         "print(json.dumps({'git': version['gitVersion'], 'context': conn.context,\n"

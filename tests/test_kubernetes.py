@@ -454,12 +454,8 @@ def test_a_refused_later_object_removes_the_earlier_ones(namespace: str) -> None
     """The server accepts the ConfigMap and refuses the PyTorchJob (a type error): the
     ConfigMap is deleted again."""
     from ctxlaunch.contract.loader import load_spec
-    from ctxlaunch.launch.backends.kubernetes import (
-        Connection,
-        KubeError,
-        apply_objects,
-        objects_of,
-    )
+    from ctxlaunch.launch.backends.kube_apply import apply_objects, objects_of
+    from ctxlaunch.launch.backends.kube_connection import Connection, KubeError
     from ctxlaunch.launch.render import render_files
 
     spec = load_spec(
@@ -608,14 +604,15 @@ def test_logs_follow_lasts_until_the_job_ends_through_a_recreated_pod(
     ],
 )
 def test_conditions_map_to_the_state_table(conditions: list[str], state: str) -> None:
-    from ctxlaunch.launch.backends.kubernetes import classify
+    from ctxlaunch.launch.backends.kube_states import classify
 
     job = {"metadata": {"name": "j"}, "status": {"conditions": [condition(c) for c in conditions]}}
     assert classify(job, []).state == state
 
 
 def test_rank_lines_pick_one_ranks_pod_and_lines() -> None:
-    from ctxlaunch.launch.backends.kubernetes import pod_index, rank_lines
+    from ctxlaunch.launch.backends.kube_logs import rank_lines
+    from ctxlaunch.launch.backends.kube_states import pod_index
 
     labels = "training.kubeflow.org/replica-type", "training.kubeflow.org/replica-index"
     master = {"metadata": {"labels": {labels[0]: "master", labels[1]: "0"}}}

@@ -50,3 +50,31 @@ def test_every_type_ignore_gives_its_reason() -> None:
             if match and not re.search(r"#\s*\S", match.group(2)):
                 bare.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert bare == [], "type: ignore without a reason:\n" + "\n".join(bare)
+
+
+MAX_MODULE_LINES = 900
+MAX_FUNCTION_LINES = 100
+SHORT_FUNCTION_LAYERS = ("perf", "planning", "launch")
+"""The layers whose functions stay short: the models and the launchers are read most often."""
+
+
+def test_modules_and_functions_stay_readable() -> None:
+    """No module over MAX_MODULE_LINES lines; no function over MAX_FUNCTION_LINES lines in the
+    perf, planning and launch layers."""
+    import ast
+
+    long = []
+    package = ROOT / "ctxlaunch"
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text()
+        where = path.relative_to(ROOT)
+        if text.count("\n") > MAX_MODULE_LINES:
+            long.append(f"{where}: {text.count(chr(10))} lines")
+        if path.relative_to(package).parts[0] not in SHORT_FUNCTION_LAYERS:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{where}:{node.lineno} {node.name}: {lines} lines")
+    assert long == [], "too long:\n" + "\n".join(long)

@@ -309,12 +309,9 @@ def test_preflight_a_trainjob_that_exists_and_a_kind_the_server_lacks(
     the server does not serve (asked through real discovery, for a version of the group no
     server has: the shared server's Trainer CRDs stay in place for the other tests) says which
     operator to install, with the pinned version."""
-    from ctxlaunch.launch.backends.kubernetes import (
-        JOB_APIS,
-        Connection,
-        KubeError,
-        preflight,
-    )
+    from ctxlaunch.launch.backends.kube_connection import Connection, KubeError
+    from ctxlaunch.launch.backends.kube_jobs import JOB_APIS
+    from ctxlaunch.launch.backends.kube_preflight import preflight
 
     submit(home, namespace)
     again = ctx(home, "submit", *spec_args(namespace, "demo", TRAINJOB))
@@ -336,7 +333,7 @@ def test_jobset_restarts_and_conditions_map_to_the_state_table() -> None:
     """The mapping alone, on objects shaped as Trainer and JobSet write them: no JobSet CRD
     exists here (../shared/crds has none), so the JobSet's status.restarts, which
     `jobset_restarts` reads from the server, is given."""
-    from ctxlaunch.launch.backends.kubernetes import classify_trainjob
+    from ctxlaunch.launch.backends.kube_states import classify_trainjob
 
     def job(conditions: list[dict], jobs: list[dict] | None = None) -> dict:
         return {

@@ -89,8 +89,8 @@ def main() -> None:
         app()
     finally:
         # The command is done: spare the interpreter's exit the garbage collector's passes
-        # over every module's objects (about 40 ms of a 0.3 s `submit`, BENCHMARKS.md section
-        # 5). Exit handlers, flushes and finalisers still run as objects are released.
+        # over every module's objects (a noticeable share of a short command such as `submit`).
+        # Exit handlers, flushes and finalisers still run as objects are released.
         gc.freeze()
 
 

@@ -68,8 +68,8 @@ def prepare_command(
 ) -> None:
     """Tokenize INPUT files into OUTPUT.bin / OUTPUT.idx (Megatron's indexed dataset),
     appending the end-of-document token to each document. Bad input exits 2, writing nothing."""
-    # Imported here: numpy and the tokenizers would otherwise load for every command (submit's
-    # start-up is measured, BENCHMARKS.md section 5).
+    # Imported here: numpy and the tokenizers would otherwise load for every command, and every
+    # command's start-up counts (submit's latency is benchmarked).
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
     from ctxlaunch.runtime.data.prepare import PrepareError, prepare

@@ -30,7 +30,7 @@ def check(
     """Run the probe (torch at the pinned version, NCCL, the pods' entry point, `ctxlaunch
     train --help`) in cluster.kubernetes.image; exit 0 when it can start the trainer."""
     from ctxlaunch.launch import image as images
-    from ctxlaunch.launch.backends.kubernetes import KubeError
+    from ctxlaunch.launch.backends.kube_connection import KubeError
 
     if via not in ("auto", "runtime", "pod", "local"):
         fail(f"--via {via!r}: use auto, runtime, pod or local")

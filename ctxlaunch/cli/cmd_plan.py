@@ -1,4 +1,4 @@
-"""`plan`, `advise` and `calibrate`: what a job needs, and how fast this machine is."""
+"""`plan`, `advise` and `calibrate`: what a job needs, and how fast the machine it runs on is."""
 
 from __future__ import annotations
 
@@ -125,11 +125,14 @@ def advise(
             f"--nodes/--gpus: {n_nodes} nodes, but target local runs on one node; set "
             "cluster.target (e.g. --set cluster.target=slurm)"
         )
+    machine = _machine(job, framework, gpus_per_node=per_node)
+    if fp8 and "fp8" not in machine.peak_flops:
+        fail(f"--fp8: cluster.gpu {job.cluster.gpu} has no FP8 matmul rate to time it with")
     advice = run_advice(
         job,
         nodes=n_nodes,
         gpus_per_node=per_node,
-        machine=_machine(job, framework, gpus_per_node=per_node),
+        machine=machine,
         matmul_precision="fp8" if fp8 else None,
     )
     if note:
@@ -180,8 +183,9 @@ def calibrate(
         float | None,
         typer.Option(
             "--wait",
-            help="With --submit on Kubernetes: wait up to this many seconds for the "
-            "calibration job to end, then save the profile its pod printed to its log.",
+            help="With --submit: wait up to this many seconds for the calibration job to "
+            "end, then save the profile it returned (a Slurm job's through submitit, a pod's "
+            "from its log).",
             show_default=False,
         ),
     ] = None,
@@ -192,7 +196,8 @@ def calibrate(
     gloo loopback bandwidth and latency. `advise` and `report` on `gpu: cpu` use
     them (saved in $CTXLAUNCH_HOME/cpu_calibration.json)."""
 
-    from ctxlaunch.runtime.calibrate import ATTENTION_SEQ, measure, save_calibration
+    from ctxlaunch.perf.machine import save_calibration
+    from ctxlaunch.runtime.calibration.cpu import ATTENTION_SEQ, measure
 
     if submit or profile_out is not None or wait_ is not None:
         _submit_calibration(spec, profile_out, set_, wait_)
@@ -240,136 +245,58 @@ def _submit_calibration(
     overrides: list[str] | None,
     wait: float | None = None,
 ) -> None:
-    """`calibrate SPEC --submit`: the calibration job on one node of the spec's target (the
-    bundled calibration, ctxlaunch.runtime.calibrate, run where the trainer would be), then the
-    profile it wrote."""
-    from ctxlaunch.contract.rundir import TRAINER_MODULE
+    """`calibrate SPEC --submit`: the calibration job (contract.rundir.calibration_entry) on one
+    node of the spec's target, rendered and submitted by its backend like any job; then the
+    profile it returns, written where the user asked. A job on this machine ends before
+    `submit` returns; elsewhere `--wait` waits for it, else a job that shares this filesystem
+    writes the profile itself and any other prints it to its log."""
+    from ctxlaunch.contract.rundir import calibration_entry
     from ctxlaunch.launch.backends import get_backend
-    from ctxlaunch.perf.machine import load_profile, profile_path_for
-    from ctxlaunch.runtime.calibrate import CALIBRATE_MODULE
+    from ctxlaunch.perf.machine import profile_path_for
 
     if spec is None:
         fail("--submit: give the SPEC of the cluster to calibrate")
     if wait is not None and wait <= 0:
         fail(f"--wait {wait:g}: give a positive number of seconds")
     job = load(spec, overrides, **{"cluster.nodes": 1, "cluster.profile": None})
-    if wait is not None and job.cluster.target != "kubernetes":
-        fail(
-            f"--wait: for cluster.target kubernetes (the {job.cluster.target} job writes its "
-            "profile itself)"
-        )
     path = (profile_out or profile_path_for(job, spec)).expanduser().resolve()
     if path.exists() and path.is_dir():
         fail(f"--profile-out {path}: is a directory; give a file path")
-    if job.cluster.target == "kubernetes":
-        _submit_kubernetes_calibration(job, path, wait)
-        return
-    if job.cluster.target == "slurm":
-        _submit_slurm_calibration(job, path)
-        return
-    dryrun = get_backend("local").dryrun(job)
-    command = list(dryrun.command)
-    at = command.index(TRAINER_MODULE)
-    # The job's body: the calibration in place of the trainer, one process (it starts the
-    # ranks it measures itself).
-    command[at:] = [CALIBRATE_MODULE, command[at + 1], "--out", str(path)]
-    command = [
-        ("--nproc-per-node=1" if part.startswith("--nproc-per-node=") else part) for part in command
-    ]
-    status = get_backend("local").schedule(dataclasses.replace(dryrun, command=command))
-    if status != exitcodes.OK:
-        fail(
-            f"calibration job {dryrun.job_id} failed (exit {status}); no profile written",
-            code=status,
-        )
+    backend = get_backend(job.cluster.target)
+    entry = calibration_entry(str(path) if backend.shares_filesystem else None)
     try:
-        load_profile(path)
-    except ValueError as exc:
-        fail(f"calibration job {dryrun.job_id} ended but {exc}", code=exitcodes.FAILED)
-    err.print(f"wrote {path}; name it in the spec as cluster.profile: {path}")
-
-
-def _submit_slurm_calibration(job: JobSpec, path: Path) -> None:
-    """The Slurm calibration job: the spec's own batch script with the calibration as its one
-    task in place of the trainer's ranks; sbatch returns at once, the job writes the profile
-    (on the shared filesystem) when it ends: `ctxlaunch status` follows it."""
-    import shlex
-
-    from ctxlaunch.contract.rundir import TRAINER_MODULE
-    from ctxlaunch.launch.backends import get_backend
-    from ctxlaunch.launch.backends.slurm import SlurmError
-    from ctxlaunch.runtime.calibrate import CALIBRATE_MODULE
-
-    backend = get_backend("slurm")
-    dryrun = backend.dryrun(job)
-    script = dryrun.artifact or ""
-    body = f"-m {CALIBRATE_MODULE} --out {shlex.quote(str(path))}"
-    if f"-m {TRAINER_MODULE} " not in script:
-        fail("--submit: the Slurm script has no trainer line to replace", code=exitcodes.FAILED)
-    script = script.replace(f"-m {TRAINER_MODULE} ", f"{body} ", 1)
-    script = script.replace(
-        f"'--ntasks-per-node={job.cluster.gpus_per_node}'", "'--ntasks-per-node=1'", 1
-    )
-    try:
-        status = backend.schedule(dataclasses.replace(dryrun, artifact=script))
-    except SlurmError as exc:
-        fail(f"--submit: {exc}", code=exitcodes.FAILED)
-    if status != exitcodes.OK:
-        fail(f"calibration job {dryrun.job_id} was not submitted (exit {status})", code=status)
-    err.print(
-        f"calibration job {dryrun.job_id} submitted; it writes {path} when it ends "
-        f"(ctxlaunch status {dryrun.job_id})"
-    )
-
-
-POD_PROFILE = "/tmp/ctxlaunch-run/profile.json"
-"""Where the Kubernetes calibration job writes its profile inside the pod (its log has it too)."""
-
-
-def _submit_kubernetes_calibration(job: JobSpec, path: Path, wait: float | None) -> None:
-    """The Kubernetes calibration job: the spec's own PyTorchJob with the calibration in place
-    of the pod entry point, created on the API server; the profile is written in the pod and
-    printed to its log, from which `wait` (seconds) brings it to `path` once the job ends."""
-    from ctxlaunch.launch.backends.kubernetes import KubernetesBackend
-    from ctxlaunch.runtime.calibrate import CALIBRATE_MODULE
-
-    backend = KubernetesBackend()
-    dryrun = backend.dryrun(job)
-    entry = '"-m", "ctxlaunch.runtime.podentry", "/etc/ctxlaunch/spec.json"]'
-    manifest = dryrun.artifact or ""
-    if entry not in manifest:
-        fail("--submit: the PyTorchJob has no pod entry point to replace", code=exitcodes.FAILED)
-    manifest = manifest.replace(
-        entry, f'"-m", "{CALIBRATE_MODULE}", "/etc/ctxlaunch/spec.json", "--out", "{POD_PROFILE}"]'
-    )
-    try:
-        record = backend.submit(dataclasses.replace(dryrun, artifact=manifest))
-    except RuntimeError as exc:  # the backend's connection and admission errors (KubeError)
+        record = backend.submit(backend.dryrun(job, entry))
+        state = backend.status(record)
+    except (RuntimeError, KeyError) as exc:  # the backends' scheduler and connection errors
         fail(f"--submit: {exc}", code=exitcodes.FAILED)
     print(record.backend_id, flush=True)
-    if wait is None:
+    if not state.terminal and wait is None:
+        where = (
+            f"it writes {path} when it ends"
+            if entry.result_file
+            else "it prints the profile to its log (`ctxlaunch logs`); with --wait SECONDS this "
+            "command saves it"
+        )
         err.print(
-            f"calibration job {record.backend_id} created; its pod writes {POD_PROFILE} "
-            "and prints the profile to its log (`ctxlaunch logs`); with --wait SECONDS "
-            "this command saves it here"
+            f"calibration job {record.backend_id} submitted; {where} "
+            f"(`ctxlaunch status {record.backend_id}`)"
         )
         return
-    _save_profile_from_log(backend, record, path, wait)
+    _save_profile(backend, record, path, wait)
 
 
-def _save_profile_from_log(backend: Backend, record: JobRecord, path: Path, wait: float) -> None:
-    """Wait for the calibration job `record` to end, then write the profile its pod printed
-    (the last `PROFILE_LINE` of its log) to `path`, checked before it is written."""
+def _save_profile(backend: Backend, record: JobRecord, path: Path, wait: float | None) -> None:
+    """Wait up to `wait` seconds (None: the job has ended) for the calibration job `record`,
+    then write the profile it returned to `path`, checked before it is written."""
     from ctxlaunch.contract.fsutil import atomic_write_text
     from ctxlaunch.perf.machine import load_profile
-    from ctxlaunch.runtime.calibrate import PROFILE_LINE
 
     job = record.backend_id
     try:
-        state = backend.wait(record, wait, poll=2.0)
-        lines = backend.read_log(record) if state.state == "COMPLETED" else []
-    except (KeyError, RuntimeError) as exc:
-        fail(f"calibration job {job}: {exc}", code=exitcodes.FAILED)
+        state = backend.wait(record, wait, poll=2.0) if wait else backend.status(record)
+        result = backend.result(record) if state.state == "COMPLETED" else None
+    except (KeyError, RuntimeError, ValueError) as exc:
+        fail(f"calibration job {job}: {exc}; no profile written", code=exitcodes.FAILED)
     if not state.terminal:
         fail(
             f"calibration job {job} still {state.state} after {wait:g} s; no profile written "
@@ -381,22 +308,10 @@ def _save_profile_from_log(backend: Backend, record: JobRecord, path: Path, wait
         fail(
             f"calibration job {job} ended {state.state}{': ' + why if why else ''}; no "
             "profile written",
-            code=exitcodes.FAILED,
+            code=state.exit_code if state.exit_code not in (None, 0) else exitcodes.FAILED,
         )
-    printed = [line.split(PROFILE_LINE, 1)[1] for line in lines if PROFILE_LINE in line]
-    if not printed:
-        fail(
-            f"calibration job {job} completed but its log has no profile line; no profile written",
-            code=exitcodes.FAILED,
-        )
-    try:
-        text = json.dumps(json.loads(printed[-1]), indent=2) + "\n"
-    except ValueError as exc:
-        fail(
-            f"calibration job {job}: its profile line is not JSON ({exc}); no profile written",
-            code=exitcodes.FAILED,
-        )
-    staged = path.with_name(f".{path.name}.from-log")
+    text = json.dumps(result, indent=2) + "\n"
+    staged = path.with_name(f".{path.name}.from-job")
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(staged, text)
     try:
@@ -405,4 +320,4 @@ def _save_profile_from_log(backend: Backend, record: JobRecord, path: Path, wait
         staged.unlink()
         fail(f"calibration job {job}: {exc}; no profile written", code=exitcodes.FAILED)
     staged.replace(path)
-    err.print(f"wrote {path} from {job}'s log; name it in the spec as cluster.profile: {path}")
+    err.print(f"wrote {path}; name it in the spec as cluster.profile: {path}")

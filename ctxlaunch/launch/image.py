@@ -145,7 +145,7 @@ def check_pod(
     """Run the probe as a pod on the spec's cluster; the pod is deleted whatever happens.
     KubeError when the pod cannot be created; a result with returncode 124 when it does not
     end within `timeout` (its phase and why, e.g. an image that cannot be pulled)."""
-    from ctxlaunch.launch.backends.kubernetes import Connection
+    from ctxlaunch.launch.backends.kube_connection import Connection
 
     conn = Connection.open(context, kubeconfig)
     namespace = spec.cluster.kubernetes.namespace

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import jinja2
 
 from ctxlaunch import __version__
+from ctxlaunch.contract.rundir import TRAINING, JobEntry
 from ctxlaunch.contract.spec import JobSpec
 from ctxlaunch.launch.request import (
     KubernetesRequest,
@@ -141,14 +142,16 @@ def render(spec: JobSpec, target: Target) -> str:
     return render_files(spec, target)[artifact_name(spec, target)]
 
 
-def render_files(spec: JobSpec, target: Target, sweep: str | None = None) -> dict[str, str]:
+def render_files(
+    spec: JobSpec, target: Target, sweep: str | None = None, entry: JobEntry = TRAINING
+) -> dict[str, str]:
     """Every file `render --output DIR` writes, by path relative to DIR: the main artifact and,
     for Kubernetes in scrape mode, the PodMonitor in its own subfolder. `sweep` labels a
-    sweep's Kubernetes objects."""
+    sweep's Kubernetes objects; `entry` is what the job runs (the trainer)."""
     name = artifact_name(spec, target)
     if target == "slurm":
-        return {name: render_request(slurm_request(spec), target, name)}
-    request = kubernetes_request(spec, sweep=sweep)
+        return {name: render_request(slurm_request(spec, entry=entry), target, name)}
+    request = kubernetes_request(spec, sweep=sweep, entry=entry)
     files = {name: render_request(request, target, name)}
     if request.metrics_ports:
         monitor = monitor_name(spec.name)

@@ -18,6 +18,8 @@ from ctxlaunch.contract.rundir import (
     RUN_DIR_ENV,
     SPEC_ENV,
     TRAINER_MODULE,
+    TRAINING,
+    JobEntry,
     default_run_dir,
     slurm_rendezvous_port_shell,
     spec_json,
@@ -96,7 +98,8 @@ class SlurmRequest:
     """sbatch options, one per `#SBATCH` line (values are validated to need no quoting)."""
     env: dict[str, str]
     srun_args: list[str]
-    trainer_command: list[str]
+    entry_command: list[str]
+    """What each task runs: the job entry's module (the trainer, one task per GPU)."""
     max_restarts: int
     requeue: bool
     rendezvous_port_shell: ShellCode
@@ -127,8 +130,10 @@ def slurm_request(
     log_dir: str | None = None,
     array: list[JobSpec] | None = None,
     job_name: str | None = None,
+    entry: JobEntry = TRAINING,
 ) -> SlurmRequest:
-    """The sbatch script's parts. `python` runs the trainer on the nodes; `run_dir` (metrics,
+    """The sbatch script's parts. `python` runs the job's entry (the trainer) on the nodes, with
+    `ranks_per_node` tasks per node (its own count, else one per GPU); `run_dir` (metrics,
     summary, exit statuses) and `log_dir` are set by the Slurm backend to the job's record
     directory, and left to the defaults when rendering for plain sbatch.
 
@@ -136,7 +141,7 @@ def slurm_request(
     script is a job array: task i runs array[i], in `run_dir`/i."""
     c, s = spec.cluster, spec.cluster.slurm
     log_dir = log_dir or s.log_dir
-    ranks_per_node = c.gpus_per_node
+    ranks_per_node = ranks_per_node_of(spec, entry)
     directives = [
         f"--job-name={job_name or spec.name}",
         f"--nodes={c.nodes}",
@@ -184,7 +189,7 @@ def slurm_request(
         directives=directives,
         env=env,
         srun_args=srun_args,
-        trainer_command=[python, "-u", "-m", TRAINER_MODULE],
+        entry_command=[python, "-u", "-m", entry.module, *entry.args],
         max_restarts=s.max_restarts,
         requeue=s.requeue,
         signal_seconds=s.signal_seconds,
@@ -199,6 +204,71 @@ def slurm_request(
         log_dir=log_dir,
         array_specs=[spec_json(member) for member in array or []],
         array_run_dir=run_dir if array else None,
+    )
+
+
+def ranks_per_node_of(spec: JobSpec, entry: JobEntry) -> int:
+    """Processes per node of `entry` in `spec`'s job: its own count, else one per GPU."""
+    return entry.ranks_per_node or spec.cluster.gpus_per_node
+
+
+@dataclass(frozen=True)
+class SlurmFunctionRequest:
+    """A function job on Slurm through submitit's executor: the executor's parameters (the same
+    resources, account and queue as the batch script, with the entry's task count) and the
+    lines that set the job's environment before the function runs."""
+
+    job_name: str
+    parameters: dict[str, Any]
+    """For `submitit.SlurmExecutor.update_parameters`."""
+    setup: list[str]
+    """Shell lines the job runs first: `export NAME=value` for the job's environment."""
+    module: str
+    function: str
+    args: tuple[str, ...]
+    """The function's arguments: the spec (JSON) and the entry's result file, if any."""
+
+
+def slurm_function_request(spec: JobSpec, entry: JobEntry) -> SlurmFunctionRequest:
+    """What submitit needs to run `entry.function` of `entry.module` as a one-node Slurm job of
+    `spec`'s cluster: partition, account, QOS, GPUs, time limit and the fabric's environment
+    from the spec, as the batch script would have them."""
+    import shlex
+
+    c, s = spec.cluster, spec.cluster.slurm
+    if entry.function is None:
+        raise ValueError(f"the {entry.name} entry has no function to run through submitit")
+    # Values submitit would reformat (its `mem` in GB, `time` in minutes) go through its
+    # additional_parameters verbatim, in the spec's own Slurm syntax.
+    extra: dict[str, Any] = {"time": s.time_limit}
+    if s.mem is not None:
+        extra["mem"] = s.mem
+    if s.account:
+        extra["account"] = s.account
+    parameters: dict[str, Any] = {
+        "job_name": spec.name,
+        "nodes": 1,
+        "ntasks_per_node": ranks_per_node_of(spec, entry),
+        "additional_parameters": extra,
+    }
+    if c.gpu != "cpu":
+        parameters["gpus_per_node"] = c.gpus_per_node
+    if s.cpus_per_task:
+        parameters["cpus_per_task"] = s.cpus_per_task
+    if s.partition:
+        parameters["partition"] = s.partition
+    if s.qos:
+        parameters["qos"] = s.qos
+    if s.exclusive:
+        parameters["exclusive"] = True
+    setup = [f"export {name}={shlex.quote(value)}" for name, value in job_environment(spec).items()]
+    return SlurmFunctionRequest(
+        job_name=spec.name,
+        parameters=parameters,
+        setup=setup,
+        module=entry.module,
+        function=entry.function,
+        args=(spec_json(spec), *([entry.result_file] if entry.result_file else [])),
     )
 
 
@@ -277,8 +347,22 @@ class TrainJobRequest:
 SWEEP_LABEL = "ctxlaunch/sweep"
 
 
-def kubernetes_request(spec: JobSpec, sweep: str | None = None) -> KubernetesRequest:
-    """The manifest's parts; `sweep` (a sweep id) adds the label every point of it shares."""
+def pod_command(entry: JobEntry) -> list[str]:
+    """The container command of a pod running `entry`. The trainer starts through the pod entry
+    (torchrun on the trainer, from the PET_* variables the operator sets, exiting with a status
+    its ExitCode restart policy reads right); any other entry is one process per pod that
+    starts whatever else it needs itself."""
+    spec_file = f"{K8S_SPEC_DIR}/{K8S_SPEC_FILE}"
+    if entry.module == TRAINER_MODULE:
+        return ["python3", "-m", POD_MODULE, spec_file]
+    return ["python3", "-m", entry.module, spec_file, *entry.args]
+
+
+def kubernetes_request(
+    spec: JobSpec, sweep: str | None = None, entry: JobEntry = TRAINING
+) -> KubernetesRequest:
+    """The manifest's parts; `sweep` (a sweep id) adds the label every point of it shares;
+    `entry` is what the pods run (the trainer)."""
     c, k = spec.cluster, spec.cluster.kubernetes
     rdma = spec.fabric.network in RDMA_NETWORKS and c.gpu != "cpu"
     limits: dict[str, str] = {}
@@ -320,12 +404,10 @@ def kubernetes_request(spec: JobSpec, sweep: str | None = None) -> KubernetesReq
         labels=labels,
         job_labels={**labels, **({QUEUE_LABEL: k.queue} if k.queue else {})},
         replicas=replicas,
-        nproc_per_node=c.gpus_per_node,
+        nproc_per_node=ranks_per_node_of(spec, entry),
         image=k.image or "",
         image_pull_policy=k.image_pull_policy,
-        # The training-operator sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK and the
-        # master address; the torchrun that ctxlaunch.runtime.podentry starts reads them as defaults.
-        command=["python3", "-m", POD_MODULE, f"{K8S_SPEC_DIR}/{K8S_SPEC_FILE}"],
+        command=pod_command(entry),
         restart_policy=POD_RESTART_POLICY,
         env=job_environment(spec),
         limits=limits,

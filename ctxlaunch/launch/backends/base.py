@@ -12,10 +12,10 @@ import shlex
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ctxlaunch.contract import exitcodes
-from ctxlaunch.contract.rundir import combine_exit_codes
+from ctxlaunch.contract.rundir import RESULT_LINE, TRAINING, JobEntry, combine_exit_codes
 from ctxlaunch.contract.spec import JobSpec
 from ctxlaunch.launch.jobstore import JobRecord
 
@@ -51,6 +51,8 @@ class DryRun:
     artifact_name: str | None = None
     extra_artifacts: dict[str, str] = field(default_factory=dict)
     """Further files submitted with the artifact, by name (the Kubernetes PodMonitor)."""
+    entry: JobEntry = TRAINING
+    """What the job runs (the trainer, or another job entry such as the calibration)."""
 
     def describe(self) -> str:
         """What `submit --dry-run` prints: the environment, the command and the bytes."""
@@ -169,9 +171,13 @@ class SweepJobs:
 
 
 class Backend(ABC):
-    """One scheduler (or this machine), for the whole life of a job."""
+    """One scheduler (or the local machine), for the whole life of a job."""
 
     name: ClassVar[str]
+    shares_filesystem: ClassVar[bool] = True
+    """Whether a job's files are the submitter's (the local machine's, a cluster's shared
+    filesystem), so a job can write its result where the submitter reads it; else the result
+    comes back through the job's log."""
 
     @classmethod
     def with_options(cls, options: BackendOptions) -> Backend:
@@ -183,12 +189,35 @@ class Backend(ABC):
 
     # -- submitting -----------------------------------------------------------------------------
     @abstractmethod
-    def dryrun(self, spec: JobSpec) -> DryRun:
-        """Everything submitting `spec` would do, as data (nothing is written or started)."""
+    def dryrun(self, spec: JobSpec, entry: JobEntry = TRAINING) -> DryRun:
+        """Everything submitting `spec` would do, as data (nothing is written or started);
+        `entry` is what the job runs."""
+
+    @abstractmethod
+    def submit(self, dryrun: DryRun) -> JobRecord:
+        """Start or submit the job and record it; returns its record (a job on the local
+        machine has ended by then)."""
 
     @abstractmethod
     def schedule(self, dryrun: DryRun) -> int:
         """Run or submit; returns the exit status for the `submit` command."""
+
+    def result(self, record: JobRecord) -> Any:
+        """What a job that hands a result back (the calibration: its profile) returned, as
+        JSON data: by default the last result line of its log (contract.rundir.RESULT_LINE).
+        ValueError when there is none or it is not JSON; RuntimeError when the log cannot be
+        read."""
+        import json
+
+        printed = [
+            line.split(RESULT_LINE, 1)[1] for line in self.read_log(record) if RESULT_LINE in line
+        ]
+        if not printed:
+            raise ValueError("its log has no result line")
+        try:
+            return json.loads(printed[-1])
+        except ValueError as exc:
+            raise ValueError(f"its result line is not JSON ({exc})") from None
 
     # -- a sweep --------------------------------------------------------------------------------
     def sweep_groups(self, specs: list[JobSpec]) -> list[list[int]]:

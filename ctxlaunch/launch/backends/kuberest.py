@@ -2,9 +2,9 @@
 material and a bearer token: what most kubeconfigs hold (kubeadm's admin.conf, a service
 account's, a test cluster's).
 
-The official client costs a submit 0.17-0.19 s before its first request (BENCHMARKS.md section
-5: its package loads its config loader's auth providers, dateutil, requests and oauthlib, which
-such a kubeconfig never uses), as much as `kubectl apply` takes for the whole submission. This
+The official client costs a submit a fifth of a second before its first request (its package
+loads its config loader's auth providers, dateutil, requests and oauthlib, which such a
+kubeconfig never uses), about as long as `kubectl apply` takes for the whole submission. This
 transport reads the same kubeconfig fields the client reads (kubernetes/config/kube_config.py:
 server, certificate-authority[-data], insecure-skip-tls-verify, tls-server-name,
 client-certificate[-data], client-key[-data], token, tokenFile; relative paths from the

@@ -1,5 +1,5 @@
-"""The embedded default: run the job on this machine through torchrun, one process per rank,
-streaming rank 0's log, and exit with the job's status."""
+"""The embedded default: run the job on the local machine through torchrun, one process per
+rank, streaming rank 0's log, and exit with the job's status."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from typing import IO
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.rundir import (
     JOB_ID_ENV,
-    TRAINER_MODULE,
+    TRAINING,
+    JobEntry,
     cpu_threads_per_rank,
     rank_exit_codes,
     spec_json,
@@ -29,7 +30,7 @@ from ctxlaunch.launch.backends.base import (
     Status,
     combine_exit_codes,
 )
-from ctxlaunch.launch.request import job_environment
+from ctxlaunch.launch.request import job_environment, ranks_per_node_of
 
 RANK_PREFIX = "[rank0]:"
 
@@ -42,11 +43,12 @@ class LocalBackend(Backend):
     def __init__(self, python: str | None = None):
         self.python = python or sys.executable
 
-    def dryrun(self, spec: JobSpec) -> DryRun:
-        """torchrun on the trainer, one process per rank, in a new record directory."""
+    def dryrun(self, spec: JobSpec, entry: JobEntry = TRAINING) -> DryRun:
+        """torchrun on the job's entry (the trainer, one process per rank), in a new record
+        directory."""
         job_id = jobstore.new_id("local", spec.name)
         directory = jobstore.jobs_root() / job_id
-        ranks = spec.cluster.gpus_per_node
+        ranks = ranks_per_node_of(spec, entry)
         command = [
             self.python,
             "-m",
@@ -59,10 +61,11 @@ class LocalBackend(Backend):
             f"--log-dir={directory / 'torchrun'}",
             "--local-ranks-filter=0",
             "-m",
-            TRAINER_MODULE,
+            entry.module,
             str(directory / "spec.json"),
             "--run-dir",
             str(directory),
+            *entry.args,
         ]
         env = job_environment(spec)
         if spec.cluster.gpu == "cpu":
@@ -76,12 +79,20 @@ class LocalBackend(Backend):
             env=env,
             artifact=spec_json(spec) + "\n",
             artifact_name="spec.json",
+            entry=entry,
         )
 
     def schedule(
         self, dryrun: DryRun, out: IO[str] | None = None, err: IO[str] | None = None
     ) -> int:
         """Run the job here, streaming rank 0's lines; returns the job's exit status."""
+        return int(self.submit(dryrun, out, err).extra["exit_status"])
+
+    def submit(
+        self, dryrun: DryRun, out: IO[str] | None = None, err: IO[str] | None = None
+    ) -> jobstore.JobRecord:
+        """Run the job here, streaming rank 0's lines; returns its record, with its exit
+        status, once it has ended."""
         out = out or sys.stdout
         err = err or sys.stderr
         spec = dryrun.spec
@@ -96,12 +107,12 @@ class LocalBackend(Backend):
             artifact="spec.json",
         )
         directory = record.directory
+        ranks = ranks_per_node_of(spec, dryrun.entry)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "spec.json").write_text(dryrun.artifact or "")
         jobstore.save(record)
         print(
-            f"ctxlaunch: local job {job_id} ({spec.cluster.gpus_per_node} ranks); logs and "
-            f"metrics in {directory}",
+            f"ctxlaunch: local job {job_id} ({ranks} ranks); logs and metrics in {directory}",
             file=err,
             flush=True,
         )
@@ -128,14 +139,14 @@ class LocalBackend(Backend):
                 process.wait()
             for pump in pumps:
                 pump.join()
-        codes = rank_exit_codes(directory, spec.cluster.gpus_per_node)
+        codes = rank_exit_codes(directory, ranks)
         status = combine_exit_codes(codes) if process.returncode else exitcodes.OK
         record.extra["exit_status"] = status
         record.extra["rank_exit_codes"] = codes
         jobstore.save(record)
         if status != exitcodes.OK:
             _report_failure(directory, codes, status, err)
-        return status
+        return record
 
     # -- an existing job ------------------------------------------------------------------------
     # A local job runs in the foreground of `ctxlaunch submit`; afterwards its record says how

@@ -1,12 +1,15 @@
 """Slurm: submit the rendered sbatch script with `sbatch --parsable`, then watch, read, cancel
 and wait.
 
-The script submitted is byte for byte what `ctxlaunch render --target slurm` writes for the same
-spec (the same request and template), with the trainer started by this Python and the logs,
-metrics, exit statuses and events kept in the job's record directory. sbatch --parsable prints
-the job id alone (submitit's public API submits only its own generated script, so it is not
-used here); states come from Slurm itself (scontrol while the controller remembers the job,
-sacct after) through one table, and a requeued job's story from the job's events.
+A training job's script is byte for byte what `ctxlaunch render --target slurm` writes for
+the same spec (the same request and template), with the trainer started by this Python and the
+logs, metrics, exit statuses and events kept in the job's record directory; it goes in with
+`sbatch --parsable`, the artifact users read and can submit by hand. A function job, whose
+return value comes back (the calibration job: it measures a node and returns its profile), goes
+through submitit's executor instead, with the same resources, account, queue and environment
+(launch.request.slurm_function_request), and its result is read back from submitit's files.
+States come from Slurm itself (scontrol while the controller remembers the job, sacct after)
+through one table, and a requeued job's story from the job's events.
 """
 
 from __future__ import annotations
@@ -16,16 +19,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from ctxlaunch.contract import events, exitcodes
-from ctxlaunch.contract.rundir import JOB_ID_ENV
+from ctxlaunch.contract.rundir import JOB_ID_ENV, TRAINING, JobEntry
 from ctxlaunch.contract.spec import JobSpec
 from ctxlaunch.launch import jobstore
 from ctxlaunch.launch.backends.base import Backend, DryRun, Status, SweepJobs, describe_layout
 from ctxlaunch.launch.render import render_request
-from ctxlaunch.launch.request import slurm_request
+from ctxlaunch.launch.request import slurm_function_request, slurm_request
 
 # Slurm's job states -> ctxlaunch's. The trainer's own exit statuses refine FAILED below.
 STATES: dict[str, str] = {
@@ -54,6 +58,21 @@ STATES: dict[str, str] = {
     "PREEMPTED": "PREEMPTED",
     "OUT_OF_MEMORY": "OUT_OF_MEMORY",
 }
+
+
+@dataclass(frozen=True)
+class ModuleFunction:
+    """A function named by its module, for submitit to pickle and call on a Slurm node: the
+    module is imported only there, so the launcher never imports the job's code (the runtime
+    layer) itself."""
+
+    module: str
+    function: str
+
+    def __call__(self, *args: Any) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(self.module), self.function)(*args)
 
 
 class SlurmError(RuntimeError):
@@ -225,9 +244,39 @@ class SlurmBackend(Backend):
     def __init__(self, python: str | None = None):
         self.python = python or sys.executable
 
-    def dryrun(self, spec: JobSpec) -> DryRun:
-        """The batch script for `spec`, in a new record directory."""
+    def dryrun(self, spec: JobSpec, entry: JobEntry = TRAINING) -> DryRun:
+        """The batch script for `spec`, in a new record directory; for a function entry, the
+        submitit executor's parameters and the call."""
+        if entry.function is not None:
+            return self._function_dryrun(spec, entry)
         return self._script_dryrun(spec.name, spec, None)
+
+    def _function_dryrun(self, spec: JobSpec, entry: JobEntry) -> DryRun:
+        """What submitit is asked to do, as data: the executor's parameters, the setup lines
+        and the function call (submitit writes the batch script itself when it submits)."""
+        import json
+
+        record_id = jobstore.new_id("slurm", spec.name)
+        request = slurm_function_request(spec, entry)
+        call = {
+            "executor": "submitit.SlurmExecutor",
+            "folder": str(jobstore.jobs_root() / record_id),
+            "python": self.python,
+            "parameters": request.parameters,
+            "setup": request.setup,
+            "function": f"{request.module}.{request.function}",
+            "arguments": ["<the spec, as JSON>", *request.args[1:]],
+        }
+        return DryRun(
+            target="slurm",
+            spec=spec,
+            job_id=record_id,
+            command=["submitit", f"{request.module}.{request.function}"],
+            env={JOB_ID_ENV: record_id},
+            artifact=json.dumps(call, indent=2) + "\n",
+            artifact_name="submitit.json",
+            entry=entry,
+        )
 
     def _script_dryrun(self, name: str, spec: JobSpec, array: list[JobSpec] | None) -> DryRun:
         """The script for one job (array None) or a job array, in a new record directory."""
@@ -264,15 +313,35 @@ class SlurmBackend(Backend):
         script_path.chmod(0o755)
         try:
             return directory, sbatch_submit(script_path)
-        except (SlurmError, OSError) as exc:  # OSError: no sbatch on this machine
+        except (SlurmError, OSError) as exc:  # OSError: no sbatch on the submitting machine
             _remove_tree(directory)
             if isinstance(exc, SlurmError):
                 raise
             raise SlurmError(f"sbatch cannot be run: {exc}") from None
 
     def schedule(self, dryrun: DryRun, err: IO[str] | None = None) -> int:
-        """Submit the script and record the job; prints Slurm's job id."""
+        """Submit the job and record it; prints Slurm's job id."""
+        record = self.submit(dryrun, err)
+        print(record.backend_id, flush=True)
+        return exitcodes.OK
+
+    def submit(self, dryrun: DryRun, err: IO[str] | None = None) -> jobstore.JobRecord:
+        """Submit the script (or the function, through submitit) and record the job; returns
+        its record."""
         err = err or sys.stderr
+        if dryrun.entry.function is not None:
+            record = self._submit_function(dryrun)
+        else:
+            record = self._submit_script(dryrun)
+        print(
+            f"ctxlaunch: submitted Slurm job {record.backend_id} ({record.id}); follow it with "
+            f"`ctxlaunch logs {record.backend_id} --follow`",
+            file=err,
+            flush=True,
+        )
+        return record
+
+    def _submit_script(self, dryrun: DryRun) -> jobstore.JobRecord:
         directory, slurm_id = self._submit(dryrun)
         record = jobstore.JobRecord(
             id=directory.name,
@@ -289,14 +358,62 @@ class SlurmBackend(Backend):
             },
         )
         jobstore.save(record)
-        print(
-            f"ctxlaunch: submitted Slurm job {slurm_id} ({record.id}); follow it with "
-            f"`ctxlaunch logs {slurm_id} --follow`",
-            file=err,
-            flush=True,
+        return record
+
+    def _submit_function(self, dryrun: DryRun) -> jobstore.JobRecord:
+        """Submit the entry's function through submitit's executor, its files (the batch script
+        submitit writes, the pickled call, the logs and the result) in the record directory. A
+        refusal leaves no directory behind."""
+        import submitit
+
+        request = slurm_function_request(dryrun.spec, dryrun.entry)
+        directory = jobstore.jobs_root() / dryrun.job_id
+        directory.mkdir(parents=True)
+        (directory / "run").mkdir()
+        (directory / (dryrun.artifact_name or "submitit.json")).write_text(dryrun.artifact or "")
+        executor = submitit.SlurmExecutor(folder=directory, python=self.python)
+        executor.update_parameters(**request.parameters, setup=request.setup)
+        call = ModuleFunction(request.module, request.function)
+        try:
+            job = executor.submit(call, *request.args)
+        except (subprocess.CalledProcessError, OSError, RuntimeError) as exc:
+            _remove_tree(directory)
+            raise SlurmError(_sbatch_message(str(getattr(exc, "stderr", None) or exc))) from None
+        paths = job.paths
+        record = jobstore.JobRecord(
+            id=directory.name,
+            name=dryrun.spec.name,
+            target="slurm",
+            created=time.time(),
+            backend_id=str(job.job_id),
+            command=dryrun.command,
+            artifact=dryrun.artifact_name,
+            extra={
+                "log": str(paths.stdout),
+                "run_dir": str(directory / "run"),
+                "spec": dryrun.spec.model_dump(mode="json"),
+                "submitit": {"folder": str(directory), "entry": dryrun.entry.name},
+            },
         )
-        print(slurm_id, flush=True)
-        return exitcodes.OK
+        jobstore.save(record)
+        return record
+
+    def result(self, record: jobstore.JobRecord) -> Any:
+        """A function job's return value, read from submitit's result file; for any other job,
+        the result line of its log."""
+        found = record.extra.get("submitit")
+        if found is None:
+            return super().result(record)
+        import submitit
+
+        job: submitit.SlurmJob[Any] = submitit.SlurmJob(found["folder"], record.backend_id)
+        if not job.paths.result_pickle.exists():
+            raise ValueError(f"submitit wrote no result ({job.paths.result_pickle} is missing)")
+        try:
+            return job.result()
+        except submitit.core.utils.UncompletedJobError as exc:
+            # A failed function: submitit's error holds its traceback; the last line says why.
+            raise ValueError(f"the function failed: {str(exc).strip().splitlines()[-1]}") from None
 
     # -- a sweep's job arrays --------------------------------------------------------------------
     def sweep_groups(self, specs: list[JobSpec]) -> list[list[int]]:
