@@ -6,7 +6,7 @@
 Megatron profile: two efficiencies (the large-GEMM fraction of the BF16 and of the FP8 peak)
 for every row of every table, fitted on the published runs' fit subset only
 (ctxlaunch.perf.published.FIT_ROWS): the grid point with the smallest largest relative error,
-each row's unstated settings chosen as the fastest that fits (as tests/test_published_runs.py
+each row's unstated settings chosen as the fastest that fits (as tests/unit/test_published_runs.py
 does). The held-out rows (HELD_OUT_ROWS) are never seen by the fit; their errors are printed on
 their own. Everything else is measured or a data sheet (ctxlaunch.perf.profiles). About a
 minute on 2 busy cores.

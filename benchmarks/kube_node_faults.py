@@ -1,5 +1,5 @@
-"""Restart and OOM on the real Kubernetes node, timed: what tests/test_kubernetes_node.py checks,
-with the clock on each stage.
+"""Restart and OOM on the real Kubernetes node, timed: what
+tests/service/kubernetes_node/test_kubernetes_node.py checks, with the clock on each stage.
 
     scripts/services/all.sh start          # the single-node cluster among them
     .venv/bin/python benchmarks/kube_node_faults.py

@@ -1,6 +1,6 @@
-"""The figures of RELIABILITY.md, read back from a run of tests/test_slurm_faults.py.
+"""The figures of RELIABILITY.md, read back from a run of tests/service/slurm_prometheus/test_slurm_faults.py.
 
-    pytest tests/test_slurm_faults.py --basetemp=/var/tmp/slurm-faults
+    pytest tests/service/slurm_prometheus/test_slurm_faults.py --basetemp=/var/tmp/slurm-faults
     python benchmarks/slurm_faults.py /var/tmp/slurm-faults
 
 For every job the tests submitted: Slurm's record of each run (sacct --duplicates: state,

@@ -1,4 +1,10 @@
-"""Shared fixtures: example specs, golden files, the PyTorchJob CRD."""
+"""Shared fixtures (example specs' golden files, the real CRDs) and the suite's layout.
+
+tests/unit needs no service and no root: pure Python and CPU torch, multi-process gloo runs
+included (marked `distributed`: they take minutes; `-m "not distributed"` leaves them out).
+tests/service/<group> talks to a real service that scripts/test starts (Slurm with Prometheus,
+the Kubernetes API server, the single-node Kubernetes cluster); each group's tests share that
+service, so under pytest-xdist they run on one worker, in order."""
 
 from __future__ import annotations
 
@@ -7,37 +13,17 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-JOBS = ROOT / "jobs"
-GOLDEN = Path(__file__).resolve().parent / "golden"
-DEFAULT_CRD = ROOT.parent / "shared" / "crds" / "kubeflow.org_pytorchjobs.yaml"
+from tests.helpers.crd import DEFAULT_CRD, crd_location, crd_path
+from tests.helpers.paths import GOLDEN
 
 
-SERVICE_GROUPS: dict[str, tuple[str, ...]] = {
-    # The shared Slurm cluster (whose nodes the fault tests drain, kill and fill) and the
-    # Prometheus + Pushgateway its jobs and the live telemetry tests push to and reload.
-    "slurm-prometheus": (
-        "test_slurm.py",
-        "test_slurm_faults.py",
-        "test_calibrate_slurm.py",
-        "test_telemetry_live.py",
-    ),
-    # The single-node cluster's node: its pods share the node's memory and the project image.
-    "kubernetes-node": ("test_kubernetes_node.py",),
-    # The API server at 127.0.0.1:6443 (each test has its own namespace; one worker still,
-    # so that its tests' polling never races another's cleanup).
-    "kubernetes-api": (
-        "test_kubernetes.py",
-        "test_trainjob.py",
-        "test_kuberest.py",
-        "test_image.py",
-        "test_calibrate_kubernetes.py",
-        "test_kube_follow.py",
-    ),
-}
-"""Test files that share a real service, by group: with pytest-xdist (`scripts/test` runs two
-workers, --dist loadgroup) each group's tests run on one worker, in file order; every other
-test goes to whichever worker is free."""
+def service_group(path: Path) -> str | None:
+    """The service group of the test file at `path`: its folder in tests/service/<group>/."""
+    parts = path.parts
+    for index in range(len(parts) - 3):
+        if parts[index : index + 2] == ("tests", "service"):
+            return parts[index + 2]
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -45,9 +31,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # tryfirst: xdist's worker reads the xdist_group markers in its own
     # pytest_collection_modifyitems (into each node id's "@group" suffix, which its loadgroup
     # scheduler goes by), so the markers must be there before it runs.
-    groups = {name: group for group, names in SERVICE_GROUPS.items() for name in names}
     for item in items:
-        group = groups.get(item.path.name)
+        group = service_group(item.path)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
 
@@ -83,25 +68,6 @@ def check_golden(update_goldens: bool):
         )
 
     return check
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on (at the time of asking)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def crd_location() -> Path:
-    """Where the PyTorchJob CRD is read: $CTXLAUNCH_PYTORCHJOB_CRD, else ../shared/crds."""
-    return Path(os.environ.get("CTXLAUNCH_PYTORCHJOB_CRD", DEFAULT_CRD))
-
-
-def crd_path() -> Path | None:
-    path = crd_location()
-    return path if path.is_file() else None
 
 
 @pytest.fixture(scope="session")

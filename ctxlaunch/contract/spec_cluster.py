@@ -221,8 +221,9 @@ class ClusterSpec(_Strict):
     """Where the job runs and on what."""
 
     target: Literal["local", "slurm", "kubernetes"] = "local"
-    """local: this machine (torchrun); slurm: sbatch via submitit; kubernetes: a PyTorchJob or
-    a TrainJob (cluster.kubernetes.api)."""
+    """local: the submitting machine (torchrun); slurm: the rendered batch script through sbatch
+    (the calibration job, a Python function, through submitit); kubernetes: a PyTorchJob or a
+    TrainJob (cluster.kubernetes.api)."""
     nodes: PositiveInt = 1
     gpus_per_node: PositiveInt = 1
     """GPUs per node, one rank each (for gpu: cpu, the number of CPU processes)."""

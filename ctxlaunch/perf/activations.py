@@ -2,7 +2,7 @@
 attention call and of the chunked loss. Part of the per-GPU memory model (ctxlaunch.perf.memory,
 which adds them up); pure arithmetic over the layout, no torch. The constants are derived from
 the block the trainer builds (ctxlaunch/runtime/trainer/model.py) and checked against memory
-measured with saved-tensor hooks (tests/test_memory_measured.py and
+measured with saved-tensor hooks (tests/unit/test_memory_measured.py and
 benchmarks/activation_memory.py).
 
 Per rank, for one micro-batch of b sequences of s tokens, CP degree N, TP degree t:
@@ -15,7 +15,7 @@ Per rank, for one micro-batch of b sequences of s tokens, CP degree N, TP degree
 Pipeline stages (`stage_activation_bytes`): the first holds the embedding's saved ids, the last
 the final norm and the loss input; under 1F1B stage r keeps pp - r micro-batches in flight (at
 most grad_accum) and the planner takes the busiest stage. Interleaved schedules are planned as
-1F1B over each rank's blocks (an approximation). Measured: tests/test_memory_measured.py at
+1F1B over each rank's blocks (an approximation). Measured: tests/unit/test_memory_measured.py at
 TP 2 and on both stages of PP 2.
 
 Bytes saved for backward per token by one transformer block, with a = bytes of the compute

@@ -146,7 +146,7 @@ class MemoryEstimate:
 
 
 def cuda_kernel_allowance(model: ModelSpec, layout: Layout) -> float:
-    """What a CUDA GPU allocates that the CPU measurement (tests/test_memory_peak.py) does not
+    """What a CUDA GPU allocates that the CPU measurement (tests/unit/test_memory_peak.py) does not
     show, per rank, beyond GPU_FIXED_ALLOWANCE (context, cuBLAS workspaces, NCCL) and
     FRAGMENTATION (see the module docstring): FlashAttention-2's backward keeps an fp32 dQ
     accumulator (B x S x H x D, `dq_accum` in flash_bwd_launch_template.h) and the fp32

@@ -216,7 +216,7 @@ def fsdp_gather_buffer_bytes(model: ModelSpec, layout: Layout) -> float:
     """The flat output of FSDP2's last all-gather in forward, the last block's weights in the
     gathered dtype, which FSDP2 holds (FSDPCommContext.all_gather_state, so that no stream
     reuses it early) until the root module's forward ends; measured on the CPU, where it is
-    live at the loss (tests/test_memory_peak.py)."""
+    live at the loss (tests/unit/test_memory_peak.py)."""
     if not layout.fsdp_sharded:
         return 0.0
     return fsdp_param_bytes(layout) * block_params(model, layout)
@@ -239,7 +239,7 @@ def deepspeed_bucket_bytes(layout: Layout) -> int:
     one contiguous bucket of reduce_bucket_size elements in the compute dtype (ipg_buffer in
     deepspeed/runtime/zero/stage_1_and_2.py; one, since the trainer sets overlap_comm false),
     allocated at the first gradient hook of every micro-batch and dropped before the step.
-    Measured: 400,000,000 bytes at 200 M elements (tests/test_memory_peak.py)."""
+    Measured: 400,000,000 bytes at 200 M elements (tests/unit/test_memory_peak.py)."""
     if (
         layout.framework != "ctxlaunch"
         or layout.fsdp

@@ -31,7 +31,7 @@ from the second on, with every gradient of the stage.
 The SwiGLU and RMSNorm backward passes run their fp32 pointwise math in chunks
 (activations.BACKWARD_CHUNK_TOKENS), so those temporaries stay one chunk's whatever the
 sequence length. Measured against the allocator's own record (memtrace.AllocatorTrace) on the
-CPU in tests/test_memory_peak.py.
+CPU in tests/unit/test_memory_peak.py.
 """
 
 from __future__ import annotations

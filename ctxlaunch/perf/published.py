@@ -1,7 +1,7 @@
 """Published training runs no one here measured, held as data with their sources: what the
 Megatron profile's two GEMM efficiencies (ctxlaunch.perf.profiles.MEGATRON_ETA_MATMUL) are
 fitted on (FIT_ROWS only, benchmarks/fit_steptime.py) and what every row, held out or not, is
-checked against (tests/test_published_runs.py).
+checked against (tests/unit/test_published_runs.py).
 
 What the sources do not state (activation checkpointing, virtual pipeline stages) is taken as
 the fastest setting that the planner says fits (with its measured error as headroom), the

@@ -3,10 +3,27 @@ API server (Kubernetes >= 1.25 with field validation Strict) would."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tests.helpers.paths import ROOT
+
+DEFAULT_CRD = ROOT.parent / "shared" / "crds" / "kubeflow.org_pytorchjobs.yaml"
+"""The real PyTorchJob CRD, beside the checkout (../shared/crds)."""
+
+
+def crd_location() -> Path:
+    """Where the PyTorchJob CRD is read: $CTXLAUNCH_PYTORCHJOB_CRD, else ../shared/crds."""
+    return Path(os.environ.get("CTXLAUNCH_PYTORCHJOB_CRD", DEFAULT_CRD))
+
+
+def crd_path() -> Path | None:
+    """The PyTorchJob CRD's file, or None where it is absent."""
+    path = crd_location()
+    return path if path.is_file() else None
 
 
 def strict_json_schema(node: Any) -> Any:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import JOBS
+from tests.helpers.paths import JOBS
 from tests.helpers.services import KUBE_ADMIN
 
 BIN = Path(sys.executable).parent

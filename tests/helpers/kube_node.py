@@ -45,7 +45,7 @@ def require_node() -> None:
     it would serve is absent (kubernetes.sh then starts nothing, as for the API server alone:
     a kubeconfig left by an earlier start must not read as a node that failed); fail, saying
     how to start it, where it is installed but not up."""
-    from tests.conftest import crd_path
+    from tests.helpers.crd import crd_path
 
     if os.environ.get("CTXLAUNCH_KUBE_NODE_TESTS") == "0":
         pytest.skip("CTXLAUNCH_KUBE_NODE_TESTS=0: the real-node tests are turned off")

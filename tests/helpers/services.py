@@ -90,7 +90,7 @@ def require_kubernetes() -> None:
     import subprocess
     import sys
 
-    from tests.conftest import crd_path
+    from tests.helpers.crd import crd_path
 
     if crd_path() is None:
         pytest.skip(

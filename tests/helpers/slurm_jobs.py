@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import JOBS
+from tests.helpers.paths import JOBS
 
 BIN = Path(sys.executable).parent
 CTXLAUNCH = str(BIN / "ctxlaunch")

@@ -5,7 +5,31 @@ from __future__ import annotations
 
 import torch
 
-from ctxlaunch.contract.loader import validate_spec
+from ctxlaunch.contract.loader import apply_overrides, validate_spec
+
+EXACT_SPEC = {
+    "name": "exact",
+    "model": {"preset": "tiny", "dtype": "fp32"},
+    "training": {
+        "seq_len": 256,
+        "micro_batch": 1,
+        "global_batch": 2,
+        "steps": 3,
+        "seed": 7,
+        "optimizer": {"lr": 1e-3, "warmup_steps": 1},
+    },
+    "parallel": {"cp": 1},
+    "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1},
+}
+"""A tiny fp32 job the exactness tests vary: 256 tokens, global batch 2, three steps."""
+
+
+def spec_for(world: int, **changes):
+    """EXACT_SPEC on `world` CPU ranks with dotted-path changes, validated, as JSON data."""
+    data = apply_overrides(
+        EXACT_SPEC, [f"cluster.gpus_per_node={world}"] + [f"{k}={v}" for k, v in changes.items()]
+    )
+    return validate_spec(data).model_dump(mode="json")
 
 
 def train_steps(rank: int, world: int, spec_data: dict, steps: int) -> dict:

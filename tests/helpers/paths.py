@@ -1,0 +1,20 @@
+"""Where the tests find the repository's files."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository's root."""
+JOBS = ROOT / "jobs"
+"""The example job specs."""
+GOLDEN = ROOT / "tests" / "golden"
+"""The golden files: every rendered artifact and report, as committed."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (at the time of asking)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

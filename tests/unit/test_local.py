@@ -1,0 +1,288 @@
+"""The local target end to end through the real command: torchrun, gloo, the trainer; and the
+faults: a dead rank, an injected failure, an OOM, unusable checkpoint directories, layouts the
+trainer cannot take. Every test has a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.paths import JOBS
+
+pytestmark = pytest.mark.distributed
+CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
+SHORT = [
+    "--set",
+    "training.steps=3",
+    "--set",
+    "training.seq_len=512",
+    "--set",
+    "training.log_interval=1",
+]
+
+
+def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "CTXLAUNCH_HOME": str(tmp_path / "home"), **extra}
+    env.pop("CTXLAUNCH_INJECT_FAULT", None)
+    env.update(extra)
+    return env
+
+
+def submit(tmp_path: Path, *args: str, timeout: float = 240, **extra: str):
+    return subprocess.run(
+        [
+            CTXLAUNCH,
+            "submit",
+            str(JOBS / "demo.yaml"),
+            *SHORT,
+            "--set",
+            f"training.checkpoint.dir={tmp_path / 'ckpt'}",
+            *args,
+        ],
+        cwd=tmp_path,
+        env=env_for(tmp_path, **extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def job_dirs(tmp_path: Path) -> list[Path]:
+    root = tmp_path / "home" / "jobs"
+    return sorted(root.iterdir()) if root.is_dir() else []
+
+
+@pytest.mark.timeout(300)
+def test_demo_runs_locally_and_summarises(tmp_path: Path) -> None:
+    result = submit(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "dp 1 x cp 2 (ring, zigzag)" in result.stdout
+    assert "step 3/3" in result.stdout and "ctxlaunch: done: 3 steps" in result.stdout
+    assert "peak memory per rank" in result.stdout
+    (job,) = job_dirs(tmp_path)
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["cp"] == 2 and summary["world_size"] == 2
+    assert summary["tokens_per_second_per_gpu"] > 0
+    assert len(summary["peak_memory_bytes_per_rank"]) == 2
+    metrics = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert json.loads((job / "job.json").read_text())["extra"]["exit_status"] == 0
+    assert (tmp_path / "ckpt" / "step-00000003" / "COMMITTED").is_file()
+
+
+@pytest.mark.timeout(60)
+def test_dry_run_prints_the_exact_command_and_starts_nothing(tmp_path: Path) -> None:
+    result = submit(tmp_path, "--dry-run")
+    assert result.returncode == 0, result.stderr
+    command = next(line for line in result.stdout.splitlines() if "torch.distributed.run" in line)
+    assert "--nproc-per-node=2" in command and "-m ctxlaunch.runtime.trainer" in command
+    assert '"cp":2' in result.stdout  # the spec that would travel
+    assert job_dirs(tmp_path) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_job_that_does_not_fit_is_refused_unless_forced(tmp_path: Path) -> None:
+    big = ["--set", "model.preset=small", "--set", "training.seq_len=2097152"]
+    result = submit(tmp_path, *big)
+    assert result.returncode == 2
+    assert "predicted not to fit" in result.stderr and "GiB over" in result.stderr
+    assert "would fit with cp = 16" in result.stderr
+    assert job_dirs(tmp_path) == []
+    forced = submit(tmp_path, *big, "--force", "--dry-run")
+    assert forced.returncode == 0, forced.stderr
+
+
+@pytest.mark.timeout(300)
+def test_injected_failure_reports_the_failing_rank(tmp_path: Path) -> None:
+    result = submit(tmp_path, CTXLAUNCH_INJECT_FAULT="kind=error,rank=1,step=2")
+    assert result.returncode == 1, result.stdout + result.stderr
+    # Rank 1 raised; rank 0 was then killed by torchrun or failed on the broken group.
+    assert "rank exit codes:" in result.stderr and ", 1" in result.stderr
+    assert "injected by CTXLAUNCH_INJECT_FAULT" in result.stderr  # the failing rank's log tail
+
+
+@pytest.mark.timeout(300)
+def test_injected_oom_exits_with_the_oom_status(tmp_path: Path) -> None:
+    result = submit(tmp_path, CTXLAUNCH_INJECT_FAULT="kind=oom,rank=0,step=2")
+    assert result.returncode == 86, result.stdout + result.stderr
+    assert "out of memory" in result.stderr
+
+
+def trainer_rank(tmp_path: Path, rank: int, port: int, *extra: str) -> subprocess.Popen:
+    env = env_for(
+        tmp_path,
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-u",
+            "-m",
+            "ctxlaunch.runtime.trainer",
+            str(JOBS / "demo.yaml"),
+            "--set",
+            "training.steps=1000",
+            "--set",
+            "training.seq_len=512",
+            "--set",
+            "training.timeout_seconds=20",
+            "--set",
+            "training.checkpoint.dir=null",
+            "--set",
+            "training.log_interval=1",
+            "--run-dir",
+            str(tmp_path / "run"),
+            *extra,
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.timeout(180)
+def test_a_dead_rank_ends_the_others_with_an_error_not_a_hang(tmp_path: Path) -> None:
+    port = 29400 + os.getpid() % 500
+    ranks = [trainer_rank(tmp_path, r, port) for r in range(2)]
+    try:
+        for line in ranks[0].stdout:  # wait until training is under way
+            if line.startswith("step 2/"):
+                break
+        ranks[1].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        code = ranks[0].wait(timeout=60)
+        waited = time.monotonic() - killed_at
+        stderr = ranks[0].stderr.read()
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert code == 1, stderr
+    assert "training failed" in stderr
+    assert waited < 20 + 30  # the collective timeout plus margin, in practice far less
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["training.checkpoint.dir=/proc/ctxlaunch-cannot-write"], "cannot be written"),
+        (
+            ["parallel.pp=2", "cluster.gpus_per_node=2", "model.tie_embeddings=true"],
+            "tied embeddings put one weight on the first and the last pipeline stage",
+        ),
+        (["training.data.source=text"], "needs data.path"),
+        (["training.data.source=text", "training.data.path=/nonexistent.txt"], "no such file"),
+    ],
+)
+def test_bad_set_up_fails_before_any_work(
+    tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    env = env_for(tmp_path)
+    sets = [
+        arg
+        for item in ["cluster.gpus_per_node=1", "parallel.cp=1", *overrides]
+        for arg in ("--set", item)
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "ctxlaunch.runtime.trainer", str(JOBS / "demo.yaml"), *sets],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr
+    assert "step 1" not in result.stdout
+
+
+@pytest.mark.timeout(60)
+def test_world_size_must_match_the_spec(tmp_path: Path) -> None:
+    env = env_for(tmp_path, RANK="0", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+    result = subprocess.run(
+        [sys.executable, "-m", "ctxlaunch.runtime.trainer", str(JOBS / "demo.yaml")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "started 3 ranks but the spec describes 2" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_gpu_spec_without_a_gpu_fails_before_any_work(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ctxlaunch.runtime.trainer",
+            str(JOBS / "demo.yaml"),
+            "--set",
+            "cluster.gpu=H100",
+            "--set",
+            "cluster.gpus_per_node=1",
+            "--set",
+            "parallel.cp=1",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=tmp_path,
+        env=env_for(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "cluster.gpu = H100 but no CUDA device is visible" in result.stderr
+    assert (tmp_path / "run" / "exit" / "rank-0").read_text().strip() == "2"
+
+
+@pytest.mark.timeout(400)
+def test_4d_demo_submits_and_trains_locally(tmp_path: Path) -> None:
+    """jobs/demo-4d.yaml (TP 2 x CP 2 x PP 2, eight gloo ranks) through `ctxlaunch submit`,
+    shortened; its exactness against one process is tests/unit/test_trainer_4d.py's."""
+    result = subprocess.run(
+        [
+            CTXLAUNCH,
+            "submit",
+            str(JOBS / "demo-4d.yaml"),
+            "--set",
+            "training.steps=2",
+            "--set",
+            "training.seq_len=256",
+            "--set",
+            "training.log_interval=1",
+            "--set",
+            f"training.checkpoint.dir={tmp_path / 'ckpt'}",
+        ],
+        cwd=tmp_path,
+        env=env_for(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "dp 1 x cp 2 (ring, zigzag) x tp 2 x pp 2 (blocks per stage [1, 1])" in result.stdout
+    assert "step 2/2" in result.stdout and "ctxlaunch: done: 2 steps" in result.stdout
+    (job,) = job_dirs(tmp_path)
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["world_size"] == 8 and summary["steps"] == 2
+    assert (tmp_path / "ckpt" / "step-00000002" / "COMMITTED").is_file()
