@@ -1,20 +1,24 @@
 """What a training rank reports: step metrics, MFU in both conventions, memory against capacity
-and the planner's prediction, exposed ring communication, and OOM events."""
+and the planner's prediction, exposed ring communication, and OOM events, to Prometheus from
+every rank and, from rank 0, to the experiment trackers (`trackers`)."""
 
 from __future__ import annotations
 
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from ctxlaunch.contract.hardware import GiB
+from ctxlaunch.contract.rundir import default_run_dir
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.memory import estimate
 from ctxlaunch.runtime.records import peak_memory_bytes
 from ctxlaunch.runtime.telemetry.exporter import Exporter, identity_from_spec
+from ctxlaunch.runtime.telemetry.trackers import Trackers, eval_series, step_series
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
@@ -82,7 +86,10 @@ def memory_stats(device: torch.device) -> tuple[int, int, int]:
 
 
 class TrainingTelemetry:
-    """The trainer's observer: `on_step(metrics)` each step, `on_oom(...)` on an OOM."""
+    """The trainer's observer: `on_step(metrics)` each step, `on_eval(result)` each evaluation,
+    `on_oom(...)` on an OOM, `close(exit_code)` at the end. Rank 0 also starts the experiment
+    trackers of spec.telemetry.trackers, their defaults under `run_dir` (default: the job's
+    default run directory)."""
 
     def __init__(
         self,
@@ -92,6 +99,7 @@ class TrainingTelemetry:
         local_rank: int,
         device: torch.device,
         log: Callable[[str], None] | None = None,
+        run_dir: Path | None = None,
     ):
         telemetry = spec.telemetry
         self.spec, self.device, self.rank = spec, device, rank
@@ -112,6 +120,15 @@ class TrainingTelemetry:
         self.exporter.set("ctxlaunch_predicted_step_duration_seconds", predicted_step_seconds(spec))
         self.exporter.set("ctxlaunch_target_steps", spec.training.steps)
         self._retries_seen = 0
+        self.trackers = Trackers([])
+        if rank == 0 and telemetry.trackers:
+            identity = self.exporter.identity
+            self.trackers = Trackers.start(
+                spec,
+                run_dir or default_run_dir(spec.name),
+                run_name=spec.name if identity.run == "manual" else f"{spec.name}-{identity.run}",
+                say=log,
+            )
 
     def attention_kernel(self, choice: KernelChoice) -> None:
         """Export the attention kernel the run chose (`fastpath.choose_attention_kernel`)."""
@@ -124,14 +141,16 @@ class TrainingTelemetry:
         exporter = self.exporter
         exporter.set("ctxlaunch_step_duration_seconds", metrics.step_seconds)
         exporter.set("ctxlaunch_tokens_per_second_per_gpu", metrics.tokens_per_second_per_gpu)
+        mfu = {}
         for convention, tflops in (
             ("full", metrics.model_tflops_per_gpu_full),
             ("causal", metrics.model_tflops_per_gpu_causal),
         ):
+            mfu[convention] = tflops * 1e12 / self.peak
             exporter.set(
                 "ctxlaunch_model_flops_per_second_per_gpu", tflops * 1e12, convention=convention
             )
-            exporter.set("ctxlaunch_mfu_ratio", tflops * 1e12 / self.peak, convention=convention)
+            exporter.set("ctxlaunch_mfu_ratio", mfu[convention], convention=convention)
         exporter.set("ctxlaunch_loss", metrics.loss)
         allocated, reserved, retries = memory_stats(self.device)
         exporter.set("ctxlaunch_memory_peak_allocated_bytes", allocated)
@@ -142,6 +161,15 @@ class TrainingTelemetry:
         exporter.set("ctxlaunch_cp_exposed_comm_seconds", metrics.exposed_comm_seconds)
         exporter.set("ctxlaunch_last_step", metrics.step)
         exporter.set("ctxlaunch_last_step_timestamp_seconds", time.time())
+        if self.trackers.logs_step(metrics.step):
+            series = step_series(
+                metrics,
+                mfu=mfu,
+                peak_allocated_bytes=allocated,
+                peak_reserved_bytes=reserved,
+                predicted_peak_bytes=self.prediction.total,
+            )
+            self.trackers.log(series, metrics.step)
 
     def on_eval(self, result: EvalResult) -> None:
         """Export an evaluation's loss per context-length bucket and passkey retrieval."""
@@ -161,6 +189,8 @@ class TrainingTelemetry:
             )
         if result.step is not None:
             exporter.set("ctxlaunch_eval_step", result.step)
+            if self.trackers.active:
+                self.trackers.log(eval_series(result), result.step)
 
     def on_oom(self, step: int) -> str:
         """Record and push an OOM at `step`; returns the line for the log: the prediction and
@@ -191,5 +221,7 @@ class TrainingTelemetry:
             f"{self.prediction.capacity / GiB:.2f} GiB; would fit with {would_fit}"
         )
 
-    def close(self) -> None:
+    def close(self, exit_code: int | None = None) -> None:
+        """Stop the exporter and close the trackers (the run ended with `exit_code`)."""
         self.exporter.close()
+        self.trackers.close(exit_code)
