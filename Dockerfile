@@ -15,9 +15,13 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /opt/ctxlaunch
-COPY pyproject.toml README.md ./
+# Everything the wheel is built from: the package, its templates, and the files it hands out
+# (`ctxlaunch examples`, `dashboard`, `alerts`; pyproject.toml's force-include) and its license.
+COPY pyproject.toml README.md LICENSE ./
 COPY ctxlaunch ./ctxlaunch
 COPY templates ./templates
+COPY manifests ./manifests
+COPY jobs ./jobs
 RUN python3 -m pip install "torch==2.13.0" ".[train]" \
     && python3 -c "import torch, torch.distributed as d; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'NCCL', d.is_nccl_available())"
 

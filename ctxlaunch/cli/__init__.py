@@ -21,29 +21,47 @@ from ctxlaunch.cli import (
     cmd_image,
     cmd_jobs,
     cmd_plan,
+    cmd_share,
     cmd_spec,
     cmd_sweeps,
     cmd_train,
 )
 from ctxlaunch.cli.common import out
+from ctxlaunch.cli.extras import needs_extras
 
 app = typer.Typer(
     name="ctxlaunch",
     help="Plan, render, submit and run long-context (context-parallel) training jobs.",
     no_args_is_help=True,
-    add_completion=False,
+    # --install-completion / --show-completion: bash, zsh, fish and PowerShell complete the
+    # commands, their options and the spec paths.
+    add_completion=True,
     pretty_exceptions_enable=False,
 )
 
 
+def _print_version(value: bool) -> None:
+    """--version: eager, so it answers before click asks for a command (a group callback runs
+    only once a command is given: `ctxlaunch --version` alone would be "Missing command")."""
+    if value:
+        out.print(f"ctxlaunch {__version__}", markup=False)
+        raise typer.Exit()
+
+
 @app.callback()
 def _main(
-    version: Annotated[bool, typer.Option("--version", help="Print the version.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            help="Print the version and exit.",
+            callback=_print_version,
+            is_eager=True,
+            expose_value=False,
+        ),
+    ] = False,
 ) -> None:
     """Options before any command."""
-    if version:
-        out.print(__version__)
-        raise typer.Exit()
 
 
 # Registered in this order: `ctxlaunch --help` lists the commands so.
@@ -65,10 +83,15 @@ COMMANDS: list[tuple[str | None, Callable[..., None]]] = [
     ("eval", cmd_eval.evaluate),
     (None, cmd_export.export),
     (None, cmd_spec.schema),
+    (None, cmd_share.examples),
+    (None, cmd_share.dashboard),
+    (None, cmd_share.alerts),
 ]
 """(name when it is not the function's, the command)."""
 for command_name, command in COMMANDS:
-    app.command(name=command_name)(command)
+    # A package of an extra found missing ends the command with the extra to install.
+    typed = command_name or command.__name__.replace("_", "-")  # typer's name for it
+    app.command(name=command_name)(needs_extras(typed)(command))
 app.add_typer(cmd_data.data, name="data")
 app.add_typer(cmd_image.image, name="image")
 

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from ctxlaunch.cli.common import err, fail, out
+from ctxlaunch.cli.extras import needs_extras
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.loader import SpecError, load_spec
 
@@ -19,6 +20,7 @@ data = typer.Typer(
 
 
 @data.command("prepare")
+@needs_extras("data prepare")
 def prepare_command(
     inputs: Annotated[
         list[Path],

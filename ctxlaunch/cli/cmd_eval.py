@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from ctxlaunch.cli.common import SetOpt, SpecArg, err, fail, load, out
+from ctxlaunch.cli.extras import require
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.rundir import EVAL_MODULE, SPEC_ENV, cpu_threads_per_rank, spec_json
 
@@ -34,6 +35,7 @@ def evaluate(
     and passkey retrieval per length and depth (training.eval), forward only at the spec's
     layout (pp 1; checkpoints load at any layout, so --set parallel.pp=1 evaluates a pipeline
     job's)."""
+    require("eval", "torch")  # the ranks run under torchrun, in processes of this Python
     job = load(spec, set_)
     if job.parallel.pp > 1:
         fail(

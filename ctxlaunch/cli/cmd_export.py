@@ -79,9 +79,12 @@ def export(
             dtype=dtype,
             shard_bytes=shard_size_mib * 2**20,
             tokenizer=tokenizer,
+            show_progress=True,
         )
     except (HFCheckpointError, ValueError, OSError) as exc:
         fail(f"export of {checkpoint} failed: {exc}")
+    except ModuleNotFoundError:
+        raise  # a package of an extra (safetensors, a tokenizer's): the command names it
     except (Exception, CheckpointException) as exc:  # a damaged checkpoint: DCP's or DeepSpeed's
         fail(
             f"export of {checkpoint} failed reading it: {type(exc).__name__}: {exc}",

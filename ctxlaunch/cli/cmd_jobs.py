@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
@@ -20,13 +20,22 @@ from ctxlaunch.cli.common import (
     out,
     print_warnings,
 )
-from ctxlaunch.cli.tables import jobs_table, status_line
+from ctxlaunch.cli.extras import require
+from ctxlaunch.cli.tables import jobs_table, status_line, step_time_provenance
 from ctxlaunch.contract import exitcodes
+
+if TYPE_CHECKING:
+    from ctxlaunch.launch.backends.base import Backend, DryRun
 
 
 def render(
     spec: SpecArg,
-    target: Annotated[str, typer.Option("--target", "-t", help="slurm or kubernetes.")],
+    target: Annotated[
+        str | None,
+        typer.Option(
+            "--target", "-t", help="slurm or kubernetes; default: the spec's cluster.target."
+        ),
+    ] = None,
     output: Annotated[
         Path | None,
         typer.Option(
@@ -36,32 +45,60 @@ def render(
             "(atomically); default: print to stdout.",
         ),
     ] = None,
+    monitoring: Annotated[
+        bool,
+        typer.Option(
+            "--monitoring",
+            help="Kubernetes: also write the job's PrometheusRule (the alert rules, "
+            "monitoring/<name>-rules.yaml) and the Grafana dashboard's ConfigMap for Grafana's "
+            "sidecar (monitoring/ctxlaunch-dashboard.yaml); needs telemetry.prometheus scrape "
+            "or push.",
+        ),
+    ] = False,
     set_: SetOpt = None,
 ) -> None:
-    """Render a Slurm batch script or a Kubeflow PyTorchJob manifest.
+    """Render a Slurm batch script or a Kubeflow PyTorchJob/TrainJob manifest.
 
     In scrape mode the PodMonitor goes to monitoring/<name>-podmonitor.yaml under --output, out
-    of the way of a plain `kubectl apply -f DIR` on a cluster without the Prometheus Operator."""
+    of the way of a plain `kubectl apply -f DIR` on a cluster without the Prometheus Operator;
+    --monitoring adds the PrometheusRule and the dashboard's ConfigMap there."""
     from ctxlaunch.contract.fsutil import atomic_write_text
+    from ctxlaunch.launch.monitoring import MonitoringError, MonitoringOptions
     from ctxlaunch.launch.render import TEMPLATES, artifact_name, render_files
 
-    # The render targets by name, typed: what --target names must be one of them.
-    kind = next((known for known in TEMPLATES if known == target), None)
-    if kind is None:
+    if target is not None and target not in TEMPLATES:
         fail(f"--target: {target!r} is not a target to render; use slurm or kubernetes")
-    job = load(spec, set_, **{"cluster.target": target})
+    job = load(spec, set_, **({"cluster.target": target} if target else {}))
+    # The render targets by name, typed: the spec's target must be one of them.
+    kind = next((known for known in TEMPLATES if known == job.cluster.target), None)
+    if kind is None:
+        fail(
+            f"cluster.target is {job.cluster.target!r}: a local job has nothing to render "
+            "(`ctxlaunch submit` runs it); give --target slurm or kubernetes"
+        )
     print_warnings(job)
-    files = render_files(job, kind)
+    try:
+        files = render_files(job, kind, monitoring=MonitoringOptions() if monitoring else None)
+    except MonitoringError as exc:
+        fail(str(exc))
     main_name = artifact_name(job, kind)
     if output is None:
         sys.stdout.write(files[main_name])
-        for extra in set(files) - {main_name}:
-            err.print(f"note: {extra} (the PodMonitor) is written only with --output DIR")
+        for extra in sorted(set(files) - {main_name}):
+            object_kind = next(
+                (
+                    line.split(":", 1)[1].strip()
+                    for line in files[extra].splitlines()
+                    if line.startswith("kind:")
+                ),
+                "a further object",
+            )
+            err.print(f"note: {extra} (the {object_kind}) is written only with --output DIR")
         return
     if output.exists() and not output.is_dir():
         fail(f"--output: {output} exists and is not a directory")
     for name, text in files.items():
-        path = atomic_write_text(output / name, text, mode=0o755 if target == "slurm" else 0o644)
+        path = atomic_write_text(output / name, text, mode=0o755 if kind == "slurm" else 0o644)
         err.print(f"wrote {path}")
 
 
@@ -88,6 +125,14 @@ def submit(
             "--context", help="Kubernetes: the kubeconfig context (default: the current one)."
         ),
     ] = None,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Machine-readable output: the job's ids and target (a local job's exit status; "
+            "its own output goes to stderr), or with --dry-run what would be submitted.",
+        ),
+    ] = False,
 ) -> None:
     """Run or submit the job on its cluster.target (local by default, Slurm or Kubernetes).
 
@@ -105,6 +150,13 @@ def submit(
             f"{job.name} is predicted not to fit: {report.verdict()}. Change the spec (see "
             f"`ctxlaunch plan {spec}`), or pass --force to submit anyway."
         )
+    if report.step_time is not None:
+        # What the job should take, and whether that figure holds here, before it runs.
+        err.print(
+            f"ctxlaunch: predicted step {report.step_time['step_seconds']:.3g} s; "
+            + step_time_provenance(report.step_time),
+            markup=False,
+        )
     options = (
         KubernetesOptions(context=context, server_dry_run=server_dry_run)
         if context or server_dry_run
@@ -114,14 +166,63 @@ def submit(
         backend = get_backend(job.cluster.target, options)
     except (NotImplementedError, OptionsError) as exc:
         fail(str(exc))
+    if job.cluster.target == "local" and not dry_run:
+        require(
+            "submit", "torch"
+        )  # the job's ranks are this machine's processes, running the trainer
     dryrun = backend.dryrun(job)
     if dry_run:
-        sys.stdout.write(dryrun.describe())
+        if as_json:
+            out.print_json(json.dumps(dryrun_dict(dryrun)))
+        else:
+            sys.stdout.write(dryrun.describe())
         return
+    if as_json:
+        if server_dry_run:
+            fail("--json: --dry-run=server submits nothing to report; leave out --json")
+        _submit_json(backend, dryrun)
     try:
         code = backend.schedule(dryrun)
     except RuntimeError as exc:  # the scheduler refused the job: nothing was submitted
         fail(str(exc))
+    raise typer.Exit(code)
+
+
+def dryrun_dict(dryrun: DryRun) -> dict[str, Any]:
+    """`submit --dry-run --json`: what would be run and submitted."""
+    return {
+        "target": dryrun.target,
+        "id": dryrun.job_id,
+        "name": dryrun.spec.name,
+        "command": dryrun.command,
+        "env": dryrun.env,
+        "artifact_name": dryrun.artifact_name,
+        "artifact": dryrun.artifact,
+        "extra_artifacts": dryrun.extra_artifacts,
+    }
+
+
+def _submit_json(backend: Backend, dryrun: DryRun) -> NoReturn:
+    """`submit --json`: submit (a local job: run it, its output on stderr), print the record
+    as JSON and exit with the status `submit` exits with."""
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):  # a local job streams rank 0's lines
+        try:
+            record = backend.submit(dryrun)
+        except RuntimeError as exc:  # the scheduler refused the job: nothing was submitted
+            fail(str(exc))
+    report: dict[str, Any] = {
+        "id": record.id,
+        "backend_id": record.backend_id,
+        "name": record.name,
+        "target": record.target,
+    }
+    code = exitcodes.OK
+    if "exit_status" in record.extra:  # a local job has ended by now
+        code = int(record.extra["exit_status"])
+        report["exit_status"] = code
+    out.print_json(json.dumps(report))
     raise typer.Exit(code)
 
 
@@ -217,6 +318,7 @@ def wait(
 
 def list_jobs(
     limit: Annotated[int, typer.Option(help="Show the newest this many.")] = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """The jobs submitted from this machine, newest last, with their current state."""
     from ctxlaunch.launch import jobstore
@@ -229,4 +331,18 @@ def list_jobs(
         except (KeyError, RuntimeError):  # NotImplementedError is a RuntimeError
             state = "UNKNOWN"
         rows.append((record, state))
+    if as_json:
+        listed = [
+            {
+                "id": record.id,
+                "name": record.name,
+                "target": record.target,
+                "backend_id": record.backend_id,
+                "state": state,
+                "created": record.created,
+            }
+            for record, state in rows
+        ]
+        out.print_json(json.dumps(listed))
+        return
     out.print(jobs_table(rows))

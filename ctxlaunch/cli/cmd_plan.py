@@ -26,7 +26,7 @@ FrameworkOpt = Annotated[
         "--framework",
         help="Whose kernels and overlap to time: ctxlaunch (the bundled trainer, "
         "the default) or megatron (Megatron-LM/NeMo: fused kernels, FP8 recipe, overlapped "
-        'gradient collectives); README, "The step-time model\'s constants".',
+        "gradient collectives); docs/concepts/step-time-model.md.",
     ),
 ]
 
@@ -212,6 +212,7 @@ def calibrate(
             dtype=model.dtype if model else "fp32",
             model=model,
             attention_seq=ATTENTION_SEQ,
+            show_progress=True,
         )
     except RuntimeError as exc:
         fail(str(exc), code=exitcodes.FAILED)

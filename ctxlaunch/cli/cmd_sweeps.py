@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
+from ctxlaunch.cli.cmd_jobs import dryrun_dict
 from ctxlaunch.cli.common import SetOpt, err, fail, out
+from ctxlaunch.cli.extras import require
 from ctxlaunch.cli.tables import report_table, sweep_points_table
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.loader import SpecError
@@ -25,6 +28,14 @@ def sweep(
     ] = False,
     force: Annotated[
         bool, typer.Option("--force", help="Also submit points the planner predicts will not fit.")
+    ] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Machine-readable output: the sweep id and each point's job ids (local jobs' "
+            "output goes to stderr), or with --dry-run what would be submitted.",
+        ),
     ] = False,
 ) -> None:
     """Expand a sweep into jobs and submit them.
@@ -44,17 +55,53 @@ def sweep(
         fail("no point of the sweep can run")
     submission = sweeps.prepare(spec_def.name, runnable)
     if dry_run:
+        if as_json:
+            out.print_json(json.dumps([dryrun_dict(d) for d in submission.dryruns]))
+            return
         for dryrun in submission.dryruns:
             sys.stdout.write(dryrun.describe())
         return
-    try:
-        sweep_id = sweeps.submit(
-            spec_def.name, spec_def.axes, points, reasons, submission, log=err.print
-        )
-    except RuntimeError as exc:  # the scheduler refused a group: nothing of it was submitted
-        fail(str(exc))
+    if submission.target == "local":
+        require("sweep", "torch")  # the points run here, one after another
+    # With --json, stdout holds the JSON alone: what the jobs print goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        try:
+            sweep_id = sweeps.submit(
+                spec_def.name, spec_def.axes, points, reasons, submission, log=err.print
+            )
+        except RuntimeError as exc:  # the scheduler refused a group: nothing of it submitted
+            fail(str(exc))
     err.print(f"sweep {sweep_id}: `ctxlaunch report {sweep_id}` for the results")
+    if as_json:
+        out.print_json(json.dumps(_sweep_jobs(sweep_id)))
+        return
     print(sweep_id)
+
+
+def _sweep_jobs(sweep_id: str) -> dict[str, Any]:
+    """`sweep --json`: the sweep id and, per point, its job's ctxlaunch and scheduler ids (a
+    local job's exit status), or why it was skipped."""
+    from ctxlaunch.launch import jobstore
+
+    data = jobstore.load_sweep(sweep_id)
+    points = []
+    for point in data["points"]:
+        entry = {k: point.get(k) for k in ("index", "name", "values", "job", "skipped")}
+        if point.get("job"):
+            try:
+                record = jobstore.find(point["job"])
+            except KeyError:  # recorded by the sweep, but its record is gone
+                record = None
+            entry["backend_id"] = record.backend_id if record else None
+            if record is not None and "exit_status" in record.extra:
+                entry["exit_status"] = record.extra["exit_status"]
+        points.append(entry)
+    return {
+        "sweep_id": sweep_id,
+        "name": data["name"],
+        "target": data["target"],
+        "points": points,
+    }
 
 
 def report(

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.loader import SpecError, apply_overrides, read_spec_data, validate_spec
@@ -34,7 +35,8 @@ SetOpt = Annotated[
 
 def fail(message: str, code: int = exitcodes.BAD_INPUT) -> NoReturn:
     """Print the error and exit with `code` (default 2: bad input, nothing done)."""
-    err.print(f"[bold red]error:[/] {message}", markup=True)
+    # The message is text: brackets in it (a field path's [0], an extra's [train]) are not markup.
+    err.print(f"[bold red]error:[/] {escape(message)}", markup=True)
     raise typer.Exit(code)
 
 

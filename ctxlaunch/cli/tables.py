@@ -88,15 +88,7 @@ def print_plan(report: PlanReport) -> None:
             f"{st['mfu']['full']:.1%} (full) / {st['mfu']['causal']:.1%} (causal); "
             f"`ctxlaunch advise` ranks the other layouts"
         )
-        error = st.get("expected_error") or 0.0
-        framework = st.get("framework", "ctxlaunch")
-        text = (
-            f'expected error: +/-{error:.0%} ({framework} profile; README, "The step-time '
-            "model's constants\")"
-            if error
-            else f"expected error: not measured ({framework} profile)"
-        )
-        out.print(text, markup=False)
+        out.print(step_time_provenance(st), markup=False)
 
 
 def print_phases(report: PlanReport) -> None:
@@ -226,3 +218,17 @@ def report_table(data: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
             )
         )
     return table
+
+
+def step_time_provenance(step_time: dict[str, Any]) -> str:
+    """Where the predicted step's constants come from and how far to trust it, in a line: the
+    error measured for them on their own machine, or that the figure is uncalibrated here and
+    how to calibrate (docs/concepts/step-time-model.md explains each)."""
+    calibration = step_time.get("calibration") or {}
+    error = step_time.get("expected_error") or 0.0
+    note = calibration.get("note", "")
+    if not calibration.get("calibrated", True):
+        return f"step time uncalibrated here: {note}; {calibration.get('calibrate', '')}"
+    if error:
+        return f"expected error: +/-{error:.0%} ({note})"
+    return f"expected error: not measured ({note or step_time.get('framework', '')})"

@@ -10,6 +10,7 @@ anything whose weights would not mean the same in ctxlaunch's model is refused b
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,24 @@ ROPE_KEYS = (
 
 class HFConfigError(ValueError):
     """config.json is missing, unreadable, or describes a model ctxlaunch cannot train."""
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+"""ORG/NAME as the Hugging Face hub spells a repository (letters, digits, `-`, `_`, `.`)."""
+
+
+def hub_id_error(init_from: str) -> str | None:
+    """Why `init_from` cannot be read, when it is a Hugging Face hub id (ORG/NAME, such as
+    meta-llama/Llama-3.2-1B) and no local path of that name exists: ctxlaunch reads local files
+    only, so the answer is the command that downloads them. A relative directory that is not
+    here yet is written ./ORG/NAME, which is never taken for a hub id."""
+    if not _HUB_ID.match(init_from) or ".." in init_from or Path(init_from).exists():
+        return None
+    return (
+        f"model.init_from {init_from}: a Hugging Face hub id, not a local directory; download "
+        f"it with `hf download {init_from} --local-dir DIR` and set model.init_from: DIR "
+        f"(a local directory that is not here yet: write it ./{init_from})"
+    )
 
 
 def read_config(directory: str | Path) -> dict[str, Any]:

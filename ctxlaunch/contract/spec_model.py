@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from ctxlaunch.contract.hfconfig import CONFIG_FILE, HFConfigError, model_fields
+from ctxlaunch.contract.hfconfig import CONFIG_FILE, HFConfigError, hub_id_error, model_fields
 from ctxlaunch.contract.presets import MODEL_PRESETS
 from ctxlaunch.contract.spec_base import PositiveInt, _problem, _Strict
 
@@ -160,6 +160,9 @@ class ModelSpec(_Strict):
             return data
         directory = str(data["init_from"])
         where = str(Path(directory) / CONFIG_FILE)
+        hub_id = hub_id_error(directory)
+        if hub_id is not None:
+            raise PydanticCustomError("init_from", "{message}", {"message": hub_id})
         if data.get("preset") is not None:
             raise PydanticCustomError(
                 "init_from",

@@ -1,5 +1,6 @@
-"""Launch request -> artifact text (an sbatch script, a PyTorchJob manifest). Pure: no I/O but
-reading the templates.
+"""Launch request -> artifact text (an sbatch script, a PyTorchJob manifest, and on request a
+job's monitoring objects). Pure: no I/O but reading the templates and the committed monitoring
+files.
 
 Safety is enforced, not hoped for: every `{{ ... }}` in a template must pass through a quoting
 filter (`sh` for bash, `yaml` for YAML, `envname`/`sbatch` for the validated bits, `code`
@@ -22,6 +23,14 @@ import jinja2
 from ctxlaunch import __version__
 from ctxlaunch.contract.rundir import TRAINING, JobEntry
 from ctxlaunch.contract.spec import JobSpec
+from ctxlaunch.launch.monitoring import (
+    DASHBOARD_CONFIG_MAP,
+    MonitoringError,
+    MonitoringOptions,
+    dashboard_request,
+    prometheus_rule_request,
+    read_shipped,
+)
 from ctxlaunch.launch.request import (
     KubernetesRequest,
     ShellCode,
@@ -36,10 +45,13 @@ SUFFIXES: dict[Target, str] = {"slurm": ".sbatch", "kubernetes": ".yaml"}
 TRAINJOB_TEMPLATE = "trainjob.yaml.j2"
 """cluster.kubernetes.api: trainjob (same pod template as the PyTorchJob's, _pod.yaml.j2)."""
 MONITOR_TEMPLATE = "podmonitor.yaml.j2"
+RULES_TEMPLATE = "prometheusrule.yaml.j2"
+DASHBOARD_TEMPLATE = "dashboard-configmap.yaml.j2"
 MONITORING_DIR = "monitoring"
-"""The PodMonitor goes to this subfolder of the output: `kubectl apply -f DIR` (not recursive)
-leaves it out, so a cluster without the Prometheus Operator's CRD takes the job cleanly;
-`kubectl apply -R -f DIR` applies it too."""
+"""The PodMonitor (and with `monitoring`, the PrometheusRule and the dashboard's ConfigMap) go
+to this subfolder of the output: `kubectl apply -f DIR` (not recursive) leaves them out, so a
+cluster without the Prometheus Operator's CRDs takes the job cleanly; `kubectl apply -R -f DIR`
+applies them too."""
 
 _SBATCH_DIRECTIVE = re.compile(r"^--[a-z][a-z-]*(=[A-Za-z0-9_.:@%/\-]+)?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -136,6 +148,17 @@ def monitor_name(job_name: str) -> str:
     return f"{MONITORING_DIR}/{job_name}-podmonitor.yaml"
 
 
+def rules_name(job_name: str) -> str:
+    """Where the job's PrometheusRule goes, relative to the output directory."""
+    return f"{MONITORING_DIR}/{job_name}-rules.yaml"
+
+
+def dashboard_name() -> str:
+    """Where the dashboard's ConfigMap goes, relative to the output directory: one name for
+    every job, as the ConfigMap is one per namespace."""
+    return f"{MONITORING_DIR}/{DASHBOARD_CONFIG_MAP}.yaml"
+
+
 def render(spec: JobSpec, target: Target) -> str:
     """The main artifact for `target` as text (the sbatch script; the ConfigMap and
     PyTorchJob)."""
@@ -143,12 +166,20 @@ def render(spec: JobSpec, target: Target) -> str:
 
 
 def render_files(
-    spec: JobSpec, target: Target, sweep: str | None = None, entry: JobEntry = TRAINING
+    spec: JobSpec,
+    target: Target,
+    sweep: str | None = None,
+    entry: JobEntry = TRAINING,
+    monitoring: MonitoringOptions | None = None,
 ) -> dict[str, str]:
     """Every file `render --output DIR` writes, by path relative to DIR: the main artifact and,
     for Kubernetes in scrape mode, the PodMonitor in its own subfolder. `sweep` labels a
-    sweep's Kubernetes objects; `entry` is what the job runs (the trainer)."""
+    sweep's Kubernetes objects; `entry` is what the job runs (the trainer). With `monitoring`
+    (Kubernetes, telemetry on), the job's PrometheusRule and the dashboard's ConfigMap go to
+    the same subfolder; MonitoringError says why they cannot."""
     name = artifact_name(spec, target)
+    if monitoring is not None:
+        check_monitoring(spec, target)
     if target == "slurm":
         return {name: render_request(slurm_request(spec, entry=entry), target, name)}
     request = kubernetes_request(spec, sweep=sweep, entry=entry)
@@ -160,7 +191,42 @@ def render_files(
             .get_template(MONITOR_TEMPLATE)
             .render(request=request, version=__version__, filename=monitor)
         )
+    if monitoring is not None:
+        files.update(render_monitoring(request, monitoring))
     return files
+
+
+def check_monitoring(spec: JobSpec, target: Target) -> None:
+    """The monitoring objects are Prometheus Operator and Grafana sidecar objects, for a job
+    that exports metrics: refused, naming the field, for any other."""
+    if target != "kubernetes":
+        raise MonitoringError(
+            f"monitoring: the PrometheusRule and the dashboard's ConfigMap are Kubernetes objects; "
+            f"the target is {target}"
+        )
+    if spec.telemetry.prometheus == "off":
+        raise MonitoringError(
+            "monitoring: telemetry.prometheus is off, so the job exports no metrics for the rules "
+            "and the dashboard to read; set telemetry.prometheus to scrape or push"
+        )
+
+
+def render_monitoring(request: KubernetesRequest, options: MonitoringOptions) -> dict[str, str]:
+    """The job's PrometheusRule and the dashboard's ConfigMap, by path in the output."""
+    rules = prometheus_rule_request(
+        request.name, request.namespace, request.labels, read_shipped("alerts")
+    )
+    dashboard = dashboard_request(request.namespace, options, read_shipped("dashboard"))
+    env = _environment()
+    rules_file, dashboard_file = rules_name(request.name), dashboard_name()
+    return {
+        rules_file: env.get_template(RULES_TEMPLATE).render(
+            rules=rules, version=__version__, filename=rules_file
+        ),
+        dashboard_file: env.get_template(DASHBOARD_TEMPLATE).render(
+            dashboard=dashboard, version=__version__, filename=dashboard_file
+        ),
+    }
 
 
 def render_request(request: SlurmRequest | KubernetesRequest, target: Target, filename: str) -> str:

@@ -18,3 +18,8 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+TEXT_CORPUS = ROOT / "docs" / "guides" / "continued-pretraining.md"
+"""A page of English technical prose that names a special token (`<|end_of_text|>`) in its
+text: the corpus of the tokenizer and byte-level data tests."""

@@ -6,6 +6,7 @@ of a `gpu: cpu` spec. The record and its file live in ctxlaunch.perf.machine."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -13,9 +14,10 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
-from ctxlaunch.perf.machine import Calibration
+from ctxlaunch.perf.machine import Calibration, host_signature
 from ctxlaunch.runtime.calibration.fitting import fit_line, fit_ramp, fit_sync_jitter, median_each
 from ctxlaunch.runtime.calibration.measuring import best_seconds, block_projections, run_ranks
+from ctxlaunch.runtime.progress import Progress
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -350,6 +352,7 @@ def measure(
     attention_ramp_seqs: tuple[int, int] | None = None,
     sync_readings: int = 3,
     rate_readings: int = 3,
+    show_progress: bool = False,
 ) -> Calibration:
     """Every constant the step-time model needs on this CPU; `model` (a ModelSpec, default the
     tiny preset) is what the matmul rate, the elementwise rate and the per-micro-batch overhead
@@ -363,7 +366,8 @@ def measure(
     the median of `rate_readings` readings taken in turn (all cores, one thread, all cores, ...),
     so a minute of load elsewhere moves one reading, not the profile: on a shared 2-vCPU machine
     one low attention reading (91 GFLOP/s against 106-111 in the others) predicted the CPU
-    self-check's one-process steps 19-30 % slow."""
+    self-check's one-process steps 19-30 % slow. `show_progress` reports each finished stage on
+    stderr (runtime/progress.py)."""
     from ctxlaunch.contract.spec import ModelSpec
 
     model = model or ModelSpec.model_validate({"preset": "tiny", "dtype": dtype})
@@ -376,16 +380,65 @@ def measure(
         projections=block_projections(model),
     )
     ramp_seqs = None if attention_seq else attention_ramp_seqs
+    # The stages, in order: compute rates (all cores, one thread) per reading, the loopback,
+    # the model's residual (all cores, one thread) per reading, an exchange curve per rank count.
+    stages = 4 * rate_readings + 1 + len(sync_ranks)
+    with (
+        Progress("calibrate: measurements", total=stages)
+        if show_progress
+        else contextlib.nullcontext()
+    ) as progress:
+        return _measure_stages(
+            common,
+            model,
+            attention_seq,
+            ramp_seqs,
+            progress,
+            repeats=repeats,
+            sizes=sizes,
+            sync_ranks=sync_ranks,
+            sync_readings=sync_readings,
+            rate_readings=rate_readings,
+        )
+
+
+def _staged(progress: Progress | None, note: str, value: Any) -> Any:
+    """`value`, measured; the stage it finished is reported to `progress`."""
+    if progress is not None:
+        progress.advance(note=note)
+    return value
+
+
+def _measure_stages(
+    common: dict[str, Any],
+    model: ModelSpec,
+    attention_seq: int | None,
+    ramp_seqs: tuple[int, int] | None,
+    progress: Progress | None,
+    *,
+    repeats: int,
+    sizes: tuple[int, ...],
+    sync_ranks: tuple[int, ...],
+    sync_readings: int,
+    rate_readings: int,
+) -> Calibration:
+    """`measure`'s measurements, each stage reported to `progress` as it ends."""
     rounds = [
         (
-            _compute_rates(common, 0, attention_seq, ramp_seqs),
-            _compute_rates(common, 1, attention_seq, ramp_seqs),
+            _staged(
+                progress, "compute, all cores", _compute_rates(common, 0, attention_seq, ramp_seqs)
+            ),
+            _staged(
+                progress, "compute, one thread", _compute_rates(common, 1, attention_seq, ramp_seqs)
+            ),
         )
         for _ in range(rate_readings)
     ]
     matmul, attention, ramp, tile, copy = median_each([r[0] for r in rounds])
     matmul_1, attention_1, ramp_1, _, _ = median_each([r[1] for r in rounds])
-    bandwidth, latency = measure_loopback(sizes=sizes, repeats=repeats)
+    bandwidth, latency = _staged(
+        progress, "gloo loopback", measure_loopback(sizes=sizes, repeats=repeats)
+    )
     calibration = Calibration(
         matmul_flops_per_second=matmul,
         attention_flops_per_second=attention,
@@ -398,9 +451,10 @@ def measure(
         # One thread: what each rank gets when the ranks fill the cores.
         one_thread={"matmul": matmul_1, "attention": attention_1, "attention_ramp_tokens": ramp_1},
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        host=host_signature(),
     )
     return _with_model_and_sync(
-        calibration, model, repeats, rate_readings, sync_ranks, sync_readings
+        calibration, model, repeats, rate_readings, sync_ranks, sync_readings, progress
     )
 
 
@@ -432,20 +486,34 @@ def _with_model_and_sync(
     rate_readings: int,
     sync_ranks: tuple[int, ...],
     sync_readings: int,
+    progress: Progress | None = None,
 ) -> Calibration:
     """`calibration` (its compute and link rates measured) completed with the real model's fixed
     cost and elementwise rate, all cores and one thread, each the median of `rate_readings`
     readings, and the exchange cost curve at each rank count of `sync_ranks`."""
     residuals = [
         (
-            measure_model_residual(model, calibration, repeats=repeats),
-            measure_model_residual(model, calibration, repeats=repeats, threads=1),
+            _staged(
+                progress,
+                "model step, all cores",
+                measure_model_residual(model, calibration, repeats=repeats),
+            ),
+            _staged(
+                progress,
+                "model step, one thread",
+                measure_model_residual(model, calibration, repeats=repeats, threads=1),
+            ),
         )
         for _ in range(rate_readings)
     ]
     overhead, elementwise = median_each([r[0] for r in residuals])
     overhead_1, elementwise_1 = median_each([r[1] for r in residuals])
-    curves = {str(n): measure_sync_curve(n, readings=sync_readings) for n in sync_ranks}
+    curves = {
+        str(n): _staged(
+            progress, f"exchange, {n} ranks", measure_sync_curve(n, readings=sync_readings)
+        )
+        for n in sync_ranks
+    }
     return dataclasses.replace(
         calibration,
         microbatch_overhead_seconds=overhead,

@@ -78,14 +78,17 @@ def _library(module: str, path: Path) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name == module.split(".")[0]:
+            raise  # not installed: the command names the extra that installs it
         raise TokenizerError(
             f"tokenizer {path}: needs the `{module.split('.')[0]}` package ({exc})"
         ) from None
 
 
 def _huggingface(path: Path, eod_token: str | None) -> Tokenizer:
+    library = _library("tokenizers", path)
     try:
-        tokenizer = _library("tokenizers", path).Tokenizer.from_file(str(path))
+        tokenizer = library.Tokenizer.from_file(str(path))
     except Exception as exc:  # the Rust side raises a bare Exception for every malformed file
         raise TokenizerError(
             f"tokenizer {path}: not a Hugging Face tokenizer.json ({exc})"

@@ -25,6 +25,7 @@ directory that is renamed into place only when complete.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -38,6 +39,7 @@ import torch
 
 from ctxlaunch.contract.hfconfig import CONFIG_FILE, LLAMA_ARCHITECTURE, read_config
 from ctxlaunch.contract.spec import DefaultRope, ModelSpec, YarnRope
+from ctxlaunch.runtime.progress import Progress
 from ctxlaunch.runtime.trainer.tensor_parallel import Sharding
 
 SINGLE_FILE = "model.safetensors"
@@ -279,12 +281,14 @@ def write_hf(
     shard_bytes: int,
     tokenizer_from: Path | None = None,
     tokenizer_file: tuple[Path, str] | None = None,
+    progress: Progress | None = None,
 ) -> list[str]:
     """Write a Hugging Face directory at `out` (which must not exist): config.json, the
     safetensors shards and their index, the tokenizer files of `tokenizer_from` and
     `tokenizer_file` (a file and the name it takes in `out`). Written
     in a temporary directory beside `out` and renamed into place, so `out` is never half
-    written. Returns the files written."""
+    written. `progress` is advanced by each shard's tensors as the shard is written. Returns
+    the files written."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -302,6 +306,8 @@ def write_hf(
             for name, tensor in shard.items():
                 weight_map[name] = file
                 total += tensor.numel() * tensor.element_size()
+            if progress is not None:
+                progress.advance(len(shard), note=file)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -432,12 +438,14 @@ def export(
     dtype: str = "auto",
     shard_bytes: int = 5 * 2**30,
     tokenizer: Path | None = None,
+    show_progress: bool = False,
 ) -> tuple[Path, list[str]]:
     """Write the checkpoint (a step directory, or the newest under a checkpoint directory) as
     a Hugging Face Llama directory at `out`. The model section is `model`, else the one the
     trainer stored with the checkpoint. The tokenizer files are the init_from directory's, and
-    `tokenizer` (a tokenizer.json, SentencePiece model or tiktoken file) when given. Returns
-    the step directory read and the files."""
+    `tokenizer` (a tokenizer.json, SentencePiece model or tiktoken file) when given.
+    `show_progress` reports the tensors written on stderr (runtime/progress.py). Returns the
+    step directory read and the files."""
     tokenizer_file, tokenizer_vocab = None, 0
     if tokenizer is not None:
         from ctxlaunch.runtime.data.tokenizers import load_tokenizer
@@ -487,14 +495,20 @@ def export(
     base = init_from_config(model)
     config = hf_config(model, dtype=target, max_positions=info.get("seq_len"), base=base)
     tokenizer_dir = Path(model.init_from) if base is not None and model.init_from else None
-    return step, write_hf(
-        out,
-        tensors,
-        config,
-        shard_bytes=shard_bytes,
-        tokenizer_from=tokenizer_dir,
-        tokenizer_file=tokenizer_file,
-    )
+    with (
+        Progress("export: tensors written", total=len(tensors))
+        if show_progress
+        else contextlib.nullcontext()
+    ) as progress:
+        return step, write_hf(
+            out,
+            tensors,
+            config,
+            shard_bytes=shard_bytes,
+            tokenizer_from=tokenizer_dir,
+            tokenizer_file=tokenizer_file,
+            progress=progress,
+        )
 
 
 def _expected_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:

@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"model.init_from {init_from}: no config.json (a Hugging Face "
                 "checkpoint directory holds config.json and model.safetensors)"
             )
+        missing += missing_packages(spec)
         if missing:
             raise SetupError("; ".join(missing))
         import torch
@@ -96,6 +97,24 @@ def main(argv: list[str] | None = None) -> int:
         return exitcodes.BAD_INPUT
 
     return _run(spec, denv, run_dir, rank_tag)
+
+
+def missing_packages(spec: JobSpec) -> list[str]:
+    """What this job needs of the `train` extra beyond torch that is not installed, said with
+    the line that installs it: found before the process group forms, not in a rank's
+    traceback."""
+    import importlib.util
+
+    needed = {
+        "safetensors": spec.model.init_from is not None,
+        "deepspeed": spec.state_engine == "deepspeed",
+        "numpy": spec.training.data.source == "tokens",
+    }
+    return [
+        f"this job needs the {name} package: pip install 'ctxlaunch[train]'"
+        for name, used in needed.items()
+        if used and importlib.util.find_spec(name) is None
+    ]
 
 
 def record_exit(run_dir: Path, rank: int | str, code: int) -> None:
@@ -127,6 +146,7 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
         local_rank=denv.local_rank,
         device=device,
         log=lambda text: print(f"{rank_tag} {text}", file=sys.stderr, flush=True),
+        run_dir=run_dir,
     )
     trainer = None
     try:
@@ -171,7 +191,7 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
             run_dir, events.FAILURE, rank=denv.rank, cause=hang or "training failed"
         )
         code = exitcodes.FAILED
-    telemetry.close()
+    telemetry.close(code)
     record_exit(run_dir, denv.rank, code)
     if code in (exitcodes.OK, exitcodes.PREEMPTED):
         dist.destroy_process_group()

@@ -14,6 +14,7 @@ Inside the CP group the Ulysses index is innermost:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -41,6 +42,9 @@ from ctxlaunch.runtime.trainer.tensor_parallel import (
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import _PipelineSchedule as PipelineSchedule
+
+    from ctxlaunch.runtime.progress import Progress
+    from ctxlaunch.runtime.trainer.hf import SafetensorsCheckpoint
 
 
 @dataclass(frozen=True)
@@ -392,12 +396,35 @@ def _materialise_from_hf(
     device: torch.device,
 ) -> None:
     """Allocate the parts' parameters and read each one's value from the Hugging Face
-    checkpoint: only this rank's TP slice, FSDP chunk and pipeline stages."""
+    checkpoint: only this rank's TP slice, FSDP chunk and pipeline stages. Rank 0 reports the
+    tensors read on stderr (a line each tenth of the way in a log; runtime/progress.py)."""
+    from ctxlaunch.runtime.progress import Progress
     from ctxlaunch.runtime.trainer import hf
 
     assert model.init_from is not None  # settings.init_from is set only with it
     checkpoint = hf.SafetensorsCheckpoint(model.init_from)
     hf.check_shapes(checkpoint, full_shapes, model)
+    tensors = sum(1 for part in parts for _ in part.parameters())
+    with (
+        Progress(f"init_from {model.init_from}: parameters loaded", total=tensors)
+        if ctx.rank == 0
+        else contextlib.nullcontext()
+    ) as progress:
+        _read_from_hf(parts, full_shapes, plan, ctx, checkpoint, device, progress)
+
+
+def _read_from_hf(
+    parts: list[nn.Module],
+    full_shapes: dict[str, torch.Size],
+    plan: dict[str, Sharding | None],
+    ctx: ParallelContext,
+    checkpoint: SafetensorsCheckpoint,
+    device: torch.device,
+    progress: Progress | None,
+) -> None:
+    """`_materialise_from_hf`'s reading, one parameter at a time."""
+    from ctxlaunch.runtime.trainer import hf
+
     try:
         for part in parts:
             part.to_empty(device=device)
@@ -417,6 +444,8 @@ def _materialise_from_hf(
                             checkpoint, name, full_shapes[name], sharding, tp, tp_rank, rows
                         ),
                     )
+                    if progress is not None:
+                        progress.advance(note=name)
     finally:
         checkpoint.close()
 

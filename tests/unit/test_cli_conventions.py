@@ -1,0 +1,245 @@
+"""The command line's conventions: --version, shell completion, --json on every command that
+reports, render's default target, and a Hugging Face hub id in model.init_from answered with
+how to download it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from ctxlaunch import __version__
+from ctxlaunch.cli import app
+from tests.helpers.paths import JOBS
+from tests.helpers.tiny_hf import write_tiny_llama
+
+CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args), catch_exceptions=False)
+
+
+def test_version_prints_the_version_and_exits_0() -> None:
+    result = subprocess.run([CTXLAUNCH, "--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"ctxlaunch {__version__}"
+    # eager: before any command's own parsing, whatever follows it
+    assert run("--version", "validate").stdout.strip() == f"ctxlaunch {__version__}"
+
+
+def test_no_arguments_still_show_the_help() -> None:
+    result = subprocess.run([CTXLAUNCH], capture_output=True, text=True, timeout=60)
+    assert "Usage: ctxlaunch" in result.stdout + result.stderr
+    assert "--install-completion" in result.stdout + result.stderr
+
+
+def test_shell_completion_completes_commands_and_subcommands() -> None:
+    """What the installed completion script asks: the program with _CTXLAUNCH_COMPLETE set."""
+
+    def complete(shell: str, words: str, **env: str) -> str:
+        environment = {**os.environ, "_CTXLAUNCH_COMPLETE": f"complete_{shell}", **env}
+        if shell == "bash":
+            environment |= {"COMP_WORDS": words, "COMP_CWORD": str(len(words.split()) - 1)}
+        else:
+            environment["_TYPER_COMPLETE_ARGS"] = words
+        result = subprocess.run(
+            [CTXLAUNCH], capture_output=True, text=True, env=environment, timeout=60
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    assert complete("bash", "ctxlaunch va").split() == ["validate"]
+    assert set(complete("bash", "ctxlaunch s").split()) >= {"submit", "status", "sweep", "schema"}
+    assert "prepare" in complete("zsh", "ctxlaunch data pr")
+    assert complete("bash", "ctxlaunch examples wa").split() == [
+        "walk/extend-8k",
+        "walk/pretrain-1k",
+    ]
+    script = subprocess.run(
+        [CTXLAUNCH, "--show-completion", "bash"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SHELL": "/bin/bash"},
+        timeout=60,
+    )
+    assert "_CTXLAUNCH_COMPLETE" in script.stdout, script.stdout + script.stderr
+
+
+# -- --json --------------------------------------------------------------------------------------
+def test_validate_json_reports_the_layout_or_every_problem() -> None:
+    result = run("validate", str(JOBS / "llama3-8b-128k-slurm.yaml"), "--json")
+    assert result.exit_code == 0
+    data = json.loads(result.stdout)
+    assert data["ok"] is True and data["name"] == "llama3-8b-128k"
+    assert data["target"] == "slurm" and data["nodes"] == 4 and data["gpus_per_node"] == 8
+    assert data["parallel"]["cp"] == 8 and data["parallel"]["dp"] == 4
+    result = runner.invoke(app, ["validate", str(JOBS / "invalid-ulysses-gqa.yaml"), "--json"])
+    assert result.exit_code == 2
+    data = json.loads(result.stdout)
+    assert data["ok"] is False
+    assert [p["path"] for p in data["problems"]] == ["parallel.cp"]
+    assert "hybrid" in data["problems"][0]["message"]
+
+
+def test_list_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ctxlaunch.launch import jobstore
+
+    monkeypatch.setenv("CTXLAUNCH_HOME", str(tmp_path))
+    assert json.loads(run("list", "--json").stdout) == []
+    record = jobstore.JobRecord(
+        id="local-a-1", name="a", target="local", created=time.time(), backend_id="local-a-1"
+    )
+    record.extra["exit_status"] = 0
+    jobstore.save(record)
+    listed = json.loads(run("list", "--json").stdout)
+    assert [(j["id"], j["name"], j["target"], j["state"]) for j in listed] == [
+        ("local-a-1", "a", "local", "COMPLETED")
+    ]
+
+
+def test_submit_and_sweep_dry_run_json_say_what_would_be_submitted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CTXLAUNCH_HOME", str(tmp_path))
+    result = run("submit", str(JOBS / "llama3-8b-128k-slurm.yaml"), "--dry-run", "--json")
+    data = json.loads(result.stdout)
+    assert data["target"] == "slurm" and data["command"][0] == "sbatch"
+    assert data["artifact"].startswith("#!/bin/bash")
+    result = run("sweep", str(JOBS / "sweeps" / "demo.yaml"), "--dry-run", "--json")
+    points = json.loads(result.stdout)
+    assert len(points) == 4 and {p["target"] for p in points} == {"local"}
+    assert not (tmp_path / "jobs").exists()  # a dry run records nothing
+
+
+def _tiny_local(tmp_path: Path) -> dict:
+    return {
+        "name": "tiny",
+        "model": {"preset": "tiny", "layers": 1, "dtype": "fp32"},
+        "training": {"seq_len": 256, "micro_batch": 1, "global_batch": 1, "steps": 1},
+        "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1},
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_submit_json_runs_a_local_job_and_reports_it(tmp_path: Path) -> None:
+    """A real local job (torchrun, one rank): stdout is the JSON alone, the job's own lines go
+    to stderr, and the exit status is the job's."""
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(yaml.safe_dump(_tiny_local(tmp_path)))
+    env = {**os.environ, "CTXLAUNCH_HOME": str(tmp_path / "home")}
+    result = subprocess.run(
+        [CTXLAUNCH, "submit", str(spec), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=280,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(result.stdout)
+    assert data["target"] == "local" and data["name"] == "tiny" and data["exit_status"] == 0
+    assert data["backend_id"] == data["id"] and data["id"].startswith("local-tiny-")
+    assert "step 1/1" in result.stderr
+    listed = subprocess.run(
+        [CTXLAUNCH, "list", "--json"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert [j["id"] for j in json.loads(listed.stdout)] == [data["id"]]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(420)
+def test_sweep_json_gives_the_job_ids(tmp_path: Path) -> None:
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(yaml.safe_dump(_tiny_local(tmp_path)))
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(
+        yaml.safe_dump(
+            {
+                "sweep": {
+                    "name": "tiny-sweep",
+                    "base": "tiny.yaml",
+                    "axes": {"training.seq_len": [128, 256]},
+                }
+            }
+        )
+    )
+    env = {**os.environ, "CTXLAUNCH_HOME": str(tmp_path / "home")}
+    result = subprocess.run(
+        [CTXLAUNCH, "sweep", str(sweep), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(result.stdout)
+    assert data["name"] == "tiny-sweep" and data["target"] == "local"
+    assert [p["values"] for p in data["points"]] == [
+        {"training.seq_len": 128},
+        {"training.seq_len": 256},
+    ]
+    for point in data["points"]:
+        assert point["job"] and point["backend_id"] == point["job"] and point["exit_status"] == 0
+    report = subprocess.run(
+        [CTXLAUNCH, "report", data["sweep_id"], "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert report.returncode == 0, report.stderr
+
+
+# -- render's target -----------------------------------------------------------------------------
+def test_render_targets_the_specs_cluster_target_by_default() -> None:
+    spec = str(JOBS / "llama3-8b-128k-slurm.yaml")
+    assert run("render", spec).stdout == run("render", spec, "--target", "slurm").stdout
+    spec = str(JOBS / "llama3-70b-1m-k8s.yaml")
+    assert run("render", spec).stdout == run("render", spec, "-t", "kubernetes").stdout
+    result = runner.invoke(app, ["render", str(JOBS / "demo.yaml")])
+    assert result.exit_code == 2
+    assert "cluster.target is 'local'" in result.stderr and "--target" in result.stderr
+
+
+# -- a hub id in init_from -----------------------------------------------------------------------
+def _init_from_spec(tmp_path: Path, init_from: str) -> Path:
+    path = tmp_path / "spec.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {"name": "x", "model": {"init_from": init_from}, "training": {"seq_len": 1024}}
+        )
+    )
+    return path
+
+
+def test_a_hub_id_in_init_from_says_how_to_download_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(
+        app, ["validate", str(_init_from_spec(tmp_path, "meta-llama/Llama-3.2-1B"))]
+    )
+    assert result.exit_code == 2
+    message = " ".join(result.stderr.split())
+    assert (
+        "model.init_from meta-llama/Llama-3.2-1B: a Hugging Face hub id, not a local directory; "
+        "download it with `hf download meta-llama/Llama-3.2-1B --local-dir DIR` and set "
+        "model.init_from: DIR"
+    ) in message
+    # Spelled as a path, it is one: the ordinary message for a directory that is not there.
+    result = runner.invoke(app, ["validate", str(_init_from_spec(tmp_path, "./meta-llama/Llama"))])
+    assert result.exit_code == 2 and "hub id" not in result.stderr
+    assert "no config.json in ./meta-llama/Llama" in " ".join(result.stderr.split())
+    # A local directory of that shape that exists is read as a directory.
+    write_tiny_llama(tmp_path / "org" / "tiny-llama")
+    result = runner.invoke(app, ["validate", str(_init_from_spec(tmp_path, "org/tiny-llama"))])
+    assert result.exit_code == 0, result.stderr
