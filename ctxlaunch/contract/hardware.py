@@ -167,7 +167,7 @@ class LinkInfo:
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 
 # Bandwidths are data-sheet figures; latencies are typical NCCL-tests small-message figures,
-# not data-sheet values (stated in the README). Inter-node figures assume one NIC per GPU, as
+# not data-sheet values (stated in the docs' step-time model page). Inter-node figures assume one NIC per GPU, as
 # in DGX/HGX H100, H200 and B200 systems and AWS p5 instances.
 LINKS: dict[str, LinkInfo] = {
     "nvlink3": LinkInfo("NVLink 3", 300e9, 3e-6, "A100: 600 GB/s bidirectional per GPU"),

@@ -17,6 +17,7 @@ from ctxlaunch.perf.profiles import (
     ATTENTION_MATMUL_FRACTION,
     MEGATRON_ETA_MATMUL,
     FrameworkProfile,
+    fitted_values,
     profile,
 )
 
@@ -30,6 +31,26 @@ ETA_ATTENTION = ATTENTION_MATMUL_FRACTION
 # Assumed, not fitted: NCCL bus bandwidth reaches ~80 % of the data-sheet link bandwidth for
 # large messages (nccl-tests all-reduce / all-gather bus bandwidth on NVLink and NDR).
 ETA_COMM = 0.8
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a machine's step-time constants come from, and so how far to trust its figures."""
+
+    state: str
+    """measured-here: a CPU calibration taken on the machine asking; measured-elsewhere: a CPU
+    calibration taken on another machine (its figures say nothing about this one);
+    not-measured: the CPU table's placeholder rates; profile: a framework profile or a machine
+    profile the spec names, measured where its note says."""
+    note: str
+    """The same in a sentence, for `plan` and `submit`."""
+    calibrate: str = ""
+    """How to calibrate where the figure is not calibrated for this machine ("" where it is)."""
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the step-time figure holds for the machine it will run on."""
+        return self.state in ("measured-here", "profile")
 
 
 @dataclass(frozen=True)
@@ -96,7 +117,12 @@ class Machine:
     attention_ramp_tokens: float = 0.0
     """L0 of the attention length ramp (profiles.ATTENTION_RAMP_TOKENS); 0: none."""
     expected_error: float = 0.0
-    """The profile's held-out relative error (0: not known, e.g. a CPU calibration)."""
+    """The relative error measured for these constants on the machine they were measured on
+    (0: not known, e.g. placeholders or another machine's calibration)."""
+    provenance: Provenance = field(
+        default_factory=lambda: Provenance("profile", "the GPU table and a framework profile")
+    )
+    """Where the constants come from (machine_for sets it)."""
 
     @classmethod
     def from_gpu(
@@ -173,6 +199,9 @@ class Calibration:
     link_latency_seconds: float
     cores: int
     measured_at: str = ""
+    host: dict[str, Any] | None = None
+    """The machine it was measured on (`host_signature()`): the rates hold there only. None:
+    saved before the host was recorded (treated as another machine)."""
     microbatch_overhead_seconds: float = 0.0
     """One rank's fixed cost per micro-batch: the intercept of the real model's step (forward,
     backward, AdamW) at two short lengths, less what the model predicts for that work."""
@@ -410,6 +439,66 @@ def load_profile(path: Path) -> Calibration | GpuCalibration:
         raise ValueError(f"cluster.profile: {path} is not a machine profile ({exc})") from None
 
 
+CPU_MODEL = "ctxlaunch-cpu"
+"""The data file with the CPU calibration's own expected error and cost (perf/fitted/)."""
+
+
+def host_signature() -> dict[str, Any]:
+    """What a CPU calibration's rates depend on: the processor model and the core count (the
+    host name is left out: identical machines calibrate alike)."""
+    import os
+    import platform
+
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": model or platform.processor() or platform.machine(),
+        "cores": os.cpu_count() or 1,
+    }
+
+
+def _describe_host(host: dict[str, Any] | None) -> str:
+    if not host:
+        return "an unrecorded machine"
+    return f"{host.get('cpu') or 'an unknown CPU'} x {host.get('cores', '?')} cores"
+
+
+def calibrate_hint() -> str:
+    """How to calibrate this machine, and about how long it takes."""
+    seconds = fitted_values(CPU_MODEL)["calibration_seconds"]
+    return f"run `ctxlaunch calibrate` (about {seconds / 60:.0f} min on a 2-core machine)"
+
+
+def _cpu_machine(measured: Calibration, per_node: int, source: str) -> Machine:
+    """A CPU calibration's machine, trusted (with its measured error) only on its own host."""
+    machine = measured.machine(gpus_per_node=per_node)
+    here = host_signature()
+    if measured.host == here:
+        return dataclasses.replace(
+            machine,
+            expected_error=float(fitted_values(CPU_MODEL)["expected_error"]),
+            provenance=Provenance(
+                "measured-here", f"calibrated on this machine ({source}, {measured.measured_at})"
+            ),
+        )
+    return dataclasses.replace(
+        machine,
+        expected_error=0.0,
+        provenance=Provenance(
+            "measured-elsewhere",
+            f"the CPU constants ({source}) were measured on {_describe_host(measured.host)}, "
+            f"not on this machine ({_describe_host(here)}): the step time is uncalibrated here",
+            calibrate_hint(),
+        ),
+    )
+
+
 def machine_for(
     spec: JobSpec,
     *,
@@ -428,15 +517,52 @@ def machine_for(
     c = spec.cluster
     per_node = gpus_per_node or c.gpus_per_node
     if c.profile is not None:  # the spec's own machine, ahead of any local calibration
-        return load_profile(Path(c.profile)).machine(gpus_per_node=per_node)
+        named = load_profile(Path(c.profile)).machine(gpus_per_node=per_node)
+        return dataclasses.replace(
+            named,
+            provenance=Provenance(
+                "profile", f"the machine profile {c.profile} (cluster.profile), measured there"
+            ),
+        )
     if c.gpu == "cpu":
-        measured = calibration or (load_calibration() if saved else None)
+        if calibration is not None:
+            return _cpu_machine(calibration, per_node, "the calibration given")
+        measured = load_calibration() if saved else None
         if measured is not None:
-            return measured.machine(gpus_per_node=per_node)
-    return Machine.from_gpu(
+            return _cpu_machine(measured, per_node, str(calibration_path()))
+        placeholders = Machine.from_gpu(
+            c.gpu_info, network=spec.fabric.network, gpus_per_node=per_node, framework=framework
+        )
+        return dataclasses.replace(
+            placeholders,
+            expected_error=0.0,
+            provenance=Provenance(
+                "not-measured",
+                "no CPU calibration: the step time uses the CPU table's placeholder rates",
+                calibrate_hint(),
+            ),
+        )
+    machine = Machine.from_gpu(
         c.gpu_info,
         network=spec.fabric.network,
         gpus_per_node=per_node,
         nvlink_domain=spec.nvlink_domain,
         framework=framework,
+    )
+    return dataclasses.replace(machine, provenance=profile_provenance(framework, c.gpu))
+
+
+def profile_provenance(framework: str, gpu: str) -> Provenance:
+    """Where a framework profile's constants come from, for a job on `gpu`: its fitted data's
+    machine; on another GPU type, scaled from it through the GPU tables."""
+    prof = profile(framework)
+    measured_on = prof.measured_on
+    if not measured_on or gpu in measured_on:
+        where = f"an {measured_on}" if measured_on else "the published runs"
+        return Provenance("profile", f"the {framework} profile, measured on {where}")
+    return Provenance(
+        "profile",
+        f"the {framework} profile, measured on an {measured_on} and scaled to {gpu} through the "
+        f"GPU tables; the error was measured on the {measured_on}",
+        f"`ctxlaunch calibrate SPEC --submit` measures your {gpu} nodes",
     )

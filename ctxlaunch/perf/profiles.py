@@ -92,8 +92,8 @@ GEMM_TILE = (256, 128)
 
 @dataclass(frozen=True)
 class FrameworkProfile:
-    """What one framework's kernels and overlap achieve, constant by constant (README,
-    "The step-time model's constants")."""
+    """What one framework's kernels and overlap achieve, constant by constant (the docs' page on
+    the step-time model explains each)."""
 
     name: FrameworkName
     eta_matmul: dict[str, float]
@@ -120,6 +120,9 @@ class FrameworkProfile:
     (ctxlaunch.perf.published.HELD_OUT_ROWS for megatron; the held-out 64K H200 step for the
     bundled trainer): what `plan` and `advise` state and rank ties within."""
     sources: str
+    measured_on: str = ""
+    """The GPU its constants and expected error were measured on ("" for the published runs'
+    fit, measured on many)."""
 
 
 def gemm_seconds(
@@ -244,6 +247,7 @@ PROFILES: dict[str, FrameworkProfile] = {
         + _fitted_source("megatron-published")
         + "; expected error: the largest of seven trainer layouts on that H200 that the "
         "calibration never ran",
+        measured_on="H200",
     ),
     "megatron": FrameworkProfile(
         name="megatron",

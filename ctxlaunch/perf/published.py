@@ -144,7 +144,7 @@ ROWS: list[PublishedRun] = [
     # Llama 3 405B, Table 4: GPUs, TP, CP, PP, DP, seq, batch size/DP, TFLOPs/GPU. 16M tokens
     # per batch. Meta does not state the attention convention; at 8K it moves the figure by
     # under 5 %, at 131K by 1.4x: "causal" is the reading under which 380 TFLOP/s at 131K is
-    # consistent with 400 at 8K on the same GPUs (see the README's discussion). FSDP sharding
+    # consistent with 400 at 8K on the same GPUs (see the step-time model page of the docs). FSDP sharding
     # optimizer states and gradients, weights kept after forward: ZeRO-2.
     PublishedRun(
         "llama3",

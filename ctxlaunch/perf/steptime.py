@@ -55,7 +55,7 @@ spans (NVLink inside the NVLink domain; the network beyond it, one NIC per GPU) 
 latency per ring step. Every constant is a data-sheet value (ctxlaunch.contract.hardware),
 measured (ctxlaunch.runtime.calibration on the CPU; an H200 calibration for the GPU profiles),
 or one of the fitted constants of a framework profile (ctxlaunch.perf.profiles, whose data
-files say where each comes from); the README lists which.
+files say where each comes from); docs/concepts/step-time-model.md lists which.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from ctxlaunch.perf import commvolume
 from ctxlaunch.perf.activations import block_activation_bytes_per_token
 from ctxlaunch.perf.flops import CONVENTIONS, MfuConvention, count_params, flops_per_token
 from ctxlaunch.perf.layout import Layout
-from ctxlaunch.perf.machine import Machine, machine_for
+from ctxlaunch.perf.machine import Machine, Provenance, machine_for
 from ctxlaunch.perf.modelstates import params_per_rank
 from ctxlaunch.perf.profiles import attention_seconds, gemm_seconds
 
@@ -100,15 +100,19 @@ class StepTime:
     framework: str = "ctxlaunch"
     """Whose kernels and overlap were timed (ctxlaunch.perf.profiles)."""
     expected_error: float = 0.0
-    """The profile's relative error on its own held-out check (0: none known)."""
+    """The constants' relative error measured on their own machine (0: none known here)."""
+    provenance: Provenance = field(default_factory=lambda: Provenance("profile", ""))
+    """Where the machine's constants come from (machine.Provenance)."""
 
     def range_text(self) -> str:
         """The prediction's expected error in words, for `plan` and `advise`."""
+        if not self.provenance.calibrated:
+            return f"uncalibrated here: {self.provenance.note}; {self.provenance.calibrate}"
         if not self.expected_error:
             return f"{self.framework} profile, expected error not measured"
         return (
-            f"+/-{self.expected_error:.0%} expected ({self.framework} profile; README, "
-            '"The step-time model\'s constants", says where the range comes from)'
+            f"+/-{self.expected_error:.0%} expected ({self.provenance.note}; the docs' step-time "
+            "model page says where the range comes from)"
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -123,6 +127,12 @@ class StepTime:
             "detail": self.detail,
             "framework": self.framework,
             "expected_error": self.expected_error,
+            "calibration": {
+                "state": self.provenance.state,
+                "calibrated": self.provenance.calibrated,
+                "note": self.provenance.note,
+                "calibrate": self.provenance.calibrate,
+            },
         }
 
 
@@ -534,6 +544,7 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
         },
         framework=machine.framework,
         expected_error=machine.expected_error,
+        provenance=machine.provenance,
     )
 
 

@@ -139,7 +139,7 @@ def test_layouts_within_the_expected_error_rank_as_ties() -> None:
     exact = run_advice(spec, machine=dataclasses.replace(machine_for(spec), expected_error=0.0))
     assert exact.rank_labels()[:3] == ["1", "2", "3"]
     text = run("advise", str(JOBS / "llama3-8b-128k-slurm.yaml"), "--top", "5").output
-    assert f"+/-{error:.0%} expected (ctxlaunch profile" in text
+    assert f"+/-{error:.0%} expected (the ctxlaunch profile" in text
 
 
 def test_framework_profiles_change_the_prediction_and_a_bad_name_is_refused() -> None:
@@ -154,7 +154,7 @@ def test_framework_profiles_change_the_prediction_and_a_bad_name_is_refused() ->
     assert fused["compute_elementwise"] < eager["compute_elementwise"] / 3
     assert fused["compute_attention"] > eager["compute_attention"]
     assert megatron["step_time"]["step_seconds"] != pytest.approx(bundled["step_seconds"])
-    assert "expected error: +/-9% (ctxlaunch profile" in run("plan", path).output
+    assert "expected error: +/-9% (the ctxlaunch profile" in run("plan", path).output
     result = run("advise", path, "--framework", "deepspeed")
     assert result.exit_code == 2 and "--framework deepspeed: not a known profile" in result.output
 
