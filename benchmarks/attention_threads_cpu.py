@@ -1,6 +1,6 @@
 """The trainer's CPU attention kernel by length, causality and thread count: what the CPU
-self-check's attention constants should be measured on (BENCHMARKS.md section 7a, "Why the
-five points miss").
+self-check's attention constants should be measured on (BENCHMARKS.md, step-time model: CPU
+self-check).
 
     nice -n 19 .venv/bin/python benchmarks/attention_threads_cpu.py [--lengths 2048 3072 6144]
 

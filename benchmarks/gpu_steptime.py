@@ -16,8 +16,8 @@ the trainer's tokens/s, MFU and peak allocated memory against the planner's pred
 results so far are written after the calibration and after every point, and no point starts
 past --budget-seconds, so a device lease that ends early still returns them.
 
-Run on a lent H200 on 4 Dec 2026 (BENCHMARKS.md 7d; benchmarks/results/gpu_steptime-2026-12-04-
-run1.json and -run2.json).
+Results: BENCHMARKS.md, step-time model: GPU calibration and held-out trainer layouts (raw
+output in benchmarks/results/, gpu_steptime-*.json).
 """
 
 from __future__ import annotations

@@ -4,16 +4,16 @@ the attention calls, and the bytes those other launches move.
 
     python benchmarks/ring_counts.py [--root CHECKOUT] [--seq 16384 65536]
 
-The schedule of `benchmarks/gpu_check.py` (the one section 0 timed) runs on ``meta`` tensors,
-which send `ctxlaunch.cp.kernels` down its CUDA code path (only the CPU is special-cased) and
-run torch's own shape functions of every op, flash included. A TorchDispatchMode sees each aten
-op: views and bare allocations launch nothing; every other op is one launch, whose bytes are
-its tensor inputs read plus its outputs written (an in-place op reads and writes its target;
-``copy_`` reads the source and writes the target; fills only write). Ops inside
-`merge.merge_block` are counted apart, and for the compiled merge CUDA runs (this checkout's
-default) Inductor's own count of kernels and bytes for the same call is measured by compiling
-it on the CPU. ``--root`` runs another checkout's schedule (e.g. main, before this change);
-there the timed region included the sharding, so it is counted too.
+The schedule of `benchmarks/gpu_check.py` (BENCHMARKS.md, GPU runs on the H200) runs on ``meta``
+tensors, which send `ctxlaunch.cp.kernels` down its CUDA code path (only the CPU is
+special-cased) and run torch's own shape functions of every op, flash included. A
+TorchDispatchMode sees each aten op: views and bare allocations launch nothing; every other op
+is one launch, whose bytes are its tensor inputs read plus its outputs written (an in-place op
+reads and writes its target; ``copy_`` reads the source and writes the target; fills only
+write). Ops inside `merge.merge_block` are counted apart, and for the compiled merge CUDA runs
+(this checkout's default) Inductor's own count of kernels and bytes for the same call is
+measured by compiling it on the CPU. ``--root`` runs another checkout's schedule (e.g. main,
+before this change); there the timed region included the sharding, so it is counted too.
 """
 
 from __future__ import annotations

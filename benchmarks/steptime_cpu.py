@@ -145,7 +145,7 @@ def main() -> None:
         default=ATTENTION_SEQ,
         help="calibrate the attention rate and causal tile on a block this "
         f"long (default {ATTENTION_SEQ:,}, as `ctxlaunch calibrate`: a "
-        "length no sweep point runs; BENCHMARKS.md 7a, runs 5 and 8)",
+        "length no sweep point runs; BENCHMARKS.md, step-time model: CPU self-check)",
     )
     parser.add_argument(
         "--attention-ramp",
@@ -154,7 +154,7 @@ def main() -> None:
         default=None,
         metavar=("SHORT", "LONG"),
         help="fit the attention rate and a length ramp on two blocks (e.g. "
-        "1536 6144, lengths no sweep call runs; BENCHMARKS.md 7a, run 6)",
+        "1536 6144, lengths no sweep call runs)",
     )
     args = parser.parse_args()
 

@@ -1,7 +1,6 @@
 """What one blocking exchange costs between compute steps of different lengths, when 2 or 4
 one-thread processes share this machine's cores: the measurement the CPU self-check's
-multi-rank misses call for (BENCHMARKS.md section 7a, "Why the five points miss", point 2,
-and run 7).
+multi-rank misses call for (BENCHMARKS.md, step-time model: CPU self-check).
 
     .venv/bin/python benchmarks/sync_cpu.py [--ranks 2 4] [--sizes 192 384 768 1024 1536 2048]
 

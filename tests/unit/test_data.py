@@ -28,10 +28,9 @@ from ctxlaunch.runtime.data.packing import BlendSchedule, PackedTokens, held_out
 from ctxlaunch.runtime.data.prepare import PrepareError, prepare
 from ctxlaunch.runtime.data.tokenizers import TokenizerError, load_tokenizer
 from tests.helpers.dist import run_distributed
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import TEXT_CORPUS
 
-README = ROOT / "README.md"
-TEXT = README.read_text(encoding="utf-8")
+TEXT = TEXT_CORPUS.read_text(encoding="utf-8")
 
 
 def shipped(package: str, member: str) -> Path:

@@ -24,10 +24,10 @@ from ctxlaunch.runtime.trainer.eval_data import (
     passkey_probe,
 )
 from tests.helpers.dist import run_distributed
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import TEXT_CORPUS
 
 CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
-TEXT = ROOT / "README.md"
+TEXT = TEXT_CORPUS
 
 
 def encode(text: str) -> list[int]:

@@ -93,9 +93,10 @@ def test_backend_base_imports_no_backend() -> None:
 
 
 def test_the_cli_builds_no_spec_models_until_a_command_reads_a_spec() -> None:
-    """Building the spec's pydantic models is the largest part of the CLI's start-up (BENCHMARKS
-    section 5b): importing the CLI (all `--help`) does not pay for it; a command that reads a
-    spec does, in the loader (and the backends, which import the spec, still do)."""
+    """Building the spec's pydantic models is the largest part of the CLI's start-up
+    (BENCHMARKS.md, submit latency: Kubernetes submit): importing the CLI (all `--help`) does not
+    pay for it; a command that reads a spec does, in the loader (and the backends, which import
+    the spec, still do)."""
     code = (
         "import sys\nimport ctxlaunch.cli\n"
         "print(','.join(m for m in ('pydantic', 'ctxlaunch.contract.spec') if m in sys.modules))"

@@ -115,16 +115,21 @@ def test_llama3_405b_fits_the_bundled_trainer_without_checkpointing(row: Publish
 
 
 HELD_OUT_MISSES = {"llama3-128k-tp8pp16cp16dp8"}
-"""Held-out rows the model misses (BENCHMARKS.md section 7c: Llama 3 at 131K, 26 % slow with
-its all-gather CP timed as such, 27 % as a ring). They
-stay in the check, strictly expected to fail, so a change that brings them within tolerance
-must say so here; they are never fitted on."""
+"""Held-out rows the model misses (BENCHMARKS.md, step-time model: held-out published runs:
+Llama 3 at 131K, 26 % slow with its all-gather CP timed as Meta ran it). They stay in the
+check, strictly expected to fail, so a change that brings them within tolerance must say so
+here; they are never fitted on."""
 
 
 @pytest.mark.parametrize(
     "row",
     [
-        pytest.param(r, marks=pytest.mark.xfail(strict=True, reason="held-out miss, BENCHMARKS 7c"))
+        pytest.param(
+            r,
+            marks=pytest.mark.xfail(
+                strict=True, reason="held-out miss, BENCHMARKS.md: held-out published runs"
+            ),
+        )
         if r.name in HELD_OUT_MISSES
         else r
         for r in ROWS
@@ -217,8 +222,8 @@ AUTHORS_FIRST = {
 
 def _authors_rows() -> list:
     # NeMo's PP 2 row at 8K was a strict xfail while advise planned every layout with the
-    # bundled trainer's pipeline buffers (issue 18, BENCHMARKS.md 9c), which NeMo does not
-    # hold; on a Megatron-profile machine advise now plans Megatron's memory habits
+    # bundled trainer's pipeline buffers (BENCHMARKS.md, the step's peak on the CPU), which
+    # NeMo does not hold; on a Megatron-profile machine advise now plans Megatron's memory habits
     # (planning.advise, Layout.framework), so it is checked like the others.
     return [r for r in ROWS if r.table.startswith("nemo")]
 

@@ -199,9 +199,10 @@ GPU_RUN = ROOT / "benchmarks" / "results" / "gpu_steptime-2026-12-04-run2.json"
 
 def test_the_bundled_profile_is_its_h200_calibration_and_predicts_the_held_out_layouts() -> None:
     """The bundled profile's constants are the H200 calibration of benchmarks/gpu_steptime.py's
-    run 2 (BENCHMARKS.md 7d), and with them `predict` times the seven trainer layouts that
-    calibration never ran within the profile's stated error of what the trainer measured
-    there (the median of its timed steps)."""
+    second run (BENCHMARKS.md, step-time model: GPU calibration and held-out trainer layouts),
+    and with them `predict` times the seven trainer layouts that calibration never ran within
+    the profile's stated error of what the trainer measured there (the median of its timed
+    steps)."""
     run = json.loads(GPU_RUN.read_text())
     calibration = GpuCalibration(**run["calibration"])
     bundled = profiles.profile("ctxlaunch")
