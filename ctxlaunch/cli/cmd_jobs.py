@@ -150,13 +150,6 @@ def submit(
             f"{job.name} is predicted not to fit: {report.verdict()}. Change the spec (see "
             f"`ctxlaunch plan {spec}`), or pass --force to submit anyway."
         )
-    if report.step_time is not None:
-        # What the job should take, and whether that figure holds here, before it runs.
-        err.print(
-            f"ctxlaunch: predicted step {report.step_time['step_seconds']:.3g} s; "
-            + step_time_provenance(report.step_time),
-            markup=False,
-        )
     options = (
         KubernetesOptions(context=context, server_dry_run=server_dry_run)
         if context or server_dry_run
@@ -172,6 +165,7 @@ def submit(
         )  # the job's ranks are this machine's processes, running the trainer
     dryrun = backend.dryrun(job)
     if dry_run:
+        _say_prediction(report.step_time)
         if as_json:
             out.print_json(json.dumps(dryrun_dict(dryrun)))
         else:
@@ -180,12 +174,28 @@ def submit(
     if as_json:
         if server_dry_run:
             fail("--json: --dry-run=server submits nothing to report; leave out --json")
-        _submit_json(backend, dryrun)
+        _submit_json(backend, dryrun, report.step_time)
+    # Before a job that runs here; after a remote submission, so that a refusal stays one line.
+    if backend.runs_here:
+        _say_prediction(report.step_time)
     try:
         code = backend.schedule(dryrun)
     except RuntimeError as exc:  # the scheduler refused the job: nothing was submitted
         fail(str(exc))
+    if not backend.runs_here and code == 0:
+        _say_prediction(report.step_time)
     raise typer.Exit(code)
+
+
+def _say_prediction(step_time: dict[str, Any] | None) -> None:
+    """The job's predicted step on stderr, with where its constants come from: whether the
+    figure holds here, and how to calibrate where it does not."""
+    if step_time is not None:
+        err.print(
+            f"ctxlaunch: predicted step {step_time['step_seconds']:.3g} s; "
+            + step_time_provenance(step_time),
+            markup=False,
+        )
 
 
 def dryrun_dict(dryrun: DryRun) -> dict[str, Any]:
@@ -202,16 +212,22 @@ def dryrun_dict(dryrun: DryRun) -> dict[str, Any]:
     }
 
 
-def _submit_json(backend: Backend, dryrun: DryRun) -> NoReturn:
+def _submit_json(
+    backend: Backend, dryrun: DryRun, step_time: dict[str, Any] | None = None
+) -> NoReturn:
     """`submit --json`: submit (a local job: run it, its output on stderr), print the record
     as JSON and exit with the status `submit` exits with."""
     import contextlib
 
+    if backend.runs_here:
+        _say_prediction(step_time)
     with contextlib.redirect_stdout(sys.stderr):  # a local job streams rank 0's lines
         try:
             record = backend.submit(dryrun)
         except RuntimeError as exc:  # the scheduler refused the job: nothing was submitted
             fail(str(exc))
+    if not backend.runs_here:
+        _say_prediction(step_time)
     report: dict[str, Any] = {
         "id": record.id,
         "backend_id": record.backend_id,

@@ -64,6 +64,10 @@ def offline_env(tmp_path: Path) -> dict[str, str]:
         env.pop(name, None)
     dead = f"http://127.0.0.1:{free_port()}"
     env.update(
+        # One rank without torchrun rendezvouses on MASTER_PORT: a port of its own, never the
+        # default that another test's job may hold.
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
         WANDB_MODE="offline",
         WANDB_SILENT="true",
         HTTP_PROXY=dead,

@@ -174,6 +174,8 @@ class Backend(ABC):
     """One scheduler (or the local machine), for the whole life of a job."""
 
     name: ClassVar[str]
+    runs_here: ClassVar[bool] = False
+    """Whether `schedule` runs the job in the foreground until it ends (this machine)."""
     shares_filesystem: ClassVar[bool] = True
     """Whether a job's files are the submitter's (the local machine's, a cluster's shared
     filesystem), so a job can write its result where the submitter reads it; else the result

@@ -39,6 +39,7 @@ class LocalBackend(Backend):
     """This machine: torchrun in the foreground of `ctxlaunch submit`."""
 
     name = "local"
+    runs_here = True
 
     def __init__(self, python: str | None = None):
         self.python = python or sys.executable
