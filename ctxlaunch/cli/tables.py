@@ -132,7 +132,9 @@ def status_line(record: JobRecord, status: Status) -> str:
         parts.append(f"exit {status.exit_code}")
     parts.append(f"restarts {status.restarts}")
     line = " ".join(parts) + f"  [{record.name}, {record.target}, {record.id}]"
-    return line + (f"\n  {status.story}" if status.story else "")
+    line += f"\n  {status.story}" if status.story else ""
+    # training.heal: each re-plan, oldest first.
+    return line + "".join(f"\n  healed: {text}" for text in status.healing)
 
 
 def jobs_table(rows: list[tuple[JobRecord, str]]) -> Table:
