@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import Any
 
 HEAL_LOG = "heal.jsonl"
+HEALING_KEY = "ctxlaunch_healing"
+"""The key of a pod's termination message that holds its job's re-plans in words (the pod
+entry writes it, the Kubernetes backend's status reads it)."""
 LAYOUT = "layout"
 OOM = "oom"
 
@@ -278,3 +281,39 @@ def restarts_for_oom(checkpoint_dir: str | Path | None, max_replans: int) -> boo
     remain. The launchers (the local one, the pod entry, the Slurm batch script) ask this."""
     history = read_heal_log(checkpoint_dir)
     return bool(history.pending_ooms) and history.replans < max_replans
+
+
+def _side(entry: LayoutEntry | None) -> dict[str, Any]:
+    if entry is None:
+        return {}
+    return {
+        "layout": entry.layout,
+        "nodes": entry.nodes,
+        "gpus_per_node": entry.gpus_per_node,
+        "changes": entry.changes,
+    }
+
+
+def replan_stories(history: HealHistory) -> list[str]:
+    """Each re-plan in the heal log in words, oldest first (as `describe_replan` tells a
+    `replanned` event): where a launcher keeps no events across restarts (a replaced pod), the
+    heal log beside the checkpoints still has the whole story."""
+    stories = []
+    for index, entry in enumerate(history.layouts):
+        if entry.why not in REPLAN_CAUSES:
+            continue
+        ooms = [oom for count, oom in history.ooms if count == index]
+        figures = {"phase": ooms[0].phase, "source": ooms[0].source} if ooms else {}
+        stories.append(
+            describe_replan(
+                {
+                    "why": entry.why,
+                    "from": _side(history.layouts[index - 1] if index else None),
+                    "to": _side(entry),
+                    "step": entry.step,
+                    "fault_step": next((o.step for o in ooms if o.step is not None), None),
+                    "figures": figures,
+                }
+            )
+        )
+    return stories
