@@ -262,12 +262,13 @@ def describe_replan(fields: dict[str, Any]) -> str:
         if figures.get("source") == "cgroup":
             cause = "OOM (killed at the memory limit)"
     elif why == "allocation":
-        got, asked = after.get("nodes"), before.get("nodes")
-        cause = (
-            f"allocation of {got} node{'s' if got != 1 else ''} instead of {asked}"
-            if got and asked
-            else "changed allocation"
-        )
+        got, had = after.get("nodes"), before.get("nodes")
+        if got and had and got > had:
+            cause = f"allocation grown back to {got} nodes from {had}"
+        elif got and had:
+            cause = f"allocation of {got} node{'s' if got != 1 else ''} instead of {had}"
+        else:
+            cause = "changed allocation"
     else:
         cause = str(why)
     fault = fields.get("fault_step")
