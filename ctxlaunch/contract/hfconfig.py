@@ -55,7 +55,7 @@ def hub_id_error(init_from: str) -> str | None:
     meta-llama/Llama-3.2-1B) and no local path of that name exists: ctxlaunch reads local files
     only, so the answer is the command that downloads them. A relative directory that is not
     here yet is written ./ORG/NAME, which is never taken for a hub id."""
-    if not _HUB_ID.match(init_from) or ".." in init_from or Path(init_from).exists():
+    if not _HUB_ID.fullmatch(init_from) or ".." in init_from or Path(init_from).exists():
         return None
     return (
         f"model.init_from {init_from}: a Hugging Face hub id, not a local directory; download "

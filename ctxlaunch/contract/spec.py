@@ -39,6 +39,7 @@ from ctxlaunch.contract.spec_base import (
     PositiveInt,
     _Strict,
     problem_message,
+    text_problems,
 )
 from ctxlaunch.contract.spec_cluster import (
     PROFILE_FORMAT,
@@ -151,10 +152,20 @@ class JobSpec(_Strict):
     fabric: FabricSpec = FabricSpec()
     telemetry: TelemetrySpec = TelemetrySpec()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_text(cls, data: Any) -> Any:
+        """Every string in the spec is one bounded line of text, checked before any field
+        reads it (a path with a NUL byte never reaches the file system)."""
+        problems = text_problems(data)
+        if problems:
+            raise ValidationError.from_exception_data("JobSpec", problems)
+        return data
+
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if len(value) > MAX_JOB_NAME or not RFC1123_LABEL.match(value):
+        if len(value) > MAX_JOB_NAME or not RFC1123_LABEL.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a valid job name: lowercase letters, digits and '-', "
                 f"starting and ending with a letter or digit, at most {MAX_JOB_NAME} "

@@ -56,7 +56,7 @@ class SlurmSpec(_Strict):
     @field_validator("partition", "account", "qos")
     @classmethod
     def _slurm_name(cls, value: str | None) -> str | None:
-        if value is not None and not SLURM_NAME.match(value):
+        if value is not None and not SLURM_NAME.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a Slurm name: use letters, digits, '_', '.', '-' only"
             )
@@ -65,7 +65,7 @@ class SlurmSpec(_Strict):
     @field_validator("time_limit")
     @classmethod
     def _slurm_time(cls, value: str) -> str:
-        if not SLURM_TIME.match(value):
+        if not SLURM_TIME.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a Slurm time: use MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
                 "D-HH:MM:SS"
@@ -75,14 +75,14 @@ class SlurmSpec(_Strict):
     @field_validator("mem")
     @classmethod
     def _slurm_mem(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(r"^\d+[KMGT]?$", value):
+        if value is not None and not re.fullmatch(r"^\d+[KMGT]?$", value):
             raise ValueError(f"{value!r} is not a Slurm memory size: e.g. 0, 512G, 480000M")
         return value
 
     @field_validator("log_dir")
     @classmethod
     def _log_dir(cls, value: str) -> str:
-        if not re.match(r"^[A-Za-z0-9_./\-]+$", value):
+        if not re.fullmatch(r"^[A-Za-z0-9_./\-]+$", value):
             raise ValueError(f"{value!r}: use letters, digits, '_', '.', '-', '/' only")
         return value
 
@@ -144,7 +144,7 @@ class KubernetesSpec(_Strict):
     @field_validator("namespace")
     @classmethod
     def _namespace(cls, value: str) -> str:
-        if len(value) > 63 or not RFC1123_LABEL.match(value):
+        if len(value) > 63 or not RFC1123_LABEL.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a valid namespace: an RFC 1123 label (lowercase letters, "
                 "digits and '-', starting and ending with a letter or digit, at most 63)"
@@ -154,7 +154,7 @@ class KubernetesSpec(_Strict):
     @field_validator("queue", "scheduler_queue")
     @classmethod
     def _queue(cls, value: str | None) -> str | None:
-        if value is not None and (len(value) > 63 or not RFC1123_LABEL.match(value)):
+        if value is not None and (len(value) > 63 or not RFC1123_LABEL.fullmatch(value)):
             raise ValueError(
                 f"{value!r} is not a valid queue name: an RFC 1123 label (lowercase letters, "
                 "digits and '-', at most 63)"
@@ -172,7 +172,7 @@ class KubernetesSpec(_Strict):
     @field_validator("service_account", "priority_class")
     @classmethod
     def _subdomain(cls, value: str | None) -> str | None:
-        if value is not None and (len(value) > 253 or not RFC1123_SUBDOMAIN.match(value)):
+        if value is not None and (len(value) > 253 or not RFC1123_SUBDOMAIN.fullmatch(value)):
             raise ValueError(
                 f"{value!r} is not a valid name: an RFC 1123 subdomain (lowercase letters, "
                 "digits, '-' and '.')"
@@ -183,28 +183,28 @@ class KubernetesSpec(_Strict):
     @classmethod
     def _secrets(cls, value: list[str]) -> list[str]:
         for name in value:
-            if len(name) > 253 or not RFC1123_SUBDOMAIN.match(name):
+            if len(name) > 253 or not RFC1123_SUBDOMAIN.fullmatch(name):
                 raise ValueError(f"{name!r} is not a valid Secret name (RFC 1123 subdomain)")
         return value
 
     @field_validator("image")
     @classmethod
     def _image(cls, value: str | None) -> str | None:
-        if value is not None and not IMAGE_REF.match(value):
+        if value is not None and not IMAGE_REF.fullmatch(value):
             raise ValueError(f"{value!r} is not an image reference")
         return value
 
     @field_validator("shm_size", "cpu", "memory")
     @classmethod
     def _quantity(cls, value: str | None) -> str | None:
-        if value is not None and not K8S_QUANTITY.match(value):
+        if value is not None and not K8S_QUANTITY.fullmatch(value):
             raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 64Gi, 96, 1500Mi)")
         return value
 
     @field_validator("rdma_resource")
     @classmethod
     def _resource(cls, value: str | None) -> str | None:
-        if value is not None and not LABEL_KEY.match(value):
+        if value is not None and not LABEL_KEY.fullmatch(value):
             raise ValueError(f"{value!r} is not a resource name (e.g. rdma/ib)")
         return value
 
@@ -212,7 +212,7 @@ class KubernetesSpec(_Strict):
     @classmethod
     def _labels(cls, value: dict[str, str]) -> dict[str, str]:
         for key, label in value.items():
-            if not LABEL_KEY.match(key) or not LABEL_VALUE.match(label) or len(label) > 63:
+            if not LABEL_KEY.fullmatch(key) or not LABEL_VALUE.fullmatch(label) or len(label) > 63:
                 raise ValueError(f"{key!r}: {label!r} is not a valid label selector pair")
         return value
 
@@ -341,7 +341,7 @@ class FabricSpec(_Strict):
     @classmethod
     def _hcas(cls, value: list[str]) -> list[str]:
         for hca in value:
-            if not re.match(r"^[A-Za-z0-9_]+(:\d+)?$", hca):
+            if not re.fullmatch(r"^[A-Za-z0-9_]+(:\d+)?$", hca):
                 raise ValueError(f"{hca!r} is not an HCA name (e.g. mlx5_0 or mlx5_0:1)")
         return value
 
@@ -360,7 +360,7 @@ class FabricSpec(_Strict):
     @classmethod
     def _env(cls, value: dict[str, str]) -> dict[str, str]:
         for name, setting in value.items():
-            if not ENV_NAME.match(name):
+            if not ENV_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not an environment variable name")
             if "\x00" in setting:
                 raise ValueError(f"{name}: the value contains a NUL byte")
@@ -422,7 +422,7 @@ class MlflowTrackerSpec(_Strict):
     def _tracking_uri(cls, value: str | None) -> str | None:
         if value is None or value == "databricks":
             return value
-        if not re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*:\S+$", value):
+        if not re.fullmatch(r"^[A-Za-z][A-Za-z0-9+.\-]*:\S+$", value):
             raise ValueError(
                 f"{value!r} is not a tracking URI: use http(s)://host:port, databricks, "
                 "sqlite:///path, postgresql://..., or file:<path> for a local directory"
@@ -462,7 +462,7 @@ class WandbTrackerSpec(_Strict):
     @field_validator("project", "entity")
     @classmethod
     def _wandb_name(cls, value: str | None) -> str | None:
-        if value is not None and not WANDB_NAME.match(value):
+        if value is not None and not WANDB_NAME.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a W&B name: 1 to 128 characters, none of / \\ # ? % : "
                 "or whitespace"
@@ -518,7 +518,7 @@ class TelemetrySpec(_Strict):
     @field_validator("pushgateway_url")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(
+        if value is not None and not re.fullmatch(
             r"^https?://[A-Za-z0-9._\-\[\]:]+(/[\w./\-]*)?$", value
         ):
             raise ValueError(f"{value!r} is not an http(s) URL")

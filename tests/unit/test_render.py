@@ -203,12 +203,13 @@ HOSTILE = [
     "`touch /tmp/ctxlaunch-pwned`",
     "'; rm -rf / #",
     '"; touch /tmp/ctxlaunch-pwned; "',
-    "line one\nline two\n#SBATCH --partition=evil",
     "${HOME}",
     "back\\slash and 'single' and \"double\"",
     "=starts-with-equals",
-    "key: value\n- list: item",
+    "ends with a backslash\\",
 ]
+MULTI_LINE = ["line one\nline two\n#SBATCH --partition=evil", "key: value\n- list: item"]
+"""Refused: a line break has no place in a value that reaches a script or a manifest."""
 
 
 def hostile_spec(value: str, target: str):
@@ -267,8 +268,20 @@ def test_hostile_values_are_inert_in_yaml(value: str) -> None:
     assert len(docs) == 2
 
 
+@pytest.mark.parametrize("value", MULTI_LINE)
+def test_multi_line_values_are_refused_at_each_field(value: str) -> None:
+    with pytest.raises(SpecError) as info:
+        hostile_spec(value, "slurm")
+    assert {p.path for p in info.value.problems} == {
+        "fabric.env.HOSTILE",
+        "fabric.nccl.NCCL_ALGO",
+        "fabric.topo_file",
+        "training.checkpoint.dir",
+    }
+
+
 @pytest.mark.parametrize(
-    "name", ["$(reboot)", "a'b", "evil\nname", "UPPER", "a b", "-lead", "x" * 49]
+    "name", ["$(reboot)", "a'b", "evil\nname", "demo\n", "UPPER", "a b", "-lead", "x" * 49]
 )
 def test_hostile_job_names_are_rejected(name: str) -> None:
     data = read_spec_data(JOBS / "demo.yaml")
