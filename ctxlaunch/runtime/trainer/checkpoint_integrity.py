@@ -15,14 +15,26 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from ctxlaunch.runtime.trainer.safe_unpickle import (
+    CheckpointDamaged,
+    CheckpointRefused,
+    load_failure,
+    read_metadata_file,
+)
+
+__all__ = [
+    "CheckpointDamaged",
+    "CheckpointRefused",
+    "check_dcp_files",
+    "digest_share",
+    "load_failure",
+    "verify_share",
+]
+
 MARKER_FILES_KEY = "files"
 """The COMMITTED marker's record of the step's files: {relative path: [bytes, sha256 hex]}."""
 
 CHUNK_BYTES = 8 << 20
-
-
-class CheckpointDamaged(ValueError):
-    """A checkpoint cannot be read as written: a file is missing, cut short or changed."""
 
 
 def step_files(step: Path, marker: str) -> list[str]:
@@ -76,8 +88,6 @@ def verify_share(
 def check_dcp_files(step: Path) -> Any:
     """The step's torch.distributed.checkpoint metadata, read through the allow-list, after
     checking that every file it places data in exists and holds the bytes it names."""
-    from ctxlaunch.runtime.trainer.safe_unpickle import read_metadata_file
-
     metadata_path = step / ".metadata"
     try:
         metadata = read_metadata_file(metadata_path)
@@ -104,30 +114,3 @@ def check_dcp_files(step: Path) -> Any:
                 f"up to byte {end:,}"
             )
     return metadata
-
-
-def load_failure(exc: BaseException, step: Path) -> CheckpointDamaged:
-    """A one-sentence CheckpointDamaged for a failure inside torch.distributed.checkpoint's or
-    DeepSpeed's reading of `step` (their own errors name no file, or bury it in a traceback)."""
-    cause = _innermost(exc)
-    text = str(cause).strip().splitlines()
-    detail = text[-1] if text else type(cause).__name__
-    if isinstance(cause, EOFError):
-        detail = "a file ends early (EOFError)"
-    if "size mismatch" in detail or "mismatch sizes" in detail or "shape" in detail:
-        return CheckpointDamaged(
-            f"{step} does not hold this model's weights ({detail}): it was saved by a "
-            "different model or layout"
-        )
-    return CheckpointDamaged(f"{step} cannot be read: {type(cause).__name__}: {detail}")
-
-
-def _innermost(exc: BaseException) -> BaseException:
-    """The first rank's own exception inside torch's CheckpointException (else `exc`)."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        wrapped = next(iter(failures.values()))
-        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-        if isinstance(inner, BaseException):
-            return inner
-    return exc

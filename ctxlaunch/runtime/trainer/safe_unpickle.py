@@ -42,6 +42,10 @@ class CheckpointRefused(ValueError):
     """A checkpoint file asks for a callable outside the allow-list: it is not loaded."""
 
 
+class CheckpointDamaged(ValueError):
+    """A checkpoint cannot be read as written: a file is missing, cut short or changed."""
+
+
 METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     {
         ("torch.distributed.checkpoint.metadata", "Metadata"),
@@ -171,8 +175,6 @@ def weights_only_load(source: Any, where: str | Path | None = None, **kwargs: An
     except pickle.UnpicklingError as exc:
         found = _UNSUPPORTED.search(str(exc))
         if found is None:  # not a refusal: the bytes are not a pickle torch can read
-            from ctxlaunch.runtime.trainer.checkpoint_integrity import CheckpointDamaged
-
             lines = str(exc).strip().splitlines()
             raise CheckpointDamaged(
                 f"{where or source}: not a readable torch file ({lines[0] if lines else exc!r})"
@@ -180,8 +182,6 @@ def weights_only_load(source: Any, where: str | Path | None = None, **kwargs: An
         wanted = next(group for group in found.groups() if group)
         raise _refusal(where or source, wanted.rstrip(".,:")) from None
     except (RuntimeError, EOFError) as exc:  # a zip archive cut short or overwritten
-        from ctxlaunch.runtime.trainer.checkpoint_integrity import CheckpointDamaged
-
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointDamaged(
             f"{where or source}: cannot be read, the file is damaged ({first.split('. ')[0]})"
@@ -226,10 +226,8 @@ def deepspeed_reads_weights_only(step: Path) -> Iterator[None]:
     """While inside, the DeepSpeed modules that read checkpoint files load them with
     `weights_only_load` (their module-level `torch` is swapped for one whose `load` is it),
     and a failure to read the checkpoint at `step` is one sentence naming it
-    (checkpoint_integrity.CheckpointDamaged) instead of DeepSpeed's own error."""
+    (CheckpointDamaged) instead of DeepSpeed's own error."""
     import importlib
-
-    from ctxlaunch.runtime.trainer.checkpoint_integrity import CheckpointDamaged, load_failure
 
     modules = [importlib.import_module(name) for name in DEEPSPEED_READERS]
     # A module's own globals: `module.torch` is torch, imported at its top.
@@ -245,3 +243,30 @@ def deepspeed_reads_weights_only(step: Path) -> Iterator[None]:
     finally:
         for module, original in zip(modules, saved, strict=True):
             vars(module)["torch"] = original
+
+
+def load_failure(exc: BaseException, step: Path) -> CheckpointDamaged:
+    """A one-sentence CheckpointDamaged for a failure inside torch.distributed.checkpoint's or
+    DeepSpeed's reading of `step` (their own errors name no file, or bury it in a traceback)."""
+    cause = _innermost(exc)
+    text = str(cause).strip().splitlines()
+    detail = text[-1] if text else type(cause).__name__
+    if isinstance(cause, EOFError):
+        detail = "a file ends early (EOFError)"
+    if "size mismatch" in detail or "mismatch sizes" in detail or "shape" in detail:
+        return CheckpointDamaged(
+            f"{step} does not hold this model's weights ({detail}): it was saved by a "
+            "different model or layout"
+        )
+    return CheckpointDamaged(f"{step} cannot be read: {type(cause).__name__}: {detail}")
+
+
+def _innermost(exc: BaseException) -> BaseException:
+    """The first rank's own exception inside torch's CheckpointException (else `exc`)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        wrapped = next(iter(failures.values()))
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        if isinstance(inner, BaseException):
+            return inner
+    return exc
