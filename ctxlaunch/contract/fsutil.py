@@ -7,9 +7,18 @@ import tempfile
 from pathlib import Path
 
 
+def umasked(mode: int) -> int:
+    """`mode` as the process's umask leaves it (what open() would give a new file): 0o644
+    is 0o600 under umask 077. A rendered file may carry a job's environment."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mode & ~mask
+
+
 def atomic_write_text(path: str | Path, text: str, mode: int = 0o644) -> Path:
     """Write `text` to `path` through a temporary file in the same directory and a rename, so
-    a reader (or a crash) never sees a partial file. Creates missing parent directories."""
+    a reader (or a crash) never sees a partial file. Creates missing parent directories. The
+    file gets `mode` less the umask."""
     return atomic_write_bytes(path, text.encode("utf-8"), mode)
 
 
@@ -23,7 +32,7 @@ def atomic_write_bytes(path: str | Path, data: bytes, mode: int = 0o644) -> Path
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(tmp, mode)
+        os.chmod(tmp, umasked(mode))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -71,6 +71,7 @@ from ctxlaunch.contract.spec_rules import (
     tensor_parallel_problems,
 )
 from ctxlaunch.contract.spec_schema import job_schema
+from ctxlaunch.contract.spec_secrets import env_reference_problems
 from ctxlaunch.contract.spec_training import (
     CheckpointSpec,
     DataSpec,
@@ -177,6 +178,7 @@ class JobSpec(_Strict):
     def _check_layout(self) -> JobSpec:
         problems = layout_problems(self)
         problems += spec_rules.profile_problems(self.cluster, self.fabric)
+        problems += env_reference_problems(self.cluster.target, self.fabric.env)
         if problems:
             raise ValidationError.from_exception_data("JobSpec", problems)
         return self

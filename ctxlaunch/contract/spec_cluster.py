@@ -24,6 +24,7 @@ from ctxlaunch.contract.spec_base import (
     _problem,
     _Strict,
 )
+from ctxlaunch.contract.spec_secrets import EnvValue
 
 PROFILE_FORMAT = "ctxlaunch-machine-profile/1"
 """The `format` of a machine profile file (ctxlaunch.perf.machine.save_profile)."""
@@ -334,8 +335,11 @@ class FabricSpec(_Strict):
     """NCCL_TOPO_FILE: a topology XML (cloud VMs)."""
     nccl: dict[str, str] = {}
     """Per-job NCCL/torch variables, overriding the fabric defaults key by key."""
-    env: dict[str, str] = {}
-    """Any other environment for the trainer (overrides everything else)."""
+    env: dict[str, EnvValue] = {}
+    """Any other environment for the trainer (overrides everything else). A value is text,
+    or a reference that keeps a secret out of every rendered file: {secret: {name, key}} (a
+    Kubernetes Secret's key), {from_env: NAME} (a variable where sbatch or ctxlaunch runs) or
+    {from_file: PATH} (a file's text, read where the job starts)."""
 
     @field_validator("hcas")
     @classmethod
@@ -358,11 +362,11 @@ class FabricSpec(_Strict):
 
     @field_validator("nccl", "env")
     @classmethod
-    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+    def _env(cls, value: dict[str, Any]) -> dict[str, Any]:
         for name, setting in value.items():
             if not ENV_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not an environment variable name")
-            if "\x00" in setting:
+            if isinstance(setting, str) and "\x00" in setting:
                 raise ValueError(f"{name}: the value contains a NUL byte")
         return value
 

@@ -25,6 +25,8 @@ from ctxlaunch.contract.rundir import (
     spec_json,
 )
 from ctxlaunch.contract.spec import JobSpec, KubernetesSpec
+from ctxlaunch.contract.spec_secrets import env_references, plain_env
+from ctxlaunch.launch import env_references as references
 
 POD_RESTART_POLICY = "ExitCode"
 K8S_SPEC_DIR = "/etc/ctxlaunch"
@@ -77,7 +79,11 @@ def job_environment(spec: JobSpec) -> dict[str, str]:
     if fabric.socket_ifname:
         env["GLOO_SOCKET_IFNAME"] = fabric.socket_ifname
     env.update(fabric.nccl)
-    env.update(fabric.env)
+    env.update(plain_env(fabric.env))
+    # A value given by reference is not here: each target reads it where the job starts
+    # (env_references.py), and none is written into an artifact.
+    for name in env_references(fabric.env):
+        env.pop(name, None)
     return env
 
 
@@ -121,6 +127,9 @@ class SlurmRequest:
     array_run_dir: str | None = None
     run_dir_env: str = RUN_DIR_ENV
     """A job array: task i keeps its metrics and summary in <array_run_dir>/i."""
+    env_reference_lines: list[ShellCode] = field(default_factory=list)
+    """The lines that export `fabric.env`'s referenced values where the script runs (from
+    sbatch's environment or a file: env_references.py)."""
 
 
 def slurm_request(
@@ -204,6 +213,9 @@ def slurm_request(
         log_dir=log_dir,
         array_specs=[spec_json(member) for member in array or []],
         array_run_dir=run_dir if array else None,
+        env_reference_lines=[
+            ShellCode(line) for line in references.shell_lines(env_references(spec.fabric.env))
+        ],
     )
 
 
@@ -262,6 +274,7 @@ def slurm_function_request(spec: JobSpec, entry: JobEntry) -> SlurmFunctionReque
     if s.exclusive:
         parameters["exclusive"] = True
     setup = [f"export {name}={shlex.quote(value)}" for name, value in job_environment(spec).items()]
+    setup += references.shell_lines(env_references(spec.fabric.env))
     return SlurmFunctionRequest(
         job_name=spec.name,
         parameters=parameters,
@@ -323,6 +336,9 @@ class KubernetesRequest:
     trainjob: TrainJobRequest | None = None
     metrics_ports: list[tuple[str, int]] = field(default_factory=list)
     """(port name, container port) per local rank in scrape mode; the PodMonitor scrapes them."""
+    secret_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Variables whose value is a Secret's key: name -> the container's
+    valueFrom.secretKeyRef."""
 
 
 @dataclass(frozen=True)
@@ -410,6 +426,7 @@ def kubernetes_request(
         command=pod_command(entry),
         restart_policy=POD_RESTART_POLICY,
         env=job_environment(spec),
+        secret_env=references.secret_key_refs(env_references(spec.fabric.env)),
         limits=limits,
         requests=requests,
         capabilities=["IPC_LOCK"] if rdma else [],

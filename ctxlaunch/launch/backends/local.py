@@ -22,6 +22,7 @@ from ctxlaunch.contract.rundir import (
     spec_json,
 )
 from ctxlaunch.contract.spec import JobSpec
+from ctxlaunch.contract.spec_secrets import env_references
 from ctxlaunch.launch import jobstore
 from ctxlaunch.launch.backends.base import (
     EXIT_STATES,
@@ -30,6 +31,7 @@ from ctxlaunch.launch.backends.base import (
     Status,
     combine_exit_codes,
 )
+from ctxlaunch.launch.env_references import resolve as resolve_references
 from ctxlaunch.launch.request import job_environment, ranks_per_node_of
 
 RANK_PREFIX = "[rank0]:"
@@ -73,6 +75,7 @@ class LocalBackend(Backend):
             env["OMP_NUM_THREADS"] = str(cpu_threads_per_rank(ranks))
         env[JOB_ID_ENV] = job_id
         return DryRun(
+            env_references=env_references(spec.fabric.env),
             target="local",
             spec=spec,
             job_id=job_id,
@@ -96,6 +99,8 @@ class LocalBackend(Backend):
         status, once it has ended."""
         out = out or sys.stdout
         err = err or sys.stderr
+        # Read now, before anything is started or written; held only in the ranks' environment.
+        referenced = resolve_references(dryrun.env_references)
         spec = dryrun.spec
         job_id = dryrun.job_id
         record = jobstore.JobRecord(
@@ -121,7 +126,7 @@ class LocalBackend(Backend):
         with open(agent_log, "w", encoding="utf-8") as agent:
             process = subprocess.Popen(
                 dryrun.command,
-                env={**os.environ, **dryrun.env},
+                env={**os.environ, **dryrun.env, **referenced},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
