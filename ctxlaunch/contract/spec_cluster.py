@@ -120,6 +120,16 @@ class KubernetesSpec(_Strict):
     """Container image with ctxlaunch installed (required for target: kubernetes)."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     service_account: str | None = None
+    mount_service_account_token: bool = False
+    """Mount the service account's API token in the pods (automountServiceAccountToken). The
+    trainer never calls the API server, so a training pod holds no credential unless this is
+    set (for something else in the image that needs one)."""
+    run_as_user: PositiveInt | None = 1000
+    """The user (and group) id the pods run as (securityContext runAsUser, runAsGroup and
+    fsGroup, so mounted volumes are writable): the project's image (Dockerfile) has user 1000.
+    None: the image's own USER, which must then be a numeric id other than 0. Either way the
+    pods run with runAsNonRoot, no privilege escalation, every capability dropped (IPC_LOCK
+    kept for RDMA) and the runtime's default seccomp profile."""
     node_selector: dict[str, str] = {}
     tolerations: list[Toleration] = []
     image_pull_secrets: list[str] = []
@@ -507,6 +517,11 @@ class TelemetrySpec(_Strict):
     Pushgateway (batch jobs, Slurm)."""
     port: int = Field(9400, ge=1024, le=65535)
     """First scrape port (rank r on a node uses port + local rank)."""
+    bind_address: str | None = None
+    """The address /metrics listens on in scrape mode (an IP address of the node, 0.0.0.0 or
+    :: for every interface). Default: 127.0.0.1 for cluster.target local (no other machine
+    reads a local job's metrics), every interface for Slurm and Kubernetes (Prometheus scrapes
+    from elsewhere; the endpoint has no authentication: keep it on a trusted network)."""
     pushgateway_url: str | None = None
     """e.g. http://pushgateway.monitoring:9091 (push mode)."""
     push_interval_seconds: float = Field(15.0, gt=0)
@@ -518,6 +533,28 @@ class TelemetrySpec(_Strict):
     and causal), peak memory against the planner's prediction; each evaluation: the loss per
     context-length bucket and the passkey grid; at the start, the resolved spec. A tracker
     that cannot start or fails is reported once and left out; training goes on."""
+
+    @field_validator("bind_address")
+    @classmethod
+    def _bind_address(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        import ipaddress
+
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(
+                f"{value!r} is not an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1)"
+            ) from None
+        return value
+
+    def bind_address_for(self, target: str) -> str:
+        """Where /metrics listens for a job on `target`: bind_address, else 127.0.0.1 for a
+        local job and every interface elsewhere."""
+        if self.bind_address is not None:
+            return self.bind_address
+        return "127.0.0.1" if target == "local" else "0.0.0.0"
 
     @field_validator("pushgateway_url")
     @classmethod

@@ -336,6 +336,9 @@ class KubernetesRequest:
     trainjob: TrainJobRequest | None = None
     metrics_ports: list[tuple[str, int]] = field(default_factory=list)
     """(port name, container port) per local rank in scrape mode; the PodMonitor scrapes them."""
+    pod_security_context: dict[str, Any] = field(default_factory=dict)
+    container_security_context: dict[str, Any] = field(default_factory=dict)
+    automount_service_account_token: bool = False
     secret_env: dict[str, dict[str, str]] = field(default_factory=dict)
     """Variables whose value is a Secret's key: name -> the container's
     valueFrom.secretKeyRef."""
@@ -430,6 +433,9 @@ def kubernetes_request(
         limits=limits,
         requests=requests,
         capabilities=["IPC_LOCK"] if rdma else [],
+        pod_security_context=pod_security_context(k),
+        container_security_context=container_security_context(["IPC_LOCK"] if rdma else []),
+        automount_service_account_token=k.mount_service_account_token,
         host_network=k.host_network,
         dns_policy="ClusterFirstWithHostNet" if k.host_network else None,
         shm_size=k.shm_size,
@@ -458,6 +464,24 @@ def kubernetes_request(
         if spec.telemetry.prometheus == "scrape"
         else [],
     )
+
+
+def pod_security_context(k: KubernetesSpec) -> dict[str, Any]:
+    """A pod's securityContext: never root, the runtime's default seccomp profile, and with
+    run_as_user that user and group, which also owns what mounted volumes it writes."""
+    context: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    if k.run_as_user is not None:
+        context.update(runAsUser=k.run_as_user, runAsGroup=k.run_as_user, fsGroup=k.run_as_user)
+    return context
+
+
+def container_security_context(keep: list[str]) -> dict[str, Any]:
+    """A container's securityContext: no privilege escalation, every capability dropped but
+    `keep` (IPC_LOCK for RDMA: verbs pin memory)."""
+    capabilities: dict[str, Any] = {"drop": ["ALL"]}
+    if keep:
+        capabilities["add"] = keep
+    return {"allowPrivilegeEscalation": False, "capabilities": capabilities}
 
 
 def scheduling_policy(k: KubernetesSpec, nodes: int) -> dict[str, Any]:

@@ -172,8 +172,25 @@ def test_pytorchjob_shape(pytorchjob_crd: Path) -> None:
     container = pod["containers"][0]
     assert container["name"] == "pytorch"
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "8", "rdma/ib": "8"}
-    assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
-    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    # Everything dropped but what RDMA needs; never root; no API token; the pod network.
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+    }
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+        "fsGroup": 1000,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert pod["automountServiceAccountToken"] is False
+    assert "hostNetwork" not in pod
+    on_host = load_spec(JOBS / "llama3-70b-1m-k8s.yaml", ["cluster.kubernetes.host_network=true"])
+    host = pytorchjob_doc(render(on_host, "kubernetes"))["spec"]["pytorchReplicaSpecs"]["Worker"][
+        "template"
+    ]["spec"]
+    assert host["hostNetwork"] is True and host["dnsPolicy"] == "ClusterFirstWithHostNet"
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "128Gi"}
     env = {e["name"]: e["value"] for e in container["env"]}
