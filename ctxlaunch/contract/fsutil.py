@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -38,3 +42,66 @@ def atomic_write_bytes(path: str | Path, data: bytes, mode: int = 0o644) -> Path
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+class WriteFailed(OSError):
+    """A set of files could not be written; nothing of it was left behind."""
+
+
+def missing_directories(directory: Path) -> list[Path]:
+    """`directory` and those of its parents that do not exist yet, outermost first."""
+    missing: list[Path] = []
+    for candidate in (directory, *directory.parents):
+        if candidate.exists() or candidate.is_symlink():
+            break
+        missing.append(candidate)
+    return missing[::-1]
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt inside the block (as SIGINT does), so the cleanup of a
+    write in progress runs; in the main thread only (signals are handled there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def write_files_whole(files: dict[Path, tuple[bytes, int]]) -> list[Path]:
+    """Write every file (path -> (bytes, mode)), each atomically: on any failure or interrupt
+    (SIGINT, SIGTERM) the new files written so far and the directories made for them are
+    removed, and WriteFailed names the path and the reason. (A file that existed before and
+    was already replaced holds the new text whole: the old one cannot come back.)"""
+    made: list[Path] = []
+    written: list[Path] = []
+    created: list[Path] = []
+    with sigterm_interrupts():
+        try:
+            for path, (data, mode) in files.items():
+                for directory in missing_directories(path.parent):
+                    made.append(directory)
+                    directory.mkdir()
+                existed = path.exists()
+                written.append(atomic_write_bytes(path, data, mode))
+                if not existed:
+                    created.append(path)
+        except BaseException as exc:
+            for new in created:
+                new.unlink(missing_ok=True)
+            for directory in reversed(made):
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+            if isinstance(exc, OSError):
+                where = exc.filename or path
+                raise WriteFailed(f"cannot write {where}: {exc.strerror or exc}") from None
+            raise
+    return written
