@@ -29,6 +29,7 @@ REQUEUE = "requeue"
 OOM = "oom"
 FAILURE = "failure"
 EVAL = "eval"
+CHECKPOINT_SKIPPED = "checkpoint_skipped"
 
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     STARTED: ("restart", "world_size"),
@@ -39,6 +40,7 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     OOM: ("rank", "step", "message"),
     FAILURE: ("rank", "cause"),
     EVAL: ("step", "loss"),
+    CHECKPOINT_SKIPPED: ("step", "path", "reason"),
 }
 """Event kind -> its fields, in the order they are written. `restart` is the scheduler's
 restart count of the run (0 for the first run); `exit` a process exit status."""
