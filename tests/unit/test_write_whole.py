@@ -105,3 +105,30 @@ def test_render_into_an_impossible_place_says_one_sentence(tmp_path: Path) -> No
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and "nothing was written" in done.stderr
     assert tree(tmp_path / "made2") == before
+
+
+def test_sigterm_mid_export_leaves_no_partial_directory(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The signal is real (sent to this process while the first shard is written); the
+    wrapper around safetensors' save_file only picks the moment."""
+    import safetensors.torch
+    from typer.testing import CliRunner
+
+    from ctxlaunch.cli import app
+    from tests.helpers.checkpoints import tiny_job, train
+
+    spec = tiny_job(tmp_path / "job")
+    assert train(spec, tmp_path / "run").returncode == 0
+    real_save = safetensors.torch.save_file
+
+    def save_then_signal(*args, **kwargs):  # type: ignore[no-untyped-def]
+        real_save(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_then_signal)
+    out = tmp_path / "exported"
+    result = CliRunner().invoke(
+        app, ["export", str(tmp_path / "job" / "checkpoints"), "--hf", str(out)]
+    )
+    assert result.exit_code == 1, result.output
+    assert "interrupted; nothing was written" in result.output
+    assert not out.exists() and not list(tmp_path.glob(".exported.tmp-*"))
