@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from tests.helpers.paths import free_port
 from tests.helpers.tiny_hf import tiny_spec, write_tiny_llama
 
 CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
@@ -50,7 +51,9 @@ def tiny_job(
 def train(spec: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     """One rank of the trainer on `spec` (what torchrun starts), to the end."""
     sets = [arg for item in overrides for arg in ("--set", item)]
-    return run_ctxlaunch("train", str(spec), *sets, "--run-dir", str(run_dir))
+    # A port of its own: the default 29500 may be another test's rendezvous at the moment.
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    return run_ctxlaunch("train", str(spec), *sets, "--run-dir", str(run_dir), env=env)
 
 
 class RunsCommand:
