@@ -25,6 +25,12 @@ COPY jobs ./jobs
 RUN python3 -m pip install "torch==2.13.0" ".[train]" \
     && python3 -c "import torch, torch.distributed as d; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'NCCL', d.is_nccl_available())"
 
+# Jobs run as this user, never root: the pods' securityContext (cluster.kubernetes.run_as_user,
+# default 1000) sets runAsNonRoot and this id. Its home is where caches go.
+RUN useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin ctxlaunch
+USER 1000:1000
+ENV HOME=/home/ctxlaunch
+
 # The probe `ctxlaunch image check` runs; a job's pods run `python3 -m ctxlaunch.runtime.podentry SPEC`
 # (the rendered command), so the entry point is only the default for `docker run IMAGE`.
 ENTRYPOINT ["ctxlaunch"]

@@ -98,8 +98,11 @@ def prepare_command(
         console=err,
         transient=True,
     )
+    from ctxlaunch.contract.fsutil import sigterm_interrupts
+
     try:
-        with progress:
+        # SIGTERM unwinds as Ctrl-C does: the writer removes its temporary files.
+        with sigterm_interrupts(), progress:
             task = progress.add_task("tokenizing", total=total_bytes)
             result = prepare(
                 inputs,
@@ -113,6 +116,8 @@ def prepare_command(
             )
     except (PrepareError, TokenizerError) as exc:
         fail(str(exc))
+    except KeyboardInterrupt:
+        fail(f"-o {output}: interrupted; nothing was written", exitcodes.FAILED)
     skipped = f", {result.empty_skipped} empty skipped" if result.empty_skipped else ""
     out.print(
         f"wrote {result.bin_path} and {result.idx_path}: {result.documents} documents"

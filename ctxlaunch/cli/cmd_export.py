@@ -71,16 +71,22 @@ def export(
             raise typer.Exit(exitcodes.BAD_INPUT) from None
     if not checkpoint.is_dir():
         fail(f"{checkpoint} is not a directory")
+    from ctxlaunch.contract.fsutil import sigterm_interrupts
+
     try:
-        step, files = export_hf(
-            checkpoint,
-            hf,
-            model=model,
-            dtype=dtype,
-            shard_bytes=shard_size_mib * 2**20,
-            tokenizer=tokenizer,
-            show_progress=True,
-        )
+        # SIGTERM unwinds as Ctrl-C does: the half-written directory is removed.
+        with sigterm_interrupts():
+            step, files = export_hf(
+                checkpoint,
+                hf,
+                model=model,
+                dtype=dtype,
+                shard_bytes=shard_size_mib * 2**20,
+                tokenizer=tokenizer,
+                show_progress=True,
+            )
+    except KeyboardInterrupt:
+        fail(f"export to {hf} interrupted; nothing was written", exitcodes.FAILED)
     except (HFCheckpointError, ValueError, OSError) as exc:
         fail(f"export of {checkpoint} failed: {exc}")
     except ModuleNotFoundError:

@@ -62,7 +62,7 @@ def render(
     In scrape mode the PodMonitor goes to monitoring/<name>-podmonitor.yaml under --output, out
     of the way of a plain `kubectl apply -f DIR` on a cluster without the Prometheus Operator;
     --monitoring adds the PrometheusRule and the dashboard's ConfigMap there."""
-    from ctxlaunch.contract.fsutil import atomic_write_text
+    from ctxlaunch.contract.fsutil import WriteFailed, write_files_whole
     from ctxlaunch.launch.monitoring import MonitoringError, MonitoringOptions
     from ctxlaunch.launch.render import TEMPLATES, artifact_name, render_files
 
@@ -97,8 +97,16 @@ def render(
         return
     if output.exists() and not output.is_dir():
         fail(f"--output: {output} exists and is not a directory")
-    for name, text in files.items():
-        path = atomic_write_text(output / name, text, mode=0o755 if kind == "slurm" else 0o644)
+    mode = 0o755 if kind == "slurm" else 0o644
+    try:
+        written = write_files_whole(
+            {output / name: (text.encode("utf-8"), mode) for name, text in files.items()}
+        )
+    except WriteFailed as exc:
+        fail(f"--output: {exc}; nothing was written")
+    except KeyboardInterrupt:
+        fail("--output: interrupted; nothing was written", exitcodes.FAILED)
+    for path in written:
         err.print(f"wrote {path}")
 
 

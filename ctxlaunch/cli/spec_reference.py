@@ -92,18 +92,26 @@ def _sections(schema: dict[str, Any]) -> list[_Section]:
             visit_refs(prop, path, "")
             if "items" in prop:
                 visit_refs(prop["items"], f"{path}[]", "each entry")
+            if isinstance(prop.get("additionalProperties"), dict):
+                visit_refs(prop["additionalProperties"], f"{path}.<name>", "each value")
 
     def visit_refs(prop: dict[str, Any], path: str, note: str) -> None:
         key = _discriminator(prop, defs)
-        for ref in _refs(prop):
+        refs = list(_refs(prop))
+        for ref in refs:
             if ref in seen:
                 continue
             seen.add(ref)
             target = defs[ref]
             value = target.get("properties", {}).get(key, {}).get("const") if key else None
+            required = target.get("required", [])
             if value is not None:
                 title = f"{path} ({key}: {value})"
                 visit(_Section(ref, path, str(value), title, target))
+            elif len(refs) > 1 and len(required) == 1:
+                # One of several shapes told apart by the one field each requires.
+                label = f"{{{required[0]}: ...}}"
+                visit(_Section(ref, path, label, f"{path} ({label})", target))
             else:
                 visit(_Section(ref, path, path, f"{path} ({note})" if note else path, target))
 

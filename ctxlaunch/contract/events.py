@@ -30,6 +30,7 @@ REQUEUE = "requeue"
 OOM = "oom"
 FAILURE = "failure"
 EVAL = "eval"
+CHECKPOINT_SKIPPED = "checkpoint_skipped"
 REPLANNED = "replanned"
 
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {
@@ -41,6 +42,7 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     OOM: ("rank", "step", "message", "phase", "figures"),
     FAILURE: ("rank", "cause"),
     EVAL: ("step", "loss"),
+    CHECKPOINT_SKIPPED: ("step", "path", "reason"),
     REPLANNED: ("restart", "why", "from", "to", "step", "fault_step", "figures"),
 }
 """Event kind -> its fields, in the order they are written. `restart` is the scheduler's

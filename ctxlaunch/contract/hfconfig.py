@@ -9,10 +9,13 @@ anything whose weights would not mean the same in ctxlaunch's model is refused b
 
 from __future__ import annotations
 
-import json
+import math
+import os
 import re
 from pathlib import Path
 from typing import Any
+
+from ctxlaunch.contract.bounded import MAX_CONFIG_BYTES, BoundedReadError, read_bounded_json
 
 CONFIG_FILE = "config.json"
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
@@ -55,7 +58,7 @@ def hub_id_error(init_from: str) -> str | None:
     meta-llama/Llama-3.2-1B) and no local path of that name exists: ctxlaunch reads local files
     only, so the answer is the command that downloads them. A relative directory that is not
     here yet is written ./ORG/NAME, which is never taken for a hub id."""
-    if not _HUB_ID.match(init_from) or ".." in init_from or Path(init_from).exists():
+    if not _HUB_ID.fullmatch(init_from) or ".." in init_from or Path(init_from).exists():
         return None
     return (
         f"model.init_from {init_from}: a Hugging Face hub id, not a local directory; download "
@@ -65,20 +68,31 @@ def hub_id_error(init_from: str) -> str | None:
 
 
 def read_config(directory: str | Path) -> dict[str, Any]:
-    """DIR/config.json as a mapping."""
+    """DIR/config.json as a mapping, read with bounds: a regular file (a FIFO or a device is
+    refused, not read) of at most MAX_CONFIG_BYTES, nested at most MAX_DEPTH deep."""
     path = Path(directory) / CONFIG_FILE
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         raise HFConfigError(
             f"model.init_from: no {CONFIG_FILE} in {directory} (a Hugging Face "
             "checkpoint directory holds config.json and model.safetensors)"
-        ) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HFConfigError(f"model.init_from: cannot read {path}: {exc}") from None
+        )
+    try:
+        data = read_bounded_json(path, MAX_CONFIG_BYTES, CONFIG_FILE)
+    except BoundedReadError as exc:
+        raise HFConfigError(f"model.init_from: {exc}") from None
     if not isinstance(data, dict):
         raise HFConfigError(f"model.init_from: {path} is not a JSON object")
     return data
+
+
+def _number(config: dict[str, Any], key: str, default: float, where: str) -> float:
+    """config[key] as a positive finite number (`default` when absent), else a sentence."""
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise HFConfigError(f"{where}: {key} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise HFConfigError(f"{where}: {key} must be a positive number, got {value!r}")
+    return float(value)
 
 
 def rope_from_config(config: dict[str, Any], where: str) -> tuple[float, dict[str, Any]]:
@@ -88,7 +102,7 @@ def rope_from_config(config: dict[str, Any], where: str) -> tuple[float, dict[st
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise HFConfigError(f"{where}: rope_scaling must be an object, got {params!r}")
-    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    theta = _number(params, "rope_theta", _number(config, "rope_theta", 10000.0, where), where)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ("default", "linear", "llama3", "yarn"):
         raise HFConfigError(
@@ -98,12 +112,14 @@ def rope_from_config(config: dict[str, Any], where: str) -> tuple[float, dict[st
     scaling: dict[str, Any] = {"type": kind}
     for key in ROPE_KEYS:
         if params.get(key) is not None:
+            _number(params, key, 0.0, where)  # a number, or a sentence naming the key
             scaling[key] = params[key]
     if (
         kind in ("llama3", "yarn")
         and "original_max_position_embeddings" not in scaling
         and "max_position_embeddings" in config
     ):
+        _number(config, "max_position_embeddings", 0.0, where)
         # transformers' default: the pretraining length is the config's maximum.
         scaling["original_max_position_embeddings"] = config["max_position_embeddings"]
     if kind == "yarn" and "factor" not in scaling:
@@ -134,7 +150,11 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
             f"{where}: model_type {model_type!r} is not supported; model.init_from "
             "takes Llama checkpoints (model_type llama)"
         )
-    missing = [key for key in SHAPE_KEYS.values() if not isinstance(config.get(key), int)]
+    missing = [
+        key
+        for key in SHAPE_KEYS.values()
+        if isinstance(config.get(key), bool) or not isinstance(config.get(key), int)
+    ]
     if missing:
         raise HFConfigError(f"{where}: missing or non-integer {', '.join(missing)}")
     for flag in ("attention_bias", "mlp_bias"):
@@ -145,6 +165,8 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
         raise HFConfigError(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim")
+    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
+        raise HFConfigError(f"{where}: head_dim must be an integer, got {head_dim!r}")
     if head_dim is not None and head_dim * heads != hidden:
         raise HFConfigError(
             f"{where}: head_dim = {head_dim} differs from hidden_size / "
@@ -159,7 +181,7 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
     fields: dict[str, Any] = {name: config[key] for name, key in SHAPE_KEYS.items()}
     fields.update(
         kv_heads=config.get("num_key_value_heads") or heads,
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        norm_eps=_number(config, "rms_norm_eps", 1e-6, where),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_theta=theta,
         rope_scaling=scaling,

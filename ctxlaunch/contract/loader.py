@@ -16,6 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from ctxlaunch.contract.bounded import (
+    MAX_SPEC_BYTES,
+    BoundedComposer,
+    BoundedReadError,
+    BoundedYamlError,
+    check_mapping_keys,
+    read_bounded_text,
+)
+
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
@@ -36,7 +45,7 @@ class Problem:
         shown = (
             f" (value: {_short(self.value)})" if self.has_value and self.value is not None else ""
         )
-        return f"{self.path or '<spec>'}{shown}: {self.message}"
+        return f"{_clip(self.path, 120) or '<spec>'}{shown}: {_bounded(self.message)}"
 
 
 class SpecError(ValueError):
@@ -55,17 +64,20 @@ def read_spec_data(path: str | Path) -> dict[str, Any]:
     """Parse a spec file's YAML into a mapping (no validation yet)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SpecError(str(path), [Problem("", f"cannot read the file: {exc.strerror}")]) from None
-    except UnicodeDecodeError:
-        raise SpecError(str(path), [Problem("", "the file is not UTF-8 text")]) from None
+        text = read_bounded_text(path, MAX_SPEC_BYTES, "the spec")
+    except BoundedReadError as exc:
+        raise SpecError(str(path), [Problem("", str(exc).removeprefix(f"{path}: "))]) from None
     return parse_yaml(text, str(path))
 
 
-class _SpecLoader(yaml.SafeLoader):
+class _SpecLoader(BoundedComposer, yaml.SafeLoader):
     """YAML 1.1 reads 10:00 as the base-60 number 600; specs hold Slurm times like that, so
-    numbers with colons stay strings (as in YAML 1.2)."""
+    numbers with colons stay strings (as in YAML 1.2). Bounded (contract/bounded.py): nesting,
+    aliases expanded, keys that are text and given once."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        check_mapping_keys(node)
+        return super().construct_mapping(node, deep=deep)
 
 
 _SpecLoader.yaml_implicit_resolvers = {
@@ -103,7 +115,8 @@ def parse_yaml(text: str, source: str) -> dict[str, Any]:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         what = getattr(exc, "problem", None) or str(exc)
-        raise SpecError(source, [Problem("", f"YAML syntax error at {where}{what}")]) from None
+        kind = "" if isinstance(exc, BoundedYamlError) else "YAML syntax error at "
+        raise SpecError(source, [Problem("", f"{kind}{where}{what}")]) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -133,6 +146,9 @@ def apply_overrides(
             continue
         try:
             value = load_yaml(raw) if raw.strip() else ""
+        except BoundedYamlError as exc:
+            problems.append(Problem(key, f"--set {key}: the value is {exc.problem}"))
+            continue
         except yaml.YAMLError:
             value = raw
         node = result
@@ -263,5 +279,19 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
 
 
 def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
+    return _clip(repr(value), limit)
+
+
+def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+MESSAGE_CHARS = 600
+"""The longest problem message shown: a message quotes the value it refuses, and a value may
+be megabytes long."""
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MESSAGE_CHARS:
+        return message
+    return f"{message[: MESSAGE_CHARS // 2]} ... ({len(message):,} characters) ... {message[-200:]}"

@@ -40,6 +40,7 @@ from ctxlaunch.contract.spec_base import (
     PositiveInt,
     _Strict,
     problem_message,
+    text_problems,
 )
 from ctxlaunch.contract.spec_cluster import (
     PROFILE_FORMAT,
@@ -71,6 +72,7 @@ from ctxlaunch.contract.spec_rules import (
     tensor_parallel_problems,
 )
 from ctxlaunch.contract.spec_schema import job_schema
+from ctxlaunch.contract.spec_secrets import env_reference_problems
 from ctxlaunch.contract.spec_training import (
     CheckpointSpec,
     DataSpec,
@@ -154,10 +156,20 @@ class JobSpec(_Strict):
     fabric: FabricSpec = FabricSpec()
     telemetry: TelemetrySpec = TelemetrySpec()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_text(cls, data: Any) -> Any:
+        """Every string in the spec is one bounded line of text, checked before any field
+        reads it (a path with a NUL byte never reaches the file system)."""
+        problems = text_problems(data)
+        if problems:
+            raise ValidationError.from_exception_data("JobSpec", problems)
+        return data
+
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if len(value) > MAX_JOB_NAME or not RFC1123_LABEL.match(value):
+        if len(value) > MAX_JOB_NAME or not RFC1123_LABEL.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a valid job name: lowercase letters, digits and '-', "
                 f"starting and ending with a letter or digit, at most {MAX_JOB_NAME} "
@@ -169,6 +181,7 @@ class JobSpec(_Strict):
     def _check_layout(self) -> JobSpec:
         problems = layout_problems(self)
         problems += spec_rules.profile_problems(self.cluster, self.fabric)
+        problems += env_reference_problems(self.cluster.target, self.fabric.env)
         problems += heal_problems(self.training, self.cluster, self.state_engine)
         if problems:
             raise ValidationError.from_exception_data("JobSpec", problems)

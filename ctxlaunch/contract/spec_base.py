@@ -31,6 +31,61 @@ IMAGE_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:@]*$")
 # Pod names are "<job>-master-0" / "<job>-worker-<n>" and must stay within 63 characters.
 MAX_JOB_NAME = 48
 
+MAX_TEXT_CHARS = 4096
+"""The longest string anywhere in a spec (Linux's PATH_MAX): every value may reach a batch
+script, a manifest or a process environment."""
+_UNSAFE_CHARACTER = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+"""Characters no spec string may hold: control characters (a line break ends a `#SBATCH`
+line or a comment and starts a command; NUL ends a C string early), the Unicode line
+separators, and lone surrogates (not text: they cannot be written as UTF-8)."""
+_CHARACTER_NAMES = {
+    "\n": "a line break (\\n)",
+    "\r": "a carriage return (\\r)",
+    "\x00": "a NUL byte",
+}
+
+
+def text_problem(text: str) -> str | None:
+    """Why `text` cannot stand in a spec (a script, a manifest, an environment), or None."""
+    if len(text) > MAX_TEXT_CHARS:
+        return f"is {len(text):,} characters long; a spec string holds at most {MAX_TEXT_CHARS:,}"
+    found = _UNSAFE_CHARACTER.search(text)
+    if found is None:
+        return None
+    char = found.group()
+    name = _CHARACTER_NAMES.get(char, f"the control character U+{ord(char):04X}")
+    return (
+        f"contains {name} at character {found.start()}: a spec string is one line of text "
+        "(it may land in a batch script, a manifest or an environment)"
+    )
+
+
+def text_problems(data: Any, loc: tuple[str | int, ...] = ()) -> list[InitErrorDetails]:
+    """Every string in a spec's raw data (keys and values, at any depth) that `text_problem`
+    refuses, each at its field path."""
+    problems: list[InitErrorDetails] = []
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(data, loc)]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            reason = text_problem(value)
+            if reason is not None:
+                problems.append(_problem(where, _preview(value), f"the value {reason}"))
+        elif isinstance(value, dict):
+            for key, child in value.items():
+                if isinstance(key, str) and (reason := text_problem(key)) is not None:
+                    problems.append(_problem(where, _preview(key), f"the key {reason}"))
+                    continue
+                stack.append((child, (*where, key if isinstance(key, (str, int)) else str(key))))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((child, (*where, i)) for i, child in enumerate(value))
+    return sorted(problems, key=lambda p: [str(part) for part in p["loc"]])
+
+
+def _preview(text: str) -> str:
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 PositiveInt = Annotated[int, Field(ge=1)]
 
 

@@ -24,6 +24,7 @@ from ctxlaunch.contract.spec_base import (
     _problem,
     _Strict,
 )
+from ctxlaunch.contract.spec_secrets import EnvValue
 
 PROFILE_FORMAT = "ctxlaunch-machine-profile/1"
 """The `format` of a machine profile file (ctxlaunch.perf.machine.save_profile)."""
@@ -56,7 +57,7 @@ class SlurmSpec(_Strict):
     @field_validator("partition", "account", "qos")
     @classmethod
     def _slurm_name(cls, value: str | None) -> str | None:
-        if value is not None and not SLURM_NAME.match(value):
+        if value is not None and not SLURM_NAME.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a Slurm name: use letters, digits, '_', '.', '-' only"
             )
@@ -65,7 +66,7 @@ class SlurmSpec(_Strict):
     @field_validator("time_limit")
     @classmethod
     def _slurm_time(cls, value: str) -> str:
-        if not SLURM_TIME.match(value):
+        if not SLURM_TIME.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a Slurm time: use MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
                 "D-HH:MM:SS"
@@ -75,14 +76,14 @@ class SlurmSpec(_Strict):
     @field_validator("mem")
     @classmethod
     def _slurm_mem(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(r"^\d+[KMGT]?$", value):
+        if value is not None and not re.fullmatch(r"^\d+[KMGT]?$", value):
             raise ValueError(f"{value!r} is not a Slurm memory size: e.g. 0, 512G, 480000M")
         return value
 
     @field_validator("log_dir")
     @classmethod
     def _log_dir(cls, value: str) -> str:
-        if not re.match(r"^[A-Za-z0-9_./\-]+$", value):
+        if not re.fullmatch(r"^[A-Za-z0-9_./\-]+$", value):
             raise ValueError(f"{value!r}: use letters, digits, '_', '.', '-', '/' only")
         return value
 
@@ -119,6 +120,16 @@ class KubernetesSpec(_Strict):
     """Container image with ctxlaunch installed (required for target: kubernetes)."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     service_account: str | None = None
+    mount_service_account_token: bool = False
+    """Mount the service account's API token in the pods (automountServiceAccountToken). The
+    trainer never calls the API server, so a training pod holds no credential unless this is
+    set (for something else in the image that needs one)."""
+    run_as_user: PositiveInt | None = 1000
+    """The user (and group) id the pods run as (securityContext runAsUser, runAsGroup and
+    fsGroup, so mounted volumes are writable): the project's image (Dockerfile) has user 1000.
+    None: the image's own USER, which must then be a numeric id other than 0. Either way the
+    pods run with runAsNonRoot, no privilege escalation, every capability dropped (IPC_LOCK
+    kept for RDMA) and the runtime's default seccomp profile."""
     node_selector: dict[str, str] = {}
     tolerations: list[Toleration] = []
     image_pull_secrets: list[str] = []
@@ -144,7 +155,7 @@ class KubernetesSpec(_Strict):
     @field_validator("namespace")
     @classmethod
     def _namespace(cls, value: str) -> str:
-        if len(value) > 63 or not RFC1123_LABEL.match(value):
+        if len(value) > 63 or not RFC1123_LABEL.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a valid namespace: an RFC 1123 label (lowercase letters, "
                 "digits and '-', starting and ending with a letter or digit, at most 63)"
@@ -154,7 +165,7 @@ class KubernetesSpec(_Strict):
     @field_validator("queue", "scheduler_queue")
     @classmethod
     def _queue(cls, value: str | None) -> str | None:
-        if value is not None and (len(value) > 63 or not RFC1123_LABEL.match(value)):
+        if value is not None and (len(value) > 63 or not RFC1123_LABEL.fullmatch(value)):
             raise ValueError(
                 f"{value!r} is not a valid queue name: an RFC 1123 label (lowercase letters, "
                 "digits and '-', at most 63)"
@@ -172,7 +183,7 @@ class KubernetesSpec(_Strict):
     @field_validator("service_account", "priority_class")
     @classmethod
     def _subdomain(cls, value: str | None) -> str | None:
-        if value is not None and (len(value) > 253 or not RFC1123_SUBDOMAIN.match(value)):
+        if value is not None and (len(value) > 253 or not RFC1123_SUBDOMAIN.fullmatch(value)):
             raise ValueError(
                 f"{value!r} is not a valid name: an RFC 1123 subdomain (lowercase letters, "
                 "digits, '-' and '.')"
@@ -183,28 +194,28 @@ class KubernetesSpec(_Strict):
     @classmethod
     def _secrets(cls, value: list[str]) -> list[str]:
         for name in value:
-            if len(name) > 253 or not RFC1123_SUBDOMAIN.match(name):
+            if len(name) > 253 or not RFC1123_SUBDOMAIN.fullmatch(name):
                 raise ValueError(f"{name!r} is not a valid Secret name (RFC 1123 subdomain)")
         return value
 
     @field_validator("image")
     @classmethod
     def _image(cls, value: str | None) -> str | None:
-        if value is not None and not IMAGE_REF.match(value):
+        if value is not None and not IMAGE_REF.fullmatch(value):
             raise ValueError(f"{value!r} is not an image reference")
         return value
 
     @field_validator("shm_size", "cpu", "memory")
     @classmethod
     def _quantity(cls, value: str | None) -> str | None:
-        if value is not None and not K8S_QUANTITY.match(value):
+        if value is not None and not K8S_QUANTITY.fullmatch(value):
             raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 64Gi, 96, 1500Mi)")
         return value
 
     @field_validator("rdma_resource")
     @classmethod
     def _resource(cls, value: str | None) -> str | None:
-        if value is not None and not LABEL_KEY.match(value):
+        if value is not None and not LABEL_KEY.fullmatch(value):
             raise ValueError(f"{value!r} is not a resource name (e.g. rdma/ib)")
         return value
 
@@ -212,7 +223,7 @@ class KubernetesSpec(_Strict):
     @classmethod
     def _labels(cls, value: dict[str, str]) -> dict[str, str]:
         for key, label in value.items():
-            if not LABEL_KEY.match(key) or not LABEL_VALUE.match(label) or len(label) > 63:
+            if not LABEL_KEY.fullmatch(key) or not LABEL_VALUE.fullmatch(label) or len(label) > 63:
                 raise ValueError(f"{key!r}: {label!r} is not a valid label selector pair")
         return value
 
@@ -334,14 +345,17 @@ class FabricSpec(_Strict):
     """NCCL_TOPO_FILE: a topology XML (cloud VMs)."""
     nccl: dict[str, str] = {}
     """Per-job NCCL/torch variables, overriding the fabric defaults key by key."""
-    env: dict[str, str] = {}
-    """Any other environment for the trainer (overrides everything else)."""
+    env: dict[str, EnvValue] = {}
+    """Any other environment for the trainer (overrides everything else). A value is text,
+    or a reference that keeps a secret out of every rendered file: {secret: {name, key}} (a
+    Kubernetes Secret's key), {from_env: NAME} (a variable where sbatch or ctxlaunch runs) or
+    {from_file: PATH} (a file's text, read where the job starts)."""
 
     @field_validator("hcas")
     @classmethod
     def _hcas(cls, value: list[str]) -> list[str]:
         for hca in value:
-            if not re.match(r"^[A-Za-z0-9_]+(:\d+)?$", hca):
+            if not re.fullmatch(r"^[A-Za-z0-9_]+(:\d+)?$", hca):
                 raise ValueError(f"{hca!r} is not an HCA name (e.g. mlx5_0 or mlx5_0:1)")
         return value
 
@@ -358,11 +372,11 @@ class FabricSpec(_Strict):
 
     @field_validator("nccl", "env")
     @classmethod
-    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+    def _env(cls, value: dict[str, Any]) -> dict[str, Any]:
         for name, setting in value.items():
-            if not ENV_NAME.match(name):
+            if not ENV_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not an environment variable name")
-            if "\x00" in setting:
+            if isinstance(setting, str) and "\x00" in setting:
                 raise ValueError(f"{name}: the value contains a NUL byte")
         return value
 
@@ -422,7 +436,7 @@ class MlflowTrackerSpec(_Strict):
     def _tracking_uri(cls, value: str | None) -> str | None:
         if value is None or value == "databricks":
             return value
-        if not re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*:\S+$", value):
+        if not re.fullmatch(r"^[A-Za-z][A-Za-z0-9+.\-]*:\S+$", value):
             raise ValueError(
                 f"{value!r} is not a tracking URI: use http(s)://host:port, databricks, "
                 "sqlite:///path, postgresql://..., or file:<path> for a local directory"
@@ -462,7 +476,7 @@ class WandbTrackerSpec(_Strict):
     @field_validator("project", "entity")
     @classmethod
     def _wandb_name(cls, value: str | None) -> str | None:
-        if value is not None and not WANDB_NAME.match(value):
+        if value is not None and not WANDB_NAME.fullmatch(value):
             raise ValueError(
                 f"{value!r} is not a W&B name: 1 to 128 characters, none of / \\ # ? % : "
                 "or whitespace"
@@ -503,6 +517,11 @@ class TelemetrySpec(_Strict):
     Pushgateway (batch jobs, Slurm)."""
     port: int = Field(9400, ge=1024, le=65535)
     """First scrape port (rank r on a node uses port + local rank)."""
+    bind_address: str | None = None
+    """The address /metrics listens on in scrape mode (an IP address of the node, 0.0.0.0 or
+    :: for every interface). Default: 127.0.0.1 for cluster.target local (no other machine
+    reads a local job's metrics), every interface for Slurm and Kubernetes (Prometheus scrapes
+    from elsewhere; the endpoint has no authentication: keep it on a trusted network)."""
     pushgateway_url: str | None = None
     """e.g. http://pushgateway.monitoring:9091 (push mode)."""
     push_interval_seconds: float = Field(15.0, gt=0)
@@ -515,10 +534,32 @@ class TelemetrySpec(_Strict):
     context-length bucket and the passkey grid; at the start, the resolved spec. A tracker
     that cannot start or fails is reported once and left out; training goes on."""
 
+    @field_validator("bind_address")
+    @classmethod
+    def _bind_address(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        import ipaddress
+
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(
+                f"{value!r} is not an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1)"
+            ) from None
+        return value
+
+    def bind_address_for(self, target: str) -> str:
+        """Where /metrics listens for a job on `target`: bind_address, else 127.0.0.1 for a
+        local job and every interface elsewhere."""
+        if self.bind_address is not None:
+            return self.bind_address
+        return "127.0.0.1" if target == "local" else "0.0.0.0"
+
     @field_validator("pushgateway_url")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(
+        if value is not None and not re.fullmatch(
             r"^https?://[A-Za-z0-9._\-\[\]:]+(/[\w./\-]*)?$", value
         ):
             raise ValueError(f"{value!r} is not an http(s) URL")

@@ -139,7 +139,7 @@ class ModelSpec(_Strict):
             data = {"preset": data}
         if isinstance(data, dict) and data.get("preset") is not None:
             name = data["preset"]
-            if name not in MODEL_PRESETS:
+            if not isinstance(name, str) or name not in MODEL_PRESETS:
                 raise PydanticCustomError(
                     "preset",
                     "{message}",

@@ -10,7 +10,14 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from ctxlaunch.contract import spec_base, spec_cluster, spec_model, spec_parallel, spec_training
+from ctxlaunch.contract import (
+    spec_base,
+    spec_cluster,
+    spec_model,
+    spec_parallel,
+    spec_secrets,
+    spec_training,
+)
 from ctxlaunch.contract.presets import MODEL_PRESETS
 from ctxlaunch.contract.spec_base import _Strict
 
@@ -19,6 +26,7 @@ SECTION_MODULES: tuple[ModuleType, ...] = (
     spec_model,
     spec_training,
     spec_parallel,
+    spec_secrets,
     spec_cluster,
 )
 """The modules that define the spec's sections, each after the ones whose models it holds."""

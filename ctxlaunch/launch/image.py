@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ctxlaunch.contract.spec import JobSpec
+from ctxlaunch.launch.request import container_security_context, pod_security_context
 
 PROBE_MODULE = "ctxlaunch.runtime.imageprobe"
 RUNTIMES = ("docker", "podman", "nerdctl")
@@ -108,12 +109,15 @@ def probe_pod(spec: JobSpec, name: str) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
+        # The job's own: an image that cannot run as its pods will fails here, not in the job.
+        "securityContext": pod_security_context(k),
         "containers": [
             {
                 "name": "probe",
                 "image": k.image,
                 "imagePullPolicy": k.image_pull_policy,
                 "command": ["python3", "-m", PROBE_MODULE, *probe_args(spec)],
+                "securityContext": container_security_context([]),
             }
         ],
     }

@@ -62,17 +62,19 @@ class MonitoringOptions:
 
     def __post_init__(self) -> None:
         key, value = self.dashboard_label
-        if not _LABEL_KEY.match(key):
+        if not _LABEL_KEY.fullmatch(key):
             raise MonitoringError(
                 f"dashboard_label: {key!r} is not a Kubernetes label key "
                 "([prefix/]name, the name up to 63 letters, digits, '-', '_' or '.')"
             )
-        if not _LABEL_VALUE.match(value):
+        if not _LABEL_VALUE.fullmatch(value):
             raise MonitoringError(
                 f"dashboard_label: {value!r} is not a Kubernetes label value "
                 "(up to 63 letters, digits, '-', '_' or '.', starting and ending alphanumeric)"
             )
-        if self.dashboard_namespace is not None and not _NAMESPACE.match(self.dashboard_namespace):
+        if self.dashboard_namespace is not None and not _NAMESPACE.fullmatch(
+            self.dashboard_namespace
+        ):
             raise MonitoringError(
                 f"dashboard_namespace: {self.dashboard_namespace!r} is not a namespace name "
                 "(an RFC 1123 label: lowercase letters, digits and '-', at most 63)"

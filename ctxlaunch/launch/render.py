@@ -3,10 +3,10 @@ job's monitoring objects). Pure: no I/O but reading the templates and the commit
 files.
 
 Safety is enforced, not hoped for: every `{{ ... }}` in a template must pass through a quoting
-filter (`sh` for bash, `yaml` for YAML, `envname`/`sbatch` for the validated bits, `code`
-for shell the request built from ctxlaunch's constants) or be a number; anything else fails
-the render. So a job name or an env value carrying `$(...)`, quotes, newlines or `'; rm`
-either never validates or lands inert.
+filter (`sh` for bash, `yaml` for YAML, `envname`/`sbatch` for the validated bits, `comment`
+inside a comment line, `code` for shell the request built from ctxlaunch's constants) or be a
+number; anything else fails the render. So a job name or an env value carrying `$(...)`,
+quotes, newlines or `'; rm` either never validates or lands inert.
 """
 
 from __future__ import annotations
@@ -68,29 +68,61 @@ class Quoted(str):
 _SHELL_PLAIN = re.compile(r"^[A-Za-z0-9_./:@%+,-]+$")
 
 
+_LINE_BREAKING = re.compile(r"[\x00-\x1f\x7f\u2028\u2029]")
+"""Characters that would end a line or a C string inside a script (the spec refuses them in
+every value; this keeps any other source from carrying one in)."""
+
+
 def shell_quote(value: Any) -> Quoted:
     """A single bash word: plain when it holds only characters bash never interprets,
-    otherwise single-quoted (inside which nothing is expanded)."""
+    otherwise single-quoted (inside which nothing is expanded). A control character is a
+    RenderError: even quoted, a line break makes one value two lines of the script."""
     text = str(value)
-    if _SHELL_PLAIN.match(text):
+    if _LINE_BREAKING.search(text):
+        raise RenderError(f"a value for a script holds a control character: {text[:80]!r}")
+    if _SHELL_PLAIN.fullmatch(text):
         return Quoted(text)
+    if re.search(r"\\(?='|$)", text):
+        # A backslash before a quote or at the end is fine inside single quotes, but reads
+        # like a mistaken escape (shellcheck SC1003): double quotes, with \ " $ ` escaped.
+        return Quoted('"' + re.sub(r'([\\"$`])', r"\\\1", text) + '"')
     return Quoted("'" + text.replace("'", "'\"'\"'") + "'")
 
 
 def yaml_quote(value: Any) -> Quoted:
-    # JSON is YAML: strings come out double-quoted with every control character escaped, and
-    # mappings and lists in flow style.
-    return Quoted(json.dumps(value, ensure_ascii=True))
+    """JSON is YAML: strings come out double-quoted with every control character escaped, and
+    mappings and lists in flow style. Characters beyond ASCII are escaped YAML's way: JSON
+    writes one above U+FFFF as a surrogate pair (two \\u escapes), which a YAML reader takes
+    for two lone surrogates; YAML's \\U escape holds the whole code point."""
+    text = json.dumps(value, ensure_ascii=False)
+    return Quoted(_NON_ASCII.sub(_yaml_escape, text))
+
+
+_NON_ASCII = re.compile(r"[^\x00-\x7e]")
+
+
+def _yaml_escape(match: re.Match[str]) -> str:
+    point = ord(match.group())
+    return f"\\u{point:04x}" if point <= 0xFFFF else f"\\U{point:08x}"
+
+
+def comment(value: Any) -> Quoted:
+    """Text inside a `#` comment line: emitted as it is, a RenderError when it could end the
+    line (where the rest would run as a command, or hide the #SBATCH lines below it)."""
+    text = str(value)
+    if _LINE_BREAKING.search(text):
+        raise RenderError(f"a comment would be broken by a control character: {text[:80]!r}")
+    return Quoted(text)
 
 
 def env_name(value: Any) -> Quoted:
-    if not isinstance(value, str) or not _ENV_NAME.match(value):
+    if not isinstance(value, str) or not _ENV_NAME.fullmatch(value):
         raise RenderError(f"not an environment variable name: {value!r}")
     return Quoted(value)
 
 
 def sbatch_directive(value: Any) -> Quoted:
-    if not isinstance(value, str) or not _SBATCH_DIRECTIVE.match(value):
+    if not isinstance(value, str) or not _SBATCH_DIRECTIVE.fullmatch(value):
         raise RenderError(f"not a safe sbatch directive: {value!r}")
     return Quoted(value)
 
@@ -110,7 +142,7 @@ def _finalize(value: Any) -> Any:
         return value
     raise RenderError(
         f"template emitted an unquoted value {value!r}: pass it through a "
-        "quoting filter (sh, yaml, envname, sbatch, code)"
+        "quoting filter (sh, yaml, envname, sbatch, comment, code)"
     )
 
 
@@ -134,7 +166,12 @@ def _environment() -> jinja2.Environment:
         finalize=_finalize,
     )
     env.filters.update(
-        sh=shell_quote, yaml=yaml_quote, envname=env_name, sbatch=sbatch_directive, code=shell_code
+        sh=shell_quote,
+        yaml=yaml_quote,
+        envname=env_name,
+        sbatch=sbatch_directive,
+        code=shell_code,
+        comment=comment,
     )
     return env
 

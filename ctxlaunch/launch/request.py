@@ -25,6 +25,8 @@ from ctxlaunch.contract.rundir import (
     spec_json,
 )
 from ctxlaunch.contract.spec import JobSpec, KubernetesSpec
+from ctxlaunch.contract.spec_secrets import env_references, plain_env
+from ctxlaunch.launch import env_references as references
 
 HEAL_OOM_MODULE = "ctxlaunch.runtime.slurm_oom"
 """What a healing job's batch script asks after a failed step (launch never imports it)."""
@@ -79,7 +81,11 @@ def job_environment(spec: JobSpec) -> dict[str, str]:
     if fabric.socket_ifname:
         env["GLOO_SOCKET_IFNAME"] = fabric.socket_ifname
     env.update(fabric.nccl)
-    env.update(fabric.env)
+    env.update(plain_env(fabric.env))
+    # A value given by reference is not here: each target reads it where the job starts
+    # (env_references.py), and none is written into an artifact.
+    for name in env_references(fabric.env):
+        env.pop(name, None)
     return env
 
 
@@ -123,6 +129,9 @@ class SlurmRequest:
     array_run_dir: str | None = None
     run_dir_env: str = RUN_DIR_ENV
     """A job array: task i keeps its metrics and summary in <array_run_dir>/i."""
+    env_reference_lines: list[ShellCode] = field(default_factory=list)
+    """The lines that export `fabric.env`'s referenced values where the script runs (from
+    sbatch's environment or a file: env_references.py)."""
     heal_oom_check: list[str] = field(default_factory=list)
     """training.heal on_oom replan: the command the script runs after a failed step (with the
     step's status) that exits 0 when the step ran out of memory and the job is to be requeued
@@ -213,6 +222,9 @@ def slurm_request(
         log_dir=log_dir,
         array_specs=[spec_json(member) for member in array or []],
         array_run_dir=run_dir if array else None,
+        env_reference_lines=[
+            ShellCode(line) for line in references.shell_lines(env_references(spec.fabric.env))
+        ],
         heal_oom_check=(
             [python, "-m", HEAL_OOM_MODULE]
             if spec.training.heal.on_oom == "replan" and s.requeue and not array
@@ -276,6 +288,7 @@ def slurm_function_request(spec: JobSpec, entry: JobEntry) -> SlurmFunctionReque
     if s.exclusive:
         parameters["exclusive"] = True
     setup = [f"export {name}={shlex.quote(value)}" for name, value in job_environment(spec).items()]
+    setup += references.shell_lines(env_references(spec.fabric.env))
     return SlurmFunctionRequest(
         job_name=spec.name,
         parameters=parameters,
@@ -340,6 +353,12 @@ class KubernetesRequest:
     trainjob: TrainJobRequest | None = None
     metrics_ports: list[tuple[str, int]] = field(default_factory=list)
     """(port name, container port) per local rank in scrape mode; the PodMonitor scrapes them."""
+    pod_security_context: dict[str, Any] = field(default_factory=dict)
+    container_security_context: dict[str, Any] = field(default_factory=dict)
+    automount_service_account_token: bool = False
+    secret_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Variables whose value is a Secret's key: name -> the container's
+    valueFrom.secretKeyRef."""
 
 
 @dataclass(frozen=True)
@@ -428,9 +447,13 @@ def kubernetes_request(
         command=pod_command(entry),
         restart_policy=POD_RESTART_POLICY,
         env=job_environment(spec),
+        secret_env=references.secret_key_refs(env_references(spec.fabric.env)),
         limits=limits,
         requests=requests,
         capabilities=["IPC_LOCK"] if rdma else [],
+        pod_security_context=pod_security_context(k),
+        container_security_context=container_security_context(["IPC_LOCK"] if rdma else []),
+        automount_service_account_token=k.mount_service_account_token,
         host_network=k.host_network,
         dns_policy="ClusterFirstWithHostNet" if k.host_network else None,
         shm_size=k.shm_size,
@@ -460,6 +483,24 @@ def kubernetes_request(
         if spec.telemetry.prometheus == "scrape"
         else [],
     )
+
+
+def pod_security_context(k: KubernetesSpec) -> dict[str, Any]:
+    """A pod's securityContext: never root, the runtime's default seccomp profile, and with
+    run_as_user that user and group, which also owns what mounted volumes it writes."""
+    context: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    if k.run_as_user is not None:
+        context.update(runAsUser=k.run_as_user, runAsGroup=k.run_as_user, fsGroup=k.run_as_user)
+    return context
+
+
+def container_security_context(keep: list[str]) -> dict[str, Any]:
+    """A container's securityContext: no privilege escalation, every capability dropped but
+    `keep` (IPC_LOCK for RDMA: verbs pin memory)."""
+    capabilities: dict[str, Any] = {"drop": ["ALL"]}
+    if keep:
+        capabilities["add"] = keep
+    return {"allowPrivilegeEscalation": False, "capabilities": capabilities}
 
 
 def elastic_policy(k: KubernetesSpec, fewest: int, nodes: int) -> dict[str, Any]:

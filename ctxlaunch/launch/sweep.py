@@ -53,7 +53,7 @@ class SweepDefinition(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if len(value) > 32 or not RFC1123_LABEL.match(value):
+        if len(value) > 32 or not RFC1123_LABEL.fullmatch(value):
             raise ValueError(f"{value!r}: lowercase letters, digits and '-', at most 32")
         return value
 

@@ -39,6 +39,8 @@ CONFIG_MEDIA = "application/vnd.oci.image.config.v1+json"
 MANIFEST_MEDIA = "application/vnd.oci.image.manifest.v1+json"
 EPOCH = 0  # every file's mtime in a layer: layers are reproducible
 BUSYBOX = Path("/bin/busybox")
+HOME = "/home/ctxlaunch"
+"""The pods' home directory, writable by the non-root user they run as."""
 BUSYBOX_TOOLS = ("sh", "nslookup", "seq", "sleep", "echo", "cat", "ls", "env", "mkdir", "rm")
 DEFAULT_CACHE = (
     Path(
@@ -396,7 +398,7 @@ def source_files(repo: Path) -> list[Path]:
 
 
 def source_key(repo: Path) -> str:
-    h = hashlib.sha256(NSLOOKUP + DASH.read_bytes())
+    h = hashlib.sha256(NSLOOKUP + DASH.read_bytes() + HOME.encode())
     for path in source_files(repo):
         h.update(str(path.relative_to(repo)).encode() + b"\0" + path.read_bytes() + b"\0")
     return "src-" + h.hexdigest()[:16]
@@ -473,6 +475,9 @@ DASH = Path("/usr/bin/dash")
 def fill_source(layer: Layer, repo: Path) -> None:
     layer.file("/usr/local/bin/nslookup", data=NSLOOKUP, mode=0o755)
     layer.file("/usr/bin/sh", source=DASH, mode=0o755)  # replaces the busybox link below it
+    # The pods run as a non-root user (the rendered securityContext), as the Dockerfile's
+    # image does; any user may write its home, as anyone may write /tmp.
+    layer.directory(HOME, mode=0o1777)
     for path in source_files(repo):
         layer.file(str(Path("/opt/ctxlaunch") / path.relative_to(repo)), source=path)
 
@@ -494,7 +499,7 @@ def project_image(repo: Path, containerd: str, cache: Path, tag_prefix: str) -> 
         f"VIRTUAL_ENV={venv}",
         "PYTHONPATH=/opt/ctxlaunch",
         "PYTHONDONTWRITEBYTECODE=1",
-        "HOME=/root",
+        f"HOME={HOME}",
     ]
     import_image(containerd, [env_layer, src_layer], ref, env=env, cmd=["python3"])
     done = time.monotonic()

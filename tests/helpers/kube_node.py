@@ -156,6 +156,7 @@ def with_checkpoint_volume(namespace: str, job: str, host_dir: Path) -> None:
     """Give the submitted PyTorchJob's pod template a hostPath volume at the checkpoint
     directory (the spec has no volume field yet; on a real cluster this is a PVC), before the
     operator stand-in makes its pods."""
+    host_dir.chmod(0o777)  # the pods run as a non-root user (their securityContext)
     found = json.loads(kubectl("get", "pytorchjob", job, "-n", namespace, "-o", "json").stdout)
     template = found["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     template["volumes"].append(

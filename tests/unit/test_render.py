@@ -172,8 +172,25 @@ def test_pytorchjob_shape(pytorchjob_crd: Path) -> None:
     container = pod["containers"][0]
     assert container["name"] == "pytorch"
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "8", "rdma/ib": "8"}
-    assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
-    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    # Everything dropped but what RDMA needs; never root; no API token; the pod network.
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+    }
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+        "fsGroup": 1000,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert pod["automountServiceAccountToken"] is False
+    assert "hostNetwork" not in pod
+    on_host = load_spec(JOBS / "llama3-70b-1m-k8s.yaml", ["cluster.kubernetes.host_network=true"])
+    host = pytorchjob_doc(render(on_host, "kubernetes"))["spec"]["pytorchReplicaSpecs"]["Worker"][
+        "template"
+    ]["spec"]
+    assert host["hostNetwork"] is True and host["dnsPolicy"] == "ClusterFirstWithHostNet"
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "128Gi"}
     env = {e["name"]: e["value"] for e in container["env"]}
@@ -203,12 +220,13 @@ HOSTILE = [
     "`touch /tmp/ctxlaunch-pwned`",
     "'; rm -rf / #",
     '"; touch /tmp/ctxlaunch-pwned; "',
-    "line one\nline two\n#SBATCH --partition=evil",
     "${HOME}",
     "back\\slash and 'single' and \"double\"",
     "=starts-with-equals",
-    "key: value\n- list: item",
+    "ends with a backslash\\",
 ]
+MULTI_LINE = ["line one\nline two\n#SBATCH --partition=evil", "key: value\n- list: item"]
+"""Refused: a line break has no place in a value that reaches a script or a manifest."""
 
 
 def hostile_spec(value: str, target: str):
@@ -267,8 +285,20 @@ def test_hostile_values_are_inert_in_yaml(value: str) -> None:
     assert len(docs) == 2
 
 
+@pytest.mark.parametrize("value", MULTI_LINE)
+def test_multi_line_values_are_refused_at_each_field(value: str) -> None:
+    with pytest.raises(SpecError) as info:
+        hostile_spec(value, "slurm")
+    assert {p.path for p in info.value.problems} == {
+        "fabric.env.HOSTILE",
+        "fabric.nccl.NCCL_ALGO",
+        "fabric.topo_file",
+        "training.checkpoint.dir",
+    }
+
+
 @pytest.mark.parametrize(
-    "name", ["$(reboot)", "a'b", "evil\nname", "UPPER", "a b", "-lead", "x" * 49]
+    "name", ["$(reboot)", "a'b", "evil\nname", "demo\n", "UPPER", "a b", "-lead", "x" * 49]
 )
 def test_hostile_job_names_are_rejected(name: str) -> None:
     data = read_spec_data(JOBS / "demo.yaml")

@@ -289,7 +289,7 @@ def test_yaml_errors_name_the_line() -> None:
 
 
 def test_missing_file_is_a_spec_error(tmp_path: Path) -> None:
-    with pytest.raises(SpecError, match="cannot read the file"):
+    with pytest.raises(SpecError, match="cannot read the spec: No such file"):
         load_spec(tmp_path / "absent.yaml")
 
 

@@ -113,6 +113,50 @@ def test_busy_scrape_port_is_logged_and_training_goes_on() -> None:
         exporter.set("ctxlaunch_loss", 1.0)
 
 
+def test_metrics_listen_where_told_and_answer_metrics_only() -> None:
+    import socket
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as probe:  # a free port on the loopback
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    exporter = Exporter(IDENTITY, mode="scrape", port=port - IDENTITY.local_rank)
+    try:
+        assert exporter.port == port
+        assert exporter._server is not None
+        assert exporter._server.server_address[0] == "127.0.0.1"
+        exporter.set("ctxlaunch_loss", 2.5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            assert "ctxlaunch_loss{" in reply.read().decode()
+        for path in ("/", "/metrics/../etc/passwd", "/debug"):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5)
+            except urllib.error.HTTPError as refused:
+                assert refused.code == 404
+            else:
+                raise AssertionError(f"{path} was answered")
+    finally:
+        exporter.close()
+    with socket.socket() as again:  # closed: the port is free for the next run
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does
+        again.bind(("127.0.0.1", port))
+        again.listen()
+
+
+def test_metrics_bind_to_the_loopback_for_local_jobs_only() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    from ctxlaunch.contract.spec import TelemetrySpec
+
+    assert TelemetrySpec().bind_address_for("local") == "127.0.0.1"
+    assert TelemetrySpec().bind_address_for("slurm") == "0.0.0.0"
+    assert TelemetrySpec(bind_address="10.0.0.7").bind_address_for("local") == "10.0.0.7"
+    with pytest.raises(ValidationError, match="not an IP address"):
+        TelemetrySpec(bind_address="0.0.0.0\nid")
+
+
 def test_the_predicted_step_is_the_step_time_models(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from ctxlaunch.contract.loader import load_spec
     from ctxlaunch.perf.steptime import predict_spec

@@ -53,12 +53,18 @@ class DryRun:
     """Further files submitted with the artifact, by name (the Kubernetes PodMonitor)."""
     entry: JobEntry = TRAINING
     """What the job runs (the trainer, or another job entry such as the calibration)."""
+    env_references: dict[str, Any] = field(default_factory=dict)
+    """Variables whose value is read when the job starts (a local job: from ctxlaunch's own
+    environment or a file), by name; never held here."""
 
     def describe(self) -> str:
         """What `submit --dry-run` prints: the environment, the command and the bytes."""
+        from ctxlaunch.launch.env_references import shell_lines
+
         lines = [f"# target: {self.target}"]
         for name, value in self.env.items():
             lines.append(f"export {name}={shlex.quote(value)}")
+        lines += shell_lines(self.env_references)
         lines.append(shlex.join(self.command))
         if self.artifact is not None:
             lines.append(f"# --- {self.artifact_name} ---")

@@ -25,6 +25,7 @@ from ctxlaunch.contract.rundir import (
     spec_json,
 )
 from ctxlaunch.contract.spec import JobSpec
+from ctxlaunch.contract.spec_secrets import env_references
 from ctxlaunch.launch import jobstore
 from ctxlaunch.launch.backends.base import (
     EXIT_STATES,
@@ -33,6 +34,7 @@ from ctxlaunch.launch.backends.base import (
     Status,
     combine_exit_codes,
 )
+from ctxlaunch.launch.env_references import resolve as resolve_references
 from ctxlaunch.launch.request import job_environment, ranks_per_node_of
 
 RANK_PREFIX = "[rank0]:"
@@ -76,6 +78,7 @@ class LocalBackend(Backend):
             env["OMP_NUM_THREADS"] = str(cpu_threads_per_rank(ranks))
         env[JOB_ID_ENV] = job_id
         return DryRun(
+            env_references=env_references(spec.fabric.env),
             target="local",
             spec=spec,
             job_id=job_id,
@@ -99,6 +102,8 @@ class LocalBackend(Backend):
         status, once it has ended."""
         out = out or sys.stdout
         err = err or sys.stderr
+        # Read now, before anything is started or written; held only in the ranks' environment.
+        referenced = resolve_references(dryrun.env_references)
         spec = dryrun.spec
         job_id = dryrun.job_id
         record = jobstore.JobRecord(
@@ -123,7 +128,7 @@ class LocalBackend(Backend):
         heal = spec.training.heal
         attempt = 0
         while True:
-            env = {**os.environ, **dryrun.env}
+            env = {**os.environ, **dryrun.env, **referenced}
             if attempt:
                 env[LOCAL_RESTART_COUNT_ENV] = str(attempt)
             returncode = _run_torchrun(dryrun.command, env, directory, attempt, out, err)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ctxlaunch.contract import events, exitcodes
+from ctxlaunch.contract.fsutil import umasked
 from ctxlaunch.contract.heal_log import describe_replan
 from ctxlaunch.contract.rundir import JOB_ID_ENV, TRAINING, JobEntry
 from ctxlaunch.contract.spec import JobSpec
@@ -316,7 +317,7 @@ class SlurmBackend(Backend):
         (directory / "run").mkdir()
         script_path = directory / (dryrun.artifact_name or "job.sbatch")
         script_path.write_text(dryrun.artifact or "")
-        script_path.chmod(0o755)
+        script_path.chmod(umasked(0o755))
         try:
             return directory, sbatch_submit(script_path)
         except (SlurmError, OSError) as exc:  # OSError: no sbatch on the submitting machine

@@ -14,8 +14,11 @@ on the number of workers. Any bad input stops the run and removes what was writt
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -93,6 +96,27 @@ def _start_worker(tokenizer_path: str, eod_token: str | None, json_field: str) -
     global _worker_tokenizer, _worker_field
     _worker_tokenizer = load_tokenizer(tokenizer_path, eod_token)
     _worker_field = json_field
+
+
+def _start_pool_worker(tokenizer_path: str, eod_token: str | None, json_field: str) -> None:
+    """Pool initializer of a worker process: `_start_worker`, and Ctrl-C left to the parent
+    (it reaches the whole process group), which ends the workers with SIGTERM, whose default
+    action ends them quietly: no traceback per worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _start_worker(tokenizer_path, eod_token, json_field)
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored inside the block (in the main thread; elsewhere signals are not ours)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _encode_batch(batch: list[_Record]) -> list[npt.NDArray[np.int64] | None]:
@@ -187,9 +211,12 @@ def prepare(
         if workers > 1:
             # spawn: the parent may hold threads (rich's live display, tokenizers' pool) that
             # a fork would copy in an unknown state.
-            pool = multiprocessing.get_context("spawn").Pool(
-                workers, initializer=_start_worker, initargs=init_args
-            )
+            # Started with SIGINT ignored, which a spawned interpreter keeps from its first
+            # instruction: a Ctrl-C while a worker is still importing prints no traceback.
+            with _sigint_ignored():
+                pool = multiprocessing.get_context("spawn").Pool(
+                    workers, initializer=_start_pool_worker, initargs=init_args
+                )
         try:
             batches = _batches(paths)
             sizes: list[int] = []

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.exposition import push_to_gateway, start_http_server
+from prometheus_client.exposition import push_to_gateway
 
 from ctxlaunch.runtime.telemetry.metrics import LABELS, METRICS, Metric
 
 if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
     from ctxlaunch.contract.spec import JobSpec
 
 PUSH_TIMEOUT_SECONDS = 3.0
@@ -83,6 +85,7 @@ class Exporter:
         *,
         mode: str,
         port: int = 9400,
+        bind_address: str = "127.0.0.1",
         pushgateway_url: str | None = None,
         push_interval_seconds: float = 15.0,
         log: Callable[[str], None] | None = None,
@@ -105,8 +108,9 @@ class Exporter:
         self._push_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.port: int | None = None
+        self._server: WSGIServer | None = None
         if mode == "scrape":
-            self._serve(port + identity.local_rank)
+            self._serve(bind_address, port + identity.local_rank)
         elif mode == "push":
             if not pushgateway_url:
                 raise ValueError("push mode needs a Pushgateway URL")
@@ -142,14 +146,16 @@ class Exporter:
             self._warned.add(key)
             self._log(text)
 
-    def _serve(self, port: int) -> None:
+    def _serve(self, address: str, port: int) -> None:
+        from ctxlaunch.runtime.telemetry.metrics_server import serve_metrics
+
         try:
-            start_http_server(port, registry=self.registry)
+            self._server = serve_metrics(self.registry, address, port)
             self.port = port
         except OSError as exc:
             self._warn_once(
                 "serve",
-                f"ctxlaunch telemetry: cannot serve /metrics on port "
+                f"ctxlaunch telemetry: cannot serve /metrics on {address} port "
                 f"{port} ({exc.strerror or exc}); training continues without it",
             )
 
@@ -191,6 +197,10 @@ class Exporter:
             self._thread.join(timeout=PUSH_TIMEOUT_SECONDS + 1)
         if self.mode == "push":
             self.push()
+        if self._server is not None:  # the port is free again for the next run in this process
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
 
     def scrape_text(self) -> str:
         from prometheus_client import generate_latest

@@ -108,6 +108,7 @@ class TrainingTelemetry:
             identity_from_spec(spec, rank, local_rank),
             mode=telemetry.prometheus,
             port=telemetry.port,
+            bind_address=telemetry.bind_address_for(spec.cluster.target),
             pushgateway_url=telemetry.pushgateway_url,
             push_interval_seconds=telemetry.push_interval_seconds,
             log=log,

@@ -23,8 +23,15 @@ import re
 import shutil
 import socket
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
+
+from ctxlaunch.runtime.trainer.checkpoint_integrity import (
+    MARKER_FILES_KEY,
+    digest_share,
+    verify_share,
+)
 
 MARKER = "COMMITTED"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -119,18 +126,38 @@ def latest_step(directory: str | Path | None) -> int | None:
     return steps[-1] if steps else None
 
 
-def commit(directory: str | Path, step: int, rank: int, keep: int, info: dict) -> None:
-    """After every rank wrote its part: rank 0 writes the marker, then prunes old checkpoints."""
+def commit(
+    directory: str | Path,
+    step: int,
+    rank: int,
+    keep: int,
+    info: dict,
+    spare: frozenset[int] = frozenset(),
+) -> None:
+    """After every rank wrote its part: the ranks hash the step's files between them (each its
+    share), rank 0 writes the marker with the sizes and SHA-256s, then prunes old checkpoints
+    (never those in `spare`: damaged ones the run skipped, kept for a person to look at)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
     if dist.is_initialized():
         dist.barrier()
+    target = step_dir(directory, step)
+    share = digest_share(target, MARKER, rank, world)
+    shares: list[Any] = [share]
+    if dist.is_initialized():
+        shares = [None] * world
+        dist.all_gather_object(shares, share)
     if rank == 0:
-        target = step_dir(directory, step)
+        files: dict[str, Any] = {}
+        for part in shares:
+            files.update(part or {})
         marker = target / MARKER
         tmp = target / (MARKER + ".tmp")
-        tmp.write_text(json.dumps({"step": step, **info}, sort_keys=True))
+        record = {"step": step, **info, MARKER_FILES_KEY: files}
+        tmp.write_text(json.dumps(record, sort_keys=True))
         os.replace(tmp, marker)
         for old in committed_steps(directory)[:-keep]:
-            shutil.rmtree(step_dir(directory, old), ignore_errors=True)
+            if old not in spare:
+                shutil.rmtree(step_dir(directory, old), ignore_errors=True)
         # Half-written checkpoints older than the one just committed are garbage.
         for child in Path(directory).iterdir():
             match = _STEP_DIR.match(child.name)
@@ -138,3 +165,20 @@ def commit(directory: str | Path, step: int, rank: int, keep: int, info: dict) -
                 shutil.rmtree(child, ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
+
+
+def damage(path: Path, rank: int) -> str | None:
+    """Why the committed step at `path` differs from the sizes and SHA-256s its marker
+    recorded (None: it does not, or it predates the record); a collective: each rank checks
+    its share of the files and every rank gets the same answer."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    try:
+        recorded = json.loads((path / MARKER).read_text()).get(MARKER_FILES_KEY) or {}
+        reason = verify_share(path, MARKER, recorded, rank, world)
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        reason = f"{path / MARKER} cannot be read ({exc})"
+    reasons: list[Any] = [reason]
+    if dist.is_initialized():
+        reasons = [None] * world
+        dist.all_gather_object(reasons, reason)
+    return next((r for r in reasons if r), None)

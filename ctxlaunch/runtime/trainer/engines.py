@@ -432,12 +432,15 @@ class DeepSpeedEngine:
         self.engine.save_checkpoint(str(path.parent), tag=path.name, save_latest=False)
 
     def load(self, path: Path) -> None:
-        load_path, _ = self.engine.load_checkpoint(
-            str(path.parent),
-            tag=path.name,
-            load_optimizer_states=True,
-            load_lr_scheduler_states=True,
-        )
+        from ctxlaunch.runtime.trainer.safe_unpickle import deepspeed_reads_weights_only
+
+        with deepspeed_reads_weights_only(path):  # its files' pickles never run code
+            load_path, _ = self.engine.load_checkpoint(
+                str(path.parent),
+                tag=path.name,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=True,
+            )
         if load_path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {path}")
 

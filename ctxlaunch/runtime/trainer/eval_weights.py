@@ -30,8 +30,9 @@ def load_weights(
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from ctxlaunch.runtime.trainer.reshard import write_local
+    from ctxlaunch.runtime.trainer.safe_unpickle import deepspeed_reads_weights_only
 
-    with contextlib.redirect_stdout(sys.stderr):
+    with contextlib.redirect_stdout(sys.stderr), deepspeed_reads_weights_only(path):
         state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
     with torch.no_grad():
         for name, param in parts.named_parameters():

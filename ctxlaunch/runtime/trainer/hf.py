@@ -339,10 +339,14 @@ def read_dcp_weights(path: Path) -> dict[str, torch.Tensor]:
     """The whole model's weights of a torch.distributed.checkpoint checkpoint (reshard.py's
     `model/<name>[#part]` keys), read in this one process, no process group."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(path))
-    metadata = reader.read_metadata()
+    from ctxlaunch.runtime.trainer.checkpoint_integrity import check_dcp_files, load_failure
+    from ctxlaunch.runtime.trainer.safe_unpickle import SafeFileSystemReader, SafeLoadPlanner
+
+    metadata = check_dcp_files(path)
+    reader = SafeFileSystemReader(str(path))
     state = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()
@@ -352,7 +356,10 @@ def read_dcp_weights(path: Path) -> dict[str, torch.Tensor]:
         raise HFCheckpointError(f"{path}: no model weights in this checkpoint")
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        try:
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        except (Exception, CheckpointException) as exc:  # the latter is a BaseException
+            raise load_failure(exc, path) from None
     parts: dict[str, dict[int, torch.Tensor]] = {}
     for key, tensor in state.items():
         name, index = _whole_name(key)
@@ -367,7 +374,10 @@ def read_deepspeed_weights(path: Path) -> dict[str, torch.Tensor]:
     """The whole model's fp32 weights of a DeepSpeed checkpoint (zero_to_fp32)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+    from ctxlaunch.runtime.trainer.safe_unpickle import deepspeed_reads_weights_only
+
+    with deepspeed_reads_weights_only(path):
+        state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
     return {name.removeprefix("module."): tensor for name, tensor in state.items()}
 
 

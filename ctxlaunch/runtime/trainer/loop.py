@@ -19,7 +19,7 @@ from ctxlaunch.contract import events, exitcodes
 from ctxlaunch.cp.comm import exposed_comm_seconds
 from ctxlaunch.perf.flops import flops_per_token
 from ctxlaunch.runtime.records import StepMetrics, peak_memory_bytes
-from ctxlaunch.runtime.trainer import checkpoint, fastpath, faults, stopsignal
+from ctxlaunch.runtime.trainer import checkpoint, checkpoint_integrity, fastpath, faults, stopsignal
 from ctxlaunch.runtime.trainer import model as model_module
 from ctxlaunch.runtime.trainer.batches import Batches, MicroBatch, make_source
 from ctxlaunch.runtime.trainer.engines import Engine, make_engine
@@ -81,6 +81,8 @@ class Trainer:
         checkpoint, forward/backward, optimizer, checkpoint, evaluation."""
         self._stop_agreed = False
         self.fault = faults.from_env()
+        self.damaged_steps: frozenset[int] = frozenset()
+        """Committed steps resume found damaged and skipped: never pruned."""
 
     # -- one step ------------------------------------------------------------------------------
     def train_step(self, on_gradients: Callable[[Engine], object] | None = None) -> StepMetrics:
@@ -163,14 +165,35 @@ class Trainer:
     def resume(self) -> int:
         """Load the newest committed checkpoint, if any; returns the step to start from."""
         directory = self.checkpoint_dir
-        step = checkpoint.latest_step(directory)
-        if directory is None or step is None:
+        if directory is None:
             return 0
-        self.phase = "loading the checkpoint"
-        self.engine.load(checkpoint.step_dir(directory, step))
-        self.step = step
-        self.log(f"ctxlaunch: resumed from {checkpoint.step_dir(directory, step)}")
-        return step
+        steps = checkpoint.committed_steps(directory)
+        for step in reversed(steps):
+            path = checkpoint.step_dir(directory, step)
+            reason = checkpoint.damage(path, self.ctx.rank)
+            if reason is None:
+                self.phase = "loading the checkpoint"
+                self.engine.load(path)
+                self.step = step
+                self.log(f"ctxlaunch: resumed from {path}")
+                return step
+            # Kept, never pruned: a person decides what to do with it.
+            self.damaged_steps = self.damaged_steps | {step}
+            self.log(f"ctxlaunch: skipped checkpoint {path}: {reason}; trying an older one")
+            if self.run_dir is not None and self.ctx.rank == 0:
+                events.append_event(
+                    self.run_dir,
+                    events.CHECKPOINT_SKIPPED,
+                    step=step,
+                    path=str(path),
+                    reason=reason,
+                )
+        if steps:
+            raise checkpoint_integrity.CheckpointDamaged(
+                f"every committed checkpoint in training.checkpoint.dir {directory} differs "
+                "from what was committed (see the lines above); move them aside to start over"
+            )
+        return 0
 
     def save_checkpoint(self) -> None:
         if self.checkpoint_dir is None:
@@ -204,7 +227,8 @@ class Trainer:
             self.step,
             self.ctx.rank,
             self.spec.training.checkpoint.keep,
-            {
+            spare=self.damaged_steps,
+            info={
                 "job": self.spec.name,
                 "model": self.spec.model.model_dump(mode="json"),
                 "seq_len": self.spec.training.seq_len,

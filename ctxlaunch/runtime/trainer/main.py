@@ -26,6 +26,7 @@ from ctxlaunch.runtime.trainer.rank_setup import (
     load_job_spec,
     rank_context,
 )
+from ctxlaunch.runtime.trainer.safe_unpickle import CheckpointDamaged, CheckpointRefused
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
@@ -197,7 +198,8 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
             injected=faults.ENV in str(exc),
         )
         code = exitcodes.OOM
-    except CheckpointWriteError as exc:
+    except (CheckpointWriteError, CheckpointDamaged, CheckpointRefused) as exc:
+        # One sentence naming the file: the traceback would say nothing more.
         print(f"{rank_tag} error: {exc}", file=sys.stderr, flush=True)
         events.append_event(run_dir, events.FAILURE, rank=denv.rank, cause=str(exc))
         code = exitcodes.FAILED

@@ -175,7 +175,18 @@ class CheckpointState:
 
     def load(self, path: Path) -> None:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
+        from ctxlaunch.runtime.trainer.checkpoint_integrity import check_dcp_files, load_failure
+        from ctxlaunch.runtime.trainer.safe_unpickle import SafeFileSystemReader, SafeLoadPlanner
+
+        check_dcp_files(path)  # a missing or cut-short file, named, before any rank reads
         state = self.state_dict()
-        dcp.load(state, checkpoint_id=str(path))
+        try:
+            # Through the allow-list: a checkpoint's pickles never run code (safe_unpickle.py).
+            dcp.load(
+                state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner()
+            )
+        except (Exception, CheckpointException) as exc:  # the latter is a BaseException
+            raise load_failure(exc, path) from None
         self.load_into_place(state)

@@ -1,0 +1,70 @@
+"""Specs are read with bounds: a FIFO, an oversized file, deep nesting, an alias bomb, a key
+given twice or a key that is not text end in one sentence naming the file, never a hang, a
+MemoryError, a RecursionError or a TypeError."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ctxlaunch.contract.loader import SpecError, load_spec
+from tests.helpers.paths import JOBS, ROOT
+
+ALIAS_BOMB = "\n".join(
+    ["a: &a [x, x, x, x, x, x, x, x, x]"]
+    + [
+        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
+        f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
+        f"*{chr(97 + i)}]"
+        for i in range(8)
+    ]
+)
+"""9^9 leaves from a few hundred bytes."""
+
+
+@pytest.mark.parametrize(
+    ("kind", "words"),
+    [
+        ("fifo", "a FIFO"),
+        ("huge", "larger than"),
+        ("deep", "deep"),
+        ("alias-bomb", "values"),
+        ("duplicate", "appears twice"),
+        ("date-key", "is not text"),
+    ],
+)
+def test_a_spec_beyond_the_bounds_is_one_sentence(kind: str, words: str, tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    demo = (JOBS / "demo.yaml").read_text()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "huge":
+        path.write_text(demo + "#" + "x" * (2 << 20) + "\n")
+    elif kind == "deep":
+        path.write_text("name: a\nx: " + "[" * 500 + "]" * 500 + "\n")
+    elif kind == "alias-bomb":
+        path.write_text(ALIAS_BOMB + "\n")
+    elif kind == "duplicate":
+        path.write_text(demo + "\ntraining:\n  steps: 1\n")
+    else:
+        path.write_text(demo + "\n2024-01-01: x\n")
+    with pytest.raises(SpecError) as caught:
+        load_spec(path)
+    assert words in str(caught.value) and str(path) in str(caught.value)
+
+
+def test_the_command_line_exits_2_without_a_traceback(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(ALIAS_BOMB + "\n")
+    done = subprocess.run(
+        [sys.executable, "-c", "from ctxlaunch.cli import main; main()", "validate", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
