@@ -158,6 +158,9 @@ class ModelSpec(_Strict):
     def _apply_preset(cls, data: Any) -> Any:
         if isinstance(data, str):
             data = {"preset": data}
+        if isinstance(data, dict) and "head_dim" in data and data["head_dim"] is None:
+            # head_dim: null means what omitting it means: hidden / heads.
+            data = {k: v for k, v in data.items() if k != "head_dim"}
         if isinstance(data, dict) and data.get("preset") is not None:
             name = data["preset"]
             if name not in MODEL_PRESETS:
