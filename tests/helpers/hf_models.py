@@ -67,15 +67,17 @@ def hf_config(
     layers: int = 2,
     theta: float = 500000.0,
     family: str = "llama",
+    vocab: int = VOCAB,
     **changes: Any,
 ) -> PretrainedConfig:
-    """A tiny config of `family` (llama: LlamaConfig; see FAMILY_CONFIGS for the others)."""
+    """A tiny config of `family` (llama: LlamaConfig; see FAMILY_CONFIGS for the others) with
+    a vocabulary of `vocab` ids."""
     import transformers
 
     name, extra = FAMILY_CONFIGS.get(family, ("LlamaConfig", {}))
     params = {**ROPES[rope], "rope_theta": theta}
     return getattr(transformers, name)(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=layers,
