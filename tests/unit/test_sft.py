@@ -133,19 +133,15 @@ def sft_spec(chat_dir: Path, world: int = 1, **changes: object) -> dict:
     return validate_spec(data).model_dump(mode="json")
 
 
-def reference_pieces(
-    chat_dir: Path, document_mask: bool
+def packed_pieces(
+    tokens: np.ndarray, mask: np.ndarray, doc_of: np.ndarray, windows: int, document_mask: bool
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first step's (input ids, labels) as transformers would be given them, read from the
-    files without the trainer's code: the documents end to end, sequence j the tokens
-    [j*S, j*S + S + 1), labels -100 where the mask leaves the target out; under a document
-    mask each document's piece alone (its targets that open the next document -100 too)."""
-    data = IndexedDataset(chat_dir / "data")
-    tokens = np.asarray(data.tokens, dtype=np.int64)
-    mask = np.asarray(data.loss_mask(), dtype=bool)
-    doc_of = np.repeat(np.arange(len(data)), data.document_lengths())
+    """(input ids, labels) as transformers would be given them, computed without the
+    trainer's code: window j is tokens [j*S, j*S + S + 1) of the documents end to end, labels
+    -100 where the mask leaves the target out; under a document mask each document's piece of
+    a window alone (the targets that open the next document -100 too)."""
     pieces = []
-    for j in range(4):
+    for j in range(windows):
         window = slice(j * SEQ_LEN, j * SEQ_LEN + SEQ_LEN + 1)
         ids, keep, docs = tokens[window], mask[window], doc_of[window]
         labels = np.where(keep[1:], ids[1:], -100)
@@ -159,6 +155,37 @@ def reference_pieces(
     return pieces
 
 
+def reference_pieces(
+    chat_dir: Path, document_mask: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first step's four sequences (every document trains: no held-out split)."""
+    data = IndexedDataset(chat_dir / "data")
+    doc_of = np.repeat(np.arange(len(data)), data.document_lengths())
+    return packed_pieces(
+        np.asarray(data.tokens, dtype=np.int64),
+        np.asarray(data.loss_mask(), dtype=bool),
+        doc_of,
+        4,
+        document_mask,
+    )
+
+
+def their_loss(reference, pieces) -> tuple[float, int, list[float]]:  # type: ignore[no-untyped-def]
+    """transformers' summed loss over the pieces' supervised targets, their count, and each
+    piece's own mean (pieces with a supervised target)."""
+    total, count, means = 0.0, 0, []
+    with torch.no_grad():
+        for ids, labels in pieces:
+            logits = reference(ids[None]).logits[0]
+            losses = F.cross_entropy(logits, labels, reduction="none", ignore_index=-100)
+            supervised = int((labels != -100).sum())
+            total += float(losses.sum())
+            count += supervised
+            if supervised:
+                means.append(float(losses.sum()) / supervised)
+    return total, count, means
+
+
 @pytest.mark.parametrize("document_mask", [False, True])
 def test_one_process_equals_transformers_with_labels_masked(chat_dir, document_mask) -> None:
     """The first step's loss is transformers' mean cross-entropy over every supervised target
@@ -169,15 +196,7 @@ def test_one_process_equals_transformers_with_labels_masked(chat_dir, document_m
 
     reference = AutoModelForCausalLM.from_pretrained(str(chat_dir / "qwen2")).float().eval()
     got = train_steps(0, 1, sft_spec(chat_dir, **{"training.data.document_mask": document_mask}), 1)
-    total, count, per_sequence = 0.0, 0, []
-    with torch.no_grad():
-        for ids, labels in reference_pieces(chat_dir, document_mask):
-            logits = reference(ids[None]).logits[0]
-            losses = F.cross_entropy(logits, labels, reduction="none", ignore_index=-100)
-            total += float(losses.sum())
-            count += int((labels != -100).sum())
-            if int((labels != -100).sum()):
-                per_sequence.append(float(losses.sum()) / int((labels != -100).sum()))
+    total, count, per_sequence = their_loss(reference, reference_pieces(chat_dir, document_mask))
     want = total / count
     per_rank_mean = sum(per_sequence) / len(per_sequence)
     print(
@@ -187,6 +206,64 @@ def test_one_process_equals_transformers_with_labels_masked(chat_dir, document_m
     )
     assert got["losses"][0] == pytest.approx(want, rel=1e-5)
     assert abs(per_rank_mean - want) > 1e-3  # the wrong normalisation would fail above
+
+
+def _evaluate(rank: int, world: int, spec_data: dict) -> dict:
+    """This rank's evaluation of the imported weights at the spec's layout."""
+    from ctxlaunch.runtime.trainer.evaluator import Evaluator
+    from ctxlaunch.runtime.trainer.model import Transformer
+    from ctxlaunch.runtime.trainer.parallelize import ParallelSettings, build_context, parallelize
+
+    spec = validate_spec(spec_data)
+    ctx = build_context(
+        rank=rank,
+        world_size=world,
+        dp=spec.dp,
+        cp=spec.parallel.cp,
+        ulysses=spec.ulysses_degree,
+        cp_sharding=spec.parallel.cp_sharding,
+    )
+    with torch.device("meta"):
+        model = Transformer.from_spec(spec.model)
+    parts = parallelize(
+        model, ctx=ctx, settings=ParallelSettings.from_spec(spec), device=torch.device("cpu")
+    )
+    return Evaluator(spec, ctx, parts.model, torch.device("cpu")).run().to_dict()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_evaluation_counts_the_supervised_targets_at_cp2(chat_dir) -> None:
+    """Held-out conversations (eval_fraction) under a document mask: the evaluation loss at CP 2
+    (ring) is transformers' mean over the supervised targets of the held-out windows, each
+    document's piece alone, not scaled by the CP degree."""
+    from transformers import AutoModelForCausalLM
+
+    from ctxlaunch.runtime.data.packing import held_out
+
+    changes = {
+        "training.data.document_mask": True,
+        "training.data.eval_fraction": 0.4,
+        "training.eval": {"sequences": 2, "buckets": 2, "passkey": {"enabled": False}},
+        "parallel.cp": 2,
+    }
+    spec = sft_spec(chat_dir, 2, **changes)
+    got = run_distributed(_evaluate, 2, spec, timeout_s=240)[0]
+    data = IndexedDataset(chat_dir / "data")
+    chosen = np.flatnonzero(held_out(len(data), 0.4))
+    tokens = np.concatenate([np.asarray(data.document(int(d)), dtype=np.int64) for d in chosen])
+    mask = np.concatenate(
+        [
+            np.asarray(data.loss_mask()[data.document_starts[d] : data.document_starts[d + 1]])
+            for d in chosen
+        ]
+    ).astype(bool)
+    doc_of = np.repeat(chosen, data.document_lengths()[chosen])
+    reference = AutoModelForCausalLM.from_pretrained(str(chat_dir / "qwen2")).float().eval()
+    total, count, _ = their_loss(reference, packed_pieces(tokens, mask, doc_of, 2, True))
+    print(f"held-out loss at CP 2 {got['loss']:.7f}, transformers {total / count:.7f}")
+    assert got["tokens"] == count
+    assert got["loss"] == pytest.approx(total / count, rel=1e-5)
 
 
 def _train_all(rank: int, world: int, specs: list[dict]) -> list[dict]:
