@@ -127,7 +127,7 @@ class ModelSpec(_Strict):
     """Key/value heads (GQA); must divide heads."""
     # A None default stands for hidden / heads until `_check_shape` fills it in, so every
     # reader sees an int.
-    head_dim: PositiveInt = Field(None, validate_default=False)  # type: ignore[assignment]
+    head_dim: PositiveInt = Field(None, validate_default=False)  # type: ignore[assignment]  # see above
     """Width of each attention head; omitted: hidden / heads. Mistral NeMo and Qwen3 set it
     apart from the hidden size (Qwen3-8B: hidden 4,096, 32 heads of 128)."""
     ffn_hidden: PositiveInt
