@@ -296,6 +296,8 @@ LAYOUTS: dict[int, list[dict]] = {
         {},  # DP 2: the ranks hold different numbers of supervised targets
         {"parallel.tp": 2},
         {"parallel.pp": 2},
+        {"parallel.cp": 2, "training.zero_stage": 2},  # DeepSpeed ZeRO-2 (engine auto)
+        {"training.zero_stage": 2, "training.engine": "fsdp2"},  # FSDP2 at DP 2
     ],
     4: [
         {"parallel.cp": 4, "parallel.cp_algorithm": "ring"},
@@ -309,8 +311,9 @@ LAYOUTS: dict[int, list[dict]] = {
 @pytest.mark.parametrize("world", sorted(LAYOUTS), ids=lambda w: f"world{w}")
 def test_sft_loss_and_gradients_at_every_layout_equal_one_process(chat_dir, world) -> None:
     """Under a document mask with restarted positions: CP 2 (ring zigzag and contiguous,
-    Ulysses), DP 2, TP 2, PP 2, CP 4 ring and hybrid give one process's losses and first-step
-    gradients; the mask is cut with the tokens before the split."""
+    Ulysses), DP 2, TP 2, PP 2, DeepSpeed ZeRO-2 at CP 2, FSDP2 at DP 2, CP 4 ring and hybrid
+    give one process's losses and first-step gradients; the mask is cut with the tokens
+    before the split."""
     common = {"training.data.document_mask": True}
     want = train_steps(0, 1, sft_spec(chat_dir, **common), 2)
     specs = [sft_spec(chat_dir, world, **common, **layout) for layout in LAYOUTS[world]]
@@ -318,3 +321,26 @@ def test_sft_loss_and_gradients_at_every_layout_equal_one_process(chat_dir, worl
     for layout, result in zip(LAYOUTS[world], got, strict=True):
         worst = compare(result, want, str(layout or "dp 2"))
         print(f"{layout or 'dp 2'}: worst relative gradient difference {worst:.2e}")
+
+
+def test_a_loss_mask_needs_tokens_and_its_file(chat_dir, tmp_path) -> None:
+    """loss_mask on a source without documents is refused by name; a dataset without its
+    PREFIX.lossmask is reported missing (validation warns, the trainer refuses to start) and
+    refused by the reader with the file and the command that writes it."""
+    from ctxlaunch.contract.loader import SpecError
+    from ctxlaunch.runtime.data.indexed import IndexedDataError
+
+    with pytest.raises(SpecError, match=r"training\.data\.loss_mask.*source = tokens"):
+        validate_spec(
+            apply_overrides(
+                validate_spec(sft_spec(chat_dir)).model_dump(mode="json"),
+                ['training.data={"source": "synthetic", "loss_mask": true}'],
+            )
+        )
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"plain{suffix}").write_bytes((chat_dir / f"data{suffix}").read_bytes())
+    spec = validate_spec(sft_spec(chat_dir, **{"training.data.path": str(tmp_path / "plain")}))
+    missing = spec.training.data.missing_files()
+    assert len(missing) == 1 and "plain.lossmask" in missing[0] and "--chat" in missing[0]
+    with pytest.raises(IndexedDataError, match=r"plain\.lossmask: no such file.*--chat"):
+        IndexedDataset(tmp_path / "plain").loss_mask()
