@@ -67,15 +67,43 @@ def prepare_command(
         str | None,
         typer.Option(help="The end-of-document token, when not the tokenizer's own eos."),
     ] = None,
+    chat: Annotated[
+        bool,
+        typer.Option(
+            "--chat",
+            help='Chat JSON lines ({"messages": [{"role", "content"}, ...]}): render each '
+            "conversation with the tokenizer's own chat template (chat_template.jinja or "
+            "tokenizer_config.json beside tokenizer.json) and write OUTPUT.lossmask beside the "
+            "tokens, marking the --supervise roles' turns (training.data.loss_mask).",
+        ),
+    ] = False,
+    supervise: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--supervise",
+            help="With --chat: a role whose turns the loss counts (repeatable); default assistant.",
+        ),
+    ] = None,
 ) -> None:
     """Tokenize INPUT files into OUTPUT.bin / OUTPUT.idx (Megatron's indexed dataset),
-    appending the end-of-document token to each document. Bad input exits 2, writing nothing."""
+    appending the end-of-document token to each document; with --chat, conversations through
+    the tokenizer's chat template, with a loss mask beside them. Bad input exits 2, writing
+    nothing."""
     # Imported here: numpy and the tokenizers would otherwise load for every command, and every
     # command's start-up counts (submit's latency is benchmarked).
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
+    from ctxlaunch.runtime.data.chat import prepare_chat
     from ctxlaunch.runtime.data.prepare import PrepareError, prepare
     from ctxlaunch.runtime.data.tokenizers import TokenizerError
+
+    if supervise and not chat:
+        fail("--supervise names the roles of chat data: it needs --chat")
+    if chat and (workers > 1 or eod_token is not None or json_field != "text"):
+        fail(
+            "--chat reads each line's messages in one process and ends each conversation with "
+            "the template's own tokens: drop --workers, --eod-token and --json-field"
+        )
 
     if spec is not None:
         try:
@@ -104,20 +132,38 @@ def prepare_command(
         # SIGTERM unwinds as Ctrl-C does: the writer removes its temporary files.
         with sigterm_interrupts(), progress:
             task = progress.add_task("tokenizing", total=total_bytes)
-            result = prepare(
-                inputs,
-                tokenizer,
-                output,
-                json_field=json_field,
-                workers=workers,
-                model_vocab=model_vocab,
-                eod_token=eod_token,
-                on_progress=lambda done: progress.update(task, completed=done),
-            )
+            if chat:
+                result = prepare_chat(
+                    inputs,
+                    tokenizer,
+                    output,
+                    roles=supervise or ["assistant"],
+                    model_vocab=model_vocab,
+                    on_progress=lambda done: progress.update(task, completed=done),
+                )
+            else:
+                result = prepare(
+                    inputs,
+                    tokenizer,
+                    output,
+                    json_field=json_field,
+                    workers=workers,
+                    model_vocab=model_vocab,
+                    eod_token=eod_token,
+                    on_progress=lambda done: progress.update(task, completed=done),
+                )
     except (PrepareError, TokenizerError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
         fail(f"-o {output}: interrupted; nothing was written", exitcodes.FAILED)
+    if result.loss_mask_path is not None:
+        out.print(
+            f"wrote {result.bin_path}, {result.idx_path} and {result.loss_mask_path}: "
+            f"{result.documents} conversations, {result.tokens} tokens, "
+            f"{result.supervised_tokens} supervised (vocab {result.vocab_size}) in "
+            f"{result.seconds:.2f} s"
+        )
+        return
     skipped = f", {result.empty_skipped} empty skipped" if result.empty_skipped else ""
     out.print(
         f"wrote {result.bin_path} and {result.idx_path}: {result.documents} documents"

@@ -29,12 +29,21 @@ def evaluate(
             help="A checkpoint step directory; default: the newest in training.checkpoint.dir.",
         ),
     ] = None,
+    base: Annotated[
+        bool,
+        typer.Option(
+            "--base",
+            help="Evaluate model.init_from as imported (the baseline before training), even "
+            "where checkpoints exist.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Evaluate a checkpoint on held-out data: loss and perplexity per context-length bucket,
     and passkey retrieval per length and depth (training.eval), forward only at the spec's
     layout (pp 1; checkpoints load at any layout, so --set parallel.pp=1 evaluates a pipeline
-    job's)."""
+    job's). Without a committed checkpoint (or with --base), a model.init_from checkpoint is
+    evaluated as imported: the base model's scores, to compare with after training."""
     require("eval", "torch")  # the ranks run under torchrun, in processes of this Python
     job = load(spec, set_)
     if job.parallel.pp > 1:
@@ -47,6 +56,10 @@ def evaluate(
             f"cluster.nodes = {job.cluster.nodes}: `ctxlaunch eval` runs on this machine; "
             "--set cluster.nodes=1 with the GPUs of one node"
         )
+    if base and job.model.init_from is None:
+        fail("--base evaluates model.init_from as imported, and it is not set")
+    if base and checkpoint:
+        fail("--base evaluates model.init_from as imported: drop --checkpoint")
     ranks = job.cluster.gpus_per_node
     with tempfile.TemporaryDirectory(prefix="ctxlaunch-eval-") as scratch:
         result_path = Path(scratch) / "result.json"
@@ -68,6 +81,8 @@ def evaluate(
         ]
         if checkpoint:
             command += ["--checkpoint", checkpoint]
+        if base:
+            command.append("--base")
         env = {**os.environ, SPEC_ENV: spec_json(job)}
         if job.cluster.gpu == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_rank(ranks)))
@@ -88,7 +103,8 @@ def evaluate(
     from ctxlaunch.runtime.records import EvalResult
 
     shown = EvalResult.from_dict(result)
-    err.print(f"ctxlaunch: evaluated {result['checkpoint']}", markup=False)
+    weights = result["checkpoint"] or f"model.init_from {result['init_from']} as imported"
+    err.print(f"ctxlaunch: evaluated {weights}", markup=False)
     for line in shown.lines():
         out.print(line, markup=False)
 

@@ -1,10 +1,12 @@
-"""A Hugging Face Llama checkpoint's config.json, read into the model section's fields.
+"""A Hugging Face checkpoint's config.json, read into the model section's fields.
 
-`model.init_from: DIR` takes the shape, the norm epsilon, tied embeddings and RoPE from
-DIR/config.json (the spec validates them, so this lives in contract); the weights are read by
-the trainer (ctxlaunch/runtime/trainer/hf.py). Only plain Llama decoders are accepted: Llama 2,
-3, 3.1 and 3.2 (grouped-query attention, tied embeddings, llama3/YaRN/linear RoPE scaling);
-anything whose weights would not mean the same in ctxlaunch's model is refused by name.
+`model.init_from: DIR` takes the family, the shape, the norm epsilon, tied embeddings, RoPE and
+the sliding window from DIR/config.json (the spec validates them, so this lives in contract);
+the weights are read by the trainer (ctxlaunch/runtime/trainer/hf.py). The families of
+`ctxlaunch.contract.families` are accepted: Llama (2, 3, 3.1, 3.2), Mistral, Qwen2/2.5 and
+Qwen3 dense (grouped-query attention, tied embeddings, llama3/YaRN/linear RoPE scaling); any
+other architecture, and anything whose weights would not mean the same in ctxlaunch's model, is
+refused by name, with what its block has that ctxlaunch's lacks where transformers knows it.
 """
 
 from __future__ import annotations
@@ -16,9 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from ctxlaunch.contract.bounded import MAX_CONFIG_BYTES, BoundedReadError, read_bounded_json
+from ctxlaunch.contract.families import (
+    FAMILIES,
+    UNSUPPORTED,
+    Family,
+    family_of_architecture,
+    family_of_model_type,
+    supported_architectures,
+)
 
 CONFIG_FILE = "config.json"
-LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 
 SHAPE_KEYS: dict[str, str] = {
     "layers": "num_hidden_layers",
@@ -131,25 +140,67 @@ def rope_from_config(config: dict[str, Any], where: str) -> tuple[float, dict[st
     return float(theta), scaling
 
 
+def _family(config: dict[str, Any], where: str) -> Family:
+    """The family config.json describes, or an HFConfigError naming the architecture and, for
+    one transformers knows, what its block has that ctxlaunch's lacks."""
+    listed = config.get("architectures") or []
+    if not isinstance(listed, list):
+        raise HFConfigError(f"{where}: architectures must be a list, got {listed!r}")
+    architectures = [str(a) for a in listed]
+    model_type = str(config.get("model_type"))
+    family = family_of_model_type(model_type)
+    if len(architectures) > 1:
+        raise HFConfigError(
+            f"{where}: architectures {', '.join(architectures)}: one causal LM expected"
+        )
+    if architectures:
+        by_class = family_of_architecture(architectures[0])
+        if by_class is None or (family is not None and family is not by_class):
+            lacking = UNSUPPORTED.get(model_type)
+            raise HFConfigError(
+                f"{where}: architecture {architectures[0]} (model_type {model_type!r}) is not "
+                "supported"
+                + (f": its block has {lacking}" if lacking else "")
+                + f"; model.init_from takes {supported_architectures()}"
+            )
+        family = family or by_class
+    if family is None or family.model_type != model_type:
+        lacking = UNSUPPORTED.get(model_type)
+        raise HFConfigError(
+            f"{where}: model_type {model_type!r} is not supported"
+            + (f": its block has {lacking}" if lacking else "")
+            + "; model.init_from takes model_type "
+            + ", ".join(f.model_type for f in FAMILIES.values())
+        )
+    return family
+
+
+def sliding_window(config: dict[str, Any], family: Family) -> int | None:
+    """The attention window some layer of the checkpoint uses, as transformers reads the config
+    (None: every layer attends to the whole causal prefix). Mistral: `sliding_window`, on every
+    layer; Qwen2 and Qwen3: `sliding_window` only with `use_sliding_window`, on the layers
+    `layer_types` marks sliding (default: from `max_window_layers` on)."""
+    window = config.get("sliding_window")
+    if family.name == "mistral":
+        return int(window) if window else None
+    if family.name not in ("qwen2", "qwen3") or not config.get("use_sliding_window") or not window:
+        return None
+    layer_types = config.get("layer_types")
+    layers = int(config.get("num_hidden_layers") or 0)
+    if isinstance(layer_types, list):
+        sliding = "sliding_attention" in layer_types
+    else:
+        sliding = int(config.get("max_window_layers", layers)) < layers
+    return int(window) if sliding else None
+
+
 def model_fields(directory: str | Path) -> dict[str, Any]:
     """The ModelSpec fields DIR/config.json determines, after refusing what ctxlaunch cannot
-    reproduce (another architecture, biases, a head_dim other than hidden / heads, an
-    activation other than SiLU)."""
+    reproduce (another architecture, biases it has no place for, an activation other than
+    SiLU)."""
     config = read_config(directory)
     where = str(Path(directory) / CONFIG_FILE)
-    architectures = config.get("architectures") or []
-    model_type = config.get("model_type")
-    if architectures and architectures != [LLAMA_ARCHITECTURE]:
-        raise HFConfigError(
-            f"{where}: architecture {', '.join(map(str, architectures))} is not "
-            f"supported; model.init_from takes {LLAMA_ARCHITECTURE} checkpoints "
-            "(Llama 2, 3, 3.1, 3.2)"
-        )
-    if model_type != "llama":
-        raise HFConfigError(
-            f"{where}: model_type {model_type!r} is not supported; model.init_from "
-            "takes Llama checkpoints (model_type llama)"
-        )
+    family = _family(config, where)
     missing = [
         key
         for key in SHAPE_KEYS.values()
@@ -159,7 +210,10 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
         raise HFConfigError(f"{where}: missing or non-integer {', '.join(missing)}")
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag):
-            raise HFConfigError(f"{where}: {flag} is true; ctxlaunch's projections have no biases")
+            raise HFConfigError(
+                f"{where}: {flag} is true; ctxlaunch's {family.architecture} has no biases there"
+                + (" (qwen2 has them on q, k and v only)" if flag == "attention_bias" else "")
+            )
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise HFConfigError(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
@@ -167,11 +221,11 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
     head_dim = config.get("head_dim")
     if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
         raise HFConfigError(f"{where}: head_dim must be an integer, got {head_dim!r}")
-    if head_dim is not None and head_dim * heads != hidden:
+    head_dim = head_dim or hidden // heads
+    if not config.get("head_dim") and hidden % heads:
         raise HFConfigError(
-            f"{where}: head_dim = {head_dim} differs from hidden_size / "
-            f"num_attention_heads = {hidden} / {heads}; ctxlaunch's heads are "
-            "hidden / heads wide"
+            f"{where}: head_dim {config.get('head_dim')!r} is not a whole number and "
+            f"hidden_size / num_attention_heads = {hidden} / {heads} is not whole either"
         )
     if config.get("pretraining_tp", 1) not in (1, None):
         raise HFConfigError(
@@ -180,11 +234,14 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
     theta, scaling = rope_from_config(config, where)
     fields: dict[str, Any] = {name: config[key] for name, key in SHAPE_KEYS.items()}
     fields.update(
+        family=family.name,
         kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
         norm_eps=_number(config, "rms_norm_eps", 1e-6, where),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_theta=theta,
         rope_scaling=scaling,
+        sliding_window=sliding_window(config, family),
     )
     return fields
 

@@ -84,6 +84,7 @@ from ctxlaunch.contract.spec_training import (
     TrainingSpec,
     indexed_files,
     indexed_prefix,
+    loss_mask_file,
     resolve_state_engine,
 )
 from ctxlaunch.contract.stages import balanced_stage_layers
@@ -134,6 +135,7 @@ __all__ = [
     "eval_problems",
     "indexed_files",
     "indexed_prefix",
+    "loss_mask_file",
     "json_schema",
     "layout_problems",
     "pipeline_problems",

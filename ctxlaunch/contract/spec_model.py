@@ -1,5 +1,5 @@
-"""The model section of the job spec: a Llama-style decoder's shape and its RoPE scaling, given
-in full, from a preset, or from a Hugging Face checkpoint (init_from)."""
+"""The model section of the job spec: a Llama-style decoder's family, shape and RoPE scaling,
+given in full, from a preset, or from a Hugging Face checkpoint (init_from)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from ctxlaunch.contract.families import FAMILIES, FamilyName
 from ctxlaunch.contract.hfconfig import CONFIG_FILE, HFConfigError, hub_id_error, model_fields
 from ctxlaunch.contract.presets import MODEL_PRESETS
 from ctxlaunch.contract.spec_base import PositiveInt, _problem, _Strict
@@ -83,10 +84,12 @@ RopeScaling = Annotated[
 """RoPE frequency scaling, as transformers computes it, chosen by `type`."""
 
 SHAPE_FIELDS = (
+    "family",
     "layers",
     "hidden",
     "heads",
     "kv_heads",
+    "head_dim",
     "ffn_hidden",
     "vocab",
     "norm_eps",
@@ -96,24 +99,37 @@ SHAPE_FIELDS = (
 
 
 class ModelSpec(_Strict):
-    """A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+    """A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU; with its family's
+    additions (q/k/v biases, q/k norms)."""
 
     preset: str | None = None
     """Start from a named shape (see `ctxlaunch.contract.presets`); fields given beside it override it."""
     init_from: str | None = None
-    """A Hugging Face Llama checkpoint directory (config.json and model.safetensors, or shards
-    with model.safetensors.index.json): the shape, norm_eps, tie_embeddings, rope_theta and
-    rope_scaling come from its config.json, and training starts from its weights (each rank
-    reads only the slice it holds). Shape fields given beside it must agree with config.json;
-    rope_theta and rope_scaling given beside it override it (to extend the context)."""
+    """A Hugging Face checkpoint directory (LlamaForCausalLM, MistralForCausalLM,
+    Qwen2ForCausalLM or Qwen3ForCausalLM; config.json and model.safetensors, or shards with
+    model.safetensors.index.json): the family, shape, norm_eps, tie_embeddings, rope_theta,
+    rope_scaling and sliding_window come from its config.json, and training starts from its
+    weights (each rank reads only the slice it holds). Shape fields given beside it must agree
+    with config.json; rope_theta, rope_scaling and sliding_window given beside it override it
+    (to extend the context)."""
+    family: FamilyName = "llama"
+    """The decoder family: llama (the plain block), mistral (the same block, Mistral's
+    checkpoints), qwen2 (biases on the q, k and v projections) or qwen3 (an RMSNorm over each
+    head of q and of k before RoPE). Set by init_from's config.json or by a preset; export
+    writes the family's own Hugging Face class."""
     layers: PositiveInt
     """Transformer blocks."""
     hidden: PositiveInt
     """Model width h."""
     heads: PositiveInt
-    """Query heads; head_dim = hidden / heads."""
+    """Query heads."""
     kv_heads: PositiveInt
     """Key/value heads (GQA); must divide heads."""
+    # A None default stands for hidden / heads until `_check_shape` fills it in, so every
+    # reader sees an int.
+    head_dim: PositiveInt = Field(None, validate_default=False)  # type: ignore[assignment]  # see above
+    """Width of each attention head; omitted: hidden / heads. Mistral NeMo and Qwen3 set it
+    apart from the hidden size (Qwen3-8B: hidden 4,096, 32 heads of 128)."""
     ffn_hidden: PositiveInt
     """SwiGLU inner width."""
     vocab: PositiveInt
@@ -131,12 +147,20 @@ class ModelSpec(_Strict):
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
     """Share the input embedding with the output head."""
+    sliding_window: PositiveInt | None = None
+    """The attention window of the checkpoint (Mistral 7B v0.1: 4,096; null since v0.2 and in
+    the released Qwen checkpoints): a query sees at most this many keys. ctxlaunch's attention is
+    full causal, so a window shorter than training.seq_len (which would change what a query
+    sees) is refused; null: no window."""
 
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
         if isinstance(data, str):
             data = {"preset": data}
+        if isinstance(data, dict) and "head_dim" in data and data["head_dim"] is None:
+            # head_dim: null means what omitting it means: hidden / heads.
+            data = {k: v for k, v in data.items() if k != "head_dim"}
         if isinstance(data, dict) and data.get("preset") is not None:
             name = data["preset"]
             if not isinstance(name, str) or name not in MODEL_PRESETS:
@@ -205,15 +229,22 @@ class ModelSpec(_Strict):
     @model_validator(mode="after")
     def _check_shape(self) -> ModelSpec:
         problems = []
-        if self.hidden % self.heads:
-            problems.append(
-                _problem(
-                    ("hidden",),
-                    self.hidden,
-                    f"hidden = {self.hidden} must be divisible by heads = {self.heads} "
-                    "(head_dim = hidden / heads); fix: change hidden or heads",
+        head_dim: int | None = self.head_dim
+        if head_dim is None:
+            if self.hidden % self.heads:
+                problems.append(
+                    _problem(
+                        ("hidden",),
+                        self.hidden,
+                        f"hidden = {self.hidden} must be divisible by heads = {self.heads} "
+                        "(head_dim = hidden / heads when head_dim is not given); fix: change "
+                        "hidden or heads, or give head_dim",
+                    )
                 )
-            )
+            else:
+                head_dim = self.hidden // self.heads
+                # Frozen: filled in once, here, so every reader sees the width.
+                object.__setattr__(self, "head_dim", head_dim)
         if self.heads % self.kv_heads:
             problems.append(
                 _problem(
@@ -224,13 +255,13 @@ class ModelSpec(_Strict):
                     "divides heads",
                 )
             )
-        elif self.hidden % self.heads == 0 and (self.hidden // self.heads) % 2:
+        if head_dim is not None and head_dim % 2:
             problems.append(
                 _problem(
-                    ("hidden",),
-                    self.hidden,
-                    f"head_dim = hidden / heads = {self.hidden // self.heads} must be even for "
-                    "RoPE (it rotates pairs); fix: change hidden or heads",
+                    ("head_dim",),
+                    head_dim,
+                    f"head_dim = {head_dim} must be even for RoPE (it rotates pairs); fix: "
+                    "change head_dim (or hidden or heads)",
                 )
             )
         if problems:
@@ -238,10 +269,21 @@ class ModelSpec(_Strict):
         return self
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def q_hidden(self) -> int:
+        """Width of Q (and of the attention output): heads x head_dim."""
+        return self.heads * self.head_dim
 
     @property
     def kv_hidden(self) -> int:
         """Width of K (and of V): kv_heads x head_dim."""
         return self.kv_heads * self.head_dim
+
+    @property
+    def qkv_bias(self) -> bool:
+        """The family puts biases on the q, k and v projections (qwen2)."""
+        return FAMILIES[self.family].qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """The family normalises each head of q and of k before RoPE (qwen3)."""
+        return FAMILIES[self.family].qk_norm

@@ -52,6 +52,13 @@ def indexed_files(path: str | Path) -> tuple[Path, Path]:
     return prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".idx")
 
 
+def loss_mask_file(path: str | Path) -> Path:
+    """PREFIX.lossmask: beside an indexed dataset, one byte per token of PREFIX.bin, in its
+    order, 1 where the token is a target the loss counts (what `data prepare --chat` writes)."""
+    prefix = indexed_prefix(path)
+    return prefix.with_name(prefix.name + ".lossmask")
+
+
 class DataSpec(_Strict):
     """Training tokens: synthetic (seeded random tokens), a text file read byte-level, or
     tokenized documents (Megatron indexed datasets, as `ctxlaunch data prepare` writes)."""
@@ -75,6 +82,12 @@ class DataSpec(_Strict):
     sequence (under every CP algorithm and layout; pairs of shards that share no document are
     skipped, not computed), and a token whose target opens the next document is not predicted
     (its target is ignored, -100). The loss is the mean over the predicted tokens of the step."""
+    loss_mask: bool = False
+    """source: tokens only: the loss counts only the targets that each dataset's
+    PREFIX.lossmask marks (supervised fine-tuning: `ctxlaunch data prepare --chat` marks the
+    assistant's tokens), the mask staying aligned with its tokens through packing, document
+    masks and every CP, TP and PP split. The loss, and evaluation's, is the mean over every
+    supervised target of the step (the count summed over DP and CP), never a mean per rank."""
     restart_positions: bool = True
     """With document_mask: positions (RoPE) restart at 0 at each document, so each document is
     computed exactly as if it ran alone, which is what Hugging Face's packing with position ids
@@ -112,6 +125,15 @@ class DataSpec(_Strict):
                             (name,), getattr(self, name), f"data.{name} needs data.source = tokens"
                         )
                     )
+            if self.loss_mask:
+                problems.append(
+                    _problem(
+                        ("loss_mask",),
+                        self.loss_mask,
+                        f"data.loss_mask needs data.source = tokens (an indexed dataset with "
+                        f"its PREFIX.lossmask); source {self.source} has none",
+                    )
+                )
             if self.document_mask:
                 problems.append(
                     _problem(
@@ -168,11 +190,15 @@ class DataSpec(_Strict):
                 else [(f"paths[{i}]", p) for i, p in enumerate(self.paths)]
             )
             for name, value in entries:
-                missing = [str(f) for f in indexed_files(value) if not f.is_file()]
+                files = [*indexed_files(value)] + (
+                    [loss_mask_file(value)] if self.loss_mask else []
+                )
+                missing = [str(f) for f in files if not f.is_file()]
                 if missing:
+                    command = "ctxlaunch data prepare" + (" --chat" if self.loss_mask else "")
                     out.append(
                         f"training.data.{name} {value}: no such file: "
-                        f"{', '.join(missing)} (make it with `ctxlaunch data prepare`)"
+                        f"{', '.join(missing)} (make it with `{command}`)"
                     )
         return out
 

@@ -21,22 +21,30 @@ TP 2 and on both stages of PP 2.
 Bytes saved for backward per token by one transformer block, with a = bytes of the compute
 dtype and r = bytes of the residual stream (both 2 in bf16 under DeepSpeed; r = 4 under ZeRO-0
 bf16, where torch autocast keeps fp32 weights and residual; both 4 in fp32), h the hidden size,
-h_kv the K/V width and f the feed-forward width:
+h_q = heads x head_dim the query width (h itself unless head_dim is free of hidden / heads, as
+in Mistral NeMo and Qwen3), h_kv the K/V width and f the feed-forward width:
 
     tensor (who saves it)                         bytes/token
     block input x (RMSNorm 1)                     r*h
     RMSNorm 1 output (fused q/k/v projection)     a*h
-    q, k, v after RoPE (attention)                a*(h + 2*h_kv)
-    attention output (attention)                  a*h
+    q, k, v after RoPE (attention)                a*(h_q + 2*h_kv)
+    attention output (attention)                  a*h_q
     log-sum-exp, fp32 (attention)                 4*heads
-    attention output, token-major (o projection)  a*h
+    attention output, token-major (o projection)  a*h_q
     x + attention (RMSNorm 2)                     r*h
     RMSNorm 2 output (fused gate/up projection)   a*h
     gate and up (SwiGLU)                          2*a*f
     SwiGLU output (down projection)               a*f
     two RMSNorm reciprocal RMS values, fp32       8
+  with q/k norms (Qwen3):
+    the fused q/k/v output (q and k norms' input) a*(h_q + 2*h_kv)
+    their reciprocal RMS values, fp32             4*(heads + kv_heads)
 
-    total: 2*r*h + a*(5*h + 2*h_kv + 3*f) + 4*heads + 8
+    total: 2*r*h + a*(2*h + 3*h_q + 2*h_kv + 3*f) + 4*heads + 8 (+ the q/k norms' terms)
+
+The q and k norms save their input, a view of the fused projection's output, so the whole of
+that output (v's part too) stays until the block's backward. The q/k/v biases (Qwen2) save
+nothing: their gradient is the output gradient summed over the tokens.
 
 No s-by-s term: attention runs through flash kernels that keep only the log-sum-exp. For
 Llama-3-8B in bf16 (h 4096, h_kv 1024, f 14336, 32 heads) that is 147,592 bytes = 36.0*h per
@@ -47,8 +55,9 @@ backward: 2 bytes per weight, per block not recomputed.
 
 Activation checkpointing:
 - selective: the feed-forward half (RMSNorm 2 + SwiGLU, cheap and linear in s) is recomputed;
-  attention (quadratic to recompute) is kept. Saved per block: r*h + a*(4*h + 2*h_kv) + 4*heads
-  + 4, plus the feed-forward input r*h.
+  attention (quadratic to recompute) is kept. Saved per block: the attention half,
+  r*h + a*(h + 3*h_q + 2*h_kv) + 4*heads + 4 (with the q/k norms' terms), plus the
+  feed-forward input r*h.
 - full: only each block's input r*h is kept; one block is recomputed at a time in backward.
 
 The functions below name these quantities by the table's symbols (a, r, h, h_kv, f).
@@ -72,14 +81,25 @@ BACKWARD_CHUNK_TOKENS = 1024
 many tokens, so those temporaries do not grow with the sequence."""
 
 
+def attention_half_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
+    """What the attention half of a block (RMSNorm 1 to the o projection, the block input
+    included) saves for backward per token (the table in the module docstring)."""
+    # a, r, h, h_q, h_kv: the symbols of the module docstring's table.
+    a, r = layout.compute_bytes, layout.residual_bytes
+    h, h_q, h_kv = model.hidden, model.q_hidden, model.kv_hidden
+    saved = r * h + a * (h + 3 * h_q + 2 * h_kv) + 4 * model.heads + 4
+    if model.qk_norm:
+        saved += a * (h_q + 2 * h_kv) + 4 * (model.heads + model.kv_heads)
+    return saved
+
+
 def block_activation_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
     """Bytes one transformer block saves for backward per token, for the layout's
     checkpointing mode (the table in the module docstring)."""
-    # a, r, h, f, h_kv: the symbols of the module docstring's table.
+    # a, r, h, f: the symbols of the module docstring's table.
     a, r = layout.compute_bytes, layout.residual_bytes
     h, f = model.hidden, model.ffn_hidden
-    h_kv = model.kv_hidden
-    attention_half = r * h + a * (4 * h + 2 * h_kv) + 4 * model.heads + 4
+    attention_half = attention_half_bytes_per_token(model, layout)
     feed_forward_half = r * h + a * (h + 3 * f) + 4
     # TP with sequence parallelism divides every per-token tensor by t, the norm outputs the
     # column-parallel projections read included: as in Megatron, each projection keeps its
@@ -107,22 +127,22 @@ def recompute_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
 def attention_workspace_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
     """Transient buffers of one attention call in backward (its peak), per local token:
     fp32 dQ accumulator, K/V grads and their transfer buffers, kernel outputs."""
-    # a, h, h_kv: the symbols of the module docstring's table.
+    # a, h_q, h_kv: the symbols of the module docstring's table.
     a = layout.compute_bytes
-    h, h_kv = model.hidden, model.kv_hidden
-    kernel_grads = a * 3 * h  # dq, dk, dv from the kernel, K/V expanded to all query heads
+    h_q, h_kv = model.q_hidden, model.kv_hidden
+    kernel_grads = a * 3 * h_q  # dq, dk, dv from the kernel, K/V expanded to all query heads
     if layout.cp == 1:
         return kernel_grads
     if layout.cp_algorithm == "ulysses":
         # all-to-all in and out buffers for q, k, v (and their grads): same size per rank.
-        return 2 * a * (h + 2 * h_kv) + kernel_grads
+        return 2 * a * (h_q + 2 * h_kv) + kernel_grads
     if layout.cp_algorithm == "allgather":
         # fp32 dQ; the whole sequence's K/V gathered (cp x the local tokens) and their fp32
         # dK/dV before the reduce-scatter.
-        return 4 * h + layout.cp * (2 * a * h_kv + 2 * 4 * h_kv) + kernel_grads
+        return 4 * h_q + layout.cp * (2 * a * h_kv + 2 * 4 * h_kv) + kernel_grads
     # ring (and the ring part of hybrid): fp32 dQ, fp32 dK/dV in hand and in flight, K/V in
     # hand and in flight.
-    return 4 * h + 2 * 2 * 4 * h_kv + 2 * 2 * a * h_kv + kernel_grads
+    return 4 * h_q + 2 * 2 * 4 * h_kv + 2 * 2 * a * h_kv + kernel_grads
 
 
 def loss_workspace_bytes(model: ModelSpec, layout: Layout) -> float:
@@ -153,9 +173,9 @@ def autocast_weight_copy_bytes(model: ModelSpec, layout: Layout) -> float:
     weights for backward (2 bytes per weight), except where the block is recomputed."""
     if layout.dtype != "bf16" or not layout.fp32_weights:
         return 0.0
-    # h, h_kv, f: the symbols of the module docstring's table.
-    h, h_kv, f = model.hidden, model.kv_hidden, model.ffn_hidden
-    attention = h * (h + 2 * h_kv) + h * h
+    # h, h_q, h_kv, f: the symbols of the module docstring's table.
+    h, h_q, h_kv, f = model.hidden, model.q_hidden, model.kv_hidden, model.ffn_hidden
+    attention = h * (h_q + 2 * h_kv) + h_q * h
     feed_forward = 3 * h * f
     kept = {"none": attention + feed_forward, "selective": attention, "full": 0}
     return 2.0 * kept[layout.activation_checkpointing] / layout.tp

@@ -11,9 +11,9 @@ algorithms), per rank, for a group of g ranks and a tensor of N bytes:
     point-to-point send                      N
 
 Per micro-batch, with n = micro_batch * seq_len / cp tokens on a CP rank, t = TP degree,
-h = hidden, h_kv = K/V width, a = compute-dtype bytes (2 bf16, 4 fp32), r = bytes of the
-residual stream (4 in the bundled trainer: its TP/PP engines keep fp32 weights, so it is fp32
-under autocast too; a under Megatron), per block:
+h = hidden, h_q = query width (heads x head_dim), h_kv = K/V width, a = compute-dtype bytes
+(2 bf16, 4 fp32), r = bytes of the residual stream (4 in the bundled trainer: its TP/PP engines
+keep fp32 weights, so it is fp32 under autocast too; a under Megatron), per block:
 
 - TP (sequence parallel), Megatron's habits: forward gathers the norm output twice (n*h*r
   each) and reduce-scatters the attention and feed-forward outputs (n*h*a each); backward
@@ -37,7 +37,7 @@ under autocast too; a under Megatron), per block:
       2 * (N-1) * n*h_kv/t * (2*a + 4);   full recomputation adds 2*(N-1)*n*h_kv/t*a
   (selective checkpointing keeps attention: nothing more).
 - CP Ulysses of degree U: q, k, v to heads and the output back in forward, the same volume in
-  backward: 2 * (U-1)/U * n*(2*h + 2*h_kv)/t * a, half as much again under full
+  backward: 2 * (U-1)/U * n*(2*h_q + 2*h_kv)/t * a, half as much again under full
   recomputation. Hybrid: the Ulysses term with U plus the ring
   term with N = cp / U.
 - PP: per micro-batch a stage sends its output activation (n/t*h*r) forward unless it is the
@@ -160,13 +160,13 @@ def ring_forwards(layout: Layout) -> int:
 
 def ulysses_all_to_all_bytes(model: ModelSpec, layout: Layout) -> float:
     """Bytes one rank sends in one direction of a block's Ulysses all-to-alls (q, k, v to
-    heads, or the output back): (U-1)/U * n*(2h + 2h_kv)/t * a."""
+    heads, or the output back): (U-1)/U * n*(2h_q + 2h_kv)/t * a (h_q = heads x head_dim)."""
     u = layout.ulysses_degree
     return (
         (u - 1)
         / u
         * _local_tokens(layout)
-        * (2 * model.hidden + 2 * model.kv_hidden)
+        * (2 * model.q_hidden + 2 * model.kv_hidden)
         / layout.tp
         * layout.compute_bytes
     )

@@ -1,11 +1,13 @@
-"""Parameter counts and model FLOPs of the Llama-style decoder, in both MFU conventions.
+"""Parameter counts and model FLOPs of the Llama-style decoder (and its families' additions:
+q/k/v biases, q/k norms, head_dim free of hidden / heads), in both MFU conventions.
 
 Model FLOPs per token (forward + backward, recomputation not counted) =
     6 * N_matmul                       the weight matmuls
   + 12 * L * heads * head_dim * s      attention scores and values over all s x s entries
 
 `N_matmul` is every parameter except the input embedding table (a lookup, not a matmul), as
-torchtitan counts it; a tied embedding is counted once, as the output head.
+torchtitan counts it; a tied embedding is counted once, as the output head. The biases and norm
+gains are counted in it too (as torchtitan's count of all parameters does): a few in a million.
 
 Two conventions are in use and differ by up to ~1.8x at 128K+ tokens, so both are reported:
 - "full": the whole score matrix is counted (PaLM, torchtitan, NeMo);
@@ -46,6 +48,12 @@ class ModelShape(Protocol):
     def vocab(self) -> int: ...
     @property
     def tie_embeddings(self) -> bool: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def qkv_bias(self) -> bool: ...
+    @property
+    def qk_norm(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,8 @@ class ParamCount:
     embedding: int
     """Input embedding table (vocab x hidden)."""
     per_layer: int
-    """One transformer block: attention (q, k, v, o), SwiGLU (gate, up, down), two norms."""
+    """One transformer block: attention (q, k, v, o, and the family's q/k/v biases and q/k
+    norms), SwiGLU (gate, up, down), two norms."""
     layers: int
     final_norm: int
     head: int
@@ -73,9 +82,15 @@ class ParamCount:
 
 
 def count_params(model: ModelShape) -> ParamCount:
+    """The decoder's parameters, by part."""
     h, f = model.hidden, model.ffn_hidden
-    kv = model.kv_heads * (h // model.heads)
-    attention = h * h + 2 * h * kv + h * h  # q, k, v, o (no biases, as in Llama)
+    q = model.heads * model.head_dim
+    kv = model.kv_heads * model.head_dim
+    attention = h * q + 2 * h * kv + q * h  # q, k, v, o
+    if model.qkv_bias:
+        attention += q + 2 * kv  # Qwen2: biases on q, k and v
+    if model.qk_norm:
+        attention += 2 * model.head_dim  # Qwen3: one gain over each head of q, one of k
     mlp = 3 * h * f  # gate, up, down
     norms = 2 * h
     embedding = model.vocab * h
@@ -90,7 +105,7 @@ def count_params(model: ModelShape) -> ParamCount:
 
 def attention_flops_per_token(model: ModelShape, seq_len: int, convention: MfuConvention) -> float:
     """Attention score + value FLOPs per token, forward and backward."""
-    full = 12.0 * model.layers * model.hidden * seq_len  # heads x head_dim = hidden
+    full = 12.0 * model.layers * model.heads * model.head_dim * seq_len
     return full if convention == "full" else full / 2
 
 

@@ -156,7 +156,7 @@ def cuda_kernel_allowance(model: ModelSpec, layout: Layout) -> float:
     (c10/cuda/CUDACachingAllocator.cpp, kRoundSmall/kSmallBuffer/kLargeBuffer): one 2 MiB
     small segment and one 20 MiB large segment half-empty at the peak are allowed for."""
     # Under Ulysses the kernel sees the whole sequence and heads / N: the same bytes.
-    flash = layout.tokens_per_rank * (4 * model.hidden + 4 * model.heads) / layout.tp
+    flash = layout.tokens_per_rank * (4 * model.q_hidden + 4 * model.heads) / layout.tp
     return flash + 2 * 2**20 + 20 * 2**20
 
 

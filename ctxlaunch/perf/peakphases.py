@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 from ctxlaunch.perf.activations import (
     BACKWARD_CHUNK_TOKENS,
+    attention_half_bytes_per_token,
     block_activation_bytes_per_token,
     loss_workspace_bytes,
     stage_activation_bytes,
@@ -173,10 +174,7 @@ def _attention_recompute_bytes_per_token(model: ModelSpec, layout: Layout) -> fl
     """Under full checkpointing, the attention half recomputed (all but the block input)."""
     if layout.activation_checkpointing != "full":
         return 0.0
-    # a, h, h_kv: the symbols of ctxlaunch.perf.activations' table.
-    a = layout.compute_bytes
-    h, h_kv = model.hidden, model.kv_hidden
-    return layout.residual_bytes * h + a * (4 * h + 2 * h_kv) + 4 * model.heads + 4
+    return attention_half_bytes_per_token(model, layout)
 
 
 def _swiglu_backward_temporaries(model: ModelSpec, layout: Layout) -> float:

@@ -150,8 +150,9 @@ def _matmul_seconds(
     (`profiles.gemm_seconds`: wave quantisation, memory-bound small GEMMs), TP-sharded, plus a
     recomputed forward of what the checkpointing mode recomputes; the output head once.
     `tokens`: the rank's tokens of the micro-batch; `layers`: the stage's blocks."""
-    # h, f, h_kv: the hidden, feed-forward and K/V widths; t: the TP degree.
-    h, f, h_kv, t = model.hidden, model.ffn_hidden, model.kv_hidden, layout.tp
+    # h, f, h_q, h_kv: the hidden, feed-forward, query and K/V widths; t: the TP degree.
+    h, f, t = model.hidden, model.ffn_hidden, layout.tp
+    h_q, h_kv = model.q_hidden, model.kv_hidden
     precision = layout.matmul_precision
     element = 1.0 if precision == "fp8" else float(layout.compute_bytes)
 
@@ -175,13 +176,13 @@ def _matmul_seconds(
     attention_forwards = 2 if mode == "full" else 1
     ffn_forwards = 1 if mode == "none" else 2
     block = (
-        projection(h, (h + 2 * h_kv) / t, attention_forwards)  # fused q, k, v
-        + projection(h / t, h, attention_forwards)  # output
+        projection(h, (h_q + 2 * h_kv) / t, attention_forwards)  # fused q, k, v
+        + projection(h_q / t, h, attention_forwards)  # output
         + projection(h, 2 * f / t, ffn_forwards)  # fused gate, up
         + projection(f / t, h, ffn_forwards)
     )  # down
     head = projection(h, vocab / t, 1)
-    attention_weights, ffn_weights = 2 * h * h + 2 * h * h_kv, 3 * h * f
+    attention_weights, ffn_weights = 2 * h * h_q + 2 * h * h_kv, 3 * h * f
     recompute = {"none": 0, "selective": ffn_weights, "full": attention_weights + ffn_weights}[mode]
     flops = (
         tokens * layers * (6 * (attention_weights + ffn_weights) + 2 * recompute)

@@ -18,183 +18,25 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
-from ctxlaunch.contract.loader import SpecError, apply_overrides, validate_spec
+from ctxlaunch.contract.loader import SpecError, validate_spec
 from tests.helpers.dist import run_distributed
+from tests.helpers.hf_models import (
+    ROPES,
+    SEQ,
+    VOCAB,
+    build_trainer,
+    first_losses,
+    hf_config,
+    hf_tensors,
+    our_logits,
+    reference_loss,
+    reference_sequences,
+    save_hf,
+    spec_data,
+)
 
 if TYPE_CHECKING:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-# transformers is imported inside the functions that use it: the spawned ranks of the
-# multi-process tests import this module and need none of it.
-
-SEQ = 32
-VOCAB = 64
-
-ROPES: dict[str, dict] = {
-    "default": {"rope_type": "default"},
-    "linear": {"rope_type": "linear", "factor": 4.0},
-    # Llama 3.1's scaling, the pretraining length shrunk so every band is hit at SEQ tokens.
-    "llama3": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16,
-    },
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
-    "yarn-mscale": {
-        "rope_type": "yarn",
-        "factor": 8.0,
-        "original_max_position_embeddings": 16,
-        "beta_fast": 16.0,
-        "beta_slow": 2.0,
-        "mscale": 0.8,
-        "mscale_all_dim": 0.5,
-    },
-}
-
-
-def hf_config(
-    rope: str = "llama3",
-    *,
-    kv_heads: int = 2,
-    tied: bool = False,
-    layers: int = 2,
-    theta: float = 500000.0,
-    **changes,
-) -> LlamaConfig:
-    from transformers import LlamaConfig
-
-    params = {**ROPES[rope], "rope_theta": theta}
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
-        rope_parameters=params,
-        max_position_embeddings=128,
-        tie_word_embeddings=tied,
-        rms_norm_eps=1e-5,
-        initializer_range=0.1,
-        **changes,
-    )
-
-
-def save_hf(
-    directory: Path,
-    config: LlamaConfig,
-    *,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    **save_options,
-) -> LlamaForCausalLM:
-    """A random LlamaForCausalLM (norm gains random too) saved to `directory`."""
     from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1 + 0.3 * torch.randn_like(param))
-    model = model.to(dtype)
-    model.save_pretrained(directory, **save_options)
-    (directory / "tokenizer.json").write_text('{"version": "1.0"}')
-    return model.float().eval()
-
-
-def spec_data(init_from: Path, world: int = 1, **changes) -> dict:
-    base = {
-        "name": "hf",
-        "model": {"init_from": str(init_from), "dtype": "fp32"},
-        "training": {
-            "seq_len": SEQ,
-            "micro_batch": 1,
-            "global_batch": 2,
-            "steps": 2,
-            "seed": 3,
-            "optimizer": {"lr": 1e-3},
-        },
-        "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": world},
-    }
-    return apply_overrides(base, [f"{k}={v}" for k, v in changes.items()])
-
-
-def build_trainer(rank: int, world: int, data: dict):
-    from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
-
-    spec = validate_spec(data)
-    p = spec.parallel
-    ctx = build_context(
-        rank=rank,
-        world_size=world,
-        dp=spec.dp,
-        cp=p.cp,
-        ulysses=spec.ulysses_degree,
-        cp_sharding=p.cp_sharding,
-        tp=p.tp,
-        pp=p.pp,
-    )
-    return Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
-
-
-def our_logits(trainer, tokens: torch.Tensor) -> torch.Tensor:
-    model = trainer.engine.parts.model
-    with torch.no_grad():
-        hidden = model.hidden_states(tokens, torch.arange(tokens.shape[1]))
-        return F.linear(hidden, model._output_weight())
-
-
-def reference_loss(reference: LlamaForCausalLM, data: dict) -> float:
-    """transformers' mean next-token loss over the first step's sequences (the batches a
-    one-process trainer of the same spec reads)."""
-    trainer = build_trainer(
-        0,
-        1,
-        apply_overrides(
-            data,
-            [
-                "cluster.gpus_per_node=1",
-                "parallel={}",
-                "training.zero_stage=0",
-                "training.engine=auto",
-            ],
-        ),
-    )
-    losses = []
-    with torch.no_grad():
-        for micro in range(trainer.spec.grad_accum):
-            batch = trainer.batches.get(0, micro)
-            logits = reference(batch.tokens).logits
-            losses.append(F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten()))
-    return float(torch.stack(losses).mean())
-
-
-def reference_sequences(reference: LlamaForCausalLM, data: dict) -> list[torch.Tensor]:
-    """transformers' logits of the first step's sequences, in order (micro-batch m of DP rank
-    r is sequence r at one micro-batch per rank: the layouts here run at most DP 2, the
-    one-process trainer reads them as its micro-batches 0, 1)."""
-    trainer = build_trainer(
-        0,
-        1,
-        apply_overrides(
-            data,
-            [
-                "cluster.gpus_per_node=1",
-                "parallel={}",
-                "training.zero_stage=0",
-                "training.engine=auto",
-            ],
-        ),
-    )
-    with torch.no_grad():
-        return [
-            reference(trainer.batches.get(0, m).tokens).logits
-            for m in range(trainer.spec.grad_accum)
-        ]
 
 
 # -- RoPE --------------------------------------------------------------------------------------
@@ -360,11 +202,14 @@ def test_shape_disagreeing_with_config_json_names_field_values_and_file(tmp_path
 @pytest.mark.parametrize(
     "change, words",
     [
-        ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, "MistralForCausalLM"),
+        ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "GemmaForCausalLM.*GeGLU"),
+        ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}, "mixture-of-experts"),
+        ({"architectures": ["PhiForCausalLM"], "model_type": "phi"}, "partial RoPE"),
+        ({"architectures": ["FooForCausalLM"], "model_type": "foo"}, "Qwen3ForCausalLM"),
         ({"model_type": "mistral"}, "mistral"),
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
-        ({"head_dim": 32}, "head_dim = 32"),
+        ({"head_dim": 15}, "head_dim = 15 must be even"),
         ({"hidden_act": "gelu"}, "gelu"),
         ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
     ],
@@ -422,15 +267,6 @@ def test_sharded_checkpoint_imports(tmp_path: Path) -> None:
 
 # -- export ------------------------------------------------------------------------------------
 runner = CliRunner()
-
-
-def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(file))
-    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -528,41 +364,6 @@ def test_export_refuses_and_leaves_nothing(tmp_path: Path) -> None:
 
 
 # -- import and export at multi-process layouts ------------------------------------------------
-def _local_logits(trainer) -> dict | None:
-    """This rank's logits (whole vocabulary, gathered over TP) of the first micro-batch's
-    tokens it holds, with their global positions; None under PP (no rank runs it all) and
-    FSDP2 (the root's weights are gathered only inside its forward): the loss covers those."""
-    import torch.distributed as dist
-
-    engine = trainer.engine
-    if trainer.ctx.pp > 1 or (hasattr(engine, "parts") and engine.parts.sharded):
-        return None
-    model = engine.parts.model if hasattr(engine, "parts") else engine.model
-    batch = trainer.batches.get(0, 0)
-    with torch.no_grad():
-        hidden = model.enter_loss(model.hidden_states(batch.tokens, batch.positions))
-        logits = F.linear(hidden, model._output_weight())
-    if trainer.ctx.tp > 1:
-        shards = [torch.empty_like(logits) for _ in range(trainer.ctx.tp)]
-        dist.all_gather(shards, logits.contiguous(), group=trainer.ctx.tp_group)
-        logits = torch.cat(shards, dim=-1)
-    return {"logits": logits.numpy(), "positions": batch.positions.numpy()}
-
-
-def _first_losses(rank: int, world: int, cases: list[dict]) -> list[dict]:
-    """For each spec: build the trainer, its logits of the imported weights, one step (its
-    loss is that of the imported weights), a checkpoint if the spec says where."""
-    results = []
-    for data in cases:
-        trainer = build_trainer(rank, world, data)
-        logits = _local_logits(trainer)
-        results.append(
-            {"loss": trainer.train_step().loss, "logits": logits, "dp_rank": trainer.ctx.dp_rank}
-        )
-        trainer.save_checkpoint()
-    return results
-
-
 LAYOUTS: dict[int, list[dict]] = {
     2: [
         {"parallel.tp": 2},
@@ -609,7 +410,7 @@ def test_layouts_load_the_imported_weights(world: int, tmp_path: Path) -> None:
             changes["training.checkpoint.dir"] = str(tmp_path / f"ckpt-{number}")
             exports.append(number)
         cases.append(spec_data(sources[rope][0], world, **changes))
-    ranks = run_distributed(_first_losses, world, cases, timeout_s=540)
+    ranks = run_distributed(first_losses, world, cases, timeout_s=540)
     for number, layout in enumerate(LAYOUTS[world]):
         reference = sources[layout.get("rope", "llama3")][1]
         want = reference_loss(reference, cases[number])
@@ -635,7 +436,7 @@ def test_layouts_load_the_imported_weights(world: int, tmp_path: Path) -> None:
     source = sources["llama3"][0]  # every exported layout is a llama3 one
     # The one-process run of the same step, exported: what every layout's export must hold.
     single = tmp_path / "ckpt-single"
-    _first_losses(0, 1, [spec_data(source, **{"training.checkpoint.dir": str(single)})])
+    first_losses(0, 1, [spec_data(source, **{"training.checkpoint.dir": str(single)})])
     result = runner.invoke(app, ["export", str(single), "--hf", str(tmp_path / "hf-single")])
     assert result.exit_code == 0, result.output
     want_tensors = hf_tensors(tmp_path / "hf-single")

@@ -83,15 +83,21 @@ def _measure(rank: int, world: int, specs: list[dict]) -> list[tuple[int, str]]:
 
 
 def _check(
-    world: int, cases: list[dict[str, object]], tolerance: float, *, replicas_alike: bool = False
+    world: int,
+    cases: list[dict[str, object]],
+    tolerance: float,
+    *,
+    replicas_alike: bool = False,
+    remeasure: int = 1,
 ) -> None:
     """Each rank's measured peak against its plan. `replicas_alike`: the ranks holding the
     same stage make allocations of the same sizes (DP replicas; CP ranks' equal zigzag shards;
     TP ranks' equal slices), and the record can only read high (a free it missed keeps a block
     on the curve), so each is compared through the lowest reading of its stage's ranks (every
     reading is still printed); a case whose lowest reading is still high beyond the tolerance
-    is measured once more (how many frees land on gloo's threads depends on the timing, which
-    another test running beside this one changes), and the lower of the two readings counts."""
+    is measured again, up to `remeasure` times (how many frees land on gloo's threads depends
+    on the timing, which another test running beside this one changes), and the lowest reading
+    counts."""
     specs = [spec_for(world, case) for case in cases]
 
     def measure(chosen: list[dict]) -> list[list[tuple[int, str]]]:
@@ -103,17 +109,18 @@ def _check(
 
     ranks = measure(specs)
     errors = _errors(world, cases, specs, ranks, replicas_alike)
-    if replicas_alike:
+    for _ in range(remeasure if replicas_alike else 0):
         again = [
             i for i, case_errors in enumerate(errors) if any(e < -tolerance for e in case_errors)
         ]
-        if again:
-            print(f"measured again (a reading above the plan): {[cases[i] for i in again]}")
-            second = measure([specs[i] for i in again])
-            for j, i in enumerate(again):
-                for rank in range(world):
-                    ranks[rank][i] = min(ranks[rank][i], second[rank][j])
-            errors = _errors(world, cases, specs, ranks, replicas_alike)
+        if not again:
+            break
+        print(f"measured again (a reading above the plan): {[cases[i] for i in again]}")
+        second = measure([specs[i] for i in again])
+        for j, i in enumerate(again):
+            for rank in range(world):
+                ranks[rank][i] = min(ranks[rank][i], second[rank][j])
+        errors = _errors(world, cases, specs, ranks, replicas_alike)
     failures = [
         (case, rank, f"{error:+.2%}")
         for case, case_errors in zip(cases, errors)
@@ -302,4 +309,61 @@ def test_peak_at_pp2_four_micro_batches_within_2_percent() -> None:
             }
         ],
         0.02,
+    )
+
+
+FAMILIES: dict[str, dict[str, object]] = {
+    # Qwen3: q/k norms (their input, the fused q/k/v output, kept to backward) and head_dim
+    # free of hidden / heads (8 heads of 64 on a width of 256).
+    "qwen3": {"model.family": "qwen3", "model.head_dim": 64},
+    # Qwen2: biases on q, k and v (saving nothing).
+    "qwen2": {"model.family": "qwen2"},
+    # Mistral NeMo's case: heads narrower than hidden / heads (8 of 24 on 256).
+    "mistral": {"model.family": "mistral", "model.head_dim": 24},
+}
+
+
+@pytest.mark.timeout(900)
+def test_peak_of_each_family_within_2_percent_one_process() -> None:
+    """Mistral (head_dim free), Qwen2 (q/k/v biases) and Qwen3 (q/k norms, head_dim free) at
+    one process: fp32 and bf16 (autocast), and for Qwen3 every checkpointing mode."""
+    cases: list[dict[str, object]] = []
+    for name, family in FAMILIES.items():
+        cases.append(family)
+        cases.append({**family, "model.dtype": "bf16"})
+        if name == "qwen3":
+            cases.extend(
+                {**family, "training.activation_checkpointing": mode}
+                for mode in ("selective", "full")
+            )
+    _check(1, cases, 0.02)
+
+
+@pytest.mark.timeout(900)
+def test_peak_of_each_family_within_2_percent_at_cp2_and_tp2() -> None:
+    """Qwen3 at CP 2 (ring, and Ulysses, which moves the heads after the q/k norms), at TP 2
+    (each rank's heads' norms, replicated gains) and under FSDP2 ZeRO-2 at DP 2; Qwen2 at TP 2
+    (its biases split with their columns). The ranks of each case hold equal shards, so each
+    is compared through the lower reading (`replicas_alike`)."""
+    qwen3, qwen2 = FAMILIES["qwen3"], FAMILIES["qwen2"]
+    # At TP 2 a missed free (an all-gather's 4 MB fp32 buffer, released on gloo's thread)
+    # reads one rank high about every other run, both ranks at once now and then; the plan
+    # holds to 0.01 % on the readings without one: measured up to three times more.
+    _check(
+        2,
+        [
+            {**qwen3, "parallel.cp": 2},
+            {**qwen3, "parallel.cp": 2, "parallel.cp_algorithm": "ulysses"},
+            {**qwen3, "parallel.tp": 2},
+            {
+                **qwen3,
+                "training.global_batch": 2,
+                "training.zero_stage": 2,
+                "training.engine": "fsdp2",
+            },
+            {**qwen2, "parallel.tp": 2},
+        ],
+        0.02,
+        replicas_alike=True,
+        remeasure=3,
     )

@@ -16,6 +16,9 @@ all little-endian:
     int64[D+1] the document index: document d is sequences [index[d], index[d+1])
     int8[S]   (multimodal files only) each sequence's mode
 
+Beside them `data prepare --chat` writes PREFIX.lossmask (not Megatron's): one byte per token of
+the .bin, in its order, 1 where the token is a target the loss counts (an assistant's).
+
 A Megatron "sequence" is a sentence when preprocess_data splits sentences; otherwise each
 document is one sequence. Either way a document's tokens are contiguous in the .bin, and this
 module deals in documents. Nothing here reads a whole file: both files are memory-mapped.
@@ -34,7 +37,7 @@ from types import TracebackType
 import numpy as np
 import numpy.typing as npt
 
-from ctxlaunch.contract.spec import indexed_files, indexed_prefix
+from ctxlaunch.contract.spec import indexed_files, indexed_prefix, loss_mask_file
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -173,6 +176,24 @@ class IndexedDataset:
             raise IndexError(f"{self.prefix}: document {index} of {len(self)}")
         return self.tokens[self.document_starts[index] : self.document_starts[index + 1]]
 
+    def loss_mask(self) -> npt.NDArray[np.uint8]:
+        """PREFIX.lossmask, mapped: one byte per token of the .bin, 1 where the loss counts
+        the token as a target."""
+        path = loss_mask_file(self.prefix)
+        if not path.is_file():
+            raise IndexedDataError(
+                f"{path}: no such file (training.data.loss_mask reads the mask "
+                "`ctxlaunch data prepare --chat` writes beside PREFIX.bin)"
+            )
+        if path.stat().st_size != self.token_count:
+            raise IndexedDataError(
+                f"{path}: {path.stat().st_size} bytes for the {self.token_count} tokens of "
+                f"{self.bin_path}: it was written for other data"
+            )
+        if not self.token_count:
+            return np.zeros(0, dtype=np.uint8)
+        return np.memmap(path, dtype=np.uint8, mode="r", shape=(self.token_count,))
+
 
 class IndexedWriter:
     """Writes a Megatron indexed dataset, one document (one sequence) at a time, whole or not at
@@ -180,20 +201,21 @@ class IndexedWriter:
     only by `commit`; `abort` (or an exception inside `with`) removes them.
     """
 
-    def __init__(self, path: str | Path, dtype: type[np.number]):
+    def __init__(self, path: str | Path, dtype: type[np.number], *, loss_mask: bool = False):
         self.prefix = indexed_prefix(path)
         self.dtype = np.dtype(dtype)
         self.code = dtype_code(dtype)
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
         self._lengths = array("q")
         self._tmp: dict[str, Path] = {}
-        for suffix in (".bin", ".idx"):
+        for suffix in (".bin", ".idx") + ((".lossmask",) if loss_mask else ()):
             fd, name = tempfile.mkstemp(
                 dir=self.prefix.parent, prefix=f".{self.prefix.name}{suffix}.", suffix=".tmp"
             )
             os.close(fd)
             self._tmp[suffix] = Path(name)
         self._bin = open(self._tmp[".bin"], "wb")  # closed by commit or abort
+        self._mask = open(self._tmp[".lossmask"], "wb") if loss_mask else None
 
     def __enter__(self) -> IndexedWriter:
         return self
@@ -209,9 +231,18 @@ class IndexedWriter:
         elif self._tmp:
             self.commit()
 
-    def add_document(self, ids: Iterable[int] | npt.NDArray[np.integer]) -> None:
-        """Append one document's token ids (already ending with the end-of-document id)."""
+    def add_document(
+        self,
+        ids: Iterable[int] | npt.NDArray[np.integer],
+        loss_mask: npt.NDArray[np.bool_] | None = None,
+    ) -> None:
+        """Append one document's token ids (already ending with the end-of-document id) and,
+        for a writer made with `loss_mask`, which of them the loss counts as targets."""
         tokens = np.asarray(ids, dtype=self.dtype)
+        if self._mask is not None:
+            if loss_mask is None or len(loss_mask) != tokens.size:
+                raise ValueError("a loss-masked dataset needs one mask entry per token")
+            self._mask.write(np.asarray(loss_mask, dtype=np.uint8).tobytes())
         self._bin.write(tokens.tobytes(order="C"))
         self._lengths.append(tokens.size)
 
@@ -221,8 +252,10 @@ class IndexedWriter:
         return len(self._lengths)
 
     def commit(self) -> tuple[Path, Path]:
-        """Write the index and move both files into place; returns (bin, idx)."""
+        """Write the index and move the files into place; returns (bin, idx)."""
         self._bin.close()
+        if self._mask is not None:
+            self._mask.close()
         lengths = np.frombuffer(self._lengths, dtype=np.int64)
         if lengths.size and lengths.max() > np.iinfo(np.int32).max:
             self.abort()
@@ -245,6 +278,8 @@ class IndexedWriter:
         for tmp in self._tmp.values():
             os.chmod(tmp, 0o644)  # mkstemp makes 0600; data is shared like any output file
         os.replace(self._tmp[".bin"], bin_path)
+        if ".lossmask" in self._tmp:
+            os.replace(self._tmp[".lossmask"], loss_mask_file(self.prefix))
         os.replace(self._tmp[".idx"], idx_path)
         self._tmp = {}
         return bin_path, idx_path
@@ -252,6 +287,8 @@ class IndexedWriter:
     def abort(self) -> None:
         """Remove the temporary files; nothing is left at PREFIX.bin/.idx by this writer."""
         self._bin.close()
+        if self._mask is not None:
+            self._mask.close()
         for tmp in self._tmp.values():
             tmp.unlink(missing_ok=True)
         self._tmp = {}

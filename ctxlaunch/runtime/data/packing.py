@@ -7,7 +7,9 @@ last whole sequence. With several files, sequence i of the blend comes from the 
 file-sequence that a fixed schedule assigns to i (`BlendSchedule`). So sequence i is a pure
 function of i and the files: every layout sees the same tokens and a resumed run needs no
 loader state. Each packed sequence carries its per-token document ids, from which document
-boundaries (for document masks and restarted positions) follow.
+boundaries (for document masks and restarted positions) follow, and, for a loss-masked dataset
+(PREFIX.lossmask), per token whether the loss counts it as a target: the mask is cut with the
+tokens, so it stays aligned with them wherever they go.
 
 Held out for evaluation: document d of a file is held out when a seeded 64-bit hash of d falls
 below `eval_fraction` of the hash range. The hash (splitmix64 of d xor EVAL_SALT) depends only
@@ -63,6 +65,9 @@ class PackedSequence:
     """Which of the source's files it was cut from."""
     tokens: npt.NDArray[np.int64]
     document_ids: npt.NDArray[np.int64]
+    loss_mask: npt.NDArray[np.bool_] | None = None
+    """Per token, whether the loss counts it as a target (training.data.loss_mask), else
+    None: every target counts."""
 
     @property
     def document_starts(self) -> npt.NDArray[np.int64]:
@@ -75,8 +80,11 @@ class PackedSequence:
 class PackedFile:
     """One indexed dataset's training documents as a stream of fixed-offset sequences."""
 
-    def __init__(self, path: str | Path, seq_len: int, eval_fraction: float):
+    def __init__(
+        self, path: str | Path, seq_len: int, eval_fraction: float, loss_mask: bool = False
+    ):
         self.dataset = IndexedDataset(path)
+        self.mask = self.dataset.loss_mask() if loss_mask else None
         self.seq_len = seq_len
         self.held_out = held_out(len(self.dataset), eval_fraction)
         self.train_documents = np.flatnonzero(~self.held_out)
@@ -92,13 +100,16 @@ class PackedFile:
                 f"than one sequence (seq_len + 1 = {seq_len + 1})"
             )
 
-    def sequence(self, index: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """Tokens and per-token document ids of this file's sequence `index` (modulo the
-        sequences it holds)."""
+    def sequence(
+        self, index: int
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.bool_] | None]:
+        """Tokens, per-token document ids and (a loss-masked file) per-token loss mask of this
+        file's sequence `index` (modulo the sequences it holds)."""
         start = (index % self.sequence_count) * self.seq_len
         stop = start + self.seq_len + 1
         tokens = np.empty(stop - start, dtype=np.int64)
         documents = np.empty(stop - start, dtype=np.int64)
+        mask = None if self.mask is None else np.empty(stop - start, dtype=np.bool_)
         k = int(np.searchsorted(self.stream_starts, start, side="right")) - 1
         filled = 0
         while filled < tokens.size:
@@ -110,14 +121,24 @@ class PackedFile:
                 take_from : take_from + take
             ]
             documents[filled : filled + take] = document
+            if mask is not None and self.mask is not None:
+                first = int(self.dataset.document_starts[document]) + take_from
+                mask[filled : filled + take] = self.mask[first : first + take] != 0
             filled += take
             k += 1
-        return tokens, documents
+        return tokens, documents, mask
 
     def eval_documents(self) -> Iterator[tuple[int, npt.NDArray[np.generic]]]:
         """The held-out documents: (index in the file, token ids)."""
         for document in np.flatnonzero(self.held_out):
             yield int(document), self.dataset.document(int(document))
+
+    def loss_mask_of(self, document: int) -> npt.NDArray[np.bool_] | None:
+        """Document `document`'s loss mask (a loss-masked file), else None."""
+        if self.mask is None:
+            return None
+        starts = self.dataset.document_starts
+        return self.mask[int(starts[document]) : int(starts[document + 1])] != 0
 
 
 class BlendSchedule:
@@ -157,15 +178,16 @@ class PackedTokens:
         seq_len: int,
         vocab: int,
         eval_fraction: float = 0.0,
+        loss_mask: bool = False,
     ):
-        self.files = [PackedFile(p, seq_len, eval_fraction) for p in paths]
+        self.files = [PackedFile(p, seq_len, eval_fraction, loss_mask) for p in paths]
         self.schedule = BlendSchedule(weights or [1.0] * len(self.files))
         self.vocab = vocab
 
     def packed(self, index: int) -> PackedSequence:
         """Blend sequence `index` with its per-token document ids."""
         chosen, local = self.schedule(index)
-        tokens, documents = self.files[chosen].sequence(local)
+        tokens, documents, mask = self.files[chosen].sequence(local)
         top = int(tokens.max())
         if top >= self.vocab or int(tokens.min()) < 0:
             raise ValueError(
@@ -173,7 +195,7 @@ class PackedTokens:
                 f"{top} is outside model.vocab = {self.vocab}; prepare the data "
                 "with the model's tokenizer"
             )
-        return PackedSequence(chosen, tokens, documents)
+        return PackedSequence(chosen, tokens, documents, mask)
 
     def sequence(self, index: int) -> torch.Tensor:
         """Blend sequence `index`'s seq_len + 1 token ids."""

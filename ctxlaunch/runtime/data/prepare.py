@@ -53,7 +53,13 @@ class PrepareResult:
     seconds: float
     empty_skipped: int
     vocab_size: int
-    eod_id: int
+    eod_id: int | None
+    """The end-of-document id appended to each document; None for chat data (the template's
+    own end-of-turn tokens end each conversation)."""
+    supervised_tokens: int | None = None
+    """Chat data: the tokens the loss mask marks."""
+    loss_mask_path: Path | None = None
+    """Chat data: OUTPUT.lossmask."""
 
     @property
     def tokens_per_second(self) -> float:

@@ -10,10 +10,10 @@ resumed run continues where the interrupted one stopped without any data-loader 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -87,9 +87,8 @@ class MicroBatch:
 
     @property
     def predicted_tokens(self) -> int:
-        """How many of this rank's targets are predicted (not IGNORE_INDEX)."""
-        if self.documents is None:
-            return self.targets.numel()
+        """How many of this rank's targets are predicted (not IGNORE_INDEX: under a document
+        mask or a loss mask some are not)."""
         return int((self.targets != IGNORE_INDEX).sum())
 
 
@@ -100,7 +99,9 @@ TokenSource: TypeAlias = "SyntheticTokens | ByteText | PackedTokens"
 class Batches:
     """This rank's micro-batches. With `document_mask` (a source of packed documents) each
     carries its document boundaries, ignores the targets that open the next document and,
-    with `restart_positions`, numbers positions from 0 in each document."""
+    with `restart_positions`, numbers positions from 0 in each document. A loss-masked source
+    (training.data.loss_mask) ignores the targets its mask leaves out, before the sequence is
+    split, so every CP shard, TP rank and pipeline stage reads the same targets."""
 
     def __init__(
         self,
@@ -137,8 +138,14 @@ class Batches:
         indices = range(first, first + self.micro_batch)
         if self.document_mask and self._packed is not None:
             return self._masked([self._packed(i) for i in indices])
-        sequences = torch.stack([self.source.sequence(i) for i in indices])
-        inputs, targets = sequences[:, :-1], sequences[:, 1:]
+        if self._packed is not None:
+            packed = [self._packed(i) for i in indices]
+            sequences = torch.stack([torch.from_numpy(p.tokens) for p in packed])
+            inputs, targets = sequences[:, :-1], sequences[:, 1:].clone()
+            apply_loss_mask(targets, [p.loss_mask for p in packed])
+        else:
+            sequences = torch.stack([self.source.sequence(i) for i in indices])
+            inputs, targets = sequences[:, :-1], sequences[:, 1:]
         return MicroBatch(
             tokens=inputs[:, self.positions].contiguous(),
             targets=targets[:, self.positions].contiguous(),
@@ -151,7 +158,17 @@ class Batches:
             [torch.from_numpy(p.document_ids) for p in packed],
             self.positions,
             self.restart_positions,
+            [p.loss_mask for p in packed],
         )
+
+
+def apply_loss_mask(targets: torch.Tensor, loss_masks: Sequence[Any | None]) -> None:
+    """Set to IGNORE_INDEX, in place, the targets (B, seq_len: target i is token i + 1) whose
+    token each sequence's loss mask (seq_len + 1 entries per token, or None) leaves out."""
+    for row, mask in enumerate(loss_masks):
+        if mask is not None:
+            keep = torch.as_tensor(mask[1:], dtype=torch.bool)
+            targets[row, ~keep] = IGNORE_INDEX
 
 
 def masked_micro_batch(
@@ -159,12 +176,15 @@ def masked_micro_batch(
     document_ids: list[torch.Tensor],
     shard: torch.Tensor,
     restart_positions: bool,
+    loss_masks: Sequence[Any | None] = (),
 ) -> MicroBatch:
     """A document-masked micro-batch of whole sequences (seq_len + 1 tokens, with each token's
     document id), at the positions `shard` of this CP rank: document boundaries, targets that
-    open the next document ignored, positions restarted per document if asked."""
+    open the next document ignored (and those the sequences' loss masks leave out), positions
+    restarted per document if asked."""
     tokens, ids = torch.stack(sequences), torch.stack(document_ids)
     inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
+    apply_loss_mask(targets, loss_masks)
     # A target from the next document is not predicted (nothing before it in its own
     # document to predict it from).
     targets[ids[:, 1:] != ids[:, :-1]] = IGNORE_INDEX
@@ -196,5 +216,12 @@ def make_source(data_spec: DataSpec, vocab: int, seq_len: int, seed: int) -> Tok
         from ctxlaunch.runtime.data.packing import PackedTokens
 
         paths = data_spec.paths or ([data_spec.path] if data_spec.path else [])
-        return PackedTokens(paths, data_spec.weights, seq_len, vocab, data_spec.eval_fraction)
+        return PackedTokens(
+            paths,
+            data_spec.weights,
+            seq_len,
+            vocab,
+            data_spec.eval_fraction,
+            data_spec.loss_mask,
+        )
     return SyntheticTokens(vocab, seq_len, seed)

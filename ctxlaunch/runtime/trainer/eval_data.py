@@ -120,6 +120,8 @@ class HeldOut:
     passkey_note: str | None = None
     document_ids: list[torch.Tensor] | None = None
     """Each sequence's per-token document ids (source: tokens), for document masks."""
+    loss_masks: list[torch.Tensor] | None = None
+    """Each sequence's per-token loss mask (training.data.loss_mask), else None."""
 
 
 def held_out(spec: JobSpec) -> HeldOut:
@@ -162,10 +164,13 @@ def _held_out_documents(spec: JobSpec) -> HeldOut:
             "document's index, so training on the rest never sees them)"
         )
     paths = data.paths or ([data.path] if data.path else [])
-    streams = [_document_windows(PackedFile(path, seq_len, data.eval_fraction)) for path in paths]
+    streams = [
+        _document_windows(PackedFile(path, seq_len, data.eval_fraction, data.loss_mask))
+        for path in paths
+    ]
     # Round-robin over the files, up to the count asked for.
     windows = [w for group in _interleave(streams) for w in group][: evaluation.sequences]
-    sequences = [tokens for tokens, _ in windows]
+    sequences = [tokens for tokens, _, _ in windows]
     if not sequences:
         raise ValueError(
             f"training.data: the held-out documents (eval_fraction "
@@ -184,13 +189,19 @@ def _held_out_documents(spec: JobSpec) -> HeldOut:
         f"{len(sequences)} sequences of held-out documents",
         encode,
         note,
-        [ids for _, ids in windows],
+        [ids for _, ids, _ in windows],
+        [mask for _, _, mask in windows] if data.loss_mask else None,
     )
 
 
-def _document_windows(packed: PackedFile) -> list[tuple[torch.Tensor, torch.Tensor]]:
+Window = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""A held-out window: seq_len + 1 token ids, their document ids, their loss mask (all True
+for a file without one)."""
+
+
+def _document_windows(packed: PackedFile) -> list[Window]:
     """The held-out documents of one packed file, end to end, cut into seq_len + 1 windows a
-    seq_len apart: (token ids, document ids) each."""
+    seq_len apart: (token ids, document ids, loss mask) each."""
     seq_len = packed.seq_len
     held = list(packed.eval_documents())
     tokens = (
@@ -205,14 +216,25 @@ def _document_windows(packed: PackedFile) -> list[tuple[torch.Tensor, torch.Tens
         if held
         else torch.zeros(0, dtype=torch.long)
     )
+    masks = [packed.loss_mask_of(doc) for doc, _ in held]
+    mask = (
+        torch.cat(
+            [
+                torch.ones(len(doc_tokens), dtype=torch.bool)
+                if m is None
+                else torch.from_numpy(m.copy())
+                for (_, doc_tokens), m in zip(held, masks, strict=True)
+            ]
+        )
+        if held
+        else torch.zeros(0, dtype=torch.bool)
+    )
     return [
-        (tokens[i : i + seq_len + 1], ids[i : i + seq_len + 1])
+        (tokens[i : i + seq_len + 1], ids[i : i + seq_len + 1], mask[i : i + seq_len + 1])
         for i in range(0, tokens.numel() - seq_len, seq_len)
     ]
 
 
-def _interleave(
-    streams: list[list[tuple[torch.Tensor, torch.Tensor]]],
-) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+def _interleave(streams: list[list[Window]]) -> list[list[Window]]:
     longest = max((len(s) for s in streams), default=0)
     return [[s[i] for s in streams if i < len(s)] for i in range(longest)]

@@ -1,5 +1,6 @@
 """`python -m ctxlaunch.runtime.trainer.eval_main SPEC --out RESULT`: one rank of `ctxlaunch eval`
-(torchrun starts it). It loads the newest checkpoint (or --checkpoint) at the spec's layout,
+(torchrun starts it). It loads the newest checkpoint (or --checkpoint; or, with --base or none
+committed, the model.init_from weights as imported) at the spec's layout,
 evaluates (ctxlaunch.runtime.trainer.evaluator), and rank 0 writes the result as JSON to --out.
 Exit statuses: 0 done, 2 bad spec, checkpoint or set-up, 1 anything else."""
 
@@ -38,6 +39,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("spec", nargs="?", help="job spec; default: $CTXLAUNCH_SPEC_JSON")
     parser.add_argument("--set", "-s", dest="overrides", action="append", default=[])
     parser.add_argument("--checkpoint", help="the checkpoint step directory to load")
+    parser.add_argument("--base", action="store_true", help="evaluate model.init_from as imported")
     parser.add_argument("--out", required=True, help="where rank 0 writes the result (JSON)")
     return parser.parse_args(argv)
 
@@ -49,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         spec = load_job_spec(args)
-        path = checkpoint_to_load(spec, args.checkpoint)
+        path = checkpoint_to_load(spec, args.checkpoint, args.base)
         denv = distenv.detect()
         check_world_size(spec, denv)
     except (SpecError, SetupError, ValueError) as exc:
@@ -65,14 +67,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.NamedTemporaryFile(
             "w", dir=out.parent, delete=False, suffix=".tmp"
         ) as handle:
-            json.dump({"checkpoint": str(path), **result.to_dict()}, handle, indent=2)
+            weights = {"checkpoint": str(path) if path else None}
+            if path is None:
+                weights["init_from"] = spec.model.init_from
+            json.dump({**weights, **result.to_dict()}, handle, indent=2)
         os.replace(handle.name, out)
     return exitcodes.OK
 
 
-def _evaluate(spec: JobSpec, denv: DistEnv, path: Path) -> EvalResult:
+def _evaluate(spec: JobSpec, denv: DistEnv, path: Path | None) -> EvalResult:
     """Join the job's group, build this rank's part of the model (forward only: whole weights,
-    no DeepSpeed), load the checkpoint at `path` into it and evaluate."""
+    no DeepSpeed; model.init_from's weights when it is set), load the checkpoint at `path`
+    into it (None: keep the imported weights) and evaluate."""
     from dataclasses import replace
 
     import torch
@@ -92,7 +98,8 @@ def _evaluate(spec: JobSpec, denv: DistEnv, path: Path) -> EvalResult:
         if settings.state_engine == "deepspeed":  # forward only: whole weights, no DeepSpeed
             settings = replace(settings, state_engine="torch")
         parts = parallelize(model, ctx=ctx, settings=settings, device=device)
-        load_weights(parts, spec, ctx, device, path)
+        if path is not None:
+            load_weights(parts, spec, ctx, device, path)
         evaluator = Evaluator(spec, ctx, parts.model, device)
         result = evaluator.run()
     finally:

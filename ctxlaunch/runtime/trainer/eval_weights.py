@@ -1,5 +1,6 @@
 """The weights `ctxlaunch eval` scores: which checkpoint (--checkpoint, else the newest committed
-one) and loading it into this rank's part of the model at the spec's layout."""
+one, else the model.init_from checkpoint as imported) and loading it into this rank's part of
+the model at the spec's layout."""
 
 from __future__ import annotations
 
@@ -43,10 +44,18 @@ def load_weights(
             write_local(param, state[name].to(param.dtype))
 
 
-def checkpoint_to_load(spec: JobSpec, given: str | None) -> Path:
-    """--checkpoint, or the newest committed checkpoint in training.checkpoint.dir."""
+def checkpoint_to_load(spec: JobSpec, given: str | None, base: bool = False) -> Path | None:
+    """--checkpoint, or the newest committed checkpoint in training.checkpoint.dir; None for
+    the model.init_from weights as imported (`base`, or no checkpoint committed yet): the
+    baseline before training, which `parallelize` reads as it does to start a run."""
     from ctxlaunch.runtime.trainer import checkpoint
 
+    if base:
+        if given:
+            raise ValueError("--base evaluates model.init_from as imported: drop --checkpoint")
+        if spec.model.init_from is None:
+            raise ValueError("--base evaluates model.init_from as imported, and it is not set")
+        return None
     if given:
         path = Path(given)
         if not path.is_dir():
@@ -55,8 +64,11 @@ def checkpoint_to_load(spec: JobSpec, given: str | None) -> Path:
     directory = spec.training.checkpoint.dir
     step = checkpoint.latest_step(directory)
     if directory is None or step is None:
+        if spec.model.init_from is not None:
+            return None
         raise ValueError(
             f"no checkpoint to evaluate: training.checkpoint.dir is {directory!r} "
-            f"and holds no committed step; train first or pass --checkpoint"
+            f"and holds no committed step; train first, pass --checkpoint, or set "
+            f"model.init_from to evaluate a Hugging Face checkpoint as it is"
         )
     return checkpoint.step_dir(directory, step)

@@ -53,6 +53,7 @@ class Evaluator:
         data = held_out(spec)
         self.sequences, self.data = data.sequences, data.source
         self.document_ids = data.document_ids if training.data.document_mask else None
+        self.loss_masks = data.loss_masks
         self.restart_positions = training.data.restart_positions
         self.passkey_note = data.passkey_note
         self.probes: list[PasskeyProbe] = []
@@ -73,21 +74,31 @@ class Evaluator:
         ]
 
     def _score(
-        self, sequence: torch.Tensor, document_ids: torch.Tensor | None = None
+        self,
+        sequence: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-token (loss, hit, predicted, context length) of this rank's shard of one
         sequence; under a document mask attention stays in each document, the targets that
-        open the next are not predicted, and context lengths restart (restart_positions)."""
-        from ctxlaunch.runtime.trainer.batches import MicroBatch, masked_micro_batch
+        open the next are not predicted, and context lengths restart (restart_positions);
+        a loss mask leaves out the targets it does not mark."""
+        from ctxlaunch.runtime.trainer.batches import (
+            MicroBatch,
+            apply_loss_mask,
+            masked_micro_batch,
+        )
 
         if document_ids is not None:
             batch = masked_micro_batch(
-                [sequence], [document_ids], self.positions, self.restart_positions
+                [sequence], [document_ids], self.positions, self.restart_positions, [loss_mask]
             )
         else:
+            targets = sequence[1:].clone().unsqueeze(0)
+            apply_loss_mask(targets, [loss_mask])
             batch = MicroBatch(
                 tokens=sequence[:-1][self.positions].unsqueeze(0),
-                targets=sequence[1:][self.positions].unsqueeze(0),
+                targets=targets[:, self.positions],
                 positions=self.positions,
             )
         autocast = torch.autocast(
@@ -128,6 +139,7 @@ class Evaluator:
             loss, _, predicted, context = self._score(
                 self.sequences[chosen],
                 self.document_ids[chosen] if self.document_ids is not None else None,
+                self.loss_masks[chosen] if self.loss_masks is not None else None,
             )
             if index is not None and counts:
                 bucket_of = torch.bucketize(context, inner_edges, right=True)

@@ -35,7 +35,7 @@ def attention_block_shape(spec: JobSpec, ctx: ParallelContext) -> tuple[int, int
         max(m.heads // split, 1),
         max(m.kv_heads // split, 1),
         block,
-        m.hidden // m.heads,
+        m.head_dim,
     )
 
 

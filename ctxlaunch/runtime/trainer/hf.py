@@ -1,11 +1,14 @@
-"""Hugging Face Llama checkpoints in and out: the name mapping, reading one rank's slice of
-each weight lazily from safetensors, and writing a trained checkpoint back as a Hugging Face
-directory.
+"""Hugging Face checkpoints in and out (Llama, Mistral, Qwen2/2.5, Qwen3: contract/families.py):
+the name mapping, reading one rank's slice of each weight lazily from safetensors, and writing
+a trained checkpoint back as a Hugging Face directory of the family's own class.
 
-    ctxlaunch                        Hugging Face (LlamaForCausalLM)
+    ctxlaunch                        Hugging Face (LlamaForCausalLM and the others)
     embed.weight                     model.embed_tokens.weight
     blocks.{i}.attn_norm.weight      model.layers.{i}.input_layernorm.weight
     blocks.{i}.attn.wqkv.weight      model.layers.{i}.self_attn.{q,k,v}_proj.weight (dim 0)
+    blocks.{i}.attn.wqkv.bias        model.layers.{i}.self_attn.{q,k,v}_proj.bias (Qwen2)
+    blocks.{i}.attn.q_norm.weight    model.layers.{i}.self_attn.q_norm.weight (Qwen3)
+    blocks.{i}.attn.k_norm.weight    model.layers.{i}.self_attn.k_norm.weight (Qwen3)
     blocks.{i}.attn.wo.weight        model.layers.{i}.self_attn.o_proj.weight
     blocks.{i}.ffn_norm.weight       model.layers.{i}.post_attention_layernorm.weight
     blocks.{i}.ffn.w_gate_up.weight  model.layers.{i}.mlp.{gate,up}_proj.weight (dim 0)
@@ -13,8 +16,8 @@ directory.
     norm.weight                      model.norm.weight
     head.weight                      lm_head.weight (absent when tied)
 
-Hugging Face's Llama q/k projections are already permuted to the rotate-half layout that
-`apply_rope` uses, so they are copied as they are.
+Hugging Face's q/k projections (and Qwen2's q/k biases) are already in the rotate-half layout
+that `apply_rope` uses, so they are copied as they are.
 
 Reading: each rank asks safetensors for the rows (and, for wo and w_down, the columns) of its
 TP slice of each part, and under FSDP2 only the DP x CP row chunk it keeps (`local_rows`), so
@@ -37,7 +40,8 @@ from typing import Any
 
 import torch
 
-from ctxlaunch.contract.hfconfig import CONFIG_FILE, LLAMA_ARCHITECTURE, read_config
+from ctxlaunch.contract.families import FAMILIES
+from ctxlaunch.contract.hfconfig import CONFIG_FILE, read_config
 from ctxlaunch.contract.spec import DefaultRope, ModelSpec, YarnRope
 from ctxlaunch.runtime.progress import Progress
 from ctxlaunch.runtime.trainer.tensor_parallel import Sharding
@@ -61,6 +65,13 @@ _BLOCK_PARTS: dict[str, tuple[str, ...]] = {
         "self_attn.k_proj.weight",
         "self_attn.v_proj.weight",
     ),
+    "attn.wqkv.bias": (
+        "self_attn.q_proj.bias",
+        "self_attn.k_proj.bias",
+        "self_attn.v_proj.bias",
+    ),
+    "attn.q_norm.weight": ("self_attn.q_norm.weight",),
+    "attn.k_norm.weight": ("self_attn.k_norm.weight",),
     "attn.wo.weight": ("self_attn.o_proj.weight",),
     "ffn_norm.weight": ("post_attention_layernorm.weight",),
     "ffn.w_gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
@@ -92,8 +103,8 @@ def hf_names(name: str) -> tuple[str, ...]:
 
 def part_sizes(name: str, model: ModelSpec) -> tuple[int, ...]:
     """Rows of each Hugging Face part of parameter `name` (dim 0)."""
-    if name.endswith("wqkv.weight"):
-        return (model.heads * model.head_dim, model.kv_hidden, model.kv_hidden)
+    if name.endswith(("wqkv.weight", "wqkv.bias")):
+        return (model.q_hidden, model.kv_hidden, model.kv_hidden)
     if name.endswith("w_gate_up.weight"):
         return (model.ffn_hidden, model.ffn_hidden)
     return ()
@@ -211,6 +222,24 @@ def to_hf(state: dict[str, torch.Tensor], model: ModelSpec) -> dict[str, torch.T
     return out
 
 
+def _family_keys(model: ModelSpec, base: dict[str, Any]) -> dict[str, Any]:
+    """config.json keys that differ by family: the biases, and the sliding window (written as
+    the model was trained: off when the spec turned it off)."""
+    if model.family == "llama":
+        return {"attention_bias": False, "mlp_bias": False}
+    if model.family == "mistral":
+        return {"sliding_window": model.sliding_window}
+    keys: dict[str, Any] = {"use_sliding_window": model.sliding_window is not None}
+    if model.family == "qwen3":
+        keys["attention_bias"] = False
+    if model.sliding_window is not None:
+        keys["sliding_window"] = model.sliding_window
+    elif "layer_types" in base:
+        # transformers reads the layers' kinds from here before use_sliding_window.
+        keys["layer_types"] = ["full_attention"] * model.layers
+    return keys
+
+
 def hf_config(
     model: ModelSpec,
     *,
@@ -218,7 +247,8 @@ def hf_config(
     max_positions: int | None,
     base: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """config.json of a LlamaForCausalLM with the spec's shape and RoPE (rope_theta and
+    """config.json of the family's causal LM (LlamaForCausalLM, MistralForCausalLM,
+    Qwen2ForCausalLM, Qwen3ForCausalLM) with the spec's shape and RoPE (rope_theta and
     rope_scaling, the spelling transformers 4.x and 5.x both read). Keys of `base` (the
     init_from config: token ids and the like) are kept unless the model decides them."""
     config = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "dtype")}
@@ -230,10 +260,11 @@ def hf_config(
     positions = max(
         filter(None, (config.get("max_position_embeddings"), max_positions)), default=None
     )
+    family = FAMILIES[model.family]
     config.update(
         {
-            "architectures": [LLAMA_ARCHITECTURE],
-            "model_type": "llama",
+            "architectures": [family.architecture],
+            "model_type": family.model_type,
             "vocab_size": model.vocab,
             "hidden_size": model.hidden,
             "intermediate_size": model.ffn_hidden,
@@ -246,9 +277,8 @@ def hf_config(
             "rope_theta": model.rope_theta,
             "rope_scaling": rope,
             "tie_word_embeddings": model.tie_embeddings,
-            "attention_bias": False,
-            "mlp_bias": False,
             "torch_dtype": str(dtype).removeprefix("torch."),
+            **_family_keys(model, config),
         }
     )
     if isinstance(scaling, YarnRope):
@@ -451,7 +481,7 @@ def export(
     show_progress: bool = False,
 ) -> tuple[Path, list[str]]:
     """Write the checkpoint (a step directory, or the newest under a checkpoint directory) as
-    a Hugging Face Llama directory at `out`. The model section is `model`, else the one the
+    a Hugging Face directory of the model's family at `out`. The model section is `model`, else the one the
     trainer stored with the checkpoint. The tokenizer files are the init_from directory's, and
     `tokenizer` (a tokenizer.json, SentencePiece model or tiktoken file) when given.
     `show_progress` reports the tensors written on stderr (runtime/progress.py). Returns the
@@ -526,14 +556,19 @@ def _expected_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (v, h), "norm.weight": (h,)}
     if not model.tie_embeddings:
         shapes["head.weight"] = (v, h)
+    qkv = model.q_hidden + 2 * model.kv_hidden
     block = {
         "attn_norm.weight": (h,),
         "ffn_norm.weight": (h,),
-        "attn.wqkv.weight": (model.heads * model.head_dim + 2 * model.kv_hidden, h),
-        "attn.wo.weight": (h, model.heads * model.head_dim),
+        "attn.wqkv.weight": (qkv, h),
+        "attn.wo.weight": (h, model.q_hidden),
         "ffn.w_gate_up.weight": (2 * f, h),
         "ffn.w_down.weight": (h, f),
     }
+    if model.qkv_bias:
+        block["attn.wqkv.bias"] = (qkv,)
+    if model.qk_norm:
+        block["attn.q_norm.weight"] = block["attn.k_norm.weight"] = (model.head_dim,)
     for i in range(model.layers):
         shapes |= {f"blocks.{i}.{leaf}": shape for leaf, shape in block.items()}
     return shapes

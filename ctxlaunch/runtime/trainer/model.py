@@ -1,6 +1,9 @@
 # Shapes: tokens (B, S) with S the tokens this rank holds (S = seq_len / CP); hidden (B, S, h);
 # attention tensors in SDPA layout (B, H, S, D).
-"""A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU; with the additions of
+the families ctxlaunch imports (contract/families.py): biases on the q, k and v projections
+(Qwen2), an RMSNorm over each head of q and of k before RoPE (Qwen3), and a head width free of
+hidden / heads (Mistral NeMo, Qwen3).
 
 The model never touches a process group. Which attention runs (full, ring, Ulysses, hybrid) is
 `Attention.attend`, installed by `parallelize`; positions come in with the tokens, so RoPE
@@ -14,7 +17,10 @@ for the vocabulary-parallel loss (loss.py: forward and backward per chunk of tok
 What each block saves for backward is deliberate (the planner's constants in
 ctxlaunch/memory.py are derived from it): RMSNorm keeps only its input and the fp32 reciprocal
 RMS; SwiGLU keeps gate and up and recomputes the SiLU in backward; attention keeps q, k, v, its
-output and the log-sum-exp (the flash kernels keep no s-by-s matrix).
+output and the log-sum-exp (the flash kernels keep no s-by-s matrix). The q/k norms keep
+their input, which is a view of the fused q/k/v projection's output (so that whole output
+stays), and their fp32 reciprocal RMS; the biases keep nothing (their gradient is the output
+gradient summed over tokens).
 """
 
 from __future__ import annotations
@@ -332,12 +338,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int):
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int | None = None,
+        *,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        eps: float = 1e-6,
+    ):
         super().__init__()
         self.heads, self.kv_heads = heads, kv_heads
-        self.head_dim = hidden // heads
-        self.wqkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=False)
+        self.head_dim = head_dim or hidden // heads
+        self.wqkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(heads * self.head_dim, hidden, bias=False)
+        # One gain of head_dim for every head (Qwen3): under TP each rank applies it to its own
+        # heads, and under Ulysses before the all-to-all, while every head is still local.
+        self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.attend: AttentionFn = _local_attention
         self.project_in: ProjectIn = _project
         self.exit: Hook = _identity
@@ -349,9 +369,12 @@ class Attention(nn.Module):
         b, s, _ = qkv.shape
         d = self.head_dim
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q, k = q.view(b, s, self.heads, d), k.view(b, s, self.kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
-        q = apply_rope(q.view(b, s, self.heads, d), cos, sin).transpose(1, 2).contiguous()
-        k = apply_rope(k.view(b, s, self.kv_heads, d), cos, sin).transpose(1, 2).contiguous()
+        q = apply_rope(q, cos, sin).transpose(1, 2).contiguous()
+        k = apply_rope(k, cos, sin).transpose(1, 2).contiguous()
         v = v.view(b, s, self.kv_heads, d).transpose(1, 2).contiguous()
         out = (
             self.attend(q, k, v) if documents is None else self.attend(q, k, v, documents=documents)
@@ -382,10 +405,23 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn_hidden: int, eps: float):
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        ffn_hidden: int,
+        eps: float,
+        *,
+        head_dim: int | None = None,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+    ):
         super().__init__()
         self.attn_norm = RMSNorm(hidden, eps)
-        self.attn = Attention(hidden, heads, kv_heads)
+        self.attn = Attention(
+            hidden, heads, kv_heads, head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, eps=eps
+        )
         self.ffn_norm = RMSNorm(hidden, eps)
         self.ffn = FeedForward(hidden, ffn_hidden)
         self.checkpointing: Checkpointing = "none"
@@ -428,17 +464,30 @@ class Transformer(nn.Module):
         norm_eps: float,
         tie_embeddings: bool,
         rope_scaling: RopeScaling | None = None,
+        head_dim: int | None = None,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
     ):
         super().__init__()
         self.hidden = hidden
-        self.head_dim = hidden // heads
+        self.head_dim = head_dim or hidden // heads
         self.rope_theta = rope_theta
         self.rope_scaling: RopeScaling = rope_scaling or DefaultRope()
         # The embedding, norm and head are None on pipeline ranks that do not run them; the
         # embedding is vocabulary-parallel under TP.
         self.embed: nn.Module | None = nn.Embedding(vocab, hidden)
         self.blocks = nn.ModuleList(
-            Block(hidden, heads, kv_heads, ffn_hidden, norm_eps) for _ in range(layers)
+            Block(
+                hidden,
+                heads,
+                kv_heads,
+                ffn_hidden,
+                norm_eps,
+                head_dim=self.head_dim,
+                qkv_bias=qkv_bias,
+                qk_norm=qk_norm,
+            )
+            for _ in range(layers)
         )
         self.norm: RMSNorm | None = RMSNorm(hidden, norm_eps)
         self.head: nn.Linear | None = (
@@ -473,6 +522,9 @@ class Transformer(nn.Module):
             norm_eps=model.norm_eps,
             tie_embeddings=model.tie_embeddings,
             rope_scaling=model.rope_scaling,
+            head_dim=model.head_dim,
+            qkv_bias=model.qkv_bias,
+            qk_norm=model.qk_norm,
         )
 
     def initial_value(self, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
@@ -481,6 +533,8 @@ class Transformer(nn.Module):
         the others, so a rank draws only the parameters it holds."""
         if name.endswith("norm.weight"):
             return torch.ones(shape)
+        if name.endswith(".bias"):
+            return torch.zeros(shape)
         std = 0.02
         if name.endswith(("wo.weight", "w_down.weight")):
             std = std / (2 * len(self.blocks)) ** 0.5  # residual branches, GPT-2 style

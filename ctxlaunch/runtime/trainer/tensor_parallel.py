@@ -77,21 +77,29 @@ class _ScatterSequence(torch.autograd.Function):
 
 
 class _GatherLinear(torch.autograd.Function):
-    """all_gather_seq(x) @ weight.T in `dtype`, keeping for backward only x's local shard (in
-    `dtype`) and gathering it again there for the weight's gradient, as Megatron's sequence
-    parallelism does: a*h per sequence-parallel token saved instead of a*h per token of the
-    whole CP shard. The input gradient is reduce-scattered in x's dtype, as the separate
-    gather and linear did under autocast."""
+    """all_gather_seq(x) @ weight.T (+ bias) in `dtype`, keeping for backward only x's local
+    shard (in `dtype`) and gathering it again there for the weight's gradient, as Megatron's
+    sequence parallelism does: a*h per sequence-parallel token saved instead of a*h per token
+    of the whole CP shard. The input gradient is reduce-scattered in x's dtype, as the separate
+    gather and linear did under autocast; the bias (column-parallel, this rank's columns) gets
+    the output gradient summed over tokens."""
 
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup, dtype: torch.dtype
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: dist.ProcessGroup,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
             local = x.to(dtype)  # cast, then gather: the same values, and half the bytes moved
             w = weight.to(dtype)  # autocast's copy of the weight, saved as it saved it
-            out = F.linear(_all_gather_seq(local, group), w)
+            b = None if bias is None else bias.to(dtype)
+            out = F.linear(_all_gather_seq(local, group), w, b)
         ctx.group, ctx.x_dtype, ctx.weight_dtype = group, x.dtype, weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(local, w)
         return out
 
@@ -100,19 +108,21 @@ class _GatherLinear(torch.autograd.Function):
         local, w = ctx.saved_tensors
         full = _all_gather_seq(local, ctx.group)
         grad = grad.to(w.dtype)
-        grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_weight = flat.t() @ full.reshape(-1, full.shape[-1])
         del full
+        grad_bias = None if ctx.bias_dtype is None else flat.sum(0).to(ctx.bias_dtype)
         grad_x = _reduce_scatter_seq((grad @ w).to(ctx.x_dtype), ctx.group)
-        return grad_x, grad_weight.to(ctx.weight_dtype), None, None
+        return grad_x, grad_weight.to(ctx.weight_dtype), grad_bias, None, None
 
 
 def gather_linear(x: torch.Tensor, linear: nn.Linear, group: dist.ProcessGroup) -> torch.Tensor:
-    """linear(gather_sequence(x)) for a column-parallel projection without bias, saving only
-    x's local shard for backward (`_GatherLinear`); in the autocast dtype when autocast is
-    on."""
+    """linear(gather_sequence(x)) for a column-parallel projection (its bias, if any, this
+    rank's columns), saving only x's local shard for backward (`_GatherLinear`); in the
+    autocast dtype when autocast is on."""
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    return _GatherLinear.apply(x, linear.weight, group, dtype)
+    return _GatherLinear.apply(x, linear.weight, linear.bias, group, dtype)
 
 
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -193,7 +203,8 @@ def shardings(model: Transformer) -> dict[str, Sharding | None]:
     for name, param in model.named_parameters():
         leaf = name.rsplit(".", 2)
         kind = ".".join(leaf[-2:])
-        if kind == "wqkv.weight":
+        if kind in ("wqkv.weight", "wqkv.bias"):
+            # The biases split with their output columns: each rank keeps its heads' biases.
             attn = model.block_modules()[0].attn
             d = attn.head_dim
             out[name] = Sharding(0, (attn.heads * d, attn.kv_heads * d, attn.kv_heads * d))
