@@ -5,6 +5,7 @@ Every function takes this rank's shards, as :func:`shard_sequence` cuts them ove
 and returns this rank's output shard; all are differentiable and support GQA.
 """
 
+from .balance import balanced_spans
 from .comm import simulated_link_delay
 from .documents import AttentionArea, attention_area
 from .hybrid import hybrid_attention, new_hybrid_groups
@@ -27,6 +28,7 @@ __all__ = [
     "SHARDINGS",
     "AttentionArea",
     "attention_area",
+    "balanced_spans",
     "check_seq_len",
     "full_attention",
     "hybrid_attention",
