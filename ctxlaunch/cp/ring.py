@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import kernels
+from . import flex, kernels
 from .comm import RingComm, side_stream
 from .documents import CuSeqlens, RingShards, batch_groups, check_documents, ring_block_pieces
 from .merge import MergeScratch, merge_block
@@ -136,15 +136,26 @@ def _ring_forward(q, k, v, group, causal, shards, scale, documents=None):
     lse = q.new_empty(q.shape[:3], dtype=_accumulator(q))
     scratch = MergeScratch(out)
     kv = _Rotation((k, v), world_size, keep_first=True)
+    one_call = documents is not None and kernels.masked_kernel(q.device) == "flex"
     for step in range(world_size):
         with _hop("forward", step):
             if step + 1 < world_size:
                 kv.post(comm)
             k_held, v_held = kv.held
             src = (rank - step) % world_size
-            for batch, rows, kv_rows, block_causal in _pieces(
-                rank, src, shards, causal, q.size(2), documents
-            ):
+            pieces = _pieces(rank, src, shards, causal, q.size(2), documents)
+            if one_call and pieces:
+                # The whole block in one call; the diagonal block covers every row.
+                assert documents is not None
+                mask = flex.MASKS.get(documents, shards, rank, src, (0, q.size(2)), q.device)
+                block_out, block_lse = flex.block_forward(q, k_held, v_held, mask, scale)
+                if step == 0:
+                    out.copy_(block_out)
+                    lse.copy_(block_lse)
+                else:
+                    merge_block(out, lse, block_out, block_lse, scratch)
+                pieces = []
+            for batch, rows, kv_rows, block_causal in pieces:
                 block_out, block_lse = kernels.attention_forward(
                     q[batch, :, rows],
                     k_held[batch, :, kv_rows],
@@ -229,11 +240,32 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, shards, scale, do
         dk[batch, :, kv_rows] += block_dk
         dv[batch, :, kv_rows] += block_dv
 
+    one_call = documents is not None and kernels.masked_kernel(q.device) == "flex"
+
+    def one_call_block(rows: tuple[int, int], src, k_shard, v_shard, dk, dv) -> None:
+        """A block's gradients in one FlexAttention call (its query rows ``rows``)."""
+        assert documents is not None
+        mask = flex.MASKS.get(documents, shards, rank, src, rows, q.device)
+        r = slice(*rows)
+        block_dq, block_dk, block_dv = flex.block_backward(
+            grad_out[:, :, r], q[:, :, r], k_shard, v_shard, out[:, :, r], lse[:, :, r], mask, scale
+        )
+        dq[:, :, r] += block_dq
+        dk += block_dk
+        dv += block_dv
+
+    # One call per block: the own block in two calls, by query rows, so that the first K/V
+    # transfer and the last dK/dV transfer overlap compute as in the per-rectangle path.
+    half = q.size(2) // 2
+    own_first = [(0, half)] if one_call and half else []
+    own_last = [(half, q.size(2))] if one_call else []
+    diagonal_first: list[BatchPart] = []
+    diagonal_last: list[BatchPart] = []
     if documents is None:
         first, last = _diagonal_parts(causal, q.size(2))
         diagonal_first = [(_ALL, *part) for part in first]
         diagonal_last = [(_ALL, *part) for part in last]
-    else:
+    elif not one_call:
         diagonal_first, diagonal_last = _split_diagonal(
             _pieces(rank, rank, shards, causal, q.size(2), documents)
         )
@@ -249,6 +281,8 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, shards, scale, do
                 kv.post(kv_comm)
             k_held, v_held = kv.held
             if step == 0:
+                for rows in own_first:
+                    one_call_block(rows, rank, k, v, dk_home, dv_home)
                 for part in diagonal_first:
                     backward_block(*part, k, v, dk_home, dv_home)
             else:
@@ -257,12 +291,18 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, shards, scale, do
                     grads.advance()
                 dk, dv = grads.held
                 src = (rank - step) % world_size
-                for piece in _pieces(rank, src, shards, causal, q.size(2), documents):
+                pieces = _pieces(rank, src, shards, causal, q.size(2), documents)
+                if one_call and pieces:
+                    one_call_block((0, q.size(2)), src, k_held, v_held, dk, dv)
+                    pieces = []
+                for piece in pieces:
                     backward_block(*piece, k_held, v_held, dk, dv)
                 grads.post(grad_comm)
             if step + 1 < world_size:
                 kv_comm.wait()
                 kv.advance()
+    for rows in own_last:
+        one_call_block(rows, rank, k, v, dk_home, dv_home)
     for part in diagonal_last:
         backward_block(*part, k, v, dk_home, dv_home)
     # The other ranks' shares of our K/V gradient, home after N-1 hops.
