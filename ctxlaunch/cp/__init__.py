@@ -7,7 +7,7 @@ and returns this rank's output shard; all are differentiable and support GQA.
 
 from .balance import balanced_spans
 from .comm import simulated_link_delay
-from .documents import AttentionArea, attention_area
+from .documents import AttentionArea, attention_area, ring_rank_areas
 from .hybrid import hybrid_attention, new_hybrid_groups
 from .reference import full_attention
 from .ring import ring_attention
@@ -34,6 +34,7 @@ __all__ = [
     "hybrid_attention",
     "new_hybrid_groups",
     "ring_attention",
+    "ring_rank_areas",
     "shard_for_rank",
     "shard_indices",
     "shard_positions",

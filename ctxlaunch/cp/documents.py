@@ -27,6 +27,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .balance import span_area
 from .sharding import check_seq_len, rank_spans
 
 CuSeqlens = tuple[tuple[int, ...], ...]
@@ -174,6 +175,31 @@ def block_pieces(
             full.append((_overlap(q_run, bounds, doc), _overlap(kv_run, bounds, doc), False))
         # K/V runs that come later are hidden by causality.
     return diagonal + full
+
+
+def ring_rank_areas(
+    documents: Sequence[Sequence[int]] | None,
+    seq_len: int,
+    world_size: int,
+    sharding: str,
+    ulysses: int = 1,
+    batch: int = 1,
+) -> tuple[int, ...]:
+    """The attention area each ring rank computes for a micro-batch (one boundary tuple per
+    sequence; None: unmasked, ``batch`` sequences), summed over its sequences: per CP rank
+    for a ring, per Ulysses group for a hybrid (``ulysses`` = U), one figure for Ulysses
+    alone (U = N), whose ranks all compute the whole sequence on their heads. Every rank of a
+    ring waits for the busiest at each hop: max / mean is the step's balance."""
+    ring_size = world_size // ulysses
+    shards = RingShards(sharding, ring_size, ulysses)
+    sequences = [tuple(b) for b in documents] if documents is not None else [(0, seq_len)] * batch
+    areas = [0] * ring_size
+    for bounds in sequences:
+        for rank in range(ring_size):
+            areas[rank] += sum(
+                span_area(bounds, start, length) for _, start, length in shards.runs(bounds, rank)
+            )
+    return tuple(areas)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -61,6 +61,7 @@ class Evaluator:
         elif not training.eval.passkey.enabled:
             self.passkey_note = "disabled (training.eval.passkey.enabled: false)"
         self.positions = shard_positions(training.seq_len, ctx.cp_rank, ctx.cp, ctx.cp_sharding)
+        self.cp_shard = (ctx.cp_rank, ctx.cp, ctx.cp_sharding)
         self.autocast_dtype = torch.bfloat16 if spec.model.dtype == "bf16" else None
 
     def _mine(self, count: int) -> list[int | None]:
@@ -78,11 +79,11 @@ class Evaluator:
         """Per-token (loss, hit, predicted, context length) of this rank's shard of one
         sequence; under a document mask attention stays in each document, the targets that
         open the next are not predicted, and context lengths restart (restart_positions)."""
-        from ctxlaunch.runtime.trainer.batches import MicroBatch, masked_micro_batch
+        from ctxlaunch.runtime.trainer.batches import CpShard, MicroBatch, masked_micro_batch
 
         if document_ids is not None:
             batch = masked_micro_batch(
-                [sequence], [document_ids], self.positions, self.restart_positions
+                [sequence], [document_ids], CpShard(*self.cp_shard), self.restart_positions
             )
         else:
             batch = MicroBatch(
