@@ -49,7 +49,7 @@ def _kernel_options(q: torch.Tensor) -> dict:
 
     # TRITON fixes the lse convention (log2); FLASH, which AUTO may pick, returns natural logs.
     options = {"BACKEND": "TRITON"} if q.is_cuda else None
-    return dict(_apply_kernel_options(q, q, q, True, options))  # type: ignore[arg-type]
+    return dict(_apply_kernel_options(q, q, q, True, options))  # type: ignore[arg-type]  # None is its default
 
 
 def _forward_op(q, k, v, block_mask: tuple, scale: float, options: dict):
