@@ -112,6 +112,7 @@ def _check(rank, world_size):
     return worst
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_document_mask_matches_each_document_alone(world_size):
