@@ -6,12 +6,10 @@ the attention calls, and the bytes those other launches move.
 
 The schedule of `benchmarks/gpu_check.py` (BENCHMARKS.md, GPU runs on the H200) runs on ``meta``
 tensors, which send `ctxlaunch.cp.kernels` down its CUDA code path (only the CPU is
-special-cased) and run torch's own shape functions of every op, flash included. A
-TorchDispatchMode sees each aten op: views and bare allocations launch nothing; every other op
-is one launch, whose bytes are its tensor inputs read plus its outputs written (an in-place op
-reads and writes its target; ``copy_`` reads the source and writes the target; fills only
-write). Ops inside `merge.merge_block` are counted apart, and for the compiled merge CUDA runs
-(this checkout's default) Inductor's own count of kernels and bytes for the same call is
+special-cased) and run torch's own shape functions of every op, flash included. The counting is
+`tests/helpers/launches.Counter` (a TorchDispatchMode over the aten calls). Ops inside
+`merge.merge_block` are counted apart, and for the compiled merge CUDA runs (this checkout's
+default) Inductor's own count of kernels and bytes for the same call is
 measured by compiling it on the CPU. ``--root`` runs another checkout's schedule (e.g. main,
 before this change); there the timed region included the sharding, so it is counted too.
 """
@@ -26,57 +24,8 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
-
-
-def _tensors(tree):
-    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-class Counter(TorchDispatchMode):
-    """Launches and bytes per category: ``attention`` (flash/efficient kernels), ``merge`` (ops
-    inside a merge call), ``other``."""
-
-    def __init__(self):
-        super().__init__()
-        self.section = "other"
-        self.counts: dict[str, dict[str, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        result = func(*args, **kwargs)
-        name = func.overloadpacket.__name__
-        if func.is_view or name in ALLOCATIONS or name in ("detach", "alias", "lift_fresh"):
-            return result
-        if "attention" in name:
-            section = "attention"
-        else:
-            section = self.section
-        ins, outs = _tensors((args, kwargs)), _tensors(result)
-        if name == "copy_":
-            moved = _nbytes(args[1]) + _nbytes(args[0])
-        elif name in (
-            "zero_",
-            "fill_",
-            "zeros",
-            "zeros_like",
-            "full",
-            "full_like",
-            "scalar_tensor",
-        ):
-            moved = sum(_nbytes(t) for t in outs)
-        else:
-            moved = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
-        entry = self.counts.setdefault(section, {"launches": 0, "bytes": 0})
-        entry["launches"] += 1
-        entry["bytes"] += moved
-        return result
+from tests.helpers.launches import Counter, nbytes
 
 
 @contextlib.contextmanager
@@ -119,7 +68,7 @@ def inductor_merge(shape, stride, dtype_name) -> dict:
     torch._dynamo.reset()
     metrics.reset()
     torch.compile(merge_math, fullgraph=True)(out, lse, block_out, block_lse)
-    moved = 2 * _nbytes(out) + 2 * _nbytes(lse) + _nbytes(block_out) + _nbytes(block_lse)
+    moved = 2 * nbytes(out) + 2 * nbytes(lse) + nbytes(block_out) + nbytes(block_lse)
     return {"loop_nests": metrics.generated_kernel_count, "bytes_formula": moved}
 
 

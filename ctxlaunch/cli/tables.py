@@ -186,6 +186,7 @@ REPORT_COLUMNS = (
     "predicted_mfu_causal",
     "peak_memory_gib",
     "predicted_peak_memory_gib",
+    "attention_balance",
     "final_loss",
 )
 """`report`'s columns after the point's name and axis values."""

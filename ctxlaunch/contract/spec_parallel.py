@@ -40,11 +40,14 @@ class ParallelSpec(_Strict):
     """Hybrid only: the Ulysses (inner) degree; ring degree = cp / ulysses_degree."""
     ring_degree: PositiveInt | None = None
     """Hybrid only, optional: the ring (outer) degree; must equal cp / ulysses_degree."""
-    cp_sharding: Literal["zigzag", "contiguous"] = "zigzag"
+    cp_sharding: Literal["zigzag", "contiguous", "balanced"] = "zigzag"
     """How the sequence is split across CP ranks (what torch's context parallel calls the load
     balancer): zigzag (rank i holds chunks i and 2N-1-i of 2N, balancing causal work; needs
-    seq_len % 2N == 0) or contiguous (seq_len % N == 0). Formerly `layout`, still accepted
-    with a deprecation warning."""
+    seq_len % 2N == 0), contiguous (seq_len % N == 0), or balanced (under a document mask,
+    placed per sequence by its documents so that every rank computes the same attention area:
+    long documents cut head-tail over all ranks, the others whole; needs seq_len % 2N == 0, and
+    without a document mask it is zigzag). Formerly `layout`, still accepted with a
+    deprecation warning."""
 
     _renamed: list[str] = PrivateAttr(default_factory=list)
 

@@ -359,14 +359,14 @@ def cp_problems(m: ModelSpec, p: ParallelSpec, seq_len: int) -> list[InitErrorDe
     # Sequence divisibility, caught here instead of at run time. Hybrid and Ulysses shard the
     # same way as the ring: a CP sharding means the same token placement whatever the algorithm.
     if p.cp > 1:
-        if p.cp_sharding == "zigzag" and seq_len % (2 * p.cp):
+        if p.cp_sharding in ("zigzag", "balanced") and seq_len % (2 * p.cp):
             out.append(
                 _problem(
                     ("training", "seq_len"),
                     seq_len,
-                    f"cp_sharding zigzag with cp = {p.cp} needs seq_len divisible by 2 x cp = "
-                    f"{2 * p.cp} (each rank holds chunks i and 2N-1-i of 2N); fix: seq_len = "
-                    f"{_round_up(seq_len, 2 * p.cp)}",
+                    f"cp_sharding {p.cp_sharding} with cp = {p.cp} needs seq_len divisible by "
+                    f"2 x cp = {2 * p.cp} (each rank holds chunks i and 2N-1-i of 2N); fix: "
+                    f"seq_len = {_round_up(seq_len, 2 * p.cp)}",
                 )
             )
         if p.cp_sharding == "contiguous" and seq_len % p.cp:
@@ -514,6 +514,18 @@ def layout_warnings(
         out.append(
             "cp_sharding contiguous with causal attention leaves CP ranks unbalanced (rank N-1 "
             "does N times rank 0's work); zigzag balances it."
+        )
+    masked_ring = dims.cp > 1 and p.cp_algorithm != "ulysses" and t.data.document_mask
+    if masked_ring and p.cp_sharding != "balanced":
+        out.append(
+            f"cp_sharding {p.cp_sharding} under a document mask leaves the ring's CP ranks "
+            "unbalanced (the busiest does 1.3-3x the mean attention area on packed documents); "
+            "cp_sharding: balanced places each sequence's documents so every rank does the same."
+        )
+    if p.cp_sharding == "balanced" and dims.cp > 1 and not t.data.document_mask:
+        out.append(
+            "cp_sharding balanced without training.data.document_mask is zigzag (it balances "
+            "the document mask's area; the plain causal triangle zigzag already balances)."
         )
     out += [
         f"{missing} on this machine; the trainer needs it where it runs"

@@ -5,8 +5,9 @@ Every function takes this rank's shards, as :func:`shard_sequence` cuts them ove
 and returns this rank's output shard; all are differentiable and support GQA.
 """
 
+from .balance import balanced_spans
 from .comm import simulated_link_delay
-from .documents import AttentionArea, attention_area
+from .documents import AttentionArea, attention_area, ring_rank_areas
 from .hybrid import hybrid_attention, new_hybrid_groups
 from .reference import full_attention
 from .ring import ring_attention
@@ -27,11 +28,13 @@ __all__ = [
     "SHARDINGS",
     "AttentionArea",
     "attention_area",
+    "balanced_spans",
     "check_seq_len",
     "full_attention",
     "hybrid_attention",
     "new_hybrid_groups",
     "ring_attention",
+    "ring_rank_areas",
     "shard_for_rank",
     "shard_indices",
     "shard_positions",

@@ -8,7 +8,9 @@ exactly ring rank r's shard of a ring of R ranks under the same sharding with U-
 chunks (zigzag: chunks rU..rU+U-1 and (2R-1-r)U..(2R-r)U-1 of 2N, i.e. chunks r and 2R-1-r of
 2R). So: all-to-all in the Ulysses group, ring over the ring group on the head shards, back.
 The same holds for a document mask: the inner ring's shards are pieces of the same global
-sequence, so the global document boundaries apply to it unchanged.
+sequence, so the global document boundaries apply to it unchanged. Under the balanced sharding
+a Ulysses group's tokens are the union of its members' runs, in ascending position: the inner
+ring is told so (``RingShards`` with the Ulysses degree), and its blocks follow from the runs.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 from . import comm, kernels
-from .documents import check_documents
-from .ring import ring_attention
+from .documents import RingShards, check_documents
+from .reference import full_attention
+from .ring import ring_attention_on
 from .sharding import check_shard_len
 from .ulysses import HeadShardPlan, check_head_split, head_sharded_attention
 
@@ -70,7 +73,8 @@ def hybrid_attention(
     (B, Hq, S/N, D) and k, v (B, Hkv, S/N, D) as ``shard_sequence`` over the whole CP group cuts
     them, and gets its output shard. Needs Hq % U == 0 and Hkv % U == 0 (the ring has no head
     constraint, which is how GQA with few K/V heads reaches degrees beyond Hkv).
-    ``documents``: a document mask, the global boundaries as ``ring_attention`` takes them.
+    ``documents``: a document mask, the global boundaries as ``ring_attention`` takes them
+    (under ``sharding="balanced"`` the shards must have been cut with the same ``documents``).
     """
     kernels.check_qkv(q, k, v)
     ulysses_size, ring_size = dist.get_world_size(ulysses_group), dist.get_world_size(ring_group)
@@ -78,14 +82,15 @@ def hybrid_attention(
     check_shard_len(q.size(2), k.size(2), cp_world_size, sharding)
     check_head_split(q, k, ulysses_size, "hybrid_attention")
     scale = kernels.resolve_scale(q, scale)
-    check_documents(documents, causal, q.size(0), q.size(2) * cp_world_size)
+    cu = check_documents(documents, causal, q.size(0), q.size(2) * cp_world_size)
     first = dist.get_rank(ring_group) * ulysses_size
     members = list(range(first, first + ulysses_size))
-    plan = HeadShardPlan(ulysses_group, members, cp_world_size, sharding, q.size(2))
+    plan = HeadShardPlan(ulysses_group, members, cp_world_size, sharding, q.size(2), cu)
+    shards = RingShards(sharding, ring_size, ulysses_size)
 
     def attend(qh, kh, vh):
-        return ring_attention(
-            qh, kh, vh, ring_group, causal, sharding, scale, return_lse=True, documents=documents
-        )
+        if ring_size == 1:
+            return full_attention(qh, kh, vh, causal, scale, return_lse=True, documents=cu)
+        return ring_attention_on(qh, kh, vh, ring_group, causal, shards, scale, True, cu)
 
     return head_sharded_attention(q, k, v, plan, attend, return_lse)

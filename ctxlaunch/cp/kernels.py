@@ -10,6 +10,7 @@ top-left; CP only asks for it on square (Sq == Sk) diagonal blocks, where alignm
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -120,6 +121,37 @@ def use_cuda_kernel(name: str) -> None:
     elif name != "fa3" and attention.current_flash_attention_impl() == "FA3":
         attention.restore_flash_attention_impl()
     _cuda_kernel = name
+
+
+# How a document-masked block runs: "rectangles" (one dense kernel call per (query run, K/V
+# run, document) rectangle: `documents.block_pieces`, the reference) or "flex" (one
+# FlexAttention call per block with a block mask: `flex.py`). "auto": flex on CUDA, rectangles
+# elsewhere (on the CPU FlexAttention has only torch's dense reference implementation).
+MASKED_KERNELS = ("rectangles", "flex")
+MASKED_ENV = "CTXLAUNCH_MASKED_ATTENTION"
+"""auto, or one of MASKED_KERNELS."""
+_masked_kernel = os.environ.get(MASKED_ENV, "auto")
+
+
+def use_masked_kernel(name: str) -> None:
+    """Run document-masked blocks on `name` ("auto" or one of MASKED_KERNELS) from now on."""
+    global _masked_kernel
+    if name != "auto" and name not in MASKED_KERNELS:
+        raise ValueError(
+            f"masked attention {name!r}: expected auto or one of {', '.join(MASKED_KERNELS)}"
+        )
+    _masked_kernel = name
+
+
+def masked_kernel(device: torch.device) -> str:
+    """How document-masked blocks on `device` run: "flex" or "rectangles"."""
+    if _masked_kernel == "auto":
+        return "flex" if device.type == "cuda" else "rectangles"
+    if _masked_kernel not in MASKED_KERNELS:
+        raise ValueError(
+            f"{MASKED_ENV}={_masked_kernel!r}: expected auto or one of {', '.join(MASKED_KERNELS)}"
+        )
+    return _masked_kernel
 
 
 def _use_flash(q: torch.Tensor) -> bool:

@@ -1,6 +1,8 @@
 # Shapes: q (B, Hq, S, D), k, v (B, Hkv, S, D) full sequence; out (B, Hq, S, D); lse (B, Hq, S) fp32.
 """Single-process full attention through the same kernels as the CP paths: the CP=1 path, and
-the local attention inside Ulysses."""
+the local attention inside Ulysses. Under a document mask: one kernel call per document (the
+per-rectangle path), or one FlexAttention call over the whole sequence where
+``kernels.masked_kernel()`` is "flex"."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import kernels
+from . import flex, kernels
 from .documents import CuSeqlens, batch_groups, check_documents
 
 
@@ -66,6 +68,27 @@ class _DocumentAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+class _OneCallDocumentAttention(torch.autograd.Function):
+    """Causal attention within each document of a packed sequence in one FlexAttention call,
+    forward and backward (the block mask is built once per batch and shared by every layer)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, documents: CuSeqlens, scale):
+        mask = flex.MASKS.get(documents, None, 0, 0, (0, q.size(2)), q.device)
+        out, lse = flex.block_forward(q, k, v, mask, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (mask, scale)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        mask, scale = ctx.args
+        dq, dk, dv = flex.block_backward(grad_out, q, k, v, out, lse, mask, scale)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
 def _document_rows(documents: CuSeqlens) -> list[tuple[slice, slice]]:
     return [
         (batch, slice(start, stop))
@@ -93,7 +116,9 @@ def full_attention(
     kernels.check_qkv(q, k, v)
     cu = check_documents(documents, causal, q.size(0), q.size(2))
     if cu is not None:
-        out, lse = _DocumentAttention.apply(q, k, v, cu, kernels.resolve_scale(q, scale))
+        one_call = kernels.masked_kernel(q.device) == "flex"
+        attention = _OneCallDocumentAttention if one_call else _DocumentAttention
+        out, lse = attention.apply(q, k, v, cu, kernels.resolve_scale(q, scale))
         return (out, lse) if return_lse else out
     out, lse = _FullAttention.apply(q, k, v, causal, kernels.resolve_scale(q, scale))
     return (out, lse) if return_lse else out

@@ -12,8 +12,11 @@ the transfers run on a side stream (``comm.side_stream``).
 
 Under a document mask (``documents``: the global boundaries of a packed sequence's documents)
 each block is the rectangles of ``documents.block_pieces``, computed on row and column slices
-and merged the same way; blocks that share no document compute nothing (their K/V still pass
-through, since the ring's later ranks need them).
+and merged the same way (the per-rectangle path), or, where ``kernels.masked_kernel()`` is
+"flex", one FlexAttention call over the whole block with a block mask (``flex.py``); blocks
+that share no document compute nothing (their K/V still pass through, since the ring's later
+ranks need them). The shards may be cut by any CP sharding, the balanced one included: a
+rank's shard is its runs of the sequence (``documents.RingShards``).
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import kernels
+from . import flex, kernels
 from .comm import RingComm, side_stream
-from .documents import CuSeqlens, batch_groups, block_pieces, check_documents, shard_runs
+from .documents import CuSeqlens, RingShards, batch_groups, check_documents, ring_block_pieces
 from .merge import MergeScratch, merge_block
 from .reference import full_attention
 from .sharding import check_shard_len
@@ -54,7 +57,7 @@ def _block(rank: int, src: int, causal: bool, sharding: str, s_local: int) -> Pa
         # Both shards hold the same chunks in the same order, so a top-left causal mask is exact.
         return _ALL, _ALL, True
     half = s_local // 2
-    if sharding == "zigzag":
+    if sharding != "contiguous":  # zigzag, and balanced without documents
         if src < rank:
             return _ALL, slice(0, half), False
         return slice(half, None), _ALL, False
@@ -69,23 +72,20 @@ def _accumulator(q: torch.Tensor) -> torch.dtype:
 def _pieces(
     rank: int,
     src: int,
-    world_size: int,
+    shards: RingShards,
     causal: bool,
-    sharding: str,
     s_local: int,
     documents: CuSeqlens | None,
 ) -> list[BatchPart]:
     """The pieces of the block of ``src``'s K/V for this rank's queries. Unmasked: at most one
     (``_block``); under a document mask the rectangles of each batch group, diagonal first."""
     if documents is None:
-        block = _block(rank, src, causal, sharding, s_local)
+        block = _block(rank, src, causal, shards.sharding, s_local)
         return [] if block is None else [(_ALL, *block)]
-    q_runs = shard_runs(rank, world_size, sharding, s_local)
-    kv_runs = q_runs if src == rank else shard_runs(src, world_size, sharding, s_local)
     return [
         (batch, *piece)
         for batch, bounds in batch_groups(documents)
-        for piece in block_pieces(bounds, q_runs, kv_runs)
+        for piece in ring_block_pieces(bounds, shards, rank, src)
     ]
 
 
@@ -128,7 +128,7 @@ def _hop(direction: str, step: int):
     return torch.profiler.record_function(f"cp.ring.{direction}.step{step}")
 
 
-def _ring_forward(q, k, v, group, causal, sharding, scale, documents=None):
+def _ring_forward(q, k, v, group, causal, shards, scale, documents=None):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     comm = RingComm(group, side_stream(q.device))
     # The running fp32 out and lse, and the merge's scratch: allocated once, before the first hop.
@@ -136,15 +136,26 @@ def _ring_forward(q, k, v, group, causal, sharding, scale, documents=None):
     lse = q.new_empty(q.shape[:3], dtype=_accumulator(q))
     scratch = MergeScratch(out)
     kv = _Rotation((k, v), world_size, keep_first=True)
+    one_call = documents is not None and kernels.masked_kernel(q.device) == "flex"
     for step in range(world_size):
         with _hop("forward", step):
             if step + 1 < world_size:
                 kv.post(comm)
             k_held, v_held = kv.held
             src = (rank - step) % world_size
-            for batch, rows, kv_rows, block_causal in _pieces(
-                rank, src, world_size, causal, sharding, q.size(2), documents
-            ):
+            pieces = _pieces(rank, src, shards, causal, q.size(2), documents)
+            if one_call and pieces:
+                # The whole block in one call; the diagonal block covers every row.
+                assert documents is not None
+                mask = flex.MASKS.get(documents, shards, rank, src, (0, q.size(2)), q.device)
+                block_out, block_lse = flex.block_forward(q, k_held, v_held, mask, scale)
+                if step == 0:
+                    out.copy_(block_out)
+                    lse.copy_(block_lse)
+                else:
+                    merge_block(out, lse, block_out, block_lse, scratch)
+                pieces = []
+            for batch, rows, kv_rows, block_causal in pieces:
                 block_out, block_lse = kernels.attention_forward(
                     q[batch, :, rows],
                     k_held[batch, :, kv_rows],
@@ -193,7 +204,7 @@ def _split_diagonal(pieces: list[BatchPart]) -> tuple[list[BatchPart], list[Batc
     return causal[: len(causal) // 2], causal[len(causal) // 2 :]
 
 
-def _ring_backward(grad_out, q, k, v, out, lse, group, causal, sharding, scale, documents=None):
+def _ring_backward(grad_out, q, k, v, out, lse, group, causal, shards, scale, documents=None):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     stream = side_stream(q.device)
     kv_comm, grad_comm = RingComm(group, stream), RingComm(group, stream)
@@ -229,13 +240,34 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, sharding, scale, 
         dk[batch, :, kv_rows] += block_dk
         dv[batch, :, kv_rows] += block_dv
 
+    one_call = documents is not None and kernels.masked_kernel(q.device) == "flex"
+
+    def one_call_block(rows: tuple[int, int], src, k_shard, v_shard, dk, dv) -> None:
+        """A block's gradients in one FlexAttention call (its query rows ``rows``)."""
+        assert documents is not None
+        mask = flex.MASKS.get(documents, shards, rank, src, rows, q.device)
+        r = slice(*rows)
+        block_dq, block_dk, block_dv = flex.block_backward(
+            grad_out[:, :, r], q[:, :, r], k_shard, v_shard, out[:, :, r], lse[:, :, r], mask, scale
+        )
+        dq[:, :, r] += block_dq
+        dk += block_dk
+        dv += block_dv
+
+    # One call per block: the own block in two calls, by query rows, so that the first K/V
+    # transfer and the last dK/dV transfer overlap compute as in the per-rectangle path.
+    half = q.size(2) // 2
+    own_first = [(0, half)] if one_call and half else []
+    own_last = [(half, q.size(2))] if one_call else []
+    diagonal_first: list[BatchPart] = []
+    diagonal_last: list[BatchPart] = []
     if documents is None:
         first, last = _diagonal_parts(causal, q.size(2))
         diagonal_first = [(_ALL, *part) for part in first]
         diagonal_last = [(_ALL, *part) for part in last]
-    else:
+    elif not one_call:
         diagonal_first, diagonal_last = _split_diagonal(
-            _pieces(rank, rank, world_size, causal, sharding, q.size(2), documents)
+            _pieces(rank, rank, shards, causal, q.size(2), documents)
         )
     kv = _Rotation((k, v), world_size, keep_first=True)
     # The dK/dV accumulators in flight: this rank's first travelling pair is filled at step 1;
@@ -249,6 +281,8 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, sharding, scale, 
                 kv.post(kv_comm)
             k_held, v_held = kv.held
             if step == 0:
+                for rows in own_first:
+                    one_call_block(rows, rank, k, v, dk_home, dv_home)
                 for part in diagonal_first:
                     backward_block(*part, k, v, dk_home, dv_home)
             else:
@@ -257,12 +291,18 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, sharding, scale, 
                     grads.advance()
                 dk, dv = grads.held
                 src = (rank - step) % world_size
-                for piece in _pieces(rank, src, world_size, causal, sharding, q.size(2), documents):
+                pieces = _pieces(rank, src, shards, causal, q.size(2), documents)
+                if one_call and pieces:
+                    one_call_block((0, q.size(2)), src, k_held, v_held, dk, dv)
+                    pieces = []
+                for piece in pieces:
                     backward_block(*piece, k_held, v_held, dk, dv)
                 grads.post(grad_comm)
             if step + 1 < world_size:
                 kv_comm.wait()
                 kv.advance()
+    for rows in own_last:
+        one_call_block(rows, rank, k, v, dk_home, dv_home)
     for part in diagonal_last:
         backward_block(*part, k, v, dk_home, dv_home)
     # The other ranks' shares of our K/V gradient, home after N-1 hops.
@@ -276,12 +316,12 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, sharding, scale, 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, sharding, scale, documents):
+    def forward(ctx, q, k, v, group, causal, shards, scale, documents):
         # gloo sends only contiguous buffers.
         k, v = k.contiguous(), v.contiguous()
-        out, lse = _ring_forward(q, k, v, group, causal, sharding, scale, documents)
+        out, lse = _ring_forward(q, k, v, group, causal, shards, scale, documents)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, causal, sharding, scale, documents)
+        ctx.args = (group, causal, shards, scale, documents)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -314,6 +354,8 @@ def ring_attention(
     global document boundaries ``[0, end of doc 0, ..., S]`` (cumulative sequence lengths of
     the whole sequence, S = N * S/N); queries then attend causally within their document only,
     and blocks that share no document are skipped (see ``documents.py``). Needs ``causal``.
+    Under ``sharding="balanced"`` the shards must have been cut with the same ``documents``
+    (``shard_sequence(..., documents=documents)``).
     """
     kernels.check_qkv(q, k, v)
     world_size = dist.get_world_size(group)
@@ -322,5 +364,23 @@ def ring_attention(
     if world_size == 1:
         return full_attention(q, k, v, causal, scale, return_lse, documents)
     cu = check_documents(documents, causal, q.size(0), q.size(2) * world_size)
-    out, lse = _RingAttention.apply(q, k, v, group, causal, sharding, scale, cu)
+    return ring_attention_on(
+        q, k, v, group, causal, RingShards(sharding, world_size), scale, return_lse, cu
+    )
+
+
+def ring_attention_on(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    causal: bool,
+    shards: RingShards,
+    scale: float,
+    return_lse: bool,
+    documents: CuSeqlens | None,
+):
+    """``ring_attention`` on checked inputs, over shards cut as ``shards`` says (a hybrid's
+    inner ring holds its Ulysses groups' tokens)."""
+    out, lse = _RingAttention.apply(q, k, v, group, causal, shards, scale, documents)
     return (out, lse) if return_lse else out

@@ -4,6 +4,8 @@ sequence, ordinary attention runs on H/N heads, and a second all-to-all turns th
 
 The all-to-all here also puts the gathered tokens in ascending position order (shards arrive in
 rank order, which under zigzag is not token order), so causal attention needs no special mask.
+Under the balanced sharding a batch element's members hold runs that its document boundaries
+decide: the tokens are put in order by one index per batch group instead of chunk by chunk.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import torch.distributed as dist
 
 from . import kernels
 from .comm import exposed
-from .documents import check_documents
+from .documents import CuSeqlens, batch_groups, check_documents
 from .reference import full_attention
-from .sharding import check_shard_len, group_chunk_plan
+from .sharding import check_shard_len, group_chunk_plan, rank_spans
 
 
 class HeadShardPlan:
@@ -25,21 +27,38 @@ class HeadShardPlan:
 
     ``member_ranks`` are the CP ranks of the group's members in group-rank order, out of a CP
     group of ``cp_world_size`` ranks (the Ulysses group itself, or one inner group of a hybrid).
+    ``documents`` place the balanced sharding's tokens (the other shardings ignore them).
     """
 
     def __init__(
-        self, group, member_ranks: list[int], cp_world_size: int, sharding: str, s_local: int
+        self,
+        group,
+        member_ranks: list[int],
+        cp_world_size: int,
+        sharding: str,
+        s_local: int,
+        documents: CuSeqlens | None = None,
     ):
         self.group = group
         self.size = len(member_ranks)
         self.chunks = group_chunk_plan(member_ranks, cp_world_size, sharding)
         self.chunk_len = s_local * self.size // len(self.chunks)
+        # Balanced: per batch group, the flattened (member, local row) of each gathered row.
+        self.orders: list[tuple[slice, list[int]]] | None = None
+        if sharding == "balanced" and documents is not None:
+            self.orders = [
+                (batch, _gather_order(bounds, member_ranks, cp_world_size, s_local))
+                for batch, bounds in batch_groups(documents)
+            ]
 
     def copy_chunks(
         self, gathered: torch.Tensor, per_member: torch.Tensor, to_gathered: bool
     ) -> None:
         """Copy between ``per_member`` (n, B, h, s, D) and ``gathered`` (B, h, n*s, D) chunk by chunk;
         narrow copies move the data once, where index_select after a permute would move it twice."""
+        if self.orders is not None:
+            self._copy_ordered(gathered, per_member, to_gathered)
+            return
         c = self.chunk_len
         for member, slot, dest in self.chunks:
             member_chunk = per_member[member].narrow(2, slot * c, c)
@@ -48,6 +67,36 @@ class HeadShardPlan:
                 gathered_chunk.copy_(member_chunk)
             else:
                 member_chunk.copy_(gathered_chunk)
+
+    def _copy_ordered(
+        self, gathered: torch.Tensor, per_member: torch.Tensor, to_gathered: bool
+    ) -> None:
+        """The balanced sharding's copy: its runs are many and differ per batch group, so each
+        group moves through one index (two passes over the data, not one copy per run)."""
+        assert self.orders is not None
+        n, _, h, s, d = per_member.shape
+        for batch, order in self.orders:
+            index = torch.tensor(order, device=gathered.device)
+            if to_gathered:
+                flat = per_member[:, batch].permute(1, 2, 0, 3, 4).reshape(-1, h, n * s, d)
+                torch.index_select(flat, 2, index, out=gathered[batch])
+            else:
+                flat = gathered[batch].index_select(2, torch.argsort(index))
+                per_member[:, batch].copy_(flat.unflatten(2, (n, s)).permute(2, 0, 1, 3, 4))
+
+
+def _gather_order(
+    bounds: tuple[int, ...], member_ranks: list[int], cp_world_size: int, s_local: int
+) -> list[int]:
+    """For each of the members' tokens in ascending position, its row in the members' shards
+    laid end to end (member m's local row j is m * s_local + j)."""
+    located = []
+    for m, rank in enumerate(member_ranks):
+        local = 0
+        for start, length in rank_spans(bounds, rank, cp_world_size, "balanced"):
+            located.append((start, m * s_local + local, length))
+            local += length
+    return [row + i for _, row, length in sorted(located) for i in range(length)]
 
 
 def _seq_to_heads(xs: list[torch.Tensor], plan: HeadShardPlan) -> list[torch.Tensor]:
@@ -152,17 +201,18 @@ def ulysses_attention(
     ``hybrid_attention``). With ``return_lse`` also returns the fp32 lse (B, Hq, S/N).
     ``documents`` (the global document boundaries per batch element, as ``ring_attention``
     takes them): after the all-to-all each rank holds the whole sequence in token order for
-    its heads, so each document is plain causal attention on its rows.
+    its heads, so each document is plain causal attention on its rows. Under
+    ``sharding="balanced"`` the shards must have been cut with the same ``documents``.
     """
     kernels.check_qkv(q, k, v)
     world_size = dist.get_world_size(group)
     check_shard_len(q.size(2), k.size(2), world_size, sharding)
     check_head_split(q, k, world_size, "ulysses_attention")
     scale = kernels.resolve_scale(q, scale)
-    check_documents(documents, causal, q.size(0), q.size(2) * world_size)
-    plan = HeadShardPlan(group, list(range(world_size)), world_size, sharding, q.size(2))
+    cu = check_documents(documents, causal, q.size(0), q.size(2) * world_size)
+    plan = HeadShardPlan(group, list(range(world_size)), world_size, sharding, q.size(2), cu)
 
     def attend(qh, kh, vh):
-        return full_attention(qh, kh, vh, causal, scale, return_lse=True, documents=documents)
+        return full_attention(qh, kh, vh, causal, scale, return_lse=True, documents=cu)
 
     return head_sharded_attention(q, k, v, plan, attend, return_lse)

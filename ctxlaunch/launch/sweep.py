@@ -141,7 +141,9 @@ def slurm_groups(points: list[Point]) -> list[list[Point]]:
     return [[runnable[index] for index in group] for group in groups]
 
 
-RESULT_FIELDS = ("tokens_per_second_per_gpu", "step_seconds", "final_loss")
+RESULT_FIELDS = ("tokens_per_second_per_gpu", "step_seconds", "final_loss", "attention_balance")
+"""From the run's summary.json; attention_balance is the mean over its steps of the busiest CP
+rank's attention area over its group's mean (1 where CP is 1 or the ranks are balanced)."""
 
 
 def result_row(

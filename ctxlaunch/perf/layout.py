@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ctxlaunch.contract.spec import resolve_state_engine
 from ctxlaunch.contract.stages import balanced_stage_layers
+from ctxlaunch.perf.docbalance import ring_imbalance
 from ctxlaunch.perf.flops import document_attention_fraction
 
 if TYPE_CHECKING:
@@ -63,6 +64,11 @@ class Layout:
     """The share of the causal attention area computed: below 1 under a document mask with a
     known document length (`flops.document_attention_fraction`), else 1. A property of the
     data, not of the split, so `overrides` leaves it out."""
+    document_tokens: float | None = None
+    """Under a document mask, the token-weighted mean document length (spec
+    `data.mean_document_tokens`), from which the step-time model estimates how unevenly a fixed
+    CP sharding spreads the masked area (`docbalance.ring_imbalance`); None: unknown or no
+    mask. A property of the data, so `overrides` leaves it out."""
     framework: Framework = "ctxlaunch"
     """Whose memory habits to plan: "ctxlaunch", the bundled trainer (FSDP2 under TP or PP keeps
     fp32 weights and an fp32 residual under autocast; its TP keeps the gathered norm outputs
@@ -97,6 +103,11 @@ class Layout:
                 document_attention_fraction(t.seq_len, t.data.mean_document_tokens)
                 if t.data.document_mask and t.data.mean_document_tokens
                 else 1.0
+            ),
+            document_tokens=(
+                float(t.data.mean_document_tokens)
+                if t.data.document_mask and t.data.mean_document_tokens
+                else None
             ),
         )
 
@@ -166,6 +177,15 @@ class Layout:
     def ring_degree(self) -> int:
         """Ring (outer) degree of the CP group."""
         return self.cp // self.ulysses_degree
+
+    @property
+    def attention_imbalance(self) -> float:
+        """The busiest ring rank's attention area over the mean: above 1 under a document
+        mask with zigzag or contiguous shards, 1 with the balanced sharding, without a ring,
+        or without a known document length (`docbalance.ring_imbalance`)."""
+        return ring_imbalance(
+            self.seq_len, self.ring_degree, self.cp_sharding, self.document_tokens
+        )
 
     @property
     def tokens_per_step(self) -> int:

@@ -222,8 +222,10 @@ def _attention_compute_seconds(
 ) -> float:
     """Causal attention with balanced (zigzag) sharding: each token attends to s/2 keys on
     average; forward 4*h*s_keys, backward 8*h*s_keys, a recomputed forward 4 more. A document
-    mask computes `attended_fraction` of that area; the diagonal tiles a causal kernel wastes
-    stay the same in total (each document's causal call wastes in proportion to its length)."""
+    mask computes `attended_fraction` of that area on average, and the ring's busiest rank,
+    which every rank waits for, `attention_imbalance` times that (1 under the balanced
+    sharding); the diagonal tiles a causal kernel wastes stay the same in total (each
+    document's causal call wastes in proportion to its length)."""
     keys = layout.seq_len / 2
     flops_per_entry = 12 + (4 if layout.activation_checkpointing == "full" else 0)
     entries = (
@@ -232,7 +234,10 @@ def _attention_compute_seconds(
         * model.heads
         / layout.tp
         * keys
-        * (layout.attended_fraction + machine.causal_tile_tokens / layout.seq_len)
+        * (
+            layout.attended_fraction * layout.attention_imbalance
+            + machine.causal_tile_tokens / layout.seq_len
+        )
     )
     attention_flops = entries * flops_per_entry * model.head_dim
     if machine.attention_flops_per_second:  # measured (the CPU calibration)

@@ -31,6 +31,10 @@ class StepMetrics:
     exposed_comm_seconds: float
     """Time this rank spent blocked on CP communication during the step (not hidden by
     compute)."""
+    attention_balance: float = 1.0
+    """The attention area the busiest rank of this rank's CP group computed in the step over
+    the group's mean (1.0: every rank did the same; a ring waits for the busiest). Under a
+    document mask it follows the sharding (`parallel.cp_sharding`)."""
 
 
 def peak_memory_bytes(device: torch.device) -> int:

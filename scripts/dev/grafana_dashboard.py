@@ -494,6 +494,18 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 thresholds=((None, "transparent"), (EXPOSED_COMM_MAX, "red")),
             ),
             PanelSpec(
+                "Attention balance per rank (busiest / mean area of its CP group)",
+                "The attention area the busiest rank of each rank's CP group computed in the last "
+                "step over the group's mean (ctxlaunch_cp_attention_balance_ratio): 1 is "
+                "balanced; under a document mask zigzag and contiguous reach 1.3-3, the balanced "
+                "sharding holds it near 1.",
+                "timeseries",
+                "none",
+                (_per_rank("ctxlaunch_cp_attention_balance_ratio"),),
+                min=1,
+                thresholds=((None, "transparent"), (1.1, "orange")),
+            ),
+            PanelSpec(
                 "Attention kernel per rank",
                 "The attention kernel each rank's attention calls run on (ctxlaunch_attention_kernel"
                 "_info) and how it was chosen: measured at the run's block shape, forced by "

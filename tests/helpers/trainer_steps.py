@@ -51,13 +51,14 @@ def train_steps(rank: int, world: int, spec_data: dict, steps: int) -> dict:
     )
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     grads: list[dict[str, torch.Tensor]] = []
-    losses = [
-        trainer.train_step(on_gradients=lambda e: grads.append(e.full_gradients())).loss
+    metrics = [
+        trainer.train_step(on_gradients=lambda e: grads.append(e.full_gradients()))
         for _ in range(steps)
     ]
     # numpy, not tensors: torch would pass tensors through shared memory that vanishes with
     # the worker process.
     return {
-        "losses": losses,
+        "losses": [m.loss for m in metrics],
+        "attention_balance": [m.attention_balance for m in metrics],
         "grads": {k: v.numpy() for k, v in grads[0].items()} if rank == 0 else None,
     }

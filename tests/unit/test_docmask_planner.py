@@ -71,3 +71,81 @@ def test_the_spec_carries_the_document_length_to_the_layout(tmp_path) -> None:
         )
     assert "training.data.mean_document_tokens" in str(caught.value)
     assert "document_mask: true" in str(caught.value)
+
+
+@pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("ring_degree", [2, 4, 8, 16])
+def test_ring_imbalance_is_the_schedules_count(sharding: str, ring_degree: int) -> None:
+    """The planner's pure-Python estimate counts each rank's area as the CP schedule does
+    (`attention_area`, which walks the ring's blocks) on the same packed sequences."""
+    from ctxlaunch.perf.docbalance import SEQUENCES, _packed, ring_imbalance
+
+    seq_len, document_tokens = 65536, 4096.0
+    sequences = _packed(seq_len, document_tokens, SEQUENCES)
+    counted = [
+        attention_area([tuple(b)], seq_len, ring_degree, sharding).busiest_over_mean
+        for b in sequences
+    ]
+    want = sum(counted) / len(counted)
+    assert ring_imbalance(seq_len, ring_degree, sharding, document_tokens) == pytest.approx(want)
+    assert want > 1.1  # packed documents of this length leave a fixed sharding unbalanced
+
+
+def test_ring_imbalance_is_one_where_the_ranks_are_balanced() -> None:
+    from ctxlaunch.perf.docbalance import ring_imbalance
+
+    assert ring_imbalance(65536, 8, "balanced", 4096.0) == 1.0
+    assert ring_imbalance(65536, 1, "zigzag", 4096.0) == 1.0  # no ring (Ulysses)
+    assert ring_imbalance(65536, 8, "zigzag", None) == 1.0  # no known document length
+    # Many short documents per chunk: every chunk holds about the same area.
+    assert ring_imbalance(1 << 20, 2, "zigzag", 100.0) == 1.0
+
+
+def test_step_time_costs_the_busiest_ring_rank_under_a_fixed_sharding() -> None:
+    """Under a document mask the step follows the ring's busiest rank: zigzag's attention term
+    is its imbalance times the balanced sharding's (the diagonal-tile waste aside); Ulysses,
+    whose ranks all compute the whole sequence, is unaffected by the sharding."""
+    machine = Machine.from_gpu(GPUS["H100"], network="infiniband-ndr", gpus_per_node=8)
+    fraction = document_attention_fraction(131072, 8192)
+    masked = Layout(seq_len=131072, cp=8, dp=1, attended_fraction=fraction, document_tokens=8192)
+    zigzag = masked.replace(cp_sharding="zigzag")
+    balanced = masked.replace(cp_sharding="balanced")
+    assert zigzag.attention_imbalance > 1.1 and balanced.attention_imbalance == 1.0
+    tile = machine.causal_tile_tokens / 131072
+    got = {
+        layout.cp_sharding: predict(LLAMA_8B, layout, machine).terms["compute_attention"]
+        for layout in (zigzag, balanced)
+    }
+    assert got["zigzag"] == pytest.approx(
+        got["balanced"] * (fraction * zigzag.attention_imbalance + tile) / (fraction + tile)
+    )
+    ulysses = [
+        predict(LLAMA_8B, layout.replace(cp_algorithm="ulysses", ulysses_degree=8), machine)
+        for layout in (zigzag, balanced)
+    ]
+    assert ulysses[0].terms["compute_attention"] == ulysses[1].terms["compute_attention"]
+
+
+def test_the_spec_carries_the_sharding_to_the_step_time(tmp_path) -> None:
+    """A masked spec with a document length gives the planner zigzag's imbalance, and none
+    under the balanced sharding."""
+    import numpy as np
+
+    from ctxlaunch.runtime.data.indexed import IndexedWriter
+
+    prefix = tmp_path / "d"
+    with IndexedWriter(prefix, np.uint16) as writer:
+        writer.add_document([1, 2, 0])
+    data = {"source": "tokens", "path": str(prefix), "document_mask": True}
+    spec = _spec(data | {"mean_document_tokens": 1024})
+    spec["training"]["seq_len"] = 65536
+    spec["cluster"]["gpus_per_node"] = 4
+    layouts = {
+        sharding: Layout.from_spec(
+            validate_spec(spec | {"parallel": {"cp": 4, "cp_sharding": sharding}})
+        )
+        for sharding in ("zigzag", "balanced")
+    }
+    assert layouts["zigzag"].document_tokens == 1024
+    assert layouts["zigzag"].attention_imbalance > 1.1
+    assert layouts["balanced"].attention_imbalance == 1.0

@@ -165,6 +165,8 @@ def test_a_local_sweep_runs_every_point_and_reports(tmp_path: Path) -> None:
             row["predicted_step_seconds"] / row["step_seconds"] - 1
         )
         assert row["mfu_causal"] > 0 and row["predicted_mfu_full"] > row["predicted_mfu_causal"]
+        # The CP group's busiest/mean attention area, from the run's summary.
+        assert row["attention_balance"] >= 1.0
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert pngs == ["memory.png", "mfu.png", "throughput.png"]
     assert all((tmp_path / "plots" / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in pngs)

@@ -1,8 +1,9 @@
 """Document masking in the trainer: packed batches carry document boundaries, restarted
 positions and ignored boundary targets; a packed step with `document_mask` trains to the same
-losses and gradients at CP 2 (ring and Ulysses, both layouts), DP 2, TP 2, PP 2 and DeepSpeed
-ZeRO-2, with gradient accumulation, as in one process; and one process's step equals each
-document run alone through the model, averaged by token count (multi-process, gloo on CPU)."""
+losses and gradients at CP 2 (ring and Ulysses, every sharding), CP 4 (ring and hybrid, the
+balanced sharding), DP 2, TP 2, PP 2 and DeepSpeed ZeRO-2, with gradient accumulation, as in
+one process; and one process's step equals each document run alone through the model,
+averaged by token count (multi-process, gloo on CPU)."""
 
 from __future__ import annotations
 
@@ -22,13 +23,16 @@ from tests.helpers.trainer_steps import train_steps
 SEQ_LEN = 128
 
 
-def corpus(tmp_path: Path, documents: int = 120, seed: int = 0) -> str:
-    """Documents of 1..60 ids below 256 (the tiny model's vocabulary), each ending in 0."""
+def corpus(tmp_path: Path, documents: int = 120, seed: int = 0, long_every: int = 0) -> str:
+    """Documents of 1..60 ids below 256 (the tiny model's vocabulary), each ending in 0; with
+    `long_every`, every so many a long one of 100..250 ids (a long tail)."""
     rng = np.random.default_rng(seed)
     prefix = tmp_path / "docs"
     with IndexedWriter(prefix, token_dtype(256)) as writer:
-        for _ in range(documents):
-            writer.add_document(np.append(rng.integers(1, 256, rng.integers(1, 60)), 0))
+        for index in range(documents):
+            long = long_every and index % long_every == long_every - 1
+            length = rng.integers(100, 250) if long else rng.integers(1, 60)
+            writer.add_document(np.append(rng.integers(1, 256, length), 0))
     return str(prefix)
 
 
@@ -56,7 +60,13 @@ def test_packed_batches_carry_documents_positions_and_ignored_targets(tmp_path: 
     prefix = corpus(tmp_path)
     source = PackedTokens([prefix], None, seq_len=SEQ_LEN, vocab=256)
     for restart in (True, False):
-        for cp, layout in ((1, "zigzag"), (2, "zigzag"), (2, "contiguous")):
+        for cp, layout in (
+            (1, "zigzag"),
+            (2, "zigzag"),
+            (2, "contiguous"),
+            (2, "balanced"),
+            (4, "balanced"),
+        ):
             shards = [
                 Batches(
                     source,
@@ -88,10 +98,13 @@ def test_packed_batches_carry_documents_positions_and_ignored_targets(tmp_path: 
                 from ctxlaunch.cp import shard_positions
 
                 for r, shard in enumerate(shards):
-                    where = shard_positions(SEQ_LEN, r, cp, layout).tolist()
+                    held = shard_positions(SEQ_LEN, r, cp, layout, documents=shard.documents)
+                    where = (held[b] if held.dim() == 2 else held).tolist()
                     assert shard.targets[b].tolist() == [want_targets[j] for j in where]
                     assert shard.tokens[b].tolist() == [int(packed.tokens[j]) for j in where]
-                    positions = shard.positions[b] if restart else shard.positions
+                    positions = (
+                        shard.positions[b] if shard.positions.dim() == 2 else shard.positions
+                    )
                     assert positions.tolist() == [want_positions[j] for j in where]
             assert sum(s.predicted_tokens for s in shards) == sum(
                 t != IGNORE_INDEX for t in torch.cat([s.targets for s in shards]).flatten().tolist()
@@ -148,7 +161,9 @@ def compare(got: dict, want: dict, what: str) -> float:
 LAYOUTS = [
     {"parallel.cp": 2, "parallel.cp_algorithm": "ring"},
     {"parallel.cp": 2, "parallel.cp_algorithm": "ring", "parallel.cp_sharding": "contiguous"},
+    {"parallel.cp": 2, "parallel.cp_algorithm": "ring", "parallel.cp_sharding": "balanced"},
     {"parallel.cp": 2, "parallel.cp_algorithm": "ulysses"},
+    {"parallel.cp": 2, "parallel.cp_algorithm": "ulysses", "parallel.cp_sharding": "balanced"},
     {},  # DP 2: the two ranks predict different numbers of tokens
     {"parallel.tp": 2},  # the vocabulary-parallel loss ignores the boundary targets
     {"parallel.pp": 2},  # 4 micro-batches through 1F1B, each with its own documents
@@ -170,6 +185,49 @@ def test_packed_step_matches_single_process(tmp_path: Path, restart: bool) -> No
         print(
             f"{changes or 'dp 2'} restart={restart}: worst relative gradient difference {worst:.2e}"
         )
+
+
+BALANCED_CP4 = [
+    {"parallel.cp": 4, "parallel.cp_algorithm": "ring", "parallel.cp_sharding": "balanced"},
+    {
+        "parallel.cp": 4,
+        "parallel.cp_algorithm": "hybrid",
+        "parallel.ulysses_degree": 2,
+        "parallel.cp_sharding": "balanced",
+    },
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_balanced_step_at_cp_4_matches_single_process(tmp_path: Path) -> None:
+    """A long-tailed corpus, where the balanced sharding moves documents (checked): ring and
+    hybrid at CP 4 train as one process does, and the step reports the group's balance."""
+    from ctxlaunch.cp import ring_rank_areas
+    from ctxlaunch.cp.balance import balanced_spans, zigzag_spans
+
+    prefix = corpus(tmp_path, long_every=3)
+    source = PackedTokens([prefix], None, seq_len=SEQ_LEN, vocab=256)
+    moved = 0
+    for index in range(8):
+        ids = source.packed(index).document_ids[:-1]
+        bounds = tuple([0] + [j for j in range(1, SEQ_LEN) if ids[j] != ids[j - 1]] + [SEQ_LEN])
+        moved += balanced_spans(bounds, 4) != zigzag_spans(SEQ_LEN, 4)
+        zigzag = ring_rank_areas([bounds], SEQ_LEN, 4, "zigzag")
+        balanced = ring_rank_areas([bounds], SEQ_LEN, 4, "balanced")
+        assert max(balanced) * 4 <= 1.05 * sum(balanced)
+        assert max(balanced) <= max(zigzag)
+    assert moved >= 4, "the corpus must make the balanced sharding differ from zigzag"
+    want = train_steps(0, 1, spec_for(1, prefix), 2)
+    zigzag = {"parallel.cp": 4, "parallel.cp_algorithm": "ring"}
+    layouts = [*BALANCED_CP4, zigzag]
+    specs = [spec_for(4, prefix, **changes) for changes in layouts]
+    got = run_distributed(_train_all, 4, specs, timeout_s=380)[0]
+    for changes, result in zip(layouts, got):
+        compare(result, want, str(changes))
+    # The step's balance (rank 0's CP group): the balanced sharding holds it, zigzag does not.
+    assert all(1.0 <= b <= 1.05 for r in got[:2] for b in r["attention_balance"]), got
+    assert max(got[2]["attention_balance"]) > 1.1, got[2]["attention_balance"]
 
 
 @pytest.mark.distributed

@@ -148,6 +148,13 @@ METRICS: tuple[Metric, ...] = (
         "Time in the last step spent waiting for ring K/V (or dK/dV) transfers after the "
         "block's compute had finished: communication that compute did not hide.",
     ),
+    Metric(
+        "ctxlaunch_cp_attention_balance_ratio",
+        "gauge",
+        "The attention area the busiest rank of this rank's CP group computed in the last step "
+        "over the group's mean (1: balanced; a ring waits for the busiest at every hop). "
+        "Under a document mask it follows parallel.cp_sharding; balanced holds it near 1.",
+    ),
 )
 
 BY_NAME = {m.name: m for m in METRICS}

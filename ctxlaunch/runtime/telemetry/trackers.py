@@ -17,6 +17,7 @@ Each logged step (every training.log_interval steps and the last), at that step:
     train/mfu_full                   MFU, attention FLOPs over the full square
     train/mfu_causal                 MFU, attention FLOPs over the causal half
     train/cp_exposed_comm_seconds    CP communication the step waited for
+    train/cp_attention_balance       the CP group's busiest over mean attention area
     memory/peak_allocated_gib        rank 0's peak (CUDA allocated; the process RSS on a CPU)
     memory/peak_reserved_gib         rank 0's peak reserved by the allocator
     memory/predicted_peak_gib        the planner's predicted peak per rank
@@ -103,6 +104,7 @@ def step_series(
         "train/mfu_full": mfu["full"],
         "train/mfu_causal": mfu["causal"],
         "train/cp_exposed_comm_seconds": metrics.exposed_comm_seconds,
+        "train/cp_attention_balance": metrics.attention_balance,
         "memory/peak_allocated_gib": peak_allocated_bytes / GiB,
         "memory/peak_reserved_gib": peak_reserved_bytes / GiB,
         "memory/predicted_peak_gib": predicted_peak_bytes / GiB,

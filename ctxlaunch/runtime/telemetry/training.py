@@ -161,6 +161,7 @@ class TrainingTelemetry:
             exporter.inc("ctxlaunch_allocator_retries_total", retries - self._retries_seen)
             self._retries_seen = retries
         exporter.set("ctxlaunch_cp_exposed_comm_seconds", metrics.exposed_comm_seconds)
+        exporter.set("ctxlaunch_cp_attention_balance_ratio", metrics.attention_balance)
         exporter.set("ctxlaunch_last_step", metrics.step)
         exporter.set("ctxlaunch_last_step_timestamp_seconds", time.time())
         if self.trackers.logs_step(metrics.step):

@@ -5,6 +5,10 @@
 Sequences are numbered: step k's global batch is sequences k*G .. k*G+G-1 (G = global batch),
 so every layout (any DP, CP or gradient accumulation) trains on exactly the same tokens, and a
 resumed run continues where the interrupted one stopped without any data-loader state.
+
+Under the balanced CP sharding the tokens a rank holds depend on each sequence's documents:
+they are chosen here, as the batch is loaded (`CpShard`), and every per-token tensor of the
+batch (tokens, targets, positions) is taken at the same positions (`take_tokens`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from ctxlaunch.contract.spec import DataSpec
 from ctxlaunch.cp import shard_positions
+from ctxlaunch.cp.documents import CuSeqlens
 
 if TYPE_CHECKING:
     from ctxlaunch.runtime.data.packing import PackedSequence, PackedTokens
@@ -80,7 +85,8 @@ class MicroBatch:
     tokens: torch.Tensor  # (B, S_local)
     targets: torch.Tensor  # (B, S_local); IGNORE_INDEX where a target opens the next document
     positions: torch.Tensor
-    """RoPE positions: (S_local,) global positions, or (B, S_local) restarted at each document."""
+    """RoPE positions: (S_local,) global positions, or (B, S_local): restarted at each
+    document, or per sequence (the balanced sharding places each sequence's tokens)."""
     documents: tuple[tuple[int, ...], ...] | None = None
     """Under a document mask: per sequence, the global document boundaries (0, ..., seq_len)
     of its inputs, what the CP attention functions take; None: no mask."""
@@ -90,6 +96,28 @@ class MicroBatch:
         """How many of this rank's targets are predicted (not IGNORE_INDEX: under a document
         mask or a loss mask some are not)."""
         return int((self.targets != IGNORE_INDEX).sum())
+
+
+@dataclass(frozen=True)
+class CpShard:
+    """Which tokens of each sequence this CP rank holds."""
+
+    rank: int
+    size: int
+    sharding: str
+
+    def positions(self, seq_len: int, documents: CuSeqlens | None = None) -> torch.Tensor:
+        """The global positions of the tokens held, in shard order: (S/N,), or (B, S/N) where
+        the balanced sharding places each sequence by its ``documents``."""
+        return shard_positions(seq_len, self.rank, self.size, self.sharding, documents=documents)
+
+
+def take_tokens(per_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A (B, S) per-token tensor at a shard's ``positions``: (S/N,) for every sequence, or
+    (B, S/N) one row per sequence. Every per-token field of a batch goes through here."""
+    if positions.dim() == 1:
+        return per_token[:, positions].contiguous()
+    return per_token.gather(1, positions)
 
 
 TokenSource: TypeAlias = "SyntheticTokens | ByteText | PackedTokens"
@@ -121,7 +149,8 @@ class Batches:
         self.source = source
         self.micro_batch, self.global_batch = micro_batch, global_batch
         self.dp, self.dp_rank = dp, dp_rank
-        self.positions = shard_positions(seq_len, cp_rank, cp, cp_sharding)
+        self.shard = CpShard(cp_rank, cp, cp_sharding)
+        self.positions = self.shard.positions(seq_len)
         self._packed: Callable[[int], PackedSequence] | None = getattr(source, "packed", None)
         if document_mask and self._packed is None:
             raise ValueError(
@@ -156,7 +185,7 @@ class Batches:
         return masked_micro_batch(
             [torch.from_numpy(p.tokens) for p in packed],
             [torch.from_numpy(p.document_ids) for p in packed],
-            self.positions,
+            self.shard,
             self.restart_positions,
             [p.loss_mask for p in packed],
         )
@@ -174,13 +203,14 @@ def apply_loss_mask(targets: torch.Tensor, loss_masks: Sequence[Any | None]) -> 
 def masked_micro_batch(
     sequences: list[torch.Tensor],
     document_ids: list[torch.Tensor],
-    shard: torch.Tensor,
+    shard: CpShard | torch.Tensor,
     restart_positions: bool,
     loss_masks: Sequence[Any | None] = (),
 ) -> MicroBatch:
     """A document-masked micro-batch of whole sequences (seq_len + 1 tokens, with each token's
-    document id), at the positions `shard` of this CP rank: document boundaries, targets that
-    open the next document ignored (and those the sequences' loss masks leave out), positions
+    document id), at the positions `shard` holds of each (a CP rank's shard, or the positions
+    themselves): document boundaries, targets that open the next document ignored (and those
+    the sequences' loss masks leave out), positions
     restarted per document if asked."""
     tokens, ids = torch.stack(sequences), torch.stack(document_ids)
     inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
@@ -193,14 +223,15 @@ def masked_micro_batch(
     opens[:, 1:] = own[:, 1:] != own[:, :-1]
     seq_len = own.size(1)
     documents = tuple(tuple(row.nonzero().flatten().tolist()) + (seq_len,) for row in opens)
-    positions = shard
+    held = shard.positions(seq_len, documents) if isinstance(shard, CpShard) else shard
+    positions = held
     if restart_positions:
         index = torch.arange(seq_len).expand_as(own)
         start = torch.where(opens, index, 0).cummax(dim=1).values
-        positions = (index - start)[:, shard].contiguous()
+        positions = take_tokens(index - start, held)
     return MicroBatch(
-        tokens=inputs[:, shard].contiguous(),
-        targets=targets[:, shard].contiguous(),
+        tokens=take_tokens(inputs, held),
+        targets=take_tokens(targets, held),
         positions=positions,
         documents=documents,
     )

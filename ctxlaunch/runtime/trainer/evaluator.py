@@ -62,6 +62,7 @@ class Evaluator:
         elif not training.eval.passkey.enabled:
             self.passkey_note = "disabled (training.eval.passkey.enabled: false)"
         self.positions = shard_positions(training.seq_len, ctx.cp_rank, ctx.cp, ctx.cp_sharding)
+        self.cp_shard = (ctx.cp_rank, ctx.cp, ctx.cp_sharding)
         self.autocast_dtype = torch.bfloat16 if spec.model.dtype == "bf16" else None
 
     def _mine(self, count: int) -> list[int | None]:
@@ -84,6 +85,7 @@ class Evaluator:
         open the next are not predicted, and context lengths restart (restart_positions);
         a loss mask leaves out the targets it does not mark."""
         from ctxlaunch.runtime.trainer.batches import (
+            CpShard,
             MicroBatch,
             apply_loss_mask,
             masked_micro_batch,
@@ -91,7 +93,11 @@ class Evaluator:
 
         if document_ids is not None:
             batch = masked_micro_batch(
-                [sequence], [document_ids], self.positions, self.restart_positions, [loss_mask]
+                [sequence],
+                [document_ids],
+                CpShard(*self.cp_shard),
+                self.restart_positions,
+                [loss_mask],
             )
         else:
             targets = sequence[1:].clone().unsqueeze(0)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ctxlaunch.contract import events, exitcodes
+from ctxlaunch.cp import ring_rank_areas
 from ctxlaunch.cp.comm import exposed_comm_seconds
 from ctxlaunch.perf.flops import flops_per_token
 from ctxlaunch.runtime.records import StepMetrics, peak_memory_bytes
@@ -127,7 +128,28 @@ class Trainer:
             lr=lr,
             grad_norm=grad_norm,
             exposed_comm_seconds=exposed_comm_seconds() - exposed_before,
+            attention_balance=self._attention_balance(batches),
         )
+
+    def _attention_balance(self, batches: list[MicroBatch]) -> float:
+        """The busiest over the mean attention area of this rank's CP group in the step's
+        micro-batches (pure arithmetic on the batches' documents; no communication)."""
+        ctx = self.ctx
+        if ctx.cp == 1:
+            return 1.0
+        totals: list[int] = []
+        for batch in batches:
+            areas = ring_rank_areas(
+                batch.documents,
+                self.spec.training.seq_len,
+                ctx.cp,
+                ctx.cp_sharding,
+                ctx.ulysses,
+                batch=batch.tokens.size(0),
+            )
+            totals = [a + b for a, b in zip(totals, areas, strict=True)] if totals else list(areas)
+        mean = sum(totals) / len(totals)
+        return max(totals) / mean if mean else 1.0
 
     def _predicted_tokens(self, batches: list[MicroBatch]) -> int:
         """The step's predicted-token count over every DP x CP rank and micro-batch (one
@@ -295,6 +317,11 @@ class Trainer:
             f"step {metrics.step_seconds:.2f} s  {metrics.tokens_per_second_per_gpu:,.0f} tokens/s/GPU  "
             f"{metrics.model_tflops_per_gpu_full:.3f} TFLOP/s/GPU (full)  "
             f"peak {metrics.peak_memory_bytes / 2**30:.2f} GiB  lr {metrics.lr:.2e}"
+            + (
+                f"  attention busiest/mean {metrics.attention_balance:.2f}"
+                if self.ctx.cp > 1
+                else ""
+            )
         )
         if self.run_dir is not None and self.ctx.rank == 0:
             with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
@@ -335,6 +362,8 @@ class Trainer:
             "world_size": self.ctx.world_size,
             "cp": self.ctx.cp,
             "cp_algorithm": self.spec.parallel.cp_algorithm,
+            # Every step, warm-up included: the balance follows the data, not the timing.
+            "attention_balance": sum(m.attention_balance for m in history) / len(history),
         }
         self.log(
             f"ctxlaunch: done: {summary['steps']} steps, loss {summary['first_loss']:.4f} "

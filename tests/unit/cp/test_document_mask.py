@@ -1,7 +1,7 @@
 """Document masks across context parallelism: ring, Ulysses and hybrid attention over packed
 sequences equal each document run alone through full causal attention (float64: out, lse,
-dq, dk, dv), at CP 2 and 4, zigzag and contiguous; and the computed-area count on hand-worked
-cases."""
+dq, dk, dv), at CP 2 and 4, zigzag, contiguous and balanced (whose shards are placed per
+batch element from its documents); and the computed-area count on hand-worked cases."""
 
 import zlib
 
@@ -60,7 +60,7 @@ def _check(rank, world_size):
     methods = ["ring", "ulysses"] + (["hybrid"] if hybrid_groups else [])
     for method in methods:
         kv_heads = world_size if method == "ulysses" else 2
-        for sharding in ("zigzag", "contiguous"):
+        for sharding in ("zigzag", "contiguous", "balanced"):
             name = f"{method} N={world_size} {sharding}"
             g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
             q = torch.randn(3, 4, seq_len, 8, generator=g, dtype=torch.float64)
@@ -71,8 +71,8 @@ def _check(rank, world_size):
             grad = torch.randn(3, 4, seq_len, 8, generator=g, dtype=torch.float64)
             ref_out, ref_lse, ref_grads = per_document_reference(q, k, v, grad, documents)
 
-            def shard(x, sharding=sharding):
-                return shard_sequence(x, None, dim=2, sharding=sharding)
+            def shard(x, sharding=sharding, documents=documents):
+                return shard_sequence(x, None, dim=2, sharding=sharding, documents=documents)
 
             local = [shard(t).clone().requires_grad_() for t in (q, k, v)]
             kwargs = dict(sharding=sharding, return_lse=True, documents=documents)
@@ -92,22 +92,27 @@ def _check(rank, world_size):
             for what, err in errors.items():
                 assert err <= 1e-10, f"{name}: {what} differs by {float(err):.3g}"
             worst[name] = max(float(e) for e in errors.values())
-            # One document over the whole sequence is the unmasked causal attention.
-            single = [shard(t).clone().requires_grad_() for t in (q, k, v)]
+            # One document over the whole sequence is the unmasked causal attention (and the
+            # balanced sharding of one document is zigzag's).
             whole = [(0, seq_len)] * 3
+            single = [shard(t, documents=whole).detach() for t in (q, k, v)]
+            if sharding == "balanced":
+                zigzag = [shard(t, "zigzag").detach() for t in (q, k, v)]
+                assert all(torch.equal(a, b) for a, b in zip(single, zigzag)), name
             if method == "ring":
-                plain = ring_attention(*local, None, sharding=sharding)
+                plain = ring_attention(*single, None, sharding=sharding)
                 one = ring_attention(*single, None, sharding=sharding, documents=whole)
             elif method == "ulysses":
-                plain = ulysses_attention(*local, None, sharding=sharding)
+                plain = ulysses_attention(*single, None, sharding=sharding)
                 one = ulysses_attention(*single, None, sharding=sharding, documents=whole)
             else:
-                plain = hybrid_attention(*local, *hybrid_groups, sharding=sharding)
+                plain = hybrid_attention(*single, *hybrid_groups, sharding=sharding)
                 one = hybrid_attention(*single, *hybrid_groups, sharding=sharding, documents=whole)
             torch.testing.assert_close(one, plain, **TOL)
     return worst
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_document_mask_matches_each_document_alone(world_size):
