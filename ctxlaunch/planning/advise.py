@@ -473,6 +473,8 @@ def advice_spec_text(data: dict[str, Any], advice: Advice, source: str) -> str:
     new = apply_overrides(data, [f"{k}={json.dumps(v)}" for k, v in changes.items()])
     for section in ("parallel", "training"):  # drop the nulls the changes set
         new[section] = {k: v for k, v in new[section].items() if v is not None}
+    if not any(new["training"].get("offload", {}).values()):
+        new["training"].pop("offload", None)  # nothing offloaded: the default, left unsaid
     validate_spec(new, source)
     header = (
         f"# ctxlaunch advise: {advice.best.describe()}; predicted "

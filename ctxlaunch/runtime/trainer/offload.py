@@ -86,8 +86,11 @@ class ActivationOffload:
             yield
             return
 
+        # Autograd keeps the pack hook as long as what it saved: it must not hold `x` itself.
+        address, shape = x.data_ptr(), x.shape
+
         def pack(tensor: torch.Tensor) -> object:
-            if tensor.data_ptr() != x.data_ptr() or tensor.shape != x.shape:
+            if tensor.data_ptr() != address or tensor.shape != shape:
                 return tensor  # the RoPE tables, shared by every block: left alone
             if slot >= self.blocks - 1:
                 return _Kept(slot, tensor)
