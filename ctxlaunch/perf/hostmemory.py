@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from ctxlaunch.contract.hardware import GiB
 from ctxlaunch.perf.layout import Layout
-from ctxlaunch.perf.modelstates import largest_layer_params, params_per_rank
+from ctxlaunch.perf.modelstates import params_per_rank
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import ModelSpec
@@ -106,9 +106,17 @@ def optimizer_host_bytes(model: ModelSpec, layout: Layout) -> tuple[float, float
     parameters = weight * shard if layout.offload_parameters else 0.0
     if layout.zero_stage == 3:
         return (16 + weight) * shard, parameters
-    staging = weight * largest_layer_params(model, layout.tp)
+    staging = weight * largest_parameter_elements(model)
     accumulated = weight * shard if layout.grad_accum > 1 else 0.0
     return (16 + weight) * shard + accumulated + staging, parameters
+
+
+def largest_parameter_elements(model: ModelSpec) -> int:
+    """Elements of the model's largest single parameter tensor (DeepSpeed sizes its offload
+    staging buffer by it): the embedding or head, the fused q/k/v or gate/up projection, the
+    down projection (DeepSpeed runs at TP 1)."""
+    h, f = model.hidden, model.ffn_hidden
+    return max(model.vocab * h, (h + 2 * model.kv_hidden) * h, 2 * f * h, f * h, h * h)
 
 
 def activation_host_bytes(model: ModelSpec, layout: Layout) -> float:

@@ -271,15 +271,16 @@ def fsdp_block_backward_bytes(model: ModelSpec, layout: Layout) -> float:
 
 
 def deepspeed_bucket_bytes(layout: Layout) -> int:
-    """The bundled trainer under DeepSpeed ZeRO-1/2 in bf16: backward reduces gradients through
+    """The bundled trainer under DeepSpeed ZeRO in bf16: backward reduces gradients through
     one contiguous bucket of reduce_bucket_size elements in the compute dtype (ipg_buffer in
-    deepspeed/runtime/zero/stage_1_and_2.py; one, since the trainer sets overlap_comm false),
-    allocated at the first gradient hook of every micro-batch and dropped before the step.
-    Measured: 400,000,000 bytes at 200 M elements (tests/unit/test_memory_peak.py)."""
+    deepspeed/runtime/zero/stage_1_and_2.py; one, since the trainer sets overlap_comm false;
+    ZeRO-3's flat bucket in stage3.py likewise), allocated at the first gradient hook of every
+    micro-batch and dropped before the step. Measured: 400,000,000 bytes at 200 M elements
+    (tests/unit/test_memory_peak.py), at ZeRO-3 with and without offload too."""
     if (
         layout.framework != "ctxlaunch"
         or layout.fsdp
-        or layout.zero_stage not in (1, 2)
+        or layout.zero_stage not in (1, 2, 3)
         or layout.shard_group == 1
         or layout.dtype != "bf16"
     ):
