@@ -247,23 +247,39 @@ def host_limit(spec: JobSpec) -> HostLimit:
     return HostLimit(c.host_memory_bytes, c.gpus_per_node, cpu=c.gpu == "cpu")
 
 
-def offload_recipe(spec: JobSpec, layout: Layout) -> list[Layout]:
-    """The reach recipe (Arctic Long Sequence Training's): ZeRO-3, full checkpointing, the
-    optimizer's states and the block inputs in host memory (and under DeepSpeed the
-    parameters), the feed-forward over tiles of the hidden size, collectives in the compute
-    dtype as they are; one Layout per CP algorithm legal at the layout's degree."""
+def offload_steps(spec: JobSpec, layout: Layout) -> list[Layout]:
+    """The offload recipe (Arctic Long Sequence Training's) for `layout`, step by step, the
+    mildest first: ZeRO-3 with full checkpointing and the optimizer's states in host memory;
+    then the block inputs too (PP 1); then the feed-forward over tiles of the hidden size; then
+    under DeepSpeed the parameters too. Each step adds copies to the step, so the first that
+    fits is the fastest way to fit. Empty where FSDP2 has no ranks to shard over."""
     engine = "deepspeed" if layout.tp == 1 and layout.pp == 1 else "fsdp2"
     if engine == "fsdp2" and layout.shard_group == 1:
-        return []  # FSDP2 has no ranks to shard over: its CPU offload policy does not apply
-    recipe = layout.replace(
+        return []  # FSDP2's CPU offload policy needs sharded states
+    base = layout.replace(
         zero_stage=3,
         engine=engine,
         activation_checkpointing="full",
         offload_optimizer=True,
-        offload_parameters=engine == "deepspeed",
-        offload_activations=layout.pp == 1,
-        mlp_tile_tokens=spec.model.hidden,
+        offload_parameters=False,
+        offload_activations=False,
+        mlp_tile_tokens=0,
     )
+    activations = base.replace(offload_activations=layout.pp == 1)
+    tiled = activations.replace(mlp_tile_tokens=spec.model.hidden)
+    steps = [base, activations, tiled]
+    if engine == "deepspeed":
+        steps.append(tiled.replace(offload_parameters=True))
+    return list(dict.fromkeys(steps))
+
+
+def offload_recipe(spec: JobSpec, layout: Layout) -> list[Layout]:
+    """The whole offload recipe (the last of `offload_steps`) at the layout's CP degree, one
+    Layout per CP algorithm legal there."""
+    steps = offload_steps(spec, layout)
+    if not steps:
+        return []
+    recipe = steps[-1]
     p = spec.parallel
     out = []
     candidates: list[tuple[str, int | None]] = [(layout.cp_algorithm, None)]
@@ -366,31 +382,11 @@ def suggestions(spec: JobSpec, layout: Layout) -> list[Suggestion]:
 
 def offload_suggestions(spec: JobSpec, layout: Layout) -> list[Suggestion]:
     """Where nothing else fits at the spec's CP degree: the mildest step of the offload recipe
-    that fits device and host memory (each step adds copies to the step, so the first that
-    fits is the fastest way to fit)."""
-    limit = host_limit(spec)
-    for recipe in offload_recipe(spec, layout):
-        steps: list[dict[str, Any]] = [
-            {"offload_optimizer": True},
-            {"offload_optimizer": True, "offload_activations": recipe.offload_activations},
-            {
-                "offload_optimizer": True,
-                "offload_activations": recipe.offload_activations,
-                "mlp_tile_tokens": recipe.mlp_tile_tokens,
-            },
-            {},  # the whole recipe
-        ]
-        base = recipe.replace(
-            offload_optimizer=False,
-            offload_parameters=False,
-            offload_activations=False,
-            mlp_tile_tokens=0,
-        )
-        for step in steps:
-            candidate = base.replace(**step) if step else recipe
-            if not fits_with_host(spec.model, candidate, spec.cluster.gpu_info, limit):
-                continue
-            e = estimate(spec.model, candidate, spec.cluster.gpu_info)
+    that fits device and host memory (`offload_steps`)."""
+    limit, gpu = host_limit(spec), spec.cluster.gpu_info
+    for candidate in offload_steps(spec, layout):
+        if fits_with_host(spec.model, candidate, gpu, limit):
+            e = estimate(spec.model, candidate, gpu)
             host = host_estimate(spec.model, candidate, limit, e.total)
             return [Suggestion(layout_changes(layout, candidate), e, host)]
     return []

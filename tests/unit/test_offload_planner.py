@@ -241,3 +241,28 @@ def test_plan_says_when_host_memory_is_what_does_not_fit() -> None:
     assert not report.fits
     assert "host memory" in report.verdict() and "cluster.host_memory_gib" in report.verdict()
     assert report.step_time is None
+
+
+def test_advise_offloads_where_nothing_else_fits() -> None:
+    """Llama 3 8B at 128K tokens on one H100 fits only with offload: advise ranks the mildest
+    offload step that fits, says so in the layout, and the written spec carries it."""
+    from ctxlaunch.planning.advise import advise
+
+    spec = validate_spec(_reach_spec(1))
+    advice = advise(spec)
+    best = advice.best
+    assert best is not None
+    assert best.layout.offload_optimizer and "offload" in best.describe()
+    assert best.time.terms["optimizer"] > 0
+    changes = best.layout.overrides()
+    assert changes["training.offload.optimizer"] is True
+    assert validate_spec(best.layout.apply_to(spec).model_dump(mode="json")).training.offload.any
+
+
+def test_plan_suggests_the_mildest_offload_step() -> None:
+    report = plan_job(validate_spec(_reach_spec(1)))
+    assert not report.fits
+    suggestion = report.suggestions[0]
+    assert suggestion.changes["training.offload.optimizer"] is True
+    assert "training.offload.parameters" not in suggestion.changes  # not needed at 128K
+    assert suggestion.host is not None and "GiB host memory per node" in report.verdict()
