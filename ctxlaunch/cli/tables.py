@@ -161,7 +161,9 @@ def status_line(record: JobRecord, status: Status) -> str:
         parts.append(f"exit {status.exit_code}")
     parts.append(f"restarts {status.restarts}")
     line = " ".join(parts) + f"  [{record.name}, {record.target}, {record.id}]"
-    return line + (f"\n  {status.story}" if status.story else "")
+    line += f"\n  {status.story}" if status.story else ""
+    # training.heal: each re-plan, oldest first.
+    return line + "".join(f"\n  healed: {text}" for text in status.healing)
 
 
 def jobs_table(rows: list[tuple[JobRecord, str]]) -> Table:
@@ -228,10 +230,12 @@ def report_table(data: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
         for c in ("eval_loss", "eval_loss_longest", "passkey_retrieved")
         if any(row.get(c) is not None for row in rows)
     ]
+    # training.heal's columns where some point was re-planned.
+    shown += [c for c in ("replans", "healing") if any(row.get("replans") for row in rows)]
     for column in shown:
         table.add_column(
             column.replace("predicted_", "pred. ").replace("_", " "),
-            justify="left" if column in ("name", "state") else "right",
+            justify="left" if column in ("name", "state", "healing") else "right",
         )
     for row in rows:
         table.add_row(

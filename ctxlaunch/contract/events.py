@@ -1,7 +1,8 @@
 """The job's report to the launcher: one JSON object a line in <run dir>/events.jsonl.
 
 The trainer appends what happened (it started, a step, a checkpoint, an evaluation, a stop
-signal, an OOM, a failure) and the Slurm batch script appends a requeue with its cause; `ctxlaunch status`
+signal, an OOM, a failure, a re-planned layout) and the Slurm batch script appends a requeue
+with its cause; `ctxlaunch status`
 reads them back instead of parsing log text. The kinds and their fields are defined here once:
 the writer, the reader and the batch script's printf line (built by `requeue_printf`) all
 come from EVENT_FIELDS, so the format cannot drift between Python and shell.
@@ -29,6 +30,7 @@ REQUEUE = "requeue"
 OOM = "oom"
 FAILURE = "failure"
 EVAL = "eval"
+REPLANNED = "replanned"
 
 EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     STARTED: ("restart", "world_size"),
@@ -36,22 +38,33 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     CHECKPOINT: ("step", "path"),
     STOP_SIGNAL: ("step",),
     REQUEUE: ("restart", "cause", "exit"),
-    OOM: ("rank", "step", "message"),
+    OOM: ("rank", "step", "message", "phase", "figures"),
     FAILURE: ("rank", "cause"),
     EVAL: ("step", "loss"),
+    REPLANNED: ("restart", "why", "from", "to", "step", "fault_step", "figures"),
 }
 """Event kind -> its fields, in the order they are written. `restart` is the scheduler's
-restart count of the run (0 for the first run); `exit` a process exit status."""
+restart count of the run (0 for the first run); `exit` a process exit status. An OOM's `phase`
+says where it struck (forward/backward, optimizer, checkpoint, evaluation, or the memory
+limit's OOM killer) and its `figures` hold the allocator's (or the memory cgroup's) bytes. A
+`replanned` event (training.heal) says `why` (oom, allocation), the layouts `from` and `to`
+(each {"layout", "nodes", "gpus_per_node", "changes"}), the checkpoint `step` the run resumes
+from, the `fault_step` it had reached, and the planner's `figures`."""
 
 RESTART_COUNT_ENV = "SLURM_RESTART_COUNT"
 """How often Slurm requeued the job so far; the trainer's `started` event carries it, so each
 run's events are told apart (absent outside Slurm: restart 0)."""
+LOCAL_RESTART_COUNT_ENV = "CTXLAUNCH_RESTART_COUNT"
+"""The same count where ctxlaunch's own launcher restarts the job (the local launcher's runs
+after an out-of-memory under training.heal)."""
 
 
 def restart_count() -> int:
-    """This run's restart count, for the `started` event (0 outside Slurm)."""
+    """This run's restart count, for the `started` event (0 for the first run)."""
     try:
-        return int(os.environ.get(RESTART_COUNT_ENV) or 0)
+        return int(
+            os.environ.get(RESTART_COUNT_ENV) or os.environ.get(LOCAL_RESTART_COUNT_ENV) or 0
+        )
     except ValueError:
         return 0
 

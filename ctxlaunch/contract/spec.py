@@ -24,6 +24,7 @@ from pydantic import ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails
 
 from ctxlaunch.contract import spec_rules
+from ctxlaunch.contract.heal_rules import heal_problems
 from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.contract.spec_base import (
     ENV_NAME,
@@ -74,6 +75,7 @@ from ctxlaunch.contract.spec_training import (
     CheckpointSpec,
     DataSpec,
     EvalSpec,
+    HealSpec,
     OffloadSpec,
     OptimizerSpec,
     PasskeySpec,
@@ -105,6 +107,7 @@ __all__ = [
     "DefaultRope",
     "EvalSpec",
     "FabricSpec",
+    "HealSpec",
     "JobSpec",
     "KubernetesSpec",
     "LinearRope",
@@ -168,6 +171,7 @@ class JobSpec(_Strict):
     def _check_layout(self) -> JobSpec:
         problems = layout_problems(self)
         problems += spec_rules.profile_problems(self.cluster, self.fabric)
+        problems += heal_problems(self.training, self.cluster, self.state_engine)
         if problems:
             raise ValidationError.from_exception_data("JobSpec", problems)
         return self

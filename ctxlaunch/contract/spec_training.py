@@ -240,6 +240,90 @@ class OffloadSpec(_Strict):
         return self.optimizer or self.parameters or self.activations
 
 
+HealChange = Literal[
+    "cp", "cp_algorithm", "activation_checkpointing", "zero_stage", "tp", "pp", "micro_batch"
+]
+"""What a re-plan may change of the layout (never the global batch, the sequence length or the
+data order: the run stays the same run)."""
+
+HEAL_CHANGES: tuple[HealChange, ...] = (
+    "cp",
+    "cp_algorithm",
+    "activation_checkpointing",
+    "zero_stage",
+    "tp",
+    "pp",
+    "micro_batch",
+)
+
+MAX_REPLANS = 20
+"""The most re-plans a job may ask for: each costs a restart, and a layout that needs more has a
+problem no layout solves."""
+
+
+class HealSpec(_Strict):
+    """A job that heals itself: after an out-of-memory, or when it starts on a different
+    allocation than it asked for, every rank agrees on the planner's fastest layout that fits
+    what the job has and resumes there from the newest checkpoint. Off by default (both policies
+    leave the job as it is). It needs training.checkpoint.dir, and checkpoints that resume at
+    any layout (ZeRO-0 or FSDP2: not DeepSpeed's)."""
+
+    on_oom: Literal["stop", "replan"] = "stop"
+    """stop: an out-of-memory ends the job (exit 86, the layout that caused it in `status`).
+    replan: the job restarts (Slurm requeues it, the PyTorchJob's pod is replaced, the local
+    launcher runs it again) from its newest checkpoint at the fastest layout that fits the same
+    GPUs with the measured peak taken into account: the measured over the predicted peak raises
+    the planner's margin for this job, and a layout that ran out of memory is never chosen
+    again. A CPU rank the kernel's OOM killer ends under a memory limit (Slurm --mem, a pod's
+    memory limit) counts the same."""
+    on_allocation_change: Literal["wait", "replan"] = "wait"
+    """wait: the job runs only on the nodes it asked for (cluster.nodes). replan: it asks for
+    min_nodes to cluster.nodes (Slurm --nodes=MIN-MAX, a PyTorchJob elasticPolicy) and starts on
+    what it gets: where its own layout does not fit that, every rank agrees on the planner's
+    fastest layout for it and resumes there; when a later restart gets more nodes back, it
+    grows back (its own layout on its own allocation)."""
+    min_nodes: PositiveInt | None = None
+    """on_allocation_change replan: the fewest nodes the job may run on (default 1); at most
+    cluster.nodes."""
+    max_replans: int = Field(3, ge=1, le=MAX_REPLANS)
+    """Re-plans allowed over the whole job (1 to 20); the next fault then ends it as without
+    training.heal."""
+    may_change: list[HealChange] = list(HEAL_CHANGES)
+    """What a re-plan may change: cp, cp_algorithm, activation_checkpointing, zero_stage, tp,
+    pp, micro_batch (default all). The data-parallel degree follows from the GPUs and the rest;
+    the global batch, the sequence length and the data order never change."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any fault re-plans the job."""
+        return self.on_oom == "replan" or self.on_allocation_change == "replan"
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job may start on fewer nodes than it asks for."""
+        return self.on_allocation_change == "replan"
+
+    def fewest_nodes(self, nodes: int) -> int:
+        """The fewest nodes a job of `nodes` nodes may run on under this policy."""
+        return min(self.min_nodes or 1, nodes) if self.elastic else nodes
+
+    @model_validator(mode="after")
+    def _min_nodes_needs_replan(self) -> HealSpec:
+        if self.min_nodes is not None and not self.elastic:
+            raise ValidationError.from_exception_data(
+                "HealSpec",
+                [
+                    _problem(
+                        ("min_nodes",),
+                        self.min_nodes,
+                        "heal.min_nodes is the fewest nodes a changed allocation may bring: "
+                        "it needs heal.on_allocation_change: replan",
+                    )
+                ],
+            )
+        return self
+
+
 class TrainingSpec(_Strict):
     """What one optimizer step looks like and how long to run."""
 
@@ -293,6 +377,8 @@ class TrainingSpec(_Strict):
     timeout_seconds: int = Field(600, ge=5)
     """How long a collective waits for its peers: a dead or hung rank ends the job with an
     error within this time, never a hang."""
+    heal: HealSpec = HealSpec()
+    """Self-healing after an out-of-memory or on a changed allocation (off by default)."""
 
     def grad_accum_at(self, dp: int) -> int:
         """Micro-batches per optimizer step per rank at data-parallel degree `dp`: grad_accum

@@ -36,6 +36,11 @@ EVAL_FIELDS = ("eval_loss", "eval_loss_longest", "passkey_retrieved")
 the longest context-length bucket, and the share of passkey probes retrieved."""
 
 
+HEAL_FIELDS = ("replans", "healing")
+"""training.heal: the point's re-plans (how many, and each in words: "OOM at step 5 with cp 2
+ring; resumed at step 4 with cp 1, dp 2")."""
+
+
 @dataclass(frozen=True)
 class SweepReport:
     sweep: dict[str, Any]
@@ -51,6 +56,7 @@ class SweepReport:
             "peak_memory_gib",
             *PREDICTED_FIELDS,
             *EVAL_FIELDS,
+            *HEAL_FIELDS,
         ]
 
     def to_dict(self) -> dict[str, Any]:
@@ -138,13 +144,18 @@ def build_report(sweep: dict[str, Any], calibration: Any = None) -> SweepReport:
             row = result_row(entry, "SKIPPED", None)
         else:
             record = jobstore.load(entry["job"])
+            healing: tuple[str, ...] = ()
             try:
-                state = get_backend(record.target).status(record).state
+                status = get_backend(record.target).status(record)
+                state, healing = status.state, status.healing
             except (KeyError, RuntimeError):  # NotImplementedError is a RuntimeError
                 state = "UNKNOWN"
             summary_path = jobstore.run_dir(record) / "summary.json"
             summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
             row = result_row(entry, state, summary)
+            # training.heal: how often the point's layout was re-planned, and each re-plan.
+            row["replans"] = len(healing)
+            row["healing"] = "; then ".join(healing) or None
             row.update(eval_columns(jobstore.run_dir(record) / "eval.jsonl"))
         spec = _point_spec(entry, record)
         if spec is not None:

@@ -26,6 +26,8 @@ from ctxlaunch.contract.rundir import (
 )
 from ctxlaunch.contract.spec import JobSpec, KubernetesSpec
 
+HEAL_OOM_MODULE = "ctxlaunch.runtime.slurm_oom"
+"""What a healing job's batch script asks after a failed step (launch never imports it)."""
 POD_RESTART_POLICY = "ExitCode"
 K8S_SPEC_DIR = "/etc/ctxlaunch"
 K8S_SPEC_FILE = "spec.json"
@@ -121,6 +123,10 @@ class SlurmRequest:
     array_run_dir: str | None = None
     run_dir_env: str = RUN_DIR_ENV
     """A job array: task i keeps its metrics and summary in <array_run_dir>/i."""
+    heal_oom_check: list[str] = field(default_factory=list)
+    """training.heal on_oom replan: the command the script runs after a failed step (with the
+    step's status) that exits 0 when the step ran out of memory and the job is to be requeued
+    to re-plan (ctxlaunch.runtime.slurm_oom); empty otherwise."""
 
 
 def slurm_request(
@@ -142,9 +148,12 @@ def slurm_request(
     c, s = spec.cluster, spec.cluster.slurm
     log_dir = log_dir or s.log_dir
     ranks_per_node = ranks_per_node_of(spec, entry)
+    # training.heal on_allocation_change replan: any node count from min_nodes up; the job
+    # re-plans its layout for what it gets.
+    fewest = spec.training.heal.fewest_nodes(c.nodes)
     directives = [
         f"--job-name={job_name or spec.name}",
-        f"--nodes={c.nodes}",
+        f"--nodes={fewest}-{c.nodes}" if fewest < c.nodes else f"--nodes={c.nodes}",
         f"--ntasks-per-node={ranks_per_node}",
     ]
     if c.gpu != "cpu":
@@ -204,6 +213,11 @@ def slurm_request(
         log_dir=log_dir,
         array_specs=[spec_json(member) for member in array or []],
         array_run_dir=run_dir if array else None,
+        heal_oom_check=(
+            [python, "-m", HEAL_OOM_MODULE]
+            if spec.training.heal.on_oom == "replan" and s.requeue and not array
+            else []
+        ),
     )
 
 
@@ -312,6 +326,9 @@ class KubernetesRequest:
     priority_class: str | None
     restart_policy: str = POD_RESTART_POLICY
     run_policy: dict[str, Any] = field(default_factory=dict)
+    elastic_policy: dict[str, Any] = field(default_factory=dict)
+    """A PyTorchJob's elasticPolicy (training.heal on_allocation_change replan): the job runs
+    on min_nodes to cluster.nodes pods and re-plans its layout for what it gets."""
     api: str = "pytorchjob"
     container: str = "pytorch"
     port_name: str = "pytorchjob-port"
@@ -389,8 +406,9 @@ def kubernetes_request(
         run_policy["ttlSecondsAfterFinished"] = k.ttl_seconds_after_finished
     if k.queue:
         run_policy["suspend"] = True  # Kueue admits the job by unsuspending it
+    fewest = spec.training.heal.fewest_nodes(c.nodes)
     if k.scheduler:
-        run_policy["schedulingPolicy"] = scheduling_policy(k, c.nodes)
+        run_policy["schedulingPolicy"] = scheduling_policy(k, fewest)
     tolerations = [t.model_dump(exclude_none=True) for t in k.tolerations]
     labels = {
         "app.kubernetes.io/name": "ctxlaunch",
@@ -437,10 +455,25 @@ def kubernetes_request(
         service_account=k.service_account,
         priority_class=k.priority_class,
         run_policy=run_policy,
+        elastic_policy=elastic_policy(k, fewest, c.nodes),
         metrics_ports=[(f"metrics-{r}", spec.telemetry.port + r) for r in range(c.gpus_per_node)]
         if spec.telemetry.prometheus == "scrape"
         else [],
     )
+
+
+def elastic_policy(k: KubernetesSpec, fewest: int, nodes: int) -> dict[str, Any]:
+    """A PyTorchJob's elasticPolicy for a job that may run on `fewest` to `nodes` pods
+    (training.heal on_allocation_change replan; none for a job of fixed size or a TrainJob):
+    torchrun's c10d rendezvous admits what is there, and the trainer re-plans for it."""
+    if fewest >= nodes or k.api != "pytorchjob":
+        return {}
+    return {
+        "rdzvBackend": "c10d",
+        "minReplicas": fewest,
+        "maxReplicas": nodes,
+        "maxRestarts": k.backoff_limit,
+    }
 
 
 def scheduling_policy(k: KubernetesSpec, nodes: int) -> dict[str, Any]:

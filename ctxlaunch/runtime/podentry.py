@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract.heal_log import HEALING_KEY
 from ctxlaunch.contract.rundir import (
     EXIT_DIR,
     RUN_DIR_ENV,
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in FORWARDED:
         signal.signal(sig, forward)
     returncode = process.wait()
+    tell_healing(args[0])
     if returncode == 0:
         return exitcodes.OK
     per_node = int(os.environ.get("PET_NPROC_PER_NODE") or 1)
@@ -93,14 +95,87 @@ def main(argv: list[str] | None = None) -> int:
         # retryable), not a failure.
         codes = [exitcodes.OOM if c is None else c for c in codes]
     status = combine_exit_codes(codes)
+    exit_status = exitcodes.pod_exit_status(status)
+    if status == exitcodes.OOM and heals_out_of_memory(args[0], run_dir, killed=None in codes):
+        exit_status = exitcodes.POD_RETRY
     print(
         f"ctxlaunch: torchrun exited {returncode}; rank exit statuses "
         + ", ".join("killed" if c is None else str(c) for c in codes)
-        + f"; pod exits {exitcodes.pod_exit_status(status)}",
+        + f"; pod exits {exit_status}",
         file=sys.stderr,
         flush=True,
     )
-    return exitcodes.pod_exit_status(status)
+    return exit_status
+
+
+TERMINATION_LOG = Path("/dev/termination-log")
+"""The container's termination message (terminationMessagePath's default): the kubelet copies
+it into the pod's status, where `ctxlaunch status` reads it."""
+
+
+def tell_healing(spec_path: str, path: Path = TERMINATION_LOG) -> None:
+    """Leave a healing job's re-plans so far (the heal log's, in words) as the container's
+    termination message: `ctxlaunch status` tells them from the pod's status, since the pods
+    of earlier runs, and their logs, are gone."""
+    import json
+
+    from ctxlaunch.contract.heal_log import read_heal_log, replan_stories
+    from ctxlaunch.contract.loader import SpecError, load_spec
+
+    try:
+        spec = load_spec(spec_path)
+    except SpecError:
+        return
+    if not spec.training.heal.enabled:
+        return
+    stories = replan_stories(read_heal_log(spec.training.checkpoint.dir))
+    if not stories or not path.exists():  # the kubelet makes the file; elsewhere there is none
+        return
+    try:
+        # The kubelet keeps at most 4096 bytes of the message: the newest re-plans first.
+        text = json.dumps({HEALING_KEY: stories})
+        while len(text.encode()) > 4000 and len(stories) > 1:
+            stories = stories[1:]
+            text = json.dumps({HEALING_KEY: stories})
+        path.write_text(text)
+    except OSError:
+        pass
+
+
+def heals_out_of_memory(spec_path: str, run_dir: Path, killed: bool) -> bool:
+    """Whether this pod's out-of-memory restarts the job to re-plan (training.heal on_oom
+    replan, re-plans left): then the pod exits retryable (POD_RETRY) and the operator replaces
+    it. A rank the memory cgroup killed is recorded in the heal log here (the trainer recorded
+    its own OutOfMemoryError)."""
+    from ctxlaunch.contract import events
+    from ctxlaunch.contract.heal_log import OomEntry, record_oom, restarts_for_oom
+    from ctxlaunch.contract.loader import SpecError, load_spec
+
+    try:
+        spec = load_spec(spec_path)
+    except SpecError:
+        return False
+    heal, directory = spec.training.heal, spec.training.checkpoint.dir
+    if heal.on_oom != "replan" or directory is None:
+        return False
+    if killed:
+        steps = [int(e.get("step")) for e in events.read_events(run_dir) if e.kind == events.STEP]
+        message = "a rank was killed by the kernel's OOM killer at the pod's memory limit"
+        step = steps[-1] + 1 if steps else None
+        record_oom(directory, OomEntry(source="cgroup", phase="killed", step=step, message=message))
+        events.append_event(
+            run_dir, events.OOM, rank=-1, step=step, message=message, phase="killed", figures={}
+        )
+    if not restarts_for_oom(directory, heal.max_replans):
+        return False
+    print(
+        "ctxlaunch: out of memory; training.heal re-plans the layout: the pod exits "
+        f"{exitcodes.POD_RETRY} to be replaced, and the next one resumes from the newest "
+        "checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )
+    return True
 
 
 if __name__ == "__main__":

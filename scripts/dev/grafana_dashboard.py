@@ -90,6 +90,7 @@ def _per_rank(metric: str, extra: str = "", legend: str = RANK_LEGEND) -> Target
 
 
 _CAUSAL = 'convention="causal"'
+_RANK0 = 'rank="0"'
 _FULL = 'convention="full"'
 _CAUSAL_NOTE = (
     "causal convention: attention FLOPs halved for the causal mask, as Megatron-LM counts them"
@@ -387,6 +388,47 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
         ),
     ),
     (
+        "Healing (training.heal)",
+        (
+            PanelSpec(
+                "Re-plans in the time range",
+                "Layouts re-planned by training.heal after an OOM or on a changed allocation, "
+                "by cause (increase of ctxlaunch_replans_total over the dashboard's time range, "
+                "rank 0). Each is also an annotation on every graph.",
+                "stat",
+                "none",
+                (
+                    Target(
+                        "sum by (why) (increase("
+                        f"{_q('ctxlaunch_replans_total', _RANK0)}[$__range]))",
+                        "{{why}}",
+                    ),
+                ),
+                width=6,
+                height=6,
+            ),
+            PanelSpec(
+                "Re-plans: why, from, to, resumed step",
+                "One row per re-plan in the time range (ctxlaunch_replan_info of rank 0): why "
+                "(oom, allocation), the layout before and after, and the checkpoint step the run "
+                "resumed from.",
+                "table",
+                "none",
+                (
+                    Target(
+                        "max by (run, why, from_layout, to_layout, step) (last_over_time("
+                        f"{_q('ctxlaunch_replan_info', _RANK0)}[$__range]))",
+                        "",
+                        instant=True,
+                        table=True,
+                    ),
+                ),
+                width=18,
+                height=6,
+            ),
+        ),
+    ),
+    (
         "Evaluation at length",
         (
             PanelSpec(
@@ -650,8 +692,33 @@ def build_dashboard() -> dict:
         for spec in specs:
             builder = builder.with_panel(panel(spec).id(panel_id))
             panel_id += 1
+    builder = builder.annotation(
+        dash.AnnotationQuery()
+        .name("Re-plans (training.heal)")
+        .datasource(datasource)
+        .enable(True)
+        .icon_color("orange")
+        .expr(REPLAN_ANNOTATION["expr"])
+    )
     # Through the SDK's encoder and back: plain dicts, lists and scalars only.
-    return json.loads(json.dumps(builder.build(), cls=JSONEncoder))
+    built = json.loads(json.dumps(builder.build(), cls=JSONEncoder))
+    # The Prometheus annotation's own fields, which the SDK's AnnotationQuery does not model.
+    for annotation in built.get("annotations", {}).get("list", []):
+        if annotation.get("name") == "Re-plans (training.heal)":
+            annotation.update({k: v for k, v in REPLAN_ANNOTATION.items() if k != "expr"})
+    return built
+
+
+REPLAN_ANNOTATION = {
+    "expr": 'ctxlaunch_replan_timestamp_seconds{job="$job", run=~"$run", rank="0"} * 1000',
+    "useValueForTime": True,
+    "step": "15s",
+    "titleFormat": "re-planned ({{why}})",
+    "textFormat": "run {{run}}: re-planned after {{why}}",
+    "tagKeys": "why",
+}
+"""A mark on every graph where training.heal re-planned a run: the re-plan's own time (the
+series' value, in ms), titled with its cause."""
 
 
 def dashboard_json(dashboard: dict) -> str:

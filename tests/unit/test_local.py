@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests.helpers.healing import losses_by_step
 from tests.helpers.paths import JOBS
 
 pytestmark = pytest.mark.distributed
@@ -286,3 +289,75 @@ def test_4d_demo_submits_and_trains_locally(tmp_path: Path) -> None:
     summary = json.loads((job / "summary.json").read_text())
     assert summary["world_size"] == 8 and summary["steps"] == 2
     assert (tmp_path / "ckpt" / "step-00000002" / "COMMITTED").is_file()
+
+
+@pytest.mark.timeout(420)
+def test_a_healing_job_replans_after_an_oom_and_resumes_from_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """The OOM is injected (CTXLAUNCH_INJECT_FAULT kind=oom, once): the trainer records it as
+    the allocator's would be, and the local launcher runs the job again at a new layout."""
+    result = submit(
+        tmp_path,
+        "--set",
+        "training.steps=6",
+        "--set",
+        "training.checkpoint.interval=2",
+        "--set",
+        "training.checkpoint.keep=10",
+        "--set",
+        "training.heal.on_oom=replan",
+        CTXLAUNCH_INJECT_FAULT=f"kind=oom,rank=0,step=3,once={tmp_path / 'fired'}",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "training.heal re-plans the layout" in output
+    (job,) = job_dirs(tmp_path)
+    replanned = [
+        json.loads(line)
+        for line in (job / "events.jsonl").read_text().splitlines()
+        if '"replanned"' in line
+    ]
+    assert len(replanned) == 1, replanned
+    assert replanned[0]["why"] == "oom" and replanned[0]["step"] == 2, replanned
+    assert replanned[0]["from"]["layout"] != replanned[0]["to"]["layout"], replanned
+    shown = subprocess.run(
+        [CTXLAUNCH, "status", job.name],
+        cwd=tmp_path,
+        env=env_for(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "healed: OOM" in shown.stdout and "resumed at step 2" in shown.stdout, shown.stdout
+    # The healed steps are those of a fresh run at the new layout from the same checkpoint.
+    fresh_ckpt = tmp_path / "fresh-ckpt"
+    shutil.copytree(tmp_path / "ckpt" / "step-00000002", fresh_ckpt / "step-00000002")
+    sets = [f"{key}={json.dumps(value)}" for key, value in replanned[0]["to"]["changes"].items()]
+    fresh = subprocess.run(
+        [
+            CTXLAUNCH,
+            "submit",
+            str(JOBS / "demo.yaml"),
+            *SHORT,
+            "--set",
+            "training.steps=6",
+            *[arg for item in sets for arg in ("--set", item)],
+            "--set",
+            f"training.checkpoint.dir={fresh_ckpt}",
+        ],
+        cwd=tmp_path,
+        env=env_for(tmp_path, CTXLAUNCH_HOME=str(tmp_path / "fresh-home")),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    (fresh_job,) = sorted((tmp_path / "fresh-home" / "jobs").iterdir())
+    healed, reference = losses_by_step(job), losses_by_step(fresh_job)
+    torch.testing.assert_close(
+        torch.tensor([healed[s] for s in range(3, 7)], dtype=torch.float64),
+        torch.tensor([reference[s] for s in range(3, 7)], dtype=torch.float64),
+        rtol=1e-5,
+        atol=1e-6,
+    )

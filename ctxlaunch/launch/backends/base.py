@@ -112,6 +112,9 @@ class Status:
     """What happened, in words: "PREEMPTED at step 11 and requeued (restart 1 of 3)"."""
     history: tuple[str, ...] = ()
     """How each earlier run ended, oldest first (a requeued job's story so far)."""
+    healing: tuple[str, ...] = ()
+    """Each re-plan of a job that heals itself (training.heal), oldest first: "OOM at step 412
+    with cp 4, checkpointing none; resumed at step 400 with cp 8, checkpointing selective"."""
 
     @property
     def terminal(self) -> bool:

@@ -120,6 +120,31 @@ def container_exit(pod: dict[str, Any]) -> tuple[int, str] | None:
     return None
 
 
+def pod_healing(pods: list[dict[str, Any]]) -> tuple[str, ...]:
+    """A healing job's re-plans in words, from its pods' termination messages (the pod entry
+    leaves the heal log's story there): the longest, which is the newest pod's."""
+    import json
+
+    from ctxlaunch.contract.heal_log import HEALING_KEY
+
+    found: list[str] = []
+    for pod in pods:
+        for status in pod.get("status", {}).get("containerStatuses") or []:
+            if status.get("name") not in TRAINER_CONTAINERS:
+                continue
+            for key in ("state", "lastState"):
+                message = ((status.get(key) or {}).get("terminated") or {}).get("message") or ""
+                if HEALING_KEY not in message:
+                    continue
+                try:
+                    stories = json.loads(message).get(HEALING_KEY) or []
+                except (ValueError, AttributeError):
+                    continue
+                if len(stories) > len(found):
+                    found = [str(story) for story in stories]
+    return tuple(found)
+
+
 def pod_nodes(pods: list[dict[str, Any]]) -> str:
     """The nodes the pods run on, comma-separated, each once, in the pods' order."""
     return ",".join(
@@ -197,6 +222,7 @@ def classify_trainjob(
         restarts=max(restarts, jobset_restarts),
         reason="; ".join(part for part in (reason, counts) if part),
         nodes=pod_nodes(pods),
+        healing=pod_healing(pods),
     )
 
 
@@ -223,4 +249,5 @@ def classify(job: dict[str, Any], pods: list[dict[str, Any]], cancelled: bool = 
         restarts=restarts,
         reason=reason,
         nodes=pod_nodes(pods),
+        healing=pod_healing(pods),
     )

@@ -12,8 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract import events, exitcodes
+from ctxlaunch.contract.events import LOCAL_RESTART_COUNT_ENV
+from ctxlaunch.contract.heal_log import describe_replan, restarts_for_oom
 from ctxlaunch.contract.rundir import (
+    EXIT_DIR,
     JOB_ID_ENV,
     TRAINING,
     JobEntry,
@@ -117,33 +120,36 @@ class LocalBackend(Backend):
             file=err,
             flush=True,
         )
-        agent_log = directory / "torchrun.log"
-        with open(agent_log, "w", encoding="utf-8") as agent:
-            process = subprocess.Popen(
-                dryrun.command,
-                env={**os.environ, **dryrun.env},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                bufsize=1,
-            )
-            pumps = [
-                threading.Thread(target=_pump, args=(process.stdout, out, agent), daemon=True),
-                threading.Thread(target=_pump, args=(process.stderr, err, agent), daemon=True),
-            ]
-            for pump in pumps:
-                pump.start()
-            try:
-                process.wait()
-            except KeyboardInterrupt:
-                process.terminate()
-                process.wait()
-            for pump in pumps:
-                pump.join()
-        codes = rank_exit_codes(directory, ranks)
-        status = combine_exit_codes(codes) if process.returncode else exitcodes.OK
+        heal = spec.training.heal
+        attempt = 0
+        while True:
+            env = {**os.environ, **dryrun.env}
+            if attempt:
+                env[LOCAL_RESTART_COUNT_ENV] = str(attempt)
+            returncode = _run_torchrun(dryrun.command, env, directory, attempt, out, err)
+            codes = rank_exit_codes(directory, ranks)
+            status = combine_exit_codes(codes) if returncode else exitcodes.OK
+            if (
+                status == exitcodes.OOM
+                and heal.on_oom == "replan"
+                and restarts_for_oom(spec.training.checkpoint.dir, heal.max_replans)
+            ):
+                attempt += 1
+                print(
+                    "ctxlaunch: out of memory (rank exit codes "
+                    + ", ".join("killed" if c is None else str(c) for c in codes)
+                    + f"); training.heal re-plans the layout and restarts the job from its "
+                    f"newest checkpoint (restart {attempt})",
+                    file=err,
+                    flush=True,
+                )
+                for stale in (directory / EXIT_DIR).glob("*"):
+                    stale.unlink(missing_ok=True)
+                continue
+            break
         record.extra["exit_status"] = status
         record.extra["rank_exit_codes"] = codes
+        record.extra["restarts"] = attempt
         jobstore.save(record)
         if status != exitcodes.OK:
             _report_failure(directory, codes, status, err)
@@ -155,18 +161,31 @@ class LocalBackend(Backend):
     def status(self, record: jobstore.JobRecord) -> Status:
         """How the job ended, from its record (RUNNING until `submit` wrote it)."""
         code = record.extra.get("exit_status")
+        healed = tuple(
+            describe_replan(event.fields)
+            for event in events.read_events(record.directory)
+            if event.kind == events.REPLANNED
+        )
+        restarts = int(record.extra.get("restarts", 0))
         if code is None:
-            return Status(state="RUNNING")
-        return Status(state=EXIT_STATES.get(code, "FAILED"), exit_code=code)
+            return Status(state="RUNNING", restarts=restarts, healing=healed)
+        state = EXIT_STATES.get(code, "FAILED")
+        story = (
+            f"{state} after {len(healed)} re-plan(s): " + "; then ".join(healed) if healed else ""
+        )
+        return Status(state=state, exit_code=code, restarts=restarts, story=story, healing=healed)
 
     def read_log(self, record: jobstore.JobRecord, rank: int | None = None) -> list[str]:
         """Rank `rank`'s (default 0) output, from torchrun's log directory."""
         lines: list[str] = []
         for stream in ("stdout", "stderr"):
+            # One torchrun directory per run (a restart under training.heal adds one): oldest
+            # first.
             for path in sorted(
                 record.directory.glob(
                     f"torchrun/*/attempt_*/{rank if rank is not None else 0}/{stream}.log"
-                )
+                ),
+                key=lambda found: (found.stat().st_mtime, str(found)),
             ):
                 lines += path.read_text(errors="replace").splitlines(keepends=True)
         return lines
@@ -189,6 +208,41 @@ class LocalBackend(Backend):
                 tail = [line.rstrip() for line in self.read_log(record, rank)[-15:]]
                 return [f"rank {rank} exited {code}; its last lines:"] + tail
         return []
+
+
+def _run_torchrun(
+    command: list[str],
+    env: dict[str, str],
+    directory: Path,
+    attempt: int,
+    out: IO[str],
+    err: IO[str],
+) -> int:
+    """Run torchrun once, rank 0's lines to the console and its own to torchrun.log (appended
+    to by each restart); returns its exit status."""
+    with open(directory / "torchrun.log", "a" if attempt else "w", encoding="utf-8") as agent:
+        process = subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        pumps = [
+            threading.Thread(target=_pump, args=(process.stdout, out, agent), daemon=True),
+            threading.Thread(target=_pump, args=(process.stderr, err, agent), daemon=True),
+        ]
+        for pump in pumps:
+            pump.start()
+        try:
+            process.wait()
+        except KeyboardInterrupt:
+            process.terminate()
+            process.wait()
+        for pump in pumps:
+            pump.join()
+    return process.returncode
 
 
 def _pump(stream: IO[str], console: IO[str], agent: IO[str]) -> None:

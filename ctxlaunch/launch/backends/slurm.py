@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ctxlaunch.contract import events, exitcodes
+from ctxlaunch.contract.heal_log import describe_replan
 from ctxlaunch.contract.rundir import JOB_ID_ENV, TRAINING, JobEntry
 from ctxlaunch.contract.spec import JobSpec
 from ctxlaunch.launch import jobstore
@@ -115,7 +116,7 @@ def run_states(job_id: str) -> list[str]:
     return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
 
 
-_CAUSE_WORDS = {"preemption": "PREEMPTED", "the time limit": "TIMEOUT"}
+_CAUSE_WORDS = {"preemption": "PREEMPTED", "the time limit": "TIMEOUT", "out of memory": "OOM"}
 """The batch script's requeue causes that have a state's name."""
 
 
@@ -194,7 +195,12 @@ def tell_story(
         story = f"PREEMPTED and not requeued; {saved}"
     elif status.state == "FAILED" and restarts >= max_restarts and restarts:
         story = f"FAILED after {restarts} restart(s), the limit; {saved}"
-    return dataclasses.replace(status, restarts=restarts, story=story, history=tuple(history))
+    healing = tuple(
+        describe_replan(event.fields) for event in job_events if event.kind == events.REPLANNED
+    )
+    return dataclasses.replace(
+        status, restarts=restarts, story=story, history=tuple(history), healing=healing
+    )
 
 
 def _classify(raw: str, exit_code: int, restarts: int, reason: str, nodes: str) -> Status:

@@ -133,8 +133,8 @@ class Exporter:
             raise TypeError(f"{name} is a counter: inc() it, never set() it")
         series.set(value)
 
-    def inc(self, name: str, amount: float = 1.0) -> None:
-        self.series(name).inc(amount)
+    def inc(self, name: str, amount: float = 1.0, **extra: str) -> None:
+        self.series(name, **extra).inc(amount)
 
     # -- ways out ----------------------------------------------------------------------------
     def _warn_once(self, key: str, text: str) -> None:

@@ -90,6 +90,26 @@ METRICS: tuple[Metric, ...] = (
         "what the planner says would fit.",
         ("step", "predicted_peak_bytes", "capacity_bytes", "would_fit"),
     ),
+    Metric(
+        "ctxlaunch_replans_total",
+        "counter",
+        "Layout re-plans by training.heal that started this run (1 for a run that resumed at a "
+        "new layout after an OOM or on a changed allocation).",
+        ("why",),
+    ),
+    Metric(
+        "ctxlaunch_replan_info",
+        "gauge",
+        "1 for a re-plan that started this run, labelled with why (oom, allocation), the "
+        "layouts from and to, and the checkpoint step it resumed from.",
+        ("why", "from_layout", "to_layout", "step"),
+    ),
+    Metric(
+        "ctxlaunch_replan_timestamp_seconds",
+        "gauge",
+        "Unix time of the re-plan that started this run (the dashboard's annotation).",
+        ("why",),
+    ),
     Metric("ctxlaunch_last_step", "gauge", "The last completed optimizer step."),
     Metric(
         "ctxlaunch_target_steps",

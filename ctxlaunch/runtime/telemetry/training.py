@@ -23,6 +23,7 @@ from ctxlaunch.runtime.telemetry.trackers import Trackers, eval_series, step_ser
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
     from ctxlaunch.cp.kernel_choice import KernelChoice
+    from ctxlaunch.planning.replan import Decision
     from ctxlaunch.runtime.records import EvalResult, StepMetrics
 
 
@@ -220,6 +221,23 @@ class TrainingTelemetry:
             f"{self.prediction.total / GiB:.2f} GiB per rank against "
             f"{self.prediction.capacity / GiB:.2f} GiB; would fit with {would_fit}"
         )
+
+    def replanned(self, decision: Decision) -> None:
+        """Export the re-plan (training.heal) that started this run, and push it now."""
+        entry = decision.entry
+        previous = decision.previous
+        from_layout = previous.layout if previous is not None else "the spec's own"
+        self.exporter.inc("ctxlaunch_replans_total", why=decision.why)
+        self.exporter.set(
+            "ctxlaunch_replan_info",
+            1,
+            why=decision.why,
+            from_layout=from_layout,
+            to_layout=entry.layout,
+            step=str(entry.step),
+        )
+        self.exporter.set("ctxlaunch_replan_timestamp_seconds", time.time(), why=decision.why)
+        self.exporter.push()
 
     def close(self, exit_code: int | None = None) -> None:
         """Stop the exporter and close the trackers (the run ended with `exit_code`)."""

@@ -7,8 +7,10 @@ OutOfMemoryError (a simulated allocation failure: a CPU has no device allocator 
 `error` raises RuntimeError, `kill` SIGKILLs the process (a dead rank), `kill_in_save` SIGKILLs
 it while it writes the checkpoint of that step (after its files, before the commit marker).
 `slow` makes every rank sleep `seconds` at the start of every step (`kind=slow,seconds=0.5`):
-a job whose length a test can bound from below whatever the machine's speed. Unset, nothing
-happens.
+a job whose length a test can bound from below whatever the machine's speed. `once=PATH`
+makes a fault fire in one run of a job only: the first to fire creates PATH, and a fault whose
+PATH exists does nothing (a restarted job then runs on; the path holds no commas). Unset,
+nothing happens.
 """
 
 from __future__ import annotations
@@ -30,12 +32,26 @@ class Fault:
     rank: int
     step: int
     seconds: float = 0.0
+    once: str | None = None
+    """A file whose existence means the fault has fired already (in an earlier run)."""
+
+    def _spent(self) -> bool:
+        """Whether a fire-once fault fired before; marks it fired otherwise."""
+        if self.once is None:
+            return False
+        try:
+            with open(self.once, "x", encoding="utf-8"):
+                return False
+        except FileExistsError:
+            return True
 
     def maybe_fire(self, rank: int, step: int) -> None:
         if self.kind == "slow":
             time.sleep(self.seconds)
             return
         if rank != self.rank or step != self.step or self.kind == "kill_in_save":
+            return
+        if self._spent():
             return
         if self.kind == "oom":
             raise torch.OutOfMemoryError(
@@ -48,7 +64,8 @@ class Fault:
     def maybe_fire_in_save(self, rank: int, step: int) -> None:
         """Called between writing the checkpoint of `step` and committing it."""
         if self.kind == "kill_in_save" and rank == self.rank and step == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
+            if not self._spent():
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 def from_env(env: dict[str, str] | None = None) -> Fault | None:
@@ -64,4 +81,5 @@ def from_env(env: dict[str, str] | None = None) -> Fault | None:
         rank=int(fields.get("rank", "0")),
         step=int(fields.get("step", "1")),
         seconds=float(fields.get("seconds", "0")),
+        once=fields.get("once"),
     )

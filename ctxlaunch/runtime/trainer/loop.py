@@ -76,6 +76,9 @@ class Trainer:
             c: flops_per_token(spec.model, training.seq_len, c) for c in ("full", "causal")
         }
         self.step = 0
+        self.phase = "start"
+        """Where the rank is in the run (an out-of-memory's event names it): start, loading the
+        checkpoint, forward/backward, optimizer, checkpoint, evaluation."""
         self._stop_agreed = False
         self.fault = faults.from_env()
 
@@ -83,6 +86,7 @@ class Trainer:
     def train_step(self, on_gradients: Callable[[Engine], object] | None = None) -> StepMetrics:
         """Forward and backward over the step's micro-batches, average the gradients over the
         job, update. `on_gradients(engine)` runs between the two (checks read gradients)."""
+        self.phase = "forward/backward"
         if self.fault is not None:
             self.fault.maybe_fire(self.ctx.rank, self.step + 1)
         start = time.perf_counter()
@@ -92,6 +96,7 @@ class Trainer:
         self.engine.finish_gradients()
         if on_gradients is not None:
             on_gradients(self.engine)
+        self.phase = "optimizer"
         norm = self.engine.apply()
         lr = self.engine.lr()
         local = (
@@ -161,6 +166,7 @@ class Trainer:
         step = checkpoint.latest_step(directory)
         if directory is None or step is None:
             return 0
+        self.phase = "loading the checkpoint"
         self.engine.load(checkpoint.step_dir(directory, step))
         self.step = step
         self.log(f"ctxlaunch: resumed from {checkpoint.step_dir(directory, step)}")
@@ -170,6 +176,7 @@ class Trainer:
         if self.checkpoint_dir is None:
             return
         path = checkpoint.step_dir(self.checkpoint_dir, self.step)
+        self.phase = "checkpoint"
         try:
             self.engine.save(path)
         except (Exception, CheckpointException) as exc:  # the latter is a BaseException
@@ -234,6 +241,7 @@ class Trainer:
             if metrics.step % training.log_interval == 0 or metrics.step == training.steps:
                 self._log_step(metrics)
             if self.evaluator is not None and metrics.step % training.eval.interval == 0:
+                self.phase = "evaluation"
                 result = self.evaluator.run(metrics.step)
                 self._log_eval(result)
                 for eval_observer in eval_observers:

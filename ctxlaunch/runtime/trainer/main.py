@@ -66,7 +66,12 @@ def main(argv: list[str] | None = None) -> int:
 
         denv = distenv.detect()
         rank_tag = f"[rank {denv.rank}]"
-        check_world_size(spec, denv)
+        if spec.training.heal.elastic:
+            from ctxlaunch.runtime.trainer.healing import check_allocation
+
+            check_allocation(spec, denv)
+        else:
+            check_world_size(spec, denv)
         if spec.training.checkpoint.dir:
             check_writable(spec.training.checkpoint.dir, denv.rank)
         missing = spec.training.data.missing_files()
@@ -132,13 +137,21 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from ctxlaunch.runtime.telemetry.training import TrainingTelemetry
-    from ctxlaunch.runtime.trainer import fastpath, heartbeat
+    from ctxlaunch.runtime.trainer import fastpath, faults, healing, heartbeat
     from ctxlaunch.runtime.trainer.checkpoint import CheckpointWriteError
     from ctxlaunch.runtime.trainer.loop import Trainer
 
     heartbeat.start(run_dir, denv.rank)
     device = join_process_group(spec, denv)
     log = (lambda text: print(text, flush=True)) if denv.rank == 0 else (lambda text: None)
+    # training.heal: every rank agrees on the layout of this run before anything is built.
+    settled = healing.settle(spec, denv, device, run_dir, log)
+    if settled.exit_code is not None:
+        record_exit(run_dir, denv.rank, settled.exit_code)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(settled.exit_code)
+    spec = settled.spec
     code = exitcodes.FAILED
     telemetry = TrainingTelemetry(
         spec,
@@ -148,6 +161,8 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
         log=lambda text: print(f"{rank_tag} {text}", file=sys.stderr, flush=True),
         run_dir=run_dir,
     )
+    if settled.decision is not None and settled.decision.replanned:
+        telemetry.replanned(settled.decision)
     trainer = None
     try:
         ctx = rank_context(spec, denv)
@@ -166,11 +181,21 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
             )
         trainer = Trainer(spec, ctx, device, run_dir if denv.rank == 0 else None, log=log)
         code = trainer.run(observers=[telemetry.on_step], eval_observers=[telemetry.on_eval])
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError as exc:
         step = trainer.step + 1 if trainer is not None else 0
         message = telemetry.on_oom(step)
         print(f"{rank_tag} error: {message}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        events.append_event(run_dir, events.OOM, rank=denv.rank, step=step, message=message)
+        healing.record_out_of_memory(
+            spec,
+            rank=denv.rank,
+            step=step,
+            phase=trainer.phase if trainer is not None else "start",
+            message=f"{message}; {exc}",
+            device=device,
+            capacity_bytes=settled.capacity_bytes,
+            run_dir=run_dir,
+            injected=faults.ENV in str(exc),
+        )
         code = exitcodes.OOM
     except CheckpointWriteError as exc:
         print(f"{rank_tag} error: {exc}", file=sys.stderr, flush=True)

@@ -32,8 +32,17 @@ DASHBOARD = json.loads((ROOT / "manifests/grafana/ctxlaunch-training.json").read
 # Not from every run: the OOM event (the OOM test covers it), and the evaluation's series, which
 # exist only where training.eval.interval evaluates (tests/unit/test_eval.py covers them).
 EVAL_ONLY = ("ctxlaunch_eval_loss", "ctxlaunch_eval_step", "ctxlaunch_passkey_retrieval_ratio")
+# exist only in a run that training.heal re-planned (tests/service/slurm_prometheus/
+# test_slurm_healing.py covers them).
+HEAL_ONLY = (
+    "ctxlaunch_replans_total",
+    "ctxlaunch_replan_info",
+    "ctxlaunch_replan_timestamp_seconds",
+)
 ALWAYS = [
-    m.name for m in METRICS if m.name != "ctxlaunch_oom_event_info" and m.name not in EVAL_ONLY
+    m.name
+    for m in METRICS
+    if m.name != "ctxlaunch_oom_event_info" and m.name not in EVAL_ONLY + HEAL_ONLY
 ]
 
 
