@@ -42,25 +42,54 @@ def print_plan(report: PlanReport) -> None:
     table.add_row("capacity", gib(e.capacity))
     table.add_row("headroom", gib(e.headroom))
     out.print(table)
-    colour = "green" if e.fits else "red"
+    if report.host is not None:
+        h = report.host
+        out.print(
+            f"host memory per node ({h.ranks_per_node} ranks): optimizer {gib(h.optimizer)}, "
+            f"parameters {gib(h.parameters)}, activations {gib(h.activations)}, allowance "
+            f"{gib(h.allowance)} GiB per rank; {gib(h.per_node)} of {gib(h.capacity)} GiB"
+        )
+    colour = "green" if report.fits else "red"
     out.print(f"[bold {colour}]{report.verdict()}[/]")
     print_phases(report)
 
     cps = Table(title="At other CP degrees (TP, PP, DP held)", title_justify="left")
-    for column in ("cp", "GPUs", "nodes", "GiB/GPU", "fits", "longest seq that fits", "note"):
+    offload = any(o.offload_layout is not None for o in report.cp_options)
+    columns = ["cp", "GPUs", "nodes", "GiB/GPU", "fits", "longest seq that fits"]
+    if offload:
+        columns += ["with offload", "host GiB/node"]
+    for column in [*columns, "note"]:
         cps.add_column(column, justify="left" if column == "note" else "right")
     for o in report.cp_options:
         note = "" if o.legal else (o.reason or "")
-        cps.add_row(
+        row = [
             str(o.cp),
             str(o.gpus),
             str(o.nodes),
             gib(o.estimate.total),
             "yes" if o.fits else "no",
             f"{o.longest_seq_len:,}",
-            note[:90] + ("..." if len(note) > 90 else ""),
-        )
+        ]
+        if offload:
+            reach = o.offload_layout is not None and o.offload_host is not None
+            row += [
+                f"{o.offload_seq_len:,}" if reach else "",
+                f"{o.offload_host.per_node / GiB:,.0f}" if o.offload_host is not None else "",
+            ]
+            if o.offload_layout is not None and o.offload_layout.cp_algorithm != (
+                report.layout.cp_algorithm
+            ):
+                note = note or f"offload with cp_algorithm {o.offload_layout.cp_algorithm}"
+        cps.add_row(*row, note[:90] + ("..." if len(note) > 90 else ""))
     out.print(cps)
+    if offload:
+        recipe = next(o.offload_layout for o in report.cp_options if o.offload_layout)
+        out.print(
+            f"with offload: {recipe.describe_memory_settings()}, ZeRO-3 ({recipe.engine}), "
+            "full checkpointing, the longest-reaching CP algorithm; host memory against "
+            f"{report.spec.cluster.host_memory_bytes / GiB:,.0f} GiB per node "
+            "(cluster.host_memory_gib)"
+        )
 
     f = report.flops
     flops = Table(title="Model FLOPs (forward + backward)", title_justify="left")

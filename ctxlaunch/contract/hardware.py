@@ -44,7 +44,33 @@ class GpuInfo:
     """Special-function (exponential) rate: 16 per SM per clock at the boost clock of the
     dense peak (H100 SXM: 3.9e12, Shah et al. 2024, FlashAttention-3, section 3.1); bounds
     the softmax of FA2-generation attention kernels. 0: not modelled."""
+    host_link: str = "pcie4"
+    """Key into LINKS of the link between the GPU and its host's memory: what offloading to
+    host memory (training.offload) copies over."""
+    node_host_memory_bytes: int = 0
+    """Host (CPU) memory of the usual node of this GPU type (its reference system's data sheet,
+    HOST_MEMORY_SOURCES): what offloading may fill unless `cluster.host_memory_gib` says
+    otherwise. On "cpu" the host is the device: the same memory."""
+    node_host_bytes_per_second: float = 0.0
+    """Host memory bandwidth of that node (its DDR channels, data sheet): what an offloaded
+    optimizer's step on the CPU streams at, shared by the node's ranks."""
 
+
+DDR5_SOCKET_BYTES_PER_SECOND = 8 * 4800e6 * 8
+"""One CPU socket's DDR5 bandwidth: 8 channels of DDR5-4800, 8 bytes a transfer (Xeon
+Sapphire Rapids, the CPU of DGX H100 and H200 systems; data sheet)."""
+DDR4_SOCKET_BYTES_PER_SECOND = 8 * 3200e6 * 8
+"""One CPU socket's DDR4 bandwidth: 8 channels of DDR4-3200 (EPYC Rome, DGX A100's CPU)."""
+
+HOST_MEMORY_SOURCES = {
+    "H100": "DGX H100 data sheet: 2 TB system memory for 8 GPUs",
+    "H200": "DGX H200 data sheet: 2 TB system memory for 8 GPUs",
+    "B200": "DGX B200 data sheet: 2 TB system memory (up to 4 TB) for 8 GPUs",
+    "A100": "DGX A100 640GB data sheet: 2 TB system memory for 8 GPUs",
+    "A100-40GB": "DGX A100 320GB data sheet: 1 TB system memory for 8 GPUs",
+    "L40S": "a typical 8 x L40S PCIe server (OVX-class): 1 TB system memory",
+}
+"""Where each GPU type's usual node host memory (GpuInfo.node_host_memory_bytes) comes from."""
 
 # Sources: NVIDIA data sheets (dense figures) and ../shared/docs/domain.md; H100 means SXM.
 # Memory is what `torch.cuda.get_device_properties(i).total_memory` reports on such a GPU
@@ -65,6 +91,9 @@ GPUS: dict[str, GpuInfo] = {
         fp8=True,
         sm_count=132,
         sfu_ops_per_second=3.9e12,
+        host_link="pcie5",
+        node_host_memory_bytes=2000 * GB,
+        node_host_bytes_per_second=2 * DDR5_SOCKET_BYTES_PER_SECOND,
     ),
     "H200": GpuInfo(
         "H200",
@@ -78,6 +107,9 @@ GPUS: dict[str, GpuInfo] = {
         fp8=True,
         sm_count=132,
         sfu_ops_per_second=3.9e12,
+        host_link="pcie5",
+        node_host_memory_bytes=2000 * GB,
+        node_host_bytes_per_second=2 * DDR5_SOCKET_BYTES_PER_SECOND,
     ),
     # DGX B200: 1,440 GB over 8 GPUs (180 GB each), not the 192 GB chip figure.
     "B200": GpuInfo(
@@ -91,6 +123,9 @@ GPUS: dict[str, GpuInfo] = {
         hbm_bytes_per_second=8.0e12,
         fp8=True,
         sm_count=148,
+        host_link="pcie5",
+        node_host_memory_bytes=2000 * GB,
+        node_host_bytes_per_second=2 * DDR5_SOCKET_BYTES_PER_SECOND,
     ),
     "A100": GpuInfo(
         "A100",
@@ -103,6 +138,9 @@ GPUS: dict[str, GpuInfo] = {
         hbm_bytes_per_second=2.04e12,
         sm_count=108,
         sfu_ops_per_second=108 * 16 * 1.41e9,
+        host_link="pcie4",
+        node_host_memory_bytes=2000 * GB,
+        node_host_bytes_per_second=2 * DDR4_SOCKET_BYTES_PER_SECOND,
     ),
     "A100-40GB": GpuInfo(
         "A100-40GB",
@@ -115,6 +153,9 @@ GPUS: dict[str, GpuInfo] = {
         hbm_bytes_per_second=1.56e12,
         sm_count=108,
         sfu_ops_per_second=108 * 16 * 1.41e9,
+        host_link="pcie4",
+        node_host_memory_bytes=1000 * GB,
+        node_host_bytes_per_second=2 * DDR4_SOCKET_BYTES_PER_SECOND,
     ),
     # PCIe only: no NVLink, so CP between two L40S crosses the PCIe bus.
     "L40S": GpuInfo(
@@ -128,6 +169,9 @@ GPUS: dict[str, GpuInfo] = {
         hbm_bytes_per_second=0.864e12,
         fp8=True,
         sm_count=142,
+        host_link="pcie4",
+        node_host_memory_bytes=1000 * GB,
+        node_host_bytes_per_second=2 * DDR5_SOCKET_BYTES_PER_SECOND,
     ),
     # "cpu" is one process on the local CPU (the local demo). Its peak is measured at run
     # time by the trainer; the figures here only keep the planner's arithmetic total.
@@ -140,6 +184,8 @@ GPUS: dict[str, GpuInfo] = {
         False,
         intra_node_link="loopback",
         hbm_bytes_per_second=10e9,
+        host_link="memcpy",
+        node_host_memory_bytes=16 * GiB,
     ),
 }
 
@@ -175,6 +221,9 @@ LINKS: dict[str, LinkInfo] = {
     "nvlink5": LinkInfo("NVLink 5", 900e9, 3e-6, "B200: 1.8 TB/s bidirectional per GPU"),
     "pcie4": LinkInfo("PCIe Gen4 x16", 32e9, 5e-6, "PCIe 4.0 x16: 32 GB/s per direction"),
     "pcie5": LinkInfo("PCIe Gen5 x16", 64e9, 5e-6, "PCIe 5.0 x16: 64 GB/s per direction"),
+    # On gpu: cpu the host is the device: an offload copy is a copy within the same memory,
+    # which the CPU calibration's memory rate times (perf.steptime reads it, not this figure).
+    "memcpy": LinkInfo("host memory copy", 10e9, 1e-6, "the CPU's own memory"),
     "infiniband-ndr": LinkInfo(
         "InfiniBand NDR", 400 * GBIT, 5e-6, "ConnectX-7 NDR: 400 Gb/s per port, one port per GPU"
     ),

@@ -7,9 +7,17 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import (
+    Discriminator,
+    Field,
+    PositiveFloat,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from ctxlaunch.contract.hardware import GpuInfo, GpuType, NetworkType, gpu_info
+from ctxlaunch.contract.hardware import GiB, GpuInfo, GpuType, NetworkType, gpu_info
 from ctxlaunch.contract.spec_base import (
     ENV_NAME,
     IMAGE_REF,
@@ -240,6 +248,11 @@ class ClusterSpec(_Strict):
     """GPUs per node, one rank each (for gpu: cpu, the number of CPU processes)."""
     gpu: GpuType = "H100"
     """GPU type; its memory and peak FLOP/s come from ctxlaunch.contract.hardware.GPUS."""
+    host_memory_gib: PositiveFloat | None = None
+    """Host (CPU) memory of one node, GiB: what offloading to host memory (training.offload)
+    may fill, which `plan` checks. None: the usual node of cluster.gpu (DGX H100 and H200:
+    2 TB; ctxlaunch.contract.hardware.HOST_MEMORY_SOURCES); on gpu: cpu, where the host is
+    the device, the cpu entry's memory unless stated."""
     slurm: SlurmSpec = SlurmSpec()
     kubernetes: KubernetesSpec = KubernetesSpec()
     profile: str | None = None
@@ -324,6 +337,13 @@ class ClusterSpec(_Strict):
     @property
     def gpu_info(self) -> GpuInfo:
         return gpu_info(self.gpu)
+
+    @property
+    def host_memory_bytes(self) -> int:
+        """One node's host memory: host_memory_gib, else the GPU type's usual node's."""
+        if self.host_memory_gib is not None:
+            return int(self.host_memory_gib * GiB)
+        return self.gpu_info.node_host_memory_bytes
 
 
 class FabricSpec(_Strict):

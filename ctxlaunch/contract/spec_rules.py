@@ -33,6 +33,7 @@ def layout_problems(
     out.extend(sliding_window_problems(m, t.seq_len))
     out.extend(head_split_problems(m, dims))
     out.extend(engine_problems(t, dims))
+    out.extend(offload_problems(t, dims))
     grad_accum = t.grad_accum_at(dims.dp) if dims.fills_world else None
     out.extend(pipeline_problems(m, p, grad_accum))
     out.extend(tensor_parallel_problems(m, p, t.seq_len))
@@ -144,6 +145,68 @@ def engine_problems(t: TrainingSpec, dims: ParallelDims) -> list[InitErrorDetail
                 t.engine,
                 "engine deepspeed needs zero_stage >= 1 (ZeRO-0 is plain torch); fix: "
                 "zero_stage: 1, 2 or 3, or engine: auto",
+            )
+        )
+    return out
+
+
+def offload_problems(t: TrainingSpec, dims: ParallelDims) -> list[InitErrorDetails]:
+    """What each offload switch (training.offload) needs: an engine that owns the states it
+    moves, and for activations the one checkpointing mode whose saved inputs it moves."""
+    from ctxlaunch.contract.spec_training import resolve_state_engine
+
+    off = t.offload
+    out: list[InitErrorDetails] = []
+    if off.optimizer and t.zero_stage == 0:
+        out.append(
+            _problem(
+                ("training", "offload", "optimizer"),
+                off.optimizer,
+                "offloading the optimizer needs an engine that owns its states (DeepSpeed "
+                "ZeRO-Offload or FSDP2's CPU offload policy), but zero_stage is 0 (plain "
+                "torch); fix: zero_stage: 1, 2 or 3",
+            )
+        )
+    if off.parameters and (t.zero_stage != 3 or not off.optimizer):
+        out.append(
+            _problem(
+                ("training", "offload", "parameters"),
+                off.parameters,
+                f"offloading the parameters needs zero_stage 3 (the parameters partitioned) "
+                f"and offload.optimizer true (their master copies on the host too), but "
+                f"zero_stage is {t.zero_stage} and offload.optimizer is "
+                f"{str(off.optimizer).lower()}; fix: zero_stage: 3 and offload.optimizer: true",
+            )
+        )
+    engine = resolve_state_engine(t.engine, t.zero_stage, tp=dims.tp, pp=dims.pp)
+    if (off.optimizer or off.parameters) and engine == "fsdp2" and dims.dp * dims.cp == 1:
+        out.append(
+            _problem(
+                ("training", "offload", "optimizer"),
+                off.optimizer,
+                "FSDP2's CPU offload policy needs states sharded over more than one rank, but "
+                "dp x cp = 1 (the trainer keeps plain torch states there); fix: engine: "
+                "deepspeed with tp 1 and pp 1, or more DP or CP ranks",
+            )
+        )
+    if off.activations and t.activation_checkpointing != "full":
+        out.append(
+            _problem(
+                ("training", "offload", "activations"),
+                off.activations,
+                f"offloading activations moves each block's checkpointed input, which only "
+                f"full checkpointing keeps alone, but activation_checkpointing is "
+                f"{t.activation_checkpointing}; fix: activation_checkpointing: full",
+            )
+        )
+    if off.activations and dims.pp > 1:
+        out.append(
+            _problem(
+                ("training", "offload", "activations"),
+                off.activations,
+                f"offloading activations brings each block's input back in the order of one "
+                f"micro-batch's backward, but pp = {dims.pp} interleaves micro-batches; fix: "
+                "pp: 1 (CP or ZeRO-3 for the memory instead)",
             )
         )
     return out

@@ -237,6 +237,35 @@ class EvalSpec(_Strict):
     passkey: PasskeySpec = PasskeySpec()
 
 
+class OffloadSpec(_Strict):
+    """What moves from the GPU to the node's host memory to make room for a longer sequence
+    (Arctic Long Sequence Training's recipe). Each switch costs copies over the GPU's host link
+    (PCIe), which `plan` charges in the predicted step, and host memory, which `plan` checks
+    against `cluster.host_memory_gib`."""
+
+    optimizer: bool = False
+    """The optimizer's states, with the fp32 master weights and gradients they update, kept
+    and stepped in host memory: DeepSpeed's ZeRO-Offload with its CPU Adam under engine
+    deepspeed (the cpu_adam op is compiled on first use), FSDP2's CPU offload policy under
+    engine fsdp2 (the sharded fp32 parameters, their gradients and AdamW's states on the
+    host, AdamW stepping there). Needs zero_stage >= 1."""
+    parameters: bool = False
+    """The parameters too: DeepSpeed's ZeRO-3 parameter offload (the 16-bit partitions in host
+    memory, fetched to the GPU layer by layer). Needs zero_stage 3 and optimizer: true; under
+    FSDP2 the optimizer switch already keeps the sharded parameters on the host, and ZeRO-3
+    gathers only two blocks' at a time."""
+    activations: bool = False
+    """Each block's checkpointed input copied to host memory (pinned on CUDA) in forward, and
+    brought back on a side stream while the block after it runs its backward, so the copy
+    overlaps compute; the device keeps the last block's and the one in flight. Needs
+    activation_checkpointing: full and pp 1."""
+
+    @property
+    def any(self) -> bool:
+        """Whether anything is offloaded."""
+        return self.optimizer or self.parameters or self.activations
+
+
 HealChange = Literal[
     "cp", "cp_algorithm", "activation_checkpointing", "zero_stage", "tp", "pp", "micro_batch"
 ]
@@ -347,6 +376,14 @@ class TrainingSpec(_Strict):
     ZeRO, at TP 1 x PP 1 only, checkpoints in DeepSpeed's own format (they resume only at the
     same layout). auto: deepspeed at TP 1 x PP 1, fsdp2 otherwise. ZeRO-0 is plain torch
     whatever this says (`JobSpec.state_engine` resolves it)."""
+    offload: OffloadSpec = OffloadSpec()
+    """What moves to host memory (see OffloadSpec); nothing by default."""
+    mlp_tile_tokens: PositiveInt | None = None
+    """The feed-forward half of each block (its RMSNorm, gate/up and down projections and
+    SwiGLU) computed over tiles of this many of the rank's tokens, in forward and again in
+    backward, so its (tokens x ffn) intermediates exist for one tile at a time and only its
+    input is kept for backward: one more feed-forward pass per step. Arctic Long Sequence
+    Training tiles at about the hidden size. None: the feed-forward runs whole."""
     optimizer: OptimizerSpec = OptimizerSpec()
     seed: int = Field(0, ge=0)
     checkpoint: CheckpointSpec = CheckpointSpec()

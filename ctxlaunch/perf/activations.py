@@ -60,6 +60,14 @@ Activation checkpointing:
   feed-forward input r*h.
 - full: only each block's input r*h is kept; one block is recomputed at a time in backward.
 
+The tiled feed-forward (`Layout.mlp_tile_tokens`, runtime/trainer/tiling.py) keeps of the
+feed-forward half only its input r*h (its intermediates live one tile at a time, in forward
+and in backward), so without checkpointing a block saves the attention half + r*h, as under
+selective checkpointing; selective and full keep what they keep untiled. Offloading
+activations (`Layout.offload_activations`, under full checkpointing) leaves on the device only
+the last block's input: the others are in host memory (ctxlaunch.perf.hostmemory) until their
+block's backward brings them back.
+
 The functions below name these quantities by the table's symbols (a, r, h, h_kv, f).
 """
 
@@ -105,9 +113,9 @@ def block_activation_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
     # column-parallel projections read included: as in Megatron, each projection keeps its
     # input's local shard and gathers it again in backward (tensor_parallel.gather_linear).
     mode = layout.activation_checkpointing
-    if mode == "none":
+    if mode == "none" and not layout.mlp_tile_tokens:
         return attention_half + feed_forward_half
-    if mode == "selective":
+    if mode in ("none", "selective"):  # tiled: the feed-forward keeps its input alone
         return attention_half + r * h
     return r * h
 
@@ -217,6 +225,14 @@ def stage_activation_bytes(
         if layout.framework != "ctxlaunch":
             outside += 8 * tp  # the int64 targets, which a recomputed loss keeps
     per_block = block_activation_bytes_per_token(model, layout)
+    kept_blocks = device_kept_blocks(layout, blocks)
     return (
-        tokens * (per_block * blocks + outside) + autocast_weight_copy_bytes(model, layout) * blocks
+        tokens * (per_block * kept_blocks + outside)
+        + autocast_weight_copy_bytes(model, layout) * blocks
     )
+
+
+def device_kept_blocks(layout: Layout, blocks: int) -> int:
+    """Blocks whose saved activations stay on the device after forward: all of them, or with
+    activations offloaded only the last one's (runtime/trainer/offload.py)."""
+    return min(blocks, 1) if layout.offload_activations else blocks

@@ -69,6 +69,15 @@ class Layout:
     `data.mean_document_tokens`), from which the step-time model estimates how unevenly a fixed
     CP sharding spreads the masked area (`docbalance.ring_imbalance`); None: unknown or no
     mask. A property of the data, so `overrides` leaves it out."""
+    offload_optimizer: bool = False
+    """training.offload.optimizer: the optimizer states, fp32 master weights and gradients in
+    host memory, stepped there (DeepSpeed's CPU Adam, FSDP2's CPU offload policy)."""
+    offload_parameters: bool = False
+    """training.offload.parameters: ZeRO-3's parameter partitions in host memory too."""
+    offload_activations: bool = False
+    """training.offload.activations: each block's checkpointed input in host memory."""
+    mlp_tile_tokens: int = 0
+    """training.mlp_tile_tokens: the feed-forward over tiles of this many tokens; 0: whole."""
     framework: Framework = "ctxlaunch"
     """Whose memory habits to plan: "ctxlaunch", the bundled trainer (FSDP2 under TP or PP keeps
     fp32 weights and an fp32 residual under autocast; its TP keeps the gathered norm outputs
@@ -97,6 +106,10 @@ class Layout:
             zero_stage=t.zero_stage,
             engine=t.engine,
             activation_checkpointing=t.activation_checkpointing,
+            offload_optimizer=t.offload.optimizer,
+            offload_parameters=t.offload.parameters,
+            offload_activations=t.offload.activations,
+            mlp_tile_tokens=t.mlp_tile_tokens or 0,
             dtype=spec.model.dtype,
             matmul_precision="bf16" if spec.model.dtype == "bf16" else "fp32",
             attended_fraction=(
@@ -139,22 +152,24 @@ class Layout:
             "training.zero_stage": self.zero_stage,
             "training.engine": self.engine,
             "training.activation_checkpointing": self.activation_checkpointing,
+            "training.offload.optimizer": self.offload_optimizer,
+            "training.offload.parameters": self.offload_parameters,
+            "training.offload.activations": self.offload_activations,
+            "training.mlp_tile_tokens": self.mlp_tile_tokens or None,
             "model.dtype": self.dtype,
         }
 
     def apply_to(self, spec: JobSpec) -> JobSpec:
         """`spec` with this layout's fields set, not re-validated (`layout_problems` is the
         check a caller runs on it)."""
-        sections: dict[str, dict[str, Any]] = {}
+        tree: dict[str, Any] = {}
         for path, value in self.overrides().items():
-            section, name = path.split(".")
-            sections.setdefault(section, {})[name] = value
-        return spec.model_copy(
-            update={
-                section: getattr(spec, section).model_copy(update=fields)
-                for section, fields in sections.items()
-            }
-        )
+            *sections, name = path.split(".")
+            node = tree
+            for section in sections:
+                node = node.setdefault(section, {})
+            node[name] = value
+        return _copy_with(spec, tree)
 
     def describe_degrees(self) -> str:
         """How the GPUs are split, in one phrase: "tp 8 pp 1 cp 4 hybrid u2 dp 2"."""
@@ -241,6 +256,27 @@ class Layout:
         return self.dp * self.cp
 
     @property
+    def offloads(self) -> bool:
+        """Whether anything is offloaded to host memory."""
+        return self.offload_optimizer or self.offload_parameters or self.offload_activations
+
+    def describe_memory_settings(self) -> str:
+        """The offload and tiling switches in one phrase ("" when none is on)."""
+        moved = [
+            name
+            for name, on in (
+                ("optimizer", self.offload_optimizer),
+                ("parameters", self.offload_parameters),
+                ("activations", self.offload_activations),
+            )
+            if on
+        ]
+        parts = [f"offload {'+'.join(moved)}"] if moved else []
+        if self.mlp_tile_tokens:
+            parts.append(f"MLP tiles {self.mlp_tile_tokens:,}")
+        return ", ".join(parts)
+
+    @property
     def compute_bytes(self) -> int:
         """Bytes per element of the compute dtype."""
         return 2 if self.dtype == "bf16" else 4
@@ -261,3 +297,13 @@ def default_rank_layers(layers: int, pp: int) -> list[int]:
     if layers < pp:  # no legal split; the validator names the error, the plan stays defined
         return [1] * pp
     return list(balanced_stage_layers(layers, pp))
+
+
+def _copy_with(model: Any, changes: dict[str, Any]) -> Any:
+    """`model` (a spec section) with `changes` set, a nested mapping entering the sub-section
+    of its name (training.offload)."""
+    update = {
+        name: _copy_with(getattr(model, name), value) if isinstance(value, dict) else value
+        for name, value in changes.items()
+    }
+    return model.model_copy(update=update)

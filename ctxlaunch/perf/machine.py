@@ -123,6 +123,12 @@ class Machine:
         default_factory=lambda: Provenance("profile", "the GPU table and a framework profile")
     )
     """Where the constants come from (machine_for sets it)."""
+    host_link: LinkInfo | None = None
+    """The GPU's link to its host's memory (PCIe), what offloading copies over; None (the
+    CPU): a copy within the same memory, at `memory_bytes_per_second`."""
+    host_memory_bytes_per_second: float = 0.0
+    """The node's host memory bandwidth, shared by its ranks: an offloaded optimizer steps
+    there; 0 (the CPU): `memory_bytes_per_second`, already the rank's share."""
 
     @classmethod
     def from_gpu(
@@ -171,6 +177,8 @@ class Machine:
             exp_exposed=prof.exp_exposed,
             attention_ramp_tokens=prof.attention_ramp_tokens,
             expected_error=prof.expected_error,
+            host_link=LINKS[gpu.host_link] if gpu.name != "cpu" else None,
+            host_memory_bytes_per_second=gpu.node_host_bytes_per_second,
         )
         return dataclasses.replace(machine, **changes) if changes else machine
 
@@ -183,6 +191,18 @@ class Machine:
     def bandwidth(self, link: LinkInfo) -> float:
         """Bytes per second a collective achieves over `link`."""
         return self.eta_comm * link.bytes_per_second
+
+    def host_copy_bytes_per_second(self) -> float:
+        """What a copy between a rank's device and host memory achieves, each direction."""
+        if self.host_link is None:
+            return self.memory_bytes_per_second
+        return self.bandwidth(self.host_link)
+
+    def host_step_bytes_per_second(self, ranks_per_node: int) -> float:
+        """One rank's share of the host memory bandwidth, for an optimizer step there."""
+        if not self.host_memory_bytes_per_second:
+            return self.memory_bytes_per_second
+        return self.host_memory_bytes_per_second / max(ranks_per_node, 1)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from ctxlaunch.perf.activations import (
     recompute_bytes_per_token,
     stage_activation_bytes,
 )
+from ctxlaunch.perf.hostmemory import HostLimit, host_estimate
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.modelstates import (
     GRAD_BUCKET_ELEMENTS,
@@ -70,6 +71,7 @@ __all__ = [
     "block_activation_bytes_per_token",
     "cuda_kernel_allowance",
     "estimate",
+    "fits_with_host",
     "largest_layer_params",
     "longest_sequence",
     "model_state_bytes",
@@ -211,19 +213,33 @@ def sequence_granularity(cp: int, cp_sharding: str = "zigzag") -> int:
     return max(unit, 1024) if 1024 % unit == 0 else unit
 
 
+def fits_with_host(
+    model: ModelSpec, layout: Layout, gpu: GpuInfo, host: HostLimit | None = None
+) -> bool:
+    """Whether the layout fits its GPU and, when it offloads and `host` is given, its node's
+    host memory (ctxlaunch.perf.hostmemory)."""
+    device = estimate(model, layout, gpu)
+    if not device.fits:
+        return False
+    if host is None or not layout.offloads:
+        return True
+    return host_estimate(model, layout, host, device.total).fits
+
+
 def longest_sequence(
     model: ModelSpec,
     layout: Layout,
     gpu: GpuInfo,
     cp_sharding: str = "zigzag",
     limit: int = 1 << 24,
+    host: HostLimit | None = None,
 ) -> int:
     """The longest sequence (a multiple of `sequence_granularity`) that fits at the layout's
-    CP degree; 0 when not even the shortest fits."""
+    CP degree (and, offloading, in `host`'s memory); 0 when not even the shortest fits."""
     unit = sequence_granularity(layout.cp, cp_sharding)
 
     def fits(units: int) -> bool:
-        return estimate(model, layout.replace(seq_len=units * unit), gpu).fits
+        return fits_with_host(model, layout.replace(seq_len=units * unit), gpu, host)
 
     fitting, too_long = 0, limit // unit  # in units; bisection bounds
     if fits(too_long):

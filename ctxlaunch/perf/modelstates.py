@@ -26,6 +26,15 @@ CP rank holds a replica of the weights), mirroring how the trainer runs them:
   accumulate (4/Nd), and ZeRO-3 re-shards the weights after each backward.
 
 Nd above is the sharding group (`Layout.shard_group`).
+
+Offloaded (training.offload.optimizer, `Layout.offload_optimizer`), the optimizer states, the
+fp32 master weights and the fp32 gradients live in host memory (ctxlaunch.perf.hostmemory);
+the device keeps, as DeepSpeed's own estimators state it: ZeRO-1/2 the 16-bit weights 2 (the
+gradients pass through the reduce bucket on their way to the host); ZeRO-3 the 16-bit
+partition 2/Nd and the gathered largest layer, and with the parameters offloaded too
+(`Layout.offload_parameters`) the gathered largest layer alone. FSDP2's CPU offload policy
+leaves on the device only what it gathers (the 16-bit copies) and each block's transient
+unsharded gradients.
 """
 
 from __future__ import annotations
@@ -95,9 +104,25 @@ def block_params(model: ModelSpec, layout: Layout) -> float:
 # weights, gradients and optimizer states, by engine
 # --------------------------------------------------------------------------------------------
 def model_state_bytes(
-    params: int, largest_layer_params: int, stage: int, shard_group: int, dtype: str
+    params: int,
+    largest_layer_params: int,
+    stage: int,
+    shard_group: int,
+    dtype: str,
+    *,
+    offload_optimizer: bool = False,
+    offload_parameters: bool = False,
 ) -> tuple[int, int, int]:
-    """(parameters, gradients, optimizer states) bytes per rank; see the module docstring."""
+    """(parameters, gradients, optimizer states) bytes per rank on the device; see the module
+    docstring."""
+    if offload_optimizer and stage >= 1:
+        weight = 2 if dtype == "bf16" else 4
+        if stage < 3:
+            return weight * params, 0, 0
+        gathered = 4 * largest_layer_params
+        if offload_parameters:
+            return gathered, 0, 0
+        return weight * params // shard_group + gathered, 0, 0
     if stage == 0:
         return 4 * params, 4 * params, 8 * params
     if dtype == "bf16":
@@ -122,7 +147,13 @@ def model_state_bytes(
 
 
 def fsdp_state_bytes(
-    params: int, zero3_gathered: int, stage: int, shard_group: int, *, param_bytes: int = 4
+    params: int,
+    zero3_gathered: int,
+    stage: int,
+    shard_group: int,
+    *,
+    param_bytes: int = 4,
+    offload: bool = False,
 ) -> tuple[int, int, int]:
     """FSDP2 over DP x CP (ZeRO >= 1 with TP or PP): fp32 master weights, fp32 gradients and
     Adam states sharded, 16/Nd per parameter; the gathered weights in `param_bytes` per element
@@ -132,6 +163,8 @@ def fsdp_state_bytes(
     if shard_group == 1:  # nothing to shard over: the trainer keeps plain fp32 states (ZeRO-0)
         return 4 * params, 4 * params, 8 * params
     gathered = param_bytes * (params if stage < 3 else zero3_gathered)
+    if offload:  # the CPU offload policy: the shards, their gradients and Adam on the host
+        return gathered, 0, 0
     return (
         4 * params // shard_group + gathered,
         4 * params // shard_group,
@@ -172,6 +205,7 @@ def state_bytes(
             layout.zero_stage,
             layout.shard_group,
             param_bytes=fsdp_param_bytes(layout),
+            offload=layout.offload_optimizer,
         )
     return model_state_bytes(
         params,
@@ -179,6 +213,8 @@ def state_bytes(
         layout.zero_stage,
         layout.shard_group,
         layout.dtype,
+        offload_optimizer=layout.offload_optimizer,
+        offload_parameters=layout.offload_parameters,
     )
 
 
@@ -235,15 +271,16 @@ def fsdp_block_backward_bytes(model: ModelSpec, layout: Layout) -> float:
 
 
 def deepspeed_bucket_bytes(layout: Layout) -> int:
-    """The bundled trainer under DeepSpeed ZeRO-1/2 in bf16: backward reduces gradients through
+    """The bundled trainer under DeepSpeed ZeRO in bf16: backward reduces gradients through
     one contiguous bucket of reduce_bucket_size elements in the compute dtype (ipg_buffer in
-    deepspeed/runtime/zero/stage_1_and_2.py; one, since the trainer sets overlap_comm false),
-    allocated at the first gradient hook of every micro-batch and dropped before the step.
-    Measured: 400,000,000 bytes at 200 M elements (tests/unit/test_memory_peak.py)."""
+    deepspeed/runtime/zero/stage_1_and_2.py; one, since the trainer sets overlap_comm false;
+    ZeRO-3's flat bucket in stage3.py likewise), allocated at the first gradient hook of every
+    micro-batch and dropped before the step. Measured: 400,000,000 bytes at 200 M elements
+    (tests/unit/test_memory_peak.py), at ZeRO-3 with and without offload too."""
     if (
         layout.framework != "ctxlaunch"
         or layout.fsdp
-        or layout.zero_stage not in (1, 2)
+        or layout.zero_stage not in (1, 2, 3)
         or layout.shard_group == 1
         or layout.dtype != "bf16"
     ):

@@ -164,8 +164,9 @@ def _loss_released_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
 
 def _feed_forward_recompute_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
     """Under checkpointing, what recomputing the last block's feed-forward half saves again
-    (norm output, gate and up, SwiGLU output, rstd); per sequence-parallel token."""
-    if layout.activation_checkpointing == "none":
+    (norm output, gate and up, SwiGLU output, rstd); per sequence-parallel token. Tiled, the
+    recomputation lives one tile at a time (`_tile_work_bytes`)."""
+    if layout.activation_checkpointing == "none" or layout.mlp_tile_tokens:
         return 0.0
     return layout.compute_bytes * (model.hidden + 3 * model.ffn_hidden) + 4
 
@@ -177,10 +178,44 @@ def _attention_recompute_bytes_per_token(model: ModelSpec, layout: Layout) -> fl
     return attention_half_bytes_per_token(model, layout)
 
 
-def _swiglu_backward_temporaries(model: ModelSpec, layout: Layout) -> float:
+def _prefetched_input_bytes(model: ModelSpec, layout: Layout, step: _StageStep) -> float:
+    """With activations offloaded, the input of the block before the one in backward, brought
+    back from host memory while that block runs (runtime/trainer/offload.py)."""
+    if not layout.offload_activations or model.layers < 2:
+        return 0.0
+    return step.hidden_bytes
+
+
+def _tile_tokens(layout: Layout) -> float:
+    """Tokens of one tile of the tiled feed-forward, gathered over TP."""
+    return min(layout.mlp_tile_tokens, layout.tokens_per_rank / layout.tp) * layout.tp
+
+
+def _tile_work_bytes(model: ModelSpec, layout: Layout) -> float:
+    """One tile's feed-forward backward (runtime/trainer/tiling.py) at its SwiGLU backward:
+    the tile's recomputed norm output, output and one more hidden-sized tensor, gate and up,
+    the gradients of the SwiGLU output and of gate and up, the chunked SwiGLU backward's fp32
+    temporaries, and under autocast with fp32 weights the tile's 16-bit weight copies.
+    Measured on the CPU (tests/unit/test_memory_peak.py); under TP the tile's f-sized tensors
+    are the gathered tile's over f / tp."""
+    a, h = layout.compute_bytes, model.hidden
+    tile = _tile_tokens(layout)
+    ffn_per_rank = model.ffn_hidden / layout.tp
+    work = 3 * a * h * tile / layout.tp + 5 * a * ffn_per_rank * tile
+    work += _swiglu_backward_temporaries(model, layout, chunk_tokens=tile)
+    if layout.fp32_weights and layout.dtype == "bf16":
+        work += 2.0 * 3 * h * model.ffn_hidden / layout.tp
+    return work
+
+
+def _swiglu_backward_temporaries(
+    model: ModelSpec, layout: Layout, chunk_tokens: float | None = None
+) -> float:
     """The chunked SwiGLU backward's fp32 temporaries: two (chunk x ffn) tensors in fp32, four
-    in 16-bit (with the upcasts of gate and the incoming gradient)."""
-    chunk_tokens = min(layout.tokens_per_rank, BACKWARD_CHUNK_TOKENS)
+    in 16-bit (with the upcasts of gate and the incoming gradient). `chunk_tokens`: the rows
+    it runs on (default: the rank's tokens), chunked by BACKWARD_CHUNK_TOKENS."""
+    rows = layout.tokens_per_rank if chunk_tokens is None else chunk_tokens
+    chunk_tokens = min(rows, BACKWARD_CHUNK_TOKENS)
     count = 2 if layout.compute_bytes == 4 else 4
     return count * 4 * chunk_tokens * model.ffn_hidden / layout.tp
 
@@ -255,6 +290,15 @@ class _StageStep:
         return self.forward_buffers + self.bucket
 
 
+def _produced_gradient_bytes_per_param(model: ModelSpec, layout: Layout, stage: int) -> float:
+    """Bytes per parameter of the gradients backward produces on the device: the engine's
+    gradient partition's, which an offloaded optimizer's gradients pass through on their way
+    to host memory."""
+    device = layout.replace(offload_optimizer=False, offload_parameters=False)
+    gradients = stage_states(model, device, stage)[1]
+    return gradients / max(stage_params(model, layout, stage), 1)
+
+
 def _stage_step(model: ModelSpec, layout: Layout, stage: int) -> _StageStep:
     pp = layout.pp
     first, last = stage == 0, stage == pp - 1
@@ -287,8 +331,8 @@ def _stage_step(model: ModelSpec, layout: Layout, stage: int) -> _StageStep:
         gradients=gradients,
         optimizer_states=optimizer_states,
         optimizer_states_held=optimizer_states
-        - (4 * held_params // layout.shard_group if bucket else 0),
-        gradient_bytes_per_param=gradients / max(held_params, 1),
+        - (4 * held_params // layout.shard_group if bucket and optimizer_states else 0),
+        gradient_bytes_per_param=_produced_gradient_bytes_per_param(model, layout, stage),
         micro_batches=layout.grad_accum,
         in_flight=in_flight,
         saved_per_micro_batch=saved_per_micro_batch,
@@ -396,11 +440,22 @@ def _last_block_backward(model: ModelSpec, layout: Layout, step: _StageStep) -> 
     root_unsharded = (
         _head_grad_bytes(model, layout, produced_per_param) if step.fsdp and step.last else 0.0
     )
-    workspace = (
-        (step.hidden_bytes if step.last else 0.0)
-        + 2 * layout.compute_bytes * ffn_per_rank * step.shard_tokens
-        + _swiglu_backward_temporaries(model, layout)
-    )
+    if layout.mlp_tile_tokens:
+        # Tiled: from the second tile on the gate/up projection's gradient exists too; the
+        # input's gradient is allocated whole, next to the one flowing into the block; the
+        # rest lives one tile at a time.
+        produced += produced_per_param * 2 * hidden * model.ffn_hidden / layout.tp
+        workspace = (
+            (step.hidden_bytes if step.last else 0.0)
+            + step.hidden_bytes
+            + _tile_work_bytes(model, layout)
+        )
+    else:
+        workspace = (
+            (step.hidden_bytes if step.last else 0.0)
+            + 2 * layout.compute_bytes * ffn_per_rank * step.shard_tokens
+            + _swiglu_backward_temporaries(model, layout)
+        )
     return _LastBlockBackward(recomputed, released, produced, root_unsharded, workspace)
 
 
@@ -457,6 +512,7 @@ def _block_backward_phases(model: ModelSpec, layout: Layout, step: _StageStep) -
             (min(backward + step.in_flight, micro_batches) - backward) * step.saved_per_micro_batch
             + ffn.recomputed
             - ffn.released
+            + _prefetched_input_bytes(model, layout, step)
         )
         kept = _kept_between_stages(layout, step, backward, retained_from)
         name = (
@@ -478,6 +534,8 @@ def _block_backward_phases(model: ModelSpec, layout: Layout, step: _StageStep) -
                 step.stage,
             )
         )
+        if layout.mlp_tile_tokens and backward == 0:
+            phases.append(_attention_backward_phase(model, layout, step, phases[-1]))
         if step.sharded_sync:
             # The end of that block's backward: what the micro-batch saved in it released, its
             # unsharded gradients and the fp32 reduce-scatter input.
@@ -497,7 +555,89 @@ def _block_backward_phases(model: ModelSpec, layout: Layout, step: _StageStep) -
                     step.stage,
                 )
             )
+    first = _first_block_backward_phase(model, layout, step, ffn)
+    if first is not None:
+        phases.append(first)
+        if layout.mlp_tile_tokens:
+            phases.append(_attention_backward_phase(model, layout, step, first))
     return phases
+
+
+def _first_block_backward_phase(
+    model: ModelSpec, layout: Layout, step: _StageStep, ffn: _LastBlockBackward
+) -> Phase | None:
+    """With activations offloaded every block's backward holds the same activations (its
+    input brought back and its recomputation), so the first block's, which runs with every
+    later block's gradients produced, is the highest (one micro-batch at a time: PP 1)."""
+    if not layout.offload_activations or model.layers < 2:
+        return None
+    later = (model.layers - 1) * block_params(model, layout)
+    if step.fsdp:
+        # Later blocks' gradients are reduce-scattered into fp32 shards, in host memory
+        # under the CPU offload policy.
+        produced = ffn.produced + (
+            0.0 if layout.offload_optimizer else 4 * later / layout.shard_group
+        )
+    else:
+        produced = ffn.produced + step.gradient_bytes_per_param * later
+    held = step.saved_per_micro_batch + ffn.recomputed - ffn.released
+    return Phase(
+        "first block backward",
+        step.parameters,
+        produced,
+        step.optimizer_states_held,
+        held,
+        step.backward_buffers + ffn.workspace,
+        step.stage,
+    )
+
+
+def attention_backward_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
+    """One block's attention backward at its peak, per token of the rank's CP shard (over TP):
+    the kernel's dq, dk, dv and its row statistics (delta, fp32), and for the CP algorithms
+    their buffers: the ring's fp32 dq accumulator, its fp32 dK/dV (this rank's, the pair in
+    hand and the pair arriving) and the K/V arriving (cp/ring.py, `_ring_backward`); Ulysses'
+    all-to-all buffers of q, k, v and their gradients (cp/ulysses.py)."""
+    a, h, h_kv = layout.compute_bytes, model.hidden, model.kv_hidden
+    kernel = a * (h + 2 * h_kv) + 4 * model.heads
+    if layout.cp == 1:
+        return kernel
+    if layout.cp_algorithm == "ulysses":
+        return kernel + 2 * a * (h + 2 * h_kv)
+    spare_kv = min(layout.ring_degree - 1, 2)
+    ring = 4 * h + 3 * 2 * 4 * h_kv + spare_kv * 2 * a * h_kv
+    if layout.cp_algorithm == "hybrid":
+        ring += 2 * a * (h + 2 * h_kv)
+    return kernel + ring
+
+
+def _attention_backward_phase(
+    model: ModelSpec, layout: Layout, step: _StageStep, feed_forward: Phase
+) -> Phase:
+    """Under the tiled feed-forward the attention backward of the same block can be the
+    higher: the feed-forward's input (x + attention) and the token-major attention output
+    released, the gradient flowing into the block and that of the attention output held, and
+    the attention kernel's outputs and the CP algorithm's buffers
+    (`attention_backward_bytes_per_token`); the gradients of the output projection and of the
+    whole feed-forward produced."""
+    tokens = step.sequence_parallel_tokens
+    a, h = layout.compute_bytes, model.hidden
+    released = tokens * (layout.residual_bytes * h + a * h)
+    produced_per_param = fsdp_param_bytes(layout) if step.fsdp else step.gradient_bytes_per_param
+    # The incoming gradient and the feed-forward's input gradient are one by now (x + attention's
+    # gradient), and the tile's work is gone.
+    feed_forward_only = (step.hidden_bytes if step.last else 0.0) + _tile_work_bytes(model, layout)
+    return Phase(
+        feed_forward.name.replace("backward", "attention backward", 1),
+        feed_forward.parameters,
+        feed_forward.gradients + produced_per_param * (h * h + h) / layout.tp,
+        feed_forward.optimizer_states,
+        feed_forward.activations - released,
+        feed_forward.workspace
+        - feed_forward_only
+        + tokens * (a * h + attention_backward_bytes_per_token(model, layout)),
+        feed_forward.stage,
+    )
 
 
 def _deferred_reduce_scatter_phases(

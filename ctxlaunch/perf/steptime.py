@@ -41,7 +41,16 @@ tokens held by the rank (CP splits the sequence), TP shards heads and weights:
                ZeRO-3 the weights gathered for every micro-batch's forward and backward. Where
                the framework overlaps them (`Machine.overlap_dp`) they hide behind one
                micro-batch of compute; only the rest is exposed.
-  optimizer    Adam reads and writes ~32 bytes per parameter the rank updates, at HBM speed.
+  optimizer    Adam reads and writes ~32 bytes per parameter the rank updates, at HBM speed;
+               offloaded (training.offload.optimizer), at the rank's share of its node's
+               host memory bandwidth (CPU Adam, FSDP2's AdamW on the host).
+  host copies  offloading's copies over the GPU's host link (PCIe, both directions at once):
+               each micro-batch the block inputs out in forward and back in backward, the
+               offloaded parameters fetched for forward and backward, the gradients out to
+               the host; they run on side streams, so each direction hides behind its phase's
+               compute (forward a third of it, backward two thirds) and only the excess is
+               exposed; after the step the updated 16-bit weights come back, exposed.
+               The tiled feed-forward adds one forward of the feed-forward projections.
   overhead     a fixed cost per micro-batch (Python dispatch, data, bookkeeping: measured on
                the CPU and by a GPU calibration, the bundled profile's from its H200 one; 0
                under the Megatron profile), and on the CPU a cost per blocking
@@ -173,8 +182,9 @@ def _matmul_seconds(
         return forwards * forward + gemm(tokens, d_in, d_out) + gemm(d_in, d_out, tokens)
 
     mode = layout.activation_checkpointing
+    tiled = 1 if layout.mlp_tile_tokens else 0  # the tiles run forward again in backward
     attention_forwards = 2 if mode == "full" else 1
-    ffn_forwards = 1 if mode == "none" else 2
+    ffn_forwards = (1 if mode == "none" else 2) + tiled
     block = (
         projection(h, (h_q + 2 * h_kv) / t, attention_forwards)  # fused q, k, v
         + projection(h_q / t, h, attention_forwards)  # output
@@ -184,6 +194,7 @@ def _matmul_seconds(
     head = projection(h, vocab / t, 1)
     attention_weights, ffn_weights = 2 * h * h_q + 2 * h * h_kv, 3 * h * f
     recompute = {"none": 0, "selective": ffn_weights, "full": attention_weights + ffn_weights}[mode]
+    recompute += tiled * ffn_weights
     flops = (
         tokens * layers * (6 * (attention_weights + ffn_weights) + 2 * recompute)
         + 6 * tokens * h * vocab
@@ -278,8 +289,9 @@ def _elementwise_seconds(
     """Elementwise traffic of one whole block per token, TP-sharded: the block's own tensors,
     not the copies a TP or FSDP2 trainer keeps around it (gathered norm outputs, fp32
     residual), which the published runs' frameworks do not make."""
+    # The whole block's tensors, untiled: tiling changes what is kept, not what is computed.
     saved = block_activation_bytes_per_token(
-        model, layout.replace(activation_checkpointing="none", tp=1, pp=1)
+        model, layout.replace(activation_checkpointing="none", tp=1, pp=1, mlp_tile_tokens=0)
     )
     passes = (
         ELEMENTWISE_HBM_PASSES
@@ -497,6 +509,61 @@ def _dp_seconds(layout: Layout, machine: Machine, params: int) -> float:
     return _collective_seconds(volume / bandwidth_scale, steps, link, machine)
 
 
+@dataclass(frozen=True)
+class _HostCopies:
+    """Offloading's copies over the host link, seconds before overlap, and exposed."""
+
+    total: float
+    exposed: float
+    optimizer_on_host: float
+
+
+def _host_copies(
+    model: ModelSpec, layout: Layout, machine: Machine, micro_seconds: float, params: int
+) -> _HostCopies:
+    """The host copies of one step (see the module docstring) and an offloaded optimizer's
+    step on the host."""
+    if not layout.offloads:
+        return _HostCopies(0.0, 0.0, 0.0)
+    rate = machine.host_copy_bytes_per_second()
+    shard = params / layout.shard_group
+    weight = 2 if layout.dtype == "bf16" else 4
+    blocks = layout.rank_layers(model.layers)[0] if layout.pp > 1 else model.layers
+    activations = (
+        max(blocks - 1, 0) * layout.tokens_per_rank / layout.tp * model.hidden
+        if layout.offload_activations
+        else 0.0
+    ) * layout.residual_bytes
+    fetched = gradients = update = 0.0
+    if layout.offload_optimizer and layout.zero_stage >= 1:
+        if layout.fsdp:  # fp32 shards gathered from the host, fp32 gradient shards back
+            fetched = 4 * shard * (2 if layout.zero_stage == 3 else 1)
+            gradients = 4 * shard
+        else:
+            gradients = weight * shard
+            if layout.offload_parameters:
+                fetched = 2 * weight * shard  # forward and backward
+            else:
+                update = weight * shard
+    forward, backward = micro_seconds / 3, 2 * micro_seconds / 3
+    forward_copy = max(fetched / 2, activations) / rate
+    backward_copy = max(fetched / 2 + activations, gradients) / rate
+    exposed = max(0.0, forward_copy - forward) + max(0.0, backward_copy - backward)
+    total = (fetched + 2 * activations + gradients) / rate
+    ranks = min(machine.gpus_per_node, layout.world_size)
+    on_host = (
+        shard * OPTIMIZER_BYTES_PER_PARAM / machine.host_step_bytes_per_second(ranks)
+        if layout.offload_optimizer and layout.zero_stage >= 1
+        else 0.0
+    )
+    micro_batches = layout.grad_accum
+    return _HostCopies(
+        total=micro_batches * total + update / rate,
+        exposed=micro_batches * exposed + update / rate,
+        optimizer_on_host=on_host,
+    )
+
+
 def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
     """Step time of `layout` on `machine`, term by term (see the module docstring)."""
     shape = _Shape.of(model, layout)
@@ -512,6 +579,12 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
     hide = micro_seconds if layout.zero_stage < 3 else micro_batches * micro_seconds
     dp_exposed = max(0.0, dp_seconds - hide) if machine.overlap_dp else dp_seconds
     updated = params / group if layout.zero_stage >= 1 else params
+    host = _host_copies(model, layout, machine, micro_seconds, params)
+    optimizer_seconds = (
+        host.optimizer_on_host
+        if host.optimizer_on_host
+        else updated * OPTIMIZER_BYTES_PER_PARAM / machine.memory_bytes_per_second
+    )
 
     terms = {
         "compute_matmul": micro_batches * micro.matmul,
@@ -525,7 +598,8 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
         "pp_bubble": bubble,
         "pp_p2p": p2p,
         "dp_collectives_exposed": dp_exposed,
-        "optimizer": updated * OPTIMIZER_BYTES_PER_PARAM / machine.memory_bytes_per_second,
+        "optimizer": optimizer_seconds,
+        "host_copies_exposed": host.exposed,
         "framework_overhead": micro_batches * machine.microbatch_overhead_seconds,
         "sync_overhead": (micro_batches * syncs + (1 if group > 1 else 0))
         * (machine.sync_seconds + machine.sync_jitter * (micro_seconds / max(syncs, 1)) ** 0.5),
@@ -547,6 +621,7 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
             "ring_hop_compute_seconds": micro.ring_hop_compute,
             "dp_collectives_seconds": dp_seconds,
             "microbatch_seconds": micro_seconds,
+            "host_copy_seconds": host.total,
         },
         framework=machine.framework,
         expected_error=machine.expected_error,

@@ -29,8 +29,9 @@ from ctxlaunch.contract.hardware import GiB, GpuInfo
 from ctxlaunch.contract.spec import JobSpec, ModelSpec, layout_problems, problem_message
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.machine import Machine, machine_for
-from ctxlaunch.perf.memory import MemoryEstimate, estimate
+from ctxlaunch.perf.memory import MemoryEstimate, estimate, fits_with_host
 from ctxlaunch.perf.steptime import StepTime, predict
+from ctxlaunch.planning.plan import host_limit, offload_steps
 
 CHECKPOINTING = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -50,9 +51,10 @@ class Candidate:
         """The layout in one line, as the table and the rejections name it."""
         lay = self.layout
         v = f" v{lay.virtual_stages}" if lay.virtual_stages > 1 else ""
+        memory = lay.describe_memory_settings()
         return (
             f"{lay.describe_degrees()}{v}, mb {lay.micro_batch}, ZeRO-{lay.zero_stage}, "
-            f"checkpointing {lay.activation_checkpointing}"
+            f"checkpointing {lay.activation_checkpointing}" + (f", {memory}" if memory else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -294,6 +296,9 @@ class _Search:
             return []
         leanest = self.memory(layout.replace(activation_checkpointing="full", zero_stage=3))
         if not leanest.fits:
+            offloaded = self.offload_candidate(layout)
+            if offloaded is not None:
+                return [offloaded]
             self.reject(
                 "no fit",
                 degrees.describe_degrees() + f", mb {micro_batch}",
@@ -329,6 +334,16 @@ class _Search:
                 if candidate is not None:
                     candidates.append(candidate)
         return candidates
+
+    def offload_candidate(self, layout: Layout) -> Candidate | None:
+        """Where nothing fits on the device alone: the mildest step of the offload recipe that
+        fits device and host memory (`plan.offload_steps`: the fastest way to fit), timed."""
+        limit = host_limit(self.base)
+        for step in offload_steps(self.base, layout):
+            self.advice.memory_estimates += 1
+            if fits_with_host(self.model, step, self.gpu, limit):
+                return self.time_setting(step)
+        return None
 
     def fitting_settings(self, layout: Layout) -> list[list[tuple[str, int]]]:
         """Per checkpointing mode, lightest first, the (mode, ZeRO stage) settings of `layout`
@@ -473,6 +488,8 @@ def advice_spec_text(data: dict[str, Any], advice: Advice, source: str) -> str:
     new = apply_overrides(data, [f"{k}={json.dumps(v)}" for k, v in changes.items()])
     for section in ("parallel", "training"):  # drop the nulls the changes set
         new[section] = {k: v for k, v in new[section].items() if v is not None}
+    if not any(new["training"].get("offload", {}).values()):
+        new["training"].pop("offload", None)  # nothing offloaded: the default, left unsaid
     validate_spec(new, source)
     header = (
         f"# ctxlaunch advise: {advice.best.describe()}; predicted "

@@ -12,9 +12,10 @@ from typing import Any
 from ctxlaunch.contract.hardware import GiB
 from ctxlaunch.contract.spec import JobSpec, cp_problems, problem_message
 from ctxlaunch.perf.flops import CONVENTIONS, count_params, flops_per_token
+from ctxlaunch.perf.hostmemory import HostEstimate, HostLimit, host_estimate
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.machine import Machine, machine_for
-from ctxlaunch.perf.memory import MemoryEstimate, estimate, longest_sequence
+from ctxlaunch.perf.memory import MemoryEstimate, estimate, fits_with_host, longest_sequence
 from ctxlaunch.perf.peakphases import Phase, peak_phases
 from ctxlaunch.perf.steptime import predict
 
@@ -34,6 +35,15 @@ class CpOption:
     estimate: MemoryEstimate
     longest_seq_len: int
     """The longest sequence that fits at this degree (legal for the layout)."""
+    offload_seq_len: int = 0
+    """The longest sequence that fits at this degree with the offload recipe
+    (`offload_layout`), device and host memory both; 0 where it reaches no further."""
+    offload_layout: Layout | None = None
+    """The reach recipe at this degree: ZeRO-3, full checkpointing, optimizer, parameters
+    (DeepSpeed) and activations offloaded, the feed-forward tiled, and the CP algorithm that
+    reaches furthest; None where it reaches no further than `longest_seq_len`."""
+    offload_host: HostEstimate | None = None
+    """The host memory the recipe needs at `offload_seq_len`, on the busiest node."""
 
     @property
     def fits(self) -> bool:
@@ -46,9 +56,14 @@ class Suggestion:
 
     changes: dict[str, Any]
     estimate: MemoryEstimate
+    host: HostEstimate | None = None
+    """With offload, the node's host memory it needs."""
 
     def describe(self) -> str:
-        return ", ".join(f"{k} = {v}" for k, v in self.changes.items())
+        text = ", ".join(f"{k} = {v}" for k, v in self.changes.items())
+        if self.host is not None:
+            text += f" ({self.host.per_node / GiB:,.0f} GiB host memory per node)"
+        return text
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,8 @@ class PlanReport:
     phases: list[Phase] = field(default_factory=list)
     """What the busiest rank holds at the highest moment of each phase of a steady-state step
     (`memory.peak_phases`), before the allowance; the largest is the step's peak."""
+    host: HostEstimate | None = None
+    """With training.offload, the host memory of the busiest node (perf.hostmemory)."""
 
     @property
     def peak_phase(self) -> Phase | None:
@@ -73,15 +90,29 @@ class PlanReport:
 
     @property
     def fits(self) -> bool:
-        return self.estimate.fits
+        return self.estimate.fits and (self.host is None or self.host.fits)
 
     def verdict(self) -> str:
         """One line: fits or not, by how much, and what would fit."""
         e, gib = self.estimate, GiB
         head = f"{e.total / gib:.1f} GiB of {e.capacity / gib:.1f} GiB per {self.spec.cluster.gpu}"
+        host = ""
+        if self.host is not None:
+            h = self.host
+            host = (
+                f"; host {h.per_node / gib:,.0f} GiB of {h.capacity / gib:,.0f} GiB per node "
+                f"({'fits' if h.fits else 'over'})"
+            )
+        if self.fits:
+            return f"fits: {head}, {e.headroom / gib:.1f} GiB headroom{host}"
         if e.fits:
-            return f"fits: {head}, {e.headroom / gib:.1f} GiB headroom"
-        out = f"does not fit: {head}, {-e.headroom / gib:.1f} GiB over"
+            return (
+                f"does not fit: host memory {self.host.per_node / gib:,.0f} GiB per node of "
+                f"{self.host.capacity / gib:,.0f} GiB usable (cluster.host_memory_gib); {head}"
+                if self.host is not None
+                else f"does not fit: {head}"
+            )
+        out = f"does not fit: {head}, {-e.headroom / gib:.1f} GiB over{host}"
         alternatives = []
         if self.smallest_fitting_cp is not None and self.smallest_fitting_cp.cp != self.layout.cp:
             o = self.smallest_fitting_cp
@@ -121,6 +152,7 @@ class PlanReport:
                 "dtype": s.model.dtype,
             },
             "memory": self.estimate.to_dict(),
+            "host_memory": self.host.to_dict() if self.host is not None else None,
             "memory_phases": {
                 "peak": self.peak_phase.name if self.peak_phase else None,
                 "phases": [p.to_dict() for p in self.phases],
@@ -136,6 +168,15 @@ class PlanReport:
                     "total_bytes": o.estimate.total,
                     "fits": o.fits,
                     "longest_seq_len": o.longest_seq_len,
+                    "offload_seq_len": o.offload_seq_len,
+                    "offload_changes": (
+                        layout_changes(self.layout, o.offload_layout)
+                        if o.offload_layout is not None
+                        else None
+                    ),
+                    "offload_host_bytes_per_node": (
+                        o.offload_host.per_node if o.offload_host is not None else None
+                    ),
                 }
                 for o in self.cp_options
             ],
@@ -143,7 +184,12 @@ class PlanReport:
                 self.smallest_fitting_cp.cp if self.smallest_fitting_cp else None
             ),
             "suggestions": [
-                {"changes": x.changes, "total_bytes": x.estimate.total} for x in self.suggestions
+                {
+                    "changes": x.changes,
+                    "total_bytes": x.estimate.total,
+                    "host_bytes_per_node": x.host.per_node if x.host is not None else None,
+                }
+                for x in self.suggestions
             ],
             "flops": self.flops,
             "step_time": self.step_time,
@@ -157,9 +203,15 @@ def plan_job(spec: JobSpec, machine: Machine | None = None) -> PlanReport:
     layout = Layout.from_spec(spec)
     gpu = spec.cluster.gpu_info
     current = estimate(spec.model, layout, gpu)
+    host = (
+        host_estimate(spec.model, layout, host_limit(spec), current.total)
+        if layout.offloads
+        else None
+    )
     options = cp_options(spec, layout)
     smallest = next((o for o in options if o.fits), None)
     return PlanReport(
+        host=host,
         spec=spec,
         layout=layout,
         estimate=current,
@@ -171,10 +223,102 @@ def plan_job(spec: JobSpec, machine: Machine | None = None) -> PlanReport:
         phases=peak_phases(spec.model, layout),
         step_time=(
             predict(spec.model, layout, machine or machine_for(spec, saved=False)).to_dict()
-            if current.fits
+            if current.fits and (host is None or host.fits)
             else None
         ),
     )
+
+
+def layout_changes(layout: Layout, other: Layout) -> dict[str, Any]:
+    """The `--set` paths whose values differ from `layout` to `other` (the CP degree and
+    the batch it implies left out: a CP option's row says them)."""
+    mine = layout.overrides()
+    return {
+        path: value
+        for path, value in other.overrides().items()
+        if value != mine.get(path)
+        and path not in ("parallel.cp", "parallel.dp", "training.global_batch")
+    }
+
+
+def host_limit(spec: JobSpec) -> HostLimit:
+    """The node's host memory as the spec states it (or its GPU type's usual node's)."""
+    c = spec.cluster
+    return HostLimit(c.host_memory_bytes, c.gpus_per_node, cpu=c.gpu == "cpu")
+
+
+def offload_steps(spec: JobSpec, layout: Layout) -> list[Layout]:
+    """The offload recipe (Arctic Long Sequence Training's) for `layout`, step by step, the
+    mildest first: ZeRO-3 with full checkpointing and the optimizer's states in host memory;
+    then the block inputs too (PP 1); then the feed-forward over tiles of the hidden size; then
+    under DeepSpeed the parameters too. Each step adds copies to the step, so the first that
+    fits is the fastest way to fit. Empty where FSDP2 has no ranks to shard over."""
+    engine = "deepspeed" if layout.tp == 1 and layout.pp == 1 else "fsdp2"
+    if engine == "fsdp2" and layout.shard_group == 1:
+        return []  # FSDP2's CPU offload policy needs sharded states
+    base = layout.replace(
+        zero_stage=3,
+        engine=engine,
+        activation_checkpointing="full",
+        offload_optimizer=True,
+        offload_parameters=False,
+        offload_activations=False,
+        mlp_tile_tokens=0,
+    )
+    activations = base.replace(offload_activations=layout.pp == 1)
+    tiled = activations.replace(mlp_tile_tokens=spec.model.hidden)
+    steps = [base, activations, tiled]
+    if engine == "deepspeed":
+        steps.append(tiled.replace(offload_parameters=True))
+    return list(dict.fromkeys(steps))
+
+
+def offload_recipe(spec: JobSpec, layout: Layout) -> list[Layout]:
+    """The whole offload recipe (the last of `offload_steps`) at the layout's CP degree, one
+    Layout per CP algorithm legal there."""
+    steps = offload_steps(spec, layout)
+    if not steps:
+        return []
+    recipe = steps[-1]
+    p = spec.parallel
+    out = []
+    candidates: list[tuple[str, int | None]] = [(layout.cp_algorithm, None)]
+    if layout.cp > 1:
+        candidates += [("ulysses", None)] + [
+            ("hybrid", u) for u in (2, 4, 8, 16) if u < layout.cp and layout.cp % u == 0
+        ]
+    for algorithm, ulysses in dict.fromkeys(candidates):
+        parallel = p.model_copy(
+            update={
+                "cp": layout.cp,
+                "cp_algorithm": algorithm,
+                "ulysses_degree": ulysses,
+                "ring_degree": None,
+            }
+        )
+        if cp_problems(spec.model, parallel, spec.training.seq_len):
+            continue
+        inner = ulysses if ulysses is not None else (layout.cp if algorithm == "ulysses" else 1)
+        out.append(recipe.replace(cp_algorithm=algorithm, ulysses_degree=inner))
+    return out
+
+
+def _offload_reach(
+    spec: JobSpec, layout: Layout, plain: int
+) -> tuple[int, Layout | None, HostEstimate | None]:
+    """The longest sequence the offload recipe reaches at the layout's CP degree, if beyond
+    `plain`: (length, the recipe's layout, its host memory there)."""
+    gpu, limit = spec.cluster.gpu_info, host_limit(spec)
+    best, best_layout = 0, None
+    for recipe in offload_recipe(spec, layout):
+        n = longest_sequence(spec.model, recipe, gpu, spec.parallel.cp_sharding, host=limit)
+        if n > best:
+            best, best_layout = n, recipe
+    if best_layout is None or best <= plain:
+        return 0, None, None
+    at = best_layout.replace(seq_len=best)
+    host = host_estimate(spec.model, at, limit, estimate(spec.model, at, gpu).total)
+    return best, best_layout, host
 
 
 def cp_options(spec: JobSpec, layout: Layout) -> list[CpOption]:
@@ -189,6 +333,10 @@ def cp_options(spec: JobSpec, layout: Layout) -> list[CpOption]:
         gpus = p.tp * p.pp * p.ep * cp * layout.dp
         problems = cp_problems(spec.model, p.model_copy(update={"cp": cp}), spec.training.seq_len)
         reason = problem_message(problems[0]) if problems else None
+        longest = longest_sequence(spec.model, variant, gpu, p.cp_sharding, host=host_limit(spec))
+        reach, recipe, host = (0, None, None)
+        if not layout.offloads:
+            reach, recipe, host = _offload_reach(spec, variant, longest)
         out.append(
             CpOption(
                 cp=cp,
@@ -197,7 +345,10 @@ def cp_options(spec: JobSpec, layout: Layout) -> list[CpOption]:
                 legal=not problems,
                 reason=reason,
                 estimate=estimate(spec.model, variant, gpu),
-                longest_seq_len=longest_sequence(spec.model, variant, gpu, p.cp_sharding),
+                longest_seq_len=longest,
+                offload_seq_len=reach,
+                offload_layout=recipe,
+                offload_host=host,
             )
         )
     return out
@@ -224,7 +375,21 @@ def suggestions(spec: JobSpec, layout: Layout) -> list[Suggestion]:
                     changes["training.zero_stage"] = stage
                 out.append(Suggestion(changes, e))
                 break  # the lowest ZeRO stage that fits with this checkpointing mode
+    if not out:
+        out.extend(offload_suggestions(spec, layout))
     return out
+
+
+def offload_suggestions(spec: JobSpec, layout: Layout) -> list[Suggestion]:
+    """Where nothing else fits at the spec's CP degree: the mildest step of the offload recipe
+    that fits device and host memory (`offload_steps`)."""
+    limit, gpu = host_limit(spec), spec.cluster.gpu_info
+    for candidate in offload_steps(spec, layout):
+        if fits_with_host(spec.model, candidate, gpu, limit):
+            e = estimate(spec.model, candidate, gpu)
+            host = host_estimate(spec.model, candidate, limit, e.total)
+            return [Suggestion(layout_changes(layout, candidate), e, host)]
+    return []
 
 
 def flops_report(spec: JobSpec) -> dict[str, Any]:

@@ -93,6 +93,9 @@ class AllocatorTrace:
         self.peak_phase = ""
         self.final_bytes = 0
         self.phase_peaks: dict[str, int] = {}
+        self.host_bytes = 0
+        """What the engine keeps in host memory by training.offload after the last step
+        (unique storages of `Engine.host_tensors`); `measure_training_peak` sets it."""
         self.unseen_frees = 0
         """Blocks whose free the record missed (freed on a thread the profiler does not
         follow), taken off the curve when the allocator hands their address out again."""
@@ -191,4 +194,9 @@ def measure_training_peak(spec: JobSpec, ctx: ParallelContext, steps: int = 2) -
             setattr(engine, "finish_gradients", finish_marked)  # noqa: B010
             setattr(engine, "apply", apply_marked)  # noqa: B010
             trainer.train_step()
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in engine.host_tensors()
+        }
+    trace.host_bytes = sum(storages.values())
     return trace

@@ -92,9 +92,12 @@ def test_write_saves_the_fastest_layout_as_a_valid_spec(tmp_path: Path) -> None:
     written = load_spec(target)
     assert written.cluster.world_size == 16
     for path, value in best["changes"].items():
-        section, name = path.split(".")
+        *sections, name = path.split(".")
         if value is not None:
-            assert getattr(getattr(written, section), name) == value, path
+            node = written
+            for section in sections:
+                node = getattr(node, section)
+            assert getattr(node, name) == value, path
     assert written.fabric.hcas  # the rest of the user's spec is kept
     assert [p.name for p in tmp_path.iterdir()] == ["advised.yaml"]  # no temp files left
 

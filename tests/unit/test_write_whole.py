@@ -117,7 +117,8 @@ def test_sigterm_mid_export_leaves_no_partial_directory(tmp_path: Path, monkeypa
     from tests.helpers.checkpoints import tiny_job, train
 
     spec = tiny_job(tmp_path / "job")
-    assert train(spec, tmp_path / "run").returncode == 0
+    trained = train(spec, tmp_path / "run")
+    assert trained.returncode == 0, trained.stderr
     real_save = safetensors.torch.save_file
 
     def save_then_signal(*args, **kwargs):  # type: ignore[no-untyped-def]

@@ -72,6 +72,11 @@ class Engine(Protocol):
     def lr(self) -> float:
         """The learning rate of the next update."""
 
+    def host_tensors(self) -> list[torch.Tensor]:
+        """What this rank keeps in host memory by training.offload (the offloaded optimizer
+        states, master weights and gradients, parameters, and the activation buffers), for
+        the memory checks and telemetry; empty without offload."""
+
     def save(self, path: Path) -> None:
         """Write this rank's part of a checkpoint of model and optimizer states."""
 
@@ -103,15 +108,24 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 def make_optimizer(
-    model: nn.Module, training: TrainingSpec, fused: bool = False
+    model: nn.Module, training: TrainingSpec, fused: bool = False, cpu_adam: bool = False
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW and its warm-up/cosine schedule, from the spec's training section: one fused
-    kernel per step with `fused` (training.fused_optimizer), else `foreach`."""
+    kernel per step with `fused` (training.fused_optimizer), else `foreach`; with `cpu_adam`,
+    DeepSpeed's CPU Adam in AdamW mode (what ZeRO-Offload steps in host memory; its op is
+    compiled on first use)."""
     opt = training.optimizer
-    kernel: dict[str, bool] = {"fused": True} if fused else {"foreach": True}
-    optimizer = torch.optim.AdamW(
-        param_groups(model, opt.weight_decay), lr=opt.lr, betas=opt.betas, eps=opt.eps, **kernel
-    )
+    groups = param_groups(model, opt.weight_decay)
+    optimizer: torch.optim.Optimizer
+    if cpu_adam:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(
+            groups, lr=opt.lr, betas=opt.betas, eps=opt.eps, adamw_mode=True
+        )
+    else:
+        kernel: dict[str, bool] = {"fused": True} if fused else {"foreach": True}
+        optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps, **kernel)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(training.steps, opt.warmup_steps, opt.min_lr_ratio)
     )
@@ -248,7 +262,8 @@ class TorchEngine:
         for name, p in self.named_parameters():
             if p.grad is None:
                 continue
-            square = _local(p.grad).detach().float().pow(2).sum()
+            # FSDP2's CPU offload keeps the gradient shards in host memory.
+            square = _local(p.grad).detach().float().pow(2).sum().to(self.device)
             if self.plan[name] is None:
                 replicated = replicated + square
             else:
@@ -270,7 +285,7 @@ class TorchEngine:
             coef = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
             for _, p in self.named_parameters():
                 if p.grad is not None:
-                    p.grad.mul_(coef)
+                    p.grad.mul_(coef.to(p.grad.device))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -278,6 +293,21 @@ class TorchEngine:
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        out = self.parts.activation_offload.host_tensors() if self.parts.activation_offload else []
+        if self.parts.states_on_host:
+            for _, p in self.named_parameters():
+                out.append(_local(p))
+                if p.grad is not None:
+                    out.append(_local(p.grad))
+            out += [
+                _local(value)
+                for state in self.optimizer.state.values()
+                for value in state.values()
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+            ]
+        return out
 
     # -- checks --------------------------------------------------------------------------------
     def full_gradients(self) -> dict[str, torch.Tensor]:
@@ -326,10 +356,16 @@ class TorchEngine:
         self._checkpoint().load(path)
 
 
-def deepspeed_config(spec: JobSpec) -> dict[str, Any]:
-    """DeepSpeed's configuration for the spec (its buckets the planner's constants)."""
+def deepspeed_config(spec: JobSpec, cuda: bool = True) -> dict[str, Any]:
+    """DeepSpeed's configuration for the spec (its buckets the planner's constants); with
+    training.offload, ZeRO-Offload's sections (host buffers pinned on `cuda` only: DeepSpeed's
+    CPU accelerator has nothing to pin for)."""
     t = spec.training
     zero: dict[str, Any] = {"stage": t.zero_stage}
+    if t.offload.optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+    if t.offload.parameters:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": cuda}
     if t.zero_stage in (1, 2):
         zero.update(
             reduce_bucket_size=ZERO_BUCKET_ELEMENTS,
@@ -369,6 +405,51 @@ def init_deepspeed(backend: str) -> None:
         groups._WORLD_GROUP = cp_comm.new_group(list(range(dist.get_world_size())))
 
 
+# What ZeRO-Offload allocates in host memory, by the attribute of DeepSpeed's ZeRO optimizer
+# that holds it (deepspeed/runtime/zero/stage_1_and_2.py and stage3.py): the fp32 partitions
+# (with their fp32 gradients), the 16-bit copies the updated partitions go back to the device
+# through, the gradients accumulated over micro-batches, and a largest-parameter staging buffer.
+_DEEPSPEED_HOST_ATTRIBUTES = (
+    "single_partition_of_fp32_groups",
+    "param_buffer_of_bit16_for_cpu_offload_groups",
+    "accumulated_grads_in_cpu",
+    "temp_grad_buffer_for_cpu_offload",
+    "fp32_partitioned_groups_flat",
+    "grad_partitions_flat_buffer",
+)
+
+
+def deepspeed_host_tensors(zero_optimizer: Any) -> list[torch.Tensor]:
+    """The tensors DeepSpeed's ZeRO-Offload keeps in host memory: the buffers named above, the
+    CPU Adam's states, and under parameter offload every partitioned (not persistent)
+    parameter's 16-bit partition."""
+    out: list[torch.Tensor] = []
+
+    def add(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+            if value.grad is not None:
+                out.append(value.grad)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                add(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                add(item)
+
+    for name in _DEEPSPEED_HOST_ATTRIBUTES:
+        add(getattr(zero_optimizer, name, None))
+    inner = getattr(zero_optimizer, "optimizer", None)
+    for state in getattr(inner, "state", {}).values():
+        add([v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0])
+    if getattr(zero_optimizer, "offload_param", False):
+        for group in getattr(zero_optimizer, "fp16_groups", []):
+            for param in group:
+                if not getattr(param, "ds_persist", False) and hasattr(param, "ds_tensor"):
+                    out.append(param.ds_tensor)
+    return out
+
+
 class DeepSpeedEngine:
     """ZeRO-1..3 through `deepspeed.initialize` with a torch AdamW, on the whole model (TP 1 x
     PP 1: DeepSpeed knows nothing of TP slices or pipeline stages)."""
@@ -381,12 +462,14 @@ class DeepSpeedEngine:
         self.grad_accum = spec.grad_accum
         self.replicas = spec.dp * spec.parallel.cp  # DeepSpeed's data-parallel world (TP 1 x PP 1)
         model = parts.model
-        optimizer, scheduler = make_optimizer(model, t)
+        self.activation_offload = parts.activation_offload
+        self.offload_states = t.offload.optimizer
+        optimizer, scheduler = make_optimizer(model, t, cpu_adam=t.offload.optimizer)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
             lr_scheduler=scheduler,
-            config=deepspeed_config(spec),
+            config=deepspeed_config(spec, cuda=device.type == "cuda"),
             dist_init_required=False,
         )
         self.model = self.engine.module
@@ -427,6 +510,12 @@ class DeepSpeedEngine:
 
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        out = self.activation_offload.host_tensors() if self.activation_offload else []
+        if self.offload_states:
+            out += deepspeed_host_tensors(self.optimizer)
+        return out
 
     def save(self, path: Path) -> None:
         self.engine.save_checkpoint(str(path.parent), tag=path.name, save_latest=False)

@@ -25,9 +25,11 @@ gradient summed over tokens).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 import torch
@@ -45,6 +47,7 @@ from ctxlaunch.contract.spec import (
 )
 from ctxlaunch.perf.memory import BACKWARD_CHUNK_TOKENS, LOSS_CHUNK_TOKENS
 from ctxlaunch.runtime.trainer.loss import chunked_cross_entropy
+from ctxlaunch.runtime.trainer.tiling import tiled_feed_forward
 
 AttentionFn = Callable[..., torch.Tensor]
 """attend(q, k, v) or, under a document mask, attend(q, k, v, documents=...) -> out."""
@@ -59,6 +62,10 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 def _project(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     return linear(x)
+
+
+def _keep_input(x: torch.Tensor) -> AbstractContextManager[None]:
+    return contextlib.nullcontext()
 
 
 ProjectIn = Callable[[torch.Tensor, nn.Linear], torch.Tensor]
@@ -425,17 +432,28 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(hidden, eps)
         self.ffn = FeedForward(hidden, ffn_hidden)
         self.checkpointing: Checkpointing = "none"
+        self.mlp_tile_tokens: int | None = None
+        """The feed-forward half over tiles of this many tokens (tiling.py); None: whole."""
+        self.offload_input: Callable[[torch.Tensor], AbstractContextManager[None]] = _keep_input
+        """Around the full checkpoint, given the block's input: where the input it saves is
+        kept (on the device; `parallelize` installs offload.py's host-memory offload)."""
+
+    def _feed_forward_tile(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ffn(self.ffn_norm(x))
 
     def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mlp_tile_tokens:
+            params = [*self.ffn_norm.parameters(), *self.ffn.parameters()]
+            return x + tiled_feed_forward(self._feed_forward_tile, x, self.mlp_tile_tokens, params)
         return x + self.ffn(self.ffn_norm(x))
 
     def _forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents = None
     ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, documents)
-        if self.checkpointing == "selective":
+        if self.checkpointing == "selective" and not self.mlp_tile_tokens:
             # Recompute the feed-forward half (linear in s, cheap); keep attention (quadratic
-            # in s to recompute).
+            # in s to recompute). Tiled, it already keeps only its input and recomputes.
             return checkpoint(self._feed_forward, x, use_reentrant=False)
         return self._feed_forward(x)
 
@@ -443,7 +461,8 @@ class Block(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents = None
     ) -> torch.Tensor:
         if self.checkpointing == "full":
-            return checkpoint(self._forward, x, cos, sin, documents, use_reentrant=False)
+            with self.offload_input(x):
+                return checkpoint(self._forward, x, cos, sin, documents, use_reentrant=False)
         return self._forward(x, cos, sin, documents)
 
 
@@ -557,6 +576,11 @@ class Transformer(nn.Module):
         """Activation checkpointing of every block (see `Block`)."""
         for block in self.block_modules():
             block.checkpointing = mode
+
+    def set_mlp_tiling(self, tile_tokens: int | None) -> None:
+        """The feed-forward of every block over tiles of `tile_tokens` tokens (None: whole)."""
+        for block in self.block_modules():
+            block.mlp_tile_tokens = tile_tokens
 
     def run_blocks(
         self,

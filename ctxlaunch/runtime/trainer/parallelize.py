@@ -28,6 +28,7 @@ from ctxlaunch.contract.spec import JobSpec, ModelSpec, StateEngine
 from ctxlaunch.cp import comm as cp_comm
 from ctxlaunch.runtime.trainer.loss import VocabShard, chunked_cross_entropy
 from ctxlaunch.runtime.trainer.model import AttentionFn, Checkpointing, Transformer
+from ctxlaunch.runtime.trainer.offload import ActivationOffload
 from ctxlaunch.runtime.trainer.pipeline import StageModule, pipeline_schedule, split_stages
 from ctxlaunch.runtime.trainer.reshard import local_rows, write_local, write_rows
 from ctxlaunch.runtime.trainer.tensor_parallel import (
@@ -214,11 +215,21 @@ class ParallelSettings:
     init_from: ModelSpec | None = None
     """The model section when it names a Hugging Face checkpoint (`model.init_from`): the
     initial weights are read from it instead of drawn."""
+    mlp_tile_tokens: int | None = None
+    """training.mlp_tile_tokens: the feed-forward over tiles of this many tokens."""
+    offload_states: bool = False
+    """training.offload.optimizer under FSDP2: its CPU offload policy (the sharded parameters,
+    their gradients and the optimizer's states in host memory)."""
+    offload_activations: bool = False
+    """training.offload.activations: the blocks' checkpointed inputs in host memory."""
 
     @classmethod
     def from_spec(cls, spec: JobSpec) -> ParallelSettings:
         t = spec.training
         return cls(
+            mlp_tile_tokens=t.mlp_tile_tokens,
+            offload_states=t.offload.optimizer and spec.state_engine == "fsdp2",
+            offload_activations=t.offload.activations,
             cp_algorithm=spec.parallel.cp_algorithm,
             checkpointing=t.activation_checkpointing,
             state_engine=spec.state_engine,
@@ -253,6 +264,10 @@ class ModelParts:
     """This rank runs the first stage: it feeds the token ids."""
     last: bool
     """This rank runs the last stage: it computes the loss."""
+    activation_offload: ActivationOffload | None = None
+    """The blocks' checkpointed inputs in host memory (training.offload.activations)."""
+    states_on_host: bool = False
+    """FSDP2 keeps the sharded parameters, gradients and optimizer states in host memory."""
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """(name in the whole model, parameter) for every parameter this rank holds."""
@@ -278,6 +293,7 @@ def parallelize(
         block.attn.attend = attend
     plan = apply_tensor_parallel(model, ctx)
     model.set_checkpointing(settings.checkpointing)
+    model.set_mlp_tiling(settings.mlp_tile_tokens)
     stages = (
         split_stages(model, stage_layers=settings.stage_layers, pp=ctx.pp, pp_rank=ctx.pp_rank)
         if ctx.pp > 1
@@ -285,6 +301,7 @@ def parallelize(
     )
     parts: list[nn.Module] = list(stages) or [model]
     sharded = settings.state_engine == "fsdp2" and ctx.dp_cp_group is not None
+    states_on_host = sharded and settings.offload_states
     if ctx.dp_cp_group is not None and sharded:
         _fully_shard(
             parts,
@@ -292,12 +309,22 @@ def parallelize(
             device,
             reshard_after_forward=settings.zero_stage == 3,
             bf16=settings.bf16,
+            offload=states_on_host,
         )
+    # Under FSDP2's CPU offload policy the sharded parameters live in host memory (FSDP2
+    # copies each unit's shard to the device to gather it).
+    home = torch.device("cpu") if states_on_host else device
     if settings.init_from is not None:
-        _materialise_from_hf(parts, full_shapes, plan, ctx, settings.init_from, device)
+        _materialise_from_hf(parts, full_shapes, plan, ctx, settings.init_from, home)
     else:
         for part in parts:
-            _materialise(part, model, full_shapes, plan, ctx, settings.seed, device)
+            _materialise(part, model, full_shapes, plan, ctx, settings.seed, home)
+    activation_offload = None
+    if settings.offload_activations:
+        blocks = model.block_modules()
+        activation_offload = ActivationOffload(len(blocks), device)
+        for slot, block in enumerate(blocks):
+            block.offload_input = partial(activation_offload.saving, slot)
     schedule = None
     n_stages = len(settings.stage_layers)
     if stages:
@@ -326,6 +353,8 @@ def parallelize(
         sharded=sharded,
         first=not stages or stages[0].stage_index == 0,
         last=not stages or stages[-1].stage_index == n_stages - 1,
+        activation_offload=activation_offload,
+        states_on_host=states_on_host,
     )
 
 
@@ -336,21 +365,32 @@ def _fully_shard(
     *,
     reshard_after_forward: bool,
     bf16: bool,
+    offload: bool = False,
 ) -> None:
     """FSDP2 over the ranks holding the same slice (DP x CP), each block a unit. ZeRO-1/2
     keep the gathered weights from forward to backward (gradients and optimizer states
     sharded), ZeRO-3 re-shards them after forward. In bf16 the mixed-precision policy gathers
     bf16 copies of the fp32 shards, which stay the optimizer's master weights, and reduces
     gradients in fp32: no fp32 weight enters the compute, so autocast copies none and the
-    residual stream is bf16 (`Layout.fsdp_bf16_params`)."""
+    residual stream is bf16 (`Layout.fsdp_bf16_params`). With `offload`, FSDP2's CPU offload
+    policy keeps the shards, their gradients and so the optimizer's states in host memory
+    (pinned on CUDA; torch cannot pin without an accelerator)."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     mesh = DeviceMesh.from_group(dp_cp_group, device.type)
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if bf16
         else MixedPrecisionPolicy()
+    )
+    offload_policy = (
+        CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     )
     for part in parts:
         blocks = (
@@ -360,11 +400,21 @@ def _fully_shard(
         )
         for block in blocks:
             fully_shard(
-                block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy
+                block,
+                mesh=mesh,
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=policy,
+                offload_policy=offload_policy,
             )
         # The root's weights (embedding, final norm, head) stay gathered through backward: the
         # loss uses the head after the stage's forward returns.
-        fully_shard(part, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        fully_shard(
+            part,
+            mesh=mesh,
+            reshard_after_forward=False,
+            mp_policy=policy,
+            offload_policy=offload_policy,
+        )
 
 
 def _materialise(
