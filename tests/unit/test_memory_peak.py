@@ -16,6 +16,8 @@ Every case is held to 2 %."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from ctxlaunch.contract.loader import apply_overrides, validate_spec
@@ -59,7 +61,8 @@ def host_data_bytes(spec) -> int:
     return SyntheticTokens(spec.model.vocab, t.seq_len, t.seed).chain.nbytes
 
 
-def _measure(rank: int, world: int, specs: list[dict]) -> list[tuple[int, str]]:
+def _traces(rank: int, world: int, specs: list[dict]) -> list[Any]:
+    """This rank's memory trace of two training steps of each spec."""
     from ctxlaunch.runtime.trainer.parallelize import build_context
     from tests.helpers.memtrace import measure_training_peak
 
@@ -77,9 +80,12 @@ def _measure(rank: int, world: int, specs: list[dict]) -> list[tuple[int, str]]:
             tp=p.tp,
             pp=p.pp,
         )
-        trace = measure_training_peak(spec, ctx)
-        out.append((trace.peak_bytes, trace.peak_phase))
+        out.append(measure_training_peak(spec, ctx))
     return out
+
+
+def _measure(rank: int, world: int, specs: list[dict]) -> list[tuple[int, str]]:
+    return [(t.peak_bytes, t.peak_phase) for t in _traces(rank, world, specs)]
 
 
 def _check(
@@ -370,26 +376,7 @@ def test_peak_of_each_family_within_2_percent_at_cp2_and_tp2() -> None:
 
 
 def _measure_offload(rank: int, world: int, specs: list[dict]) -> list[tuple[int, str, int]]:
-    from ctxlaunch.runtime.trainer.parallelize import build_context
-    from tests.helpers.memtrace import measure_training_peak
-
-    out = []
-    for data in specs:
-        spec = validate_spec(data)
-        p = spec.parallel
-        ctx = build_context(
-            rank=rank,
-            world_size=world,
-            dp=spec.dp,
-            cp=p.cp,
-            ulysses=spec.ulysses_degree,
-            cp_sharding=p.cp_sharding,
-            tp=p.tp,
-            pp=p.pp,
-        )
-        trace = measure_training_peak(spec, ctx)
-        out.append((trace.peak_bytes, trace.peak_phase, trace.host_bytes))
-    return out
+    return [(t.peak_bytes, t.peak_phase, t.host_bytes) for t in _traces(rank, world, specs)]
 
 
 @pytest.mark.timeout(600)
