@@ -130,11 +130,20 @@ class BoundedComposer(Composer):
         self._depth = 0
         self._expanded = 0
         self._sizes: dict[int, int] = {}
+        self._open_anchors: list[str] = []
         return super().compose_document()
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(AliasEvent):
             event = self.peek_event()
+            if event.anchor in self._open_anchors:
+                # `&a [*a]` is a value that holds itself: no spec field can be one, and every
+                # later step (overrides, validation, rendering) would walk it forever.
+                raise BoundedYamlError(
+                    f"the alias *{event.anchor} stands for a value that holds it (a recursive "
+                    "alias)",
+                    event.start_mark,
+                )
             node = super().compose_node(parent, index)
             self._count(_tree_size(node, self._sizes), event.start_mark)
             return node
@@ -145,10 +154,15 @@ class BoundedComposer(Composer):
                 f"nested more than {MAX_DEPTH} deep (a spec nests a few levels)", mark
             )
         self._count(1, self.peek_event().start_mark)
+        anchor = getattr(self.peek_event(), "anchor", None)
+        if anchor is not None:
+            self._open_anchors.append(anchor)
         try:
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+            if anchor is not None:
+                self._open_anchors.pop()
 
     def _count(self, values: int, mark: Any) -> None:
         self._expanded += values

@@ -373,6 +373,117 @@ def test_prepare_error_for_an_unknown_tokenizer_is_bad_input(
         prepare([], tmp_path / "nope.model", tmp_path / "x")
 
 
+def _prepare_cli(args: list[str]) -> tuple[int, str]:
+    """`ctxlaunch data prepare ARGS` in process: the exit code and the output, one line."""
+    result = CliRunner().invoke(app, ["data", "prepare", *args])
+    # CliRunner turns an uncaught exception into exit 1; the command must not raise one.
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    assert "Traceback" not in result.output
+    return result.exit_code, " ".join(result.output.split())
+
+
+@pytest.mark.parametrize(
+    ("kind", "case", "workers"),
+    [
+        ("sentencepiece", "lone surrogate", 1),
+        ("sentencepiece", "lone surrogate", 2),
+        ("huggingface", "lone surrogate", 1),
+        ("huggingface", "lone surrogate", 2),
+        ("sentencepiece", "nested 100000 deep", 1),
+        ("sentencepiece", "nested 100000 deep", 2),
+    ],
+)
+def test_prepare_hostile_text_exits_2_naming_the_line(
+    kind: str,
+    case: str,
+    workers: int,
+    sentencepiece_model: Path,
+    tokenizer_json: Path,
+    tmp_path: Path,
+) -> None:
+    """A lone surrogate (a JSON escape the tokenizers' native code cannot take) and a JSON line
+    nested past the parser's recursion limit: exit 2 naming file:line, with one worker or two,
+    and the directories made for the output removed again."""
+    lines = tmp_path / "docs.jsonl"
+    if case == "lone surrogate":
+        lines.write_text('{"text": "fine"}\n{"text": "a \\ud800 b"}\n')
+        expected = "docs.jsonl:2: the text holds a lone surrogate U+D800 at character 2"
+    else:
+        lines.write_text('{"text": "fine"}\n{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+        expected = "docs.jsonl:2: JSON nested too deep to read"
+    tokenizer = sentencepiece_model if kind == "sentencepiece" else tokenizer_json
+    output = tmp_path / "new" / "deeper" / "x"
+    code, text = _prepare_cli(
+        [str(lines), "-t", str(tokenizer), "-o", str(output), "--workers", str(workers)]
+    )
+    assert code == 2, text
+    assert expected in text
+    assert sorted(os.listdir(tmp_path)) == ["docs.jsonl"]
+
+
+@pytest.mark.parametrize("case", ["under /proc", "a file in the way", "a directory in the way"])
+def test_prepare_output_that_cannot_be_written_exits_2(
+    case: str, sentencepiece_model: Path, tmp_path: Path
+) -> None:
+    """An output the file system refuses (/proc takes no new files, a file stands where the
+    output's directory should be, a directory where OUTPUT.bin should go): exit 2 naming -o and
+    the reason, and no temporary file left."""
+    lines = tmp_path / "docs.jsonl"
+    lines.write_text('{"text": "fine"}\n')
+    if case == "under /proc":
+        output = Path("/proc/ctxlaunch-prepare/x")
+        expected = "cannot write the output (/proc/ctxlaunch-prepare): No such file or directory"
+    elif case == "a file in the way":
+        (tmp_path / "plain").write_text("not a directory")
+        output = tmp_path / "plain" / "x"
+        expected = "a file stands where a directory is needed"
+    else:
+        (tmp_path / "x.bin").mkdir()
+        output = tmp_path / "x"
+        expected = f"cannot write the output ({tmp_path / 'x.bin'}): Is a directory"
+    before = sorted(os.listdir(tmp_path))
+    code, text = _prepare_cli([str(lines), "-t", str(sentencepiece_model), "-o", str(output)])
+    assert code == 2, text
+    assert f"-o {output}: " in text and expected in text
+    assert sorted(os.listdir(tmp_path)) == before
+    assert not Path("/proc/ctxlaunch-prepare").exists()
+
+
+def test_prepare_a_write_failing_part_way_exits_2_leaving_nothing(
+    sentencepiece_model: Path, tmp_path: Path
+) -> None:
+    """A write that fails part way, as on a full disk: the kernel's own file-size limit
+    (RLIMIT_FSIZE, with SIGXFSZ ignored so the write returns EFBIG) stops the .bin after 100 kB.
+    Exit 2 naming -o, and neither the temporary files nor the directory made for them stay."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    lines = tmp_path / "docs.jsonl"
+    lines.write_text("".join(json.dumps({"text": "word " * 200}) + "\n" for _ in range(3000)))
+    output = tmp_path / "new" / "x"
+
+    def limit_file_size() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    command = [sys.executable, "-c", "from ctxlaunch.cli import main; main()", "data", "prepare"]
+    result = subprocess.run(
+        [*command, str(lines), "-t", str(sentencepiece_model), "-o", str(output)],
+        preexec_fn=limit_file_size,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"-o {output}: cannot write the output: File too large" in " ".join(
+        result.stderr.split()
+    )
+    assert sorted(os.listdir(tmp_path)) == ["docs.jsonl"]
+
+
 # --------------------------------------------------------------------------------------------
 # packing and the spec
 # --------------------------------------------------------------------------------------------

@@ -113,6 +113,25 @@ def test_prepare_chat_cli_writes_the_mask_and_refuses_bad_lines(chat_dir, tmp_pa
     assert left == ["bad.jsonl"]  # no .bin, .idx, .lossmask or temporary file
 
 
+@pytest.mark.parametrize("case", ["lone surrogate", "nested 100000 deep"])
+def test_prepare_chat_refuses_hostile_lines_naming_them(chat_dir, tmp_path, case) -> None:
+    """A chat turn holding a lone surrogate (the Rust tokenizer cannot take it) and a line
+    nested past the JSON parser's recursion limit: exit 2 naming file:line, nothing written."""
+    bad = tmp_path / "bad.jsonl"
+    if case == "lone surrogate":
+        bad.write_text('{"messages": [{"role": "user", "content": "a \\udc00 b"}]}\n')
+        expected = "bad.jsonl:1: the text holds a lone surrogate U+DC00"
+    else:
+        bad.write_text('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+        expected = "bad.jsonl:1: JSON nested too deep to read"
+    args = ["data", "prepare", str(bad), "--chat", "-t", str(chat_dir / "tokenizer")]
+    result = runner.invoke(app, [*args, "-o", str(tmp_path / "new" / "bad")])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert expected in " ".join(result.output.split())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
 def sft_spec(chat_dir: Path, world: int = 1, **changes: object) -> dict:
     """Two steps of SFT from the tiny Qwen2 checkpoint on the prepared chats, global batch 4."""
     base = {

@@ -35,6 +35,7 @@ ALIAS_BOMB = "\n".join(
         ("alias-bomb", "values"),
         ("duplicate", "appears twice"),
         ("date-key", "is not text"),
+        ("recursive-alias", "a recursive alias"),
     ],
 )
 def test_a_spec_beyond_the_bounds_is_one_sentence(kind: str, words: str, tmp_path: Path) -> None:
@@ -50,6 +51,8 @@ def test_a_spec_beyond_the_bounds_is_one_sentence(kind: str, words: str, tmp_pat
         path.write_text(ALIAS_BOMB + "\n")
     elif kind == "duplicate":
         path.write_text(demo + "\ntraining:\n  steps: 1\n")
+    elif kind == "recursive-alias":
+        path.write_text(demo.replace("name: ", "name: &self [*self]\n_: ", 1))
     else:
         path.write_text(demo + "\n2024-01-01: x\n")
     with pytest.raises(SpecError) as caught:

@@ -133,3 +133,37 @@ def test_sigterm_mid_export_leaves_no_partial_directory(tmp_path: Path, monkeypa
     assert result.exit_code == 1, result.output
     assert "interrupted; nothing was written" in result.output
     assert not out.exists() and not list(tmp_path.glob(".exported.tmp-*"))
+
+
+def test_export_onto_a_full_disk_names_the_write(tmp_path: Path) -> None:
+    """A shard write that fails, as on a full disk: the kernel's file-size limit (RLIMIT_FSIZE,
+    with SIGXFSZ ignored so the write returns EFBIG) stops safetensors part way. Exit 2 naming
+    the output's file, not the checkpoint, and no partial directory left."""
+    import resource
+
+    from tests.helpers.checkpoints import tiny_job, train
+
+    spec = tiny_job(tmp_path / "job")
+    trained = train(spec, tmp_path / "run")
+    assert trained.returncode == 0, trained.stderr
+    out = tmp_path / "exported"
+
+    def limit_file_size() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+    command = [sys.executable, "-c", "from ctxlaunch.cli import main; main()", "export"]
+    done = subprocess.run(
+        [*command, str(tmp_path / "job" / "checkpoints"), "--hf", str(out)],
+        preexec_fn=limit_file_size,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2, done.stderr
+    message = " ".join(done.stderr.split())
+    assert "Traceback" not in done.stderr and "failed reading" not in message
+    assert f"{out}: writing model-00001-of-00001.safetensors failed" in message
+    assert "File too large" in message
+    assert not out.exists() and not list(tmp_path.glob(".exported.tmp-*"))

@@ -33,7 +33,14 @@ import numpy.typing as npt
 
 from ctxlaunch.contract.spec import indexed_files, loss_mask_file
 from ctxlaunch.runtime.data.indexed import IndexedWriter, token_dtype
-from ctxlaunch.runtime.data.prepare import PrepareError, PrepareResult, check_inputs
+from ctxlaunch.runtime.data.prepare import (
+    PrepareError,
+    PrepareResult,
+    check_inputs,
+    check_unicode,
+    output_errors,
+    parse_json_line,
+)
 from ctxlaunch.runtime.data.tokenizers import TokenizerError
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
@@ -154,10 +161,7 @@ def load_chat_tokenizer(path: str | Path) -> ChatTokenizer:
 
 
 def _messages_of(line: str, where: str) -> list[dict[str, Any]]:
-    try:
-        data = json.loads(line)
-    except ValueError as exc:
-        raise PrepareError(f"{where}: not a JSON object ({exc})") from None
+    data = parse_json_line(line, where)
     messages = data.get("messages") if isinstance(data, dict) else None
     if not isinstance(messages, list) or not messages:
         raise PrepareError(f'{where}: no "messages" list (a chat line is {{"messages": [...]}})')
@@ -191,6 +195,7 @@ def encode_conversation(
             spans.append((len(before), len(through)))
     except jinja2.exceptions.TemplateError as exc:
         raise PrepareError(f"{where}: the chat template refused the conversation: {exc}") from None
+    check_unicode(text, where)
     ids, offsets = chat.tokenize(text)
     mask = np.zeros(len(ids), dtype=np.bool_)
     for start, stop in spans:
@@ -219,12 +224,17 @@ def prepare_chat(
             f"model's {model_vocab} (model.vocab)"
         )
     documents = tokens = supervised = read = 0
-    with IndexedWriter(output, token_dtype(chat.vocab_size), loss_mask=True) as writer:
+    with (
+        output_errors(output),
+        IndexedWriter(output, token_dtype(chat.vocab_size), loss_mask=True) as writer,
+    ):
         for path in paths:
             try:
                 lines = path.read_text(encoding="utf-8").splitlines()
             except UnicodeDecodeError as exc:
                 raise PrepareError(f"{path}: not UTF-8 text ({exc.reason})") from None
+            except OSError as exc:
+                raise PrepareError(f"{path}: cannot be read ({exc.strerror or exc})") from None
             for number, line in enumerate(lines, start=1):
                 read += len(line.encode("utf-8")) + 1
                 if not line.strip():

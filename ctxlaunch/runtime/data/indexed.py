@@ -26,6 +26,7 @@ module deals in documents. Nothing here reads a whole file: both files are memor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import tempfile
@@ -205,15 +206,24 @@ class IndexedWriter:
         self.prefix = indexed_prefix(path)
         self.dtype = np.dtype(dtype)
         self.code = dtype_code(dtype)
-        self.prefix.parent.mkdir(parents=True, exist_ok=True)
-        self._lengths = array("q")
+        # The directories made for the output, innermost last: `abort` removes them again, so a
+        # run that writes nothing leaves no empty directories behind.
+        self._made_dirs = [
+            parent for parent in reversed(self.prefix.parents) if not parent.exists()
+        ]
         self._tmp: dict[str, Path] = {}
-        for suffix in (".bin", ".idx") + ((".lossmask",) if loss_mask else ()):
-            fd, name = tempfile.mkstemp(
-                dir=self.prefix.parent, prefix=f".{self.prefix.name}{suffix}.", suffix=".tmp"
-            )
-            os.close(fd)
-            self._tmp[suffix] = Path(name)
+        self._lengths = array("q")
+        try:
+            self.prefix.parent.mkdir(parents=True, exist_ok=True)
+            for suffix in (".bin", ".idx") + ((".lossmask",) if loss_mask else ()):
+                fd, name = tempfile.mkstemp(
+                    dir=self.prefix.parent, prefix=f".{self.prefix.name}{suffix}.", suffix=".tmp"
+                )
+                os.close(fd)
+                self._tmp[suffix] = Path(name)
+        except BaseException:
+            self._remove_temporaries()
+            raise
         self._bin = open(self._tmp[".bin"], "wb")  # closed by commit or abort
         self._mask = open(self._tmp[".lossmask"], "wb") if loss_mask else None
 
@@ -252,7 +262,15 @@ class IndexedWriter:
         return len(self._lengths)
 
     def commit(self) -> tuple[Path, Path]:
-        """Write the index and move the files into place; returns (bin, idx)."""
+        """Write the index and move the files into place; returns (bin, idx). A failure (a full
+        disk, a directory in the way) removes the temporary files before it propagates."""
+        try:
+            return self._commit()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _commit(self) -> tuple[Path, Path]:
         self._bin.close()
         if self._mask is not None:
             self._mask.close()
@@ -285,10 +303,22 @@ class IndexedWriter:
         return bin_path, idx_path
 
     def abort(self) -> None:
-        """Remove the temporary files; nothing is left at PREFIX.bin/.idx by this writer."""
-        self._bin.close()
+        """Remove the temporary files and the directories made for them; nothing is left at
+        PREFIX.bin/.idx by this writer."""
+        # Closing flushes what is buffered, which fails again on a full disk: the files go anyway.
+        with contextlib.suppress(OSError):
+            self._bin.close()
         if self._mask is not None:
-            self._mask.close()
+            with contextlib.suppress(OSError):
+                self._mask.close()
+        self._remove_temporaries()
+
+    def _remove_temporaries(self) -> None:
         for tmp in self._tmp.values():
             tmp.unlink(missing_ok=True)
         self._tmp = {}
+        for directory in reversed(self._made_dirs):
+            # Only while still empty: another writer may have put its output there meanwhile.
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        self._made_dirs = []

@@ -91,6 +91,50 @@ def _records(path: Path) -> Iterator[_Record]:
         raise PrepareError(
             f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start} of a read block)"
         ) from None
+    except OSError as exc:
+        raise PrepareError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+
+
+def parse_json_line(raw: str, source: str) -> object:
+    """One JSON line, parsed; a PrepareError naming `source` when it is not JSON or nests
+    deeper than the parser's recursion allows (such a line is no document anyone meant)."""
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise PrepareError(f"{source}: not a JSON object ({exc})") from None
+    except RecursionError:
+        raise PrepareError(
+            f"{source}: JSON nested too deep to read (a document is a flat object)"
+        ) from None
+
+
+def check_unicode(text: str, source: str) -> None:
+    """A PrepareError naming `source` when `text` holds a lone surrogate (a JSON escape such as
+    \\ud800 with no pair): it is not Unicode, and the tokenizers' native code cannot take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PrepareError(
+            f"{source}: the text holds a lone surrogate U+{ord(text[exc.start]):04X} at "
+            f"character {exc.start}, which is not Unicode and cannot be tokenized"
+        ) from None
+
+
+@contextlib.contextmanager
+def output_errors(output: str | Path) -> Iterator[None]:
+    """An OSError inside the block (a directory that cannot be made, a read-only or full file
+    system, a file or directory in the way) becomes a PrepareError naming the output."""
+    try:
+        yield
+    except OSError as exc:
+        target = exc.filename2 or exc.filename  # os.replace names the destination second
+        where = f" ({target})" if target else ""
+        reason = (
+            "a file stands where a directory is needed"
+            if isinstance(exc, (FileExistsError, NotADirectoryError))
+            else exc.strerror or str(exc)
+        )
+        raise PrepareError(f"-o {output}: cannot write the output{where}: {reason}") from None
 
 
 _worker_tokenizer: Tokenizer | None = None
@@ -135,6 +179,7 @@ def _encode_batch(batch: list[_Record]) -> list[npt.NDArray[np.int64] | None]:
         if not text:
             out.append(None)
             continue
+        check_unicode(text, record.source)
         ids = tokenizer.encode(text)
         ids.append(tokenizer.eod_id)
         out.append(np.asarray(ids, dtype=np.int64))
@@ -144,10 +189,7 @@ def _encode_batch(batch: list[_Record]) -> list[npt.NDArray[np.int64] | None]:
 def _text_of(record: _Record, field: str) -> str:
     if not record.is_json:
         return record.raw
-    try:
-        data = json.loads(record.raw)
-    except ValueError as exc:
-        raise PrepareError(f"{record.source}: not a JSON object ({exc})") from None
+    data = parse_json_line(record.raw, record.source)
     if not isinstance(data, dict) or field not in data:
         keys = ", ".join(sorted(data)) if isinstance(data, dict) else type(data).__name__
         raise PrepareError(
@@ -213,7 +255,12 @@ def prepare(
     init_args = (str(tokenizer_path), eod_token, json_field)
     documents = tokens = empty = read = 0
     pool = None
-    with IndexedWriter(output, token_dtype(tokenizer.vocab_size)) as writer:
+    # Inputs' OSErrors are PrepareErrors naming the input by now (_records): any left is the
+    # output's.
+    with (
+        output_errors(output),
+        IndexedWriter(output, token_dtype(tokenizer.vocab_size)) as writer,
+    ):
         if workers > 1:
             # spawn: the parent may hold threads (rich's live display, tokenizers' pool) that
             # a fork would copy in an unknown state.

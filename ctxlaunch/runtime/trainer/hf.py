@@ -319,6 +319,7 @@ def write_hf(
     in a temporary directory beside `out` and renamed into place, so `out` is never half
     written. `progress` is advanced by each shard's tensors as the shard is written. Returns
     the files written."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -332,7 +333,12 @@ def write_hf(
         total = 0
         for number, shard in enumerate(shards, 1):
             file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(tmp / file), metadata={"format": "pt"})
+            try:
+                save_file(shard, str(tmp / file), metadata={"format": "pt"})
+            except SafetensorError as exc:
+                # safetensors reports a failed write (a full disk) in its own error type: it is
+                # the output's fault, not the checkpoint's.
+                raise OSError(f"{out}: writing {file} failed ({exc})") from None
             for name, tensor in shard.items():
                 weight_map[name] = file
                 total += tensor.numel() * tensor.element_size()
