@@ -138,6 +138,10 @@ class KubernetesSpec(_Strict):
     None: the image's own USER, which must then be a numeric id other than 0. Either way the
     pods run with runAsNonRoot, no privilege escalation, every capability dropped (IPC_LOCK
     kept for RDMA) and the runtime's default seccomp profile."""
+    run_as_non_root: bool = True
+    """Refuse to start a pod whose user is root (securityContext runAsNonRoot). False only for
+    an image that cannot run as another user (its root directory or interpreter unreadable to
+    others), with run_as_user None: the pods then run as the image's user."""
     node_selector: dict[str, str] = {}
     tolerations: list[Toleration] = []
     image_pull_secrets: list[str] = []

@@ -486,9 +486,13 @@ def kubernetes_request(
 
 
 def pod_security_context(k: KubernetesSpec) -> dict[str, Any]:
-    """A pod's securityContext: never root, the runtime's default seccomp profile, and with
+    """A pod's securityContext: never root (unless run_as_non_root is off), the runtime's
+    default seccomp profile, and with
     run_as_user that user and group, which also owns what mounted volumes it writes."""
-    context: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    context: dict[str, Any] = {
+        "runAsNonRoot": k.run_as_non_root,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     if k.run_as_user is not None:
         context.update(runAsUser=k.run_as_user, runAsGroup=k.run_as_user, fsGroup=k.run_as_user)
     return context

@@ -48,11 +48,18 @@ def tiny_job(
     return spec
 
 
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+"""What torchrun (or a rank set up in-process) sets, which would make a lone rank think it is one
+of many."""
+
+
 def train(spec: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     """One rank of the trainer on `spec` (what torchrun starts), to the end."""
     sets = [arg for item in overrides for arg in ("--set", item)]
-    # A port of its own: the default 29500 may be another test's rendezvous at the moment.
-    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    # One rank, whatever an in-process test of this worker left in the environment; and a port
+    # of its own: the default 29500 may be another test's rendezvous at the moment.
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env["MASTER_PORT"] = str(free_port())
     return run_ctxlaunch("train", str(spec), *sets, "--run-dir", str(run_dir), env=env)
 
 

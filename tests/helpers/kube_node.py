@@ -115,6 +115,13 @@ def ctx(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedPro
     )
 
 
+# This node's containerd leaves a stand-in image's / at 0700 whatever its layers say, so no
+# user but root can start the interpreter in it: the pods run as the image's user (root), the
+# rest of the securityContext (no privilege escalation, capabilities dropped, seccomp) as
+# rendered.
+AS_IMAGE_USER = ("cluster.kubernetes.run_as_user=null", "cluster.kubernetes.run_as_non_root=false")
+
+
 def submit_args(image: str, namespace: str, name: str, *sets: str) -> list[str]:
     """`ctxlaunch submit`'s arguments for the demo job on the node, with `sets` (PATH=VALUE)."""
     args = [str(REPO / "jobs" / "demo.yaml")]
@@ -124,6 +131,7 @@ def submit_args(image: str, namespace: str, name: str, *sets: str) -> list[str]:
         f"cluster.kubernetes.namespace={namespace}",
         f"name={name}",
         f"cluster.kubernetes.tolerations={TOLERATION}",
+        *AS_IMAGE_USER,
         *sets,
     ):
         args += ["--set", item]
