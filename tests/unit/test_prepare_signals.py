@@ -27,6 +27,28 @@ def big_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def _command(corpus: Path, out: Path, *, workers: int) -> list[str]:
+    from importlib.metadata import distribution
+
+    # Mistral 7B's SentencePiece model, shipped in mistral-common (scripts/setup installs it).
+    member = "mistral_common/data/tokenizer.model.v1"
+    tokenizer = Path(str(distribution("mistral_common").locate_file(member)))
+    return [
+        sys.executable,
+        "-c",
+        "from ctxlaunch.cli import main; main()",
+        "data",
+        "prepare",
+        str(corpus),
+        "--tokenizer",
+        str(tokenizer),
+        "--workers",
+        str(workers),
+        "-o",
+        str(out / "corpus"),
+    ]
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     ("signum", "whole_group", "workers"),
@@ -40,29 +62,10 @@ def big_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_signal_leaves_nothing_behind(
     big_corpus: Path, tmp_path: Path, signum: int, whole_group: bool, workers: int
 ) -> None:
-    from importlib.metadata import distribution
-
-    # Mistral 7B's SentencePiece model, shipped in mistral-common (scripts/setup installs it).
-    member = "mistral_common/data/tokenizer.model.v1"
-    tokenizer = Path(str(distribution("mistral_common").locate_file(member)))
     out = tmp_path / "out"
     out.mkdir()
-    command = [
-        sys.executable,
-        "-c",
-        "from ctxlaunch.cli import main; main()",
-        "data",
-        "prepare",
-        str(big_corpus),
-        "--tokenizer",
-        str(tokenizer),
-        "--workers",
-        str(workers),
-        "-o",
-        str(out / "corpus"),
-    ]
     process = subprocess.Popen(
-        command,
+        _command(big_corpus, out, workers=workers),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -81,5 +84,60 @@ def test_a_signal_leaves_nothing_behind(
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 1, stderr
     assert "interrupted; nothing was written" in stderr
+    assert "Traceback" not in stderr, stderr
+    assert list(out.iterdir()) == []
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The tokenizer workers among a process's children (not multiprocessing's resource
+    tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    found = []
+    for child in children:
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in command:
+            found.append(int(child))
+    return found
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_worker_ends_the_run_with_its_name_and_nothing_behind(
+    big_corpus: Path, tmp_path: Path
+) -> None:
+    """A worker killed on its own (the kernel's OOM killer, an operator's kill -9) while the
+    others go on: the run stops within a bounded time, says which process ended and how, exits
+    2 and leaves nothing. (A multiprocessing.Pool would start a replacement and wait for the
+    lost batch forever; a worker killed while waiting for a task would hold the Pool's queue
+    lock and hang its terminate.)"""
+    out = tmp_path / "out"
+    out.mkdir()
+    process = subprocess.Popen(
+        _command(big_corpus, out, workers=2),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    workers: list[int] = []
+    while process.poll() is None and time.monotonic() < deadline:
+        workers = _workers_of(process.pid)
+        if len(workers) == 2 and any(out.iterdir()):
+            break
+        time.sleep(0.05)
+    assert process.poll() is None, "prepare ended before a worker could be killed"
+    assert len(workers) == 2, workers
+    os.kill(workers[0], signal.SIGKILL)
+    try:
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 2, stderr
+    assert f"a tokenizer worker (process {workers[0]}) ended with exit code -9" in stderr, stderr
     assert "Traceback" not in stderr, stderr
     assert list(out.iterdir()) == []

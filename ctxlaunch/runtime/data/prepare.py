@@ -14,6 +14,7 @@ on the number of workers. Any bad input stops the run and removes what was writt
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import multiprocessing
@@ -22,7 +23,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -142,18 +145,134 @@ _worker_field = "text"
 
 
 def _start_worker(tokenizer_path: str, eod_token: str | None, json_field: str) -> None:
-    """Pool initializer: each worker loads the tokenizer once."""
+    """Load the tokenizer once per process (a worker, or the parent when it encodes alone)."""
     global _worker_tokenizer, _worker_field
     _worker_tokenizer = load_tokenizer(tokenizer_path, eod_token)
     _worker_field = json_field
 
 
-def _start_pool_worker(tokenizer_path: str, eod_token: str | None, json_field: str) -> None:
-    """Pool initializer of a worker process: `_start_worker`, and Ctrl-C left to the parent
-    (it reaches the whole process group), which ends the workers with SIGTERM, whose default
-    action ends them quietly: no traceback per worker."""
+def _work(conn: Connection, init_args: tuple[str, str | None, str]) -> None:
+    """A worker process: load the tokenizer, then encode each batch the parent sends until
+    it sends None or goes away. Ctrl-C is left to the parent (it reaches the whole process
+    group), which ends the workers with SIGTERM, whose default action ends them quietly: no
+    traceback per worker. An error is sent back for the parent to raise."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _start_worker(tokenizer_path, eod_token, json_field)
+    failure: Exception | None = None
+    try:
+        _start_worker(*init_args)
+    except Exception as error:  # sent to the parent, which names it
+        failure = error
+    while True:
+        try:
+            batch = conn.recv()
+        except EOFError:
+            return
+        if batch is None:
+            return
+        result: tuple[str, object]
+        if failure is not None:
+            result = ("error", failure)
+        else:
+            try:
+                result = ("ok", _encode_batch(batch))
+            except Exception as error:  # sent to the parent, which names it
+                result = ("error", error)
+        try:
+            conn.send(result)
+        except OSError:  # the parent has gone (interrupted): nobody to answer
+            return
+
+
+class _Workers:
+    """Tokenizer processes, each fed one batch at a time over a pipe of its own; results come
+    back in the order the batches were read.
+
+    Pipes rather than multiprocessing.Pool: a worker killed by a signal while it waits for a
+    task holds the Pool's shared queue lock, and Pool.terminate then waits for that lock
+    forever. Here nothing is shared between workers: a dead worker is an end of file on its
+    own pipe, and ending the workers is a signal and a bounded join."""
+
+    def __init__(self, count: int, init_args: tuple[str, str | None, str]) -> None:
+        # spawn: the parent may hold threads (rich's live display, tokenizers' pool) that a
+        # fork would copy in an unknown state.
+        context = multiprocessing.get_context("spawn")
+        self._pipes: list[Connection] = []
+        self._processes: list[multiprocessing.process.BaseProcess] = []
+        # Started with SIGINT ignored, which a spawned interpreter keeps from its first
+        # instruction: a Ctrl-C while a worker is still importing prints no traceback.
+        with _sigint_ignored():
+            for _ in range(count):
+                ours, theirs = context.Pipe()
+                process = context.Process(target=_work, args=(theirs, init_args), daemon=True)
+                process.start()
+                theirs.close()
+                self._pipes.append(ours)
+                self._processes.append(process)
+
+    def map(self, batches: Iterator[list[_Record]]) -> Iterator[list[npt.NDArray[np.int64] | None]]:
+        """Encoded batches in input order. Batch k goes to worker k mod count, and a worker
+        is sent its next batch only once its result is read, so neither side ever blocks
+        writing to a pipe the other is not reading."""
+        count = len(self._pipes)
+        in_flight: collections.deque[int] = collections.deque()
+        for worker in range(count):
+            batch = next(batches, None)
+            if batch is None:
+                break
+            self._send(worker, batch)
+            in_flight.append(worker)
+        while in_flight:
+            worker = in_flight.popleft()
+            yield self._receive(worker)
+            batch = next(batches, None)
+            if batch is not None:
+                self._send(worker, batch)
+                in_flight.append(worker)
+
+    def _send(self, worker: int, batch: list[_Record]) -> None:
+        try:
+            self._pipes[worker].send(batch)
+        except (BrokenPipeError, ConnectionResetError):
+            self._ended(worker)
+
+    def _receive(self, worker: int) -> list[npt.NDArray[np.int64] | None]:
+        try:
+            kind, value = self._pipes[worker].recv()
+        except (EOFError, ConnectionResetError):
+            self._ended(worker)
+        if kind == "error":
+            raise value
+        return value
+
+    def _ended(self, worker: int) -> NoReturn:
+        """A worker's pipe closed under us: the signal that reached the whole group is an
+        interrupt; anything else (the OOM killer, kill -9) is named."""
+        process = self._processes[worker]
+        process.join(timeout=5)
+        code = process.exitcode
+        if code is not None and -code in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            raise KeyboardInterrupt from None
+        raise PrepareError(
+            f"a tokenizer worker (process {process.pid}) ended with exit code {code}"
+        ) from None
+
+    def close(self, *, finished: bool) -> None:
+        """End every worker. Finished: a stop message to each, and a bounded wait. Otherwise
+        (an error or an interrupt) no wait for the batches in hand. Then SIGTERM to any still
+        running, then SIGKILL."""
+        for pipe in self._pipes:
+            if finished:
+                with contextlib.suppress(OSError):
+                    pipe.send(None)
+            pipe.close()
+        for process in self._processes:
+            process.join(timeout=5 if finished else 0)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
 
 
 @contextlib.contextmanager
@@ -254,23 +373,16 @@ def prepare(
         )
     init_args = (str(tokenizer_path), eod_token, json_field)
     documents = tokens = empty = read = 0
-    pool = None
+    pool: _Workers | None = None
     # Inputs' OSErrors are PrepareErrors naming the input by now (_records): any left is the
     # output's.
     with (
         output_errors(output),
         IndexedWriter(output, token_dtype(tokenizer.vocab_size)) as writer,
     ):
-        if workers > 1:
-            # spawn: the parent may hold threads (rich's live display, tokenizers' pool) that
-            # a fork would copy in an unknown state.
-            # Started with SIGINT ignored, which a spawned interpreter keeps from its first
-            # instruction: a Ctrl-C while a worker is still importing prints no traceback.
-            with _sigint_ignored():
-                pool = multiprocessing.get_context("spawn").Pool(
-                    workers, initializer=_start_pool_worker, initargs=init_args
-                )
         try:
+            if workers > 1:
+                pool = _Workers(workers, init_args)
             batches = _batches(paths)
             sizes: list[int] = []
 
@@ -281,7 +393,7 @@ def prepare(
 
             encoded: Iterator[list[npt.NDArray[np.int64] | None]]
             if pool is not None:
-                encoded = pool.imap(_encode_batch, texts())
+                encoded = pool.map(texts())
             else:
                 _start_worker(*init_args)
                 encoded = map(_encode_batch, texts())
@@ -298,10 +410,12 @@ def prepare(
                     on_progress(read)
             if documents == 0:
                 raise PrepareError(f"{', '.join(map(str, paths))}: no document has any text")
-        finally:
+        except BaseException:
             if pool is not None:
-                pool.terminate()
-                pool.join()
+                pool.close(finished=False)
+            raise
+        if pool is not None:
+            pool.close(finished=True)
     bin_path, idx_path = indexed_files(output)
     return PrepareResult(
         bin_path,
