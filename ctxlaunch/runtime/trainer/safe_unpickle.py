@@ -46,6 +46,11 @@ class CheckpointDamaged(ValueError):
     """A checkpoint cannot be read as written: a file is missing, cut short or changed."""
 
 
+class CheckpointOfAnotherModel(CheckpointDamaged):
+    """A checkpoint that is intact but holds another model's tensors (a name missing, a shape
+    that differs): bad input, not damage."""
+
+
 METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     {
         ("torch.distributed.checkpoint.metadata", "Metadata"),
