@@ -224,6 +224,29 @@ def _sentencepiece(path: Path, eod_token: str | None) -> Tokenizer:
     return Tokenizer(path, "sentencepiece", model.get_piece_size(), eod, encode)
 
 
+MAX_TIKTOKEN_RANK = (1 << 31) - 1 - LLAMA3_SPECIAL_COUNT
+"""The largest rank a tiktoken file may give: every id, the special ones after the ranks
+included, must fit the int32 the indexed dataset stores large vocabularies in."""
+
+
+def _check_ranks(path: Path, ranks: dict[bytes, int]) -> None:
+    """A TokenizerError naming `path` unless its ranks are a vocabulary: some tokens, each rank
+    a distinct id from 0 up to MAX_TIKTOKEN_RANK."""
+    if not ranks:
+        raise TokenizerError(
+            f"tokenizer {path}: holds no tokens (empty, or not a tokenizer.json, a SentencePiece "
+            "model or a tiktoken BPE file)"
+        )
+    values = list(ranks.values())
+    if min(values) < 0 or max(values) > MAX_TIKTOKEN_RANK:
+        raise TokenizerError(
+            f"tokenizer {path}: a rank outside 0 .. {MAX_TIKTOKEN_RANK:,} "
+            f"({min(values) if min(values) < 0 else max(values):,})"
+        )
+    if len(set(values)) != len(values):
+        raise TokenizerError(f"tokenizer {path}: two tokens share a rank; each needs its own")
+
+
 def _tiktoken(path: Path, eod_token: str | None) -> Tokenizer:
     tiktoken = _library("tiktoken", path)
     try:
@@ -233,6 +256,7 @@ def _tiktoken(path: Path, eod_token: str | None) -> Tokenizer:
             f"tokenizer {path}: not a tiktoken BPE file (base64 token, rank "
             f"per line), a tokenizer.json or a SentencePiece model ({exc})"
         ) from None
+    _check_ranks(path, ranks)
     base = len(ranks)
     specials = ["<|begin_of_text|>", "<|end_of_text|>"] + [
         f"<|reserved_special_token_{i}|>" for i in range(LLAMA3_SPECIAL_COUNT - 2)
@@ -243,9 +267,18 @@ def _tiktoken(path: Path, eod_token: str | None) -> Tokenizer:
         raise TokenizerError(
             f"tokenizer {path}: no end-of-document token {name!r} among the Llama 3 special tokens"
         )
-    encoding = tiktoken.Encoding(
-        name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special_ids
-    )
+    try:
+        encoding = tiktoken.Encoding(
+            name=path.name,
+            pat_str=LLAMA3_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens=special_ids,
+        )
+    except (ValueError, OverflowError) as exc:  # tiktoken's native checks, in its own words
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TokenizerError(
+            f"tokenizer {path}: not a usable tiktoken BPE file ({reason})"
+        ) from None
 
     def encode(text: str) -> list[int]:
         # Text that looks like a special token is encoded as text: a document cannot end
