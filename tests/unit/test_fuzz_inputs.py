@@ -1,8 +1,8 @@
 """Seeded mutations of what a user hands the commands: every example spec (to `validate` and
 `render`), a Hugging Face config.json under `model.init_from` (to `validate`), JSON lines (to
-`data prepare`) and every kind of tokenizer file `data prepare` reads. Each outcome must be exit 0 or 2 with no traceback, no code run from the input,
-and nothing half-written. The seeds are fixed, so a failure reproduces; the counts are bounded
-so the whole file runs in seconds."""
+`data prepare`) and every kind of tokenizer file `data prepare` reads. Each outcome must be
+exit 0 or 2 with no traceback, no code run from the input, and nothing half-written. The seeds
+are fixed, so a failure reproduces; the counts are bounded so the whole file runs in seconds."""
 
 from __future__ import annotations
 
