@@ -1,11 +1,14 @@
-"""A checkpoint of another model (a shape that differs) given to `ctxlaunch eval` or found on
-resume: exit 2 and one sentence naming the checkpoint, the tensor and both shapes, before any
-weight is copied, never torch's traceback. The checkpoint is the real trainer's, of a tiny
-Llama; the other model is the same spec with a wider FFN."""
+"""A checkpoint that cannot be read as this model's: another model's (a shape that differs), given
+to `ctxlaunch eval` or found on resume, and a data file cut short or missing, given to `export`
+or `eval`. Each is exit 2 and one sentence naming the checkpoint's file (and, for another model,
+the tensor and both shapes) before any weight is copied, never torch's traceback. The
+checkpoints are the real trainer's, of a tiny Llama; the other model is the same spec with a
+wider FFN."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -54,9 +57,7 @@ def test_eval_of_another_models_checkpoint_exits_2_naming_tensor_and_shapes(
 ) -> None:
     step = trained / "checkpoints" / "step-00000001"
     spec = other_model_spec(trained, "eval-other.yaml")
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    env["MASTER_PORT"] = str(free_port())
-    result = run_ctxlaunch("eval", str(spec), "--checkpoint", str(step), env=env)
+    result = run_ctxlaunch("eval", str(spec), "--checkpoint", str(step), env=rank_env())
     assert result.returncode == 2, result.stderr
     text = " ".join(result.stderr.split())
     assert "Traceback" not in result.stderr
@@ -73,3 +74,37 @@ def test_resume_from_another_models_checkpoint_exits_2_and_keeps_it(trained: Pat
     assert "Traceback" not in result.stderr
     assert f"error: checkpoint {step} {WORDS}" in " ".join(result.stderr.split())
     assert sorted(p.name for p in step.iterdir()) == before  # nothing removed or skipped
+
+
+def rank_env() -> dict[str, str]:
+    """The environment of a command that starts ranks: no launcher variables, a free port."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env["MASTER_PORT"] = str(free_port())
+    return env
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("damage", ["cut short", "missing"])
+def test_a_damaged_data_file_is_named_by_export_and_eval(
+    damage: str, trained: Path, tmp_path: Path
+) -> None:
+    step = tmp_path / "step-00000001"
+    shutil.copytree(trained / "checkpoints" / "step-00000001", step)
+    data_file = next(step.glob("*.distcp"))
+    if damage == "cut short":
+        data_file.write_bytes(data_file.read_bytes()[:100])
+        words = f"{data_file} is cut short: 100 bytes, but the checkpoint's metadata places data"
+    else:
+        data_file.unlink()
+        words = f"{data_file} is missing (the checkpoint's metadata places data in it)"
+    exported = run_ctxlaunch("export", str(step), "--hf", str(tmp_path / "new" / "hf"))
+    assert exported.returncode == 2, exported.stderr
+    assert "Traceback" not in exported.stderr and words in " ".join(exported.stderr.split())
+    assert not (tmp_path / "new").exists()
+    if damage == "cut short":  # eval reads it as export does: once is enough to run ranks for
+        evaluated = run_ctxlaunch(
+            "eval", str(trained / "job.yaml"), "--checkpoint", str(step), env=rank_env()
+        )
+        assert evaluated.returncode == 2, evaluated.stderr
+        text = " ".join(evaluated.stderr.split())
+        assert "Traceback" not in evaluated.stderr and f"evaluation refused: {words}" in text
