@@ -102,13 +102,6 @@ class Tokenizer:
             piece = piece[1:]
         return self.encode(piece)
 
-    def encode_document(self, text: str) -> list[int]:
-        """The ids of a whole document, encoded a piece (PIECE_CHARS) at a time."""
-        ids: list[int] = []
-        for number, piece in enumerate(text_pieces(text)):
-            ids.extend(self.encode(piece) if number == 0 else self.encode_continuation(piece))
-        return ids
-
 
 def _drops_space(encode: Callable[[str], list[int]]) -> bool:
     """Whether `encode` adds its own word boundary at the start of a call (see _PROBE)."""
