@@ -71,3 +71,21 @@ def test_the_command_line_exits_2_without_a_traceback(tmp_path: Path) -> None:
         cwd=ROOT,
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("model.preset={}", "unknown model preset {}"),
+        ("model.preset=[1]", "unknown model preset [1]"),
+        ("model={}", "model"),
+        ("name=" + "[" * 500 + "]" * 500, "nested"),
+    ],
+)
+def test_a_hostile_set_is_one_sentence(override: str, words: str) -> None:
+    """`--set` values that are not what the field holds (a mapping or list for a preset's name,
+    a whole section emptied, a list nested 500 deep): a SpecError naming the field, never a
+    TypeError or a RecursionError."""
+    with pytest.raises(SpecError) as caught:
+        load_spec(JOBS / "demo.yaml", [override])
+    assert words in str(caught.value), str(caught.value)
