@@ -108,3 +108,19 @@ def test_a_damaged_data_file_is_named_by_export_and_eval(
         assert evaluated.returncode == 2, evaluated.stderr
         text = " ".join(evaluated.stderr.split())
         assert "Traceback" not in evaluated.stderr and f"evaluation refused: {words}" in text
+
+
+@pytest.mark.timeout(240)
+def test_resume_from_another_models_deepspeed_checkpoint_exits_2(tmp_path: Path) -> None:
+    """DeepSpeed (ZeRO-1) reads its own checkpoint: its size-mismatch error becomes the same
+    one sentence naming the checkpoint and the tensor, exit 2."""
+    first = train(tiny_job(tmp_path, steps=1, zero_stage=1), tmp_path / "run")
+    assert first.returncode == 0, first.stderr
+    spec = other_model_spec(tmp_path, "resume-other.yaml")
+    result = train(spec, tmp_path / "run-other", "training.steps=2")
+    assert result.returncode == 2, result.stderr
+    text = " ".join(result.stderr.split())
+    assert "Traceback" not in result.stderr
+    step = tmp_path / "checkpoints" / "step-00000001"
+    assert f"error: {step} does not hold this model's weights" in text, text
+    assert "blocks.1.ffn.w_down.weight" in text and "it was saved by a different model" in text

@@ -259,7 +259,7 @@ def load_failure(exc: BaseException, step: Path) -> CheckpointDamaged:
     if isinstance(cause, EOFError):
         detail = "a file ends early (EOFError)"
     if "size mismatch" in detail or "mismatch sizes" in detail or "shape" in detail:
-        return CheckpointDamaged(
+        return CheckpointOfAnotherModel(
             f"{step} does not hold this model's weights ({detail}): it was saved by a "
             "different model or layout"
         )
