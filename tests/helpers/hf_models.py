@@ -140,20 +140,10 @@ def spec_data(init_from: Path, world: int = 1, **changes: Any) -> dict:
 def build_trainer(rank: int, world: int, data: dict):  # type: ignore[no-untyped-def]
     """The trainer of spec `data` on this rank (inside `run_distributed`, or rank 0 of 1)."""
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     spec = validate_spec(data)
-    p = spec.parallel
-    ctx = build_context(
-        rank=rank,
-        world_size=world,
-        dp=spec.dp,
-        cp=p.cp,
-        ulysses=spec.ulysses_degree,
-        cp_sharding=p.cp_sharding,
-        tp=p.tp,
-        pp=p.pp,
-    )
+    ctx = spec_context(spec, rank=rank, world_size=world)
     return Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
 
 

@@ -35,20 +35,10 @@ def spec_for(world: int, **changes):
 def train_steps(rank: int, world: int, spec_data: dict, steps: int) -> dict:
     """Run `steps` training steps of the spec on this rank (inside `run_distributed`)."""
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     spec = validate_spec(spec_data)
-    p = spec.parallel
-    ctx = build_context(
-        rank=rank,
-        world_size=world,
-        dp=spec.dp,
-        cp=p.cp,
-        ulysses=spec.ulysses_degree,
-        cp_sharding=p.cp_sharding,
-        tp=p.tp,
-        pp=p.pp,
-    )
+    ctx = spec_context(spec, rank=rank, world_size=world)
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     grads: list[dict[str, torch.Tensor]] = []
     metrics = [

@@ -104,17 +104,10 @@ def base_spec(**changes) -> dict:
 
 def _train_and_save(rank: int, world: int, spec_data: dict) -> None:
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     spec = validate_spec(spec_data)
-    ctx = build_context(
-        rank=rank,
-        world_size=world,
-        dp=spec.dp,
-        cp=spec.parallel.cp,
-        ulysses=spec.ulysses_degree,
-        cp_sharding=spec.parallel.cp_sharding,
-    )
+    ctx = spec_context(spec, rank=rank, world_size=world)
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     trainer.run()
 
@@ -134,19 +127,10 @@ def _evaluate(rank: int, world: int, spec_data: dict, path: str | None = None) -
     from ctxlaunch.runtime.trainer.eval_weights import load_weights
     from ctxlaunch.runtime.trainer.evaluator import Evaluator
     from ctxlaunch.runtime.trainer.model import Transformer
-    from ctxlaunch.runtime.trainer.parallelize import ParallelSettings, build_context, parallelize
+    from ctxlaunch.runtime.trainer.parallelize import ParallelSettings, parallelize, spec_context
 
     spec = validate_spec(spec_data)
-    p = spec.parallel
-    ctx = build_context(
-        rank=rank,
-        world_size=world,
-        dp=spec.dp,
-        cp=p.cp,
-        ulysses=spec.ulysses_degree,
-        cp_sharding=p.cp_sharding,
-        tp=p.tp,
-    )
+    ctx = spec_context(spec, rank=rank, world_size=world)
     with torch.device("meta"):
         model = Transformer.from_spec(spec.model)
     parts = parallelize(
@@ -254,17 +238,10 @@ def test_every_layout_scores_what_one_process_scores(case, checkpoint, single) -
 
 def _train_with_eval(rank: int, world: int, spec_data: dict, run_dir: str) -> list[dict]:
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     spec = validate_spec(spec_data)
-    ctx = build_context(
-        rank=rank,
-        world_size=world,
-        dp=spec.dp,
-        cp=spec.parallel.cp,
-        ulysses=spec.ulysses_degree,
-        cp_sharding=spec.parallel.cp_sharding,
-    )
+    ctx = spec_context(spec, rank=rank, world_size=world)
     seen: list[dict] = []
     trainer = Trainer(
         spec, ctx, torch.device("cpu"), Path(run_dir) if rank == 0 else None, log=lambda _: None

@@ -231,17 +231,10 @@ def _evaluate(rank: int, world: int, spec_data: dict) -> dict:
     """This rank's evaluation of the imported weights at the spec's layout."""
     from ctxlaunch.runtime.trainer.evaluator import Evaluator
     from ctxlaunch.runtime.trainer.model import Transformer
-    from ctxlaunch.runtime.trainer.parallelize import ParallelSettings, build_context, parallelize
+    from ctxlaunch.runtime.trainer.parallelize import ParallelSettings, parallelize, spec_context
 
     spec = validate_spec(spec_data)
-    ctx = build_context(
-        rank=rank,
-        world_size=world,
-        dp=spec.dp,
-        cp=spec.parallel.cp,
-        ulysses=spec.ulysses_degree,
-        cp_sharding=spec.parallel.cp_sharding,
-    )
+    ctx = spec_context(spec, rank=rank, world_size=world)
     with torch.device("meta"):
         model = Transformer.from_spec(spec.model)
     parts = parallelize(
