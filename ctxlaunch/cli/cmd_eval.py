@@ -90,12 +90,11 @@ def evaluate(
         if process.returncode or not result_path.is_file():
             errors = _rank_errors(Path(scratch) / "logs") or process.stderr.strip().splitlines()
             detail = "\n".join(errors[-12:])
-            code = (
-                exitcodes.BAD_INPUT
-                if "error:" in detail and "Traceback" not in detail
-                else exitcodes.FAILED
-            )
-            fail(f"evaluation failed (exit {process.returncode}):\n{detail}", code)
+            if "error:" in detail and "Traceback" not in detail:
+                # Bad input every rank found alike (a checkpoint of another model): said once.
+                said = [line.split("error:", 1)[1].strip() for line in errors if "error:" in line]
+                fail("evaluation refused: " + "\n".join(dict.fromkeys(said)), exitcodes.BAD_INPUT)
+            fail(f"evaluation failed (exit {process.returncode}):\n{detail}", exitcodes.FAILED)
         result = json.loads(result_path.read_text())
     if as_json:
         out.print(json.dumps(result, indent=2), markup=False)

@@ -54,7 +54,8 @@ def export(
     """Write CHECKPOINT (any layout: torch.distributed.checkpoint or DeepSpeed) as a Hugging
     Face LlamaForCausalLM directory: config.json with the RoPE it was trained with, safetensors
     shards and their index, the init_from checkpoint's tokenizer files. Written to a temporary
-    directory and renamed into place; on an error nothing is left at --hf."""
+    directory and renamed into place; on an error nothing is left at --hf, nor any directory made
+    for it."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from ctxlaunch.runtime.trainer.hf import HFCheckpointError

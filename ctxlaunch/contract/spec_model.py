@@ -11,6 +11,7 @@ from pydantic_core import PydanticCustomError
 
 from ctxlaunch.contract.families import FAMILIES, FamilyName
 from ctxlaunch.contract.hfconfig import CONFIG_FILE, HFConfigError, hub_id_error, model_fields
+from ctxlaunch.contract.hfweights import HFWeightsError, ModelShape, check_weights, has_weights
 from ctxlaunch.contract.presets import MODEL_PRESETS
 from ctxlaunch.contract.spec_base import PositiveInt, _problem, _Strict
 
@@ -266,6 +267,34 @@ class ModelSpec(_Strict):
             )
         if problems:
             raise ValidationError.from_exception_data(type(self).__name__, problems)
+        return self
+
+    @model_validator(mode="after")
+    def _check_weights(self) -> ModelSpec:
+        # Before any rank starts: the weights' headers against the shape (config.json's, or the
+        # spec's where they agree). A directory not here, or holding config.json alone, is left
+        # to the trainer, which refuses it by name where it runs.
+        if self.init_from is None or not has_weights(self.init_from):
+            return self
+        shape = ModelShape(
+            self.layers,
+            self.hidden,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.ffn_hidden,
+            self.vocab,
+            self.tie_embeddings,
+            self.qkv_bias,
+            self.qk_norm,
+        )
+        try:
+            check_weights(self.init_from, shape)
+        except HFWeightsError as exc:
+            raise ValidationError.from_exception_data(
+                type(self).__name__,
+                [_problem(("init_from",), self.init_from, str(exc))],
+            ) from None
         return self
 
     @property

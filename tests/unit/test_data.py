@@ -436,6 +436,99 @@ def test_prepare_hostile_text_exits_2_naming_the_line(
     assert sorted(os.listdir(tmp_path)) == ["docs.jsonl"]
 
 
+@pytest.mark.parametrize("kind", ["sentencepiece", "huggingface", "tiktoken"])
+def test_a_long_document_is_tokenized_in_pieces_to_the_same_ids(
+    kind: str,
+    sentencepiece_model: Path,
+    tokenizer_json: Path,
+    tiktoken_bpe: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A document longer than the piece bound (lowered here to 1,000 characters, so the corpus
+    is some twenty pieces) is tokenized a piece at a time, as a text file read a piece at a time
+    and as one JSON line: its ids are exactly the whole text's, for every tokenizer kind
+    (SentencePiece's dummy prefix included), with one end-of-document id, with one worker or
+    two (the workers are spawned: they read the bound from the module, so they get the full
+    one and tokenize each JSON line whole, which must agree)."""
+    from ctxlaunch.runtime.data import prepare as prepare_module
+    from ctxlaunch.runtime.data import tokenizers as tokenizers_module
+
+    monkeypatch.setattr(prepare_module, "PIECE_CHARS", 1000)
+    monkeypatch.setattr(tokenizers_module, "PIECE_CHARS", 1000)
+    monkeypatch.setattr(tokenizers_module, "CUT_WINDOW_CHARS", 300)
+    tokenizer_file = {
+        "sentencepiece": sentencepiece_model,
+        "huggingface": tokenizer_json,
+        "tiktoken": tiktoken_bpe,
+    }[kind]
+    tokenizer = load_tokenizer(tokenizer_file)
+    pieces = list(tokenizers_module.text_pieces(TEXT))
+    assert len(pieces) > 10 and "".join(pieces) == TEXT
+    assert all(piece.startswith(" ") for piece in pieces[1:])
+    (tmp_path / "book.txt").write_text(TEXT, encoding="utf-8")
+    (tmp_path / "book.jsonl").write_text(json.dumps({"text": TEXT}) + "\n", encoding="utf-8")
+    expected = tokenizer.encode(TEXT) + [tokenizer.eod_id]
+    for workers in (1, 2):
+        result = prepare(
+            [tmp_path / "book.txt", tmp_path / "book.jsonl"],
+            tokenizer_file,
+            tmp_path / f"out{workers}",
+            workers=workers,
+        )
+        assert (result.documents, result.tokens) == (2, 2 * len(expected))
+        data = IndexedDataset(result.bin_path)
+        assert [data.document(i).tolist() for i in range(len(data))] == [expected, expected]
+
+
+def test_prepare_memory_follows_the_piece_not_the_document(
+    tokenizer_json: Path, tmp_path: Path
+) -> None:
+    """One text file of 14 MB holding one document, through the Hugging Face tokenizer (whose
+    native code held about 140 times its input at once when given a whole document): the
+    command's peak resident memory (ru_maxrss of the finished child, read by a wrapper process
+    of its own so that no earlier child of the test process counts) grows over the same command
+    on a one-line input by less than 48 bytes per character of one piece, which is less than
+    the input itself. Tokenized whole, the ids alone (three and a half million Python ints) would take
+    more than eight times the input."""
+    import subprocess
+    import sys
+
+    from ctxlaunch.runtime.data.tokenizers import PIECE_CHARS
+
+    words = TEXT.split()
+    rng = np.random.default_rng(0)
+    big = tmp_path / "big.txt"
+    with open(big, "w", encoding="utf-8") as stream:
+        while stream.tell() < 14_000_000:
+            stream.write(" ".join(rng.choice(words, 20_000)) + "\n")
+    small = tmp_path / "small.txt"
+    small.write_text(TEXT[:2000], encoding="utf-8")
+    wrapper = (
+        "import resource, subprocess, sys; "
+        "code = subprocess.run(sys.argv[1:]).returncode; "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)"
+    )
+    command = [sys.executable, "-c", "from ctxlaunch.cli import main; main()", "data", "prepare"]
+
+    def peak_bytes(text_file: Path, output: str) -> int:
+        result = subprocess.run(
+            [sys.executable, "-c", wrapper, *command, str(text_file), "-t", str(tokenizer_json)]
+            + ["-o", str(tmp_path / output)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr
+        return int(result.stdout.split()[-1]) * 1024  # ru_maxrss is in KiB on Linux
+
+    bound = 48 * PIECE_CHARS
+    assert bound < big.stat().st_size
+    growth = peak_bytes(big, "big") - peak_bytes(small, "small")
+    assert growth < bound, (growth, bound)
+    assert IndexedDataset(tmp_path / "big").token_count > 2_000_000
+
+
 @pytest.mark.parametrize("case", ["under /proc", "a file in the way", "a directory in the way"])
 def test_prepare_output_that_cannot_be_written_exits_2(
     case: str, sentencepiece_model: Path, tmp_path: Path

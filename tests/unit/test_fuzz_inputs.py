@@ -1,8 +1,8 @@
 """Seeded mutations of what a user hands the commands: every example spec (to `validate` and
-`render`), a Hugging Face config.json under `model.init_from` (to `validate`) and JSON lines (to
-`data prepare`). Each outcome must be exit 0 or 2 with no traceback, no code run from the input,
-and nothing half-written. The seeds are fixed, so a failure reproduces; the counts are bounded
-so the whole file runs in seconds."""
+`render`), a Hugging Face config.json under `model.init_from` (to `validate`), JSON lines (to
+`data prepare`) and every kind of tokenizer file `data prepare` reads. Each outcome must be
+exit 0 or 2 with no traceback, no code run from the input, and nothing half-written. The seeds
+are fixed, so a failure reproduces; the counts are bounded so the whole file runs in seconds."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ SPEC_MUTATIONS = 24
 """Mutations of each example spec."""
 CONFIG_MUTATIONS = 60
 DATA_MUTATIONS = 60
+TOKENIZER_MUTATIONS = 40
+"""Mutations of each tokenizer kind's file."""
 
 HOSTILE_SCALARS = [
     "null",
@@ -227,3 +229,153 @@ def test_mutated_data_lines_prepare_or_exit_2_leaving_nothing(tmp_path: Path) ->
         else:
             assert not output.parent.exists()
     assert outcomes[0] > 0 and outcomes[2] > 0, outcomes
+
+
+def _mutate_bytes(data: bytes, rng: random.Random) -> bytes:
+    """A file cut short, a few bytes overwritten, random bytes inserted, or nothing left."""
+    operation = rng.randrange(4)
+    if operation == 0:
+        return data[: rng.randrange(len(data))]
+    if operation == 1:
+        out = bytearray(data)
+        for _ in range(rng.randint(1, 8)):
+            out[rng.randrange(len(out))] = rng.randrange(256)
+        return bytes(out)
+    if operation == 2:
+        cut = rng.randrange(len(data))
+        noise = bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
+        return data[:cut] + noise + data[cut:]
+    return b""
+
+
+HOSTILE_TOKENIZER_VALUES: list[Any] = [*HOSTILE_JSON_VALUES, 2**63, "(", {"Regex": "("}]
+"""What replaces a value inside a tokenizer.json: the JSON values above, an id past any
+integer type, and a regular expression that does not compile."""
+
+
+def _mutate_tokenizer_json(text: str, rng: random.Random) -> bytes:
+    """A tokenizer.json with a value somewhere inside it (up to four levels down: the model,
+    its vocabulary and merges, the pre-tokenizer, the added tokens) removed or replaced by a
+    hostile one, or its bytes mutated."""
+    operation = rng.randrange(3)
+    if operation == 0:
+        return _mutate_bytes(text.encode(), rng)
+    data = json.loads(text)
+    node: Any = data
+    path: list[tuple[Any, Any]] = []
+    for _ in range(rng.randint(1, 4)):
+        if isinstance(node, dict) and node:
+            key: Any = rng.choice(sorted(node))
+        elif isinstance(node, list) and node:
+            key = rng.randrange(len(node))
+        else:
+            break
+        path.append((node, key))
+        node = node[key]
+    parent, key = path[-1]
+    if operation == 1 and isinstance(parent, dict):
+        del parent[key]
+    else:
+        parent[key] = rng.choice(HOSTILE_TOKENIZER_VALUES)
+    return json.dumps(data).encode("utf-8", "surrogatepass")
+
+
+def _mutate_tiktoken(text: str, rng: random.Random) -> bytes:
+    """A tiktoken BPE file with a line that is not base64, a rank that is not one (text, a
+    negative, one past int32), a line repeated (a rank shared) or removed, or its bytes
+    mutated."""
+    lines = text.splitlines()
+    operation = rng.randrange(5)
+    where = rng.randrange(len(lines))
+    if operation == 0:
+        lines[where] = "not base64!! " + str(rng.randrange(10))
+    elif operation == 1:
+        token = lines[where].split()[0]
+        lines[where] = f"{token} {rng.choice(['x', '-5', str(2**40), '1e3', ''])}"
+    elif operation == 2:
+        lines.insert(where, lines[rng.randrange(len(lines))])
+    elif operation == 3:
+        del lines[where]
+    else:
+        return _mutate_bytes(text.encode(), rng)
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _tokenizer_sources(tmp_path: Path) -> dict[str, tuple[str, bytes, dict[str, bytes]]]:
+    """Per tokenizer kind: the file name it is written as, its genuine bytes, and the files
+    beside it. SentencePiece: Mistral's model; a Hugging Face tokenizer.json: a byte-level BPE
+    trained here (with its tokenizer_config.json naming the end-of-document token); tiktoken:
+    the first 3,000 ranks of Llama 3's file (its byte tokens and the first merges: a small
+    vocabulary of the real format)."""
+    from tests.helpers.chat_data import write_chat_tokenizer
+
+    sentencepiece = Path(
+        str(distribution("mistral_common").locate_file("mistral_common/data/tokenizer.model.v1"))
+    )
+    tiktoken = Path(
+        str(distribution("llama_models").locate_file("llama_models/llama3/tokenizer.model"))
+    )
+    trained = write_chat_tokenizer(tmp_path / "trained")
+    ranks = "\n".join(tiktoken.read_text().splitlines()[:3000]) + "\n"
+    return {
+        "sentencepiece": ("tokenizer.model", sentencepiece.read_bytes(), {}),
+        "huggingface": (
+            "tokenizer.json",
+            (trained / "tokenizer.json").read_bytes(),
+            {"tokenizer_config.json": (trained / "tokenizer_config.json").read_bytes()},
+        ),
+        "tiktoken": ("llama3.tiktoken", ranks.encode(), {}),
+    }
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "huggingface", "tiktoken"])
+def test_mutated_tokenizer_files_prepare_or_exit_2_leaving_nothing(
+    kind: str, tmp_path: Path
+) -> None:
+    """Each tokenizer kind's file mutated (bytes cut, overwritten or inserted; for a
+    tokenizer.json a value inside replaced or removed; for a tiktoken file a line or a rank
+    broken): `data prepare` exits 0 having written the .bin and .idx, or 2 with one sentence
+    naming the tokenizer file, having written nothing at all. The genuine file prepares."""
+    name, genuine, beside = _tokenizer_sources(tmp_path)[kind]
+    rng = random.Random(kind)
+    data = tmp_path / "docs.jsonl"
+    data.write_text(
+        "".join(json.dumps({"text": f"Document {i} says hello world."}) + "\n" for i in range(4))
+    )
+    outcomes: Counter[int] = Counter()
+    for number in range(TOKENIZER_MUTATIONS + 1):
+        directory = tmp_path / f"{kind}{number}"
+        directory.mkdir()
+        for other, content in beside.items():
+            (directory / other).write_bytes(content)
+        mutated = genuine if number == 0 else _mutate_tokenizer(kind, genuine, rng)
+        tokenizer = directory / name
+        tokenizer.write_bytes(mutated)
+        output = directory / "out" / "x"
+        result = CliRunner().invoke(
+            app, ["data", "prepare", str(data), "-t", str(tokenizer), "-o", str(output)]
+        )
+        text = " ".join(result.output.split())
+        assert result.exception is None or isinstance(result.exception, SystemExit), (
+            number,
+            text,
+            result.exception,
+        )
+        assert "Traceback" not in result.output and result.exit_code in (0, 2), (number, text)
+        outcomes[result.exit_code] += 1
+        if result.exit_code == 0:
+            assert sorted(os.listdir(output.parent)) == ["x.bin", "x.idx"]
+        else:
+            assert number > 0, text  # the genuine file prepares
+            assert text.startswith(f"error: tokenizer {tokenizer}: "), (number, text)
+            assert text.count("error:") == 1, (number, text)
+            assert sorted(os.listdir(directory)) == sorted([name, *beside]), number
+    assert outcomes[0] > 0 and outcomes[2] > 0, outcomes
+
+
+def _mutate_tokenizer(kind: str, genuine: bytes, rng: random.Random) -> bytes:
+    if kind == "huggingface":
+        return _mutate_tokenizer_json(genuine.decode(), rng)
+    if kind == "tiktoken":
+        return _mutate_tiktoken(genuine.decode(), rng)
+    return _mutate_bytes(genuine, rng)

@@ -126,19 +126,20 @@ def test_sigterm_mid_export_leaves_no_partial_directory(tmp_path: Path, monkeypa
         os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(safetensors.torch, "save_file", save_then_signal)
-    out = tmp_path / "exported"
+    out = tmp_path / "new" / "deeper" / "exported"
     result = CliRunner().invoke(
         app, ["export", str(tmp_path / "job" / "checkpoints"), "--hf", str(out)]
     )
     assert result.exit_code == 1, result.output
     assert "interrupted; nothing was written" in result.output
-    assert not out.exists() and not list(tmp_path.glob(".exported.tmp-*"))
+    assert not (tmp_path / "new").exists()  # nor the directories made for it
 
 
 def test_export_onto_a_full_disk_names_the_write(tmp_path: Path) -> None:
     """A shard write that fails, as on a full disk: the kernel's file-size limit (RLIMIT_FSIZE,
     with SIGXFSZ ignored so the write returns EFBIG) stops safetensors part way. Exit 2 naming
-    the output's file, not the checkpoint, and no partial directory left."""
+    the output's file, not the checkpoint, and no partial directory left, nor the directories
+    made for it."""
     import resource
 
     from tests.helpers.checkpoints import tiny_job, train
@@ -146,7 +147,7 @@ def test_export_onto_a_full_disk_names_the_write(tmp_path: Path) -> None:
     spec = tiny_job(tmp_path / "job")
     trained = train(spec, tmp_path / "run")
     assert trained.returncode == 0, trained.stderr
-    out = tmp_path / "exported"
+    out = tmp_path / "new" / "deeper" / "exported"
 
     def limit_file_size() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -166,4 +167,4 @@ def test_export_onto_a_full_disk_names_the_write(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr and "failed reading" not in message
     assert f"{out}: writing model-00001-of-00001.safetensors failed" in message
     assert "File too large" in message
-    assert not out.exists() and not list(tmp_path.glob(".exported.tmp-*"))
+    assert not (tmp_path / "new").exists()

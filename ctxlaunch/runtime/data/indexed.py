@@ -213,6 +213,8 @@ class IndexedWriter:
         ]
         self._tmp: dict[str, Path] = {}
         self._lengths = array("q")
+        self._open_length = 0
+        """Tokens written of a document not yet ended (add_document's `ends`)."""
         try:
             self.prefix.parent.mkdir(parents=True, exist_ok=True)
             for suffix in (".bin", ".idx") + ((".lossmask",) if loss_mask else ()):
@@ -245,16 +247,22 @@ class IndexedWriter:
         self,
         ids: Iterable[int] | npt.NDArray[np.integer],
         loss_mask: npt.NDArray[np.bool_] | None = None,
+        *,
+        ends: bool = True,
     ) -> None:
         """Append one document's token ids (already ending with the end-of-document id) and,
-        for a writer made with `loss_mask`, which of them the loss counts as targets."""
+        for a writer made with `loss_mask`, which of them the loss counts as targets. With
+        `ends=False` the ids are a piece of a document that the next call continues."""
         tokens = np.asarray(ids, dtype=self.dtype)
         if self._mask is not None:
             if loss_mask is None or len(loss_mask) != tokens.size:
                 raise ValueError("a loss-masked dataset needs one mask entry per token")
             self._mask.write(np.asarray(loss_mask, dtype=np.uint8).tobytes())
         self._bin.write(tokens.tobytes(order="C"))
-        self._lengths.append(tokens.size)
+        self._open_length += tokens.size
+        if ends:
+            self._lengths.append(self._open_length)
+            self._open_length = 0
 
     @property
     def document_count(self) -> int:

@@ -8,8 +8,11 @@ source file is one document. Each document's ids get the end-of-document id appe
 preprocess_data's --append-eod does); a record whose text is empty is skipped and counted (it
 would have no tokens to train on).
 
-Several processes tokenize; the parent writes, in input order, so the output does not depend
-on the number of workers. Any bad input stops the run and removes what was written.
+A document longer than PIECE_CHARS is tokenized a piece at a time (cut before a space that
+follows a word, where the ids do not change): a text file is read a piece at a time too, so
+memory follows the piece, not the document. Several processes tokenize; the parent writes, in
+input order, so the output does not depend on the number of workers. Any bad input stops the
+run and removes what was written.
 """
 
 from __future__ import annotations
@@ -32,7 +35,13 @@ import numpy.typing as npt
 
 from ctxlaunch.contract.spec import indexed_files
 from ctxlaunch.runtime.data.indexed import IndexedWriter, token_dtype
-from ctxlaunch.runtime.data.tokenizers import Tokenizer, load_tokenizer
+from ctxlaunch.runtime.data.tokenizers import (
+    PIECE_CHARS,
+    Tokenizer,
+    cut_point,
+    load_tokenizer,
+    text_pieces,
+)
 
 JSON_SUFFIXES = (".jsonl", ".json")
 BATCH_BYTES = 1 << 20
@@ -78,6 +87,10 @@ class _Record:
     """file, or file:line for JSON lines."""
     raw: str
     is_json: bool
+    continues: bool = False
+    """A piece of a text file's document after its first: encoded as a continuation."""
+    ends_document: bool = True
+    """The document's last piece, which gets the end-of-document id."""
 
 
 def _records(path: Path) -> Iterator[_Record]:
@@ -89,13 +102,32 @@ def _records(path: Path) -> Iterator[_Record]:
                     if line.strip():
                         yield _Record(f"{path}:{number}", line, True)
         else:
-            yield _Record(str(path), path.read_text(encoding="utf-8"), False)
+            yield from _text_file_pieces(path)
     except UnicodeDecodeError as exc:
         raise PrepareError(
             f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start} of a read block)"
         ) from None
     except OSError as exc:
         raise PrepareError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+
+
+def _text_file_pieces(path: Path) -> Iterator[_Record]:
+    """A text file's one document, read and handed on a piece (PIECE_CHARS) at a time."""
+    limit = PIECE_CHARS
+    with open(path, encoding="utf-8") as stream:
+        held = ""
+        first = True
+        while True:
+            chunk = stream.read(limit)
+            held += chunk
+            while len(held) > limit or (not chunk and held):
+                cut = cut_point(held, limit) if len(held) > limit else len(held)
+                piece, held = held[:cut], held[cut:]
+                last = not chunk and not held
+                yield _Record(str(path), piece, False, continues=not first, ends_document=last)
+                first = False
+            if not chunk:
+                return
 
 
 def parse_json_line(raw: str, source: str) -> object:
@@ -289,7 +321,8 @@ def _sigint_ignored() -> Iterator[None]:
 
 
 def _encode_batch(batch: list[_Record]) -> list[npt.NDArray[np.int64] | None]:
-    """Token ids (with the end-of-document id) per record; None for an empty text."""
+    """Token ids per record (the end-of-document id after a document's last piece); None for
+    an empty text."""
     tokenizer = _worker_tokenizer
     assert tokenizer is not None, "worker used before _start_worker"
     out: list[npt.NDArray[np.int64] | None] = []
@@ -299,9 +332,23 @@ def _encode_batch(batch: list[_Record]) -> list[npt.NDArray[np.int64] | None]:
             out.append(None)
             continue
         check_unicode(text, record.source)
-        ids = tokenizer.encode(text)
-        ids.append(tokenizer.eod_id)
-        out.append(np.asarray(ids, dtype=np.int64))
+        # Each piece's ids become an array at once: a long document's ids as Python ints
+        # would take 36 bytes each (a 50 MB JSON line: 13 million ids, 470 MB).
+        if record.continues:
+            arrays = [np.asarray(tokenizer.encode_continuation(text), dtype=np.int64)]
+        else:
+            arrays = [
+                np.asarray(
+                    tokenizer.encode(piece)
+                    if number == 0
+                    else tokenizer.encode_continuation(piece),
+                    dtype=np.int64,
+                )
+                for number, piece in enumerate(text_pieces(text))
+            ]
+        if record.ends_document:
+            arrays.append(np.asarray([tokenizer.eod_id], dtype=np.int64))
+        out.append(arrays[0] if len(arrays) == 1 else np.concatenate(arrays))
     return out
 
 
@@ -384,11 +431,13 @@ def prepare(
             if workers > 1:
                 pool = _Workers(workers, init_args)
             batches = _batches(paths)
-            sizes: list[int] = []
+            # Per batch sent and not yet written: its input bytes and which of its records end
+            # their document (the text itself is not kept).
+            sent: collections.deque[tuple[int, list[bool]]] = collections.deque()
 
             def texts() -> Iterator[list[_Record]]:
                 for batch, size in batches:
-                    sizes.append(size)
+                    sent.append((size, [record.ends_document for record in batch]))
                     yield batch
 
             encoded: Iterator[list[npt.NDArray[np.int64] | None]]
@@ -397,15 +446,16 @@ def prepare(
             else:
                 _start_worker(*init_args)
                 encoded = map(_encode_batch, texts())
-            for number, batch_ids in enumerate(encoded):
-                for ids in batch_ids:
+            for batch_ids in encoded:
+                size, ends = sent.popleft()
+                for ids, ends_document in zip(batch_ids, ends, strict=True):
                     if ids is None:
                         empty += 1
                         continue
-                    writer.add_document(ids)
-                    documents += 1
+                    writer.add_document(ids, ends=ends_document)
+                    documents += ends_document
                     tokens += ids.size
-                read += sizes[number]
+                read += size
                 if on_progress is not None:
                     on_progress(read)
             if documents == 0:

@@ -8,9 +8,11 @@ tokens included: the model's embedding must be at least this large) and `eod_id`
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,49 @@ EOD_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|
 naming its eos_token."""
 
 
+PIECE_CHARS = 1 << 18
+"""The longest text handed to a tokenizer at once, in characters. A longer document is cut into
+pieces of at most this length and encoded piece by piece: the tokenizers' native code holds
+several times its input per token at once (a 50 MB JSON line took 6.8 GiB through the Hugging
+Face tokenizer, a 200 MB text file made it ask for 4 GiB in one allocation and abort), so the
+memory of `data prepare` follows the piece, not the document."""
+
+CUT_WINDOW_CHARS = 1 << 16
+"""How far back from a piece's end a cut looks for a space that follows a word."""
+
+_CUT = re.compile(r"(?<=\S) ")
+"""A cut goes before a space that follows a non-space: every pre-tokenizer here (byte-level
+BPE's and tiktoken's split patterns, SentencePiece's whitespace split) ends a pre-token there,
+so the pieces' ids are the whole document's (tests/unit/test_data.py checks all three kinds)."""
+
+_PROBE = ("hello", " world")
+"""Two words whose encodings, apart and together, tell whether a tokenizer adds its own word
+boundary (SentencePiece's dummy prefix, a Prepend normalizer) to text that starts a call."""
+
+
+def cut_point(text: str, limit: int) -> int:
+    """Where to end the first piece of `text` (longer than `limit`): before the last space
+    following a non-space within the last CUT_WINDOW_CHARS of the limit, else at the limit
+    (a run of that many characters without such a space is no prose: the ids at that one cut
+    may differ from the whole run's)."""
+    last = None
+    for match in _CUT.finditer(text, max(1, limit - CUT_WINDOW_CHARS), limit + 1):
+        last = match.start()
+    return last if last else limit
+
+
+def text_pieces(text: str, limit: int | None = None) -> Iterator[str]:
+    """`text` in pieces of at most `limit` characters (PIECE_CHARS by default), cut as
+    `cut_point` says; a text within the limit is one piece."""
+    limit = limit or PIECE_CHARS
+    while len(text) > limit:
+        cut = cut_point(text, limit)
+        yield text[:cut]
+        text = text[cut:]
+    if text:
+        yield text
+
+
 @dataclass(frozen=True)
 class Tokenizer:
     """A loaded tokenizer: what `data prepare` needs and nothing else."""
@@ -47,6 +92,28 @@ class Tokenizer:
     eod_id: int
     encode: Callable[[str], list[int]]
     """Text -> token ids, without any special token added."""
+    continuation_drops_space: bool = False
+    """The tokenizer adds a word boundary of its own at the start of each call, so a piece that
+    continues a document (it starts with the space a cut left) is encoded without that space."""
+
+    def encode_continuation(self, piece: str) -> list[int]:
+        """The ids of `piece` as they are inside the document it continues."""
+        if self.continuation_drops_space and piece.startswith(" "):
+            piece = piece[1:]
+        return self.encode(piece)
+
+
+def _drops_space(encode: Callable[[str], list[int]]) -> bool:
+    """Whether `encode` adds its own word boundary at the start of a call (see _PROBE)."""
+    first, second = _PROBE
+    whole = encode(first + second)
+    if encode(first) + encode(second) == whole:
+        return False
+    return encode(first) + encode(second.lstrip(" ")) == whole
+
+
+def _with_continuation(tokenizer: Tokenizer) -> Tokenizer:
+    return dataclasses.replace(tokenizer, continuation_drops_space=_drops_space(tokenizer.encode))
 
 
 def load_tokenizer(path: str | Path, eod_token: str | None = None) -> Tokenizer:
@@ -61,10 +128,10 @@ def load_tokenizer(path: str | Path, eod_token: str | None = None) -> Tokenizer:
         raise TokenizerError(f"tokenizer {path}: no such file")
     head = _head(path)
     if head.lstrip().startswith(b"{"):
-        return _huggingface(path, eod_token)
+        return _with_continuation(_huggingface(path, eod_token))
     if head[:1] == b"\x0a":  # protobuf field 1 (pieces), length-delimited: a SentencePiece model
-        return _sentencepiece(path, eod_token)
-    return _tiktoken(path, eod_token)
+        return _with_continuation(_sentencepiece(path, eod_token))
+    return _with_continuation(_tiktoken(path, eod_token))
 
 
 def _head(path: Path) -> bytes:
@@ -150,6 +217,29 @@ def _sentencepiece(path: Path, eod_token: str | None) -> Tokenizer:
     return Tokenizer(path, "sentencepiece", model.get_piece_size(), eod, encode)
 
 
+MAX_TIKTOKEN_RANK = (1 << 31) - 1 - LLAMA3_SPECIAL_COUNT
+"""The largest rank a tiktoken file may give: every id, the special ones after the ranks
+included, must fit the int32 the indexed dataset stores large vocabularies in."""
+
+
+def _check_ranks(path: Path, ranks: dict[bytes, int]) -> None:
+    """A TokenizerError naming `path` unless its ranks are a vocabulary: some tokens, each rank
+    a distinct id from 0 up to MAX_TIKTOKEN_RANK."""
+    if not ranks:
+        raise TokenizerError(
+            f"tokenizer {path}: holds no tokens (empty, or not a tokenizer.json, a SentencePiece "
+            "model or a tiktoken BPE file)"
+        )
+    values = list(ranks.values())
+    if min(values) < 0 or max(values) > MAX_TIKTOKEN_RANK:
+        raise TokenizerError(
+            f"tokenizer {path}: a rank outside 0 .. {MAX_TIKTOKEN_RANK:,} "
+            f"({min(values) if min(values) < 0 else max(values):,})"
+        )
+    if len(set(values)) != len(values):
+        raise TokenizerError(f"tokenizer {path}: two tokens share a rank; each needs its own")
+
+
 def _tiktoken(path: Path, eod_token: str | None) -> Tokenizer:
     tiktoken = _library("tiktoken", path)
     try:
@@ -159,6 +249,7 @@ def _tiktoken(path: Path, eod_token: str | None) -> Tokenizer:
             f"tokenizer {path}: not a tiktoken BPE file (base64 token, rank "
             f"per line), a tokenizer.json or a SentencePiece model ({exc})"
         ) from None
+    _check_ranks(path, ranks)
     base = len(ranks)
     specials = ["<|begin_of_text|>", "<|end_of_text|>"] + [
         f"<|reserved_special_token_{i}|>" for i in range(LLAMA3_SPECIAL_COUNT - 2)
@@ -169,9 +260,18 @@ def _tiktoken(path: Path, eod_token: str | None) -> Tokenizer:
         raise TokenizerError(
             f"tokenizer {path}: no end-of-document token {name!r} among the Llama 3 special tokens"
         )
-    encoding = tiktoken.Encoding(
-        name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special_ids
-    )
+    try:
+        encoding = tiktoken.Encoding(
+            name=path.name,
+            pat_str=LLAMA3_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens=special_ids,
+        )
+    except (ValueError, OverflowError) as exc:  # tiktoken's native checks, in its own words
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TokenizerError(
+            f"tokenizer {path}: not a usable tiktoken BPE file ({reason})"
+        ) from None
 
     def encode(text: str) -> list[int]:
         # Text that looks like a special token is encoded as text: a document cannot end

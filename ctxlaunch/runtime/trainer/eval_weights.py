@@ -41,7 +41,13 @@ def load_weights(
                 raise ValueError(
                     f"checkpoint {path} has no weight {name!r}: it was saved by a different model"
                 )
-            write_local(param, state[name].to(param.dtype))
+            saved = state[name]
+            if tuple(saved.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"checkpoint {path} holds {name} of shape {list(saved.shape)}, but this "
+                    f"model needs {list(param.shape)}: it was saved by a different model"
+                )
+            write_local(param, saved.to(param.dtype))
 
 
 def checkpoint_to_load(spec: JobSpec, given: str | None, base: bool = False) -> Path | None:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ctxlaunch.contract.families import FAMILIES
+from ctxlaunch.contract.fsutil import missing_directories
 from ctxlaunch.contract.hfconfig import CONFIG_FILE, read_config
 from ctxlaunch.contract.spec import DefaultRope, ModelSpec, YarnRope
 from ctxlaunch.runtime.progress import Progress
@@ -325,8 +326,16 @@ def write_hf(
     out = Path(out)
     if out.exists():
         raise HFCheckpointError(f"{out} already exists; export writes a new directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    # The directories made for `out` go again with the temporary one when the export fails
+    # (an empty tree left behind would be a half-written output).
+    made = missing_directories(out.parent)
+    try:
+        for directory in made:
+            directory.mkdir()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except BaseException:
+        _remove_empty(made)
+        raise
     try:
         shards = _shards(tensors, shard_bytes)
         weight_map: dict[str, str] = {}
@@ -357,8 +366,17 @@ def write_hf(
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(made)
         raise
     return written
+
+
+def _remove_empty(directories: list[Path]) -> None:
+    """Remove `directories` (outermost first), innermost first, each only while still empty:
+    another writer may have put its output there meanwhile."""
+    for directory in reversed(directories):
+        with contextlib.suppress(OSError):
+            directory.rmdir()
 
 
 # -- reading a training checkpoint -------------------------------------------------------------

@@ -26,7 +26,11 @@ from ctxlaunch.runtime.trainer.rank_setup import (
     load_job_spec,
     rank_context,
 )
-from ctxlaunch.runtime.trainer.safe_unpickle import CheckpointDamaged, CheckpointRefused
+from ctxlaunch.runtime.trainer.safe_unpickle import (
+    CheckpointDamaged,
+    CheckpointOfAnotherModel,
+    CheckpointRefused,
+)
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
@@ -202,7 +206,9 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
         # One sentence naming the file: the traceback would say nothing more.
         print(f"{rank_tag} error: {exc}", file=sys.stderr, flush=True)
         events.append_event(run_dir, events.FAILURE, rank=denv.rank, cause=str(exc))
-        code = exitcodes.FAILED
+        # Another model's checkpoint is the spec's mistake (its model or checkpoint.dir).
+        another = isinstance(exc, CheckpointOfAnotherModel)
+        code = exitcodes.BAD_INPUT if another else exitcodes.FAILED
     except (Exception, CheckpointException):  # torch's CheckpointException is a BaseException
         # A dead peer surfaces here as a gloo/NCCL error or a timeout: report and leave at
         # once, never wait on the group again. A peer that is alive but silent is named.

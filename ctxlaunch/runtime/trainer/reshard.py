@@ -180,8 +180,9 @@ class CheckpointState:
         from ctxlaunch.runtime.trainer.checkpoint_integrity import check_dcp_files, load_failure
         from ctxlaunch.runtime.trainer.safe_unpickle import SafeFileSystemReader, SafeLoadPlanner
 
-        check_dcp_files(path)  # a missing or cut-short file, named, before any rank reads
+        metadata = check_dcp_files(path)  # a missing or cut-short file, named, before reading
         state = self.state_dict()
+        check_saved_shapes(metadata, state, path)
         try:
             # Through the allow-list: a checkpoint's pickles never run code (safe_unpickle.py).
             dcp.load(
@@ -190,3 +191,31 @@ class CheckpointState:
         except (Exception, CheckpointException) as exc:  # the latter is a BaseException
             raise load_failure(exc, path) from None
         self.load_into_place(state)
+
+
+def check_saved_shapes(metadata: object, state: dict, path: Path) -> None:
+    """Every tensor `state` loads is in the checkpoint's metadata with the same whole shape; a
+    CheckpointOfAnotherModel naming the checkpoint, the tensor and both shapes otherwise (torch's own
+    error names neither the file nor the model, and comes after every rank has started to
+    read). The optimizer's moments have their weight's shape, so the weights are named."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ctxlaunch.runtime.trainer.safe_unpickle import CheckpointOfAnotherModel
+
+    saved = getattr(metadata, "state_dict_metadata", None) or {}
+    for key in sorted(state, key=lambda k: (not k.startswith("model/"), k)):
+        value = state[key]
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            continue  # the scheduler's state and Adam's step counts are not shaped
+        name = key.split("/", 1)[1].split("#", 1)[0]
+        entry = saved.get(key)
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointOfAnotherModel(
+                f"checkpoint {path} has no {key.split('/', 1)[0]} tensor for {name}: it was "
+                "saved by a different model"
+            )
+        if tuple(entry.size) != tuple(value.shape):
+            raise CheckpointOfAnotherModel(
+                f"checkpoint {path} holds {key} of shape {list(entry.size)}, but this model's "
+                f"{name} needs {list(value.shape)}: it was saved by a different model"
+            )

@@ -46,6 +46,11 @@ class CheckpointDamaged(ValueError):
     """A checkpoint cannot be read as written: a file is missing, cut short or changed."""
 
 
+class CheckpointOfAnotherModel(CheckpointDamaged):
+    """A checkpoint that is intact but holds another model's tensors (a name missing, a shape
+    that differs): bad input, not damage."""
+
+
 METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     {
         ("torch.distributed.checkpoint.metadata", "Metadata"),
@@ -254,7 +259,7 @@ def load_failure(exc: BaseException, step: Path) -> CheckpointDamaged:
     if isinstance(cause, EOFError):
         detail = "a file ends early (EOFError)"
     if "size mismatch" in detail or "mismatch sizes" in detail or "shape" in detail:
-        return CheckpointDamaged(
+        return CheckpointOfAnotherModel(
             f"{step} does not hold this model's weights ({detail}): it was saved by a "
             "different model or layout"
         )
