@@ -39,7 +39,7 @@ from tests.helpers.healing import (
 )
 from tests.helpers.paths import ROOT
 from tests.helpers.services import PUSHGATEWAY_URL, poll, require_prometheus, require_slurm
-from tests.helpers.slurm_jobs import ctx, job_dir, run, status, submit, wait_for_log
+from tests.helpers.slurm_jobs import ctx, job_dir, node_pids, run, status, submit, wait_for_log
 
 TWO_NODES_HEALING = [
     "training.seq_len=512",
@@ -87,20 +87,6 @@ def slurm() -> None:
 @pytest.fixture
 def home(tmp_path: Path) -> Path:
     return tmp_path / "home"
-
-
-def node_pids(node: str) -> list[int]:
-    """Every process in the node's network namespace: its slurmd, slurmstepd and tasks."""
-    namespace = os.stat(f"/run/netns/ctxl-{node}").st_ino
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.stat(entry / "ns" / "net").st_ino == namespace:
-                    pids.append(int(entry.name))
-            except OSError:
-                pass
-    return pids
 
 
 def complete(home: Path, tmp_path: Path, job_id: str, timeout: float = 300) -> dict:
