@@ -128,8 +128,8 @@ def _worker(rank, world, init_file, spec_data, results):  # type: ignore[no-unty
     from ctxlaunch.runtime.trainer.model import Transformer
     from ctxlaunch.runtime.trainer.parallelize import (
         ParallelSettings,
-        build_context,
         parallelize,
+        spec_context,
     )
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
@@ -138,17 +138,7 @@ def _worker(rank, world, init_file, spec_data, results):  # type: ignore[no-unty
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
         )
     spec = validate_spec(spec_data)
-    p = spec.parallel
-    ctx = build_context(
-        rank=rank,
-        world_size=world,
-        dp=spec.dp,
-        cp=p.cp,
-        ulysses=spec.ulysses_degree,
-        cp_sharding=p.cp_sharding,
-        tp=p.tp,
-        pp=p.pp,
-    )
+    ctx = spec_context(spec, rank=rank, world_size=world)
     with torch.device("meta"):
         model = Transformer.from_spec(spec.model)
     before = peak_rss_bytes()

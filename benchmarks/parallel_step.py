@@ -28,24 +28,14 @@ def _worker(rank, world, init_file, spec_data, steps, threads, results):  # type
     torch.set_num_threads(threads)
     from ctxlaunch.contract.loader import validate_spec
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     if world > 1:
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
         )
     spec = validate_spec(spec_data)
-    p = spec.parallel
-    ctx = build_context(
-        rank=rank,
-        world_size=world,
-        dp=spec.dp,
-        cp=p.cp,
-        ulysses=spec.ulysses_degree,
-        cp_sharding=p.cp_sharding,
-        tp=p.tp,
-        pp=p.pp,
-    )
+    ctx = spec_context(spec, rank=rank, world_size=world)
     exposed: dict[str, float] = defaultdict(float)
     timing = {"on": False}
 

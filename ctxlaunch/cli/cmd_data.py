@@ -5,7 +5,7 @@ on, and that Megatron trains on too."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -13,6 +13,9 @@ from ctxlaunch.cli.common import err, fail, out
 from ctxlaunch.cli.extras import needs_extras
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.loader import SpecError, load_spec
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 data = typer.Typer(
     name="data", help="Training data: tokenize text for source: tokens.", no_args_is_help=True
@@ -163,6 +166,7 @@ def prepare_command(
             f"{result.supervised_tokens} supervised (vocab {result.vocab_size}) in "
             f"{result.seconds:.2f} s"
         )
+        _print_lengths(output)
         return
     skipped = f", {result.empty_skipped} empty skipped" if result.empty_skipped else ""
     out.print(
@@ -171,3 +175,41 @@ def prepare_command(
         f"{result.eod_id}) in {result.seconds:.2f} s, "
         f"{result.tokens_per_second:,.0f} tokens/s"
     )
+    _print_lengths(output)
+
+
+def _bucket_label(limit: int) -> str:
+    return f"<={limit >> 10}K" if limit >= 1024 else f"<={limit}"
+
+
+def document_length_lines(lengths: npt.ArrayLike) -> list[str]:
+    """What a dataset's document lengths mean for training at length: the median, the longest
+    and the token-weighted mean (the `data.mean_document_tokens` the planner costs a document
+    mask's attention and the ring's balance from), then the count of documents per power-of-two
+    length, shortest first."""
+    import numpy as np
+
+    from ctxlaunch.perf.flops import token_weighted_document_tokens
+
+    sizes = np.asarray(lengths, dtype=np.int64)
+    weighted = token_weighted_document_tokens(sizes.tolist())
+    limits = 2 ** np.ceil(np.log2(np.maximum(sizes, 1))).astype(np.int64)
+    limits = np.maximum(limits, 256)
+    values, counts = np.unique(limits, return_counts=True)
+    buckets = " | ".join(
+        f"{_bucket_label(int(v))} {int(c):,}" for v, c in zip(values, counts, strict=True)
+    )
+    return [
+        f"document lengths in tokens (end of document included): median "
+        f"{int(np.median(sizes)):,}, longest {int(sizes.max()):,}, token-weighted mean "
+        f"{round(weighted):,} (set data.mean_document_tokens: {round(weighted)} for the "
+        "planner's document-mask cost)",
+        f"documents by length: {buckets}",
+    ]
+
+
+def _print_lengths(output: Path) -> None:
+    from ctxlaunch.runtime.data.indexed import IndexedDataset
+
+    for line in document_length_lines(IndexedDataset(output).document_lengths()):
+        out.print(line)

@@ -52,8 +52,12 @@ class Candidate:
         lay = self.layout
         v = f" v{lay.virtual_stages}" if lay.virtual_stages > 1 else ""
         memory = lay.describe_memory_settings()
+        sharding = (
+            f" {lay.cp_sharding}" if lay.ring_degree > 1 and lay.cp_sharding == "balanced" else ""
+        )
         return (
-            f"{lay.describe_degrees()}{v}, mb {lay.micro_batch}, ZeRO-{lay.zero_stage}, "
+            f"{lay.describe_degrees()}{sharding}{v}, mb {lay.micro_batch}, "
+            f"ZeRO-{lay.zero_stage}, "
             f"checkpointing {lay.activation_checkpointing}" + (f", {memory}" if memory else "")
         )
 
@@ -188,7 +192,9 @@ def degree_options(
 ) -> list[Layout]:
     """Every split of `world` GPUs into TP x PP x CP x DP with a CP algorithm, as layouts of
     `spec` (one sequence per micro-batch, the tokens per step held); TP stays inside the NVLink
-    domain (and a node); PP up to one layer per stage."""
+    domain (and a node); PP up to one layer per stage. Under a document mask with a known
+    document length, a ring (or hybrid) whose fixed sharding leaves its busiest rank more
+    attention than the mean is also offered with the balanced sharding."""
     model = spec.model
     global_batch = spec.global_batch
     # What the search holds comes from the spec; the split and the pipeline are its own.
@@ -219,12 +225,18 @@ def degree_options(
                 if cp == 1:
                     out.append(split(tp, pp, 1, dp, "ring", 1))
                     continue
-                out.append(split(tp, pp, cp, dp, "ring", 1))
-                out.append(split(tp, pp, cp, dp, "ulysses", cp))
-                out.extend(
+                rings = [split(tp, pp, cp, dp, "ring", 1)] + [
                     split(tp, pp, cp, dp, "hybrid", ulysses)
                     for ulysses in _divisors(cp)
                     if 1 < ulysses < cp
+                ]
+                out.append(rings[0])
+                out.append(split(tp, pp, cp, dp, "ulysses", cp))
+                out.extend(rings[1:])
+                out.extend(
+                    ring.replace(cp_sharding="balanced")
+                    for ring in rings
+                    if ring.attention_imbalance > 1.0
                 )
     return out
 

@@ -140,20 +140,10 @@ def spec_data(init_from: Path, world: int = 1, **changes: Any) -> dict:
 def build_trainer(rank: int, world: int, data: dict):  # type: ignore[no-untyped-def]
     """The trainer of spec `data` on this rank (inside `run_distributed`, or rank 0 of 1)."""
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     spec = validate_spec(data)
-    p = spec.parallel
-    ctx = build_context(
-        rank=rank,
-        world_size=world,
-        dp=spec.dp,
-        cp=p.cp,
-        ulysses=spec.ulysses_degree,
-        cp_sharding=p.cp_sharding,
-        tp=p.tp,
-        pp=p.pp,
-    )
+    ctx = spec_context(spec, rank=rank, world_size=world)
     return Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
 
 
@@ -251,3 +241,66 @@ def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
     for file in sorted(directory.glob("*.safetensors")):
         out.update(load_file(file))
     return out
+
+
+def assert_layouts_match_transformers(
+    ranks: list[list[dict]],
+    cases: list[dict],
+    references: list[PreTrainedModel],
+    names: list[str],
+) -> None:
+    """Each case's first-step loss (`first_losses` on every rank) is transformers' loss of its
+    reference within 1e-5, and the logits the ranks gathered are transformers' (rtol and atol
+    1e-5); prints the largest differences, one line per case, under its name."""
+    for number, (data, reference, name) in enumerate(zip(cases, references, names, strict=True)):
+        want = reference_loss(reference, data)
+        sequences = reference_sequences(reference, data)
+        loss = ranks[0][number]["loss"]
+        worst: float | None = None
+        for rank in ranks:
+            got = rank[number]["logits"]
+            if got is None:
+                continue
+            want_logits = sequences[rank[number]["dp_rank"]][:, got["positions"]]
+            torch.testing.assert_close(
+                torch.from_numpy(got["logits"]), want_logits, rtol=1e-5, atol=1e-5
+            )
+            diff = float((torch.from_numpy(got["logits"]) - want_logits).abs().max())
+            worst = diff if worst is None else max(worst, diff)
+        shown = "not gathered (PP, FSDP2)" if worst is None else f"{worst:.1e}"
+        print(
+            f"{name}: |loss - transformers| {abs(loss - want):.1e}, "
+            f"max |logits - transformers| {shown}"
+        )
+        assert abs(loss - want) < 1e-5, (name, loss, want)
+
+
+def assert_exports_match_one_process(
+    tmp_path: Path, source: Path, checkpoints: dict[str, Path], **changes: Any
+) -> None:
+    """Each checkpoint (named by its layout) exports (`ctxlaunch export --hf`) to the tensors
+    of the same step trained in one process from `source` (with `changes`) and exported."""
+    from typer.testing import CliRunner
+
+    from ctxlaunch.cli import app
+
+    runner = CliRunner()
+    single = tmp_path / "ckpt-single"
+    first_losses(0, 1, [spec_data(source, **changes, **{"training.checkpoint.dir": str(single)})])
+    result = runner.invoke(app, ["export", str(single), "--hf", str(tmp_path / "hf-single")])
+    assert result.exit_code == 0, result.output
+    want_tensors = hf_tensors(tmp_path / "hf-single")
+    for number, (layout, checkpoint) in enumerate(checkpoints.items()):
+        out = tmp_path / f"hf-export-{number}"
+        result = runner.invoke(app, ["export", str(checkpoint), "--hf", str(out)])
+        assert result.exit_code == 0, result.output
+        got_tensors = hf_tensors(out)
+        assert set(got_tensors) == set(want_tensors)
+        for name, tensor in want_tensors.items():
+            torch.testing.assert_close(
+                got_tensors[name],
+                tensor,
+                rtol=1e-5,
+                atol=1e-5,
+                msg=lambda m, n=name, at=layout: f"{at} {n}: {m}",
+            )

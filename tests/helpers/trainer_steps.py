@@ -1,7 +1,10 @@
 """One rank of the bundled trainer, stepped in-process: the losses and (rank 0's) full
-gradients of the first step, for the exactness tests that compare layouts with one process."""
+gradients of the first step, for the exactness tests that compare layouts with one process;
+and one rank's evaluation, for the tests that compare evaluation across layouts."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -35,20 +38,10 @@ def spec_for(world: int, **changes):
 def train_steps(rank: int, world: int, spec_data: dict, steps: int) -> dict:
     """Run `steps` training steps of the spec on this rank (inside `run_distributed`)."""
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     spec = validate_spec(spec_data)
-    p = spec.parallel
-    ctx = build_context(
-        rank=rank,
-        world_size=world,
-        dp=spec.dp,
-        cp=p.cp,
-        ulysses=spec.ulysses_degree,
-        cp_sharding=p.cp_sharding,
-        tp=p.tp,
-        pp=p.pp,
-    )
+    ctx = spec_context(spec, rank=rank, world_size=world)
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     grads: list[dict[str, torch.Tensor]] = []
     metrics = [
@@ -62,3 +55,24 @@ def train_steps(rank: int, world: int, spec_data: dict, steps: int) -> dict:
         "attention_balance": [m.attention_balance for m in metrics],
         "grads": {k: v.numpy() for k, v in grads[0].items()} if rank == 0 else None,
     }
+
+
+def evaluate_rank(rank: int, world: int, spec_data: dict, path: str | None = None) -> dict:
+    """One rank's evaluation at the spec's layout: of the checkpoint at `path`, else of the
+    weights the trainer starts from (the spec's init_from, or the seeded initial weights, the
+    same at every layout)."""
+    from ctxlaunch.runtime.trainer.eval_weights import load_weights
+    from ctxlaunch.runtime.trainer.evaluator import Evaluator
+    from ctxlaunch.runtime.trainer.model import Transformer
+    from ctxlaunch.runtime.trainer.parallelize import ParallelSettings, parallelize, spec_context
+
+    spec = validate_spec(spec_data)
+    ctx = spec_context(spec, rank=rank, world_size=world)
+    with torch.device("meta"):
+        model = Transformer.from_spec(spec.model)
+    parts = parallelize(
+        model, ctx=ctx, settings=ParallelSettings.from_spec(spec), device=torch.device("cpu")
+    )
+    if path is not None:
+        load_weights(parts, spec, ctx, torch.device("cpu"), Path(path))
+    return Evaluator(spec, ctx, parts.model, torch.device("cpu")).run().to_dict()

@@ -35,7 +35,7 @@ def _count(rank: int, world: int, specs: list[dict]) -> list[dict]:
     import torch.distributed.distributed_c10d as c10d
 
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     sent: dict[tuple, float] = defaultdict(float)
     state = {"on": False, "phase": "step"}
@@ -69,17 +69,7 @@ def _count(rank: int, world: int, specs: list[dict]) -> list[dict]:
     out = []
     for spec_data in specs:
         spec = validate_spec(spec_data)
-        p = spec.parallel
-        ctx = build_context(
-            rank=rank,
-            world_size=world,
-            dp=spec.dp,
-            cp=p.cp,
-            ulysses=spec.ulysses_degree,
-            cp_sharding=p.cp_sharding,
-            tp=p.tp,
-            pp=p.pp,
-        )
+        ctx = spec_context(spec, rank=rank, world_size=world)
         trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
         trainer.train_step()  # warm-up
         finish = trainer.engine.finish_gradients

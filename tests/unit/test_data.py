@@ -361,6 +361,21 @@ def test_prepare_cli_reports_tokens_per_second(
     )
     assert result.exit_code == 0, result.output
     assert "3 documents, 1 empty skipped" in result.output and "tokens/s" in result.output
+    lengths = IndexedDataset(tmp_path / "x").document_lengths()
+    weighted = round(float((lengths.astype(float) ** 2).sum() / lengths.sum()))
+    assert f"set data.mean_document_tokens: {weighted} " in " ".join(result.output.split())
+
+
+def test_document_length_lines_count_each_power_of_two() -> None:
+    """The summary `data prepare` prints: median, longest, the token-weighted mean the planner
+    takes, and documents per power-of-two length (256 and below in one bucket)."""
+    from ctxlaunch.cli.cmd_data import document_length_lines
+
+    summary, buckets = document_length_lines([10, 300, 512, 513, 4096, 5000])
+    weighted = (10**2 + 300**2 + 512**2 + 513**2 + 4096**2 + 5000**2) / 10431
+    assert "median 512, longest 5,000" in summary  # numpy's median of 512 and 513, truncated
+    assert f"token-weighted mean {round(weighted):,} " in summary
+    assert buckets == "documents by length: <=256 1 | <=512 2 | <=1K 1 | <=4K 1 | <=8K 1"
 
 
 def test_prepare_error_for_an_unknown_tokenizer_is_bad_input(

@@ -149,3 +149,31 @@ def test_the_spec_carries_the_sharding_to_the_step_time(tmp_path) -> None:
     assert layouts["zigzag"].document_tokens == 1024
     assert layouts["zigzag"].attention_imbalance > 1.1
     assert layouts["balanced"].attention_imbalance == 1.0
+
+
+def test_advise_offers_the_balanced_sharding_where_zigzag_leaves_a_rank_busier() -> None:
+    """Under a document mask (the 128K extension example: 32K-token documents), every ring and
+    hybrid whose zigzag shards leave the busiest rank more attention than the mean is also
+    ranked with the balanced sharding, which is faster; the advice's spec runs it."""
+    from ctxlaunch.contract.loader import load_spec
+    from ctxlaunch.planning.advise import advise, degree_options
+    from tests.helpers.paths import JOBS
+
+    spec = load_spec(JOBS / "llama3-8b-extend-128k.yaml")
+    options = degree_options(spec, 32, 8, 8)
+    balanced = [o for o in options if o.cp_sharding == "balanced"]
+    assert balanced and all(o.ring_degree > 1 for o in balanced)
+    for layout in balanced:
+        assert layout.replace(cp_sharding="zigzag") in options
+        assert layout.replace(cp_sharding="zigzag").attention_imbalance > 1.0
+    assert all(o.cp_sharding == "zigzag" for o in options if o.ring_degree == 1)
+    advice = advise(spec)
+    ring_candidates = [c for c in advice.ranked if c.layout.ring_degree > 1]
+    best = ring_candidates[0]
+    assert best.layout.cp_sharding == "balanced" and "balanced" in best.describe()
+    assert best.layout.overrides()["parallel.cp_sharding"] == "balanced"
+    same_but_zigzag = [
+        c for c in advice.ranked if c.layout == best.layout.replace(cp_sharding="zigzag")
+    ]
+    for other in same_but_zigzag:
+        assert other.time.step_seconds > best.time.step_seconds

@@ -25,6 +25,7 @@ from ctxlaunch.runtime.trainer.eval_data import (
 )
 from tests.helpers.dist import run_distributed
 from tests.helpers.paths import TEXT_CORPUS
+from tests.helpers.trainer_steps import evaluate_rank
 
 CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
 TEXT = TEXT_CORPUS
@@ -104,17 +105,10 @@ def base_spec(**changes) -> dict:
 
 def _train_and_save(rank: int, world: int, spec_data: dict) -> None:
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     spec = validate_spec(spec_data)
-    ctx = build_context(
-        rank=rank,
-        world_size=world,
-        dp=spec.dp,
-        cp=spec.parallel.cp,
-        ulysses=spec.ulysses_degree,
-        cp_sharding=spec.parallel.cp_sharding,
-    )
+    ctx = spec_context(spec, rank=rank, world_size=world)
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     trainer.run()
 
@@ -128,39 +122,10 @@ def checkpoint(tmp_path_factory) -> Path:
     return directory / "step-00000002"
 
 
-def _evaluate(rank: int, world: int, spec_data: dict, path: str | None = None) -> dict:
-    """One rank's evaluation at the spec's layout: of the checkpoint at `path`, else of the
-    seeded initial weights (the same at every layout)."""
-    from ctxlaunch.runtime.trainer.eval_weights import load_weights
-    from ctxlaunch.runtime.trainer.evaluator import Evaluator
-    from ctxlaunch.runtime.trainer.model import Transformer
-    from ctxlaunch.runtime.trainer.parallelize import ParallelSettings, build_context, parallelize
-
-    spec = validate_spec(spec_data)
-    p = spec.parallel
-    ctx = build_context(
-        rank=rank,
-        world_size=world,
-        dp=spec.dp,
-        cp=p.cp,
-        ulysses=spec.ulysses_degree,
-        cp_sharding=p.cp_sharding,
-        tp=p.tp,
-    )
-    with torch.device("meta"):
-        model = Transformer.from_spec(spec.model)
-    parts = parallelize(
-        model, ctx=ctx, settings=ParallelSettings.from_spec(spec), device=torch.device("cpu")
-    )
-    if path is not None:
-        load_weights(parts, spec, ctx, torch.device("cpu"), Path(path))
-    return Evaluator(spec, ctx, parts.model, torch.device("cpu")).run().to_dict()
-
-
 def evaluate(world: int, path: Path, **changes) -> EvalResult:
     data = validate_spec(base_spec(**{"cluster.gpus_per_node": world}, **changes))
     values = run_distributed(
-        _evaluate, world, data.model_dump(mode="json"), str(path), timeout_s=180
+        evaluate_rank, world, data.model_dump(mode="json"), str(path), timeout_s=180
     )
     assert all(v == values[0] for v in values)  # every rank has the job's totals
     return EvalResult.from_dict(values[0])
@@ -254,17 +219,10 @@ def test_every_layout_scores_what_one_process_scores(case, checkpoint, single) -
 
 def _train_with_eval(rank: int, world: int, spec_data: dict, run_dir: str) -> list[dict]:
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     spec = validate_spec(spec_data)
-    ctx = build_context(
-        rank=rank,
-        world_size=world,
-        dp=spec.dp,
-        cp=spec.parallel.cp,
-        ulysses=spec.ulysses_degree,
-        cp_sharding=spec.parallel.cp_sharding,
-    )
+    ctx = spec_context(spec, rank=rank, world_size=world)
     seen: list[dict] = []
     trainer = Trainer(
         spec, ctx, torch.device("cpu"), Path(run_dir) if rank == 0 else None, log=lambda _: None
@@ -421,7 +379,7 @@ def test_document_masked_evaluation_scores_each_document_alone(tmp_path) -> None
     }
     spec = validate_spec(base_spec(**changes))
     got = EvalResult.from_dict(
-        run_distributed(_evaluate, 1, spec.model_dump(mode="json"), timeout_s=120)[0]
+        run_distributed(evaluate_rank, 1, spec.model_dump(mode="json"), timeout_s=120)[0]
     )
     model = Transformer.from_spec(spec.model)
     model.init_weights(spec.training.seed)
@@ -452,7 +410,7 @@ def test_document_masked_evaluation_scores_each_document_alone(tmp_path) -> None
     assert "no passkey" not in (got.passkey_note or "") and got.passkey == []
     ring = EvalResult.from_dict(
         run_distributed(
-            _evaluate,
+            evaluate_rank,
             2,
             validate_spec(
                 base_spec(**changes, **{"parallel.cp": 2, "cluster.gpus_per_node": 2})

@@ -24,13 +24,14 @@ from tests.helpers.hf_models import (
     ROPES,
     SEQ,
     VOCAB,
+    assert_exports_match_one_process,
+    assert_layouts_match_transformers,
     build_trainer,
     first_losses,
     hf_config,
     hf_tensors,
     our_logits,
     reference_loss,
-    reference_sequences,
     save_hf,
     spec_data,
 )
@@ -411,49 +412,16 @@ def test_layouts_load_the_imported_weights(world: int, tmp_path: Path) -> None:
             exports.append(number)
         cases.append(spec_data(sources[rope][0], world, **changes))
     ranks = run_distributed(first_losses, world, cases, timeout_s=540)
-    for number, layout in enumerate(LAYOUTS[world]):
-        reference = sources[layout.get("rope", "llama3")][1]
-        want = reference_loss(reference, cases[number])
-        sequences = reference_sequences(reference, cases[number])
-        loss = ranks[0][number]["loss"]
-        worst: float | None = None
-        for rank in ranks:
-            got = rank[number]["logits"]
-            if got is None:
-                continue
-            want_logits = sequences[rank[number]["dp_rank"]][:, got["positions"]]
-            torch.testing.assert_close(
-                torch.from_numpy(got["logits"]), want_logits, rtol=1e-5, atol=1e-5
-            )
-            diff = float((torch.from_numpy(got["logits"]) - want_logits).abs().max())
-            worst = diff if worst is None else max(worst, diff)
-        shown = "not gathered (PP, FSDP2)" if worst is None else f"{worst:.1e}"
-        print(
-            f"world {world} {layout}: |loss - transformers| {abs(loss - want):.1e}, "
-            f"max |logits - transformers| {shown}"
-        )
-        assert abs(loss - want) < 1e-5, (layout, loss, want)
-    source = sources["llama3"][0]  # every exported layout is a llama3 one
-    # The one-process run of the same step, exported: what every layout's export must hold.
-    single = tmp_path / "ckpt-single"
-    first_losses(0, 1, [spec_data(source, **{"training.checkpoint.dir": str(single)})])
-    result = runner.invoke(app, ["export", str(single), "--hf", str(tmp_path / "hf-single")])
-    assert result.exit_code == 0, result.output
-    want_tensors = hf_tensors(tmp_path / "hf-single")
-    for number in exports:
-        out = tmp_path / f"hf-{number}"
-        result = runner.invoke(app, ["export", str(tmp_path / f"ckpt-{number}"), "--hf", str(out)])
-        assert result.exit_code == 0, result.output
-        got = hf_tensors(out)
-        assert set(got) == set(want_tensors)
-        for name, tensor in want_tensors.items():
-            torch.testing.assert_close(
-                got[name],
-                tensor,
-                rtol=1e-5,
-                atol=1e-5,
-                msg=lambda m, n=name: f"{LAYOUTS[world][number]} {n}: {m}",
-            )
+    references = [sources[layout.get("rope", "llama3")][1] for layout in LAYOUTS[world]]
+    names = [f"world {world} {layout}" for layout in LAYOUTS[world]]
+    assert_layouts_match_transformers(ranks, cases, references, names)
+    # Every exported layout is a llama3 one: the one-process run of the same step, exported,
+    # is what each must hold.
+    assert_exports_match_one_process(
+        tmp_path,
+        sources["llama3"][0],
+        {str(LAYOUTS[world][n]): tmp_path / f"ckpt-{n}" for n in exports},
+    )
 
 
 def test_export_without_the_init_from_directory(tmp_path: Path) -> None:

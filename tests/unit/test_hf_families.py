@@ -25,13 +25,14 @@ from tests.helpers.dist import run_distributed
 from tests.helpers.hf_models import (
     SEQ,
     VOCAB,
+    assert_exports_match_one_process,
+    assert_layouts_match_transformers,
     build_trainer,
     first_losses,
     hf_config,
     hf_tensors,
     our_logits,
     reference_loss,
-    reference_sequences,
     save_hf,
     spec_data,
 )
@@ -343,45 +344,12 @@ def test_layouts_load_the_imported_weights(family: str, world: int, tmp_path: Pa
             exports.append(number)
         cases.append(spec_data(source, world, **changes))
     ranks = run_distributed(first_losses, world, cases, timeout_s=840)
-    for number, layout in enumerate(LAYOUTS[world]):
-        want = reference_loss(reference, cases[number])
-        sequences = reference_sequences(reference, cases[number])
-        loss = ranks[0][number]["loss"]
-        worst: float | None = None
-        for rank in ranks:
-            got = rank[number]["logits"]
-            if got is None:
-                continue
-            want_logits = sequences[rank[number]["dp_rank"]][:, got["positions"]]
-            torch.testing.assert_close(
-                torch.from_numpy(got["logits"]), want_logits, rtol=1e-5, atol=1e-5
-            )
-            diff = float((torch.from_numpy(got["logits"]) - want_logits).abs().max())
-            worst = diff if worst is None else max(worst, diff)
-        shown = "not gathered (PP, FSDP2)" if worst is None else f"{worst:.1e}"
-        print(
-            f"{family} world {world} {layout}: |loss - transformers| {abs(loss - want):.1e}, "
-            f"max |logits - transformers| {shown}"
+    names = [f"{family} world {world} {layout}" for layout in LAYOUTS[world]]
+    assert_layouts_match_transformers(ranks, cases, [reference] * len(cases), names)
+    if exports:
+        assert_exports_match_one_process(
+            tmp_path,
+            source,
+            {str(LAYOUTS[world][n]): tmp_path / f"ckpt-{n}" for n in exports},
+            **ADAM_EPS,
         )
-        assert abs(loss - want) < 1e-5, (layout, loss, want)
-    if not exports:
-        return
-    single = tmp_path / "ckpt-single"
-    first_losses(0, 1, [spec_data(source, **ADAM_EPS, **{"training.checkpoint.dir": str(single)})])
-    result = runner.invoke(app, ["export", str(single), "--hf", str(tmp_path / "hf-single")])
-    assert result.exit_code == 0, result.output
-    want_tensors = hf_tensors(tmp_path / "hf-single")
-    for number in exports:
-        out = tmp_path / f"hf-{number}"
-        result = runner.invoke(app, ["export", str(tmp_path / f"ckpt-{number}"), "--hf", str(out)])
-        assert result.exit_code == 0, result.output
-        got_tensors = hf_tensors(out)
-        assert set(got_tensors) == set(want_tensors)
-        for name, tensor in want_tensors.items():
-            torch.testing.assert_close(
-                got_tensors[name],
-                tensor,
-                rtol=1e-5,
-                atol=1e-5,
-                msg=lambda m, n=name: f"{LAYOUTS[world][number]} {n}: {m}",
-            )

@@ -63,23 +63,13 @@ def host_data_bytes(spec) -> int:
 
 def _traces(rank: int, world: int, specs: list[dict]) -> list[Any]:
     """This rank's memory trace of two training steps of each spec."""
-    from ctxlaunch.runtime.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.parallelize import spec_context
     from tests.helpers.memtrace import measure_training_peak
 
     out = []
     for data in specs:
         spec = validate_spec(data)
-        p = spec.parallel
-        ctx = build_context(
-            rank=rank,
-            world_size=world,
-            dp=spec.dp,
-            cp=p.cp,
-            ulysses=spec.ulysses_degree,
-            cp_sharding=p.cp_sharding,
-            tp=p.tp,
-            pp=p.pp,
-        )
+        ctx = spec_context(spec, rank=rank, world_size=world)
         out.append(measure_training_peak(spec, ctx))
     return out
 

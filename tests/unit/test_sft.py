@@ -27,7 +27,7 @@ from tests.helpers.chat_data import (
 )
 from tests.helpers.dist import run_distributed
 from tests.helpers.hf_models import hf_config, save_hf
-from tests.helpers.trainer_steps import train_steps
+from tests.helpers.trainer_steps import evaluate_rank, train_steps
 
 SEQ_LEN = 128
 runner = CliRunner()
@@ -227,29 +227,6 @@ def test_one_process_equals_transformers_with_labels_masked(chat_dir, document_m
     assert abs(per_rank_mean - want) > 1e-3  # the wrong normalisation would fail above
 
 
-def _evaluate(rank: int, world: int, spec_data: dict) -> dict:
-    """This rank's evaluation of the imported weights at the spec's layout."""
-    from ctxlaunch.runtime.trainer.evaluator import Evaluator
-    from ctxlaunch.runtime.trainer.model import Transformer
-    from ctxlaunch.runtime.trainer.parallelize import ParallelSettings, build_context, parallelize
-
-    spec = validate_spec(spec_data)
-    ctx = build_context(
-        rank=rank,
-        world_size=world,
-        dp=spec.dp,
-        cp=spec.parallel.cp,
-        ulysses=spec.ulysses_degree,
-        cp_sharding=spec.parallel.cp_sharding,
-    )
-    with torch.device("meta"):
-        model = Transformer.from_spec(spec.model)
-    parts = parallelize(
-        model, ctx=ctx, settings=ParallelSettings.from_spec(spec), device=torch.device("cpu")
-    )
-    return Evaluator(spec, ctx, parts.model, torch.device("cpu")).run().to_dict()
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_evaluation_counts_the_supervised_targets_at_cp2(chat_dir) -> None:
@@ -267,7 +244,7 @@ def test_evaluation_counts_the_supervised_targets_at_cp2(chat_dir) -> None:
         "parallel.cp": 2,
     }
     spec = sft_spec(chat_dir, 2, **changes)
-    got = run_distributed(_evaluate, 2, spec, timeout_s=240)[0]
+    got = run_distributed(evaluate_rank, 2, spec, timeout_s=240)[0]
     data = IndexedDataset(chat_dir / "data")
     chosen = np.flatnonzero(held_out(len(data), 0.4))
     tokens = np.concatenate([np.asarray(data.document(int(d)), dtype=np.int64) for d in chosen])

@@ -113,21 +113,11 @@ def _save_then_resume(
     """Train two steps at one layout and checkpoint; then, in the same job, resume that
     checkpoint at each other layout and train the last two steps."""
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     def trainer_for(spec_data: dict) -> Trainer:
         spec = validate_spec(spec_data)
-        p = spec.parallel
-        ctx = build_context(
-            rank=rank,
-            world_size=world,
-            dp=spec.dp,
-            cp=p.cp,
-            ulysses=spec.ulysses_degree,
-            cp_sharding=p.cp_sharding,
-            tp=p.tp,
-            pp=p.pp,
-        )
+        ctx = spec_context(spec, rank=rank, world_size=world)
         return Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
 
     first = trainer_for(saving)

@@ -94,20 +94,10 @@ def test_layout_matches_single_process(case, reference: dict) -> None:
 def _run_with_stop(rank: int, world: int, spec_data: dict, stop_after: int | None) -> dict:
     """Trainer.run(), sending this process SIGUSR1 after `stop_after` steps (a preemption)."""
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     spec = validate_spec(spec_data)
-    p = spec.parallel
-    ctx = build_context(
-        rank=rank,
-        world_size=world,
-        dp=spec.dp,
-        cp=p.cp,
-        ulysses=spec.ulysses_degree,
-        cp_sharding=p.cp_sharding,
-        tp=p.tp,
-        pp=p.pp,
-    )
+    ctx = spec_context(spec, rank=rank, world_size=world)
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     losses: list[float] = []
 

@@ -91,6 +91,21 @@ class ParallelContext:
         return self.cp // self.ulysses
 
 
+def spec_context(spec: JobSpec, *, rank: int, world_size: int) -> ParallelContext:
+    """This rank's place in the spec's DP x CP x TP x PP layout (`build_context` with the
+    spec's degrees)."""
+    return build_context(
+        rank=rank,
+        world_size=world_size,
+        dp=spec.dp,
+        cp=spec.parallel.cp,
+        ulysses=spec.ulysses_degree,
+        cp_sharding=spec.parallel.cp_sharding,
+        tp=spec.parallel.tp,
+        pp=spec.parallel.pp,
+    )
+
+
 def build_context(
     *,
     rank: int,

@@ -79,15 +79,6 @@ def join_process_group(spec: JobSpec, denv: DistEnv) -> torch.device:
 
 def rank_context(spec: JobSpec, denv: DistEnv) -> ParallelContext:
     """This rank's place in the spec's DP x CP x TP x PP layout (its groups)."""
-    from ctxlaunch.runtime.trainer.parallelize import build_context
+    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
-    return build_context(
-        rank=denv.rank,
-        world_size=denv.world_size,
-        dp=spec.dp,
-        cp=spec.parallel.cp,
-        ulysses=spec.ulysses_degree,
-        cp_sharding=spec.parallel.cp_sharding,
-        tp=spec.parallel.tp,
-        pp=spec.parallel.pp,
-    )
+    return spec_context(spec, rank=denv.rank, world_size=denv.world_size)
