@@ -90,17 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     per_node = int(os.environ.get("PET_NPROC_PER_NODE") or 1)
     node_rank = int(os.environ.get("PET_NODE_RANK") or 0)
     codes = rank_exit_codes(run_dir, per_node, first=node_rank * per_node)
-    if None in codes and oom_kills() > kills_before:
+    statuses = ", ".join("killed" if c is None else str(c) for c in codes)
+    killed = None in codes and oom_kills() > kills_before
+    if killed:
         # A rank the memory cgroup killed leaves no status: its story is the OOM (not
         # retryable), not a failure.
         codes = [exitcodes.OOM if c is None else c for c in codes]
     status = combine_exit_codes(codes)
     exit_status = exitcodes.pod_exit_status(status)
-    if status == exitcodes.OOM and heals_out_of_memory(args[0], run_dir, killed=None in codes):
+    if status == exitcodes.OOM and heals_out_of_memory(args[0], run_dir, killed=killed):
         exit_status = exitcodes.POD_RETRY
     print(
         f"ctxlaunch: torchrun exited {returncode}; rank exit statuses "
-        + ", ".join("killed" if c is None else str(c) for c in codes)
+        + statuses
         + f"; pod exits {exit_status}",
         file=sys.stderr,
         flush=True,

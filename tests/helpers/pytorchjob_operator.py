@@ -66,6 +66,9 @@ class PyTorchJobOperator:
         self.init_image = init_image
         self.interval = interval
         self.errors: list[str] = []
+        self.replaced: list[dict[str, Any]] = []
+        """The trainer container's termination (pod, exit_code, reason, finished_at) of each
+        pod deleted to be recreated, oldest first: the pods themselves are gone."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -143,6 +146,7 @@ class PyTorchJobOperator:
                         or policy in ("OnFailure", "Always")
                     ):
                         if pod.metadata.deletion_timestamp is None:
+                            self.replaced.append(_termination(pod))
                             self.core.delete_namespaced_pod(pod_name, self.namespace)
                             msg = (
                                 f"PyTorchJob {name} is restarting because {rtype} replica(s) "
@@ -391,6 +395,19 @@ def _set_condition(status: dict[str, Any], ctype: str, message: str) -> None:
         }
     )
     status["conditions"] = kept
+
+
+def _termination(pod: Any) -> dict[str, Any]:
+    for cs in pod.status.container_statuses or []:
+        if cs.name == CONTAINER and cs.state and cs.state.terminated:
+            terminated = cs.state.terminated
+            return {
+                "pod": pod.metadata.name,
+                "exit_code": int(terminated.exit_code),
+                "reason": terminated.reason,
+                "finished_at": terminated.finished_at,
+            }
+    return {"pod": pod.metadata.name, "exit_code": None, "reason": None, "finished_at": None}
 
 
 def _exit_code(pod: Any) -> int:

@@ -88,3 +88,18 @@ def job_dir(home: Path, job_id: str) -> Path:
 
 def final_loss(home: Path, job_id: str) -> float:
     return json.loads((job_dir(home, job_id) / "run" / "summary.json").read_text())["final_loss"]
+
+
+def node_pids(node: str) -> list[int]:
+    """Every process in the test cluster node's network namespace (scripts/services/slurm.sh's
+    ctxl-<node>): its slurmd, slurmstepd and tasks."""
+    namespace = os.stat(f"/run/netns/ctxl-{node}").st_ino
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.stat(entry / "ns" / "net").st_ino == namespace:
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids

@@ -24,6 +24,7 @@ from tests.helpers.slurm_jobs import (
     ctx,
     final_loss,
     job_dir,
+    node_pids,
     run,
     status,
     submit,
@@ -181,20 +182,6 @@ def test_a_time_limit_checkpoints_requeues_and_completes_later(tmp_path: Path, h
     assert final["history"][0].startswith("run 1: TIMEOUT, checkpoint at step")
     assert requeued["restarts"] >= 1
     assert "0: ctxlaunch: done: 80 steps" in log
-
-
-def node_pids(node: str) -> list[int]:
-    """Every process in the node's network namespace: its slurmd, slurmstepd and tasks."""
-    namespace = os.stat(f"/run/netns/ctxl-{node}").st_ino
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.stat(entry / "ns" / "net").st_ino == namespace:
-                    pids.append(int(entry.name))
-            except OSError:
-                pass
-    return pids
 
 
 @pytest.mark.timeout(420)
