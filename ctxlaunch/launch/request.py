@@ -160,11 +160,17 @@ def slurm_request(
     # training.heal on_allocation_change replan: any node count from min_nodes up; the job
     # re-plans its layout for what it gets.
     fewest = spec.training.heal.fewest_nodes(c.nodes)
-    directives = [
-        f"--job-name={job_name or spec.name}",
-        f"--nodes={fewest}-{c.nodes}" if fewest < c.nodes else f"--nodes={c.nodes}",
-        f"--ntasks-per-node={ranks_per_node}",
-    ]
+    directives = [f"--job-name={job_name or spec.name}"]
+    if fewest < c.nodes:
+        # A node range with --ntasks-per-node gets its fewest nodes even when all are idle
+        # (the task count follows the minimum; seen on Slurm 22.05, select/cons_tres): ask for
+        # the CPUs each node's tasks need instead, and srun places the tasks on what came.
+        directives += [
+            f"--nodes={fewest}-{c.nodes}",
+            f"--mincpus={ranks_per_node * (s.cpus_per_task or 1)}",
+        ]
+    else:
+        directives += [f"--nodes={c.nodes}", f"--ntasks-per-node={ranks_per_node}"]
     if c.gpu != "cpu":
         directives.append(f"--gpus-per-node={c.gpus_per_node}")
     if s.cpus_per_task:

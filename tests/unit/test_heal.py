@@ -141,3 +141,28 @@ def test_a_replan_in_words() -> None:
     assert describe_replan(grown).startswith("allocation grown back to 2 nodes from 1")
     shrunk = {**grown, "from": grown["to"], "to": grown["from"]}
     assert describe_replan(shrunk).startswith("allocation of 1 node instead of 2")
+
+
+def test_a_node_range_asks_for_cpus_per_node_so_it_starts_at_its_maximum() -> None:
+    """A healing job's script asks for MIN-MAX nodes with the CPUs each node's tasks need, not
+    --ntasks-per-node (with which Slurm gives the range its minimum even when every node is
+    idle: tests/service/slurm_prometheus/test_slurm_healing.py starts on both nodes); srun
+    still places one task per GPU on each node it got."""
+    from ctxlaunch.launch.render import render
+
+    def directives_and_srun(spec: JobSpec) -> tuple[list[str], str]:
+        text = render(spec, "slurm")
+        lines = text.splitlines()
+        found = [line.split(" ", 1)[1] for line in lines if line.startswith("#SBATCH ")]
+        return found, next(line for line in lines if line.startswith("srun "))
+
+    ranged, srun = directives_and_srun(
+        healing_spec(**{"training.heal.min_nodes": 2, "cluster.slurm.cpus_per_task": 4})
+    )
+    assert "--nodes=2-4" in ranged and "--mincpus=32" in ranged, ranged
+    assert not any(d.startswith("--ntasks-per-node") for d in ranged), ranged
+    assert "--ntasks-per-node=8" in srun
+    fixed, srun = directives_and_srun(validate_spec(make()))
+    assert "--nodes=4" in fixed and "--ntasks-per-node=8" in fixed
+    assert not any(d.startswith("--mincpus") for d in fixed)
+    assert "--ntasks-per-node=8" in srun
