@@ -25,12 +25,6 @@ QUICK = [
 ]
 
 
-POLL_SECONDS = 1.0
-"""Between two `ctxlaunch status` / `logs` calls while waiting: each is a new interpreter (about
-a quarter of a CPU second) plus Slurm queries, which a two-core machine running the rest of the
-suite beside them feels. A wait ends at most this much after its moment: a few demo steps."""
-
-
 def run(args: list[str], home: Path, cwd: Path, timeout: float = 120, **extra: str):
     env = {**os.environ, "CTXLAUNCH_HOME": str(home), **extra}
     if "CTXLAUNCH_INJECT_FAULT" not in extra:
@@ -70,7 +64,7 @@ def wait_for(
         if current["state"] in states:
             return current
         assert time.monotonic() < deadline, f"job {job_id} still {current} after {timeout} s"
-        time.sleep(POLL_SECONDS)
+        time.sleep(0.5)
 
 
 def wait_for_log(home: Path, tmp_path: Path, job_id: str, pattern: str, timeout: float = 90) -> str:
@@ -80,7 +74,7 @@ def wait_for_log(home: Path, tmp_path: Path, job_id: str, pattern: str, timeout:
         if re.search(pattern, text, re.M):
             return text
         assert time.monotonic() < deadline, f"{pattern!r} not in the log of {job_id}:\n{text}"
-        time.sleep(POLL_SECONDS)
+        time.sleep(0.5)
 
 
 def job_dir(home: Path, job_id: str) -> Path:

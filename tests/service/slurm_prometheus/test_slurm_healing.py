@@ -56,6 +56,9 @@ TWO_NODES_HEALING = [
 """The demo at CP 2 over two nodes (one rank each), a checkpoint every 4 steps, all kept, and
 free to run on one node."""
 
+SLOW_STEPS = "kind=slow,seconds=0.2"
+"""The fault that holds each step of the dead-node job 0.2 s longer."""
+
 MEMORY_BOUND = [
     "model.layers=16",
     "training.seq_len=2048",
@@ -147,7 +150,10 @@ def layout_sets(changes: dict, nodes: int) -> list[str]:
 def test_a_dead_drained_node_shrinks_the_job_to_one_node_and_it_grows_back(
     tmp_path: Path, home: Path
 ) -> None:
-    job_id = submit(tmp_path, home, *TWO_NODES_HEALING)
+    # Every step sleeps 0.2 s on top of its work (the `slow` fault; the losses do not change):
+    # else the one-node stretch, 0.04 s a step, can finish the job before the stop signal that
+    # makes it grow back reaches it.
+    job_id = submit(tmp_path, home, *TWO_NODES_HEALING, CTXLAUNCH_INJECT_FAULT=SLOW_STEPS)
     run_dir = job_dir(home, job_id) / "run"
     ckpt = tmp_path / "ckpt"
     # The first run must hold both nodes (node1 and node2 idle): else there is nothing to heal.
