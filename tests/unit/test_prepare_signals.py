@@ -49,6 +49,20 @@ def _command(corpus: Path, out: Path, *, workers: int) -> list[str]:
     ]
 
 
+def _start(corpus: Path, out: Path, *, workers: int) -> subprocess.Popen[str]:
+    """`data prepare` of `corpus` into the new directory `out`, in a session of its own (so
+    a signal can reach its whole process group)."""
+    out.mkdir()
+    return subprocess.Popen(
+        _command(corpus, out, workers=workers),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     ("signum", "whole_group", "workers"),
@@ -63,15 +77,7 @@ def test_a_signal_leaves_nothing_behind(
     big_corpus: Path, tmp_path: Path, signum: int, whole_group: bool, workers: int
 ) -> None:
     out = tmp_path / "out"
-    out.mkdir()
-    process = subprocess.Popen(
-        _command(big_corpus, out, workers=workers),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    process = _start(big_corpus, out, workers=workers)
     deadline = time.monotonic() + 120
     while not any(out.iterdir()) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -113,15 +119,7 @@ def test_a_killed_worker_ends_the_run_with_its_name_and_nothing_behind(
     lost batch forever; a worker killed while waiting for a task would hold the Pool's queue
     lock and hang its terminate.)"""
     out = tmp_path / "out"
-    out.mkdir()
-    process = subprocess.Popen(
-        _command(big_corpus, out, workers=2),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    process = _start(big_corpus, out, workers=2)
     deadline = time.monotonic() + 120
     workers: list[int] = []
     while process.poll() is None and time.monotonic() < deadline:
