@@ -32,8 +32,6 @@ from tests.helpers.kube_node import (
     ctx,
     kubectl,
     new_namespace,
-    project_image,
-    require_node,
     submit_args,
     with_checkpoint_volume,
 )
@@ -66,12 +64,6 @@ RUN_DIR = "/checkpoints/run"
 """The run directory on the checkpoint volume, so the events and metrics of both pods stay."""
 RESUME_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 """tests/unit/test_trainer_4d.py's tolerance for losses resumed at another layout."""
-
-
-@pytest.fixture(scope="module")
-def image() -> str:
-    require_node()
-    return project_image()
 
 
 @pytest.fixture

@@ -32,8 +32,6 @@ from tests.helpers.kube_node import (
     job_pods,
     kubectl,
     new_namespace,
-    project_image,
-    require_node,
     submit_args,
     with_checkpoint_volume,
 )
@@ -47,12 +45,6 @@ TINY = (
     "cluster.kubernetes.shm_size=256Mi",
 )
 """The demo model, a few short steps: seconds of training once the pods run."""
-
-
-@pytest.fixture(scope="module")
-def image() -> str:
-    require_node()
-    return project_image()
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.paths import JOBS
-from tests.helpers.services import PUSHGATEWAY_URL, poll, require_prometheus, require_slurm
+from tests.helpers.services import PUSHGATEWAY_URL, poll, require_prometheus
 from tests.helpers.slurm_jobs import (
     BIN,
     CTXLAUNCH,
@@ -29,15 +29,7 @@ from tests.helpers.slurm_jobs import (
     wait_for_log,
 )
 
-
-@pytest.fixture(scope="module", autouse=True)
-def slurm() -> None:
-    require_slurm()
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    return tmp_path / "home"
+pytestmark = pytest.mark.usefixtures("slurm")
 
 
 @pytest.mark.timeout(300)

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.paths import ROOT
-from tests.helpers.services import require_slurm
 from tests.helpers.slurm_jobs import (
     ctx,
     final_loss,
@@ -45,9 +44,7 @@ TWO_NODES = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def slurm() -> None:
-    require_slurm()
+pytestmark = pytest.mark.usefixtures("slurm")
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +57,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> float:
     waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "200", "--poll", "0.5", timeout=220)
     assert waited.returncode == 0, waited.stdout + waited.stderr
     return final_loss(home, job_id)
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    return tmp_path / "home"
 
 
 def two_node_job(tmp_path: Path, home: Path, *sets: str, **extra: str) -> str:

@@ -38,7 +38,7 @@ from tests.helpers.healing import (
     replans,
 )
 from tests.helpers.paths import ROOT
-from tests.helpers.services import PUSHGATEWAY_URL, poll, require_prometheus, require_slurm
+from tests.helpers.services import PUSHGATEWAY_URL, poll, require_prometheus
 from tests.helpers.slurm_jobs import ctx, job_dir, node_pids, run, status, submit, wait_for_log
 
 TWO_NODES_HEALING = [
@@ -82,14 +82,7 @@ RESUME_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 """tests/unit/test_trainer_4d.py's tolerance for losses resumed at another layout."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def slurm() -> None:
-    require_slurm()
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    return tmp_path / "home"
+pytestmark = pytest.mark.usefixtures("slurm")
 
 
 def complete(home: Path, tmp_path: Path, job_id: str, timeout: float = 300) -> dict:
