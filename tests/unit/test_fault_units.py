@@ -1,6 +1,7 @@
 """The pieces behind the Slurm fault tests, without a cluster: naming a hung rank from the
 heartbeats, telling a full disk from other save errors, a stop signal caught before the
-trainer's loop starts, and the collective timeout on the layout's own groups."""
+trainer's loop starts, the collective timeout on the layout's own groups, and injected faults
+bound to one run of a job."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ctxlaunch.contract import events
 from ctxlaunch.cp import comm
-from ctxlaunch.runtime.trainer import checkpoint, heartbeat, stopsignal
+from ctxlaunch.runtime.trainer import checkpoint, faults, heartbeat, stopsignal
 from ctxlaunch.runtime.trainer.engines import init_deepspeed
 from ctxlaunch.runtime.trainer.parallelize import build_context
 from tests.helpers.dist import run_distributed
@@ -35,6 +37,30 @@ def test_a_stale_heartbeat_names_the_hung_rank(tmp_path: Path) -> None:
     )
     os.utime(heartbeat.path(tmp_path, 2))
     assert heartbeat.describe_hang(tmp_path, 0, 3, 20) is None  # a dead peer: no one is hung
+
+
+def test_a_fault_bound_to_a_restart_acts_in_that_run_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fault = faults.from_env({faults.ENV: "kind=error,rank=0,step=2,restart=1"})
+    assert fault is not None and fault.restarts == (1, 1)
+    for count in ("0", "2"):
+        monkeypatch.setenv(events.RESTART_COUNT_ENV, count)
+        fault.maybe_fire(0, 2)  # another run: nothing
+    monkeypatch.setenv(events.RESTART_COUNT_ENV, "1")
+    fault.maybe_fire(0, 1)  # another step: nothing
+    with pytest.raises(RuntimeError, match="injected by CTXLAUNCH_INJECT_FAULT"):
+        fault.maybe_fire(0, 2)
+    unbound = faults.from_env({faults.ENV: "kind=error,rank=0,step=2"})
+    assert unbound is not None and unbound.restarts is None
+    with pytest.raises(RuntimeError):
+        unbound.maybe_fire(0, 2)
+    ranged = faults.from_env({faults.ENV: "kind=error,rank=0,step=2,restart=0-1"})
+    assert ranged is not None and ranged.restarts == (0, 1)
+    with pytest.raises(RuntimeError):
+        ranged.maybe_fire(0, 2)  # restart 1
+    monkeypatch.setenv(events.RESTART_COUNT_ENV, "2")
+    ranged.maybe_fire(0, 2)  # past the range: nothing
 
 
 def test_disk_full_is_found_in_wrapped_errors(tmp_path: Path) -> None:

@@ -124,6 +124,9 @@ def make_venv(tmp_path: Path, wheel: Path, extra: str) -> Path:
             "install",
             "--disable-pip-version-check",
             "-q",
+            # No byte-compiling of every installed module (torch's alone takes most of the
+            # install): the commands compile what they import.
+            "--no-compile",
             "-c",
             str(constraints),
             target,

@@ -144,10 +144,12 @@ def test_two_node_job_preempted_by_a_high_partition_job_resumes_and_matches(
 @pytest.mark.timeout(480)
 def test_a_time_limit_checkpoints_requeues_and_completes_later(tmp_path: Path, home: Path) -> None:
     # One minute per allocation, SIGUSR1 to the batch shell 20 s (plus up to the 30 s of
-    # Slurm's limit checks) before it: at most ~34 s of steps after a ~6 s start. Every step
-    # sleeps 0.5 s on top of its work (the `slow` fault), so the 80 steps take at least 40 s:
-    # more than one allocation holds however fast the machine runs them (a run of 100 plain
-    # steps once finished inside the first allocation), and at most ~6 allocations on a slow one.
+    # Slurm's limit checks) before it: at most ~34 s of steps after a ~6 s start. In the first
+    # run every step sleeps 0.5 s on top of its work (the `slow` fault, bound to restart 0), so
+    # its 80 steps would take at least 40 s: more than one allocation holds however fast the
+    # machine runs them (a run of 100 plain steps once finished inside the first allocation).
+    # The requeued runs go at the machine's pace (a slow fault in every run took six
+    # allocations on a loaded machine).
     job_id = two_node_job(
         tmp_path,
         home,
@@ -156,7 +158,7 @@ def test_a_time_limit_checkpoints_requeues_and_completes_later(tmp_path: Path, h
         "cluster.slurm.time_limit=00:01:00",
         "cluster.slurm.signal_seconds=20",
         "cluster.slurm.max_restarts=8",
-        CTXLAUNCH_INJECT_FAULT="kind=slow,seconds=0.5",
+        CTXLAUNCH_INJECT_FAULT="kind=slow,seconds=0.5,restart=0",
     )
     wait_for(home, tmp_path, job_id, {"PENDING", "RUNNING"}, timeout=30)
     deadline = time.monotonic() + 200
