@@ -1,6 +1,6 @@
 """What the tests against the real kube-apiserver (scripts/services/kubernetes.sh) share: kubectl
-and ctxlaunch run against it, a fresh namespace, the demo spec aimed at it, and pods played as
-the kubelet would leave them (no kubelet runs on that server)."""
+and ctxlaunch run against it, the demo spec aimed at it, and pods played as the kubelet would
+leave them (no kubelet runs on that server)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,7 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
-
-import pytest
 
 from tests.helpers.paths import JOBS
 from tests.helpers.services import KUBE_ADMIN
@@ -35,21 +32,6 @@ def kubectl(
     if check:
         assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
     return result
-
-
-@pytest.fixture
-def namespace() -> str:
-    """A fresh namespace, with the `default` service account that a controller manager would
-    create (none runs here; the pods the tests create need it)."""
-    name = f"ctxl-{uuid.uuid4().hex[:8]}"
-    kubectl("create", "namespace", name)
-    kubectl("create", "serviceaccount", "default", "-n", name)
-    return name
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    return tmp_path / "home"
 
 
 def ctx(

@@ -1,6 +1,7 @@
 """One rank of the bundled trainer, stepped in-process: the losses and (rank 0's) full
-gradients of the first step, for the exactness tests that compare layouts with one process;
-and one rank's evaluation, for the tests that compare evaluation across layouts."""
+gradients of the first step, and their comparison with one process's, for the exactness tests
+that compare layouts with one process; and one rank's evaluation, for the tests that compare
+evaluation across layouts."""
 
 from __future__ import annotations
 
@@ -76,3 +77,28 @@ def evaluate_rank(rank: int, world: int, spec_data: dict, path: str | None = Non
     if path is not None:
         load_weights(parts, spec, ctx, torch.device("cpu"), Path(path))
     return Evaluator(spec, ctx, parts.model, torch.device("cpu")).run().to_dict()
+
+
+def assert_matches_one_process(got: dict, want: dict, what: str = "") -> tuple[float, float]:
+    """Assert a run's losses (rtol 1e-5) and first-step gradients (rtol 1e-4, atol 1e-6) equal
+    the reference's (`train_steps`' results); returns the largest gradient difference, absolute
+    and relative to the largest entry of that gradient."""
+    where = f"{what}: " if what else ""
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]),
+        torch.tensor(want["losses"]),
+        rtol=1e-5,
+        atol=1e-6,
+        msg=lambda m: f"{where}losses: {m}",
+    )
+    assert set(got["grads"]) == set(want["grads"]), where
+    worst_abs = worst_rel = 0.0
+    for name, grad in want["grads"].items():
+        a, b = torch.from_numpy(got["grads"][name]), torch.from_numpy(grad)
+        torch.testing.assert_close(
+            a, b, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{where}gradient of {n}: {m}"
+        )
+        diff = float((a - b).abs().max())
+        worst_abs = max(worst_abs, diff)
+        worst_rel = max(worst_rel, diff / float(b.abs().max().clamp_min(1e-12)))
+    return worst_abs, worst_rel

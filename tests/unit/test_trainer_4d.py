@@ -12,7 +12,7 @@ import torch
 
 from ctxlaunch.contract.loader import validate_spec
 from tests.helpers.dist import run_distributed
-from tests.helpers.trainer_steps import spec_for
+from tests.helpers.trainer_steps import assert_matches_one_process, spec_for
 from tests.helpers.trainer_steps import train_steps as run_layout
 
 pytestmark = pytest.mark.distributed
@@ -66,25 +66,6 @@ def _run_all(rank: int, world: int, specs: list[dict]) -> list[dict]:
     return [run_layout(rank, world, spec, STEPS) for spec in specs]
 
 
-def compare(got: dict, want: dict) -> tuple[float, float]:
-    """Assert losses and gradients agree; returns the largest gradient difference, absolute
-    and relative to the largest entry of that gradient."""
-    torch.testing.assert_close(
-        torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=1e-6
-    )
-    assert set(got["grads"]) == set(want["grads"])
-    worst_abs = worst_rel = 0.0
-    for name, grad in want["grads"].items():
-        a, b = torch.from_numpy(got["grads"][name]), torch.from_numpy(grad)
-        torch.testing.assert_close(
-            a, b, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"gradient of {n}: {m}"
-        )
-        diff = (a - b).abs()
-        worst_abs = max(worst_abs, float(diff.max()))
-        worst_rel = max(worst_rel, float(diff.max() / b.abs().max().clamp_min(1e-12)))
-    return worst_abs, worst_rel
-
-
 def single_process(model_changes: dict) -> dict:
     """The oracle: one process, the whole sequence, ZeRO-0 (in this process: no spawn)."""
     spec = spec_for(1, **model_changes, **COMMON)
@@ -99,7 +80,7 @@ def test_tp_pp_layouts_match_single_process(world: int) -> None:
     results = run_distributed(_run_all, world, specs, timeout_s=360)[0]
     for (model, layout), got in zip(cases, results, strict=True):
         want = single_process(model)
-        worst = compare(got, want)
+        worst = assert_matches_one_process(got, want)
         loss_diff = max(abs(g - w) for g, w in zip(got["losses"], want["losses"]))
         print(
             f"world {world} {model} {layout}: max loss diff {loss_diff:.2e}, max grad diff "

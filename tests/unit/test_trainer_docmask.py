@@ -18,7 +18,7 @@ from ctxlaunch.runtime.data.indexed import IndexedWriter, token_dtype
 from ctxlaunch.runtime.data.packing import PackedTokens
 from ctxlaunch.runtime.trainer.batches import IGNORE_INDEX, Batches
 from tests.helpers.dist import run_distributed
-from tests.helpers.trainer_steps import train_steps
+from tests.helpers.trainer_steps import assert_matches_one_process, train_steps
 
 SEQ_LEN = 128
 
@@ -134,28 +134,12 @@ def _train_all(rank: int, world: int, specs: list[dict]) -> list[dict]:
 
 
 def compare(got: dict, want: dict, what: str) -> float:
-    torch.testing.assert_close(
-        torch.tensor(got["losses"]),
-        torch.tensor(want["losses"]),
-        rtol=1e-5,
-        atol=1e-6,
-        msg=lambda m: f"{what}: losses: {m}",
-    )
-    worst = 0.0
-    for name, grad in want["grads"].items():
-        a, b = torch.from_numpy(got["grads"][name]), torch.from_numpy(grad)
-        torch.testing.assert_close(
-            a, b, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{what}: gradient of {n}: {m}"
-        )
-        # Relative to the gradient's own scale: the tiny model's gradients at initialisation
-        # are ~1e-4, where atol alone would let a mis-weighted token mean (per-rank means
-        # averaged, ~1 % off here) through.
-        relative = float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-        assert relative <= 1e-5, (
-            f"{what}: gradient of {name} differs by {relative:.2e} of its largest entry"
-        )
-        worst = max(worst, relative)
-    return worst
+    """`assert_matches_one_process`, and each gradient within 1e-5 of its largest entry: the
+    tiny model's gradients at initialisation are ~1e-4, where atol alone would let a
+    mis-weighted token mean (per-rank means averaged, ~1 % off here) through."""
+    _, relative = assert_matches_one_process(got, want, what)
+    assert relative <= 1e-5, f"{what}: a gradient differs by {relative:.2e} of its largest entry"
+    return relative
 
 
 LAYOUTS = [

@@ -13,7 +13,7 @@ import torch
 
 from ctxlaunch.contract.loader import validate_spec
 from tests.helpers.dist import run_distributed
-from tests.helpers.trainer_steps import spec_for, train_steps
+from tests.helpers.trainer_steps import assert_matches_one_process, spec_for, train_steps
 
 pytestmark = pytest.mark.distributed
 
@@ -77,18 +77,7 @@ def test_layout_matches_single_process(case, reference: dict) -> None:
     model, world, changes = case
     got = train(world, spec_for(world, **{"model.preset": model}, **changes))
     want = reference[model]
-    torch.testing.assert_close(
-        torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5, atol=1e-6
-    )
-    assert set(got["grads"]) == set(want["grads"])
-    for name, grad in want["grads"].items():
-        torch.testing.assert_close(
-            torch.from_numpy(got["grads"][name]),
-            torch.from_numpy(grad),
-            rtol=1e-4,
-            atol=1e-6,
-            msg=lambda m, n=name: f"gradient of {n}: {m}",
-        )
+    assert_matches_one_process(got, want)
 
 
 def _run_with_stop(rank: int, world: int, spec_data: dict, stop_after: int | None) -> dict:

@@ -230,16 +230,22 @@ class _Workers:
         context = multiprocessing.get_context("spawn")
         self._pipes: list[Connection] = []
         self._processes: list[multiprocessing.process.BaseProcess] = []
-        # Started with SIGINT ignored, which a spawned interpreter keeps from its first
-        # instruction: a Ctrl-C while a worker is still importing prints no traceback.
-        with _sigint_ignored():
-            for _ in range(count):
-                ours, theirs = context.Pipe()
-                process = context.Process(target=_work, args=(theirs, init_args), daemon=True)
-                process.start()
-                theirs.close()
-                self._pipes.append(ours)
-                self._processes.append(process)
+        # Started with SIGINT blocked, which a spawned interpreter keeps from its first
+        # instruction: a Ctrl-C while a worker is still importing prints no traceback. Blocked,
+        # not ignored: one that reaches this process meanwhile is delivered once they are
+        # started (an ignored one was lost, and the run went on to the end).
+        try:
+            with _sigint_held():
+                for _ in range(count):
+                    ours, theirs = context.Pipe()
+                    process = context.Process(target=_work, args=(theirs, init_args), daemon=True)
+                    process.start()
+                    theirs.close()
+                    self._pipes.append(ours)
+                    self._processes.append(process)
+        except BaseException:
+            self.close(finished=False)
+            raise
 
     def map(self, batches: Iterator[list[_Record]]) -> Iterator[list[npt.NDArray[np.int64] | None]]:
         """Encoded batches in input order. Batch k goes to worker k mod count, and a worker
@@ -308,16 +314,23 @@ class _Workers:
 
 
 @contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """SIGINT ignored inside the block (in the main thread; elsewhere signals are not ours)."""
+def _sigint_held() -> Iterator[None]:
+    """SIGINT held back inside the block (in the main thread; elsewhere signals are not ours):
+    blocked, which the processes started there inherit, and one that reaches another thread
+    meanwhile recorded; either is raised again when the block ends."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    caught: list[int] = []
+    handler = signal.signal(signal.SIGINT, lambda signum, _frame: caught.append(signum))
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending one lands in `caught`
+        signal.signal(signal.SIGINT, handler)
+    if caught:
+        signal.raise_signal(signal.SIGINT)
 
 
 def _encode_batch(batch: list[_Record]) -> list[npt.NDArray[np.int64] | None]:

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.kube_api import ctx, get, home, kubectl, namespace, spec_args
+from tests.helpers.kube_api import ctx, get, kubectl, spec_args
 from tests.helpers.services import require_kubernetes
-
-__all__ = ["home", "namespace"]  # the fixtures, used by name
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -24,9 +24,7 @@ from tests.helpers.kube_api import (
     contains,
     ctx,
     get,
-    home,
     kubectl,
-    namespace,
     play_pod,
     render_dir,
     spec_args,
@@ -34,8 +32,6 @@ from tests.helpers.kube_api import (
 )
 from tests.helpers.paths import JOBS, free_port
 from tests.helpers.services import KUBE_ADMIN, KUBE_CRD, KUBE_VIEWER, require_kubernetes
-
-__all__ = ["home", "namespace"]  # the fixtures, used by name
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -22,12 +22,10 @@ import yaml
 from ctxlaunch.contract.loader import load_spec
 from ctxlaunch.launch.monitoring import DASHBOARD_MANIFEST, MonitoringOptions
 from ctxlaunch.launch.render import render_files
-from tests.helpers.kube_api import IMAGE, contains, get, kubectl, namespace
+from tests.helpers.kube_api import IMAGE, contains, get, kubectl
 from tests.helpers.paths import JOBS, ROOT
 from tests.helpers.prometheus_operator import PROMETHEUSRULE_CRD
 from tests.helpers.services import require_kubernetes
-
-__all__ = ["namespace"]  # the fixture, used by name
 
 CRD_NAME = PROMETHEUSRULE_CRD["metadata"]["name"]
 

@@ -21,9 +21,7 @@ from tests.helpers.kube_api import (
     contains,
     ctx,
     get,
-    home,
     kubectl,
-    namespace,
     play_pod,
     render_dir,
     spec_args,
@@ -31,8 +29,6 @@ from tests.helpers.kube_api import (
 )
 from tests.helpers.paths import JOBS
 from tests.helpers.services import KUBE_ADMIN
-
-__all__ = ["home", "namespace"]  # the fixtures, used by name
 
 TRAINJOB = "cluster.kubernetes.api=trainjob"
 CRDS = [

@@ -17,14 +17,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from ctxlaunch.contract import exitcodes
 from tests.helpers.healing import (
-    figures_line,
+    assert_same_losses,
     first_step_after,
     last_step_before,
     losses_by_step,
+    replanned_figures_line,
     replans,
 )
 from tests.helpers.kube_node import (
@@ -62,8 +62,6 @@ counts 685 MiB for the rank (the limit less what the processes beside it hold), 
 0.58 GiB with selective."""
 RUN_DIR = "/checkpoints/run"
 """The run directory on the checkpoint volume, so the events and metrics of both pods stay."""
-RESUME_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
-"""tests/unit/test_trainer_4d.py's tolerance for losses resumed at another layout."""
 
 
 @pytest.fixture
@@ -141,14 +139,8 @@ def test_an_oomkilled_pod_is_replaced_and_the_job_replans_and_completes(
     assert first is not None
     reached = last_step_before(run_dir, fault)
     print(
-        figures_line(
-            f"OOMKilled pod (memory limit {MEMORY_LIMIT})",
-            steps_lost=reached - replanned.get("step"),
-            checkpointed_steps_lost=0,
-            seconds_fault_to_first_step=round(first.time_seconds - fault, 1),
-            reached=reached,
-            resumed=replanned.get("step"),
-            now=replanned.get("to")["layout"],
+        replanned_figures_line(
+            f"OOMKilled pod (memory limit {MEMORY_LIMIT})", replanned, first, fault, reached
         )
     )
     healed = losses_by_step(run_dir)
@@ -166,9 +158,4 @@ def test_an_oomkilled_pod_is_replaced_and_the_job_replans_and_completes(
     )
     assert completed(home, fresh_job, fresh_stand_in)["state"] == "COMPLETED"
     fresh = losses_by_step(fresh_dir / "run")
-    steps = range(1, 7)
-    torch.testing.assert_close(
-        torch.tensor([healed[s] for s in steps], dtype=torch.float64),
-        torch.tensor([fresh[s] for s in steps], dtype=torch.float64),
-        **RESUME_TOLERANCE,
-    )
+    assert_same_losses(healed, fresh, range(1, 7))

@@ -28,13 +28,14 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.helpers.healing import (
+    assert_same_losses,
     figures_line,
     first_step_after,
     last_step_before,
     losses_by_step,
+    replanned_figures_line,
     replans,
 )
 from tests.helpers.paths import ROOT
@@ -78,8 +79,6 @@ activation checkpointing, 577 MiB with selective, 465 MiB with full; the planner
 MEMORY_LIMIT = "650M"
 """Slurm --mem for MEMORY_BOUND: below its need without checkpointing, above it (and above the
 planner's prediction) with selective or full."""
-RESUME_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
-"""tests/unit/test_trainer_4d.py's tolerance for losses resumed at another layout."""
 
 
 pytestmark = pytest.mark.usefixtures("slurm")
@@ -117,14 +116,6 @@ def reference_losses(
     final = complete(home, tmp_path, job_id)
     assert final["state"] == "COMPLETED", final
     return losses_by_step(job_dir(home, job_id) / "run")
-
-
-def assert_same_losses(healed: dict[int, float], fresh: dict[int, float], steps: range) -> None:
-    torch.testing.assert_close(
-        torch.tensor([healed[s] for s in steps], dtype=torch.float64),
-        torch.tensor([fresh[s] for s in steps], dtype=torch.float64),
-        **RESUME_TOLERANCE,
-    )
 
 
 def layout_sets(changes: dict, nodes: int) -> list[str]:
@@ -308,14 +299,12 @@ def test_a_memory_limit_too_small_for_the_layout_is_replanned_to_one_that_fits(
     assert figures["predicted_peak_bytes"] * figures["margin"] <= figures["capacity_bytes"]
     assert figures["capacity_bytes"] <= 650 * 2**20
     print(
-        figures_line(
+        replanned_figures_line(
             f"memory limit too small for the layout (--mem {MEMORY_LIMIT})",
-            steps_lost=reached - replanned.get("step"),
-            checkpointed_steps_lost=0,
-            seconds_fault_to_first_step=round(first.time_seconds - fault, 1),
-            reached=reached,
-            resumed=replanned.get("step"),
-            now=replanned.get("to")["layout"],
+            replanned,
+            first,
+            fault,
+            reached,
         )
     )
     # The re-plan is in Prometheus (pushed from the healed run).
