@@ -186,6 +186,7 @@ def cached_layer(cache: Path, key: str, fill) -> tuple[Path, str, int]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if path.is_file() and meta.is_file():
             info = json.loads(meta.read_text())
+            os.utime(path)  # used now: the pruning keeps the layers used last
             return path, info["digest"], info["size"]
         layer = Layer(path)
         try:
@@ -508,13 +509,21 @@ def project_image(repo: Path, containerd: str, cache: Path, tag_prefix: str) -> 
         f"(environment {env_layer[2] / 1e9:.2f} GB), import {done - built:.1f} s",
         file=sys.stderr,
     )
-    # Keep the cache small: the newest few source layers only.
-    sources = sorted(cache.glob("src-*.tar"), key=lambda p: p.stat().st_mtime)
-    for old in sources[:-4]:
+    # Keep the cache small: the layers used last only (an environment layer is the whole
+    # venv, about 2 GB, one per checkout; kept without bound they filled the disk, and the
+    # kubelet evicts images when its disk runs low).
+    prune(cache, "src-", keep=4)
+    prune(cache, "env-", keep=2)
+    return ref
+
+
+def prune(cache: Path, prefix: str, keep: int) -> None:
+    """Remove all but the `keep` layers named PREFIX* that were used (or written) last."""
+    layers = sorted(cache.glob(f"{prefix}*.tar"), key=lambda p: p.stat().st_mtime)
+    for old in layers[:-keep]:
         old.unlink(missing_ok=True)
         old.with_suffix(".json").unlink(missing_ok=True)
         old.with_suffix(".lock").unlink(missing_ok=True)
-    return ref
 
 
 def main(argv: list[str] | None = None) -> int:
