@@ -400,9 +400,21 @@ class FabricSpec(_Strict):
         for name, setting in value.items():
             if not ENV_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not an environment variable name")
+            if name in SHELL_OWN:
+                raise ValueError(
+                    f"{name!r} is the shell's own (bash sets or reads it itself): "
+                    "choose another name"
+                )
             if isinstance(setting, str) and "\x00" in setting:
                 raise ValueError(f"{name}: the value contains a NUL byte")
         return value
+
+
+SHELL_OWN = frozenset(
+    {"_", "PWD", "OLDPWD", "SHLVL", "IFS", "SHELLOPTS", "BASHOPTS", "BASH_ENV", "ENV"}
+)
+"""Names bash sets itself in the batch script (so an export of them would not hold) or reads
+at start-up (BASH_ENV and ENV: a file it sources)."""
 
 
 def _local_path(value: str | None) -> str | None:

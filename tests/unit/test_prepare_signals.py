@@ -143,33 +143,3 @@ def test_a_killed_worker_ends_the_run_with_its_name_and_nothing_behind(
     assert f"a tokenizer worker (process {workers[0]}) ended with exit code -9" in stderr, stderr
     assert "Traceback" not in stderr, stderr
     assert list(out.iterdir()) == []
-
-
-@pytest.mark.timeout(120)
-def test_a_ctrl_c_while_the_workers_start_is_not_lost(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The workers start with SIGINT held back (so that one importing prints no traceback): a
-    Ctrl-C that reaches the command meanwhile must still interrupt it once they have started,
-    and the workers must end. (Ignored instead of held, it was lost: the run went on to the end
-    and exited 0, which the signal tests above met on a loaded machine.)"""
-    import multiprocessing
-
-    from ctxlaunch.runtime.data import prepare
-
-    real_start = multiprocessing.get_context("spawn").Process.start
-    started: list[multiprocessing.process.BaseProcess] = []
-
-    def start_then_ctrl_c(process: multiprocessing.process.BaseProcess) -> None:
-        real_start(process)
-        started.append(process)
-        if len(started) == 1:
-            os.kill(os.getpid(), signal.SIGINT)
-
-    monkeypatch.setattr(multiprocessing.get_context("spawn").Process, "start", start_then_ctrl_c)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            prepare._Workers(2, (str(_tokenizer()), None, "text"))
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    assert len(started) == 2  # the Ctrl-C waited for the second start
-    assert not [p for p in started if p.is_alive()], started

@@ -158,6 +158,15 @@ def test_kubernetes_names_follow_rfc1123(field: str, value: str) -> None:
     assert any(path.startswith(field) for path in found), found
 
 
+@pytest.mark.parametrize("name", ["_", "PWD", "SHLVL", "BASH_ENV"])
+def test_the_shells_own_variables_are_refused_as_environment(name: str) -> None:
+    """bash sets these itself in the batch script (an export would not hold: a property test
+    found `_`) or reads them at start-up (BASH_ENV: a file it sources)."""
+    found = problems(make(**{f"fabric.env.{name}": '"x"'}))
+    assert "is the shell's own" in found.get("fabric.env", ""), found
+    assert validate_spec(make(**{"fabric.env.MY_SETTING": '"x"'})).fabric.env == {"MY_SETTING": "x"}
+
+
 def test_unknown_fields_are_errors_with_a_suggestion() -> None:
     data = make()
     data["training"]["sequence_length"] = 4096

@@ -230,19 +230,20 @@ class _Workers:
         context = multiprocessing.get_context("spawn")
         self._pipes: list[Connection] = []
         self._processes: list[multiprocessing.process.BaseProcess] = []
-        # Started with SIGINT blocked, which a spawned interpreter keeps from its first
-        # instruction: a Ctrl-C while a worker is still importing prints no traceback. Blocked,
-        # not ignored: one that reaches this process meanwhile is delivered once they are
-        # started (an ignored one was lost, and the run went on to the end).
+        # Started with SIGINT ignored, which a spawned interpreter keeps from its first
+        # instruction: a Ctrl-C while a worker is still importing prints no traceback. (A
+        # blocked one would not do: the child's signal mask is cleared at exec.) The parent
+        # ignores it only while it starts each one, a few milliseconds, and before it writes
+        # any output; a Ctrl-C that lands in them is lost.
         try:
-            with _sigint_held():
-                for _ in range(count):
-                    ours, theirs = context.Pipe()
-                    process = context.Process(target=_work, args=(theirs, init_args), daemon=True)
+            for _ in range(count):
+                ours, theirs = context.Pipe()
+                process = context.Process(target=_work, args=(theirs, init_args), daemon=True)
+                with _sigint_ignored():
                     process.start()
-                    theirs.close()
-                    self._pipes.append(ours)
-                    self._processes.append(process)
+                theirs.close()
+                self._pipes.append(ours)
+                self._processes.append(process)
         except BaseException:
             self.close(finished=False)
             raise
@@ -314,23 +315,16 @@ class _Workers:
 
 
 @contextlib.contextmanager
-def _sigint_held() -> Iterator[None]:
-    """SIGINT held back inside the block (in the main thread; elsewhere signals are not ours):
-    blocked, which the processes started there inherit, and one that reaches another thread
-    meanwhile recorded; either is raised again when the block ends."""
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored inside the block (in the main thread; elsewhere signals are not ours)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    caught: list[int] = []
-    handler = signal.signal(signal.SIGINT, lambda signum, _frame: caught.append(signum))
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending one lands in `caught`
-        signal.signal(signal.SIGINT, handler)
-    if caught:
-        signal.raise_signal(signal.SIGINT)
+        signal.signal(signal.SIGINT, previous)
 
 
 def _encode_batch(batch: list[_Record]) -> list[npt.NDArray[np.int64] | None]:
@@ -433,16 +427,15 @@ def prepare(
         )
     init_args = (str(tokenizer_path), eod_token, json_field)
     documents = tokens = empty = read = 0
-    pool: _Workers | None = None
-    # Inputs' OSErrors are PrepareErrors naming the input by now (_records): any left is the
-    # output's.
-    with (
-        output_errors(output),
-        IndexedWriter(output, token_dtype(tokenizer.vocab_size)) as writer,
-    ):
-        try:
-            if workers > 1:
-                pool = _Workers(workers, init_args)
+    # The workers start before any output exists (see _Workers on SIGINT).
+    pool = _Workers(workers, init_args) if workers > 1 else None
+    try:
+        # Inputs' OSErrors are PrepareErrors naming the input by now (_records): any left is
+        # the output's.
+        with (
+            output_errors(output),
+            IndexedWriter(output, token_dtype(tokenizer.vocab_size)) as writer,
+        ):
             batches = _batches(paths)
             # Per batch sent and not yet written: its input bytes and which of its records end
             # their document (the text itself is not kept).
@@ -473,12 +466,12 @@ def prepare(
                     on_progress(read)
             if documents == 0:
                 raise PrepareError(f"{', '.join(map(str, paths))}: no document has any text")
-        except BaseException:
-            if pool is not None:
-                pool.close(finished=False)
-            raise
+    except BaseException:
         if pool is not None:
-            pool.close(finished=True)
+            pool.close(finished=False)
+        raise
+    if pool is not None:
+        pool.close(finished=True)
     bin_path, idx_path = indexed_files(output)
     return PrepareResult(
         bin_path,
