@@ -40,6 +40,10 @@ def _command(corpus: Path, out: Path, *, workers: int) -> list[str]:
     return [
         sys.executable,
         "-c",
+        # Ctrl-C handled as a terminal's foreground command has it, whatever this test process
+        # passes on: an inherited SIG_IGN would stay ignored (the whole-suite runs saw a group
+        # SIGINT have no effect at all, exit 0 after the full run).
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
         "from ctxlaunch.cli import main; main()",
         "data",
         "prepare",
