@@ -27,16 +27,12 @@ def big_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _tokenizer() -> Path:
+def _command(corpus: Path, out: Path, *, workers: int) -> list[str]:
     from importlib.metadata import distribution
 
     # Mistral 7B's SentencePiece model, shipped in mistral-common (scripts/setup installs it).
     member = "mistral_common/data/tokenizer.model.v1"
-    return Path(str(distribution("mistral_common").locate_file(member)))
-
-
-def _command(corpus: Path, out: Path, *, workers: int) -> list[str]:
-    tokenizer = _tokenizer()
+    tokenizer = Path(str(distribution("mistral_common").locate_file(member)))
     return [
         sys.executable,
         "-c",
