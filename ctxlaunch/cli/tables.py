@@ -83,10 +83,14 @@ def print_plan(report: PlanReport) -> None:
         cps.add_row(*row, note[:90] + ("..." if len(note) > 90 else ""))
     out.print(cps)
     if offload:
-        recipe = next(o.offload_layout for o in report.cp_options if o.offload_layout)
+        recipes = [o.offload_layout for o in report.cp_options if o.offload_layout]
+        recipe = recipes[0].replace(attention_tile_tokens=0)
+        tiles = max(r.attention_tile_tokens for r in recipes)
+        on_rings = f", attention tiles {tiles:,} on a ring" if tiles else ""
         out.print(
-            f"with offload: {recipe.describe_memory_settings()}, ZeRO-3 ({recipe.engine}), "
-            "full checkpointing, the longest-reaching CP algorithm; host memory against "
+            f"with offload: {recipe.describe_memory_settings()}{on_rings}, ZeRO-3 "
+            f"({recipe.engine}), full checkpointing, the longest-reaching CP algorithm; host "
+            "memory against "
             f"{report.spec.cluster.host_memory_bytes / GiB:,.0f} GiB per node "
             "(cluster.host_memory_gib)"
         )

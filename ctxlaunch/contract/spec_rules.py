@@ -34,6 +34,7 @@ def layout_problems(
     out.extend(head_split_problems(m, dims))
     out.extend(engine_problems(t, dims))
     out.extend(offload_problems(t, dims))
+    out.extend(attention_tile_problems(t, dims))
     grad_accum = t.grad_accum_at(dims.dp) if dims.fills_world else None
     out.extend(pipeline_problems(m, p, grad_accum))
     out.extend(tensor_parallel_problems(m, p, t.seq_len))
@@ -210,6 +211,21 @@ def offload_problems(t: TrainingSpec, dims: ParallelDims) -> list[InitErrorDetai
             )
         )
     return out
+
+
+def attention_tile_problems(t: TrainingSpec, dims: ParallelDims) -> list[InitErrorDetails]:
+    """training.attention_tile_tokens tiles the ring's backward: it needs a ring."""
+    if not t.attention_tile_tokens or dims.ring > 1:
+        return []
+    return [
+        _problem(
+            ("training", "attention_tile_tokens"),
+            t.attention_tile_tokens,
+            f"attention tiles split the ring attention's backward, but this layout has no ring "
+            f"(cp {dims.cp}, ring degree {dims.ring}); fix: remove attention_tile_tokens, or "
+            "cp_algorithm ring or hybrid with a ring degree above 1",
+        )
+    ]
 
 
 def batch_problems(t: TrainingSpec, dims: ParallelDims) -> list[InitErrorDetails]:

@@ -384,6 +384,12 @@ class TrainingSpec(_Strict):
     backward, so its (tokens x ffn) intermediates exist for one tile at a time and only its
     input is kept for backward: one more feed-forward pass per step. Arctic Long Sequence
     Training tiles at about the hidden size. None: the feed-forward runs whole."""
+    attention_tile_tokens: PositiveInt | None = None
+    """The ring attention's backward (ring and hybrid CP) computed over tiles of at most this
+    many query rows and this many key rows, each tile's gradients added into the block's, so
+    the kernels' gradient buffers and accumulators grow with the tile, not with the rank's
+    shard. Exact (the same sums in another order). Worth it where a rank holds several tiles'
+    worth of tokens; None: one kernel call per ring block."""
     optimizer: OptimizerSpec = OptimizerSpec()
     seed: int = Field(0, ge=0)
     checkpoint: CheckpointSpec = CheckpointSpec()

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from . import comm, kernels
 from .documents import RingShards, check_documents
 from .reference import full_attention
-from .ring import ring_attention_on
+from .ring import check_tile_tokens, ring_attention_on
 from .sharding import check_shard_len
 from .ulysses import HeadShardPlan, check_head_split, head_sharded_attention
 
@@ -63,6 +63,7 @@ def hybrid_attention(
     scale: float | None = None,
     return_lse: bool = False,
     documents: Sequence[Sequence[int]] | None = None,
+    tile_tokens: int | None = None,
 ):
     """Ulysses x ring attention; differentiable.
 
@@ -75,6 +76,7 @@ def hybrid_attention(
     constraint, which is how GQA with few K/V heads reaches degrees beyond Hkv).
     ``documents``: a document mask, the global boundaries as ``ring_attention`` takes them
     (under ``sharding="balanced"`` the shards must have been cut with the same ``documents``).
+    ``tile_tokens``: the inner ring's backward over tiles (``ring_attention``'s).
     """
     kernels.check_qkv(q, k, v)
     ulysses_size, ring_size = dist.get_world_size(ulysses_group), dist.get_world_size(ring_group)
@@ -82,6 +84,7 @@ def hybrid_attention(
     check_shard_len(q.size(2), k.size(2), cp_world_size, sharding)
     check_head_split(q, k, ulysses_size, "hybrid_attention")
     scale = kernels.resolve_scale(q, scale)
+    check_tile_tokens(tile_tokens)
     cu = check_documents(documents, causal, q.size(0), q.size(2) * cp_world_size)
     first = dist.get_rank(ring_group) * ulysses_size
     members = list(range(first, first + ulysses_size))
@@ -91,6 +94,8 @@ def hybrid_attention(
     def attend(qh, kh, vh):
         if ring_size == 1:
             return full_attention(qh, kh, vh, causal, scale, return_lse=True, documents=cu)
-        return ring_attention_on(qh, kh, vh, ring_group, causal, shards, scale, True, cu)
+        return ring_attention_on(
+            qh, kh, vh, ring_group, causal, shards, scale, True, cu, tile_tokens
+        )
 
     return head_sharded_attention(q, k, v, plan, attend, return_lse)

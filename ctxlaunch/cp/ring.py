@@ -17,6 +17,10 @@ and merged the same way (the per-rectangle path), or, where ``kernels.masked_ker
 that share no document compute nothing (their K/V still pass through, since the ring's later
 ranks need them). The shards may be cut by any CP sharding, the balanced one included: a
 rank's shard is its runs of the sequence (``documents.RingShards``).
+
+Under ``tile_tokens`` backward cuts every piece into tiles of at most that many query and key
+rows (``_tiles``), so the kernels' gradient buffers are a tile's, not a shard's; a masked block
+whose shard the tiles cut runs as its rectangles, each tiled, not as one FlexAttention call.
 """
 
 from __future__ import annotations
@@ -204,7 +208,39 @@ def _split_diagonal(pieces: list[BatchPart]) -> tuple[list[BatchPart], list[Batc
     return causal[: len(causal) // 2], causal[len(causal) // 2 :]
 
 
-def _ring_backward(grad_out, q, k, v, out, lse, group, causal, shards, scale, documents=None):
+def _span(rows: slice, length: int) -> tuple[int, int]:
+    start, stop, _ = rows.indices(length)
+    return start, stop
+
+
+def _cuts(start: int, stop: int, tile: int) -> list[tuple[int, int]]:
+    return [(first, min(first + tile, stop)) for first in range(start, stop, tile)]
+
+
+def _tiles(part: Part, q_len: int, kv_len: int, tile: int | None) -> list[Part]:
+    """A piece cut into tiles of at most ``tile`` query rows and ``tile`` key rows. A causal
+    piece is a square aligned top-left: its tiles share one grid, those below the diagonal
+    are whole, those on it causal and those above it hidden. ``tile`` None: the piece itself."""
+    rows, kv_rows, causal = part
+    if tile is None:
+        return [part]
+    q_span, kv_span = _span(rows, q_len), _span(kv_rows, kv_len)
+    if q_span[1] - q_span[0] <= tile and kv_span[1] - kv_span[0] <= tile:
+        return [part]
+    if causal and q_span[1] - q_span[0] != kv_span[1] - kv_span[0]:
+        raise ValueError(f"a causal piece must be square, got rows {q_span} and keys {kv_span}")
+    q_cuts, kv_cuts = _cuts(*q_span, tile), _cuts(*kv_span, tile)
+    return [
+        (slice(*q_cut), slice(*kv_cut), causal and i == j)
+        for i, q_cut in enumerate(q_cuts)
+        for j, kv_cut in enumerate(kv_cuts)
+        if not causal or j <= i
+    ]
+
+
+def _ring_backward(
+    grad_out, q, k, v, out, lse, group, causal, shards, scale, documents=None, tile=None
+):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     stream = side_stream(q.device)
     kv_comm, grad_comm = RingComm(group, stream), RingComm(group, stream)
@@ -225,22 +261,29 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, shards, scale, do
         dk: torch.Tensor,
         dv: torch.Tensor,
     ) -> None:
-        block_dq, block_dk, block_dv = kernels.attention_backward(
-            grad_out[batch, :, rows],
-            q[batch, :, rows],
-            k_shard[batch, :, kv_rows],
-            v_shard[batch, :, kv_rows],
-            out[batch, :, rows],
-            lse[batch, :, rows],
-            block_causal,
-            scale,
-        )
-        # In place, the kernel's dtype converted on the fly (CUDA casts inside the add kernel).
-        dq[batch, :, rows] += block_dq
-        dk[batch, :, kv_rows] += block_dk
-        dv[batch, :, kv_rows] += block_dv
+        for q_tile, kv_tile, tile_causal in _tiles(
+            (rows, kv_rows, block_causal), q.size(2), k_shard.size(2), tile
+        ):
+            block_dq, block_dk, block_dv = kernels.attention_backward(
+                grad_out[batch, :, q_tile],
+                q[batch, :, q_tile],
+                k_shard[batch, :, kv_tile],
+                v_shard[batch, :, kv_tile],
+                out[batch, :, q_tile],
+                lse[batch, :, q_tile],
+                tile_causal,
+                scale,
+            )
+            # In place, the kernel's dtype converted on the fly (CUDA casts inside the add
+            # kernel).
+            dq[batch, :, q_tile] += block_dq
+            dk[batch, :, kv_tile] += block_dk
+            dv[batch, :, kv_tile] += block_dv
 
-    one_call = documents is not None and kernels.masked_kernel(q.device) == "flex"
+    # Where tiles cut the shard, a masked block runs as its rectangles, each tiled (a block
+    # mask covers the whole of a block's keys).
+    cut = tile is not None and tile < q.size(2)
+    one_call = documents is not None and not cut and kernels.masked_kernel(q.device) == "flex"
 
     def one_call_block(rows: tuple[int, int], src, k_shard, v_shard, dk, dv) -> None:
         """A block's gradients in one FlexAttention call (its query rows ``rows``)."""
@@ -316,19 +359,19 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, causal, shards, scale, do
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, shards, scale, documents):
+    def forward(ctx, q, k, v, group, causal, shards, scale, documents, tile):
         # gloo sends only contiguous buffers.
         k, v = k.contiguous(), v.contiguous()
         out, lse = _ring_forward(q, k, v, group, causal, shards, scale, documents)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, causal, shards, scale, documents)
+        ctx.args = (group, causal, shards, scale, documents, tile)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         dq, dk, dv = _ring_backward(grad_out, *ctx.saved_tensors, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -341,6 +384,7 @@ def ring_attention(
     scale: float | None = None,
     return_lse: bool = False,
     documents: Sequence[Sequence[int]] | None = None,
+    tile_tokens: int | None = None,
 ):
     """Ring attention over the ranks of ``group`` (None: the default group); differentiable.
 
@@ -356,17 +400,29 @@ def ring_attention(
     and blocks that share no document are skipped (see ``documents.py``). Needs ``causal``.
     Under ``sharding="balanced"`` the shards must have been cut with the same ``documents``
     (``shard_sequence(..., documents=documents)``).
+
+    ``tile_tokens``: backward computes each block over tiles of at most this many query rows
+    and key rows, so what the kernels allocate (their dq, dk, dv and accumulators) is bounded
+    by the tile, not by the shard; the same sums in another order. None: one call per block.
     """
     kernels.check_qkv(q, k, v)
     world_size = dist.get_world_size(group)
     check_shard_len(q.size(2), k.size(2), world_size, sharding)
     scale = kernels.resolve_scale(q, scale)
+    check_tile_tokens(tile_tokens)
     if world_size == 1:
         return full_attention(q, k, v, causal, scale, return_lse, documents)
     cu = check_documents(documents, causal, q.size(0), q.size(2) * world_size)
     return ring_attention_on(
-        q, k, v, group, causal, RingShards(sharding, world_size), scale, return_lse, cu
-    )
+        q, k, v, group, causal, RingShards(sharding, world_size), scale, return_lse, cu,
+        tile_tokens,
+    )  # fmt: skip
+
+
+def check_tile_tokens(tile_tokens: int | None) -> None:
+    """Raise ValueError unless ``tile_tokens`` is None or a positive integer."""
+    if tile_tokens is not None and (isinstance(tile_tokens, bool) or tile_tokens < 1):
+        raise ValueError(f"tile_tokens must be None or a positive integer, got {tile_tokens!r}")
 
 
 def ring_attention_on(
@@ -379,8 +435,9 @@ def ring_attention_on(
     scale: float,
     return_lse: bool,
     documents: CuSeqlens | None,
+    tile_tokens: int | None = None,
 ):
     """``ring_attention`` on checked inputs, over shards cut as ``shards`` says (a hybrid's
     inner ring holds its Ulysses groups' tokens)."""
-    out, lse = _RingAttention.apply(q, k, v, group, causal, shards, scale, documents)
+    out, lse = _RingAttention.apply(q, k, v, group, causal, shards, scale, documents, tile_tokens)
     return (out, lse) if return_lse else out

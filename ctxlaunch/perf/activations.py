@@ -84,6 +84,11 @@ if TYPE_CHECKING:
 LOSS_CHUNK_TOKENS = 2048
 """The output head and cross-entropy run over chunks of this many tokens, each recomputed in
 backward, so the (tokens x vocab) logits never exist for the whole local sequence at once."""
+ATTENTION_TILE_TOKENS = 65536
+"""The tile the offload recipe gives the ring's attention backward (`plan.offload_steps`):
+long enough that each kernel call still fills the GPU (a 64K x 64K tile of 32 heads is over a
+million FlashAttention-2 thread blocks), short enough that on a rank holding hundreds of
+thousands of tokens the kernels' gradient buffers become a small share of its memory."""
 BACKWARD_CHUNK_TOKENS = 1024
 """The RMSNorm and SwiGLU backward passes compute their fp32 pointwise math over chunks of this
 many tokens, so those temporaries do not grow with the sequence."""
@@ -134,11 +139,14 @@ def recompute_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
 
 def attention_workspace_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
     """Transient buffers of one attention call in backward (its peak), per local token:
-    fp32 dQ accumulator, K/V grads and their transfer buffers, kernel outputs."""
+    fp32 dQ accumulator, K/V grads and their transfer buffers, kernel outputs (those of one
+    tile under `Layout.attention_tile_tokens`)."""
     # a, h_q, h_kv: the symbols of the module docstring's table.
     a = layout.compute_bytes
     h_q, h_kv = model.q_hidden, model.kv_hidden
-    kernel_grads = a * 3 * h_q  # dq, dk, dv from the kernel, K/V expanded to all query heads
+    # dq, dk, dv from the kernel, K/V expanded to all query heads; under attention tiles the
+    # ring's kernel calls cover one tile's rows.
+    kernel_grads = a * 3 * h_q * layout.attention_tile_fraction
     if layout.cp == 1:
         return kernel_grads
     if layout.cp_algorithm == "ulysses":

@@ -78,6 +78,9 @@ class Layout:
     """training.offload.activations: each block's checkpointed input in host memory."""
     mlp_tile_tokens: int = 0
     """training.mlp_tile_tokens: the feed-forward over tiles of this many tokens; 0: whole."""
+    attention_tile_tokens: int = 0
+    """training.attention_tile_tokens: the ring's attention backward over tiles of at most this
+    many query and key rows; 0: one kernel call per block."""
     framework: Framework = "ctxlaunch"
     """Whose memory habits to plan: "ctxlaunch", the bundled trainer (FSDP2 under TP or PP keeps
     fp32 weights and an fp32 residual under autocast; its TP keeps the gathered norm outputs
@@ -110,6 +113,7 @@ class Layout:
             offload_parameters=t.offload.parameters,
             offload_activations=t.offload.activations,
             mlp_tile_tokens=t.mlp_tile_tokens or 0,
+            attention_tile_tokens=t.attention_tile_tokens or 0,
             dtype=spec.model.dtype,
             matmul_precision="bf16" if spec.model.dtype == "bf16" else "fp32",
             attended_fraction=(
@@ -156,6 +160,7 @@ class Layout:
             "training.offload.parameters": self.offload_parameters,
             "training.offload.activations": self.offload_activations,
             "training.mlp_tile_tokens": self.mlp_tile_tokens or None,
+            "training.attention_tile_tokens": self.attention_tile_tokens or None,
             "model.dtype": self.dtype,
         }
 
@@ -192,6 +197,16 @@ class Layout:
     def ring_degree(self) -> int:
         """Ring (outer) degree of the CP group."""
         return self.cp // self.ulysses_degree
+
+    @property
+    def attention_tile_fraction(self) -> float:
+        """The share of its shard's rows one attention kernel call of the ring's backward
+        covers: below 1 under `attention_tile_tokens` shorter than what the inner ring holds
+        (the CP shard's tokens times the Ulysses degree); 1 without a ring or tiles."""
+        if not self.attention_tile_tokens or self.cp == 1 or self.ring_degree == 1:
+            return 1.0
+        ring_rows = self.tokens_per_rank * self.ulysses_degree
+        return min(1.0, self.attention_tile_tokens / ring_rows)
 
     @property
     def attention_imbalance(self) -> float:
@@ -274,6 +289,8 @@ class Layout:
         parts = [f"offload {'+'.join(moved)}"] if moved else []
         if self.mlp_tile_tokens:
             parts.append(f"MLP tiles {self.mlp_tile_tokens:,}")
+        if self.attention_tile_tokens:
+            parts.append(f"attention tiles {self.attention_tile_tokens:,}")
         return ", ".join(parts)
 
     @property

@@ -157,8 +157,14 @@ def cuda_kernel_allowance(model: ModelSpec, layout: Layout) -> float:
     small blocks (<= 1 MiB) out of 2 MiB segments and large ones out of 20 MiB segments
     (c10/cuda/CUDACachingAllocator.cpp, kRoundSmall/kSmallBuffer/kLargeBuffer): one 2 MiB
     small segment and one 20 MiB large segment half-empty at the peak are allowed for."""
-    # Under Ulysses the kernel sees the whole sequence and heads / N: the same bytes.
-    flash = layout.tokens_per_rank * (4 * model.q_hidden + 4 * model.heads) / layout.tp
+    # Under Ulysses the kernel sees the whole sequence and heads / N: the same bytes. Under
+    # attention tiles each of the ring's kernel calls covers one tile's query rows.
+    flash = (
+        layout.tokens_per_rank
+        * (4 * model.q_hidden + 4 * model.heads)
+        * layout.attention_tile_fraction
+        / layout.tp
+    )
     return flash + 2 * 2**20 + 20 * 2**20
 
 

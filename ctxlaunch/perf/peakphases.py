@@ -597,9 +597,10 @@ def attention_backward_bytes_per_token(model: ModelSpec, layout: Layout) -> floa
     the kernel's dq, dk, dv and its row statistics (delta, fp32), and for the CP algorithms
     their buffers: the ring's fp32 dq accumulator, its fp32 dK/dV (this rank's, the pair in
     hand and the pair arriving) and the K/V arriving (cp/ring.py, `_ring_backward`); Ulysses'
-    all-to-all buffers of q, k, v and their gradients (cp/ulysses.py)."""
+    all-to-all buffers of q, k, v and their gradients (cp/ulysses.py). Under attention tiles
+    the kernel's share is one tile's."""
     a, h, h_kv = layout.compute_bytes, model.hidden, model.kv_hidden
-    kernel = a * (h + 2 * h_kv) + 4 * model.heads
+    kernel = (a * (h + 2 * h_kv) + 4 * model.heads) * layout.attention_tile_fraction
     if layout.cp == 1:
         return kernel
     if layout.cp_algorithm == "ulysses":

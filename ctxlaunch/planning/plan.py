@@ -11,6 +11,7 @@ from typing import Any
 
 from ctxlaunch.contract.hardware import GiB
 from ctxlaunch.contract.spec import JobSpec, cp_problems, problem_message
+from ctxlaunch.perf.activations import ATTENTION_TILE_TOKENS
 from ctxlaunch.perf.flops import CONVENTIONS, count_params, flops_per_token
 from ctxlaunch.perf.hostmemory import HostEstimate, HostLimit, host_estimate
 from ctxlaunch.perf.layout import Layout
@@ -266,7 +267,7 @@ def offload_steps(spec: JobSpec, layout: Layout) -> list[Layout]:
         mlp_tile_tokens=0,
     )
     activations = base.replace(offload_activations=layout.pp == 1)
-    tiled = activations.replace(mlp_tile_tokens=spec.model.hidden)
+    tiled = _with_attention_tiles(activations.replace(mlp_tile_tokens=spec.model.hidden))
     steps = [base, activations, tiled]
     if engine == "deepspeed":
         steps.append(tiled.replace(offload_parameters=True))
@@ -299,8 +300,17 @@ def offload_recipe(spec: JobSpec, layout: Layout) -> list[Layout]:
         if cp_problems(spec.model, parallel, spec.training.seq_len):
             continue
         inner = ulysses if ulysses is not None else (layout.cp if algorithm == "ulysses" else 1)
-        out.append(recipe.replace(cp_algorithm=algorithm, ulysses_degree=inner))
+        at = recipe.replace(cp_algorithm=algorithm, ulysses_degree=inner, attention_tile_tokens=0)
+        out.append(_with_attention_tiles(at))
     return out
+
+
+def _with_attention_tiles(layout: Layout) -> Layout:
+    """The tiled step's attention: the ring's backward over tiles of ATTENTION_TILE_TOKENS
+    where the layout has a ring (`training.attention_tile_tokens`)."""
+    if layout.cp == 1 or layout.ring_degree == 1:
+        return layout
+    return layout.replace(attention_tile_tokens=ATTENTION_TILE_TOKENS)
 
 
 def _offload_reach(

@@ -389,6 +389,23 @@ def test_peak_with_offloaded_activations_and_tiles_within_2_percent() -> None:
     )
 
 
+@pytest.mark.timeout(600)
+def test_peak_with_attention_tiles_at_cp2_within_2_percent() -> None:
+    """The ring's backward over attention tiles at CP 2, both ranks, in the offload recipe's
+    compute (full checkpointing, the tiled feed-forward, the block inputs offloaded; 4 blocks,
+    8 K/V heads so that the attention backward is the step's peak): without tiles, and with
+    tiles of an eighth of a rank's shard (its peak about 5 % lower, as planned)."""
+    recipe = {
+        "parallel.cp": 2,
+        "model.layers": 4,
+        "model.kv_heads": 8,
+        "training.activation_checkpointing": "full",
+        "training.mlp_tile_tokens": 256,
+        "training.offload.activations": "true",
+    }
+    _check_offload(2, [recipe, {**recipe, "training.attention_tile_tokens": 256}])
+
+
 @pytest.mark.timeout(900)
 def test_peak_with_offloaded_optimizer_within_2_percent() -> None:
     """The optimizer offloaded at dp 2, both ranks: FSDP2's CPU offload policy at ZeRO-2 and

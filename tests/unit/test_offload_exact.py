@@ -1,8 +1,8 @@
-"""Offload and the tiled feed-forward are exact: each of training.offload's switches and
-training.mlp_tile_tokens trains to the plain step's losses and gradients (one process over the
-whole sequence, ZeRO-0), at one process, CP 2, FSDP2 and DeepSpeed (gloo on CPU). The copies to
-host memory are real copies on the CPU too (the same code path as on a GPU, without the side
-stream and the pinning, which need CUDA)."""
+"""Offload and tiled compute are exact: each of training.offload's switches,
+training.mlp_tile_tokens and training.attention_tile_tokens trains to the plain step's losses
+and gradients (one process over the whole sequence, ZeRO-0), at one process, CP 2, FSDP2 and
+DeepSpeed (gloo on CPU). The copies to host memory are real copies on the CPU too (the same
+code path as on a GPU, without the side stream and the pinning, which need CUDA)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ CASES = [
         {
             "parallel.cp": 2,
             "training.mlp_tile_tokens": 48,
+            "training.attention_tile_tokens": 48,
             "training.offload.activations": "true",
             **FULL,
         },
@@ -58,6 +59,7 @@ CASES = [
             "training.offload.optimizer": "true",
             "training.offload.parameters": "true",
             "training.mlp_tile_tokens": 48,
+            "training.attention_tile_tokens": 48,
         },
     ),
 ]

@@ -119,6 +119,34 @@ def test_offloaded_activations_and_tiles_lengthen_the_reach() -> None:
     assert reach["plain"] < reach["optimizer"] < reach["activations"] < reach["tiled"]
 
 
+def test_attention_tiles_lengthen_the_ring_reach() -> None:
+    """On a ring the kernels' gradient buffers grow with the shard; tiles bound them (in the
+    sum of the parts, the CUDA allowance and the phase peak), and nothing changes without a
+    ring."""
+    from ctxlaunch.perf.memory import cuda_kernel_allowance, estimate, peak
+
+    recipe = {
+        "offload_optimizer": True,
+        "offload_parameters": True,
+        "offload_activations": True,
+        "mlp_tile_tokens": 4096,
+        "cp": 32,
+        "seq_len": 15_000_000,
+    }
+    whole = _layout(**recipe)
+    tiled = whole.replace(attention_tile_tokens=65536)
+    assert 0 < tiled.attention_tile_fraction < 0.15 and whole.attention_tile_fraction == 1
+    assert estimate(LLAMA_8B, tiled, H100).total < estimate(LLAMA_8B, whole, H100).total
+    assert not estimate(LLAMA_8B, whole, H100).fits and estimate(LLAMA_8B, tiled, H100).fits
+    assert cuda_kernel_allowance(LLAMA_8B, tiled) < cuda_kernel_allowance(LLAMA_8B, whole)
+    assert peak(LLAMA_8B, tiled).total < peak(LLAMA_8B, whole).total
+    ulysses = whole.replace(cp=8, cp_algorithm="ulysses", ulysses_degree=8, seq_len=1 << 20)
+    assert ulysses.replace(attention_tile_tokens=65536).attention_tile_fraction == 1
+    assert "training.attention_tile_tokens" in problems(
+        make(**{"training.attention_tile_tokens": 4096, "parallel.cp": 1})
+    )
+
+
 def test_host_memory_bounds_the_reach() -> None:
     """With too little host memory the offloaded activations stop the sequence short."""
     layout = _layout(offload_optimizer=True, offload_activations=True)
@@ -216,11 +244,11 @@ def _reach_spec(gpus: int, host_gib: float | None = None) -> dict:
     return data
 
 
-@pytest.mark.parametrize("gpus, anchor", [(1, 500_000), (8, 3_700_000)])
+@pytest.mark.parametrize("gpus, anchor", [(1, 500_000), (8, 3_700_000), (32, 15_000_000)])
 def test_reach_of_llama3_8b_on_h100_with_offload(gpus: int, anchor: int) -> None:
     """Arctic Long Sequence Training's reach for Llama-3.1-8B on H100 (500K tokens on 1 GPU,
-    3.7M on 8), with the host memory its nodes had (1.9 TB): `plan`'s longest sequence with
-    the offload recipe at least matches it."""
+    3.7M on 8, 15M on 32), with the host memory its nodes had (1.9 TB): `plan`'s longest
+    sequence with the offload recipe at least matches it."""
     report = plan_job(validate_spec(_reach_spec(gpus, host_gib=1900 * 1000**3 / GiB)))
     option = next(o for o in report.cp_options if o.cp == gpus)
     assert option.longest_seq_len < anchor  # without offload it does not get there

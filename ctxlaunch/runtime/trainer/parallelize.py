@@ -183,13 +183,20 @@ def build_context(
     )
 
 
-def attention_for(ctx: ParallelContext, algorithm: str) -> AttentionFn:
-    """The attention the layout calls for, bound to this rank's groups."""
+def attention_for(
+    ctx: ParallelContext, algorithm: str, tile_tokens: int | None = None
+) -> AttentionFn:
+    """The attention the layout calls for, bound to this rank's groups (a ring's backward
+    over tiles of `tile_tokens`, training.attention_tile_tokens)."""
     if ctx.cp == 1:
         return partial(cp_attention.full_attention, causal=True)
     if algorithm == "ring" or (algorithm == "hybrid" and ctx.ulysses == 1):
         return partial(
-            cp_attention.ring_attention, group=ctx.cp_group, causal=True, sharding=ctx.cp_sharding
+            cp_attention.ring_attention,
+            group=ctx.cp_group,
+            causal=True,
+            sharding=ctx.cp_sharding,
+            tile_tokens=tile_tokens,
         )
     if algorithm == "ulysses" or (algorithm == "hybrid" and ctx.ulysses == ctx.cp):
         return partial(
@@ -206,6 +213,7 @@ def attention_for(ctx: ParallelContext, algorithm: str) -> AttentionFn:
             ring_group=ctx.ring_group,
             causal=True,
             sharding=ctx.cp_sharding,
+            tile_tokens=tile_tokens,
         )
     raise ValueError(f"unknown CP algorithm {algorithm!r}")
 
@@ -232,6 +240,8 @@ class ParallelSettings:
     initial weights are read from it instead of drawn."""
     mlp_tile_tokens: int | None = None
     """training.mlp_tile_tokens: the feed-forward over tiles of this many tokens."""
+    attention_tile_tokens: int | None = None
+    """training.attention_tile_tokens: the ring attention's backward over tiles."""
     offload_states: bool = False
     """training.offload.optimizer under FSDP2: its CPU offload policy (the sharded parameters,
     their gradients and the optimizer's states in host memory)."""
@@ -243,6 +253,7 @@ class ParallelSettings:
         t = spec.training
         return cls(
             mlp_tile_tokens=t.mlp_tile_tokens,
+            attention_tile_tokens=t.attention_tile_tokens,
             offload_states=t.offload.optimizer and spec.state_engine == "fsdp2",
             offload_activations=t.offload.activations,
             cp_algorithm=spec.parallel.cp_algorithm,
@@ -303,7 +314,7 @@ def parallelize(
     with `model.init_from`, just the rows (and columns) this rank keeps, read from the
     Hugging Face checkpoint (`ctxlaunch.runtime.trainer.hf`)."""
     full_shapes = {name: p.shape for name, p in model.named_parameters()}
-    attend = attention_for(ctx, settings.cp_algorithm)
+    attend = attention_for(ctx, settings.cp_algorithm, settings.attention_tile_tokens)
     for block in model.block_modules():
         block.attn.attend = attend
     plan = apply_tensor_parallel(model, ctx)

@@ -176,3 +176,77 @@ def _check_groups_and_errors(rank, world_size):
 @pytest.mark.timeout(120)
 def test_groups_unshard_and_errors():
     run_distributed(_check_groups_and_errors, 4)
+
+
+def _check_tiles(rank, world_size):
+    """Tiled backward against one call per block: the same out, lse and gradients. A masked
+    block the tiles cut runs as its rectangles even where FlexAttention is asked for."""
+    from ctxlaunch.cp import kernels
+
+    ulysses_group, ring_group = new_hybrid_groups(2)
+    seq_len = 24 * world_size
+    documents = [[0, 7, 40, seq_len]]
+    cases = [
+        (method, causal, sharding, docs, tile, "auto")
+        for method in ("ring", "hybrid")
+        for causal, sharding, docs in (
+            (True, "zigzag", None),
+            (False, "zigzag", None),
+            (True, "contiguous", None),
+            (True, "zigzag", documents),
+        )
+        for tile in (5, 16)
+    ] + [("ring", True, "zigzag", documents, 5, "flex")]
+    for method, causal, sharding, documents, tile, masked in cases:
+        kernels.use_masked_kernel(masked)
+        name = f"{method} causal={causal} {sharding} documents={documents} tile={tile} {masked}"
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        q = torch.randn(1, 4, seq_len, 8, generator=g)
+        k, v = (torch.randn(1, 2, seq_len, 8, generator=g) for _ in range(2))
+        grad = torch.randn(1, 4, seq_len, 8, generator=g)
+
+        def run(tile_tokens):
+            local = [
+                shard_sequence(t, None, dim=2, sharding=sharding).clone().requires_grad_()
+                for t in (q, k, v)
+            ]
+            kwargs = dict(causal=causal, sharding=sharding, return_lse=True, documents=documents)
+            if method == "ring":
+                out, lse = ring_attention(*local, None, tile_tokens=tile_tokens, **kwargs)
+            else:
+                out, lse = hybrid_attention(
+                    *local, ulysses_group, ring_group, tile_tokens=tile_tokens, **kwargs
+                )
+            out.backward(shard_sequence(grad, None, dim=2, sharding=sharding))
+            return [out, lse] + [t.grad for t in local]
+
+        for label, got, want in zip(["out", "lse", "dq", "dk", "dv"], run(tile), run(None)):
+            torch.testing.assert_close(
+                got, want, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {label}\n{m}"
+            )
+    kernels.use_masked_kernel("auto")
+
+
+@pytest.mark.timeout(180)
+def test_tiled_backward_matches_untiled():
+    run_distributed(_check_tiles, 4)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("tile", [1, 3, 4, 7, 50])
+def test_tiles_cover_the_piece_once(causal, tile):
+    """The tiles of a piece cover exactly its visible (query, key) pairs, each once."""
+    from ctxlaunch.cp.ring import _tiles
+
+    n = 13
+    piece = (slice(2, 2 + n), slice(5, 5 + n), causal)
+    cover = torch.zeros(20, 20, dtype=torch.int64)
+    for rows, keys, tile_causal in _tiles(piece, 20, 20, tile):
+        block = torch.ones(rows.stop - rows.start, keys.stop - keys.start, dtype=torch.int64)
+        if tile_causal:
+            assert block.size(0) == block.size(1)
+            block = block.tril()
+        cover[rows, keys] += block
+    want = torch.zeros(20, 20, dtype=torch.int64)
+    want[2 : 2 + n, 5 : 5 + n] = torch.ones(n, n, dtype=torch.int64).tril() if causal else 1
+    assert torch.equal(cover, want)
