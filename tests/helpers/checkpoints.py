@@ -53,14 +53,19 @@ LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "M
 of many."""
 
 
+def lone_rank_env() -> dict[str, str]:
+    """The environment for one rank of the trainer: one rank, whatever an in-process test of
+    this worker left in the environment; and a port of its own (the default 29500 may be
+    another test's rendezvous at the moment)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env["MASTER_PORT"] = str(free_port())
+    return env
+
+
 def train(spec: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     """One rank of the trainer on `spec` (what torchrun starts), to the end."""
     sets = [arg for item in overrides for arg in ("--set", item)]
-    # One rank, whatever an in-process test of this worker left in the environment; and a port
-    # of its own: the default 29500 may be another test's rendezvous at the moment.
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    env["MASTER_PORT"] = str(free_port())
-    return run_ctxlaunch("train", str(spec), *sets, "--run-dir", str(run_dir), env=env)
+    return run_ctxlaunch("train", str(spec), *sets, "--run-dir", str(run_dir), env=lone_rank_env())
 
 
 class RunsCommand:

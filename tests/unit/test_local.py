@@ -361,3 +361,24 @@ def test_a_healing_job_replans_after_an_oom_and_resumes_from_its_checkpoint(
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+def test_a_lone_process_rendezvous_on_a_free_port() -> None:
+    """A single-process job does not take torch's default port 29500 (another job, or another
+    program, may hold it): it picks a free one, unless MASTER_PORT names one."""
+    import errno
+    import socket
+
+    from ctxlaunch.runtime.trainer.distenv import detect
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as default:
+        try:
+            default.bind(("127.0.0.1", 29500))
+            default.listen()
+        except OSError as exc:  # already held elsewhere: just as good
+            assert exc.errno == errno.EADDRINUSE
+        lone = detect({})
+        assert lone.launcher == "single" and lone.master_port != 29500
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", lone.master_port))  # free
+    assert detect({"MASTER_PORT": "23456"}).master_port == 23456

@@ -62,6 +62,24 @@ CASES = [
             "training.attention_tile_tokens": 48,
         },
     ),
+    (
+        # The offload recipe on a hybrid layout (what `plan` reaches furthest with on 8 GPUs).
+        "cp4-hybrid-recipe",
+        4,
+        {
+            "parallel.cp": 4,
+            "parallel.cp_algorithm": "hybrid",
+            "parallel.ulysses_degree": 2,
+            "training.engine": "deepspeed",
+            "training.zero_stage": 3,
+            "training.offload.optimizer": "true",
+            "training.offload.parameters": "true",
+            "training.offload.activations": "true",
+            "training.mlp_tile_tokens": 48,
+            "training.attention_tile_tokens": 48,
+            **FULL,
+        },
+    ),
 ]
 
 

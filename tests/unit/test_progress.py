@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from ctxlaunch.runtime.progress import Progress
+from tests.helpers.checkpoints import lone_rank_env
 from tests.helpers.tiny_hf import tiny_spec, write_tiny_llama
 
 CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
@@ -79,6 +80,7 @@ def test_init_from_import_and_export_report_their_tensors(tmp_path: Path) -> Non
         capture_output=True,
         text=True,
         timeout=240,
+        env=lone_rank_env(),
     )
     assert trained.returncode == 0, trained.stderr[-3000:]
     loaded = progress_lines(trained.stderr, f"init_from {source}: parameters loaded")

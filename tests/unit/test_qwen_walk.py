@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from tests.helpers.chat_data import VOCAB_SIZE, WORDS, write_chat_tokenizer
+from tests.helpers.checkpoints import lone_rank_env
 from tests.helpers.hf_models import hf_config, save_hf
 
 CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
@@ -26,7 +27,12 @@ CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
 
 def cli(*args: str, timeout: int = 200) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
-        [CTXLAUNCH, *args], capture_output=True, text=True, timeout=timeout, check=False
+        [CTXLAUNCH, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=lone_rank_env(),
     )
     assert done.returncode == 0, f"ctxlaunch {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
     return done

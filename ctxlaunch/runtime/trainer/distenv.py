@@ -4,6 +4,7 @@ Kubeflow PyTorchJob environment (or a single process)."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,14 +47,22 @@ def detect(env: Mapping[str, str] | None = None) -> DistEnv:
             ),
             launcher="slurm",
         )
+    # A lone process rendezvous with itself: any free port, so that two single-process jobs
+    # on one machine (or a job beside anything holding torch's default 29500) do not collide.
     return DistEnv(
         rank=0,
         world_size=1,
         local_rank=0,
         master_addr="127.0.0.1",
-        master_port=int(env.get("MASTER_PORT", "29500")),
+        master_port=int(env.get("MASTER_PORT") or _free_local_port()),
         launcher="single",
     )
+
+
+def _free_local_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def _first_slurm_node(env: Mapping[str, str]) -> str:
