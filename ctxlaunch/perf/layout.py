@@ -203,7 +203,7 @@ class Layout:
         """The share of its shard's rows one attention kernel call of the ring's backward
         covers: below 1 under `attention_tile_tokens` shorter than what the inner ring holds
         (the CP shard's tokens times the Ulysses degree); 1 without a ring or tiles."""
-        if not self.attention_tile_tokens or self.cp == 1 or self.ring_degree == 1:
+        if not self.attention_tile_tokens or self.ring_degree == 1:
             return 1.0
         ring_rows = self.tokens_per_rank * self.ulysses_degree
         return min(1.0, self.attention_tile_tokens / ring_rows)

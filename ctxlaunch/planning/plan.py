@@ -300,17 +300,17 @@ def offload_recipe(spec: JobSpec, layout: Layout) -> list[Layout]:
         if cp_problems(spec.model, parallel, spec.training.seq_len):
             continue
         inner = ulysses if ulysses is not None else (layout.cp if algorithm == "ulysses" else 1)
-        at = recipe.replace(cp_algorithm=algorithm, ulysses_degree=inner, attention_tile_tokens=0)
-        out.append(_with_attention_tiles(at))
+        out.append(
+            _with_attention_tiles(recipe.replace(cp_algorithm=algorithm, ulysses_degree=inner))
+        )
     return out
 
 
 def _with_attention_tiles(layout: Layout) -> Layout:
     """The tiled step's attention: the ring's backward over tiles of ATTENTION_TILE_TOKENS
-    where the layout has a ring (`training.attention_tile_tokens`)."""
-    if layout.cp == 1 or layout.ring_degree == 1:
-        return layout
-    return layout.replace(attention_tile_tokens=ATTENTION_TILE_TOKENS)
+    where the layout has a ring, none where it has not (`training.attention_tile_tokens`)."""
+    tiles = ATTENTION_TILE_TOKENS if layout.ring_degree > 1 else 0
+    return layout.replace(attention_tile_tokens=tiles)
 
 
 def _offload_reach(

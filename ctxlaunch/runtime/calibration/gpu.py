@@ -38,7 +38,6 @@ import datetime
 import functools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -284,10 +283,8 @@ def _solo_trainer_env() -> dict[str, str]:
     of the launcher's (torchrun's agent store, Slurm's ranks, the job's spec) reaches it, or it
     would wait for peers that are not coming."""
     from ctxlaunch.contract.rundir import JOB_ID_ENV, RUN_DIR_ENV, SPEC_ENV
+    from ctxlaunch.runtime.trainer.distenv import free_local_port
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     env = {
         key: value
         for key, value in os.environ.items()
@@ -296,7 +293,7 @@ def _solo_trainer_env() -> dict[str, str]:
     }
     env.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        MASTER_PORT=str(free_local_port()),
         RANK="0",
         WORLD_SIZE="1",
         LOCAL_RANK="0",

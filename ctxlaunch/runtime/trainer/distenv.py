@@ -54,12 +54,13 @@ def detect(env: Mapping[str, str] | None = None) -> DistEnv:
         world_size=1,
         local_rank=0,
         master_addr="127.0.0.1",
-        master_port=int(env.get("MASTER_PORT") or _free_local_port()),
+        master_port=int(env.get("MASTER_PORT") or free_local_port()),
         launcher="single",
     )
 
 
-def _free_local_port() -> int:
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing holds at the moment."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
