@@ -27,7 +27,7 @@ def worker(args: argparse.Namespace) -> None:
     from ctxlaunch.cp import ring_attention, shard_positions
     from ctxlaunch.perf.layout import Layout
     from ctxlaunch.perf.memory import block_activation_bytes_per_token
-    from ctxlaunch.runtime.trainer.model import Block, rope_tables
+    from ctxlaunch.runtime.modeling.model import Block, rope_tables
     from tests.helpers.memtrace import SavedTensorMeter
 
     dist.init_process_group("gloo")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ctxlaunch.perf.memory import LOSS_CHUNK_TOKENS
-from ctxlaunch.runtime.trainer.loss import chunked_cross_entropy
+from ctxlaunch.runtime.modeling.loss import chunked_cross_entropy
 from tests.helpers.memtrace import AllocatorTrace
 
 

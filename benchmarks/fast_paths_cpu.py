@@ -22,9 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ctxlaunch.contract.loader import validate_spec  # noqa: E402
-from ctxlaunch.runtime.trainer import model as model_module  # noqa: E402
+from ctxlaunch.runtime.modeling import model as model_module  # noqa: E402
+from ctxlaunch.runtime.parallel.parallelize import build_context  # noqa: E402
 from ctxlaunch.runtime.trainer.loop import Trainer  # noqa: E402
-from ctxlaunch.runtime.trainer.parallelize import build_context  # noqa: E402
 
 
 def measure(preset: str, seq_len: int, steps: int, compile_: bool, fused: bool) -> dict:

@@ -703,7 +703,7 @@ def saved_tensors_probe(device: str, model_name: str, seqs: tuple[int, ...]) -> 
         autocast_weight_copy_bytes,
         block_activation_bytes_per_token,
     )
-    from ctxlaunch.runtime.trainer.model import Transformer
+    from ctxlaunch.runtime.modeling.model import Transformer
     from tests.helpers.memtrace import SavedTensorMeter
 
     class Listing(SavedTensorMeter):
@@ -775,7 +775,7 @@ def peak_allocations(model_name: str, seq: int, mode: str) -> dict:
     import torch
 
     from ctxlaunch.contract.loader import validate_spec
-    from ctxlaunch.runtime.trainer.model import Transformer
+    from ctxlaunch.runtime.modeling.model import Transformer
 
     spec = validate_spec(
         {

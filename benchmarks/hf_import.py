@@ -30,7 +30,7 @@ def make_checkpoint(directory: Path, preset: str) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from ctxlaunch.contract.presets import MODEL_PRESETS
+    from ctxlaunch.contract.families.presets import MODEL_PRESETS
 
     m = MODEL_PRESETS[preset]
     h, f, v, heads, kv = m["hidden"], m["ffn_hidden"], m["vocab"], m["heads"], m["kv_heads"]
@@ -125,8 +125,8 @@ def _worker(rank, world, init_file, spec_data, results):  # type: ignore[no-unty
 
     torch.set_num_threads(1)
     from ctxlaunch.contract.loader import validate_spec
-    from ctxlaunch.runtime.trainer.model import Transformer
-    from ctxlaunch.runtime.trainer.parallelize import (
+    from ctxlaunch.runtime.modeling.model import Transformer
+    from ctxlaunch.runtime.parallel.parallelize import (
         ParallelSettings,
         parallelize,
         spec_context,

@@ -27,8 +27,8 @@ def _worker(rank, world, init_file, spec_data, steps, threads, results):  # type
 
     torch.set_num_threads(threads)
     from ctxlaunch.contract.loader import validate_spec
+    from ctxlaunch.runtime.parallel.parallelize import spec_context
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     if world > 1:
         dist.init_process_group(

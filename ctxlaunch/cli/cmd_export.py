@@ -58,8 +58,8 @@ def export(
     for it."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ctxlaunch.runtime.trainer.hf import HFCheckpointError
-    from ctxlaunch.runtime.trainer.hf import export as export_hf
+    from ctxlaunch.runtime.checkpointing.hf import HFCheckpointError
+    from ctxlaunch.runtime.checkpointing.hf import export as export_hf
 
     if dtype not in ("auto", "fp32", "bf16", "fp16"):
         fail(f"--dtype {dtype!r}: use auto, fp32, bf16 or fp16")

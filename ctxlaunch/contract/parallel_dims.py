@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ctxlaunch.contract.spec_cluster import ClusterSpec
-    from ctxlaunch.contract.spec_parallel import ParallelSpec
+    from ctxlaunch.contract.spec.cluster_section import ClusterSpec
+    from ctxlaunch.contract.spec.parallel_section import ParallelSpec
 
 
 @dataclass(frozen=True)

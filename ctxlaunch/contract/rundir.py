@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 TRAINER_MODULE = "ctxlaunch.runtime.trainer"
 """`python -m ctxlaunch.runtime.trainer`: one rank of the trainer (what torchrun and srun
 start)."""
-EVAL_MODULE = "ctxlaunch.runtime.trainer.eval_main"
-"""`python -m ctxlaunch.runtime.trainer.eval_main SPEC --out RESULT`: one rank of `ctxlaunch eval`
+EVAL_MODULE = "ctxlaunch.runtime.evaluation.eval_main"
+"""`python -m ctxlaunch.runtime.evaluation.eval_main SPEC --out RESULT`: one rank of `ctxlaunch eval`
 (torchrun starts it), which evaluates a checkpoint and writes the result (JSON) from rank 0."""
 POD_MODULE = "ctxlaunch.runtime.podentry"
 """A PyTorchJob pod's command: torchrun on the trainer, exiting with a status the training

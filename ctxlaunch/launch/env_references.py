@@ -1,4 +1,4 @@
-"""`fabric.env` values given by reference (contract/spec_secrets.py), turned into what each
+"""`fabric.env` values given by reference (contract/spec/secret_refs.py), turned into what each
 target runs: shell lines that read them where a batch script starts, the values themselves
 for a job started here, never the value written into an artifact."""
 
@@ -9,7 +9,7 @@ import shlex
 from pathlib import Path
 
 from ctxlaunch.contract.bounded import BoundedReadError, read_bounded_text
-from ctxlaunch.contract.spec_secrets import (
+from ctxlaunch.contract.spec.secret_refs import (
     EnvFromFile,
     EnvFromSecret,
     EnvFromSubmitter,

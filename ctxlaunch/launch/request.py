@@ -25,7 +25,7 @@ from ctxlaunch.contract.rundir import (
     spec_json,
 )
 from ctxlaunch.contract.spec import JobSpec, KubernetesSpec
-from ctxlaunch.contract.spec_secrets import env_references, plain_env
+from ctxlaunch.contract.spec.secret_refs import env_references, plain_env
 from ctxlaunch.launch import env_references as references
 
 HEAL_OOM_MODULE = "ctxlaunch.runtime.slurm_oom"

@@ -1,7 +1,7 @@
 """What a rank saves for backward, per token and per pipeline stage, and the transients of one
 attention call and of the chunked loss. Part of the per-GPU memory model (ctxlaunch.perf.memory,
 which adds them up); pure arithmetic over the layout, no torch. The constants are derived from
-the block the trainer builds (ctxlaunch/runtime/trainer/model.py) and checked against memory
+the block the trainer builds (ctxlaunch/runtime/modeling/model.py) and checked against memory
 measured with saved-tensor hooks (tests/unit/test_memory_measured.py and
 benchmarks/activation_memory.py).
 
@@ -60,7 +60,7 @@ Activation checkpointing:
   feed-forward input r*h.
 - full: only each block's input r*h is kept; one block is recomputed at a time in backward.
 
-The tiled feed-forward (`Layout.mlp_tile_tokens`, runtime/trainer/tiling.py) keeps of the
+The tiled feed-forward (`Layout.mlp_tile_tokens`, runtime/modeling/tiling.py) keeps of the
 feed-forward half only its input r*h (its intermediates live one tile at a time, in forward
 and in backward), so without checkpointing a block saves the attention half + r*h, as under
 selective checkpointing; selective and full keep what they keep untiled. Offloading
@@ -162,7 +162,7 @@ def attention_workspace_bytes_per_token(model: ModelSpec, layout: Layout) -> flo
 
 
 def loss_workspace_bytes(model: ModelSpec, layout: Layout) -> float:
-    """The chunked loss's transients (runtime/trainer/loss.py: each chunk's backward done in its
+    """The chunked loss's transients (runtime/modeling/loss.py: each chunk's backward done in its
     forward): one chunk's logits in the compute dtype, in 16-bit their one fp32 upcast (the
     softmax and then the logits' gradient, formed in place and cast back into the logits'
     buffer; in fp32 the logits themselves are that work), and under autocast the head weight's
@@ -242,5 +242,5 @@ def stage_activation_bytes(
 
 def device_kept_blocks(layout: Layout, blocks: int) -> int:
     """Blocks whose saved activations stay on the device after forward: all of them, or with
-    activations offloaded only the last one's (runtime/trainer/offload.py)."""
+    activations offloaded only the last one's (runtime/modeling/offload.py)."""
     return min(blocks, 1) if layout.offload_activations else blocks

@@ -14,7 +14,7 @@ sharding, r the residual stream's bytes, n the rank's tokens of a micro-batch, L
   too, their 16-bit partitions 2/Nd;
 - optimizer, FSDP2's CPU offload policy: the fp32 parameter shards 4/Nd, their gradients 4/Nd,
   AdamW's moments 8/Nd, and in the step foreach AdamW's fp32 denominator 4/Nd;
-- activations (runtime/trainer/offload.py): one buffer per block but the last, each the
+- activations (runtime/modeling/offload.py): one buffer per block but the last, each the
   block's input, (L - 1) x n x h x r, pinned on CUDA.
 
 These were read off the tensors the engines keep in host memory after a step, and are checked

@@ -22,7 +22,7 @@ CP rank holds a replica of the weights), mirroring how the trainer runs them:
   ZeRO-1 torch's pipelining skips FSDP2's gradient sync until after the last micro-batch, so
   the stage's unsharded gradients accumulate in fp32 (4 per parameter) from the first backward
   to the step; at ZeRO-2/3 the trainer reduce-scatters every micro-batch's gradients as FSDP2
-  does without PP (runtime/trainer/pipeline.py, trainer_stage), so only the fp32 shards
+  does without PP (runtime/parallel/pipeline.py, trainer_stage), so only the fp32 shards
   accumulate (4/Nd), and ZeRO-3 re-shards the weights after each backward.
 
 Nd above is the sharding group (`Layout.shard_group`).

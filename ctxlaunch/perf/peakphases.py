@@ -5,7 +5,7 @@ steady-state step of the bundled trainer. Part of the per-GPU memory model
 What is live at the highest moment of each phase of a steady-state step (step 2 on: AdamW
 creates its states at the first step()), by part:
 - forward end: model states and everything saved;
-- the loss, forward and backward per chunk (runtime/trainer/loss.py): the loss input and the
+- the loss, forward and backward per chunk (runtime/modeling/loss.py): the loss input and the
   gradient of it (r*h per token each), the head's gradient, one chunk's logits and, in 16-bit,
   their fp32 upcast (no fp32 copy of all the logits; no recomputation in backward);
 - the last block's feed-forward backward, the step's peak at long context: the loss's saved
@@ -112,7 +112,7 @@ class Phase:
 # the step's inputs and the pipeline's buffers
 # --------------------------------------------------------------------------------------------
 INPUT_BYTES_PER_TOKEN = 3 * 8
-"""A micro-batch's integer inputs on the device (runtime/trainer/batches.py, MicroBatch): token
+"""A micro-batch's integer inputs on the device (runtime/data/batches.py, MicroBatch): token
 ids, targets and RoPE positions, int64 each, of the rank's CP shard (all TP ranks hold them)."""
 
 
@@ -127,7 +127,7 @@ def input_bytes(layout: Layout) -> float:
 def pipeline_recv_buffers(n_stages: int, stage: int, n_micro: int) -> tuple[int, int]:
     """Under 1F1B (one stage a rank) the trainer's receive buffers on stage `stage` of
     `n_stages`, (activations, gradients), micro-batch i using buffer i mod that count
-    (runtime/trainer/pipeline.py, `trainer_stage`): a stage runs min(n_micro, n_stages - stage)
+    (runtime/parallel/pipeline.py, `trainer_stage`): a stage runs min(n_micro, n_stages - stage)
     warm-up forwards and receives micro-batch i + that many only after i's backward, which is
     when i's input (its blocks' saved input) is released; a gradient is received right before
     its backward, which consumes it, and the next one after."""
@@ -180,7 +180,7 @@ def _attention_recompute_bytes_per_token(model: ModelSpec, layout: Layout) -> fl
 
 def _prefetched_input_bytes(model: ModelSpec, layout: Layout, step: _StageStep) -> float:
     """With activations offloaded, the input of the block before the one in backward, brought
-    back from host memory while that block runs (runtime/trainer/offload.py)."""
+    back from host memory while that block runs (runtime/modeling/offload.py)."""
     if not layout.offload_activations or model.layers < 2:
         return 0.0
     return step.hidden_bytes
@@ -192,7 +192,7 @@ def _tile_tokens(layout: Layout) -> float:
 
 
 def _tile_work_bytes(model: ModelSpec, layout: Layout) -> float:
-    """One tile's feed-forward backward (runtime/trainer/tiling.py) at its SwiGLU backward:
+    """One tile's feed-forward backward (runtime/modeling/tiling.py) at its SwiGLU backward:
     the tile's recomputed norm output, output and one more hidden-sized tensor, gate and up,
     the gradients of the SwiGLU output and of gate and up, the chunked SwiGLU backward's fp32
     temporaries, and under autocast with fp32 weights the tile's 16-bit weight copies.

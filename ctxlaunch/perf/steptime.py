@@ -86,7 +86,7 @@ if TYPE_CHECKING:
 
 ELEMENTWISE_HBM_PASSES = 3.0
 LOSS_BYTES_PER_LOGIT = {2: 52.0, 4: 40.0}
-"""HBM bytes the bundled trainer's chunked loss (runtime/trainer/loss.py) moves per logit, by
+"""HBM bytes the bundled trainer's chunked loss (runtime/modeling/loss.py) moves per logit, by
 the compute dtype's width, outside its two GEMMs. 16-bit: the fp32 upcast (read 2, write 4),
 the row maximum (4), subtracting it (8), exp (8), the row sum (4), the divide (8), the scale
 (8), and the cast back for the gradient GEMMs (read 4, write 2): 52. fp32 computes in the

@@ -139,8 +139,8 @@ def spec_data(init_from: Path, world: int = 1, **changes: Any) -> dict:
 
 def build_trainer(rank: int, world: int, data: dict):  # type: ignore[no-untyped-def]
     """The trainer of spec `data` on this rank (inside `run_distributed`, or rank 0 of 1)."""
+    from ctxlaunch.runtime.parallel.parallelize import spec_context
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     spec = validate_spec(data)
     ctx = spec_context(spec, rank=rank, world_size=world)

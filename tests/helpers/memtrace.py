@@ -36,8 +36,8 @@ import torch
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
-    from ctxlaunch.runtime.trainer.batches import MicroBatch
-    from ctxlaunch.runtime.trainer.parallelize import ParallelContext
+    from ctxlaunch.runtime.data.batches import MicroBatch
+    from ctxlaunch.runtime.parallel.parallelize import ParallelContext
 
 PHASE_PREFIX = "ctxlaunch.phase:"
 

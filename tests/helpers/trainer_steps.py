@@ -38,8 +38,8 @@ def spec_for(world: int, **changes):
 
 def train_steps(rank: int, world: int, spec_data: dict, steps: int) -> dict:
     """Run `steps` training steps of the spec on this rank (inside `run_distributed`)."""
+    from ctxlaunch.runtime.parallel.parallelize import spec_context
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     spec = validate_spec(spec_data)
     ctx = spec_context(spec, rank=rank, world_size=world)
@@ -62,10 +62,10 @@ def evaluate_rank(rank: int, world: int, spec_data: dict, path: str | None = Non
     """One rank's evaluation at the spec's layout: of the checkpoint at `path`, else of the
     weights the trainer starts from (the spec's init_from, or the seeded initial weights, the
     same at every layout)."""
-    from ctxlaunch.runtime.trainer.eval_weights import load_weights
-    from ctxlaunch.runtime.trainer.evaluator import Evaluator
-    from ctxlaunch.runtime.trainer.model import Transformer
-    from ctxlaunch.runtime.trainer.parallelize import ParallelSettings, parallelize, spec_context
+    from ctxlaunch.runtime.evaluation.eval_weights import load_weights
+    from ctxlaunch.runtime.evaluation.evaluator import Evaluator
+    from ctxlaunch.runtime.modeling.model import Transformer
+    from ctxlaunch.runtime.parallel.parallelize import ParallelSettings, parallelize, spec_context
 
     spec = validate_spec(spec_data)
     ctx = spec_context(spec, rank=rank, world_size=world)

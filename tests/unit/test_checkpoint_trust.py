@@ -114,7 +114,7 @@ def test_deepspeed_state_that_runs_a_command_is_refused_and_never_run(
 def test_genuine_metadata_reads_as_torch_reads_it(dcp_job: Path) -> None:
     """The allow-list holds everything a real checkpoint's metadata needs: the same entries,
     sizes and dtypes as torch's own (unrestricted) reader finds."""
-    from ctxlaunch.runtime.trainer.safe_unpickle import read_metadata_file
+    from ctxlaunch.runtime.checkpointing.safe_unpickle import read_metadata_file
 
     path = dcp_job / "checkpoints" / "step-00000002" / ".metadata"
     ours = read_metadata_file(path)
@@ -136,7 +136,7 @@ def test_genuine_metadata_reads_as_torch_reads_it(dcp_job: Path) -> None:
     ],
 )
 def test_any_other_global_is_refused_by_name(module: str, name: str) -> None:
-    from ctxlaunch.runtime.trainer.safe_unpickle import CheckpointRefused, load_metadata
+    from ctxlaunch.runtime.checkpointing.safe_unpickle import CheckpointRefused, load_metadata
 
     payload = b"\x80\x04c" + f"{module}\n{name}\n".encode() + b")R."
     with pytest.raises(CheckpointRefused, match=rf"ckpt/.metadata: refused: .*{module}\.{name}"):
@@ -144,7 +144,7 @@ def test_any_other_global_is_refused_by_name(module: str, name: str) -> None:
 
 
 def test_damaged_metadata_is_a_sentence_naming_the_file() -> None:
-    from ctxlaunch.runtime.trainer.safe_unpickle import load_metadata
+    from ctxlaunch.runtime.checkpointing.safe_unpickle import load_metadata
 
     whole = pickle.dumps({"a": 1})
     with pytest.raises(ValueError, match="m/.metadata: not a torch.distributed.checkpoint"):
@@ -156,7 +156,7 @@ def test_damaged_metadata_is_a_sentence_naming_the_file() -> None:
 def test_weights_only_load_names_the_global(tmp_path: Path) -> None:
     import torch
 
-    from ctxlaunch.runtime.trainer.safe_unpickle import CheckpointRefused, weights_only_load
+    from ctxlaunch.runtime.checkpointing.safe_unpickle import CheckpointRefused, weights_only_load
 
     path = tmp_path / "state.pt"
     torch.save({"weights": torch.ones(2), "planted": RunsCommand(tmp_path / "ran")}, path)

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ctxlaunch.runtime.trainer.loss import VocabShard, chunked_cross_entropy
-from ctxlaunch.runtime.trainer.model import Transformer
+from ctxlaunch.runtime.modeling.loss import VocabShard, chunked_cross_entropy
+from ctxlaunch.runtime.modeling.model import Transformer
 from tests.helpers.dist import run_distributed
 
 TOKENS, HIDDEN, VOCAB, CHUNK = 300, 48, 96, 64  # 300 = 4 full chunks and one of 44

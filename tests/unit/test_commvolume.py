@@ -34,8 +34,8 @@ def _count(rank: int, world: int, specs: list[dict]) -> list[dict]:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
+    from ctxlaunch.runtime.parallel.parallelize import spec_context
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     sent: dict[tuple, float] = defaultdict(float)
     state = {"on": False, "phase": "step"}

@@ -713,8 +713,8 @@ def test_missing_data_files_warn_at_validation_and_stop_the_trainer(tmp_path: Pa
 
 
 def _train_tokens(rank: int, world: int, spec_data: dict) -> list[float]:
+    from ctxlaunch.runtime.parallel.parallelize import build_context
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
 
     spec = validate_spec(spec_data)
     ctx = build_context(
@@ -735,7 +735,7 @@ def _train_tokens(rank: int, world: int, spec_data: dict) -> list[float]:
 def test_the_trainer_trains_on_tokens(tmp_path: Path) -> None:
     """source: tokens through make_source into the trainer: finite losses, and the first
     step's batch is packed sequences 0 and 1."""
-    from ctxlaunch.runtime.trainer.batches import Batches, make_source
+    from ctxlaunch.runtime.data.batches import Batches, make_source
 
     prefix = str(corpus(tmp_path))
     spec_data = validate_spec(

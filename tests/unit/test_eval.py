@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from ctxlaunch.contract.loader import apply_overrides, validate_spec
-from ctxlaunch.runtime.records import EvalResult
-from ctxlaunch.runtime.trainer.eval_data import (
+from ctxlaunch.runtime.evaluation.eval_data import (
     PASSKEY_PREFIX,
     PASSKEY_QUESTION,
     bucket_edges,
     passkey_needle,
     passkey_probe,
 )
+from ctxlaunch.runtime.records import EvalResult
 from tests.helpers.dist import run_distributed
 from tests.helpers.paths import TEXT_CORPUS
 from tests.helpers.trainer_steps import evaluate_rank
@@ -104,8 +104,8 @@ def base_spec(**changes) -> dict:
 
 
 def _train_and_save(rank: int, world: int, spec_data: dict) -> None:
+    from ctxlaunch.runtime.parallel.parallelize import spec_context
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     spec = validate_spec(spec_data)
     ctx = spec_context(spec, rank=rank, world_size=world)
@@ -139,10 +139,10 @@ def single(checkpoint) -> EvalResult:
 def direct_scores(checkpoint: Path) -> tuple[list[float], list[list[bool]]]:
     """The oracle, without the evaluator: the whole model in this process, logits of every
     held-out sequence and prompt at once."""
-    from ctxlaunch.runtime.trainer.eval_data import held_out, passkey_probes
-    from ctxlaunch.runtime.trainer.model import Transformer
-    from ctxlaunch.runtime.trainer.reshard import CheckpointState
-    from ctxlaunch.runtime.trainer.tensor_parallel import shardings
+    from ctxlaunch.runtime.checkpointing.reshard import CheckpointState
+    from ctxlaunch.runtime.evaluation.eval_data import held_out, passkey_probes
+    from ctxlaunch.runtime.modeling.model import Transformer
+    from ctxlaunch.runtime.modeling.weight_sharding import shardings
 
     spec = validate_spec(base_spec())
     model = Transformer.from_spec(spec.model)
@@ -218,8 +218,8 @@ def test_every_layout_scores_what_one_process_scores(case, checkpoint, single) -
 
 
 def _train_with_eval(rank: int, world: int, spec_data: dict, run_dir: str) -> list[dict]:
+    from ctxlaunch.runtime.parallel.parallelize import spec_context
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     spec = validate_spec(spec_data)
     ctx = spec_context(spec, rank=rank, world_size=world)
@@ -362,8 +362,8 @@ def test_document_masked_evaluation_scores_each_document_alone(tmp_path) -> None
     """Under training.data.document_mask the held-out loss is each held-out document's own
     loss, run alone from position 0 (the targets that open the next document not counted),
     bucketed by the position in its document; CP 2 ring scores the same."""
-    from ctxlaunch.runtime.trainer.eval_data import held_out
-    from ctxlaunch.runtime.trainer.model import Transformer
+    from ctxlaunch.runtime.evaluation.eval_data import held_out
+    from ctxlaunch.runtime.modeling.model import Transformer
 
     prefix = packed_corpus(tmp_path / "docs")
     changes = {

@@ -45,7 +45,7 @@ def _eval_spec(tmp_path: Path, init_from: Path | None, **changes: object) -> Pat
 def test_eval_scores_the_imported_model_without_a_checkpoint(tmp_path) -> None:
     """A Qwen3 checkpoint (q/k norms, head_dim free of hidden / heads) evaluated at CP 2 with
     no checkpoint committed: the held-out loss is transformers' loss of the same sequences."""
-    from ctxlaunch.runtime.trainer.eval_data import held_out
+    from ctxlaunch.runtime.evaluation.eval_data import held_out
 
     reference = save_hf(tmp_path / "qwen3", hf_config(family="qwen3"))
     spec_path = _eval_spec(tmp_path, tmp_path / "qwen3")

@@ -13,7 +13,7 @@ from ctxlaunch.contract.spec import ModelSpec
 from ctxlaunch.perf.flops import count_params, flops_per_token
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.memory import activation_bytes, block_activation_bytes_per_token
-from ctxlaunch.runtime.trainer.model import Transformer
+from ctxlaunch.runtime.modeling.model import Transformer
 from tests.helpers.memtrace import SavedTensorMeter
 
 PRESETS = ("llama3-8b", "mistral-7b", "mistral-nemo-12b", "qwen2.5-7b", "qwen2.5-7b-1m", "qwen3-8b")
@@ -26,7 +26,7 @@ def test_parameter_counts_equal_transformers(preset: str) -> None:
     model of the same spec."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ctxlaunch.runtime.trainer.hf import hf_config
+    from ctxlaunch.runtime.checkpointing.hf import hf_config
 
     model = ModelSpec.model_validate({"preset": preset})
     config = hf_config(model, dtype=torch.bfloat16, max_positions=32768)

@@ -25,8 +25,8 @@ BASE = {
 
 
 def _trainer(*overrides: str):
+    from ctxlaunch.runtime.parallel.parallelize import build_context
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
 
     spec = validate_spec(apply_overrides(BASE, list(overrides)))
     ctx = build_context(
@@ -99,8 +99,8 @@ def test_compiled_pointwise_matches_eager() -> None:
     SwiGLU (forward and their hand-written backward math) through torch.compile on the CPU
     (inductor, real C++ kernels) equal eager within fp32 rounding, at every checkpointing
     mode (the compiled kernels inside recomputation too)."""
-    from ctxlaunch.runtime.trainer import model as model_module
-    from ctxlaunch.runtime.trainer.model import Transformer
+    from ctxlaunch.runtime.modeling import model as model_module
+    from ctxlaunch.runtime.modeling.model import Transformer
 
     torch.manual_seed(0)
     model = Transformer(

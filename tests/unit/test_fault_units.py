@@ -19,9 +19,10 @@ import torch.distributed as dist
 
 from ctxlaunch.contract import events
 from ctxlaunch.cp import comm
-from ctxlaunch.runtime.trainer import checkpoint, faults, heartbeat, stopsignal
+from ctxlaunch.runtime.checkpointing import checkpoint
+from ctxlaunch.runtime.parallel.parallelize import build_context
+from ctxlaunch.runtime.trainer import faults, heartbeat, stopsignal
 from ctxlaunch.runtime.trainer.engines import init_deepspeed
-from ctxlaunch.runtime.trainer.parallelize import build_context
 from tests.helpers.dist import run_distributed
 
 

@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 def test_rope_tables_are_transformers_bit_for_bit(rope: str) -> None:
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from ctxlaunch.contract.hfconfig import rope_from_config
-    from ctxlaunch.runtime.trainer.model import rope_tables
+    from ctxlaunch.contract.families.hfconfig import rope_from_config
+    from ctxlaunch.runtime.modeling.model import rope_tables
 
     config = hf_config(rope)
     rotary = LlamaRotaryEmbedding(config)
@@ -112,10 +112,9 @@ def test_llama31_style_model_needs_its_rope_scaling(tmp_path: Path) -> None:
 def test_each_rank_reads_only_the_rows_it_keeps(tmp_path: Path, monkeypatch) -> None:
     """read_local at every TP rank and FSDP chunk (uneven ones too) returns exactly that rank's
     part of the full weight, and asks safetensors for those rows (and columns) alone."""
-    from ctxlaunch.runtime.trainer import hf
-    from ctxlaunch.runtime.trainer.model import Transformer
-    from ctxlaunch.runtime.trainer.reshard import chunk_rows
-    from ctxlaunch.runtime.trainer.tensor_parallel import shardings
+    from ctxlaunch.runtime.checkpointing import hf
+    from ctxlaunch.runtime.modeling.model import Transformer
+    from ctxlaunch.runtime.modeling.weight_sharding import chunk_rows, shardings
 
     save_hf(tmp_path, hf_config("llama3"))
     spec = validate_spec(spec_data(tmp_path))
@@ -452,7 +451,7 @@ def test_packed_documents_under_a_mask_score_what_transformers_scores_each_alone
     token's loss through init_from equals transformers' loss of its document run alone, and
     the packed mean (the targets that open the next document not counted) equals their
     token-weighted mean."""
-    from ctxlaunch.runtime.trainer.batches import masked_micro_batch
+    from ctxlaunch.runtime.data.batches import masked_micro_batch
 
     reference = save_hf(tmp_path, hf_config(rope))
     generator = torch.Generator().manual_seed(11)

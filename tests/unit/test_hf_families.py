@@ -104,7 +104,7 @@ def test_head_norm_is_transformers_bit_for_bit() -> None:
     it over (B, S, H, D): the same bits as Qwen3RMSNorm."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    from ctxlaunch.runtime.trainer.model import RMSNorm
+    from ctxlaunch.runtime.modeling.model import RMSNorm
 
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(2, 33, 4, 32, generator=generator)
@@ -158,7 +158,7 @@ def test_packed_documents_under_a_mask_score_what_transformers_scores_each_alone
 ) -> None:
     """Three documents packed in one sequence, document-masked with restarted positions: each
     token's loss equals transformers' loss of its document run alone."""
-    from ctxlaunch.runtime.trainer.batches import masked_micro_batch
+    from ctxlaunch.runtime.data.batches import masked_micro_batch
 
     reference = save_hf(tmp_path, hf_config("default", family=family))
     generator = torch.Generator().manual_seed(11)
@@ -185,10 +185,9 @@ def test_each_rank_reads_only_the_rows_it_keeps(family: str, tmp_path: Path, mon
     """read_local at every TP rank and FSDP chunk returns exactly that rank's part of each
     weight (the q/k/v biases split with their output columns, the q/k norms whole), asking
     safetensors for those rows alone."""
-    from ctxlaunch.runtime.trainer import hf
-    from ctxlaunch.runtime.trainer.model import Transformer
-    from ctxlaunch.runtime.trainer.reshard import chunk_rows
-    from ctxlaunch.runtime.trainer.tensor_parallel import shardings
+    from ctxlaunch.runtime.checkpointing import hf
+    from ctxlaunch.runtime.modeling.model import Transformer
+    from ctxlaunch.runtime.modeling.weight_sharding import chunk_rows, shardings
 
     save_hf(tmp_path, hf_config("default", family=family))
     spec = validate_spec(spec_data(tmp_path))

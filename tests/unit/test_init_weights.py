@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from ctxlaunch.contract.hfweights import ModelShape, expected_tensors
+from ctxlaunch.contract.families.hfweights import ModelShape, expected_tensors
 from ctxlaunch.contract.loader import SpecError, validate_spec
 from tests.helpers.hf_models import hf_config, save_hf
 from tests.helpers.tiny_hf import write_tiny_llama

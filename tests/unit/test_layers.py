@@ -112,6 +112,53 @@ def test_layer_imports_only_earlier_layers(layer: str) -> None:
     assert wrong == [], "\n".join(wrong)
 
 
+RUNTIME_ROOMS = ("modeling", "checkpointing", "parallel", "evaluation", "trainer")
+"""The trainer's rooms under runtime/, in order: a room imports only the rooms before it (and
+the runtime's shared modules: data, records, progress, telemetry), so the model never knows a
+process group, checkpoints never know the mesh, and only the trainer knows the loop."""
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    if len(parts) > 2 and parts[1] == "runtime" and parts[2] in RUNTIME_ROOMS:
+        return parts[2]
+    return None
+
+
+def test_runtime_rooms_import_only_earlier_rooms() -> None:
+    wrong = []
+    for path in sorted((PACKAGE / "runtime").rglob("*.py")):
+        room = _room(_module_name(path))
+        if room is None:
+            continue
+        allowed = RUNTIME_ROOMS[: RUNTIME_ROOMS.index(room) + 1]
+        for line, target in _imports(path):
+            target_room = _room(target)
+            if target_room is not None and target_room not in allowed:
+                wrong.append(
+                    f"{path.relative_to(PACKAGE)}:{line} imports {target} ({room} may import "
+                    f"{', '.join(allowed)})"
+                )
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_the_shared_runtime_modules_import_no_room() -> None:
+    """data, records, progress and telemetry serve every room, so they import none of them."""
+    shared = ["data", "telemetry", "records.py", "progress.py"]
+    wrong = [
+        f"{path.relative_to(PACKAGE)}:{line} imports {target}"
+        for name in shared
+        for path in sorted(
+            (PACKAGE / "runtime" / name).rglob("*.py")
+            if not name.endswith(".py")
+            else [PACKAGE / "runtime" / name]
+        )
+        for line, target in _imports(path)
+        if _room(target) is not None
+    ]
+    assert wrong == [], "\n".join(wrong)
+
+
 def test_the_rule_sees_a_violation(tmp_path: Path) -> None:
     """The checker itself: an upward import inside a function is found. The probe is written
     into a package of its own under tmp_path, never into the source tree, where the linters

@@ -369,7 +369,7 @@ def test_a_lone_process_rendezvous_on_a_free_port() -> None:
     import errno
     import socket
 
-    from ctxlaunch.runtime.trainer.distenv import detect
+    from ctxlaunch.runtime.parallel.distenv import detect
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as default:
         try:

@@ -9,7 +9,7 @@ import torch
 from ctxlaunch.contract.spec import ModelSpec
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.memory import activation_bytes
-from ctxlaunch.runtime.trainer.model import Transformer
+from ctxlaunch.runtime.modeling.model import Transformer
 from tests.helpers.memtrace import SavedTensorMeter
 
 MODEL = ModelSpec(layers=2, hidden=256, heads=8, kv_heads=2, ffn_hidden=704, vocab=256)
@@ -56,8 +56,8 @@ def _measure_tp_pp(rank: int, world: int, cases: list[tuple[str, str, str]]) -> 
     """Saved-tensor bytes of one micro-batch's forward on this rank, per case: ("tp", dtype,
     checkpointing) runs the whole model at TP 2; ("pp", dtype, checkpointing) runs this rank's
     pipeline stage (rank 0: embedding and block 0; rank 1: block 1, final norm and loss)."""
-    from ctxlaunch.runtime.trainer.parallelize import apply_tensor_parallel, build_context
-    from ctxlaunch.runtime.trainer.pipeline import StageModule
+    from ctxlaunch.runtime.parallel.parallelize import apply_tensor_parallel, build_context
+    from ctxlaunch.runtime.parallel.pipeline import StageModule
 
     seq = 1024
     out = []

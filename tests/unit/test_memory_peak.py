@@ -55,7 +55,7 @@ def host_data_bytes(spec) -> int:
     """What the CPU's record holds that a GPU's would not: the synthetic data source's token
     chain (`SyntheticTokens.chain`, int64, built once per rank: 512 KiB up to 64K tokens), host
     memory beside a GPU, so not the planner's."""
-    from ctxlaunch.runtime.trainer.batches import SyntheticTokens
+    from ctxlaunch.runtime.data.batches import SyntheticTokens
 
     t = spec.training
     return SyntheticTokens(spec.model.vocab, t.seq_len, t.seed).chain.nbytes
@@ -63,7 +63,7 @@ def host_data_bytes(spec) -> int:
 
 def _traces(rank: int, world: int, specs: list[dict]) -> list[Any]:
     """This rank's memory trace of two training steps of each spec."""
-    from ctxlaunch.runtime.trainer.parallelize import spec_context
+    from ctxlaunch.runtime.parallel.parallelize import spec_context
     from tests.helpers.memtrace import measure_training_peak
 
     out = []

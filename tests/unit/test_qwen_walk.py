@@ -44,9 +44,9 @@ def test_qwen3_from_text_to_export(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ctxlaunch.contract.loader import validate_spec
-    from ctxlaunch.runtime.trainer.model import Transformer
-    from ctxlaunch.runtime.trainer.reshard import CheckpointState
-    from ctxlaunch.runtime.trainer.tensor_parallel import shardings
+    from ctxlaunch.runtime.checkpointing.reshard import CheckpointState
+    from ctxlaunch.runtime.modeling.model import Transformer
+    from ctxlaunch.runtime.modeling.weight_sharding import shardings
 
     base = tmp_path / "qwen3-base"
     save_hf(base, hf_config("default", family="qwen3", vocab=VOCAB_SIZE, theta=10000.0))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from ctxlaunch.contract.families.presets import MODEL_PRESETS
 from ctxlaunch.contract.loader import (
     SpecError,
     apply_overrides,
@@ -14,7 +15,6 @@ from ctxlaunch.contract.loader import (
     parse_yaml,
     validate_spec,
 )
-from ctxlaunch.contract.presets import MODEL_PRESETS
 from tests.helpers.specs import SPEC, make, problems
 
 
@@ -320,14 +320,13 @@ def test_json_schema_describes_every_field_by_its_docstring() -> None:
     from pydantic._internal._docs_extraction import extract_docstrings_from_cls
 
     from ctxlaunch.contract import spec as spec_module
+    from ctxlaunch.contract.spec.fields import _Strict
 
     schema = spec_module.json_schema()
     models = [
         m
         for m in vars(spec_module).values()
-        if isinstance(m, type)
-        and issubclass(m, spec_module._Strict)
-        and m.__name__ in schema["$defs"]
+        if isinstance(m, type) and issubclass(m, _Strict) and m.__name__ in schema["$defs"]
     ]
     assert len(models) >= 15
     described = 0

@@ -14,7 +14,7 @@ def _rank(rank: int, world: int, autocast: bool) -> dict[str, object]:
     import torch.distributed as dist
     from torch import nn
 
-    from ctxlaunch.runtime.trainer.tensor_parallel import gather_linear, gather_sequence
+    from ctxlaunch.runtime.parallel.tensor_parallel import gather_linear, gather_sequence
     from tests.helpers.memtrace import SavedTensorMeter
 
     group = dist.group.WORLD

@@ -93,8 +93,8 @@ def _save_then_resume(
 ) -> dict:
     """Train two steps at one layout and checkpoint; then, in the same job, resume that
     checkpoint at each other layout and train the last two steps."""
+    from ctxlaunch.runtime.parallel.parallelize import spec_context
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     def trainer_for(spec_data: dict) -> Trainer:
         spec = validate_spec(spec_data)
@@ -132,8 +132,8 @@ def test_checkpoint_resumes_at_other_layouts(tmp_path) -> None:
     got = run_distributed(
         _save_then_resume, 4, saving, resuming, str(tmp_path / "ckpt"), timeout_s=360
     )[0]
+    from ctxlaunch.runtime.parallel.parallelize import build_context
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import build_context
 
     spec = validate_spec(spec_for(1, **{**model, **COMMON, "training.steps": 4}))
     ctx = build_context(rank=0, world_size=1, dp=1, cp=1, ulysses=1, cp_sharding="zigzag")

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from ctxlaunch.contract.loader import SpecError, apply_overrides, validate_spec
+from ctxlaunch.runtime.data.batches import IGNORE_INDEX, Batches
 from ctxlaunch.runtime.data.indexed import IndexedWriter, token_dtype
 from ctxlaunch.runtime.data.packing import PackedTokens
-from ctxlaunch.runtime.trainer.batches import IGNORE_INDEX, Batches
 from tests.helpers.dist import run_distributed
 from tests.helpers.trainer_steps import assert_matches_one_process, train_steps
 
@@ -220,7 +220,7 @@ def test_packed_step_is_each_document_alone_averaged_by_tokens(tmp_path: Path) -
     different predicted-token counts) are those of every document piece of the step's
     sequences run alone through the same initial model, summed and divided by the step's
     predicted-token count: an oracle that shares no normalisation code with the engine."""
-    from ctxlaunch.runtime.trainer.model import Transformer
+    from ctxlaunch.runtime.modeling.model import Transformer
 
     prefix = corpus(tmp_path)
     spec = validate_spec(spec_for(1, prefix))

@@ -82,8 +82,8 @@ def test_layout_matches_single_process(case, reference: dict) -> None:
 
 def _run_with_stop(rank: int, world: int, spec_data: dict, stop_after: int | None) -> dict:
     """Trainer.run(), sending this process SIGUSR1 after `stop_after` steps (a preemption)."""
+    from ctxlaunch.runtime.parallel.parallelize import spec_context
     from ctxlaunch.runtime.trainer.loop import Trainer
-    from ctxlaunch.runtime.trainer.parallelize import spec_context
 
     spec = validate_spec(spec_data)
     ctx = spec_context(spec, rank=rank, world_size=world)

@@ -48,8 +48,8 @@ def test_a_rank_warms_vml_before_it_sets_threads_or_joins_the_group(
     import torch.distributed as dist
 
     from ctxlaunch.contract.loader import load_spec
-    from ctxlaunch.runtime.trainer import rank_setup
-    from ctxlaunch.runtime.trainer.distenv import DistEnv
+    from ctxlaunch.runtime.parallel import rank_setup
+    from ctxlaunch.runtime.parallel.distenv import DistEnv
     from tests.helpers.paths import JOBS
 
     order: list[str] = []

@@ -25,7 +25,7 @@ from ctxlaunch.contract.rundir import (
     spec_json,
 )
 from ctxlaunch.contract.spec import JobSpec
-from ctxlaunch.contract.spec_secrets import env_references
+from ctxlaunch.contract.spec.secret_refs import env_references
 from ctxlaunch.launch import jobstore
 from ctxlaunch.launch.backends.base import (
     EXIT_STATES,

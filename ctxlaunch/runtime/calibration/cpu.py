@@ -273,7 +273,7 @@ def _model_step_seconds(model: ModelSpec, seq: int, repeats: int, threads: int =
     with `threads` threads in this process (0: every core)."""
     import torch
 
-    from ctxlaunch.runtime.trainer.model import Transformer
+    from ctxlaunch.runtime.modeling.model import Transformer
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
     net = Transformer.from_spec(model)

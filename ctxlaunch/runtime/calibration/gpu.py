@@ -283,7 +283,7 @@ def _solo_trainer_env() -> dict[str, str]:
     of the launcher's (torchrun's agent store, Slurm's ranks, the job's spec) reaches it, or it
     would wait for peers that are not coming."""
     from ctxlaunch.contract.rundir import JOB_ID_ENV, RUN_DIR_ENV, SPEC_ENV
-    from ctxlaunch.runtime.trainer.distenv import free_local_port
+    from ctxlaunch.runtime.parallel.distenv import free_local_port
 
     env = {
         key: value

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.hardware import GiB
-from ctxlaunch.contract.spec_cluster import (
+from ctxlaunch.contract.spec.trackers_section import (
     MlflowTrackerSpec,
     TensorBoardTrackerSpec,
     TrackerSpec,

@@ -37,11 +37,11 @@ from ctxlaunch.perf.memory import (
     ZERO3_PREFETCH_ELEMENTS,
     ZERO_BUCKET_ELEMENTS,
 )
+from ctxlaunch.runtime.checkpointing.reshard import CheckpointState
+from ctxlaunch.runtime.data.batches import MicroBatch
+from ctxlaunch.runtime.parallel.parallelize import ModelParts, ParallelContext
+from ctxlaunch.runtime.parallel.pipeline import StageModule
 from ctxlaunch.runtime.trainer import fastpath
-from ctxlaunch.runtime.trainer.batches import MicroBatch
-from ctxlaunch.runtime.trainer.parallelize import ModelParts, ParallelContext
-from ctxlaunch.runtime.trainer.pipeline import StageModule
-from ctxlaunch.runtime.trainer.reshard import CheckpointState
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec, TrainingSpec
@@ -521,7 +521,7 @@ class DeepSpeedEngine:
         self.engine.save_checkpoint(str(path.parent), tag=path.name, save_latest=False)
 
     def load(self, path: Path) -> None:
-        from ctxlaunch.runtime.trainer.safe_unpickle import deepspeed_reads_weights_only
+        from ctxlaunch.runtime.checkpointing.safe_unpickle import deepspeed_reads_weights_only
 
         with deepspeed_reads_weights_only(path):  # its files' pickles never run code
             load_path, _ = self.engine.load_checkpoint(

@@ -12,7 +12,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
     from ctxlaunch.cp.kernel_choice import KernelChoice
-    from ctxlaunch.runtime.trainer.parallelize import ParallelContext
+    from ctxlaunch.runtime.parallel.parallelize import ParallelContext
 
 
 def resolve(setting: bool | Literal["auto"], device: torch.device) -> bool:

@@ -32,14 +32,14 @@ from ctxlaunch.contract.heal_log import (
     record_layout,
     record_oom,
 )
-from ctxlaunch.runtime.trainer.rank_setup import SetupError
+from ctxlaunch.runtime.parallel.rank_setup import SetupError
 
 if TYPE_CHECKING:
     import torch
 
     from ctxlaunch.contract.spec import JobSpec
     from ctxlaunch.planning.replan import Decision
-    from ctxlaunch.runtime.trainer.distenv import DistEnv
+    from ctxlaunch.runtime.parallel.distenv import DistEnv
 
 
 def check_allocation(spec: JobSpec, denv: DistEnv) -> None:
@@ -130,7 +130,7 @@ def _side(entry: Any, spec: JobSpec) -> dict[str, Any]:
 def _decide(spec: JobSpec, denv: DistEnv, capacity: int, run_dir: Path) -> dict[str, Any]:
     """Rank 0's part: the planner's decision as a payload every rank can rebuild."""
     from ctxlaunch.planning.replan import Allocation, decide
-    from ctxlaunch.runtime.trainer import checkpoint
+    from ctxlaunch.runtime.checkpointing import checkpoint
 
     directory = spec.training.checkpoint.dir
     allocation = Allocation(

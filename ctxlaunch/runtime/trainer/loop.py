@@ -19,13 +19,14 @@ from ctxlaunch.contract import events, exitcodes
 from ctxlaunch.cp import ring_rank_areas
 from ctxlaunch.cp.comm import exposed_comm_seconds
 from ctxlaunch.perf.flops import flops_per_token
+from ctxlaunch.runtime.checkpointing import checkpoint, checkpoint_integrity
+from ctxlaunch.runtime.data.batches import Batches, MicroBatch, make_source
+from ctxlaunch.runtime.modeling import model as model_module
+from ctxlaunch.runtime.modeling.model import Transformer
+from ctxlaunch.runtime.parallel.parallelize import ParallelContext, ParallelSettings, parallelize
 from ctxlaunch.runtime.records import StepMetrics, peak_memory_bytes
-from ctxlaunch.runtime.trainer import checkpoint, checkpoint_integrity, fastpath, faults, stopsignal
-from ctxlaunch.runtime.trainer import model as model_module
-from ctxlaunch.runtime.trainer.batches import Batches, MicroBatch, make_source
+from ctxlaunch.runtime.trainer import fastpath, faults, stopsignal
 from ctxlaunch.runtime.trainer.engines import Engine, make_engine
-from ctxlaunch.runtime.trainer.model import Transformer
-from ctxlaunch.runtime.trainer.parallelize import ParallelContext, ParallelSettings, parallelize
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
@@ -69,7 +70,7 @@ class Trainer:
         )
         self.evaluator = None
         if training.eval.interval:
-            from ctxlaunch.runtime.trainer.evaluator import Evaluator
+            from ctxlaunch.runtime.evaluation.evaluator import Evaluator
 
             self.evaluator = Evaluator(spec, ctx, parts.model, device)
         self.tokens_per_gpu = spec.tokens_per_step / ctx.world_size

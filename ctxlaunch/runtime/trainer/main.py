@@ -18,23 +18,23 @@ from typing import TYPE_CHECKING
 from ctxlaunch.contract import events, exitcodes
 from ctxlaunch.contract.loader import SpecError
 from ctxlaunch.contract.rundir import RUN_DIR_ENV, SPEC_ENV, default_run_dir, write_exit_code
-from ctxlaunch.runtime.trainer.checkpoint import CheckpointDirError, check_writable
-from ctxlaunch.runtime.trainer.rank_setup import (
+from ctxlaunch.runtime.checkpointing.checkpoint import CheckpointDirError, check_writable
+from ctxlaunch.runtime.checkpointing.safe_unpickle import (
+    CheckpointDamaged,
+    CheckpointOfAnotherModel,
+    CheckpointRefused,
+)
+from ctxlaunch.runtime.parallel.rank_setup import (
     SetupError,
     check_world_size,
     join_process_group,
     load_job_spec,
     rank_context,
 )
-from ctxlaunch.runtime.trainer.safe_unpickle import (
-    CheckpointDamaged,
-    CheckpointOfAnotherModel,
-    CheckpointRefused,
-)
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
-    from ctxlaunch.runtime.trainer.distenv import DistEnv
+    from ctxlaunch.runtime.parallel.distenv import DistEnv
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     rank_tag = "[rank ?]"
     try:
         spec = load_job_spec(args)
-        from ctxlaunch.runtime.trainer import distenv
+        from ctxlaunch.runtime.parallel import distenv
 
         denv = distenv.detect()
         rank_tag = f"[rank {denv.rank}]"
@@ -141,9 +141,9 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
     import torch.distributed as dist
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from ctxlaunch.runtime.checkpointing.checkpoint import CheckpointWriteError
     from ctxlaunch.runtime.telemetry.training import TrainingTelemetry
     from ctxlaunch.runtime.trainer import fastpath, faults, healing, heartbeat
-    from ctxlaunch.runtime.trainer.checkpoint import CheckpointWriteError
     from ctxlaunch.runtime.trainer.loop import Trainer
 
     heartbeat.start(run_dir, denv.rank)

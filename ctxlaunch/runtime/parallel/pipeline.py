@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ctxlaunch.perf.memory import pipeline_recv_buffers
-from ctxlaunch.runtime.trainer.model import Block, Documents, Transformer
+from ctxlaunch.runtime.modeling.model import Block, Documents, Transformer
 
 if TYPE_CHECKING:
     from typing import Any

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (Llama, Mistral, Qwen2/2.5, Qwen3: contract/families.py):
+"""Hugging Face checkpoints in and out (Llama, Mistral, Qwen2/2.5, Qwen3: contract/families/__init__.py):
 the name mapping, reading one rank's slice of each weight lazily from safetensors, and writing
 a trained checkpoint back as a Hugging Face directory of the family's own class.
 
@@ -41,11 +41,11 @@ from typing import Any
 import torch
 
 from ctxlaunch.contract.families import FAMILIES
+from ctxlaunch.contract.families.hfconfig import CONFIG_FILE, read_config
 from ctxlaunch.contract.fsutil import missing_directories
-from ctxlaunch.contract.hfconfig import CONFIG_FILE, read_config
 from ctxlaunch.contract.spec import DefaultRope, ModelSpec, YarnRope
+from ctxlaunch.runtime.modeling.weight_sharding import Sharding
 from ctxlaunch.runtime.progress import Progress
-from ctxlaunch.runtime.trainer.tensor_parallel import Sharding
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -396,8 +396,8 @@ def read_dcp_weights(path: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ctxlaunch.runtime.trainer.checkpoint_integrity import check_dcp_files, load_failure
-    from ctxlaunch.runtime.trainer.safe_unpickle import SafeFileSystemReader, SafeLoadPlanner
+    from ctxlaunch.runtime.checkpointing.checkpoint_integrity import check_dcp_files, load_failure
+    from ctxlaunch.runtime.checkpointing.safe_unpickle import SafeFileSystemReader, SafeLoadPlanner
 
     metadata = check_dcp_files(path)
     reader = SafeFileSystemReader(str(path))
@@ -428,7 +428,7 @@ def read_deepspeed_weights(path: Path) -> dict[str, torch.Tensor]:
     """The whole model's fp32 weights of a DeepSpeed checkpoint (zero_to_fp32)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from ctxlaunch.runtime.trainer.safe_unpickle import deepspeed_reads_weights_only
+    from ctxlaunch.runtime.checkpointing.safe_unpickle import deepspeed_reads_weights_only
 
     with deepspeed_reads_weights_only(path):
         state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
@@ -471,7 +471,7 @@ def init_from_config(model: ModelSpec) -> dict[str, Any] | None:
 
 def resolve_step_dir(path: Path) -> Path:
     """A checkpoint step directory: `path` itself, or the newest committed step under it."""
-    from ctxlaunch.runtime.trainer.checkpoint import MARKER, latest_step, step_dir
+    from ctxlaunch.runtime.checkpointing.checkpoint import MARKER, latest_step, step_dir
 
     if (path / MARKER).is_file():
         return path
@@ -486,7 +486,7 @@ def resolve_step_dir(path: Path) -> Path:
 
 def saved_info(step: Path) -> dict[str, Any]:
     """What the trainer recorded beside a checkpoint (its COMMITTED marker)."""
-    from ctxlaunch.runtime.trainer.checkpoint import MARKER
+    from ctxlaunch.runtime.checkpointing.checkpoint import MARKER
 
     try:
         return dict(json.loads((step / MARKER).read_text()))

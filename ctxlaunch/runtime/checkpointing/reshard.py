@@ -23,50 +23,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ctxlaunch.runtime.trainer.tensor_parallel import Sharding
+from ctxlaunch.runtime.modeling.weight_sharding import Sharding, write_local
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def write_local(target: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy this rank's TP slice into a parameter or moment (its FSDP chunk if sharded)."""
-    if not isinstance(target, DTensor):
-        target.copy_(value)
-        return
-    mesh = target.device_mesh
-    chunks = value.chunk(mesh.size(), dim=0)
-    index = mesh.get_local_rank()
-    if index < len(chunks) and target._local_tensor.numel():
-        target._local_tensor.copy_(chunks[index])
-
-
-def local_rows(target: torch.Tensor, rows: int) -> tuple[int, int]:
-    """[start, stop) of the rows (dim 0) of a TP slice with `rows` rows that `write_local`
-    keeps in `target`: all of them, or its FSDP chunk (torch.chunk's split over DP x CP)."""
-    if not isinstance(target, DTensor):
-        return 0, rows
-    if not target._local_tensor.numel():
-        return 0, 0
-    mesh = target.device_mesh
-    return chunk_rows(rows, mesh.size(), mesh.get_local_rank())
-
-
-def chunk_rows(rows: int, chunks: int, index: int) -> tuple[int, int]:
-    """[start, stop) of chunk `index` of `rows` rows as torch.chunk splits them (chunks of
-    ceil(rows / chunks), the last shorter, possibly none)."""
-    size = -(-rows // chunks)
-    return min(index * size, rows), min((index + 1) * size, rows)
-
-
-def write_rows(target: torch.Tensor, rows: torch.Tensor) -> None:
-    """Copy the rows `local_rows` named (read from elsewhere, not sliced here) into `target`."""
-    local = target._local_tensor if isinstance(target, DTensor) else target
-    if local.numel():
-        local.copy_(rows)
 
 
 class CheckpointState:
@@ -110,7 +73,7 @@ class CheckpointState:
         pieces = local.split(sizes, dim=sharding.dim)
         if self.mesh is None:
             return [(f"{name}#{i}", piece) for i, piece in enumerate(pieces)]
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import Shard
 
         return [
             (
@@ -177,8 +140,14 @@ class CheckpointState:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from ctxlaunch.runtime.trainer.checkpoint_integrity import check_dcp_files, load_failure
-        from ctxlaunch.runtime.trainer.safe_unpickle import SafeFileSystemReader, SafeLoadPlanner
+        from ctxlaunch.runtime.checkpointing.checkpoint_integrity import (
+            check_dcp_files,
+            load_failure,
+        )
+        from ctxlaunch.runtime.checkpointing.safe_unpickle import (
+            SafeFileSystemReader,
+            SafeLoadPlanner,
+        )
 
         metadata = check_dcp_files(path)  # a missing or cut-short file, named, before reading
         state = self.state_dict()
@@ -200,7 +169,7 @@ def check_saved_shapes(metadata: object, state: dict, path: Path) -> None:
     read). The optimizer's moments have their weight's shape, so the weights are named."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ctxlaunch.runtime.trainer.safe_unpickle import CheckpointOfAnotherModel
+    from ctxlaunch.runtime.checkpointing.safe_unpickle import CheckpointOfAnotherModel
 
     saved = getattr(metadata, "state_dict_metadata", None) or {}
     for key in sorted(state, key=lambda k: (not k.startswith("model/"), k)):

@@ -13,7 +13,7 @@ import torch
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
-    from ctxlaunch.runtime.trainer.parallelize import ParallelContext
+    from ctxlaunch.runtime.parallel.parallelize import ParallelContext
 
 
 def load_weights(
@@ -22,7 +22,7 @@ def load_weights(
     """This rank's weights from a checkpoint: the layout-independent DCP format at any layout,
     or a DeepSpeed checkpoint (consolidated by DeepSpeed's own zero_to_fp32)."""
     if (path / ".metadata").is_file():
-        from ctxlaunch.runtime.trainer.reshard import CheckpointState
+        from ctxlaunch.runtime.checkpointing.reshard import CheckpointState
 
         CheckpointState(
             parts.named_parameters(), None, None, parts.plan, ctx.tp, ctx.tp_group, device
@@ -30,8 +30,8 @@ def load_weights(
         return
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from ctxlaunch.runtime.trainer.reshard import write_local
-    from ctxlaunch.runtime.trainer.safe_unpickle import deepspeed_reads_weights_only
+    from ctxlaunch.runtime.checkpointing.safe_unpickle import deepspeed_reads_weights_only
+    from ctxlaunch.runtime.modeling.weight_sharding import write_local
 
     with contextlib.redirect_stdout(sys.stderr), deepspeed_reads_weights_only(path):
         state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
@@ -54,7 +54,7 @@ def checkpoint_to_load(spec: JobSpec, given: str | None, base: bool = False) -> 
     """--checkpoint, or the newest committed checkpoint in training.checkpoint.dir; None for
     the model.init_from weights as imported (`base`, or no checkpoint committed yet): the
     baseline before training, which `parallelize` reads as it does to start a run."""
-    from ctxlaunch.runtime.trainer import checkpoint
+    from ctxlaunch.runtime.checkpointing import checkpoint
 
     if base:
         if given:

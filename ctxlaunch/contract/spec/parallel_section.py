@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import PrivateAttr, model_validator
 
-from ctxlaunch.contract.spec_base import PositiveInt, _Strict
+from ctxlaunch.contract.spec.fields import PositiveInt, _Strict
 
 
 class ParallelSpec(_Strict):

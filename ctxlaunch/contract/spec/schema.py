@@ -1,7 +1,7 @@
 """The job spec's JSON Schema, for editors, with each field described by the docstring under it.
 
 The models are built without pydantic's use_attribute_docstrings, which reads every class's
-source while the spec is imported (see `spec_base._Strict`): the docstrings are read here, from
+source while the spec is imported (see `fields._Strict`): the docstrings are read here, from
 the modules that define the sections, only when the schema is asked for."""
 
 from __future__ import annotations
@@ -10,24 +10,30 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from ctxlaunch.contract import (
-    spec_base,
-    spec_cluster,
-    spec_model,
-    spec_parallel,
-    spec_secrets,
-    spec_training,
+from ctxlaunch.contract.families.presets import MODEL_PRESETS
+from ctxlaunch.contract.spec import (
+    cluster_section,
+    fabric_section,
+    fields,
+    model_section,
+    parallel_section,
+    secret_refs,
+    telemetry_section,
+    trackers_section,
+    training_section,
 )
-from ctxlaunch.contract.presets import MODEL_PRESETS
-from ctxlaunch.contract.spec_base import _Strict
+from ctxlaunch.contract.spec.fields import _Strict
 
 SECTION_MODULES: tuple[ModuleType, ...] = (
-    spec_base,
-    spec_model,
-    spec_training,
-    spec_parallel,
-    spec_secrets,
-    spec_cluster,
+    fields,
+    model_section,
+    training_section,
+    parallel_section,
+    secret_refs,
+    cluster_section,
+    fabric_section,
+    trackers_section,
+    telemetry_section,
 )
 """The modules that define the spec's sections, each after the ones whose models it holds."""
 

@@ -8,7 +8,7 @@ A token's context length is its RoPE position.
 
 The passkey probe (Mohtashami & Jaggi, 2023, "Landmark Attention"; the prompt LongLoRA and
 YaRN report) hides a five-digit number at a depth of filler text and asks for it at the end.
-It is scored teacher-forced (ctxlaunch.runtime.trainer.evaluator): the probe is retrieved when
+It is scored teacher-forced (ctxlaunch.runtime.evaluation.evaluator): the probe is retrieved when
 the model's arg-max at every token of the answer is that token, so a probe costs one forward
 pass, not a generation loop.
 """
@@ -126,7 +126,7 @@ class HeldOut:
 
 def held_out(spec: JobSpec) -> HeldOut:
     """The evaluation sequences the spec's data section gives, and a text encoder."""
-    from ctxlaunch.runtime.trainer.batches import ByteText, SyntheticTokens
+    from ctxlaunch.runtime.data.batches import ByteText, SyntheticTokens
 
     training = spec.training
     data, seq_len, count = training.data, training.seq_len, training.eval.sequences

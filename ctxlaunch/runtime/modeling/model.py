@@ -1,7 +1,7 @@
 # Shapes: tokens (B, S) with S the tokens this rank holds (S = seq_len / CP); hidden (B, S, h);
 # attention tensors in SDPA layout (B, H, S, D).
 """A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU; with the additions of
-the families ctxlaunch imports (contract/families.py): biases on the q, k and v projections
+the families ctxlaunch imports (contract/families/__init__.py): biases on the q, k and v projections
 (Qwen2), an RMSNorm over each head of q and of k before RoPE (Qwen3), and a head width free of
 hidden / heads (Mistral NeMo, Qwen3).
 
@@ -46,8 +46,8 @@ from ctxlaunch.contract.spec import (
     YarnRope,
 )
 from ctxlaunch.perf.memory import BACKWARD_CHUNK_TOKENS, LOSS_CHUNK_TOKENS
-from ctxlaunch.runtime.trainer.loss import chunked_cross_entropy
-from ctxlaunch.runtime.trainer.tiling import tiled_feed_forward
+from ctxlaunch.runtime.modeling.loss import chunked_cross_entropy
+from ctxlaunch.runtime.modeling.tiling import tiled_feed_forward
 
 AttentionFn = Callable[..., torch.Tensor]
 """attend(q, k, v) or, under a document mask, attend(q, k, v, documents=...) -> out."""

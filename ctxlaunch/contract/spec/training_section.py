@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails
 
-from ctxlaunch.contract.spec_base import PositiveInt, _problem, _Strict
+from ctxlaunch.contract.spec.fields import PositiveInt, _problem, _Strict
 
 
 class OptimizerSpec(_Strict):

@@ -2,8 +2,8 @@
 and quantities must match, and the problem record that validators report (a rule, its field
 and the value it rejects).
 
-The sections live in `spec_model`, `spec_training`, `spec_parallel` and `spec_cluster`; the
-rules that tie them together in `spec_rules`; `spec` assembles the job and is the public face.
+The sections live in the `*_section` modules beside this one; the rules that tie them
+together in `rules`; `jobspec` assembles the job, and the package is the public face.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class _Strict(BaseModel):
     """Unknown fields are errors: a typo must never be silently ignored.
 
     The docstring under each field is its description in the JSON Schema. json_schema() reads
-    them when it is asked for the schema (`spec_schema`): pydantic's use_attribute_docstrings
+    them when it is asked for the schema (`schema`): pydantic's use_attribute_docstrings
     would read each class's source while the spec is imported, a fifth of its import time,
     paid by every command that reads a spec."""
 

@@ -15,7 +15,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from ctxlaunch.runtime.trainer.safe_unpickle import (
+from ctxlaunch.runtime.checkpointing.safe_unpickle import (
     CheckpointDamaged,
     CheckpointRefused,
     load_failure,

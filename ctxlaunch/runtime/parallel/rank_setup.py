@@ -1,7 +1,7 @@
 """Setting up one rank of a job: the spec it runs, the check that the launcher started the
 ranks the spec describes, joining the job's process group, and the rank's place in the layout.
 The trainer (ctxlaunch.runtime.trainer.main) and `ctxlaunch eval`'s ranks
-(ctxlaunch.runtime.trainer.eval_main) both start this way."""
+(ctxlaunch.runtime.evaluation.eval_main) both start this way."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     import torch
 
     from ctxlaunch.contract.spec import JobSpec
-    from ctxlaunch.runtime.trainer.distenv import DistEnv
-    from ctxlaunch.runtime.trainer.parallelize import ParallelContext
+    from ctxlaunch.runtime.parallel.distenv import DistEnv
+    from ctxlaunch.runtime.parallel.parallelize import ParallelContext
 
 
 class SetupError(Exception):
@@ -56,7 +56,7 @@ def join_process_group(spec: JobSpec, denv: DistEnv) -> torch.device:
 
     from ctxlaunch.cp.comm import set_wait_timeout
     from ctxlaunch.runtime import vml
-    from ctxlaunch.runtime.trainer.distenv import export_for_torch
+    from ctxlaunch.runtime.parallel.distenv import export_for_torch
 
     vml.warm_up()  # before any multi-threaded CPU op: a first VML call can be inexact (vml.py)
     use_cuda = spec.cluster.gpu != "cpu"  # the entry checked that CUDA is there
@@ -79,6 +79,6 @@ def join_process_group(spec: JobSpec, denv: DistEnv) -> torch.device:
 
 def rank_context(spec: JobSpec, denv: DistEnv) -> ParallelContext:
     """This rank's place in the spec's DP x CP x TP x PP layout (its groups)."""
-    from ctxlaunch.runtime.trainer.parallelize import spec_context
+    from ctxlaunch.runtime.parallel.parallelize import spec_context
 
     return spec_context(spec, rank=denv.rank, world_size=denv.world_size)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pydantic_core import InitErrorDetails
 
-from ctxlaunch.contract.spec_base import _problem
-from ctxlaunch.contract.spec_cluster import ClusterSpec
-from ctxlaunch.contract.spec_training import TrainingSpec
+from ctxlaunch.contract.spec.cluster_section import ClusterSpec
+from ctxlaunch.contract.spec.fields import _problem
+from ctxlaunch.contract.spec.training_section import TrainingSpec
 
 
 def heal_problems(

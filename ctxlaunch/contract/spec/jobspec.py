@@ -1,20 +1,5 @@
-"""The job spec: one validated document describing a long-context training job.
-
-This module is its public face: `JobSpec`, which assembles the sections, and every name of
-the spec, re-exported from the modules that define them:
-
-- `spec_base`: the strict base model, name patterns, the problem record;
-- `spec_model`: the model section (shape, RoPE scaling, presets, init_from);
-- `spec_training`: the training section (optimizer, checkpoints, data, evaluation);
-- `spec_parallel`: the parallel section; `parallel_dims`: the degrees derived from it;
-- `spec_cluster`: the cluster, fabric and telemetry sections;
-- `spec_rules`: the rules that tie sections together (the parallel layout against the model
-  and the cluster), which report every broken rule at once, each at the field it concerns,
-  with the value, the rule and a fix;
-- `spec_schema`: the JSON Schema.
-
-Field-level rules live on the fields, in the section modules.
-"""
+"""`JobSpec`: the sections assembled into one job, the rules that tie them together, and the
+quantities derived from them (the degrees, gradient accumulation, the pipeline split)."""
 
 from __future__ import annotations
 
@@ -23,128 +8,19 @@ from typing import Any
 from pydantic import ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails
 
-from ctxlaunch.contract import spec_rules
-from ctxlaunch.contract.heal_rules import heal_problems
 from ctxlaunch.contract.parallel_dims import ParallelDims
-from ctxlaunch.contract.spec_base import (
-    ENV_NAME,
-    IMAGE_REF,
-    K8S_QUANTITY,
-    LABEL_KEY,
-    LABEL_VALUE,
-    MAX_JOB_NAME,
-    RFC1123_LABEL,
-    RFC1123_SUBDOMAIN,
-    SLURM_NAME,
-    SLURM_TIME,
-    PositiveInt,
-    _Strict,
-    problem_message,
-    text_problems,
-)
-from ctxlaunch.contract.spec_cluster import (
-    PROFILE_FORMAT,
-    ClusterSpec,
-    FabricSpec,
-    KubernetesSpec,
-    MlflowTrackerSpec,
-    SlurmSpec,
-    TelemetrySpec,
-    TensorBoardTrackerSpec,
-    Toleration,
-    TrackerSpec,
-    WandbTrackerSpec,
-)
-from ctxlaunch.contract.spec_model import (
-    SHAPE_FIELDS,
-    DefaultRope,
-    LinearRope,
-    Llama3Rope,
-    ModelSpec,
-    RopeScaling,
-    YarnRope,
-)
-from ctxlaunch.contract.spec_parallel import RENAMED_PARALLEL_FIELDS, ParallelSpec
-from ctxlaunch.contract.spec_rules import (
-    cp_problems,
-    eval_problems,
-    pipeline_problems,
-    tensor_parallel_problems,
-)
-from ctxlaunch.contract.spec_schema import job_schema
-from ctxlaunch.contract.spec_secrets import env_reference_problems
-from ctxlaunch.contract.spec_training import (
-    CheckpointSpec,
-    DataSpec,
-    EvalSpec,
-    HealSpec,
-    OffloadSpec,
-    OptimizerSpec,
-    PasskeySpec,
-    StateEngine,
-    TrainingSpec,
-    indexed_files,
-    indexed_prefix,
-    loss_mask_file,
-    resolve_state_engine,
-)
+from ctxlaunch.contract.spec import rules as spec_rules
+from ctxlaunch.contract.spec.cluster_section import ClusterSpec
+from ctxlaunch.contract.spec.fabric_section import FabricSpec
+from ctxlaunch.contract.spec.fields import MAX_JOB_NAME, RFC1123_LABEL, _Strict, text_problems
+from ctxlaunch.contract.spec.heal_rules import heal_problems
+from ctxlaunch.contract.spec.model_section import ModelSpec
+from ctxlaunch.contract.spec.parallel_section import ParallelSpec
+from ctxlaunch.contract.spec.schema import job_schema
+from ctxlaunch.contract.spec.secret_refs import env_reference_problems
+from ctxlaunch.contract.spec.telemetry_section import TelemetrySpec
+from ctxlaunch.contract.spec.training_section import StateEngine, TrainingSpec, resolve_state_engine
 from ctxlaunch.contract.stages import balanced_stage_layers
-
-__all__ = [
-    "ENV_NAME",
-    "IMAGE_REF",
-    "K8S_QUANTITY",
-    "LABEL_KEY",
-    "LABEL_VALUE",
-    "MAX_JOB_NAME",
-    "PROFILE_FORMAT",
-    "RENAMED_PARALLEL_FIELDS",
-    "RFC1123_LABEL",
-    "RFC1123_SUBDOMAIN",
-    "SHAPE_FIELDS",
-    "SLURM_NAME",
-    "SLURM_TIME",
-    "CheckpointSpec",
-    "ClusterSpec",
-    "DataSpec",
-    "DefaultRope",
-    "EvalSpec",
-    "FabricSpec",
-    "HealSpec",
-    "JobSpec",
-    "KubernetesSpec",
-    "LinearRope",
-    "Llama3Rope",
-    "ModelSpec",
-    "OptimizerSpec",
-    "ParallelDims",
-    "ParallelSpec",
-    "PasskeySpec",
-    "PositiveInt",
-    "RopeScaling",
-    "SlurmSpec",
-    "StateEngine",
-    "MlflowTrackerSpec",
-    "OffloadSpec",
-    "TelemetrySpec",
-    "TensorBoardTrackerSpec",
-    "TrackerSpec",
-    "WandbTrackerSpec",
-    "Toleration",
-    "TrainingSpec",
-    "YarnRope",
-    "cp_problems",
-    "eval_problems",
-    "indexed_files",
-    "indexed_prefix",
-    "loss_mask_file",
-    "json_schema",
-    "layout_problems",
-    "pipeline_problems",
-    "problem_message",
-    "resolve_state_engine",
-    "tensor_parallel_problems",
-]
 
 
 class JobSpec(_Strict):
@@ -265,5 +141,5 @@ def layout_problems(spec: JobSpec) -> list[InitErrorDetails]:
 
 
 def json_schema() -> dict[str, Any]:
-    """The spec's JSON Schema, for editors (see `spec_schema.job_schema`)."""
+    """The spec's JSON Schema, for editors (see `schema.job_schema`)."""
     return job_schema(JobSpec)

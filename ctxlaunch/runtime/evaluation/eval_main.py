@@ -1,7 +1,7 @@
-"""`python -m ctxlaunch.runtime.trainer.eval_main SPEC --out RESULT`: one rank of `ctxlaunch eval`
+"""`python -m ctxlaunch.runtime.evaluation.eval_main SPEC --out RESULT`: one rank of `ctxlaunch eval`
 (torchrun starts it). It loads the newest checkpoint (or --checkpoint; or, with --base or none
 committed, the model.init_from weights as imported) at the spec's layout,
-evaluates (ctxlaunch.runtime.trainer.evaluator), and rank 0 writes the result as JSON to --out.
+evaluates (ctxlaunch.runtime.evaluation.evaluator), and rank 0 writes the result as JSON to --out.
 Exit statuses: 0 done, 2 bad spec, checkpoint or set-up, 1 anything else."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.loader import SpecError
-from ctxlaunch.runtime.trainer.rank_setup import (
+from ctxlaunch.runtime.parallel.rank_setup import (
     SetupError,
     check_world_size,
     join_process_group,
@@ -27,13 +27,13 @@ from ctxlaunch.runtime.trainer.rank_setup import (
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
+    from ctxlaunch.runtime.parallel.distenv import DistEnv
     from ctxlaunch.runtime.records import EvalResult
-    from ctxlaunch.runtime.trainer.distenv import DistEnv
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m ctxlaunch.runtime.trainer.eval_main",
+        prog="python -m ctxlaunch.runtime.evaluation.eval_main",
         description="One rank of `ctxlaunch eval`.",
     )
     parser.add_argument("spec", nargs="?", help="job spec; default: $CTXLAUNCH_SPEC_JSON")
@@ -45,8 +45,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ctxlaunch.runtime.trainer import distenv
-    from ctxlaunch.runtime.trainer.eval_weights import checkpoint_to_load
+    from ctxlaunch.runtime.evaluation.eval_weights import checkpoint_to_load
+    from ctxlaunch.runtime.parallel import distenv
 
     args = parse_args(argv)
     try:
@@ -84,10 +84,10 @@ def _evaluate(spec: JobSpec, denv: DistEnv, path: Path | None) -> EvalResult:
     import torch
     import torch.distributed as dist
 
-    from ctxlaunch.runtime.trainer.eval_weights import load_weights
-    from ctxlaunch.runtime.trainer.evaluator import Evaluator
-    from ctxlaunch.runtime.trainer.model import Transformer
-    from ctxlaunch.runtime.trainer.parallelize import ParallelSettings, parallelize
+    from ctxlaunch.runtime.evaluation.eval_weights import load_weights
+    from ctxlaunch.runtime.evaluation.evaluator import Evaluator
+    from ctxlaunch.runtime.modeling.model import Transformer
+    from ctxlaunch.runtime.parallel.parallelize import ParallelSettings, parallelize
 
     device = join_process_group(spec, denv)
     try:

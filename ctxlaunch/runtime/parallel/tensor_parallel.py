@@ -26,7 +26,6 @@ loss is loss.py's, given this rank's `VocabShard`; the forward-only scores are h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from ctxlaunch.runtime.trainer.model import Transformer
+    pass
 
 
 def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -172,49 +171,3 @@ def vocab_parallel_token_scores(
     sum_exp, shifted_target, hit = packed
     valid = targets != -100
     return (sum_exp.log() - shifted_target) * valid, (hit > 0) & valid
-
-
-@dataclass(frozen=True)
-class Sharding:
-    """How one parameter splits over TP: along `dim`, each of the consecutive `parts` of that
-    dimension split into t equal pieces (q/k/v and gate/up are fused, so a rank's slice of
-    the fused weight is its slice of each part)."""
-
-    dim: int
-    parts: tuple[int, ...]
-
-    def shard(self, full: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
-        pieces = full.split(list(self.parts), dim=self.dim)
-        return torch.cat([p.chunk(tp, dim=self.dim)[tp_rank] for p in pieces], dim=self.dim)
-
-    def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        tp = len(shards)
-        local = [p // tp for p in self.parts]
-        per_rank = [s.split(local, dim=self.dim) for s in shards]
-        return torch.cat(
-            [torch.cat([r[i] for r in per_rank], dim=self.dim) for i in range(len(self.parts))],
-            dim=self.dim,
-        )
-
-
-def shardings(model: Transformer) -> dict[str, Sharding | None]:
-    """Every parameter name of the full model -> its TP sharding (None: replicated)."""
-    out: dict[str, Sharding | None] = {}
-    for name, param in model.named_parameters():
-        leaf = name.rsplit(".", 2)
-        kind = ".".join(leaf[-2:])
-        if kind in ("wqkv.weight", "wqkv.bias"):
-            # The biases split with their output columns: each rank keeps its heads' biases.
-            attn = model.block_modules()[0].attn
-            d = attn.head_dim
-            out[name] = Sharding(0, (attn.heads * d, attn.kv_heads * d, attn.kv_heads * d))
-        elif kind == "w_gate_up.weight":
-            f = param.shape[0] // 2
-            out[name] = Sharding(0, (f, f))
-        elif kind in ("wo.weight", "w_down.weight"):
-            out[name] = Sharding(1, (param.shape[1],))
-        elif name in ("embed.weight", "head.weight"):
-            out[name] = Sharding(0, (param.shape[0],))
-        else:
-            out[name] = None
-    return out

@@ -2,7 +2,7 @@
 # each rank at the positions its CP shard holds, one sequence per forward (micro-batch 1).
 """Evaluation at length: loss and perplexity per context-length bucket on held-out data, and
 the passkey-retrieval probe, forward only, at the job's own layout. What is scored comes from
-ctxlaunch.runtime.trainer.eval_data; the result is a ctxlaunch.runtime.records.EvalResult.
+ctxlaunch.runtime.evaluation.eval_data; the result is a ctxlaunch.runtime.records.EvalResult.
 
 Work is split as in training: the CP ranks of a DP replica share each sequence, replicas take
 every dp-th one; every replica runs the same number of forwards (FSDP all-gathers across
@@ -19,18 +19,18 @@ import torch
 import torch.distributed as dist
 
 from ctxlaunch.cp import shard_positions
-from ctxlaunch.runtime.records import Bucket, EvalResult, PasskeyCell
-from ctxlaunch.runtime.trainer.eval_data import (
+from ctxlaunch.runtime.evaluation.eval_data import (
     PasskeyProbe,
     bucket_edges,
     held_out,
     passkey_probes,
 )
+from ctxlaunch.runtime.records import Bucket, EvalResult, PasskeyCell
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
-    from ctxlaunch.runtime.trainer.model import Transformer
-    from ctxlaunch.runtime.trainer.parallelize import ParallelContext
+    from ctxlaunch.runtime.modeling.model import Transformer
+    from ctxlaunch.runtime.parallel.parallelize import ParallelContext
 
 
 class Evaluator:
@@ -84,7 +84,7 @@ class Evaluator:
         sequence; under a document mask attention stays in each document, the targets that
         open the next are not predicted, and context lengths restart (restart_positions);
         a loss mask leaves out the targets it does not mark."""
-        from ctxlaunch.runtime.trainer.batches import (
+        from ctxlaunch.runtime.data.batches import (
             CpShard,
             MicroBatch,
             apply_loss_mask,

@@ -26,26 +26,30 @@ from torch import nn
 from ctxlaunch import cp as cp_attention
 from ctxlaunch.contract.spec import JobSpec, ModelSpec, StateEngine
 from ctxlaunch.cp import comm as cp_comm
-from ctxlaunch.runtime.trainer.loss import VocabShard, chunked_cross_entropy
-from ctxlaunch.runtime.trainer.model import AttentionFn, Checkpointing, Transformer
-from ctxlaunch.runtime.trainer.offload import ActivationOffload
-from ctxlaunch.runtime.trainer.pipeline import StageModule, pipeline_schedule, split_stages
-from ctxlaunch.runtime.trainer.reshard import local_rows, write_local, write_rows
-from ctxlaunch.runtime.trainer.tensor_parallel import (
+from ctxlaunch.runtime.modeling.loss import VocabShard, chunked_cross_entropy
+from ctxlaunch.runtime.modeling.model import AttentionFn, Checkpointing, Transformer
+from ctxlaunch.runtime.modeling.offload import ActivationOffload
+from ctxlaunch.runtime.modeling.weight_sharding import (
     Sharding,
+    local_rows,
+    shardings,
+    write_local,
+    write_rows,
+)
+from ctxlaunch.runtime.parallel.pipeline import StageModule, pipeline_schedule, split_stages
+from ctxlaunch.runtime.parallel.tensor_parallel import (
     VocabParallelEmbedding,
     gather_linear,
     gather_sequence,
     scatter_sequence,
-    shardings,
     vocab_parallel_token_scores,
 )
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import _PipelineSchedule as PipelineSchedule
 
+    from ctxlaunch.runtime.checkpointing.hf import SafetensorsCheckpoint
     from ctxlaunch.runtime.progress import Progress
-    from ctxlaunch.runtime.trainer.hf import SafetensorsCheckpoint
 
 
 @dataclass(frozen=True)
@@ -312,7 +316,7 @@ def parallelize(
     parameter's initial value on the CPU (`Transformer.initial_value`, seeded by the
     parameter's name, so every layout starts from the same weights) and its TP slice; or,
     with `model.init_from`, just the rows (and columns) this rank keeps, read from the
-    Hugging Face checkpoint (`ctxlaunch.runtime.trainer.hf`)."""
+    Hugging Face checkpoint (`ctxlaunch.runtime.checkpointing.hf`)."""
     full_shapes = {name: p.shape for name, p in model.named_parameters()}
     attend = attention_for(ctx, settings.cp_algorithm, settings.attention_tile_tokens)
     for block in model.block_modules():
@@ -474,8 +478,8 @@ def _materialise_from_hf(
     """Allocate the parts' parameters and read each one's value from the Hugging Face
     checkpoint: only this rank's TP slice, FSDP chunk and pipeline stages. Rank 0 reports the
     tensors read on stderr (a line each tenth of the way in a log; runtime/progress.py)."""
+    from ctxlaunch.runtime.checkpointing import hf
     from ctxlaunch.runtime.progress import Progress
-    from ctxlaunch.runtime.trainer import hf
 
     assert model.init_from is not None  # settings.init_from is set only with it
     checkpoint = hf.SafetensorsCheckpoint(model.init_from)
@@ -499,7 +503,7 @@ def _read_from_hf(
     progress: Progress | None,
 ) -> None:
     """`_materialise_from_hf`'s reading, one parameter at a time."""
-    from ctxlaunch.runtime.trainer import hf
+    from ctxlaunch.runtime.checkpointing import hf
 
     try:
         for part in parts:

@@ -24,7 +24,7 @@ from typing import Annotated, Any
 from pydantic import Discriminator, Tag, field_validator
 from pydantic_core import InitErrorDetails
 
-from ctxlaunch.contract.spec_base import ENV_NAME, RFC1123_SUBDOMAIN, _problem, _Strict
+from ctxlaunch.contract.spec.fields import ENV_NAME, RFC1123_SUBDOMAIN, _problem, _Strict
 
 SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]{1,253}")
 """What Kubernetes accepts as a key of a Secret's data."""

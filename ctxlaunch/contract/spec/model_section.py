@@ -10,10 +10,20 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from ctxlaunch.contract.families import FAMILIES, FamilyName
-from ctxlaunch.contract.hfconfig import CONFIG_FILE, HFConfigError, hub_id_error, model_fields
-from ctxlaunch.contract.hfweights import HFWeightsError, ModelShape, check_weights, has_weights
-from ctxlaunch.contract.presets import MODEL_PRESETS
-from ctxlaunch.contract.spec_base import PositiveInt, _problem, _Strict
+from ctxlaunch.contract.families.hfconfig import (
+    CONFIG_FILE,
+    HFConfigError,
+    hub_id_error,
+    model_fields,
+)
+from ctxlaunch.contract.families.hfweights import (
+    HFWeightsError,
+    ModelShape,
+    check_weights,
+    has_weights,
+)
+from ctxlaunch.contract.families.presets import MODEL_PRESETS
+from ctxlaunch.contract.spec.fields import PositiveInt, _problem, _Strict
 
 
 class DefaultRope(_Strict):
@@ -104,7 +114,7 @@ class ModelSpec(_Strict):
     additions (q/k/v biases, q/k norms)."""
 
     preset: str | None = None
-    """Start from a named shape (see `ctxlaunch.contract.presets`); fields given beside it override it."""
+    """Start from a named shape (see `ctxlaunch.contract.families.presets`); fields given beside it override it."""
     init_from: str | None = None
     """A Hugging Face checkpoint directory (LlamaForCausalLM, MistralForCausalLM,
     Qwen2ForCausalLM or Qwen3ForCausalLM; config.json and model.safetensors, or shards with

@@ -13,15 +13,16 @@ from typing import TYPE_CHECKING
 
 from pydantic_core import InitErrorDetails
 
-from ctxlaunch.contract.hfconfig import CONFIG_FILE
-from ctxlaunch.contract.spec_base import _problem
+from ctxlaunch.contract.families.hfconfig import CONFIG_FILE
+from ctxlaunch.contract.spec.fields import _problem
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.parallel_dims import ParallelDims
-    from ctxlaunch.contract.spec_cluster import ClusterSpec, FabricSpec
-    from ctxlaunch.contract.spec_model import ModelSpec
-    from ctxlaunch.contract.spec_parallel import ParallelSpec
-    from ctxlaunch.contract.spec_training import TrainingSpec
+    from ctxlaunch.contract.spec.cluster_section import ClusterSpec
+    from ctxlaunch.contract.spec.fabric_section import FabricSpec
+    from ctxlaunch.contract.spec.model_section import ModelSpec
+    from ctxlaunch.contract.spec.parallel_section import ParallelSpec
+    from ctxlaunch.contract.spec.training_section import TrainingSpec
 
 
 def layout_problems(
@@ -154,7 +155,7 @@ def engine_problems(t: TrainingSpec, dims: ParallelDims) -> list[InitErrorDetail
 def offload_problems(t: TrainingSpec, dims: ParallelDims) -> list[InitErrorDetails]:
     """What each offload switch (training.offload) needs: an engine that owns the states it
     moves, and for activations the one checkpointing mode whose saved inputs it moves."""
-    from ctxlaunch.contract.spec_training import resolve_state_engine
+    from ctxlaunch.contract.spec.training_section import resolve_state_engine
 
     off = t.offload
     out: list[InitErrorDetails] = []

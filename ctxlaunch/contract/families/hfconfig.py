@@ -2,7 +2,7 @@
 
 `model.init_from: DIR` takes the family, the shape, the norm epsilon, tied embeddings, RoPE and
 the sliding window from DIR/config.json (the spec validates them, so this lives in contract);
-the weights are read by the trainer (ctxlaunch/runtime/trainer/hf.py). The families of
+the weights are read by the trainer (ctxlaunch/runtime/checkpointing/hf.py). The families of
 `ctxlaunch.contract.families` are accepted: Llama (2, 3, 3.1, 3.2), Mistral, Qwen2/2.5 and
 Qwen3 dense (grouped-query attention, tied embeddings, llama3/YaRN/linear RoPE scaling); any
 other architecture, and anything whose weights would not mean the same in ctxlaunch's model, is

@@ -8,7 +8,7 @@ A checkpoint interrupted halfway (a preemption during the save) has no marker an
 so the previous one stays the resume point: no checkpointed work is ever lost.
 
 The state itself is written by the engine: `torch.distributed.checkpoint` in a layout-independent
-form (ctxlaunch/runtime/trainer/reshard.py) for ZeRO-0 and FSDP2, so those resume at other TP,
+form (ctxlaunch/runtime/checkpointing/reshard.py) for ZeRO-0 and FSDP2, so those resume at other TP,
 PP, CP and DP degrees; DeepSpeed's own format under training.engine deepspeed (the default for
 ZeRO >= 1 at TP 1 x PP 1; its partitioned fp32 master weights and Adam states have no
 torch.distributed.checkpoint form).
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ctxlaunch.runtime.trainer.checkpoint_integrity import (
+from ctxlaunch.runtime.checkpointing.checkpoint_integrity import (
     MARKER_FILES_KEY,
     digest_share,
     verify_share,

@@ -1,25 +1,22 @@
-"""The cluster side of the job spec: where the job runs (local, Slurm, Kubernetes), on which
-GPUs, over which fabric, and how it exports metrics."""
+"""The cluster section of the job spec: where the job runs (local, Slurm, Kubernetes), on which
+GPUs and nodes, with how much host memory."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Literal
 
 from pydantic import (
-    Discriminator,
     Field,
     PositiveFloat,
-    Tag,
     ValidationError,
     field_validator,
     model_validator,
 )
 
-from ctxlaunch.contract.hardware import GiB, GpuInfo, GpuType, NetworkType, gpu_info
-from ctxlaunch.contract.spec_base import (
-    ENV_NAME,
+from ctxlaunch.contract.hardware import GiB, GpuInfo, GpuType, gpu_info
+from ctxlaunch.contract.spec.fields import (
     IMAGE_REF,
     K8S_QUANTITY,
     LABEL_KEY,
@@ -32,7 +29,6 @@ from ctxlaunch.contract.spec_base import (
     _problem,
     _Strict,
 )
-from ctxlaunch.contract.spec_secrets import EnvValue
 
 PROFILE_FORMAT = "ctxlaunch-machine-profile/1"
 """The `format` of a machine profile file (ctxlaunch.perf.machine.save_profile)."""
@@ -348,283 +344,3 @@ class ClusterSpec(_Strict):
         if self.host_memory_gib is not None:
             return int(self.host_memory_gib * GiB)
         return self.gpu_info.node_host_memory_bytes
-
-
-class FabricSpec(_Strict):
-    """The interconnect, and the NCCL environment it needs."""
-
-    nvlink_domain: PositiveInt | None = None
-    """GPUs per NVLink/NVSwitch domain; default from the GPU type (8, or 1 for PCIe-only)."""
-    network: NetworkType = "infiniband-ndr"
-    """Inter-node network; picks the NCCL defaults (see ctxlaunch.contract.hardware.FABRIC_NCCL_ENV)."""
-    hcas: list[str] = []
-    """HCA names for NCCL_IB_HCA, matched exactly (rendered with a leading '=')."""
-    socket_ifname: str | None = None
-    """NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME for bootstrap (e.g. eth0, or ^lo,docker)."""
-    gid_index: int | None = Field(None, ge=0)
-    """NCCL_IB_GID_INDEX; default 3 on RoCE (RoCE v2)."""
-    gdr_level: str | None = None
-    """NCCL_NET_GDR_LEVEL (LOC, PIX, PXB, PHB, SYS)."""
-    topo_file: str | None = None
-    """NCCL_TOPO_FILE: a topology XML (cloud VMs)."""
-    nccl: dict[str, str] = {}
-    """Per-job NCCL/torch variables, overriding the fabric defaults key by key."""
-    env: dict[str, EnvValue] = {}
-    """Any other environment for the trainer (overrides everything else). A value is text,
-    or a reference that keeps a secret out of every rendered file: {secret: {name, key}} (a
-    Kubernetes Secret's key), {from_env: NAME} (a variable where sbatch or ctxlaunch runs) or
-    {from_file: PATH} (a file's text, read where the job starts)."""
-
-    @field_validator("hcas")
-    @classmethod
-    def _hcas(cls, value: list[str]) -> list[str]:
-        for hca in value:
-            if not re.fullmatch(r"^[A-Za-z0-9_]+(:\d+)?$", hca):
-                raise ValueError(f"{hca!r} is not an HCA name (e.g. mlx5_0 or mlx5_0:1)")
-        return value
-
-    @field_validator("gdr_level")
-    @classmethod
-    def _gdr(cls, value: str | None) -> str | None:
-        if (
-            value is not None
-            and value not in {"LOC", "PIX", "PXB", "PHB", "SYS"}
-            and not value.isdigit()
-        ):
-            raise ValueError(f"{value!r}: use LOC, PIX, PXB, PHB, SYS or a number")
-        return value
-
-    @field_validator("nccl", "env")
-    @classmethod
-    def _env(cls, value: dict[str, Any]) -> dict[str, Any]:
-        for name, setting in value.items():
-            if not ENV_NAME.fullmatch(name):
-                raise ValueError(f"{name!r} is not an environment variable name")
-            if name in SHELL_OWN:
-                raise ValueError(
-                    f"{name!r} is the shell's own (bash sets or reads it itself): "
-                    "choose another name"
-                )
-            if isinstance(setting, str) and "\x00" in setting:
-                raise ValueError(f"{name}: the value contains a NUL byte")
-        return value
-
-
-SHELL_OWN = frozenset(
-    {"_", "PWD", "OLDPWD", "SHLVL", "IFS", "SHELLOPTS", "BASHOPTS", "BASH_ENV", "ENV"}
-)
-"""Names bash sets itself in the batch script (so an export of them would not hold) or reads
-at start-up (BASH_ENV and ENV: a file it sources)."""
-
-
-def _local_path(value: str | None) -> str | None:
-    """A directory setting: given, it must be a usable path (not blank, no NUL byte)."""
-    if value is None:
-        return None
-    if not value.strip():
-        raise ValueError("an empty path: give a directory, or leave the field out for the default")
-    if "\x00" in value:
-        raise ValueError(f"{value!r}: the path contains a NUL byte")
-    return value
-
-
-def _name(value: str | None) -> str | None:
-    """A name setting: given, it must not be blank."""
-    if value is not None and not value.strip():
-        raise ValueError("an empty name: give one, or leave the field out for the default")
-    return value
-
-
-class TensorBoardTrackerSpec(_Strict):
-    """TensorBoard event files, written by rank 0 (torch.utils.tensorboard.SummaryWriter);
-    `tensorboard --logdir <log_dir>` reads them. Needs `pip install 'ctxlaunch[tensorboard]'`."""
-
-    kind: Literal["tensorboard"] = "tensorboard"
-    """Which tracker this is."""
-    log_dir: str | None = None
-    """Where the event files go; default `<run dir>/tensorboard`. A relative path is taken from
-    the trainer's working directory (as training.checkpoint.dir)."""
-
-    @field_validator("log_dir")
-    @classmethod
-    def _log_dir(cls, value: str | None) -> str | None:
-        return _local_path(value)
-
-
-class MlflowTrackerSpec(_Strict):
-    """An MLflow run, written by rank 0 through MLflow's client: the resolved spec as its
-    parameters, the step and evaluation series as its metrics. Needs
-    `pip install 'ctxlaunch[mlflow]'`."""
-
-    kind: Literal["mlflow"] = "mlflow"
-    """Which tracker this is."""
-    tracking_uri: str | None = None
-    """MLflow tracking URI: http(s)://host:port of a tracking server, databricks, a database
-    (sqlite:///path, postgresql://...) or file:<path>; default a local file store,
-    `file:<run dir>/mlruns` (`mlflow ui --backend-store-uri file:<run dir>/mlruns` shows it)."""
-    experiment: str | None = None
-    """Experiment name (created if missing); default: the job name."""
-    run_name: str | None = None
-    """The MLflow run's name; default: the job name and ctxlaunch's run id."""
-
-    @field_validator("tracking_uri")
-    @classmethod
-    def _tracking_uri(cls, value: str | None) -> str | None:
-        if value is None or value == "databricks":
-            return value
-        if not re.fullmatch(r"^[A-Za-z][A-Za-z0-9+.\-]*:\S+$", value):
-            raise ValueError(
-                f"{value!r} is not a tracking URI: use http(s)://host:port, databricks, "
-                "sqlite:///path, postgresql://..., or file:<path> for a local directory"
-            )
-        return value
-
-    @field_validator("experiment", "run_name")
-    @classmethod
-    def _names(cls, value: str | None) -> str | None:
-        return _name(value)
-
-
-WANDB_NAME = re.compile(r"^[^/\\#?%:\s]{1,128}$")
-"""What W&B accepts as a project or entity name: up to 128 characters, none of / \\ # ? % :
-and no whitespace."""
-
-
-class WandbTrackerSpec(_Strict):
-    """A Weights & Biases run, written by rank 0: the resolved spec as its config, the step and
-    evaluation series as its history. Offline by default: the run is written under `dir` and
-    nothing is sent until `wandb sync`. Needs `pip install 'ctxlaunch[wandb]'`."""
-
-    kind: Literal["wandb"] = "wandb"
-    """Which tracker this is."""
-    project: str | None = None
-    """W&B project; default: the job name."""
-    entity: str | None = None
-    """W&B entity (user or team); default: the API key's default entity."""
-    mode: Literal["offline", "online"] = "offline"
-    """offline: write the run locally only (upload later with `wandb sync <dir>/wandb/
-    offline-run-*`); online: stream to the W&B server (needs WANDB_API_KEY and network access
-    from rank 0)."""
-    dir: str | None = None
-    """Where W&B writes its `wandb/` folder; default: the run directory. A relative path is
-    taken from the trainer's working directory."""
-
-    @field_validator("project", "entity")
-    @classmethod
-    def _wandb_name(cls, value: str | None) -> str | None:
-        if value is not None and not WANDB_NAME.fullmatch(value):
-            raise ValueError(
-                f"{value!r} is not a W&B name: 1 to 128 characters, none of / \\ # ? % : "
-                "or whitespace"
-            )
-        return value
-
-    @field_validator("dir")
-    @classmethod
-    def _dir(cls, value: str | None) -> str | None:
-        return _local_path(value)
-
-
-def _tracker_kind(value: Any) -> str | None:
-    """The `kind` of a tracker, given as a mapping or as a model."""
-    return value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
-
-
-TrackerSpec = Annotated[
-    Annotated[TensorBoardTrackerSpec, Tag("tensorboard")]
-    | Annotated[MlflowTrackerSpec, Tag("mlflow")]
-    | Annotated[WandbTrackerSpec, Tag("wandb")],
-    # A callable discriminator, for an error that names the kinds when `kind` is missing or
-    # unknown (a field name's discriminator reports only "Unable to extract tag").
-    Discriminator(
-        _tracker_kind,
-        custom_error_type="tracker_kind",
-        custom_error_message="a tracker needs kind: tensorboard, mlflow or wandb",
-    ),
-]
-"""An experiment tracker, chosen by `kind`: tensorboard, mlflow or wandb."""
-
-
-class TelemetrySpec(_Strict):
-    """Prometheus export from every rank, and the experiment trackers rank 0 writes."""
-
-    prometheus: Literal["off", "scrape", "push"] = "off"
-    """scrape: each rank serves /metrics on port + local rank; push: ranks push to a
-    Pushgateway (batch jobs, Slurm)."""
-    port: int = Field(9400, ge=1024, le=65535)
-    """First scrape port (rank r on a node uses port + local rank)."""
-    bind_address: str | None = None
-    """The address /metrics listens on in scrape mode (an IP address of the node, 0.0.0.0 or
-    :: for every interface). Default: 127.0.0.1 for cluster.target local (no other machine
-    reads a local job's metrics), every interface for Slurm and Kubernetes (Prometheus scrapes
-    from elsewhere; the endpoint has no authentication: keep it on a trusted network)."""
-    pushgateway_url: str | None = None
-    """e.g. http://pushgateway.monitoring:9091 (push mode)."""
-    push_interval_seconds: float = Field(15.0, gt=0)
-    """How often push mode pushes every series (and once more at the end)."""
-    trackers: list[TrackerSpec] = []
-    """Experiment trackers rank 0 writes, each at most once: [{kind: tensorboard, log_dir},
-    {kind: mlflow, tracking_uri, experiment, run_name}, {kind: wandb, project, entity, mode,
-    dir}]. Each logged step: loss, learning rate, gradient norm, tokens/s per GPU, MFU (full
-    and causal), peak memory against the planner's prediction; each evaluation: the loss per
-    context-length bucket and the passkey grid; at the start, the resolved spec. A tracker
-    that cannot start or fails is reported once and left out; training goes on."""
-
-    @field_validator("bind_address")
-    @classmethod
-    def _bind_address(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        import ipaddress
-
-        try:
-            ipaddress.ip_address(value)
-        except ValueError:
-            raise ValueError(
-                f"{value!r} is not an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1)"
-            ) from None
-        return value
-
-    def bind_address_for(self, target: str) -> str:
-        """Where /metrics listens for a job on `target`: bind_address, else 127.0.0.1 for a
-        local job and every interface elsewhere."""
-        if self.bind_address is not None:
-            return self.bind_address
-        return "127.0.0.1" if target == "local" else "0.0.0.0"
-
-    @field_validator("pushgateway_url")
-    @classmethod
-    def _url(cls, value: str | None) -> str | None:
-        if value is not None and not re.fullmatch(
-            r"^https?://[A-Za-z0-9._\-\[\]:]+(/[\w./\-]*)?$", value
-        ):
-            raise ValueError(f"{value!r} is not an http(s) URL")
-        return value
-
-    @field_validator("trackers")
-    @classmethod
-    def _one_of_each(cls, value: list[TrackerSpec]) -> list[TrackerSpec]:
-        seen: dict[str, int] = {}
-        for index, tracker in enumerate(value):
-            if tracker.kind in seen:
-                raise ValueError(
-                    f"trackers[{index}] is a second {tracker.kind} tracker (trackers"
-                    f"[{seen[tracker.kind]}] is one): each kind at most once"
-                )
-            seen[tracker.kind] = index
-        return value
-
-    @model_validator(mode="after")
-    def _push_needs_url(self) -> TelemetrySpec:
-        if self.prometheus == "push" and not self.pushgateway_url:
-            raise ValidationError.from_exception_data(
-                "TelemetrySpec",
-                [
-                    _problem(
-                        ("pushgateway_url",),
-                        None,
-                        "telemetry.prometheus = push needs telemetry.pushgateway_url",
-                    )
-                ],
-            )
-        return self
