@@ -30,7 +30,7 @@ def make_checkpoint(directory: Path, preset: str) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from ctxlaunch.contract.families.presets import MODEL_PRESETS
+    from ctxlaunch.contract.families import MODEL_PRESETS
 
     m = MODEL_PRESETS[preset]
     h, f, v, heads, kv = m["hidden"], m["ffn_hidden"], m["vocab"], m["heads"], m["kv_heads"]

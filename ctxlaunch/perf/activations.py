@@ -21,8 +21,8 @@ TP 2 and on both stages of PP 2.
 Bytes saved for backward per token by one transformer block, with a = bytes of the compute
 dtype and r = bytes of the residual stream (both 2 in bf16 under DeepSpeed; r = 4 under ZeRO-0
 bf16, where torch autocast keeps fp32 weights and residual; both 4 in fp32), h the hidden size,
-h_q = heads x head_dim the query width (h itself unless head_dim is free of hidden / heads, as
-in Mistral NeMo and Qwen3), h_kv the K/V width and f the feed-forward width:
+h_q = heads x head_dim the query width (h itself unless the family sets head_dim apart from
+hidden / heads), h_kv the K/V width and f the feed-forward width:
 
     tensor (who saves it)                         bytes/token
     block input x (RMSNorm 1)                     r*h
@@ -36,14 +36,14 @@ in Mistral NeMo and Qwen3), h_kv the K/V width and f the feed-forward width:
     gate and up (SwiGLU)                          2*a*f
     SwiGLU output (down projection)               a*f
     two RMSNorm reciprocal RMS values, fp32       8
-  with q/k norms (Qwen3):
+  with q/k norms:
     the fused q/k/v output (q and k norms' input) a*(h_q + 2*h_kv)
     their reciprocal RMS values, fp32             4*(heads + kv_heads)
 
     total: 2*r*h + a*(2*h + 3*h_q + 2*h_kv + 3*f) + 4*heads + 8 (+ the q/k norms' terms)
 
 The q and k norms save their input, a view of the fused projection's output, so the whole of
-that output (v's part too) stays until the block's backward. The q/k/v biases (Qwen2) save
+that output (v's part too) stays until the block's backward. The q/k/v biases save
 nothing: their gradient is the output gradient summed over the tokens.
 
 No s-by-s term: attention runs through flash kernels that keep only the log-sum-exp. For

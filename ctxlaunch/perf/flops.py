@@ -88,9 +88,9 @@ def count_params(model: ModelShape) -> ParamCount:
     kv = model.kv_heads * model.head_dim
     attention = h * q + 2 * h * kv + q * h  # q, k, v, o
     if model.qkv_bias:
-        attention += q + 2 * kv  # Qwen2: biases on q, k and v
+        attention += q + 2 * kv  # biases on q, k and v
     if model.qk_norm:
-        attention += 2 * model.head_dim  # Qwen3: one gain over each head of q, one of k
+        attention += 2 * model.head_dim  # q/k norms: one gain over each head of q, one of k
     mlp = 3 * h * f  # gate, up, down
     norms = 2 * h
     embedding = model.vocab * h

@@ -124,7 +124,7 @@ def test_each_rank_reads_only_the_rows_it_keeps(tmp_path: Path, monkeypatch) -> 
     checkpoint = hf.SafetensorsCheckpoint(tmp_path)
     whole = {
         name: torch.cat(
-            [checkpoint.read(n, (0, checkpoint.shape(n)[0])) for n in hf.hf_names(name)]
+            [checkpoint.read(n, (0, checkpoint.shape(n)[0])) for n in hf.hf_names(name, spec.model)]
         )
         for name in plan
     }
@@ -146,7 +146,9 @@ def test_each_rank_reads_only_the_rows_it_keeps(tmp_path: Path, monkeypatch) -> 
                     for index in range(chunks):
                         rows = chunk_rows(local.shape[0], chunks, index)
                         requested.clear()
-                        got = hf.read_local(checkpoint, name, shape, sharding, tp, tp_rank, rows)
+                        got = hf.read_local(
+                            checkpoint, spec.model, name, shape, sharding, tp, tp_rank, rows
+                        )
                         assert torch.equal(got, local[rows[0] : rows[1]]), (
                             name,
                             tp,

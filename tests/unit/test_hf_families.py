@@ -198,7 +198,7 @@ def test_each_rank_reads_only_the_rows_it_keeps(family: str, tmp_path: Path, mon
     hf.check_shapes(checkpoint, {n: p.shape for n, p in model.named_parameters()}, spec.model)
     whole = {
         name: torch.cat(
-            [checkpoint.read(n, (0, checkpoint.shape(n)[0])) for n in hf.hf_names(name)]
+            [checkpoint.read(n, (0, checkpoint.shape(n)[0])) for n in hf.hf_names(name, spec.model)]
         )
         for name in plan
     }
@@ -220,7 +220,9 @@ def test_each_rank_reads_only_the_rows_it_keeps(family: str, tmp_path: Path, mon
                     for index in range(chunks):
                         rows = chunk_rows(local.shape[0], chunks, index)
                         requested.clear()
-                        got = hf.read_local(checkpoint, name, shape, sharding, tp, tp_rank, rows)
+                        got = hf.read_local(
+                            checkpoint, spec.model, name, shape, sharding, tp, tp_rank, rows
+                        )
                         assert torch.equal(got, local[rows[0] : rows[1]]), (name, tp, tp_rank)
                         assert sum(requested) == got.numel()
     extra = {"qwen2": "attn.wqkv.bias", "qwen3": "attn.q_norm.weight"}.get(family)

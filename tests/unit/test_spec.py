@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ctxlaunch.contract.families.presets import MODEL_PRESETS
+from ctxlaunch.contract.families import MODEL_PRESETS
 from ctxlaunch.contract.loader import (
     SpecError,
     apply_overrides,

@@ -3,10 +3,10 @@
 `model.init_from: DIR` takes the family, the shape, the norm epsilon, tied embeddings, RoPE and
 the sliding window from DIR/config.json (the spec validates them, so this lives in contract);
 the weights are read by the trainer (ctxlaunch/runtime/checkpointing/hf.py). The families of
-`ctxlaunch.contract.families` are accepted: Llama (2, 3, 3.1, 3.2), Mistral, Qwen2/2.5 and
-Qwen3 dense (grouped-query attention, tied embeddings, llama3/YaRN/linear RoPE scaling); any
-other architecture, and anything whose weights would not mean the same in ctxlaunch's model, is
-refused by name, with what its block has that ctxlaunch's lacks where transformers knows it.
+`ctxlaunch.contract.families` are accepted (grouped-query attention, tied embeddings,
+llama3/YaRN/linear RoPE scaling); any other architecture, and anything whose weights would not
+mean the same in ctxlaunch's model, is refused by name, with what its block has that
+ctxlaunch's lacks where transformers knows it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from ctxlaunch.contract.bounded import MAX_CONFIG_BYTES, BoundedReadError, read_bounded_json
 from ctxlaunch.contract.families import (
     FAMILIES,
-    UNSUPPORTED,
+    REFUSED,
     Family,
     family_of_architecture,
     family_of_model_type,
@@ -156,7 +156,7 @@ def _family(config: dict[str, Any], where: str) -> Family:
     if architectures:
         by_class = family_of_architecture(architectures[0])
         if by_class is None or (family is not None and family is not by_class):
-            lacking = UNSUPPORTED.get(model_type)
+            lacking = REFUSED.get(model_type)
             raise HFConfigError(
                 f"{where}: architecture {architectures[0]} (model_type {model_type!r}) is not "
                 "supported"
@@ -165,7 +165,7 @@ def _family(config: dict[str, Any], where: str) -> Family:
             )
         family = family or by_class
     if family is None or family.model_type != model_type:
-        lacking = UNSUPPORTED.get(model_type)
+        lacking = REFUSED.get(model_type)
         raise HFConfigError(
             f"{where}: model_type {model_type!r} is not supported"
             + (f": its block has {lacking}" if lacking else "")
@@ -175,23 +175,10 @@ def _family(config: dict[str, Any], where: str) -> Family:
     return family
 
 
-def sliding_window(config: dict[str, Any], family: Family) -> int | None:
-    """The attention window some layer of the checkpoint uses, as transformers reads the config
-    (None: every layer attends to the whole causal prefix). Mistral: `sliding_window`, on every
-    layer; Qwen2 and Qwen3: `sliding_window` only with `use_sliding_window`, on the layers
-    `layer_types` marks sliding (default: from `max_window_layers` on)."""
-    window = config.get("sliding_window")
-    if family.name == "mistral":
-        return int(window) if window else None
-    if family.name not in ("qwen2", "qwen3") or not config.get("use_sliding_window") or not window:
-        return None
-    layer_types = config.get("layer_types")
-    layers = int(config.get("num_hidden_layers") or 0)
-    if isinstance(layer_types, list):
-        sliding = "sliding_attention" in layer_types
-    else:
-        sliding = int(config.get("max_window_layers", layers)) < layers
-    return int(window) if sliding else None
+def _biased_families() -> str:
+    """Which families have q/k/v biases, for the message refusing them elsewhere."""
+    names = [f.name for f in FAMILIES.values() if f.qkv_bias]
+    return f" ({', '.join(names)} {'has' if len(names) == 1 else 'have'} them on q, k and v only)"
 
 
 def model_fields(directory: str | Path) -> dict[str, Any]:
@@ -212,7 +199,7 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
         if config.get(flag):
             raise HFConfigError(
                 f"{where}: {flag} is true; ctxlaunch's {family.architecture} has no biases there"
-                + (" (qwen2 has them on q, k and v only)" if flag == "attention_bias" else "")
+                + (_biased_families() if flag == "attention_bias" else "")
             )
     act = config.get("hidden_act", "silu")
     if act != "silu":
@@ -241,7 +228,7 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_theta=theta,
         rope_scaling=scaling,
-        sliding_window=sliding_window(config, family),
+        sliding_window=family.sliding_window(config),
     )
     return fields
 

@@ -24,11 +24,11 @@ import math
 import os
 import stat
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ctxlaunch.contract.bounded import MAX_CONFIG_BYTES, BoundedReadError, read_bounded_json
+from ctxlaunch.contract.families.family import BlockShape, Family
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -67,72 +67,19 @@ class HFWeightsError(ValueError):
     the file and the tensor."""
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What the model's tensors are made of (ModelSpec's shape fields)."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn_hidden: int
-    vocab: int
-    tie_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-
-
-def expected_tensors(shape: ModelShape) -> dict[str, tuple[int, ...]]:
-    """Every Hugging Face tensor the model reads from `init_from`, with its shape (the names
-    of transformers' LlamaForCausalLM and of the families with the same block)."""
-    q_rows, kv_rows = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    tensors: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (shape.vocab, shape.hidden),
-        "model.norm.weight": (shape.hidden,),
-    }
-    if not shape.tie_embeddings:
-        tensors["lm_head.weight"] = (shape.vocab, shape.hidden)
-    for i in range(shape.layers):
-        layer = f"model.layers.{i}"
-        tensors |= {
-            f"{layer}.input_layernorm.weight": (shape.hidden,),
-            f"{layer}.self_attn.q_proj.weight": (q_rows, shape.hidden),
-            f"{layer}.self_attn.k_proj.weight": (kv_rows, shape.hidden),
-            f"{layer}.self_attn.v_proj.weight": (kv_rows, shape.hidden),
-            f"{layer}.self_attn.o_proj.weight": (shape.hidden, q_rows),
-            f"{layer}.post_attention_layernorm.weight": (shape.hidden,),
-            f"{layer}.mlp.gate_proj.weight": (shape.ffn_hidden, shape.hidden),
-            f"{layer}.mlp.up_proj.weight": (shape.ffn_hidden, shape.hidden),
-            f"{layer}.mlp.down_proj.weight": (shape.hidden, shape.ffn_hidden),
-        }
-        if shape.qkv_bias:
-            tensors |= {
-                f"{layer}.self_attn.q_proj.bias": (q_rows,),
-                f"{layer}.self_attn.k_proj.bias": (kv_rows,),
-                f"{layer}.self_attn.v_proj.bias": (kv_rows,),
-            }
-        if shape.qk_norm:
-            tensors |= {
-                f"{layer}.self_attn.q_norm.weight": (shape.head_dim,),
-                f"{layer}.self_attn.k_norm.weight": (shape.head_dim,),
-            }
-    return tensors
-
-
 def has_weights(directory: str | Path) -> bool:
     """Whether `directory` holds model.safetensors or model.safetensors.index.json (a directory
     with config.json alone plans and renders; the trainer refuses it, naming both files)."""
     return any(os.path.lexists(Path(directory) / name) for name in (SINGLE_FILE, INDEX_FILE))
 
 
-def check_weights(directory: str | Path, shape: ModelShape) -> None:
+def check_weights(directory: str | Path, model: BlockShape, family: Family) -> None:
     """Every tensor the model reads is in `directory`'s safetensors files with the model's shape,
     a weight dtype and its data inside its file; an HFWeightsError (one sentence naming the file
     and the tensor) otherwise. Reads the headers alone."""
     directory = Path(directory)
     files, listing = _tensor_files(directory)
-    for name, want in expected_tensors(shape).items():
+    for name, want in family.hf_tensors(model).items():
         file = files.get(name)
         if file is None:
             raise HFWeightsError(f"{listing}: no tensor {name}, which the model needs")

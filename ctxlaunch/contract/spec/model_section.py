@@ -9,20 +9,14 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from ctxlaunch.contract.families import FAMILIES, FamilyName
+from ctxlaunch.contract.families import FAMILIES, MODEL_PRESETS, FamilyName
 from ctxlaunch.contract.families.hfconfig import (
     CONFIG_FILE,
     HFConfigError,
     hub_id_error,
     model_fields,
 )
-from ctxlaunch.contract.families.hfweights import (
-    HFWeightsError,
-    ModelShape,
-    check_weights,
-    has_weights,
-)
-from ctxlaunch.contract.families.presets import MODEL_PRESETS
+from ctxlaunch.contract.families.hfweights import HFWeightsError, check_weights, has_weights
 from ctxlaunch.contract.spec.fields import PositiveInt, _problem, _Strict
 
 
@@ -114,20 +108,20 @@ class ModelSpec(_Strict):
     additions (q/k/v biases, q/k norms)."""
 
     preset: str | None = None
-    """Start from a named shape (see `ctxlaunch.contract.families.presets`); fields given beside it override it."""
+    """Start from a named shape (a family's preset: `ctxlaunch.contract.families`); fields
+    given beside it override it."""
     init_from: str | None = None
-    """A Hugging Face checkpoint directory (LlamaForCausalLM, MistralForCausalLM,
-    Qwen2ForCausalLM or Qwen3ForCausalLM; config.json and model.safetensors, or shards with
-    model.safetensors.index.json): the family, shape, norm_eps, tie_embeddings, rope_theta,
-    rope_scaling and sliding_window come from its config.json, and training starts from its
+    """A Hugging Face checkpoint directory of a family ctxlaunch trains (its causal LM class;
+    config.json and model.safetensors, or shards with model.safetensors.index.json): the
+    family, shape, norm_eps, tie_embeddings, rope_theta, rope_scaling and sliding_window come
+    from its config.json, and training starts from its
     weights (each rank reads only the slice it holds). Shape fields given beside it must agree
     with config.json; rope_theta, rope_scaling and sliding_window given beside it override it
     (to extend the context)."""
     family: FamilyName = "llama"
-    """The decoder family: llama (the plain block), mistral (the same block, Mistral's
-    checkpoints), qwen2 (biases on the q, k and v projections) or qwen3 (an RMSNorm over each
-    head of q and of k before RoPE). Set by init_from's config.json or by a preset; export
-    writes the family's own Hugging Face class."""
+    """The decoder family (`ctxlaunch.contract.families`): the common block (llama) or a
+    family that adds its own parts to it (q/k/v biases, q/k norms). Set by init_from's
+    config.json or by a preset; export writes the family's own Hugging Face class."""
     layers: PositiveInt
     """Transformer blocks."""
     hidden: PositiveInt
@@ -139,8 +133,8 @@ class ModelSpec(_Strict):
     # A None default stands for hidden / heads until `_check_shape` fills it in, so every
     # reader sees an int.
     head_dim: PositiveInt = Field(None, validate_default=False)  # type: ignore[assignment]  # see above
-    """Width of each attention head; omitted: hidden / heads. Mistral NeMo and Qwen3 set it
-    apart from the hidden size (Qwen3-8B: hidden 4,096, 32 heads of 128)."""
+    """Width of each attention head; omitted: hidden / heads. Some families set it apart from
+    the hidden size (hidden 4,096 with 32 heads of 128, say)."""
     ffn_hidden: PositiveInt
     """SwiGLU inner width."""
     vocab: PositiveInt
@@ -159,10 +153,10 @@ class ModelSpec(_Strict):
     tie_embeddings: bool = False
     """Share the input embedding with the output head."""
     sliding_window: PositiveInt | None = None
-    """The attention window of the checkpoint (Mistral 7B v0.1: 4,096; null since v0.2 and in
-    the released Qwen checkpoints): a query sees at most this many keys. ctxlaunch's attention is
-    full causal, so a window shorter than training.seq_len (which would change what a query
-    sees) is refused; null: no window."""
+    """The attention window of the checkpoint (as its config.json states it; most released
+    long-context checkpoints have none): a query sees at most this many keys. ctxlaunch's
+    attention is full causal, so a window shorter than training.seq_len (which would change what
+    a query sees) is refused; null: no window."""
 
     @model_validator(mode="before")
     @classmethod
@@ -286,20 +280,8 @@ class ModelSpec(_Strict):
         # to the trainer, which refuses it by name where it runs.
         if self.init_from is None or not has_weights(self.init_from):
             return self
-        shape = ModelShape(
-            self.layers,
-            self.hidden,
-            self.heads,
-            self.kv_heads,
-            self.head_dim,
-            self.ffn_hidden,
-            self.vocab,
-            self.tie_embeddings,
-            self.qkv_bias,
-            self.qk_norm,
-        )
         try:
-            check_weights(self.init_from, shape)
+            check_weights(self.init_from, self, FAMILIES[self.family])
         except HFWeightsError as exc:
             raise ValidationError.from_exception_data(
                 type(self).__name__,
@@ -319,10 +301,10 @@ class ModelSpec(_Strict):
 
     @property
     def qkv_bias(self) -> bool:
-        """The family puts biases on the q, k and v projections (qwen2)."""
+        """The family puts biases on the q, k and v projections."""
         return FAMILIES[self.family].qkv_bias
 
     @property
     def qk_norm(self) -> bool:
-        """The family normalises each head of q and of k before RoPE (qwen3)."""
+        """The family normalises each head of q and of k before RoPE."""
         return FAMILIES[self.family].qk_norm

@@ -98,8 +98,8 @@ def sliding_window_problems(m: ModelSpec, seq_len: int) -> list[InitErrorDetails
             f"model.sliding_window = {m.sliding_window} is shorter than training.seq_len = "
             f"{seq_len}: a query would see only the last {m.sliding_window} keys, and "
             "ctxlaunch's attention is full causal at every CP layout; fix: sliding_window: null "
-            "to train with full attention (as Mistral 7B since v0.2 and the long-context Qwen "
-            f"checkpoints do), or seq_len <= {m.sliding_window}",
+            "to train with full attention (as most released long-context checkpoints do), or "
+            f"seq_len <= {m.sliding_window}",
         )
     ]
 

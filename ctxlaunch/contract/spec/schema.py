@@ -10,7 +10,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from ctxlaunch.contract.families.presets import MODEL_PRESETS
+from ctxlaunch.contract.families import MODEL_PRESETS
 from ctxlaunch.contract.spec import (
     cluster_section,
     fabric_section,

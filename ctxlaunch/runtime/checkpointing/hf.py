@@ -1,23 +1,7 @@
-"""Hugging Face checkpoints in and out (Llama, Mistral, Qwen2/2.5, Qwen3: contract/families/__init__.py):
-the name mapping, reading one rank's slice of each weight lazily from safetensors, and writing
-a trained checkpoint back as a Hugging Face directory of the family's own class.
-
-    ctxlaunch                        Hugging Face (LlamaForCausalLM and the others)
-    embed.weight                     model.embed_tokens.weight
-    blocks.{i}.attn_norm.weight      model.layers.{i}.input_layernorm.weight
-    blocks.{i}.attn.wqkv.weight      model.layers.{i}.self_attn.{q,k,v}_proj.weight (dim 0)
-    blocks.{i}.attn.wqkv.bias        model.layers.{i}.self_attn.{q,k,v}_proj.bias (Qwen2)
-    blocks.{i}.attn.q_norm.weight    model.layers.{i}.self_attn.q_norm.weight (Qwen3)
-    blocks.{i}.attn.k_norm.weight    model.layers.{i}.self_attn.k_norm.weight (Qwen3)
-    blocks.{i}.attn.wo.weight        model.layers.{i}.self_attn.o_proj.weight
-    blocks.{i}.ffn_norm.weight       model.layers.{i}.post_attention_layernorm.weight
-    blocks.{i}.ffn.w_gate_up.weight  model.layers.{i}.mlp.{gate,up}_proj.weight (dim 0)
-    blocks.{i}.ffn.w_down.weight     model.layers.{i}.mlp.down_proj.weight
-    norm.weight                      model.norm.weight
-    head.weight                      lm_head.weight (absent when tied)
-
-Hugging Face's q/k projections (and Qwen2's q/k biases) are already in the rotate-half layout
-that `apply_rope` uses, so they are copied as they are.
+"""Hugging Face checkpoints in and out: reading one rank's slice of each weight lazily from
+safetensors, and writing a trained checkpoint back as a Hugging Face directory of the family's
+own class. The names on both sides, and the config keys a family writes, are the family's
+(`ctxlaunch.contract.families`).
 
 Reading: each rank asks safetensors for the rows (and, for wo and w_down, the columns) of its
 TP slice of each part, and under FSDP2 only the DP x CP row chunk it keeps (`local_rows`), so
@@ -31,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import tempfile
 import warnings
@@ -41,6 +24,7 @@ from typing import Any
 import torch
 
 from ctxlaunch.contract.families import FAMILIES
+from ctxlaunch.contract.families.family import parameter_shapes, part_rows
 from ctxlaunch.contract.families.hfconfig import CONFIG_FILE, read_config
 from ctxlaunch.contract.fsutil import missing_directories
 from ctxlaunch.contract.spec import DefaultRope, ModelSpec, YarnRope
@@ -58,57 +42,14 @@ TOKENIZER_FILES = (
 )
 """Copied from the init_from directory into an export, when there."""
 
-_BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
-_BLOCK_PARTS: dict[str, tuple[str, ...]] = {
-    "attn_norm.weight": ("input_layernorm.weight",),
-    "attn.wqkv.weight": (
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-    ),
-    "attn.wqkv.bias": (
-        "self_attn.q_proj.bias",
-        "self_attn.k_proj.bias",
-        "self_attn.v_proj.bias",
-    ),
-    "attn.q_norm.weight": ("self_attn.q_norm.weight",),
-    "attn.k_norm.weight": ("self_attn.k_norm.weight",),
-    "attn.wo.weight": ("self_attn.o_proj.weight",),
-    "ffn_norm.weight": ("post_attention_layernorm.weight",),
-    "ffn.w_gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "ffn.w_down.weight": ("mlp.down_proj.weight",),
-}
-_TOP: dict[str, str] = {
-    "embed.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "head.weight": "lm_head.weight",
-}
-
 
 class HFCheckpointError(RuntimeError):
     """A Hugging Face checkpoint cannot be read, or an export cannot be written."""
 
 
-def hf_names(name: str) -> tuple[str, ...]:
-    """The Hugging Face tensors that make up ctxlaunch parameter `name`, in order (the fused
-    projections are several, concatenated along dim 0)."""
-    if name in _TOP:
-        return (_TOP[name],)
-    match = _BLOCK.match(name)
-    if match and match.group(2) in _BLOCK_PARTS:
-        return tuple(
-            f"model.layers.{match.group(1)}.{part}" for part in _BLOCK_PARTS[match.group(2)]
-        )
-    raise KeyError(f"no Hugging Face name for parameter {name!r}")
-
-
-def part_sizes(name: str, model: ModelSpec) -> tuple[int, ...]:
-    """Rows of each Hugging Face part of parameter `name` (dim 0)."""
-    if name.endswith(("wqkv.weight", "wqkv.bias")):
-        return (model.q_hidden, model.kv_hidden, model.kv_hidden)
-    if name.endswith("w_gate_up.weight"):
-        return (model.ffn_hidden, model.ffn_hidden)
-    return ()
+def hf_names(name: str, model: ModelSpec) -> tuple[str, ...]:
+    """The Hugging Face tensors that make up ctxlaunch parameter `name` of `model`'s family."""
+    return FAMILIES[model.family].hf_names(name)
 
 
 class SafetensorsCheckpoint:
@@ -169,8 +110,8 @@ def check_shapes(
 ) -> None:
     """Every parameter's parts are in the checkpoint with the shapes the spec implies."""
     for name, shape in shapes.items():
-        sizes = part_sizes(name, model) or (shape[0],)
-        for hf_name, rows in zip(hf_names(name), sizes, strict=True):
+        sizes = part_rows(name, model) or (shape[0],)
+        for hf_name, rows in zip(hf_names(name, model), sizes, strict=True):
             want = (rows, *shape[1:])
             got = checkpoint.shape(hf_name)
             if got != want:
@@ -182,6 +123,7 @@ def check_shapes(
 
 def read_local(
     checkpoint: SafetensorsCheckpoint,
+    model: ModelSpec,
     name: str,
     full_shape: torch.Size,
     sharding: Sharding | None,
@@ -191,7 +133,7 @@ def read_local(
 ) -> torch.Tensor:
     """Rows [start, stop) of this TP rank's slice of parameter `name` (the rows it keeps
     under FSDP2), read from the checkpoint without reading the rest."""
-    parts = hf_names(name)
+    parts = hf_names(name, model)
     lo, hi = rows
     if sharding is None:
         return checkpoint.read(parts[0], (lo, hi))
@@ -216,29 +158,11 @@ def to_hf(state: dict[str, torch.Tensor], model: ModelSpec) -> dict[str, torch.T
     """ctxlaunch's whole-model state (name -> tensor) as Hugging Face tensors."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        sizes = part_sizes(name, model)
+        sizes = part_rows(name, model)
         pieces = tensor.split(list(sizes), dim=0) if sizes else (tensor,)
-        for hf_name, piece in zip(hf_names(name), pieces, strict=True):
+        for hf_name, piece in zip(hf_names(name, model), pieces, strict=True):
             out[hf_name] = piece.contiguous()
     return out
-
-
-def _family_keys(model: ModelSpec, base: dict[str, Any]) -> dict[str, Any]:
-    """config.json keys that differ by family: the biases, and the sliding window (written as
-    the model was trained: off when the spec turned it off)."""
-    if model.family == "llama":
-        return {"attention_bias": False, "mlp_bias": False}
-    if model.family == "mistral":
-        return {"sliding_window": model.sliding_window}
-    keys: dict[str, Any] = {"use_sliding_window": model.sliding_window is not None}
-    if model.family == "qwen3":
-        keys["attention_bias"] = False
-    if model.sliding_window is not None:
-        keys["sliding_window"] = model.sliding_window
-    elif "layer_types" in base:
-        # transformers reads the layers' kinds from here before use_sliding_window.
-        keys["layer_types"] = ["full_attention"] * model.layers
-    return keys
 
 
 def hf_config(
@@ -248,8 +172,7 @@ def hf_config(
     max_positions: int | None,
     base: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """config.json of the family's causal LM (LlamaForCausalLM, MistralForCausalLM,
-    Qwen2ForCausalLM, Qwen3ForCausalLM) with the spec's shape and RoPE (rope_theta and
+    """config.json of the family's causal LM with the spec's shape and RoPE (rope_theta and
     rope_scaling, the spelling transformers 4.x and 5.x both read). Keys of `base` (the
     init_from config: token ids and the like) are kept unless the model decides them."""
     config = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "dtype")}
@@ -279,7 +202,7 @@ def hf_config(
             "rope_scaling": rope,
             "tie_word_embeddings": model.tie_embeddings,
             "torch_dtype": str(dtype).removeprefix("torch."),
-            **_family_keys(model, config),
+            **family.export_keys(model, config),
         }
     )
     if isinstance(scaling, YarnRope):
@@ -540,7 +463,7 @@ def export(
             f"the model's vocab {model.vocab}"
         )
     weights = read_training_weights(step)
-    expected = _expected_shapes(model)
+    expected = parameter_shapes(model)
     if set(weights) != set(expected):
         missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
         raise HFCheckpointError(
@@ -573,26 +496,3 @@ def export(
             tokenizer_file=tokenizer_file,
             progress=progress,
         )
-
-
-def _expected_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
-    h, f, v = model.hidden, model.ffn_hidden, model.vocab
-    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (v, h), "norm.weight": (h,)}
-    if not model.tie_embeddings:
-        shapes["head.weight"] = (v, h)
-    qkv = model.q_hidden + 2 * model.kv_hidden
-    block = {
-        "attn_norm.weight": (h,),
-        "ffn_norm.weight": (h,),
-        "attn.wqkv.weight": (qkv, h),
-        "attn.wo.weight": (h, model.q_hidden),
-        "ffn.w_gate_up.weight": (2 * f, h),
-        "ffn.w_down.weight": (h, f),
-    }
-    if model.qkv_bias:
-        block["attn.wqkv.bias"] = (qkv,)
-    if model.qk_norm:
-        block["attn.q_norm.weight"] = block["attn.k_norm.weight"] = (model.head_dim,)
-    for i in range(model.layers):
-        shapes |= {f"blocks.{i}.{leaf}": shape for leaf, shape in block.items()}
-    return shapes

@@ -1,9 +1,8 @@
 # Shapes: tokens (B, S) with S the tokens this rank holds (S = seq_len / CP); hidden (B, S, h);
 # attention tensors in SDPA layout (B, H, S, D).
-"""A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU; with the additions of
-the families ctxlaunch imports (contract/families/__init__.py): biases on the q, k and v projections
-(Qwen2), an RMSNorm over each head of q and of k before RoPE (Qwen3), and a head width free of
-hidden / heads (Mistral NeMo, Qwen3).
+"""A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU; with the parts a
+family may add to it (contract/families/family.py): biases on the q, k and v projections, an
+RMSNorm over each head of q and of k before RoPE, and a head width free of hidden / heads.
 
 The model never touches a process group. Which attention runs (full, ring, Ulysses, hybrid) is
 `Attention.attend`, installed by `parallelize`; positions come in with the tokens, so RoPE
@@ -361,7 +360,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim or hidden // heads
         self.wqkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(heads * self.head_dim, hidden, bias=False)
-        # One gain of head_dim for every head (Qwen3): under TP each rank applies it to its own
+        # One gain of head_dim for every head (the q/k norms): under TP each rank applies it to its own
         # heads, and under Ulysses before the all-to-all, while every head is still local.
         self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, eps) if qk_norm else None

@@ -490,7 +490,7 @@ def _materialise_from_hf(
         if ctx.rank == 0
         else contextlib.nullcontext()
     ) as progress:
-        _read_from_hf(parts, full_shapes, plan, ctx, checkpoint, device, progress)
+        _read_from_hf(parts, full_shapes, plan, ctx, model, checkpoint, device, progress)
 
 
 def _read_from_hf(
@@ -498,6 +498,7 @@ def _read_from_hf(
     full_shapes: dict[str, torch.Size],
     plan: dict[str, Sharding | None],
     ctx: ParallelContext,
+    model: ModelSpec,
     checkpoint: SafetensorsCheckpoint,
     device: torch.device,
     progress: Progress | None,
@@ -521,7 +522,7 @@ def _read_from_hf(
                     write_rows(
                         param,
                         hf.read_local(
-                            checkpoint, name, full_shapes[name], sharding, tp, tp_rank, rows
+                            checkpoint, model, name, full_shapes[name], sharding, tp, tp_rank, rows
                         ),
                     )
                     if progress is not None:

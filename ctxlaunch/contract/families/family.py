@@ -1,0 +1,215 @@
+"""What a decoder family is: its Hugging Face names, the parts its block adds to the common
+one, how its config.json says what ctxlaunch reads, and its presets.
+
+Every family starts from one block (RMSNorm, RoPE, grouped-query attention, SwiGLU) and differs
+from it only through what its `Family` says. The rest of ctxlaunch asks the family and never
+names it: the spec reads its parts and presets, the config.json reader its window, the
+trainer's Hugging Face import and export its tensor names and config keys, the planner its
+parts (through the model section's `qkv_bias` and `qk_norm`). A new family with the parts
+that exist is one module beside this one, registered in `__init__.py`.
+
+    ctxlaunch parameter              Hugging Face tensor(s)
+    embed.weight                     model.embed_tokens.weight
+    blocks.{i}.attn_norm.weight      model.layers.{i}.input_layernorm.weight
+    blocks.{i}.attn.wqkv.weight      model.layers.{i}.self_attn.{q,k,v}_proj.weight (dim 0)
+    blocks.{i}.attn.wqkv.bias        model.layers.{i}.self_attn.{q,k,v}_proj.bias (qkv_bias)
+    blocks.{i}.attn.q_norm.weight    model.layers.{i}.self_attn.q_norm.weight (qk_norm)
+    blocks.{i}.attn.k_norm.weight    model.layers.{i}.self_attn.k_norm.weight (qk_norm)
+    blocks.{i}.attn.wo.weight        model.layers.{i}.self_attn.o_proj.weight
+    blocks.{i}.ffn_norm.weight       model.layers.{i}.post_attention_layernorm.weight
+    blocks.{i}.ffn.w_gate_up.weight  model.layers.{i}.mlp.{gate,up}_proj.weight (dim 0)
+    blocks.{i}.ffn.w_down.weight     model.layers.{i}.mlp.down_proj.weight
+    norm.weight                      model.norm.weight
+    head.weight                      lm_head.weight (absent when tied)
+
+Hugging Face's q/k projections (and their biases) are already in the rotate-half layout that
+the trainer's RoPE uses, so they are copied as they are.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class BlockShape(Protocol):
+    """What a family's tensors are made of: the model section's shape and parts (a ModelSpec
+    satisfies it)."""
+
+    @property
+    def layers(self) -> int: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def ffn_hidden(self) -> int: ...
+    @property
+    def vocab(self) -> int: ...
+    @property
+    def tie_embeddings(self) -> bool: ...
+    @property
+    def qkv_bias(self) -> bool: ...
+    @property
+    def qk_norm(self) -> bool: ...
+
+
+class WindowedShape(BlockShape, Protocol):
+    """A shape with the attention window it was trained with (what an export writes)."""
+
+    @property
+    def sliding_window(self) -> int | None: ...
+
+
+TOP_WEIGHTS: dict[str, str] = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "head.weight": "lm_head.weight",
+}
+"""ctxlaunch's parameters outside the blocks -> their Hugging Face tensors."""
+
+BLOCK_WEIGHTS: dict[str, tuple[str, ...]] = {
+    "attn_norm.weight": ("input_layernorm.weight",),
+    "attn.wqkv.weight": (
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+    ),
+    "attn.wqkv.bias": (
+        "self_attn.q_proj.bias",
+        "self_attn.k_proj.bias",
+        "self_attn.v_proj.bias",
+    ),
+    "attn.q_norm.weight": ("self_attn.q_norm.weight",),
+    "attn.k_norm.weight": ("self_attn.k_norm.weight",),
+    "attn.wo.weight": ("self_attn.o_proj.weight",),
+    "ffn_norm.weight": ("post_attention_layernorm.weight",),
+    "ffn.w_gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "ffn.w_down.weight": ("mlp.down_proj.weight",),
+}
+"""A block's parameters (under `blocks.{i}.`) -> their Hugging Face tensors under
+`model.layers.{i}.`, in order: a fused projection is its parts concatenated along dim 0."""
+
+_BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
+
+
+def parameter_shapes(model: BlockShape) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the whole model the trainer builds, by its name, with its shape."""
+    h, f, v = model.hidden, model.ffn_hidden, model.vocab
+    q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (v, h), "norm.weight": (h,)}
+    if not model.tie_embeddings:
+        shapes["head.weight"] = (v, h)
+    block: dict[str, tuple[int, ...]] = {
+        "attn_norm.weight": (h,),
+        "ffn_norm.weight": (h,),
+        "attn.wqkv.weight": (q + 2 * kv, h),
+        "attn.wo.weight": (h, q),
+        "ffn.w_gate_up.weight": (2 * f, h),
+        "ffn.w_down.weight": (h, f),
+    }
+    if model.qkv_bias:
+        block["attn.wqkv.bias"] = (q + 2 * kv,)
+    if model.qk_norm:
+        block["attn.q_norm.weight"] = block["attn.k_norm.weight"] = (model.head_dim,)
+    for i in range(model.layers):
+        shapes |= {f"blocks.{i}.{leaf}": shape for leaf, shape in block.items()}
+    return shapes
+
+
+def part_rows(name: str, model: BlockShape) -> tuple[int, ...]:
+    """Rows (dim 0) of each Hugging Face part of parameter `name`; () for a parameter that is
+    one tensor."""
+    q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
+    if name.endswith(("wqkv.weight", "wqkv.bias")):
+        return (q, kv, kv)
+    if name.endswith("w_gate_up.weight"):
+        return (model.ffn_hidden, model.ffn_hidden)
+    return ()
+
+
+@dataclass(frozen=True)
+class Family:
+    """One decoder family. A family whose config.json or export differs from the common
+    block's overrides `sliding_window` or `export_keys`."""
+
+    name: str
+    """ctxlaunch's name (`model.family`)."""
+    architecture: str
+    """The transformers class of its checkpoints (config.json's `architectures`)."""
+    model_type: str
+    """config.json's `model_type`."""
+    releases: str
+    """The released models of the family, for messages and docs."""
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections (none on o)."""
+    qk_norm: bool = False
+    """An RMSNorm (weight of head_dim) over each head of q and of k, before RoPE."""
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Named shapes of the family's released models (`model: {preset: NAME}`)."""
+
+    def sliding_window(self, config: Mapping[str, Any]) -> int | None:
+        """The attention window some layer of a checkpoint of this family uses, as
+        transformers reads its config.json (None: every layer attends to the whole causal
+        prefix). The common block has none."""
+        return None
+
+    def export_keys(self, model: WindowedShape, base: Mapping[str, Any]) -> dict[str, Any]:
+        """config.json keys an export writes for this family beyond the common ones (`base`:
+        the keys of the init_from config, kept unless the model decides them)."""
+        return {"attention_bias": False, "mlp_bias": False}
+
+    def hf_names(self, name: str) -> tuple[str, ...]:
+        """The Hugging Face tensors that make up ctxlaunch parameter `name`, in order (the
+        fused projections are several, concatenated along dim 0)."""
+        if name in TOP_WEIGHTS:
+            return (TOP_WEIGHTS[name],)
+        match = _BLOCK.match(name)
+        if match and match.group(2) in BLOCK_WEIGHTS:
+            return tuple(
+                f"model.layers.{match.group(1)}.{part}" for part in BLOCK_WEIGHTS[match.group(2)]
+            )
+        raise KeyError(f"no Hugging Face name for parameter {name!r}")
+
+    def hf_tensors(self, model: BlockShape) -> dict[str, tuple[int, ...]]:
+        """Every Hugging Face tensor a checkpoint of this shape holds for the model, with its
+        shape (tensors the model does not read, such as a tied lm_head, are not listed)."""
+        tensors: dict[str, tuple[int, ...]] = {}
+        for name, shape in parameter_shapes(model).items():
+            rows = part_rows(name, model) or (shape[0],)
+            for hf_name, part in zip(self.hf_names(name), rows, strict=True):
+                tensors[hf_name] = (part, *shape[1:])
+        return tensors
+
+
+def layered_window(config: Mapping[str, Any]) -> int | None:
+    """The window of a config.json that turns it on with `use_sliding_window` and applies it
+    to the layers `layer_types` marks sliding (by default, from `max_window_layers` on)."""
+    window = config.get("sliding_window")
+    if not config.get("use_sliding_window") or not window:
+        return None
+    layer_types = config.get("layer_types")
+    layers = int(config.get("num_hidden_layers") or 0)
+    if isinstance(layer_types, list):
+        sliding = "sliding_attention" in layer_types
+    else:
+        sliding = int(config.get("max_window_layers", layers)) < layers
+    return int(window) if sliding else None
+
+
+def layered_window_keys(model: WindowedShape, base: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys that say `layered_window`'s window as the model was trained: off when the spec
+    turned it off."""
+    keys: dict[str, Any] = {"use_sliding_window": model.sliding_window is not None}
+    if model.sliding_window is not None:
+        keys["sliding_window"] = model.sliding_window
+    elif "layer_types" in base:
+        # transformers reads the layers' kinds from here before use_sliding_window.
+        keys["layer_types"] = ["full_attention"] * model.layers
+    return keys

@@ -1,0 +1,100 @@
+"""A model family is one place: each family's module under contract/families says what it is,
+and the rest of ctxlaunch asks it. What the family describes (every parameter and its shape,
+the Hugging Face tensors a checkpoint holds) is what the trainer builds and what the planner
+counts, for every family and its presets."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from ctxlaunch.contract.families import FAMILIES, MODEL_PRESETS
+from ctxlaunch.contract.families.family import parameter_shapes
+from ctxlaunch.contract.spec import ModelSpec
+from ctxlaunch.perf.flops import count_params
+from tests.helpers.paths import ROOT
+
+PACKAGE = ROOT / "ctxlaunch"
+COMMON = "llama"
+"""The family whose block is the common one: its name is also the word for that block."""
+
+
+def _tiny(family: str) -> ModelSpec:
+    return ModelSpec.model_validate(
+        {
+            "family": family,
+            "layers": 2,
+            "hidden": 64,
+            "heads": 4,
+            "kv_heads": 2,
+            "head_dim": 32,
+            "ffn_hidden": 96,
+            "vocab": 256,
+        }
+    )
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_trainer_builds_what_the_family_describes(family: str) -> None:
+    """Every parameter of the built model, by name and shape, is the family's description of
+    it; the planner's parameter count is the same total."""
+    from ctxlaunch.runtime.modeling.model import Transformer
+
+    model = _tiny(family)
+    with torch.device("meta"):
+        built = Transformer.from_spec(model)
+    assert {n: tuple(p.shape) for n, p in built.named_parameters()} == parameter_shapes(model)
+    described = sum(torch.Size(s).numel() for s in parameter_shapes(model).values())
+    assert count_params(model).total == described
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_parameter_has_its_hugging_face_tensors(family: str) -> None:
+    """The family's names cover every parameter, each Hugging Face tensor named once, with the
+    parts of a fused projection adding up to it."""
+    model = _tiny(family)
+    spec = FAMILIES[family]
+    tensors = spec.hf_tensors(model)
+    named = [n for name in parameter_shapes(model) for n in spec.hf_names(name)]
+    assert len(named) == len(set(named)) == len(tensors)
+    for name, shape in parameter_shapes(model).items():
+        parts = [tensors[n] for n in spec.hf_names(name)]
+        assert sum(p[0] for p in parts) == shape[0] and {p[1:] for p in parts} == {shape[1:]}
+
+
+def test_every_preset_validates_in_its_family() -> None:
+    """A preset carries its family's name, and its shape is one the spec takes."""
+    for name, fields in MODEL_PRESETS.items():
+        model = ModelSpec.model_validate({"preset": name})
+        assert model.family == fields["family"], name
+        assert name in FAMILIES[model.family].presets
+
+
+def test_no_module_outside_the_families_names_a_family() -> None:
+    """Adding a family is its module and its registration: no other module of the package
+    names it, by ctxlaunch's name, its model_type or its Hugging Face class."""
+    words = {
+        word
+        for family in FAMILIES.values()
+        if family.name != COMMON
+        for word in (family.name, family.model_type, family.architecture)
+    }
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(words))) + r")\b", re.I)
+    found = [
+        f"{path.relative_to(PACKAGE)}:{line_no}: {line.strip()}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if "families" not in path.relative_to(PACKAGE).parts
+        for line_no, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert found == [], "\n".join(found)
+
+
+def test_the_check_sees_a_family_named_elsewhere() -> None:
+    """The pattern above matches a family's name as a word, whatever its case."""
+    words = sorted(f.name for f in FAMILIES.values() if f.name != COMMON)
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, words)) + r")\b", re.I)
+    assert pattern.search(f"if model.family == '{words[0].upper()}':")
+    assert not pattern.search(f"{words[0]}_moe")
