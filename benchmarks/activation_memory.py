@@ -23,6 +23,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from ctxlaunch.contract.parallel_dims import ParallelDims
     from ctxlaunch.contract.spec import ModelSpec
     from ctxlaunch.cp import ring_attention, shard_positions
     from ctxlaunch.perf.layout import Layout
@@ -55,10 +56,10 @@ def worker(args: argparse.Namespace) -> None:
             # bf16 here is the DeepSpeed path (bf16 module, bf16 residual): zero_stage 2.
             layout = Layout(
                 seq_len=args.seq,
-                cp=world,
                 dtype=dtype_name,
                 zero_stage=0 if dtype_name == "fp32" else 2,
                 activation_checkpointing=mode,
+                dims=ParallelDims(cp=world),
             )
             predicted = block_activation_bytes_per_token(spec_model, layout) * tokens
             results.append(

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ctxlaunch.contract.loader import validate_spec  # noqa: E402
 from ctxlaunch.runtime.modeling import model as model_module  # noqa: E402
-from ctxlaunch.runtime.parallel.parallelize import build_context  # noqa: E402
+from ctxlaunch.runtime.parallel.context import build_context  # noqa: E402
 from ctxlaunch.runtime.trainer.loop import Trainer  # noqa: E402
 
 
@@ -42,16 +42,7 @@ def measure(preset: str, seq_len: int, steps: int, compile_: bool, fused: bool) 
             "cluster": {"target": "local", "gpu": "cpu", "gpus_per_node": 1},
         }
     )
-    ctx = build_context(
-        rank=0,
-        world_size=1,
-        dp=1,
-        cp=1,
-        ulysses=1,
-        cp_sharding=spec.parallel.cp_sharding,
-        tp=1,
-        pp=1,
-    )
+    ctx = build_context(spec.parallel_dims, rank=0)
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     try:
         seconds = [trainer.train_step().step_seconds for _ in range(steps)]

@@ -126,11 +126,8 @@ def _worker(rank, world, init_file, spec_data, results):  # type: ignore[no-unty
     torch.set_num_threads(1)
     from ctxlaunch.contract.loader import validate_spec
     from ctxlaunch.runtime.modeling.model import Transformer
-    from ctxlaunch.runtime.parallel.parallelize import (
-        ParallelSettings,
-        parallelize,
-        spec_context,
-    )
+    from ctxlaunch.runtime.parallel.context import build_context
+    from ctxlaunch.runtime.parallel.parallelize import parallelize_job
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     if world > 1:
@@ -138,14 +135,12 @@ def _worker(rank, world, init_file, spec_data, results):  # type: ignore[no-unty
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
         )
     spec = validate_spec(spec_data)
-    ctx = spec_context(spec, rank=rank, world_size=world)
+    ctx = build_context(spec.parallel_dims, rank=rank)
     with torch.device("meta"):
         model = Transformer.from_spec(spec.model)
     before = peak_rss_bytes()
     start = time.perf_counter()
-    parts = parallelize(
-        model, ctx=ctx, settings=ParallelSettings.from_spec(spec), device=torch.device("cpu")
-    )
+    parts = parallelize_job(model, spec, ctx=ctx, device=torch.device("cpu"))
     seconds = time.perf_counter() - start
     held = sum(getattr(q, "_local_tensor", q).numel() for _, q in parts.named_parameters())
     results.put(

@@ -27,7 +27,7 @@ def _worker(rank, world, init_file, spec_data, steps, threads, results):  # type
 
     torch.set_num_threads(threads)
     from ctxlaunch.contract.loader import validate_spec
-    from ctxlaunch.runtime.parallel.parallelize import spec_context
+    from ctxlaunch.runtime.parallel.context import build_context
     from ctxlaunch.runtime.trainer.loop import Trainer
 
     if world > 1:
@@ -35,7 +35,7 @@ def _worker(rank, world, init_file, spec_data, steps, threads, results):  # type
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
         )
     spec = validate_spec(spec_data)
-    ctx = spec_context(spec, rank=rank, world_size=world)
+    ctx = build_context(spec.parallel_dims, rank=rank)
     exposed: dict[str, float] = defaultdict(float)
     timing = {"on": False}
 

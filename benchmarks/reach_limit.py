@@ -105,7 +105,7 @@ def reach_rows() -> list[dict]:
         gpu, host, model = spec.cluster.gpu_info, host_limit(spec), spec.model
         best, recipe = 0, None
         for candidate in offload_recipe(spec, Layout.from_spec(spec)):
-            n = longest_sequence(model, candidate, gpu, candidate.cp_sharding, host=host)
+            n = longest_sequence(model, candidate, gpu, candidate.dims.cp_sharding, host=host)
             if n > best:
                 best, recipe = n, candidate
         assert recipe is not None
@@ -113,13 +113,13 @@ def reach_rows() -> list[dict]:
         whole = estimate(model, at, gpu)
         phase = peak(model, at)
         # The anchor's length on the same layout, rounded down to a length the layout takes.
-        unit = sequence_granularity(recipe.cp, recipe.cp_sharding)
+        unit = sequence_granularity(recipe.dims.cp, recipe.dims.cp_sharding)
         anchor = recipe.replace(seq_len=ARCTIC_REACH[gpus] // unit * unit)
         rows.append(
             {
                 "gpus": gpus,
-                "cp_algorithm": recipe.cp_algorithm,
-                "ulysses_degree": recipe.ulysses_degree,
+                "cp_algorithm": recipe.dims.cp_algorithm,
+                "ulysses_degree": recipe.dims.ulysses_degree,
                 "reach": best,
                 "tokens_per_rank": at.tokens_per_rank,
                 "estimate_gib": whole.total / GiB,

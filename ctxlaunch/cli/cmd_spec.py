@@ -32,7 +32,7 @@ def validate(
     c, p = job.cluster, job.parallel
     out.print(
         f"ok: {job.name}: {c.nodes} x {c.gpus_per_node} {c.gpu} "
-        f"(tp {p.tp}, pp {p.pp}, cp {p.cp} {p.cp_algorithm}, ep {p.ep}, dp {job.dp}), "
+        f"(tp {p.tp}, pp {p.pp}, cp {p.cp} {p.cp_algorithm}, ep {p.ep}, dp {job.parallel_dims.dp}), "
         f"target {c.target}"
     )
 
@@ -59,7 +59,7 @@ def _validate_json(spec: SpecArg, overrides: list[str] | None) -> None:
         "nodes": c.nodes,
         "gpus_per_node": c.gpus_per_node,
         "gpu": c.gpu,
-        "parallel": {**layout, "dp": job.dp},
+        "parallel": {**layout, "dp": job.parallel_dims.dp},
         "warnings": list(job.warnings()),
     }
     out.print_json(json.dumps(report))

@@ -30,7 +30,7 @@ def print_plan(report: PlanReport) -> None:
         f"[bold]{job.name}[/]: {job.model.preset or 'custom'} model, "
         f"seq_len {t.seq_len:,} x micro_batch {t.micro_batch}, {job.cluster.nodes} x "
         f"{job.cluster.gpus_per_node} {job.cluster.gpu}, tp {p.tp} pp {p.pp} cp {p.cp} "
-        f"({p.cp_algorithm}, {p.cp_sharding}) dp {job.dp}, ZeRO-{t.zero_stage}, "
+        f"({p.cp_algorithm}, {p.cp_sharding}) dp {job.parallel_dims.dp}, ZeRO-{t.zero_stage}, "
         f"checkpointing {t.activation_checkpointing}, {job.model.dtype}"
     )
     table = Table(title="Per-GPU memory (busiest rank)", title_justify="left")
@@ -63,7 +63,7 @@ def print_plan(report: PlanReport) -> None:
     for o in report.cp_options:
         note = "" if o.legal else (o.reason or "")
         row = [
-            str(o.cp),
+            str(o.dims.cp),
             str(o.gpus),
             str(o.nodes),
             gib(o.estimate.total),
@@ -76,10 +76,10 @@ def print_plan(report: PlanReport) -> None:
                 f"{o.offload_seq_len:,}" if reach else "",
                 f"{o.offload_host.per_node / GiB:,.0f}" if o.offload_host is not None else "",
             ]
-            if o.offload_layout is not None and o.offload_layout.cp_algorithm != (
-                report.layout.cp_algorithm
+            if o.offload_layout is not None and o.offload_layout.dims.cp_algorithm != (
+                report.layout.dims.cp_algorithm
             ):
-                note = note or f"offload with cp_algorithm {o.offload_layout.cp_algorithm}"
+                note = note or f"offload with cp_algorithm {o.offload_layout.dims.cp_algorithm}"
         cps.add_row(*row, note[:90] + ("..." if len(note) > 90 else ""))
     out.print(cps)
     if offload:

@@ -147,15 +147,15 @@ def attention_workspace_bytes_per_token(model: ModelSpec, layout: Layout) -> flo
     # dq, dk, dv from the kernel, K/V expanded to all query heads; under attention tiles the
     # ring's kernel calls cover one tile's rows.
     kernel_grads = a * 3 * h_q * layout.attention_tile_fraction
-    if layout.cp == 1:
+    if layout.dims.cp == 1:
         return kernel_grads
-    if layout.cp_algorithm == "ulysses":
+    if layout.dims.cp_algorithm == "ulysses":
         # all-to-all in and out buffers for q, k, v (and their grads): same size per rank.
         return 2 * a * (h_q + 2 * h_kv) + kernel_grads
-    if layout.cp_algorithm == "allgather":
+    if layout.dims.cp_algorithm == "allgather":
         # fp32 dQ; the whole sequence's K/V gathered (cp x the local tokens) and their fp32
         # dK/dV before the reduce-scatter.
-        return 4 * h_q + layout.cp * (2 * a * h_kv + 2 * 4 * h_kv) + kernel_grads
+        return 4 * h_q + layout.dims.cp * (2 * a * h_kv + 2 * 4 * h_kv) + kernel_grads
     # ring (and the ring part of hybrid): fp32 dQ, fp32 dK/dV in hand and in flight, K/V in
     # hand and in flight.
     return 4 * h_q + 2 * 2 * 4 * h_kv + 2 * 2 * a * h_kv + kernel_grads
@@ -172,7 +172,7 @@ def loss_workspace_bytes(model: ModelSpec, layout: Layout) -> float:
     the fp32 whole, the head gradient's per-chunk product before it is added to the fp32
     accumulator) is smaller than the upcast at any vocabulary above the hidden size."""
     chunk_tokens = min(layout.tokens_per_rank, LOSS_CHUNK_TOKENS)
-    vocab_per_rank = model.vocab / layout.tp
+    vocab_per_rank = model.vocab / layout.dims.tp
     # a, h: the symbols of the module docstring's table.
     a, h = layout.compute_bytes, model.hidden
     if layout.framework != "ctxlaunch":
@@ -194,19 +194,19 @@ def autocast_weight_copy_bytes(model: ModelSpec, layout: Layout) -> float:
     attention = h * (h_q + 2 * h_kv) + h_q * h
     feed_forward = 3 * h * f
     kept = {"none": attention + feed_forward, "selective": attention, "full": 0}
-    return 2.0 * kept[layout.activation_checkpointing] / layout.tp
+    return 2.0 * kept[layout.activation_checkpointing] / layout.dims.tp
 
 
 def activation_bytes(model: ModelSpec, layout: Layout) -> float:
     """Bytes saved for backward on the busiest rank (the busiest pipeline stage) at the start
     of backward."""
-    if layout.pp == 1:
+    if layout.dims.pp == 1:
         return stage_activation_bytes(model, layout, model.layers, first=True, last=True)
     # 1F1B: stage `stage` holds the activations of up to pp - stage micro-batches in flight.
     return max(
-        min(layout.pp - stage, layout.grad_accum)
+        min(layout.dims.pp - stage, layout.grad_accum)
         * stage_activation_bytes(
-            model, layout, stage_blocks, first=stage == 0, last=stage == layout.pp - 1
+            model, layout, stage_blocks, first=stage == 0, last=stage == layout.dims.pp - 1
         )
         for stage, stage_blocks in enumerate(layout.rank_layers(model.layers))
     )
@@ -217,7 +217,7 @@ def stage_activation_bytes(
 ) -> float:
     """Bytes one micro-batch leaves saved for backward on a pipeline stage of `blocks` blocks
     (with the embedding if `first`, the final norm and the loss if `last`)."""
-    tp = layout.tp
+    tp = layout.dims.tp
     tokens = layout.tokens_per_rank / tp  # per rank, sequence-parallel under TP
     r = layout.residual_bytes  # the table's r
     # Outside the blocks, per sequence-parallel token: the RoPE cos/sin tables (one pair for

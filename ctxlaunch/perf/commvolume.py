@@ -87,7 +87,7 @@ def stream_bytes(layout: Layout) -> int:
 
 def _local_tokens(layout: Layout) -> float:
     """Tokens of one micro-batch on a CP rank."""
-    return layout.micro_batch * layout.seq_len / layout.cp
+    return layout.micro_batch * layout.seq_len / layout.dims.cp
 
 
 def tp_collectives_per_block(layout: Layout) -> tuple[float, float]:
@@ -108,7 +108,9 @@ def tp_collectives_per_block(layout: Layout) -> tuple[float, float]:
 def tp_message_bytes(model: ModelSpec, layout: Layout, element_bytes: int) -> float:
     """What one rank sends in one TP all-gather or reduce-scatter of the sequence-parallel
     activations (n*h elements of `element_bytes`)."""
-    return (layout.tp - 1) / layout.tp * _local_tokens(layout) * model.hidden * element_bytes
+    return (
+        (layout.dims.tp - 1) / layout.dims.tp * _local_tokens(layout) * model.hidden * element_bytes
+    )
 
 
 def tp_block_bytes(model: ModelSpec, layout: Layout, *, stream: int | None = None) -> float:
@@ -124,9 +126,9 @@ def tp_block_bytes(model: ModelSpec, layout: Layout, *, stream: int | None = Non
 def tp_edge_bytes(model: ModelSpec, layout: Layout, *, first: bool, last: bool) -> float:
     """Bytes a stage sends over TP per micro-batch outside its blocks: the embedding's and the
     loss input's fp32 collectives, and the vocabulary-parallel cross-entropy's all-reduces."""
-    if layout.tp == 1:
+    if layout.dims.tp == 1:
         return 0.0
-    frac_t = (layout.tp - 1) / layout.tp
+    frac_t = (layout.dims.tp - 1) / layout.dims.tp
     n = _local_tokens(layout)
     # The bundled trainer's chunked loss runs its all-reduces in forward only; a recomputed
     # loss runs them again in backward.
@@ -140,7 +142,7 @@ def tp_edge_bytes(model: ModelSpec, layout: Layout, *, first: bool, last: bool) 
 def ring_hop_bytes(model: ModelSpec, layout: Layout) -> tuple[float, float]:
     """(forward, backward) bytes one rank sends per ring hop per block: K and V of its heads
     forward; K and V again and fp32 dK/dV backward."""
-    kv_local = _local_tokens(layout) * model.kv_hidden / layout.tp
+    kv_local = _local_tokens(layout) * model.kv_hidden / layout.dims.tp
     forward = 2 * kv_local * layout.compute_bytes
     return forward, forward * (1 + 4 / layout.compute_bytes)
 
@@ -149,7 +151,7 @@ def allgather_bytes(model: ModelSpec, layout: Layout) -> tuple[float, float]:
     """(forward, backward) bytes one rank receives per block under all-gather CP: the K and V
     of the other cp - 1 ranks forward (an all-gather; the gathered copy is kept for backward),
     their fp32 dK/dV backward (a reduce-scatter of the same elements)."""
-    kv_others = (layout.cp - 1) * _local_tokens(layout) * model.kv_hidden / layout.tp
+    kv_others = (layout.dims.cp - 1) * _local_tokens(layout) * model.kv_hidden / layout.dims.tp
     return 2 * kv_others * layout.compute_bytes, 2 * kv_others * 4
 
 
@@ -161,13 +163,13 @@ def ring_forwards(layout: Layout) -> int:
 def ulysses_all_to_all_bytes(model: ModelSpec, layout: Layout) -> float:
     """Bytes one rank sends in one direction of a block's Ulysses all-to-alls (q, k, v to
     heads, or the output back): (U-1)/U * n*(2h_q + 2h_kv)/t * a (h_q = heads x head_dim)."""
-    u = layout.ulysses_degree
+    u = layout.dims.ulysses_degree
     return (
         (u - 1)
         / u
         * _local_tokens(layout)
         * (2 * model.q_hidden + 2 * model.kv_hidden)
-        / layout.tp
+        / layout.dims.tp
         * layout.compute_bytes
     )
 
@@ -182,17 +184,17 @@ def cp_block_bytes(model: ModelSpec, layout: Layout) -> float:
     """Bytes one block sends over CP per micro-batch: the ring's hops and the Ulysses
     all-to-alls (hybrid: both), or all-gather CP's gather and reduce-scatter (a ring
     all-gather sends what it receives)."""
-    if layout.cp == 1:
+    if layout.dims.cp == 1:
         return 0.0
-    if layout.cp_algorithm == "allgather":
+    if layout.dims.cp_algorithm == "allgather":
         forward, backward = allgather_bytes(model, layout)
         return ring_forwards(layout) * forward + backward
-    ring = layout.ring_degree
+    ring = layout.dims.ring_degree
     forward, backward = ring_hop_bytes(model, layout)
     ring_bytes = (ring - 1) * (ring_forwards(layout) * forward + backward)
     ulysses = (
         ulysses_passes(layout) * ulysses_all_to_all_bytes(model, layout)
-        if layout.ulysses_degree > 1
+        if layout.dims.ulysses_degree > 1
         else 0.0
     )
     return ring_bytes + ulysses
@@ -201,7 +203,7 @@ def cp_block_bytes(model: ModelSpec, layout: Layout) -> float:
 def pp_message_bytes(model: ModelSpec, layout: Layout, *, stream: int | None = None) -> float:
     """Bytes of one activation (or its gradient) sent between pipeline stages."""
     width = stream_bytes(layout) if stream is None else stream
-    return _local_tokens(layout) * model.hidden / layout.tp * width
+    return _local_tokens(layout) * model.hidden / layout.dims.tp * width
 
 
 def dp_step_bytes(
@@ -211,7 +213,7 @@ def dp_step_bytes(
     replicas, for `params` parameters held (`norm_params` of them replicated over TP);
     `grad_bytes`: the gradients' element bytes (default fp32 under ZeRO-0, else the compute
     dtype)."""
-    g = layout.dp * layout.cp
+    g = layout.dims.dp * layout.dims.cp
     a = layout.compute_bytes
     grads = (4 if layout.zero_stage == 0 else a) if grad_bytes is None else grad_bytes
     share = (g - 1) / g
@@ -223,7 +225,7 @@ def dp_step_bytes(
         volume = layout.grad_accum * share * params * (2 * a + grads)
     # The step's predicted-token count (the loss's divisor): one int64 all-reduced over DP x CP.
     volume += 2 * share * 8
-    frac_t = (layout.tp - 1) / layout.tp
+    frac_t = (layout.dims.tp - 1) / layout.dims.tp
     return volume + (2 * frac_t * 4 * norm_params if norm_params else 0.0)
 
 
@@ -244,7 +246,7 @@ def step_comm_bytes(
     layers = model.layers if blocks is None else blocks
     m = layout.grad_accum
     tp_bytes = 0.0
-    if layout.tp > 1:
+    if layout.dims.tp > 1:
         tp_bytes = m * (
             layers * tp_block_bytes(model, layout)
             + tp_edge_bytes(model, layout, first=first_stage, last=last_stage)

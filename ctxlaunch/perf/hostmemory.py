@@ -98,8 +98,8 @@ def optimizer_host_bytes(model: ModelSpec, layout: Layout) -> tuple[float, float
     """(optimizer-side, parameter) bytes one rank offloads (see the module docstring)."""
     if not layout.offload_optimizer or layout.zero_stage == 0:
         return 0.0, 0.0
-    held = params_per_rank(model, layout.tp, layout.pp, layout.rank_layers(model.layers))
-    shard = held / layout.shard_group
+    held = params_per_rank(model, layout.dims.tp, layout.dims.pp, layout.rank_layers(model.layers))
+    shard = held / layout.dims.shard_group
     weight = 2 if layout.dtype == "bf16" else 4
     if layout.fsdp:
         return (4 + 4 + 8 + 4) * shard, 0.0
@@ -123,8 +123,8 @@ def activation_host_bytes(model: ModelSpec, layout: Layout) -> float:
     """The offloaded block inputs of one rank: every block's but the last."""
     if not layout.offload_activations:
         return 0.0
-    blocks = layout.rank_layers(model.layers)[0] if layout.pp > 1 else model.layers
-    tokens = layout.tokens_per_rank / layout.tp
+    blocks = layout.rank_layers(model.layers)[0] if layout.dims.pp > 1 else model.layers
+    tokens = layout.tokens_per_rank / layout.dims.tp
     return max(blocks - 1, 0) * tokens * model.hidden * layout.residual_bytes
 
 
@@ -140,7 +140,7 @@ class HostLimit:
 
     def ranks_per_node(self, layout: Layout) -> int:
         """Ranks on the busiest node: the node's GPUs, or the whole job when it is smaller."""
-        return max(1, min(self.gpus_per_node, layout.world_size))
+        return max(1, min(self.gpus_per_node, layout.dims.world_size))
 
 
 def host_estimate(

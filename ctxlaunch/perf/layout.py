@@ -1,9 +1,10 @@
 """The parallel layout of a job: the one record the memory, step-time and communication-volume
-models read and the advisor searches over.
+models read, the advisor searches over, and the trainer is built from.
 
-A `Layout` is the slice of a spec those models need (degrees, pipeline split, CP algorithm,
-ZeRO stage, checkpointing, micro-batch, precision) plus what only a model needs to know (the
-matmul precision, whose framework's memory habits to plan). `Layout.from_spec` reads it from a
+A `Layout` is the slice of a spec those models need (the degrees, as the job's one
+`ParallelDims`; pipeline split, ZeRO stage, checkpointing, micro-batch, precision, offload and
+tiles) plus what only a model needs to know (the matmul precision, whose framework's memory
+habits to plan). `Layout.from_spec` reads it from a
 validated spec; `overrides` turns it back into `--set` paths, so a spec variant is always
 written from the same fields it was read from.
 """
@@ -14,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.contract.spec import resolve_state_engine
 from ctxlaunch.contract.stages import balanced_stage_layers
 from ctxlaunch.perf.docbalance import ring_imbalance
@@ -32,26 +34,12 @@ class Layout:
     """How a job is split over its GPUs and run, as the performance models read it."""
 
     seq_len: int
+    dims: ParallelDims = ParallelDims()
+    """The degrees, the CP algorithm and sharding: the job's one record of them."""
     micro_batch: int = 1
     grad_accum: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    dp: int = 1
-    virtual_stages: int = 1
-    """Interleaved pipeline: model chunks per rank (1 = plain 1F1B)."""
     stage_layers: tuple[int, ...] = ()
     """Blocks per pipeline stage (pp x virtual stages entries); empty: the balanced split."""
-    cp_algorithm: str = "ring"
-    """ring, ulysses, hybrid (what the spec and the bundled trainer run), or "allgather": K/V
-    all-gathered before attention and dK/dV reduce-scattered after it, as Llama 3 ran CP
-    (arXiv:2407.21783, section 3.3.2); timed and planned here for published runs, not a spec
-    value (the bundled trainer has no all-gather CP)."""
-    ulysses_degree: int = 1
-    """Ulysses (inner) degree: cp for ulysses, 1 for ring, the spec's for hybrid."""
-    cp_sharding: str = "zigzag"
-    """How the sequence is sharded over CP ranks (spec `parallel.cp_sharding`)."""
     zero_stage: int = 0
     engine: str = "auto"
     """training.engine: what shards the model states at ZeRO >= 1 (resolved by the spec's
@@ -91,21 +79,13 @@ class Layout:
     @classmethod
     def from_spec(cls, spec: JobSpec) -> Layout:
         """The layout a validated spec runs with."""
-        t, p = spec.training, spec.parallel
+        t = spec.training
         return cls(
             seq_len=t.seq_len,
+            dims=spec.parallel_dims,
             micro_batch=t.micro_batch,
             grad_accum=spec.grad_accum,
-            tp=p.tp,
-            pp=p.pp,
-            cp=p.cp,
-            ep=p.ep,
-            dp=spec.dp,
-            virtual_stages=p.virtual_stages,
             stage_layers=spec.stage_layers,
-            cp_algorithm=p.cp_algorithm,
-            ulysses_degree=spec.ulysses_degree,
-            cp_sharding=p.cp_sharding,
             zero_stage=t.zero_stage,
             engine=t.engine,
             activation_checkpointing=t.activation_checkpointing,
@@ -132,26 +112,31 @@ class Layout:
         """This layout with some fields changed."""
         return dataclasses.replace(self, **changes)
 
+    def with_dims(self, **changes: Any) -> Layout:
+        """This layout with some degrees (or the CP algorithm or sharding) changed."""
+        return dataclasses.replace(self, dims=self.dims.replace(**changes))
+
     def overrides(self) -> dict[str, Any]:
         """The spec fields (`--set` paths) that make a spec run this layout. None clears a field
         the layout determines otherwise (the ring degree follows from cp and the Ulysses
         degree, grad_accum from the global batch)."""
-        hybrid = self.cp_algorithm == "hybrid"
+        d = self.dims
+        hybrid = d.cp_algorithm == "hybrid"
         return {
-            "parallel.tp": self.tp,
-            "parallel.pp": self.pp,
-            "parallel.cp": self.cp,
-            "parallel.ep": self.ep,
-            "parallel.dp": self.dp,
-            "parallel.cp_algorithm": self.cp_algorithm,
-            "parallel.ulysses_degree": self.ulysses_degree if hybrid else None,
+            "parallel.tp": d.tp,
+            "parallel.pp": d.pp,
+            "parallel.cp": d.cp,
+            "parallel.ep": d.ep,
+            "parallel.dp": d.dp,
+            "parallel.cp_algorithm": d.cp_algorithm,
+            "parallel.ulysses_degree": d.ulysses_degree if hybrid else None,
             "parallel.ring_degree": None,
-            "parallel.virtual_stages": self.virtual_stages,
+            "parallel.virtual_stages": d.virtual_stages,
             "parallel.stage_layers": list(self.stage_layers) if self.stage_layers else None,
-            "parallel.cp_sharding": self.cp_sharding,
+            "parallel.cp_sharding": d.cp_sharding,
             "training.seq_len": self.seq_len,
             "training.micro_batch": self.micro_batch,
-            "training.global_batch": self.micro_batch * self.grad_accum * self.dp,
+            "training.global_batch": self.micro_batch * self.grad_accum * d.dp,
             "training.grad_accum": None,
             "training.zero_stage": self.zero_stage,
             "training.engine": self.engine,
@@ -176,36 +161,17 @@ class Layout:
             node[name] = value
         return _copy_with(spec, tree)
 
-    def describe_degrees(self) -> str:
-        """How the GPUs are split, in one phrase: "tp 8 pp 1 cp 4 hybrid u2 dp 2"."""
-        algo = (
-            ""
-            if self.cp == 1
-            else f" {self.cp_algorithm}"
-            + (f" u{self.ulysses_degree}" if self.cp_algorithm == "hybrid" else "")
-        )
-        return f"tp {self.tp} pp {self.pp} cp {self.cp}{algo} dp {self.dp}"
-
     # ----------------------------------------------------------------------------------------
     # what the models derive from it
     # ----------------------------------------------------------------------------------------
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.cp * self.ep * self.dp
-
-    @property
-    def ring_degree(self) -> int:
-        """Ring (outer) degree of the CP group."""
-        return self.cp // self.ulysses_degree
-
     @property
     def attention_tile_fraction(self) -> float:
         """The share of its shard's rows one attention kernel call of the ring's backward
         covers: below 1 under `attention_tile_tokens` shorter than what the inner ring holds
         (the CP shard's tokens times the Ulysses degree); 1 without a ring or tiles."""
-        if not self.attention_tile_tokens or self.ring_degree == 1:
+        if not self.attention_tile_tokens or self.dims.ring_degree == 1:
             return 1.0
-        ring_rows = self.tokens_per_rank * self.ulysses_degree
+        ring_rows = self.tokens_per_rank * self.dims.ulysses_degree
         return min(1.0, self.attention_tile_tokens / ring_rows)
 
     @property
@@ -214,25 +180,26 @@ class Layout:
         mask with zigzag or contiguous shards, 1 with the balanced sharding, without a ring,
         or without a known document length (`docbalance.ring_imbalance`)."""
         return ring_imbalance(
-            self.seq_len, self.ring_degree, self.cp_sharding, self.document_tokens
+            self.seq_len, self.dims.ring_degree, self.dims.cp_sharding, self.document_tokens
         )
 
     @property
     def tokens_per_step(self) -> int:
-        return self.seq_len * self.micro_batch * self.grad_accum * self.dp
+        return self.seq_len * self.micro_batch * self.grad_accum * self.dims.dp
 
     @property
     def tokens_per_rank(self) -> int:
         """Tokens of one micro-batch held by one rank (sequence split by CP)."""
-        return self.micro_batch * self.seq_len // self.cp
+        return self.micro_batch * self.seq_len // self.dims.cp
 
     def rank_layers(self, layers: int) -> list[int]:
         """Blocks each PP rank holds (rank r holds stages r, r + pp, ... when interleaved)."""
+        pp = self.dims.pp
         if not self.stage_layers:
-            return default_rank_layers(layers, self.pp)
-        held = [0] * self.pp
+            return default_rank_layers(layers, pp)
+        held = [0] * pp
         for stage, count in enumerate(self.stage_layers):
-            held[stage % self.pp] += count
+            held[stage % pp] += count
         return held
 
     @property
@@ -240,7 +207,7 @@ class Layout:
         """The bundled trainer shards model states with FSDP2 (training.engine, resolved)."""
         return (
             self.framework == "ctxlaunch"
-            and resolve_state_engine(self.engine, self.zero_stage, tp=self.tp, pp=self.pp)
+            and resolve_state_engine(self.engine, self.zero_stage, tp=self.dims.tp, pp=self.dims.pp)
             == "fsdp2"
         )
 
@@ -248,7 +215,7 @@ class Layout:
     def fsdp_sharded(self) -> bool:
         """FSDP2 with more than one rank to shard over (DP x CP > 1); with one, the trainer
         keeps plain fp32 states."""
-        return self.fsdp and self.shard_group > 1
+        return self.fsdp and self.dims.shard_group > 1
 
     @property
     def fsdp_bf16_params(self) -> bool:
@@ -264,11 +231,6 @@ class Layout:
         if self.framework == "megatron":
             return False
         return self.zero_stage == 0 or (self.fsdp and not self.fsdp_bf16_params)
-
-    @property
-    def shard_group(self) -> int:
-        """Ranks that ZeRO shards model states over: DP x CP."""
-        return self.dp * self.cp
 
     @property
     def offloads(self) -> bool:

@@ -163,7 +163,7 @@ def cuda_kernel_allowance(model: ModelSpec, layout: Layout) -> float:
         layout.tokens_per_rank
         * (4 * model.q_hidden + 4 * model.heads)
         * layout.attention_tile_fraction
-        / layout.tp
+        / layout.dims.tp
     )
     return flash + 2 * 2**20 + 20 * 2**20
 
@@ -172,10 +172,11 @@ def estimate(model: ModelSpec, layout: Layout, gpu: GpuInfo) -> MemoryEstimate:
     """Predicted peak memory of the busiest rank."""
     parameters, gradients, optimizer = busiest_rank_states(model, layout)
     gradients += pipeline_accumulated_grad_bytes(
-        layout, params_per_rank(model, layout.tp, layout.pp, layout.rank_layers(model.layers))
+        layout,
+        params_per_rank(model, layout.dims.tp, layout.dims.pp, layout.rank_layers(model.layers)),
     )
     activations = activation_bytes(model, layout)
-    sequence_parallel_tokens = layout.tokens_per_rank / layout.tp
+    sequence_parallel_tokens = layout.tokens_per_rank / layout.dims.tp
     workspace = max(
         loss_workspace_bytes(model, layout),
         sequence_parallel_tokens
@@ -242,7 +243,7 @@ def longest_sequence(
 ) -> int:
     """The longest sequence (a multiple of `sequence_granularity`) that fits at the layout's
     CP degree (and, offloading, in `host`'s memory); 0 when not even the shortest fits."""
-    unit = sequence_granularity(layout.cp, cp_sharding)
+    unit = sequence_granularity(layout.dims.cp, cp_sharding)
 
     def fits(units: int) -> bool:
         return fits_with_host(model, layout.replace(seq_len=units * unit), gpu, host)

@@ -78,15 +78,15 @@ def params_per_rank(
 def stage_params(model: ModelSpec, layout: Layout, stage: int) -> int:
     """Parameters PP rank `stage` holds before ZeRO sharding (its blocks, the embedding on the
     first, the final norm and head on the last), split by TP."""
-    if layout.pp == 1:
-        return params_per_rank(model, layout.tp, 1)
+    if layout.dims.pp == 1:
+        return params_per_rank(model, layout.dims.tp, 1)
     counts = count_params(model)
     held = counts.per_layer * layout.rank_layers(model.layers)[stage]
     if stage == 0:
         held += counts.embedding
-    if stage == layout.pp - 1:
+    if stage == layout.dims.pp - 1:
         held += counts.final_norm + counts.head
-    return -(-held // layout.tp)
+    return -(-held // layout.dims.tp)
 
 
 def largest_layer_params(model: ModelSpec, tp: int = 1) -> int:
@@ -97,7 +97,7 @@ def largest_layer_params(model: ModelSpec, tp: int = 1) -> int:
 def block_params(model: ModelSpec, layout: Layout) -> float:
     """One block's parameters on a rank (its TP slice): what FSDP2 gathers and reduces as a
     unit."""
-    return count_params(model).per_layer / layout.tp
+    return count_params(model).per_layer / layout.dims.tp
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,9 +188,9 @@ def zero3_gathered_params(
     loss uses the head after the forward returns); never more than the rank holds."""
     counts = count_params(model)
     first = stage is None or stage == 0
-    last = stage is None or stage == layout.pp - 1
+    last = stage is None or stage == layout.dims.pp - 1
     root = (counts.embedding if first else 0) + (counts.final_norm + counts.head if last else 0)
-    return min(params, -(-(2 * counts.per_layer + root) // layout.tp))
+    return min(params, -(-(2 * counts.per_layer + root) // layout.dims.tp))
 
 
 def state_bytes(
@@ -203,15 +203,15 @@ def state_bytes(
             params,
             zero3_gathered_params(model, layout, params, stage),
             layout.zero_stage,
-            layout.shard_group,
+            layout.dims.shard_group,
             param_bytes=fsdp_param_bytes(layout),
             offload=layout.offload_optimizer,
         )
     return model_state_bytes(
         params,
-        largest_layer_params(model, layout.tp),
+        largest_layer_params(model, layout.dims.tp),
         layout.zero_stage,
-        layout.shard_group,
+        layout.dims.shard_group,
         layout.dtype,
         offload_optimizer=layout.offload_optimizer,
         offload_parameters=layout.offload_parameters,
@@ -221,7 +221,9 @@ def state_bytes(
 def busiest_rank_states(model: ModelSpec, layout: Layout) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer states) bytes on the rank that holds the most
     parameters."""
-    params = params_per_rank(model, layout.tp, layout.pp, layout.rank_layers(model.layers))
+    params = params_per_rank(
+        model, layout.dims.tp, layout.dims.pp, layout.rank_layers(model.layers)
+    )
     return state_bytes(model, layout, params)
 
 
@@ -238,7 +240,7 @@ def pipeline_defers_gradient_sync(layout: Layout) -> bool:
     FSDP2's gradient sync or resharding (stage.py, backward_maybe_with_nosync) and
     reduce-scatters once after the last (perform_reduce_grad). At ZeRO-2/3 the trainer's
     stages reduce-scatter every micro-batch (pipeline.trainer_stage)."""
-    return layout.fsdp_sharded and layout.pp > 1 and layout.zero_stage < 2
+    return layout.fsdp_sharded and layout.dims.pp > 1 and layout.zero_stage < 2
 
 
 def pipeline_accumulated_grad_bytes(layout: Layout, params: int) -> float:
@@ -281,7 +283,7 @@ def deepspeed_bucket_bytes(layout: Layout) -> int:
         layout.framework != "ctxlaunch"
         or layout.fsdp
         or layout.zero_stage not in (1, 2, 3)
-        or layout.shard_group == 1
+        or layout.dims.shard_group == 1
         or layout.dtype != "bf16"
     ):
         return 0
@@ -290,7 +292,7 @@ def deepspeed_bucket_bytes(layout: Layout) -> int:
 
 def communication_buffer_bytes(layout: Layout) -> int:
     """The gradient all-reduce buckets (ZeRO-0) or DeepSpeed's reduce and gather buckets."""
-    if layout.shard_group == 1 or layout.fsdp:
+    if layout.dims.shard_group == 1 or layout.fsdp:
         # FSDP2's collectives gather into the parameters (model states) and reduce-scatter
         # from per-block buffers the phases hold (`fsdp_block_backward_bytes`).
         return 0

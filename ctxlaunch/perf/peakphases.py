@@ -120,7 +120,7 @@ def input_bytes(layout: Layout) -> float:
     """The step's inputs held on a rank: one micro-batch's (the engine moves each to the device
     as it runs it; the embedding keeps its token ids for backward), or under PP every
     micro-batch's (the schedule takes the whole step's tokens and targets at once)."""
-    micro_batches = layout.grad_accum if layout.pp > 1 else 1
+    micro_batches = layout.grad_accum if layout.dims.pp > 1 else 1
     return INPUT_BYTES_PER_TOKEN * layout.tokens_per_rank * micro_batches
 
 
@@ -141,14 +141,14 @@ def pipeline_buffer_bytes(model: ModelSpec, layout: Layout, stage: int) -> float
     allocated at the first step and kept; in the residual stream's dtype (fp32 under
     autocast's fp32 weights, bf16 under FSDP2's bf16 parameters). Under 1F1B as many as
     `pipeline_recv_buffers`; under interleaved 1F1B torch's own, one per micro-batch."""
-    if layout.pp == 1:
+    if layout.dims.pp == 1:
         return 0.0
-    one = layout.residual_bytes * model.hidden * layout.tokens_per_rank / layout.tp
-    if layout.virtual_stages > 1:
+    one = layout.residual_bytes * model.hidden * layout.tokens_per_rank / layout.dims.tp
+    if layout.dims.virtual_stages > 1:
         activations = gradients = layout.grad_accum
     else:
-        activations, gradients = pipeline_recv_buffers(layout.pp, stage, layout.grad_accum)
-    return one * (activations * (stage > 0) + gradients * (stage < layout.pp - 1))
+        activations, gradients = pipeline_recv_buffers(layout.dims.pp, stage, layout.grad_accum)
+    return one * (activations * (stage > 0) + gradients * (stage < layout.dims.pp - 1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,7 +159,7 @@ def _loss_released_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
     the gradient of the gathered loss input), released once the final norm's backward is
     done; per sequence-parallel token."""
     residual_bytes = layout.residual_bytes
-    return residual_bytes * model.hidden + 4 + residual_bytes * model.hidden * layout.tp
+    return residual_bytes * model.hidden + 4 + residual_bytes * model.hidden * layout.dims.tp
 
 
 def _feed_forward_recompute_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
@@ -188,7 +188,7 @@ def _prefetched_input_bytes(model: ModelSpec, layout: Layout, step: _StageStep) 
 
 def _tile_tokens(layout: Layout) -> float:
     """Tokens of one tile of the tiled feed-forward, gathered over TP."""
-    return min(layout.mlp_tile_tokens, layout.tokens_per_rank / layout.tp) * layout.tp
+    return min(layout.mlp_tile_tokens, layout.tokens_per_rank / layout.dims.tp) * layout.dims.tp
 
 
 def _tile_work_bytes(model: ModelSpec, layout: Layout) -> float:
@@ -200,11 +200,11 @@ def _tile_work_bytes(model: ModelSpec, layout: Layout) -> float:
     are the gathered tile's over f / tp."""
     a, h = layout.compute_bytes, model.hidden
     tile = _tile_tokens(layout)
-    ffn_per_rank = model.ffn_hidden / layout.tp
-    work = 3 * a * h * tile / layout.tp + 5 * a * ffn_per_rank * tile
+    ffn_per_rank = model.ffn_hidden / layout.dims.tp
+    work = 3 * a * h * tile / layout.dims.tp + 5 * a * ffn_per_rank * tile
     work += _swiglu_backward_temporaries(model, layout, chunk_tokens=tile)
     if layout.fp32_weights and layout.dtype == "bf16":
-        work += 2.0 * 3 * h * model.ffn_hidden / layout.tp
+        work += 2.0 * 3 * h * model.ffn_hidden / layout.dims.tp
     return work
 
 
@@ -217,14 +217,14 @@ def _swiglu_backward_temporaries(
     rows = layout.tokens_per_rank if chunk_tokens is None else chunk_tokens
     chunk_tokens = min(rows, BACKWARD_CHUNK_TOKENS)
     count = 2 if layout.compute_bytes == 4 else 4
-    return count * 4 * chunk_tokens * model.ffn_hidden / layout.tp
+    return count * 4 * chunk_tokens * model.ffn_hidden / layout.dims.tp
 
 
 def _head_grad_bytes(model: ModelSpec, layout: Layout, params_bytes_per_param: float) -> float:
     """The output head's (or tied embedding's) gradient, which the chunked loss accumulates
     from its first chunk on."""
     counts = count_params(model)
-    return params_bytes_per_param * (counts.head or counts.embedding) / layout.tp
+    return params_bytes_per_param * (counts.head or counts.embedding) / layout.dims.tp
 
 
 def _last_block_grad_bytes(
@@ -235,7 +235,9 @@ def _last_block_grad_bytes(
     counts = count_params(model)
     head = counts.head if counts.head else counts.embedding
     return (
-        params_bytes_per_param * (head + model.hidden + model.hidden * model.ffn_hidden) / layout.tp
+        params_bytes_per_param
+        * (head + model.hidden + model.hidden * model.ffn_hidden)
+        / layout.dims.tp
     )
 
 
@@ -300,12 +302,12 @@ def _produced_gradient_bytes_per_param(model: ModelSpec, layout: Layout, stage: 
 
 
 def _stage_step(model: ModelSpec, layout: Layout, stage: int) -> _StageStep:
-    pp = layout.pp
+    pp = layout.dims.pp
     first, last = stage == 0, stage == pp - 1
     blocks = layout.rank_layers(model.layers)[stage] if pp > 1 else model.layers
     parameters, gradients, optimizer_states = stage_states(model, layout, stage)
     held_params = stage_params(model, layout, stage)
-    sequence_parallel_tokens = layout.tokens_per_rank / layout.tp
+    sequence_parallel_tokens = layout.tokens_per_rank / layout.dims.tp
     hidden_bytes = layout.residual_bytes * model.hidden * sequence_parallel_tokens
     # 1F1B: stage r runs pp - r forwards before its first backward (at most the step's
     # micro-batches), each leaving what it saved, and on a stage that sends its output on,
@@ -331,7 +333,7 @@ def _stage_step(model: ModelSpec, layout: Layout, stage: int) -> _StageStep:
         gradients=gradients,
         optimizer_states=optimizer_states,
         optimizer_states_held=optimizer_states
-        - (4 * held_params // layout.shard_group if bucket and optimizer_states else 0),
+        - (4 * held_params // layout.dims.shard_group if bucket and optimizer_states else 0),
         gradient_bytes_per_param=_produced_gradient_bytes_per_param(model, layout, stage),
         micro_batches=layout.grad_accum,
         in_flight=in_flight,
@@ -374,14 +376,14 @@ def _loss_phases(model: ModelSpec, layout: Layout, step: _StageStep) -> list[Pha
         model, layout, fsdp_param_bytes(layout) if step.fsdp else step.gradient_bytes_per_param
     )
     work = step.backward_buffers + loss_input + loss_workspace_bytes(model, layout)
-    if layout.pp == 1:
+    if layout.dims.pp == 1:
         # The trainer's loss runs inside the root module's forward, where FSDP2 still
         # holds its last all-gather's flat output (`fsdp_gather_buffer_bytes`).
         work += fsdp_gather_buffer_bytes(model, layout)
     held_states = step.optimizer_states_held
     phases = [Phase("loss", step.parameters, head_grad, held_states, step.saved, work, step.stage)]
     if step.micro_batches > 1:
-        kept = step.hidden_bytes * (1 + (not step.first)) if layout.pp > 1 else 0.0
+        kept = step.hidden_bytes * (1 + (not step.first)) if layout.dims.pp > 1 else 0.0
         phases.append(
             Phase(
                 f"loss (micro-batch 2 of {step.micro_batches})",
@@ -420,13 +422,15 @@ def _last_block_backward(model: ModelSpec, layout: Layout, step: _StageStep) -> 
     receive buffer)."""
     tokens = step.sequence_parallel_tokens
     hidden = model.hidden
-    ffn_per_rank = model.ffn_hidden / layout.tp
+    ffn_per_rank = model.ffn_hidden / layout.dims.tp
     recomputed = tokens * (
         _feed_forward_recompute_bytes_per_token(model, layout)
         + _attention_recompute_bytes_per_token(model, layout)
     )
     if layout.activation_checkpointing != "none" and layout.fp32_weights and layout.dtype == "bf16":
-        recomputed += 2.0 * 3 * hidden * model.ffn_hidden / layout.tp  # bf16 weight copies again
+        recomputed += (
+            2.0 * 3 * hidden * model.ffn_hidden / layout.dims.tp
+        )  # bf16 weight copies again
     # Under FSDP2 the gradients of the block being differentiated, and of the root's weights
     # (head, final norm), are produced unsharded, in the gathered weights' dtype, and only
     # reduce-scattered into their fp32 shards after the block's (the root's) backward.
@@ -436,7 +440,9 @@ def _last_block_backward(model: ModelSpec, layout: Layout, step: _StageStep) -> 
         produced = _last_block_grad_bytes(model, layout, produced_per_param)
     else:
         released = 0.0
-        produced = produced_per_param * hidden * model.ffn_hidden / layout.tp  # down projection
+        produced = (
+            produced_per_param * hidden * model.ffn_hidden / layout.dims.tp
+        )  # down projection
     root_unsharded = (
         _head_grad_bytes(model, layout, produced_per_param) if step.fsdp and step.last else 0.0
     )
@@ -444,7 +450,7 @@ def _last_block_backward(model: ModelSpec, layout: Layout, step: _StageStep) -> 
         # Tiled: from the second tile on the gate/up projection's gradient exists too; the
         # input's gradient is allocated whole, next to the one flowing into the block; the
         # rest lives one tile at a time.
-        produced += produced_per_param * 2 * hidden * model.ffn_hidden / layout.tp
+        produced += produced_per_param * 2 * hidden * model.ffn_hidden / layout.dims.tp
         workspace = (
             (step.hidden_bytes if step.last else 0.0)
             + step.hidden_bytes
@@ -469,7 +475,7 @@ def _backwards_to_plan(layout: Layout, step: _StageStep) -> tuple[list[int], int
     forward: Schedule1F1B keeps that forward's send work (which holds the sent tensor) in
     `send_work` until the step returns, so from that micro-batch's own backward on
     (j >= in_flight - 1) one more output is held."""
-    pipelined = layout.pp > 1
+    pipelined = layout.dims.pp > 1
     micro_batches = step.micro_batches
     retained_from = (
         step.in_flight - 1 if pipelined and not step.last and step.in_flight >= 2 else micro_batches
@@ -491,9 +497,9 @@ def _kept_between_stages(
     gradient, referenced (the stage's grads_input) until the next one replaces it; and the
     output `_backwards_to_plan` says is retained."""
     kept = 0.0
-    if layout.pp > 1 and step.last:
+    if layout.dims.pp > 1 and step.last:
         kept += (backward + 1) * step.hidden_bytes
-    if layout.pp > 1 and not step.first and backward > 0:
+    if layout.dims.pp > 1 and not step.first and backward > 0:
         kept += step.hidden_bytes
     if backward >= retained_from:
         kept += step.hidden_bytes
@@ -576,7 +582,7 @@ def _first_block_backward_phase(
         # Later blocks' gradients are reduce-scattered into fp32 shards, in host memory
         # under the CPU offload policy.
         produced = ffn.produced + (
-            0.0 if layout.offload_optimizer else 4 * later / layout.shard_group
+            0.0 if layout.offload_optimizer else 4 * later / layout.dims.shard_group
         )
     else:
         produced = ffn.produced + step.gradient_bytes_per_param * later
@@ -601,13 +607,13 @@ def attention_backward_bytes_per_token(model: ModelSpec, layout: Layout) -> floa
     the kernel's share is one tile's."""
     a, h, h_kv = layout.compute_bytes, model.hidden, model.kv_hidden
     kernel = (a * (h + 2 * h_kv) + 4 * model.heads) * layout.attention_tile_fraction
-    if layout.cp == 1:
+    if layout.dims.cp == 1:
         return kernel
-    if layout.cp_algorithm == "ulysses":
+    if layout.dims.cp_algorithm == "ulysses":
         return kernel + 2 * a * (h + 2 * h_kv)
-    spare_kv = min(layout.ring_degree - 1, 2)
+    spare_kv = min(layout.dims.ring_degree - 1, 2)
     ring = 4 * h + 3 * 2 * 4 * h_kv + spare_kv * 2 * a * h_kv
-    if layout.cp_algorithm == "hybrid":
+    if layout.dims.cp_algorithm == "hybrid":
         ring += 2 * a * (h + 2 * h_kv)
     return kernel + ring
 
@@ -631,7 +637,7 @@ def _attention_backward_phase(
     return Phase(
         feed_forward.name.replace("backward", "attention backward", 1),
         feed_forward.parameters,
-        feed_forward.gradients + produced_per_param * (h * h + h) / layout.tp,
+        feed_forward.gradients + produced_per_param * (h * h + h) / layout.dims.tp,
         feed_forward.optimizer_states,
         feed_forward.activations - released,
         feed_forward.workspace
@@ -692,9 +698,9 @@ def peak_phases(model: ModelSpec, layout: Layout, stage: int | None = None) -> l
     the rank whose peak is highest): the end of forward, the loss chunk in backward (last
     stage), the feed-forward backward of the stage's last block (SwiGLU), and the optimizer
     step. The peak of the step is the largest (`peak`)."""
-    if stage is not None or layout.pp == 1:
+    if stage is not None or layout.dims.pp == 1:
         return _stage_phases(model, layout, stage or 0)
-    per_stage = [_stage_phases(model, layout, rank) for rank in range(layout.pp)]
+    per_stage = [_stage_phases(model, layout, rank) for rank in range(layout.dims.pp)]
     return max(per_stage, key=lambda phases: max(p.total for p in phases))
 
 

@@ -1,7 +1,8 @@
-"""Published training runs no one here measured, held as data with their sources: what the
-Megatron profile's two GEMM efficiencies (ctxlaunch.perf.profiles.MEGATRON_ETA_MATMUL) are
-fitted on (FIT_ROWS only, benchmarks/fit_steptime.py) and what every row, held out or not, is
-checked against (tests/unit/test_published_runs.py).
+"""Published training runs no one here measured, read from their data file
+(fitted/published-runs.json, each table with its source): what the Megatron profile's two GEMM
+efficiencies (ctxlaunch.perf.profiles.MEGATRON_ETA_MATMUL) are fitted on (FIT_ROWS only,
+benchmarks/fit_steptime.py) and what every row, held out or not, is checked against
+(tests/unit/test_published_runs.py).
 
 What the sources do not state (activation checkpointing, virtual pipeline stages) is taken as
 the fastest setting that the planner says fits (with its measured error as headroom), the
@@ -14,10 +15,13 @@ Meta's own stack.
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ctxlaunch.contract.hardware import GPUS
+from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.contract.spec import ModelSpec
 from ctxlaunch.perf.flops import MfuConvention, flops_per_token
 from ctxlaunch.perf.layout import Layout, MatmulPrecision
@@ -25,61 +29,41 @@ from ctxlaunch.perf.machine import Machine
 from ctxlaunch.perf.memory import MemoryEstimate, estimate
 from ctxlaunch.perf.steptime import StepTime, predict
 
-NEMO = (
-    "NVIDIA NeMo, docs/source/performance/performance_long_sequence.md "
-    "(github.com/NVIDIA/NeMo, commit 8cfedd72); TFLOPS/GPU counted by NeMo's formula of the "
-    "time (full score matrix: the causal discount came in NeMo PR #14424, Aug 2025)"
-)
-NEMO_H100 = NEMO + ", LLAMA2-7B (FP8), DGX-H100, NeMo 24.03.01"
-NEMO_B200 = (
-    NEMO + ", LLAMA3-8B (FP8), DGX-B200, NeMo 25.04.rc2; the table's '# of GPUs' "
-    "column is misprinted: TP x CP x DP is the count used here"
-)
-LLAMA3 = (
-    "Llama Team, AI @ Meta, 'The Llama 3 Herd of Models', arXiv:2407.21783, Table 4 "
-    "(405B pre-training on H100 80GB over 400 Gb/s RoCE, BF16); also "
-    "../shared/docs/domain.md"
-)
-
-# Through model_validate: the preset fills in the rest of the fields.
-LLAMA2_7B = ModelSpec.model_validate(
-    {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 32, "ffn_hidden": 11008, "vocab": 32000}
-)
-LLAMA3_8B = ModelSpec.model_validate({"preset": "llama3-8b"})
-LLAMA3_405B = ModelSpec.model_validate({"preset": "llama3-405b"})
+DATA_FILE = Path(__file__).resolve().parent / "fitted" / "published-runs.json"
+"""The rows, their tables' sources and the held-out set."""
 
 
 @dataclass(frozen=True)
 class PublishedRun:
+    """One published run: its model, machine, layout and measured throughput."""
+
     table: str
+    """The source table the row comes from (its key in the data file)."""
     model: ModelSpec
     gpu: str
     network: str
     seq_len: int
     global_batch: int
     """Sequences per optimizer step."""
-    tp: int
-    pp: int
-    cp: int
-    dp: int
+    dims: ParallelDims
+    """The published degrees (TP, PP, CP, DP) and how the source ran CP: a ring
+    (Megatron/Transformer Engine's p2p ring, NeMo's default) or all-gather (Llama 3)."""
     precision: MatmulPrecision
     tflops_per_gpu: float
     convention: MfuConvention
     """Which MFU convention the source's TFLOP/s count (see ctxlaunch.perf.flops)."""
     zero_stage: int
     source: str
-    cp_algorithm: str = "ring"
-    """How the source ran CP: "ring" (Megatron/Transformer Engine's p2p ring, NeMo's default)
-    or "allgather" (Llama 3: K/V all-gathered, arXiv:2407.21783 section 3.3.2)."""
 
     @property
     def name(self) -> str:
         """The row's id: table, length and layout."""
-        return f"{self.table}-{self.seq_len // 1024}k-tp{self.tp}pp{self.pp}cp{self.cp}dp{self.dp}"
+        d = self.dims
+        return f"{self.table}-{self.seq_len // 1024}k-tp{d.tp}pp{d.pp}cp{d.cp}dp{d.dp}"
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
+        return self.dims.world_size
 
     @property
     def tokens_per_second_per_gpu(self) -> float:
@@ -88,135 +72,43 @@ class PublishedRun:
         )
 
 
-def _nemo(
-    table: str,
-    model: ModelSpec,
-    gpu: str,
-    seq_k: int,
-    batch: int,
-    tp: int,
-    pp: int,
-    dp: int,
-    cp: int,
-    tflops: float,
-    source: str,
-) -> PublishedRun:
-    # NeMo's Megatron runs use the distributed optimizer (ZeRO-1) over 400 Gb/s InfiniBand.
-    return PublishedRun(
-        table,
-        model,
-        gpu,
-        "infiniband-ndr",
-        seq_k * 1024,
-        batch,
-        tp,
-        pp,
-        cp,
-        dp,
-        "fp8",
-        tflops,
-        "full",
-        1,
-        source,
-    )
+def _read_rows() -> tuple[list[PublishedRun], frozenset[str]]:
+    """Every row of the data file, and the names of the held-out ones."""
+    data = json.loads(DATA_FILE.read_text())
+    # Through model_validate: a preset fills in the rest of the fields.
+    models = {name: ModelSpec.model_validate(shape) for name, shape in data["models"].items()}
+    rows = []
+    for row in data["rows"]:
+        table = data["tables"][row["table"]]
+        rows.append(
+            PublishedRun(
+                table=row["table"],
+                model=models[table["model"]],
+                gpu=table["gpu"],
+                network=table["network"],
+                seq_len=row["seq_len"],
+                global_batch=row["global_batch"],
+                dims=ParallelDims(
+                    tp=row["tp"],
+                    pp=row["pp"],
+                    cp=row["cp"],
+                    dp=row["dp"],
+                    cp_algorithm=row.get("cp_algorithm", "ring"),
+                ),
+                precision=table["precision"],
+                tflops_per_gpu=row["tflops_per_gpu"],
+                convention=table["convention"],
+                zero_stage=table["zero_stage"],
+                source=table["source"],
+            )
+        )
+    return rows, frozenset(data["held_out"])
 
 
-ROWS: list[PublishedRun] = [
-    # NeMo, LLAMA2-7B FP8 on DGX-H100: SeqLen (K), batch, TP, PP, DP, CP, TFLOPS/GPU with CP.
-    _nemo("nemo-h100", LLAMA2_7B, "H100", 4, 1024, 1, 1, 4, 1, 768, NEMO_H100),
-    _nemo("nemo-h100", LLAMA2_7B, "H100", 8, 512, 1, 2, 4, 1, 730, NEMO_H100),
-    _nemo("nemo-h100", LLAMA2_7B, "H100", 16, 256, 2, 1, 8, 1, 660, NEMO_H100),
-    _nemo("nemo-h100", LLAMA2_7B, "H100", 32, 128, 2, 1, 8, 2, 610, NEMO_H100),
-    _nemo("nemo-h100", LLAMA2_7B, "H100", 64, 64, 4, 1, 8, 2, 574, NEMO_H100),
-    _nemo("nemo-h100", LLAMA2_7B, "H100", 128, 32, 4, 1, 8, 4, 555, NEMO_H100),
-    _nemo("nemo-h100", LLAMA2_7B, "H100", 256, 16, 4, 1, 8, 8, 549, NEMO_H100),
-    _nemo("nemo-h100", LLAMA2_7B, "H100", 512, 8, 8, 1, 4, 16, 549, NEMO_H100),
-    _nemo("nemo-h100", LLAMA2_7B, "H100", 1024, 4, 8, 1, 4, 32, 536, NEMO_H100),
-    # NeMo, LLAMA3-8B FP8 on DGX-B200.
-    _nemo("nemo-b200", LLAMA3_8B, "B200", 8, 512, 1, 1, 2, 1, 1671, NEMO_B200),
-    _nemo("nemo-b200", LLAMA3_8B, "B200", 16, 256, 1, 1, 4, 1, 1717, NEMO_B200),
-    _nemo("nemo-b200", LLAMA3_8B, "B200", 32, 128, 1, 1, 4, 2, 1624, NEMO_B200),
-    _nemo("nemo-b200", LLAMA3_8B, "B200", 64, 64, 1, 1, 4, 4, 1600, NEMO_B200),
-    _nemo("nemo-b200", LLAMA3_8B, "B200", 128, 32, 2, 1, 4, 4, 1588, NEMO_B200),
-    _nemo("nemo-b200", LLAMA3_8B, "B200", 256, 16, 4, 1, 4, 4, 1590, NEMO_B200),
-    _nemo("nemo-b200", LLAMA3_8B, "B200", 512, 8, 4, 1, 4, 8, 1619, NEMO_B200),
-    _nemo("nemo-b200", LLAMA3_8B, "B200", 1024, 4, 4, 1, 4, 16, 1608, NEMO_B200),
-    # Llama 3 405B, Table 4: GPUs, TP, CP, PP, DP, seq, batch size/DP, TFLOPs/GPU. 16M tokens
-    # per batch. Meta does not state the attention convention; at 8K it moves the figure by
-    # under 5 %, at 131K by 1.4x: "causal" is the reading under which 380 TFLOP/s at 131K is
-    # consistent with 400 at 8K on the same GPUs (see the step-time model page of the docs). FSDP sharding
-    # optimizer states and gradients, weights kept after forward: ZeRO-2.
-    PublishedRun(
-        "llama3",
-        LLAMA3_405B,
-        "H100",
-        "roce",
-        8192,
-        32 * 64,
-        8,
-        16,
-        1,
-        64,
-        "bf16",
-        430,
-        "causal",
-        2,
-        LLAMA3,
-    ),
-    PublishedRun(
-        "llama3",
-        LLAMA3_405B,
-        "H100",
-        "roce",
-        8192,
-        16 * 128,
-        8,
-        16,
-        1,
-        128,
-        "bf16",
-        400,
-        "causal",
-        2,
-        LLAMA3,
-    ),
-    # Meta's CP is all-gather based, not a ring (section 3.3.2): K/V all-gathered, then the
-    # attention of the local query chunk; the gather exposed on the critical path.
-    PublishedRun(
-        "llama3",
-        LLAMA3_405B,
-        "H100",
-        "roce",
-        131072,
-        16 * 8,
-        8,
-        16,
-        16,
-        8,
-        "bf16",
-        380,
-        "causal",
-        2,
-        LLAMA3,
-        cp_algorithm="allgather",
-    ),
-]
-
-HELD_OUT = frozenset(
-    {
-        "nemo-h100-16k-tp2pp1cp1dp8",
-        "nemo-h100-128k-tp4pp1cp4dp8",
-        "nemo-h100-1024k-tp8pp1cp32dp4",
-        "nemo-b200-16k-tp1pp1cp1dp4",
-        "nemo-b200-128k-tp2pp1cp4dp4",
-        "nemo-b200-1024k-tp4pp1cp16dp4",
-        "llama3-128k-tp8pp16cp16dp8",
-    }
-)
-"""Rows the fit never sees (benchmarks/fit_steptime.py fits on FIT_ROWS only): every third
-length of each NeMo table, and Llama 3's one long-context row (so its BF16 efficiency is
-fitted at 8K and checked at 131K with CP 16). Their errors are reported on their own and set
-the Megatron profile's expected error."""
+ROWS, HELD_OUT = _read_rows()
+"""Every published row, and the names of the rows the fit never sees (benchmarks/
+fit_steptime.py fits on FIT_ROWS only; the data file says which and why). Their errors are
+reported on their own and set the Megatron profile's expected error."""
 FIT_ROWS = [r for r in ROWS if r.name not in HELD_OUT]
 HELD_OUT_ROWS = [r for r in ROWS if r.name in HELD_OUT]
 
@@ -236,13 +128,9 @@ def candidate_layouts(row: PublishedRun) -> list[Layout]:
     Megatron's memory habits."""
     base = Layout(
         seq_len=row.seq_len,
+        dims=row.dims,
         micro_batch=1,
-        grad_accum=row.global_batch // row.dp,
-        tp=row.tp,
-        pp=row.pp,
-        cp=row.cp,
-        dp=row.dp,
-        cp_algorithm=row.cp_algorithm,
+        grad_accum=row.global_batch // row.dims.dp,
         zero_stage=row.zero_stage,
         dtype="bf16",
         matmul_precision=row.precision,
@@ -251,11 +139,11 @@ def candidate_layouts(row: PublishedRun) -> list[Layout]:
     out = []
     # Llama 3's 126 layers over 16 stages are uneven (Meta drops a layer from the first and
     # the last stage), so chunks are not required to be equal here; at most a layer each.
-    stage_layers = row.model.layers // row.pp
+    stage_layers = row.model.layers // row.dims.pp
     for mode, v in itertools.product(CHECKPOINTING, VIRTUAL_STAGES):
-        if v > 1 and (row.pp == 1 or v > stage_layers):
+        if v > 1 and (row.dims.pp == 1 or v > stage_layers):
             continue
-        out.append(base.replace(activation_checkpointing=mode, virtual_stages=v))
+        out.append(base.with_dims(virtual_stages=v).replace(activation_checkpointing=mode))
     return out
 
 

@@ -160,7 +160,7 @@ def _matmul_seconds(
     recomputed forward of what the checkpointing mode recomputes; the output head once.
     `tokens`: the rank's tokens of the micro-batch; `layers`: the stage's blocks."""
     # h, f, h_q, h_kv: the hidden, feed-forward, query and K/V widths; t: the TP degree.
-    h, f, t = model.hidden, model.ffn_hidden, layout.tp
+    h, f, t = model.hidden, model.ffn_hidden, layout.dims.tp
     h_q, h_kv = model.q_hidden, model.kv_hidden
     precision = layout.matmul_precision
     element = 1.0 if precision == "fp8" else float(layout.compute_bytes)
@@ -212,18 +212,18 @@ class _Shape:
     tokens_per_rank: float
     """Tokens of the micro-batch the rank holds (CP splits the sequence)."""
     layers_per_stage: float
-    ring_degree: int
-    """The ring's degree; 1 under all-gather CP, which runs one attention call per layer over
-    the gathered K/V."""
+    ring_blocks: int
+    """Key blocks a rank's attention runs over per layer, one call each: the ring's degree (a
+    block per hop), 1 under all-gather CP (one call over the gathered K/V)."""
     allgather: bool
 
     @classmethod
     def of(cls, model: ModelSpec, layout: Layout) -> _Shape:
-        allgather = layout.cp_algorithm == "allgather" and layout.cp > 1
+        allgather = layout.dims.cp_algorithm == "allgather" and layout.dims.cp > 1
         return cls(
-            tokens_per_rank=layout.micro_batch * layout.seq_len / layout.cp,
-            layers_per_stage=model.layers / layout.pp,
-            ring_degree=1 if allgather else layout.ring_degree,
+            tokens_per_rank=layout.micro_batch * layout.seq_len / layout.dims.cp,
+            layers_per_stage=model.layers / layout.dims.pp,
+            ring_blocks=1 if allgather else layout.dims.ring_degree,
             allgather=allgather,
         )
 
@@ -243,7 +243,7 @@ def _attention_compute_seconds(
         shape.tokens_per_rank
         * shape.layers_per_stage
         * model.heads
-        / layout.tp
+        / layout.dims.tp
         * keys
         * (
             layout.attended_fraction * layout.attention_imbalance
@@ -254,11 +254,11 @@ def _attention_compute_seconds(
     if machine.attention_flops_per_second:  # measured (the CPU calibration)
         # The bundled trainer's calls: the whole sequence (CP 1, Ulysses), a ring block of
         # s / r tokens, or a zigzag ring's half-blocks of s / 2r; shorter calls run slower.
-        ring_degree = shape.ring_degree
+        ring_blocks = shape.ring_blocks
         call_tokens = (
             layout.seq_len
-            / ring_degree
-            / (2 if ring_degree > 1 and layout.cp_sharding == "zigzag" else 1)
+            / ring_blocks
+            / (2 if ring_blocks > 1 and layout.dims.cp_sharding == "zigzag" else 1)
         )
         ramp = 1.0 + machine.attention_ramp_tokens / call_tokens
         return attention_flops * ramp / machine.attention_flops_per_second
@@ -269,7 +269,7 @@ def _attention_compute_seconds(
     return attention_seconds(
         entries,
         model.head_dim,
-        layout.seq_len / shape.ring_degree,
+        layout.seq_len / shape.ring_blocks,
         peak=machine.peak_flops["bf16" if layout.dtype == "bf16" else "fp32"],
         fraction=machine.eta_attention,
         ramp_tokens=machine.attention_ramp_tokens,
@@ -291,7 +291,8 @@ def _elementwise_seconds(
     residual), which the published runs' frameworks do not make."""
     # The whole block's tensors, untiled: tiling changes what is kept, not what is computed.
     saved = block_activation_bytes_per_token(
-        model, layout.replace(activation_checkpointing="none", tp=1, pp=1, mlp_tile_tokens=0)
+        model,
+        layout.with_dims(tp=1, pp=1).replace(activation_checkpointing="none", mlp_tile_tokens=0),
     )
     passes = (
         ELEMENTWISE_HBM_PASSES
@@ -302,7 +303,7 @@ def _elementwise_seconds(
         * shape.layers_per_stage
         * saved
         * passes
-        / layout.tp
+        / layout.dims.tp
         / _elementwise_rate(machine)
     )
 
@@ -313,7 +314,7 @@ def _loss_seconds(model: ModelSpec, layout: Layout, machine: Machine, shape: _Sh
     return (
         shape.tokens_per_rank
         * model.vocab
-        / layout.tp
+        / layout.dims.tp
         * LOSS_BYTES_PER_LOGIT[2 if layout.compute_bytes <= 2 else 4]
         / (machine.loss_bytes_per_second or _elementwise_rate(machine))
     )
@@ -329,7 +330,7 @@ def _stream_bytes(layout: Layout) -> int:
 
 def _tp_seconds(model: ModelSpec, layout: Layout, machine: Machine, shape: _Shape) -> float:
     """Megatron sequence parallelism's all-gathers and reduce-scatters, not overlapped."""
-    tp = layout.tp
+    tp = layout.dims.tp
     if tp <= 1:
         return 0.0
     link = machine.link_for_span(tp)
@@ -348,10 +349,10 @@ def _tp_seconds(model: ModelSpec, layout: Layout, machine: Machine, shape: _Shap
 
 def _ulysses_seconds(model: ModelSpec, layout: Layout, machine: Machine, shape: _Shape) -> float:
     """Ulysses' all-to-alls, not overlapped."""
-    ulysses_degree = layout.ulysses_degree
+    ulysses_degree = layout.dims.ulysses_degree
     if ulysses_degree <= 1:
         return 0.0
-    link = machine.link_for_span(layout.tp * ulysses_degree)
+    link = machine.link_for_span(layout.dims.tp * ulysses_degree)
     return (
         shape.layers_per_stage
         * commvolume.ulysses_passes(layout)
@@ -366,10 +367,10 @@ def _ring_seconds(
 ) -> tuple[float, float, float]:
     """(exposed seconds, one forward hop's transfer, one forward hop's compute) of the ring:
     each hop's transfer against the attention of the block in hand, only the excess exposed."""
-    ring_degree = shape.ring_degree
-    if ring_degree <= 1:
+    ring_blocks = shape.ring_blocks
+    if ring_blocks <= 1:
         return 0.0, 0.0, 0.0
-    link = machine.link_for_span(layout.tp * layout.cp)
+    link = machine.link_for_span(layout.dims.tp * layout.dims.cp)
     hop_bytes_fwd, hop_bytes_bwd = commvolume.ring_hop_bytes(model, layout)
     hop_transfer_fwd = _collective_seconds(hop_bytes_fwd, 1, link, machine)
     hop_transfer_bwd = _collective_seconds(hop_bytes_bwd, 1, link, machine)
@@ -378,12 +379,12 @@ def _ring_seconds(
         / shape.layers_per_stage
         / (3 + (1 if layout.activation_checkpointing == "full" else 0))
     )
-    hop_compute_fwd = attention_fwd_layer / ring_degree
+    hop_compute_fwd = attention_fwd_layer / ring_blocks
     exposed_fwd = max(0.0, hop_transfer_fwd - hop_compute_fwd)
     exposed_bwd = max(0.0, hop_transfer_bwd - 2 * hop_compute_fwd)
     exposed = (
         shape.layers_per_stage
-        * (ring_degree - 1)
+        * (ring_blocks - 1)
         * (commvolume.ring_forwards(layout) * exposed_fwd + exposed_bwd)
     )
     return exposed, hop_transfer_fwd, hop_compute_fwd
@@ -396,8 +397,8 @@ def _allgather_seconds(model: ModelSpec, layout: Layout, machine: Machine, shape
     exposed in the critical path")."""
     if not shape.allgather:
         return 0.0
-    cp = layout.cp
-    link = machine.link_for_span(layout.tp * cp)
+    cp = layout.dims.cp
+    link = machine.link_for_span(layout.dims.tp * cp)
     gather_bytes, scatter_bytes = commvolume.allgather_bytes(model, layout)
     return shape.layers_per_stage * (
         commvolume.ring_forwards(layout) * _collective_seconds(gather_bytes, cp - 1, link, machine)
@@ -467,11 +468,11 @@ def _syncs_per_micro_batch(layout: Layout, shape: _Shape) -> float:
     """Blocking synchronisations of one micro-batch (TP collectives, all-to-alls, ring hops,
     gathers): what the CPU's per-synchronisation cost is charged on."""
     forwards = commvolume.ring_forwards(layout)
-    ring_degree = shape.ring_degree
+    ring_blocks = shape.ring_blocks
     return shape.layers_per_stage * (
-        (forwards * 4 + 4 if layout.tp > 1 else 0)
-        + (2 * forwards + 2 if layout.ulysses_degree > 1 else 0)
-        + ((ring_degree - 1) * (forwards + 1) if ring_degree > 1 else 0)
+        (forwards * 4 + 4 if layout.dims.tp > 1 else 0)
+        + (2 * forwards + 2 if layout.dims.ulysses_degree > 1 else 0)
+        + ((ring_blocks - 1) * (forwards + 1) if ring_blocks > 1 else 0)
         + (forwards + 1 if shape.allgather else 0)
     )
 
@@ -484,22 +485,22 @@ def _pipeline_seconds(
 ) -> tuple[float, float]:
     """(bubble, point-to-point) seconds of the pipeline schedule: (p-1)/v micro-batch times on
     top of the micro-batches, and the activations sent between stages during fill and drain."""
-    pp = layout.pp
+    pp = layout.dims.pp
     if pp <= 1:
         return 0.0, 0.0
-    bubble = (pp - 1) / layout.virtual_stages * micro_batch_seconds
-    link = machine.link_for_span(layout.tp * layout.cp * layout.dp * pp)
+    bubble = (pp - 1) / layout.dims.virtual_stages * micro_batch_seconds
+    link = machine.link_for_span(layout.dims.tp * layout.dims.cp * layout.dims.dp * pp)
     message = commvolume.pp_message_bytes(model, layout, stream=_stream_bytes(layout))
     return bubble, 2 * (pp - 1) * _collective_seconds(message, 1, link, machine)
 
 
 def _dp_seconds(layout: Layout, machine: Machine, params: int) -> float:
     """The gradient and weight collectives over the DP x CP replicas, before any overlap."""
-    group = layout.dp * layout.cp
+    group = layout.dims.dp * layout.dims.cp
     if group <= 1:
         return 0.0
-    tp_cp = layout.tp * layout.cp
-    link = machine.link_for_span(tp_cp * layout.dp)  # DP ranks are tp x cp apart
+    tp_cp = layout.dims.tp * layout.dims.cp
+    link = machine.link_for_span(tp_cp * layout.dims.dp)  # DP ranks are tp x cp apart
     # Across nodes, the group's members in one node reduce there first and then use as
     # many NICs in parallel (NCCL's hierarchical rings).
     in_node = max(1, machine.gpus_per_node // tp_cp)
@@ -526,11 +527,11 @@ def _host_copies(
     if not layout.offloads:
         return _HostCopies(0.0, 0.0, 0.0)
     rate = machine.host_copy_bytes_per_second()
-    shard = params / layout.shard_group
+    shard = params / layout.dims.shard_group
     weight = 2 if layout.dtype == "bf16" else 4
-    blocks = layout.rank_layers(model.layers)[0] if layout.pp > 1 else model.layers
+    blocks = layout.rank_layers(model.layers)[0] if layout.dims.pp > 1 else model.layers
     activations = (
-        max(blocks - 1, 0) * layout.tokens_per_rank / layout.tp * model.hidden
+        max(blocks - 1, 0) * layout.tokens_per_rank / layout.dims.tp * model.hidden
         if layout.offload_activations
         else 0.0
     ) * layout.residual_bytes
@@ -550,7 +551,7 @@ def _host_copies(
     backward_copy = max(fetched / 2 + activations, gradients) / rate
     exposed = max(0.0, forward_copy - forward) + max(0.0, backward_copy - backward)
     total = (fetched + 2 * activations + gradients) / rate
-    ranks = min(machine.gpus_per_node, layout.world_size)
+    ranks = min(machine.gpus_per_node, layout.dims.world_size)
     on_host = (
         shard * OPTIMIZER_BYTES_PER_PARAM / machine.host_step_bytes_per_second(ranks)
         if layout.offload_optimizer and layout.zero_stage >= 1
@@ -573,8 +574,8 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
     syncs = _syncs_per_micro_batch(layout, shape)
     bubble, p2p = _pipeline_seconds(model, layout, machine, micro_seconds)
 
-    group = layout.dp * layout.cp  # the DP x CP replicas
-    params = params_per_rank(model, layout.tp, layout.pp)
+    group = layout.dims.dp * layout.dims.cp  # the DP x CP replicas
+    params = params_per_rank(model, layout.dims.tp, layout.dims.pp)
     dp_seconds = _dp_seconds(layout, machine, params)
     hide = micro_seconds if layout.zero_stage < 3 else micro_batches * micro_seconds
     dp_exposed = max(0.0, dp_seconds - hide) if machine.overlap_dp else dp_seconds
@@ -605,7 +606,7 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
         * (machine.sync_seconds + machine.sync_jitter * (micro_seconds / max(syncs, 1)) ** 0.5),
     }
     step = sum(terms.values())
-    tokens_per_second = layout.tokens_per_step / step / layout.world_size
+    tokens_per_second = layout.tokens_per_step / step / layout.dims.world_size
     achieved = {
         c: tokens_per_second * flops_per_token(model, layout.seq_len, c) for c in CONVENTIONS
     }

@@ -50,13 +50,15 @@ class Candidate:
     def describe(self) -> str:
         """The layout in one line, as the table and the rejections name it."""
         lay = self.layout
-        v = f" v{lay.virtual_stages}" if lay.virtual_stages > 1 else ""
+        v = f" v{lay.dims.virtual_stages}" if lay.dims.virtual_stages > 1 else ""
         memory = lay.describe_memory_settings()
         sharding = (
-            f" {lay.cp_sharding}" if lay.ring_degree > 1 and lay.cp_sharding == "balanced" else ""
+            f" {lay.dims.cp_sharding}"
+            if lay.dims.ring_degree > 1 and lay.dims.cp_sharding == "balanced"
+            else ""
         )
         return (
-            f"{lay.describe_degrees()}{sharding}{v}, mb {lay.micro_batch}, "
+            f"{lay.dims.describe()}{sharding}{v}, mb {lay.micro_batch}, "
             f"ZeRO-{lay.zero_stage}, "
             f"checkpointing {lay.activation_checkpointing}" + (f", {memory}" if memory else "")
         )
@@ -164,10 +166,10 @@ def _rank_key(c: Candidate) -> tuple[float, int, int, int, int, int]:
     lay = c.layout
     return (
         float(f"{c.time.step_seconds:.4g}"),
-        lay.tp * lay.pp * lay.cp,
+        lay.dims.tp * lay.dims.pp * lay.dims.cp,
         lay.zero_stage,
         lay.micro_batch,
-        lay.virtual_stages,
+        lay.dims.virtual_stages,
         c.memory.total,
     )
 
@@ -198,18 +200,14 @@ def degree_options(
     model = spec.model
     global_batch = spec.global_batch
     # What the search holds comes from the spec; the split and the pipeline are its own.
-    base = Layout.from_spec(spec).replace(micro_batch=1, virtual_stages=1, stage_layers=())
+    base = (
+        Layout.from_spec(spec).with_dims(virtual_stages=1).replace(micro_batch=1, stage_layers=())
+    )
 
     def split(tp: int, pp: int, cp: int, dp: int, algorithm: str, ulysses: int) -> Layout:
-        return base.replace(
-            tp=tp,
-            pp=pp,
-            cp=cp,
-            dp=dp,
-            cp_algorithm=algorithm,
-            ulysses_degree=ulysses,
-            grad_accum=max(global_batch // dp, 1),
-        )
+        return base.with_dims(
+            tp=tp, pp=pp, cp=cp, dp=dp, cp_algorithm=algorithm, ulysses_degree=ulysses
+        ).replace(grad_accum=max(global_batch // dp, 1))
 
     tp_limit = min(nvlink_domain, gpus_per_node)
     pp_limit = model.layers
@@ -234,7 +232,7 @@ def degree_options(
                 out.append(split(tp, pp, cp, dp, "ulysses", cp))
                 out.extend(rings[1:])
                 out.extend(
-                    ring.replace(cp_sharding="balanced")
+                    ring.with_dims(cp_sharding="balanced")
                     for ring in rings
                     if ring.attention_imbalance > 1.0
                 )
@@ -275,7 +273,7 @@ class _Search:
         # micro-batch x grad_accum x dp, which rounds where dp does not divide it).
         why = self.problem(_with_global_batch(degrees.apply_to(self.base), self.global_batch))
         if why is not None:
-            self.reject("illegal", degrees.describe_degrees(), why)
+            self.reject("illegal", degrees.dims.describe(), why)
             return
         timed: list[Candidate] = []
         for micro_batch in MICRO_BATCHES:
@@ -299,10 +297,10 @@ class _Search:
     def time_micro_batch(self, degrees: Layout, micro_batch: int) -> list[Candidate] | None:
         """The candidates of `degrees` at `micro_batch` sequences per micro-batch that fit,
         timed; None when not even the leanest setting fits (nor will a larger micro-batch)."""
-        if self.global_batch % (micro_batch * degrees.dp):
+        if self.global_batch % (micro_batch * degrees.dims.dp):
             return []
         layout = degrees.replace(
-            micro_batch=micro_batch, grad_accum=self.global_batch // (micro_batch * degrees.dp)
+            micro_batch=micro_batch, grad_accum=self.global_batch // (micro_batch * degrees.dims.dp)
         )
         if micro_batch > 1 and self.problem(layout.apply_to(self.base)):
             return []
@@ -313,7 +311,7 @@ class _Search:
                 return [offloaded]
             self.reject(
                 "no fit",
-                degrees.describe_degrees() + f", mb {micro_batch}",
+                degrees.dims.describe() + f", mb {micro_batch}",
                 f"{leanest.total / GiB:.1f} GiB with full checkpointing "
                 f"and ZeRO-3, of {leanest.capacity / GiB:.1f} GiB",
             )
@@ -324,7 +322,7 @@ class _Search:
             for mode, zero_stage in group:
                 self.reject(
                     "dominated",
-                    f"{degrees.describe_degrees()}, mb {micro_batch}, ZeRO-{zero_stage}, "
+                    f"{degrees.dims.describe()}, mb {micro_batch}, ZeRO-{zero_stage}, "
                     f"checkpointing {mode}",
                     "fits, but recomputes more than a lighter "
                     "setting of the same layout that also fits",
@@ -332,15 +330,13 @@ class _Search:
         candidates = []
         for virtual_stages in self.virtual_stage_options(degrees):
             if virtual_stages > 1 and self.problem(
-                layout.replace(virtual_stages=virtual_stages).apply_to(self.base)
+                layout.with_dims(virtual_stages=virtual_stages).apply_to(self.base)
             ):
                 continue
             for mode, zero_stage in itertools.chain.from_iterable(timed_settings):
                 candidate = self.time_setting(
-                    layout.replace(
-                        activation_checkpointing=mode,
-                        zero_stage=zero_stage,
-                        virtual_stages=virtual_stages,
+                    layout.with_dims(virtual_stages=virtual_stages).replace(
+                        activation_checkpointing=mode, zero_stage=zero_stage
                     )
                 )
                 if candidate is not None:
@@ -376,11 +372,11 @@ class _Search:
     def virtual_stage_options(self, degrees: Layout) -> list[int]:
         """Virtual stages per rank to try: those that divide each stage's blocks, up to
         MAX_VIRTUAL_STAGES (1 without PP)."""
-        if degrees.pp == 1:
+        if degrees.dims.pp == 1:
             return [1]
         return [
             virtual_stages
-            for virtual_stages in _divisors(self.model.layers // degrees.pp)
+            for virtual_stages in _divisors(self.model.layers // degrees.dims.pp)
             if virtual_stages <= MAX_VIRTUAL_STAGES
         ]
 
@@ -392,9 +388,9 @@ class _Search:
         if not memory.fits:
             self.reject(
                 "no fit",
-                f"{layout.describe_degrees()} v{layout.virtual_stages}, mb {layout.micro_batch}, "
+                f"{layout.dims.describe()} v{layout.dims.virtual_stages}, mb {layout.micro_batch}, "
                 f"ZeRO-{layout.zero_stage}, checkpointing {layout.activation_checkpointing}",
-                f"{memory.total / GiB:.1f} GiB with {layout.virtual_stages} virtual "
+                f"{memory.total / GiB:.1f} GiB with {layout.dims.virtual_stages} virtual "
                 f"stages, of {memory.capacity / GiB:.1f} GiB",
             )
             return None

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ctxlaunch.contract.hardware import GiB
+from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.contract.spec import JobSpec, cp_problems, problem_message
 from ctxlaunch.perf.activations import ATTENTION_TILE_TOKENS
 from ctxlaunch.perf.flops import CONVENTIONS, count_params, flops_per_token
@@ -27,8 +28,8 @@ MAX_CP = 256
 class CpOption:
     """The job at another CP degree, with TP, PP, EP and DP held."""
 
-    cp: int
-    gpus: int
+    dims: ParallelDims
+    """The job's degrees at this CP degree."""
     nodes: int
     legal: bool
     """Whether the spec's CP algorithm and layout allow this degree at the spec's seq_len."""
@@ -45,6 +46,11 @@ class CpOption:
     reaches furthest; None where it reaches no further than `longest_seq_len`."""
     offload_host: HostEstimate | None = None
     """The host memory the recipe needs at `offload_seq_len`, on the busiest node."""
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the job needs at this degree."""
+        return self.dims.world_size
 
     @property
     def fits(self) -> bool:
@@ -115,10 +121,13 @@ class PlanReport:
             )
         out = f"does not fit: {head}, {-e.headroom / gib:.1f} GiB over{host}"
         alternatives = []
-        if self.smallest_fitting_cp is not None and self.smallest_fitting_cp.cp != self.layout.cp:
+        if (
+            self.smallest_fitting_cp is not None
+            and self.smallest_fitting_cp.dims.cp != self.layout.dims.cp
+        ):
             o = self.smallest_fitting_cp
             alternatives.append(
-                f"cp = {o.cp} ({o.gpus} GPUs on {o.nodes} node{'s' if o.nodes != 1 else ''})"
+                f"cp = {o.dims.cp} ({o.gpus} GPUs on {o.nodes} node{'s' if o.nodes != 1 else ''})"
             )
         alternatives += [s.describe() for s in self.suggestions[:2]]
         if alternatives:
@@ -139,10 +148,10 @@ class PlanReport:
                 "pp": s.parallel.pp,
                 "cp": s.parallel.cp,
                 "ep": s.parallel.ep,
-                "dp": s.dp,
+                "dp": s.parallel_dims.dp,
                 "cp_algorithm": s.parallel.cp_algorithm,
-                "ulysses_degree": s.ulysses_degree,
-                "ring_degree": s.ring_degree,
+                "ulysses_degree": s.parallel_dims.ulysses_degree,
+                "ring_degree": s.parallel_dims.ring_degree,
                 "cp_sharding": s.parallel.cp_sharding,
                 "seq_len": s.training.seq_len,
                 "micro_batch": s.training.micro_batch,
@@ -161,7 +170,7 @@ class PlanReport:
             "verdict": self.verdict(),
             "cp_options": [
                 {
-                    "cp": o.cp,
+                    "cp": o.dims.cp,
                     "gpus": o.gpus,
                     "nodes": o.nodes,
                     "legal": o.legal,
@@ -182,7 +191,7 @@ class PlanReport:
                 for o in self.cp_options
             ],
             "smallest_fitting_cp": (
-                self.smallest_fitting_cp.cp if self.smallest_fitting_cp else None
+                self.smallest_fitting_cp.dims.cp if self.smallest_fitting_cp else None
             ),
             "suggestions": [
                 {
@@ -254,8 +263,8 @@ def offload_steps(spec: JobSpec, layout: Layout) -> list[Layout]:
     then the block inputs too (PP 1); then the feed-forward over tiles of the hidden size; then
     under DeepSpeed the parameters too. Each step adds copies to the step, so the first that
     fits is the fastest way to fit. Empty where FSDP2 has no ranks to shard over."""
-    engine = "deepspeed" if layout.tp == 1 and layout.pp == 1 else "fsdp2"
-    if engine == "fsdp2" and layout.shard_group == 1:
+    engine = "deepspeed" if layout.dims.tp == 1 and layout.dims.pp == 1 else "fsdp2"
+    if engine == "fsdp2" and layout.dims.shard_group == 1:
         return []  # FSDP2's CPU offload policy needs sharded states
     base = layout.replace(
         zero_stage=3,
@@ -266,7 +275,7 @@ def offload_steps(spec: JobSpec, layout: Layout) -> list[Layout]:
         offload_activations=False,
         mlp_tile_tokens=0,
     )
-    activations = base.replace(offload_activations=layout.pp == 1)
+    activations = base.replace(offload_activations=layout.dims.pp == 1)
     tiled = _with_attention_tiles(activations.replace(mlp_tile_tokens=spec.model.hidden))
     steps = [base, activations, tiled]
     if engine == "deepspeed":
@@ -283,15 +292,15 @@ def offload_recipe(spec: JobSpec, layout: Layout) -> list[Layout]:
     recipe = steps[-1]
     p = spec.parallel
     out = []
-    candidates: list[tuple[str, int | None]] = [(layout.cp_algorithm, None)]
-    if layout.cp > 1:
+    candidates: list[tuple[str, int | None]] = [(layout.dims.cp_algorithm, None)]
+    if layout.dims.cp > 1:
         candidates += [("ulysses", None)] + [
-            ("hybrid", u) for u in (2, 4, 8, 16) if u < layout.cp and layout.cp % u == 0
+            ("hybrid", u) for u in (2, 4, 8, 16) if u < layout.dims.cp and layout.dims.cp % u == 0
         ]
     for algorithm, ulysses in dict.fromkeys(candidates):
         parallel = p.model_copy(
             update={
-                "cp": layout.cp,
+                "cp": layout.dims.cp,
                 "cp_algorithm": algorithm,
                 "ulysses_degree": ulysses,
                 "ring_degree": None,
@@ -299,9 +308,11 @@ def offload_recipe(spec: JobSpec, layout: Layout) -> list[Layout]:
         )
         if cp_problems(spec.model, parallel, spec.training.seq_len):
             continue
-        inner = ulysses if ulysses is not None else (layout.cp if algorithm == "ulysses" else 1)
+        inner = (
+            ulysses if ulysses is not None else (layout.dims.cp if algorithm == "ulysses" else 1)
+        )
         out.append(
-            _with_attention_tiles(recipe.replace(cp_algorithm=algorithm, ulysses_degree=inner))
+            _with_attention_tiles(recipe.with_dims(cp_algorithm=algorithm, ulysses_degree=inner))
         )
     return out
 
@@ -309,7 +320,7 @@ def offload_recipe(spec: JobSpec, layout: Layout) -> list[Layout]:
 def _with_attention_tiles(layout: Layout) -> Layout:
     """The tiled step's attention: the ring's backward over tiles of ATTENTION_TILE_TOKENS
     where the layout has a ring, none where it has not (`training.attention_tile_tokens`)."""
-    tiles = ATTENTION_TILE_TOKENS if layout.ring_degree > 1 else 0
+    tiles = ATTENTION_TILE_TOKENS if layout.dims.ring_degree > 1 else 0
     return layout.replace(attention_tile_tokens=tiles)
 
 
@@ -339,8 +350,8 @@ def cp_options(spec: JobSpec, layout: Layout) -> list[CpOption]:
     per_node = spec.cluster.gpus_per_node
     out = []
     for cp in degrees:
-        variant = layout.replace(cp=cp)
-        gpus = p.tp * p.pp * p.ep * cp * layout.dp
+        variant = layout.with_dims(cp=cp)
+        gpus = variant.dims.world_size
         problems = cp_problems(spec.model, p.model_copy(update={"cp": cp}), spec.training.seq_len)
         reason = problem_message(problems[0]) if problems else None
         longest = longest_sequence(spec.model, variant, gpu, p.cp_sharding, host=host_limit(spec))
@@ -349,8 +360,7 @@ def cp_options(spec: JobSpec, layout: Layout) -> list[CpOption]:
             reach, recipe, host = _offload_reach(spec, variant, longest)
         out.append(
             CpOption(
-                cp=cp,
-                gpus=gpus,
+                dims=variant.dims,
                 nodes=-(-gpus // per_node),
                 legal=not problems,
                 reason=reason,

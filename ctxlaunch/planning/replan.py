@@ -106,20 +106,22 @@ def layout_identity(layout: Layout, layers: int, nodes: int, gpus_per_node: int)
     """What makes two layouts the same run on the same GPUs: the degrees, the pipeline split
     (balanced when unnamed), micro-batch, ZeRO stage with the engine that runs it,
     checkpointing and the allocation."""
-    stages = layout.stage_layers or balanced_stage_layers(layers, layout.pp * layout.virtual_stages)
+    stages = layout.stage_layers or balanced_stage_layers(
+        layers, layout.dims.pp * layout.dims.virtual_stages
+    )
     return {
-        "tp": layout.tp,
-        "pp": layout.pp,
-        "cp": layout.cp,
-        "dp": layout.dp,
-        "cp_algorithm": layout.cp_algorithm if layout.cp > 1 else "ring",
-        "ulysses_degree": layout.ulysses_degree if layout.cp > 1 else 1,
-        "virtual_stages": layout.virtual_stages,
+        "tp": layout.dims.tp,
+        "pp": layout.dims.pp,
+        "cp": layout.dims.cp,
+        "dp": layout.dims.dp,
+        "cp_algorithm": layout.dims.cp_algorithm if layout.dims.cp > 1 else "ring",
+        "ulysses_degree": layout.dims.ulysses_degree if layout.dims.cp > 1 else 1,
+        "virtual_stages": layout.dims.virtual_stages,
         "stage_layers": list(stages),
         "micro_batch": layout.micro_batch,
         "zero_stage": layout.zero_stage,
         "engine": resolve_state_engine(
-            layout.engine, layout.zero_stage, tp=layout.tp, pp=layout.pp
+            layout.engine, layout.zero_stage, tp=layout.dims.tp, pp=layout.dims.pp
         ),
         "activation_checkpointing": layout.activation_checkpointing,
         "nodes": nodes,
@@ -129,9 +131,9 @@ def layout_identity(layout: Layout, layers: int, nodes: int, gpus_per_node: int)
 
 def describe(layout: Layout) -> str:
     """A layout in one line: "tp 1 pp 1 cp 2 ring dp 1, mb 1, ZeRO-0, checkpointing none"."""
-    v = f" v{layout.virtual_stages}" if layout.virtual_stages > 1 else ""
+    v = f" v{layout.dims.virtual_stages}" if layout.dims.virtual_stages > 1 else ""
     return (
-        f"{layout.describe_degrees()}{v}, mb {layout.micro_batch}, ZeRO-{layout.zero_stage}, "
+        f"{layout.dims.describe()}{v}, mb {layout.micro_batch}, ZeRO-{layout.zero_stage}, "
         f"checkpointing {layout.activation_checkpointing}"
     )
 
@@ -250,7 +252,7 @@ def search(
         if layout_problems(degrees.apply_to(base)):
             continue
         micro_batches = MICRO_BATCHES if "micro_batch" not in fixed else (own.micro_batch,)
-        virtual = {1} | ({own.virtual_stages} if degrees.pp == own.pp else set())
+        virtual = {1} | ({own.dims.virtual_stages} if degrees.dims.pp == own.dims.pp else set())
         modes = (
             CHECKPOINTING
             if "activation_checkpointing" not in fixed
@@ -258,14 +260,13 @@ def search(
         )
         zeros = ZERO_STAGES if "zero_stage" not in fixed else (own.zero_stage,)
         for micro_batch, virtual_stages in itertools.product(micro_batches, sorted(virtual)):
-            if global_batch % (micro_batch * degrees.dp):
+            if global_batch % (micro_batch * degrees.dims.dp):
                 continue
-            layout = degrees.replace(
+            layout = degrees.with_dims(virtual_stages=virtual_stages).replace(
                 micro_batch=micro_batch,
-                grad_accum=global_batch // (micro_batch * degrees.dp),
-                virtual_stages=virtual_stages,
+                grad_accum=global_batch // (micro_batch * degrees.dims.dp),
                 stage_layers=own.stage_layers
-                if virtual_stages == own.virtual_stages and degrees.pp == own.pp
+                if virtual_stages == own.dims.virtual_stages and degrees.dims.pp == own.dims.pp
                 else (),
             )
             if (micro_batch > 1 or virtual_stages > 1) and layout_problems(layout.apply_to(base)):
@@ -287,7 +288,7 @@ def search(
                 key = (
                     float(f"{time.step_seconds:.4g}"),
                     _changed_fields(candidate_layout, current),
-                    candidate_layout.tp * candidate_layout.pp * candidate_layout.cp,
+                    candidate_layout.dims.tp * candidate_layout.dims.pp * candidate_layout.dims.cp,
                     zero_stage,
                     micro_batch,
                     virtual_stages,
@@ -302,13 +303,13 @@ def own_layout_at(spec: JobSpec, allocation: Allocation) -> Layout | None:
     """The spec's own layout on `allocation` with the data-parallel degree that fills it (the
     global batch held), where that is legal; None where it is not."""
     own = Layout.from_spec(spec)
-    per_replica = own.tp * own.pp * own.cp * own.ep
+    per_replica = own.dims.tp * own.dims.pp * own.dims.cp * own.dims.ep
     if allocation.world_size % per_replica:
         return None
     dp = allocation.world_size // per_replica
     if spec.global_batch % (own.micro_batch * dp):
         return None
-    layout = own.replace(dp=dp, grad_accum=spec.global_batch // (own.micro_batch * dp))
+    layout = own.with_dims(dp=dp).replace(grad_accum=spec.global_batch // (own.micro_batch * dp))
     if layout_problems(layout.apply_to(at_allocation(spec, allocation))):
         return None
     return layout

@@ -139,11 +139,11 @@ def spec_data(init_from: Path, world: int = 1, **changes: Any) -> dict:
 
 def build_trainer(rank: int, world: int, data: dict):  # type: ignore[no-untyped-def]
     """The trainer of spec `data` on this rank (inside `run_distributed`, or rank 0 of 1)."""
-    from ctxlaunch.runtime.parallel.parallelize import spec_context
+    from ctxlaunch.runtime.parallel.context import build_context
     from ctxlaunch.runtime.trainer.loop import Trainer
 
     spec = validate_spec(data)
-    ctx = spec_context(spec, rank=rank, world_size=world)
+    ctx = build_context(spec.parallel_dims, rank=rank)
     return Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
 
 
@@ -205,15 +205,15 @@ def local_logits(trainer) -> dict | None:  # type: ignore[no-untyped-def]
     import torch.distributed as dist
 
     engine = trainer.engine
-    if trainer.ctx.pp > 1 or (hasattr(engine, "parts") and engine.parts.sharded):
+    if trainer.ctx.dims.pp > 1 or (hasattr(engine, "parts") and engine.parts.sharded):
         return None
     model = engine.parts.model if hasattr(engine, "parts") else engine.model
     batch = trainer.batches.get(0, 0)
     with torch.no_grad():
         hidden = model.enter_loss(model.hidden_states(batch.tokens, batch.positions))
         logits = F.linear(hidden, model._output_weight())
-    if trainer.ctx.tp > 1:
-        shards = [torch.empty_like(logits) for _ in range(trainer.ctx.tp)]
+    if trainer.ctx.dims.tp > 1:
+        shards = [torch.empty_like(logits) for _ in range(trainer.ctx.dims.tp)]
         dist.all_gather(shards, logits.contiguous(), group=trainer.ctx.tp_group)
         logits = torch.cat(shards, dim=-1)
     return {"logits": logits.numpy(), "positions": batch.positions.numpy()}

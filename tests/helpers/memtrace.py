@@ -37,7 +37,7 @@ import torch
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
     from ctxlaunch.runtime.data.batches import MicroBatch
-    from ctxlaunch.runtime.parallel.parallelize import ParallelContext
+    from ctxlaunch.runtime.parallel.context import ParallelContext
 
 PHASE_PREFIX = "ctxlaunch.phase:"
 

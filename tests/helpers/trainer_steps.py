@@ -38,11 +38,11 @@ def spec_for(world: int, **changes):
 
 def train_steps(rank: int, world: int, spec_data: dict, steps: int) -> dict:
     """Run `steps` training steps of the spec on this rank (inside `run_distributed`)."""
-    from ctxlaunch.runtime.parallel.parallelize import spec_context
+    from ctxlaunch.runtime.parallel.context import build_context
     from ctxlaunch.runtime.trainer.loop import Trainer
 
     spec = validate_spec(spec_data)
-    ctx = spec_context(spec, rank=rank, world_size=world)
+    ctx = build_context(spec.parallel_dims, rank=rank)
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     grads: list[dict[str, torch.Tensor]] = []
     metrics = [
@@ -65,15 +65,14 @@ def evaluate_rank(rank: int, world: int, spec_data: dict, path: str | None = Non
     from ctxlaunch.runtime.evaluation.eval_weights import load_weights
     from ctxlaunch.runtime.evaluation.evaluator import Evaluator
     from ctxlaunch.runtime.modeling.model import Transformer
-    from ctxlaunch.runtime.parallel.parallelize import ParallelSettings, parallelize, spec_context
+    from ctxlaunch.runtime.parallel.context import build_context
+    from ctxlaunch.runtime.parallel.parallelize import parallelize_job
 
     spec = validate_spec(spec_data)
-    ctx = spec_context(spec, rank=rank, world_size=world)
+    ctx = build_context(spec.parallel_dims, rank=rank)
     with torch.device("meta"):
         model = Transformer.from_spec(spec.model)
-    parts = parallelize(
-        model, ctx=ctx, settings=ParallelSettings.from_spec(spec), device=torch.device("cpu")
-    )
+    parts = parallelize_job(model, spec, ctx=ctx, device=torch.device("cpu"))
     if path is not None:
         load_weights(parts, spec, ctx, torch.device("cpu"), Path(path))
     return Evaluator(spec, ctx, parts.model, torch.device("cpu")).run().to_dict()

@@ -48,10 +48,10 @@ def test_70b_on_512_gpus_is_pruned_and_accounts_for_every_layout(nodes: int) -> 
     advice = advise(spec, nodes=nodes)
     assert advice.layouts_timed < 2500  # pruning: a count, never a wall time
     options = degree_options(spec, nodes * 8, 8, machine_for(spec).nvlink_domain)
-    seen = {c.layout.describe_degrees() for c in advice.ranked}
+    seen = {c.layout.dims.describe() for c in advice.ranked}
     seen |= {r.layout.split(",")[0] for r in advice.rejected if r.kind != "dominated"}
-    assert {d.describe_degrees() for d in options} <= seen
-    assert all(d.tp <= 8 for d in options)  # TP within the NVLink domain
+    assert {d.dims.describe() for d in options} <= seen
+    assert all(d.dims.tp <= 8 for d in options)  # TP within the NVLink domain
     groups = advice.rejected_by_kind()
     assert groups["illegal"] and groups["dominated"]
     leanest = [r for r in groups["no fit"] if "virtual stages" not in r.reason]
@@ -70,7 +70,7 @@ def test_more_gpus_and_a_slower_fabric_change_the_answer() -> None:
     spec = load_spec(JOBS / "llama3-8b-128k-slurm.yaml")
     small, large = advise(spec, nodes=1), advise(spec, nodes=8)
     assert small.best and large.best
-    assert large.best.layout.world_size == 64 and small.best.layout.world_size == 8
+    assert large.best.layout.dims.world_size == 64 and small.best.layout.dims.world_size == 8
     slow = load_spec(JOBS / "llama3-8b-128k-slurm.yaml", ["fabric.network=tcp"])
     fast_ring = advise(spec).best.time.step_seconds
     assert advise(slow).best.time.step_seconds > fast_ring

@@ -34,7 +34,7 @@ def _count(rank: int, world: int, specs: list[dict]) -> list[dict]:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from ctxlaunch.runtime.parallel.parallelize import spec_context
+    from ctxlaunch.runtime.parallel.context import build_context
     from ctxlaunch.runtime.trainer.loop import Trainer
 
     sent: dict[tuple, float] = defaultdict(float)
@@ -69,7 +69,7 @@ def _count(rank: int, world: int, specs: list[dict]) -> list[dict]:
     out = []
     for spec_data in specs:
         spec = validate_spec(spec_data)
-        ctx = spec_context(spec, rank=rank, world_size=world)
+        ctx = build_context(spec.parallel_dims, rank=rank)
         trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
         trainer.train_step()  # warm-up
         finish = trainer.engine.finish_gradients

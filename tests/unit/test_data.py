@@ -713,20 +713,11 @@ def test_missing_data_files_warn_at_validation_and_stop_the_trainer(tmp_path: Pa
 
 
 def _train_tokens(rank: int, world: int, spec_data: dict) -> list[float]:
-    from ctxlaunch.runtime.parallel.parallelize import build_context
+    from ctxlaunch.runtime.parallel.context import build_context
     from ctxlaunch.runtime.trainer.loop import Trainer
 
     spec = validate_spec(spec_data)
-    ctx = build_context(
-        rank=rank,
-        world_size=world,
-        dp=spec.dp,
-        cp=1,
-        ulysses=1,
-        cp_sharding=spec.parallel.cp_sharding,
-        tp=1,
-        pp=1,
-    )
+    ctx = build_context(spec.parallel_dims, rank=rank)
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     return [trainer.train_step().loss for _ in range(spec.training.steps)]
 

@@ -8,6 +8,7 @@ import pytest
 
 from ctxlaunch.contract.hardware import GPUS
 from ctxlaunch.contract.loader import SpecError, validate_spec
+from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.contract.spec import ModelSpec
 from ctxlaunch.cp import attention_area
 from ctxlaunch.perf.flops import document_attention_fraction, token_weighted_document_tokens
@@ -32,7 +33,7 @@ def test_attended_fraction_is_the_schedules_count() -> None:
 
 def test_step_time_attention_follows_the_attended_fraction() -> None:
     machine = Machine.from_gpu(GPUS["H100"], network="infiniband-ndr", gpus_per_node=8)
-    layout = Layout(seq_len=131072, cp=8, dp=1)
+    layout = Layout(seq_len=131072, dims=ParallelDims(cp=8, dp=1))
     fraction = document_attention_fraction(131072, 8192)
     plain = predict(LLAMA_8B, layout, machine)
     masked = predict(LLAMA_8B, layout.replace(attended_fraction=fraction), machine)
@@ -107,20 +108,25 @@ def test_step_time_costs_the_busiest_ring_rank_under_a_fixed_sharding() -> None:
     whose ranks all compute the whole sequence, is unaffected by the sharding."""
     machine = Machine.from_gpu(GPUS["H100"], network="infiniband-ndr", gpus_per_node=8)
     fraction = document_attention_fraction(131072, 8192)
-    masked = Layout(seq_len=131072, cp=8, dp=1, attended_fraction=fraction, document_tokens=8192)
-    zigzag = masked.replace(cp_sharding="zigzag")
-    balanced = masked.replace(cp_sharding="balanced")
+    masked = Layout(
+        seq_len=131072,
+        attended_fraction=fraction,
+        document_tokens=8192,
+        dims=ParallelDims(cp=8, dp=1),
+    )
+    zigzag = masked.with_dims(cp_sharding="zigzag")
+    balanced = masked.with_dims(cp_sharding="balanced")
     assert zigzag.attention_imbalance > 1.1 and balanced.attention_imbalance == 1.0
     tile = machine.causal_tile_tokens / 131072
     got = {
-        layout.cp_sharding: predict(LLAMA_8B, layout, machine).terms["compute_attention"]
+        layout.dims.cp_sharding: predict(LLAMA_8B, layout, machine).terms["compute_attention"]
         for layout in (zigzag, balanced)
     }
     assert got["zigzag"] == pytest.approx(
         got["balanced"] * (fraction * zigzag.attention_imbalance + tile) / (fraction + tile)
     )
     ulysses = [
-        predict(LLAMA_8B, layout.replace(cp_algorithm="ulysses", ulysses_degree=8), machine)
+        predict(LLAMA_8B, layout.with_dims(cp_algorithm="ulysses", ulysses_degree=8), machine)
         for layout in (zigzag, balanced)
     ]
     assert ulysses[0].terms["compute_attention"] == ulysses[1].terms["compute_attention"]
@@ -161,19 +167,19 @@ def test_advise_offers_the_balanced_sharding_where_zigzag_leaves_a_rank_busier()
 
     spec = load_spec(JOBS / "llama3-8b-extend-128k.yaml")
     options = degree_options(spec, 32, 8, 8)
-    balanced = [o for o in options if o.cp_sharding == "balanced"]
-    assert balanced and all(o.ring_degree > 1 for o in balanced)
+    balanced = [o for o in options if o.dims.cp_sharding == "balanced"]
+    assert balanced and all(o.dims.ring_degree > 1 for o in balanced)
     for layout in balanced:
-        assert layout.replace(cp_sharding="zigzag") in options
-        assert layout.replace(cp_sharding="zigzag").attention_imbalance > 1.0
-    assert all(o.cp_sharding == "zigzag" for o in options if o.ring_degree == 1)
+        assert layout.with_dims(cp_sharding="zigzag") in options
+        assert layout.with_dims(cp_sharding="zigzag").attention_imbalance > 1.0
+    assert all(o.dims.cp_sharding == "zigzag" for o in options if o.dims.ring_degree == 1)
     advice = advise(spec)
-    ring_candidates = [c for c in advice.ranked if c.layout.ring_degree > 1]
+    ring_candidates = [c for c in advice.ranked if c.layout.dims.ring_degree > 1]
     best = ring_candidates[0]
-    assert best.layout.cp_sharding == "balanced" and "balanced" in best.describe()
+    assert best.layout.dims.cp_sharding == "balanced" and "balanced" in best.describe()
     assert best.layout.overrides()["parallel.cp_sharding"] == "balanced"
     same_but_zigzag = [
-        c for c in advice.ranked if c.layout == best.layout.replace(cp_sharding="zigzag")
+        c for c in advice.ranked if c.layout == best.layout.with_dims(cp_sharding="zigzag")
     ]
     for other in same_but_zigzag:
         assert other.time.step_seconds > best.time.step_seconds

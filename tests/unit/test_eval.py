@@ -104,11 +104,11 @@ def base_spec(**changes) -> dict:
 
 
 def _train_and_save(rank: int, world: int, spec_data: dict) -> None:
-    from ctxlaunch.runtime.parallel.parallelize import spec_context
+    from ctxlaunch.runtime.parallel.context import build_context
     from ctxlaunch.runtime.trainer.loop import Trainer
 
     spec = validate_spec(spec_data)
-    ctx = spec_context(spec, rank=rank, world_size=world)
+    ctx = build_context(spec.parallel_dims, rank=rank)
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     trainer.run()
 
@@ -218,11 +218,11 @@ def test_every_layout_scores_what_one_process_scores(case, checkpoint, single) -
 
 
 def _train_with_eval(rank: int, world: int, spec_data: dict, run_dir: str) -> list[dict]:
-    from ctxlaunch.runtime.parallel.parallelize import spec_context
+    from ctxlaunch.runtime.parallel.context import build_context
     from ctxlaunch.runtime.trainer.loop import Trainer
 
     spec = validate_spec(spec_data)
-    ctx = spec_context(spec, rank=rank, world_size=world)
+    ctx = build_context(spec.parallel_dims, rank=rank)
     seen: list[dict] = []
     trainer = Trainer(
         spec, ctx, torch.device("cpu"), Path(run_dir) if rank == 0 else None, log=lambda _: None

@@ -25,20 +25,11 @@ BASE = {
 
 
 def _trainer(*overrides: str):
-    from ctxlaunch.runtime.parallel.parallelize import build_context
+    from ctxlaunch.runtime.parallel.context import build_context
     from ctxlaunch.runtime.trainer.loop import Trainer
 
     spec = validate_spec(apply_overrides(BASE, list(overrides)))
-    ctx = build_context(
-        rank=0,
-        world_size=1,
-        dp=1,
-        cp=1,
-        ulysses=1,
-        cp_sharding=spec.parallel.cp_sharding,
-        tp=1,
-        pp=1,
-    )
+    ctx = build_context(spec.parallel_dims, rank=0)
     return Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
 
 

@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 from ctxlaunch.contract import events
+from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.cp import comm
 from ctxlaunch.runtime.checkpointing import checkpoint
-from ctxlaunch.runtime.parallel.parallelize import build_context
+from ctxlaunch.runtime.parallel.context import build_context
 from ctxlaunch.runtime.trainer import faults, heartbeat, stopsignal
 from ctxlaunch.runtime.trainer.engines import init_deepspeed
 from tests.helpers.dist import run_distributed
@@ -104,14 +105,13 @@ def _wait_beside_a_silent_peer(
         target = groups._get_data_parallel_group()
     else:
         ctx = build_context(
+            ParallelDims(
+                dp=2 if group == "dp" else 1,
+                cp=2 if group == "cp" else 1,
+                tp=2 if group == "tp" else 1,
+                pp=2 if group == "pp" else 1,
+            ),
             rank=rank,
-            world_size=world_size,
-            dp=2 if group == "dp" else 1,
-            cp=2 if group == "cp" else 1,
-            ulysses=1,
-            cp_sharding="zigzag",
-            tp=2 if group == "tp" else 1,
-            pp=2 if group == "pp" else 1,
         )
         target = getattr(ctx, f"{group}_group")
     if rank == 1:  # alive and silent until rank 0 has its answer (at most a minute)

@@ -49,7 +49,10 @@ def test_the_first_run_on_its_own_allocation_trains_at_its_own_layout() -> None:
     decision = decide(spec, allocation_of(spec, 4), HealHistory())
     assert decision.give_up is None and not decision.replanned
     assert decision.why == STARTED_AS_SPEC
-    assert decision.spec.parallel.cp == spec.parallel.cp and decision.spec.dp == spec.dp
+    assert (
+        decision.spec.parallel.cp == spec.parallel.cp
+        and decision.spec.parallel_dims.dp == spec.parallel_dims.dp
+    )
 
 
 def test_an_oom_replans_to_a_layout_that_fits_with_the_measured_peak() -> None:

@@ -10,12 +10,11 @@ without it. What each kernel costs on a GPU is only measured there (benchmarks/g
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from ctxlaunch.contract.loader import apply_overrides, validate_spec
+from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.cp import kernel_choice, kernels
 from ctxlaunch.runtime.trainer import fastpath
 
@@ -124,8 +123,14 @@ def test_the_block_shape_is_the_one_the_rank_calls(
     cp, ulysses, tp, cp_sharding, expected_block
 ) -> None:
     spec = _spec()
-    ctx = SimpleNamespace(cp=cp, ulysses=ulysses, tp=tp, cp_sharding=cp_sharding)
-    batch, heads, kv_heads, block, head_dim = fastpath.attention_block_shape(spec, ctx)
+    dims = ParallelDims(
+        cp=cp,
+        ulysses_degree=ulysses,
+        tp=tp,
+        cp_sharding=cp_sharding,
+        cp_algorithm="hybrid" if 1 < ulysses < cp else "ulysses" if ulysses > 1 else "ring",
+    )
+    batch, heads, kv_heads, block, head_dim = fastpath.attention_block_shape(spec, dims)
     m = spec.model
     assert (batch, block, head_dim) == (2, expected_block, m.hidden // m.heads)
     assert heads == max(m.heads // (tp * ulysses), 1)

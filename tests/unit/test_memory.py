@@ -7,6 +7,7 @@ import pytest
 
 from ctxlaunch.contract.hardware import GPUS, GiB
 from ctxlaunch.contract.loader import load_spec, validate_spec
+from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.contract.spec import ModelSpec
 from ctxlaunch.perf.flops import count_params, flops_per_token, mfu
 from ctxlaunch.perf.layout import Layout
@@ -90,7 +91,7 @@ def test_activations_divide_by_cp_and_tp() -> None:
     base = Layout(seq_len=131072, dtype="bf16", zero_stage=2)
     one = estimate(LLAMA_8B, base, H100).activations
     for n in (2, 4, 8):
-        assert estimate(LLAMA_8B, base.replace(cp=n), H100).activations == pytest.approx(
+        assert estimate(LLAMA_8B, base.with_dims(cp=n), H100).activations == pytest.approx(
             one / n, rel=1e-6
         )
     # TP (sequence parallel) divides everything but what is gathered over the TP group outside
@@ -99,7 +100,7 @@ def test_activations_divide_by_cp_and_tp() -> None:
     # again in backward), so they divide like the rest.
     # (ZeRO-0: with TP, ZeRO >= 1 runs through FSDP2, fp32 weights and residual either way.)
     plain = base.replace(zero_stage=0)
-    tp4 = estimate(LLAMA_8B, plain.replace(tp=4), H100).activations
+    tp4 = estimate(LLAMA_8B, plain.with_dims(tp=4), H100).activations
     h, hd, tokens = LLAMA_8B.hidden, LLAMA_8B.head_dim, 131072
     gathered = tokens * (1 - 1 / 4) * (4 * h + 2 * hd * 2 + 8)
     assert tp4 == pytest.approx(
@@ -145,7 +146,11 @@ def test_model_states_match_deepspeed_estimators() -> None:
 
 def test_longest_sequence_is_the_boundary() -> None:
     layout = Layout(
-        seq_len=8192, dtype="bf16", zero_stage=2, dp=4, cp=8, activation_checkpointing="selective"
+        seq_len=8192,
+        dtype="bf16",
+        zero_stage=2,
+        activation_checkpointing="selective",
+        dims=ParallelDims(dp=4, cp=8),
     )
     longest = longest_sequence(LLAMA_8B, layout, H100)
     unit = sequence_granularity(8)
@@ -155,19 +160,19 @@ def test_longest_sequence_is_the_boundary() -> None:
 
 
 def test_memory_grows_with_sequence_and_shrinks_with_cp() -> None:
-    layout = Layout(seq_len=32768, dtype="bf16", zero_stage=1, dp=2)
+    layout = Layout(seq_len=32768, dtype="bf16", zero_stage=1, dims=ParallelDims(dp=2))
     totals = [
         estimate(LLAMA_8B, layout.replace(seq_len=s), H100).total for s in (8192, 32768, 131072)
     ]
     assert totals == sorted(totals)
-    by_cp = [estimate(LLAMA_8B, layout.replace(cp=n), H100).total for n in (1, 2, 4, 8)]
+    by_cp = [estimate(LLAMA_8B, layout.with_dims(cp=n), H100).total for n in (1, 2, 4, 8)]
     assert by_cp == sorted(by_cp, reverse=True)
 
 
 def test_llama3_8b_example_plan() -> None:
     report = plan_job(load_spec(JOBS / "llama3-8b-128k-slurm.yaml"))
     e = report.estimate
-    assert e.fits and report.smallest_fitting_cp.cp == 8
+    assert e.fits and report.smallest_fitting_cp.dims.cp == 8
     assert e.parameters == 2 * 8_030_261_248  # ZeRO-2 keeps bf16 weights whole
     # 131072 / 8 tokens per rank x 32 layers x selective per-token bytes
     layout = report.layout
@@ -175,7 +180,7 @@ def test_llama3_8b_example_plan() -> None:
     # outside the blocks: the final norm's input and rstd, the gradient of the loss input,
     # token ids, RoPE tables
     assert e.activations == int(16384 * (per_block * 32 + 2 * 2 * 4096 + 4 + 8 + 2 * 128 * 2))
-    assert [o.cp for o in report.cp_options if o.fits][0] == 8
+    assert [o.dims.cp for o in report.cp_options if o.fits][0] == 8
     assert report.to_dict()["memory"]["fits"] is True
 
 
@@ -201,7 +206,7 @@ def test_ulysses_options_beyond_kv_heads_are_not_legal() -> None:
             "cluster": {"target": "slurm", "nodes": 1, "gpus_per_node": 8},
         }
     )
-    options = {o.cp: o for o in plan_job(spec).cp_options}
+    options = {o.dims.cp: o for o in plan_job(spec).cp_options}
     assert options[8].legal and not options[16].legal
     assert "hybrid" in options[16].reason
 
@@ -219,7 +224,7 @@ def test_uneven_stages_plan_the_busiest_stage() -> None:
     model = ModelSpec(preset="llama3-405b")
     counts = count_params(model)
     split = (7,) + (8,) * 14 + (7,)
-    layout = Layout(seq_len=8192, grad_accum=16, tp=8, pp=16, stage_layers=split)
+    layout = Layout(seq_len=8192, grad_accum=16, stage_layers=split, dims=ParallelDims(tp=8, pp=16))
     held = params_per_rank(model, 8, 16, layout.rank_layers(model.layers))
     want = max(
         7 * counts.per_layer + counts.embedding,

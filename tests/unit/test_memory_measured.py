@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.contract.spec import ModelSpec
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.memory import activation_bytes
@@ -56,16 +57,16 @@ def _measure_tp_pp(rank: int, world: int, cases: list[tuple[str, str, str]]) -> 
     """Saved-tensor bytes of one micro-batch's forward on this rank, per case: ("tp", dtype,
     checkpointing) runs the whole model at TP 2; ("pp", dtype, checkpointing) runs this rank's
     pipeline stage (rank 0: embedding and block 0; rank 1: block 1, final norm and loss)."""
-    from ctxlaunch.runtime.parallel.parallelize import apply_tensor_parallel, build_context
+    from ctxlaunch.contract.parallel_dims import ParallelDims
+    from ctxlaunch.runtime.parallel.context import build_context
+    from ctxlaunch.runtime.parallel.parallelize import apply_tensor_parallel
     from ctxlaunch.runtime.parallel.pipeline import StageModule
 
     seq = 1024
     out = []
     for kind, dtype, checkpointing in cases:
         tp, pp = (2, 1) if kind == "tp" else (1, 2)
-        ctx = build_context(
-            rank=rank, world_size=world, dp=1, cp=1, ulysses=1, cp_sharding="zigzag", tp=tp, pp=pp
-        )
+        ctx = build_context(ParallelDims(tp=tp, pp=pp), rank=rank)
         torch.manual_seed(0)
         model = Transformer.from_spec(MODEL)
         model.set_checkpointing(checkpointing)
@@ -115,8 +116,7 @@ def test_predicted_activations_match_saved_tensors_at_tp2_and_per_pp_stage() -> 
             dtype=dtype,
             zero_stage=0,
             activation_checkpointing=checkpointing,
-            tp=2 if kind == "tp" else 1,
-            pp=2 if kind == "pp" else 1,
+            dims=ParallelDims(tp=2 if kind == "tp" else 1, pp=2 if kind == "pp" else 1),
         )
         for rank in range(2):
             if kind == "tp":

@@ -63,13 +63,13 @@ def host_data_bytes(spec) -> int:
 
 def _traces(rank: int, world: int, specs: list[dict]) -> list[Any]:
     """This rank's memory trace of two training steps of each spec."""
-    from ctxlaunch.runtime.parallel.parallelize import spec_context
+    from ctxlaunch.runtime.parallel.context import build_context
     from tests.helpers.memtrace import measure_training_peak
 
     out = []
     for data in specs:
         spec = validate_spec(data)
-        ctx = spec_context(spec, rank=rank, world_size=world)
+        ctx = build_context(spec.parallel_dims, rank=rank)
         out.append(measure_training_peak(spec, ctx))
     return out
 
@@ -142,7 +142,7 @@ def _errors(
         for rank in range(world):
             # Under PP each rank is planned as its own stage: pp is the outermost dimension of
             # the trainer's rank order (ParallelContext.pp_rank).
-            stage = rank // (world // layout.pp) if layout.pp > 1 else None
+            stage = rank // (world // layout.dims.pp) if layout.dims.pp > 1 else None
             phase = peak(spec.model, layout, stage)
             predicted = phase.total + host_data_bytes(spec)
             measured, where = ranks[rank][index]
@@ -151,7 +151,7 @@ def _errors(
                 f"measured {measured:,} ({where}) {predicted / measured - 1:+.2%}"
             )
             if replicas_alike:
-                per_stage = world // layout.pp
+                per_stage = world // layout.dims.pp
                 first = rank - rank % per_stage
                 measured = min(ranks[r][index][0] for r in range(first, first + per_stage))
             case_errors.append(predicted / measured - 1)

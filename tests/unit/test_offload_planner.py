@@ -8,6 +8,7 @@ import pytest
 
 from ctxlaunch.contract.hardware import GPUS, LINKS, GiB
 from ctxlaunch.contract.loader import validate_spec
+from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.contract.spec import ModelSpec
 from ctxlaunch.perf.hostmemory import (
     HOST_RANK_ALLOWANCE,
@@ -31,11 +32,6 @@ DGX = HostLimit(host_memory_bytes=2000 * 1000**3, gpus_per_node=8)
 def _layout(**changes) -> Layout:
     """Llama 3 8B at 128K tokens, CP 8, ZeRO-3 under DeepSpeed, full checkpointing, bf16."""
     base = Layout(
-        tp=1,
-        pp=1,
-        cp=8,
-        dp=1,
-        cp_algorithm="ring",
         seq_len=131072,
         micro_batch=1,
         grad_accum=1,
@@ -44,6 +40,7 @@ def _layout(**changes) -> Layout:
         activation_checkpointing="full",
         dtype="bf16",
         matmul_precision="bf16",
+        dims=ParallelDims(tp=1, pp=1, cp=8, dp=1, cp_algorithm="ring"),
     )
     return base.replace(**changes)
 
@@ -140,7 +137,9 @@ def test_attention_tiles_lengthen_the_ring_reach() -> None:
     assert not estimate(LLAMA_8B, whole, H100).fits and estimate(LLAMA_8B, tiled, H100).fits
     assert cuda_kernel_allowance(LLAMA_8B, tiled) < cuda_kernel_allowance(LLAMA_8B, whole)
     assert peak(LLAMA_8B, tiled).total < peak(LLAMA_8B, whole).total
-    ulysses = whole.replace(cp=8, cp_algorithm="ulysses", ulysses_degree=8, seq_len=1 << 20)
+    ulysses = whole.with_dims(cp=8, cp_algorithm="ulysses", ulysses_degree=8).replace(
+        seq_len=1 << 20
+    )
     assert ulysses.replace(attention_tile_tokens=65536).attention_tile_fraction == 1
     assert "training.attention_tile_tokens" in problems(
         make(**{"training.attention_tile_tokens": 4096, "parallel.cp": 1})
@@ -250,7 +249,7 @@ def test_reach_of_llama3_8b_on_h100_with_offload(gpus: int, anchor: int) -> None
     3.7M on 8, 15M on 32), with the host memory its nodes had (1.9 TB): `plan`'s longest
     sequence with the offload recipe at least matches it."""
     report = plan_job(validate_spec(_reach_spec(gpus, host_gib=1900 * 1000**3 / GiB)))
-    option = next(o for o in report.cp_options if o.cp == gpus)
+    option = next(o for o in report.cp_options if o.dims.cp == gpus)
     assert option.longest_seq_len < anchor  # without offload it does not get there
     assert option.offload_seq_len >= anchor
     assert option.offload_host is not None and option.offload_host.fits

@@ -19,6 +19,7 @@ import itertools
 import pytest
 
 from ctxlaunch.contract.hardware import GPUS
+from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.machine import Machine
 from ctxlaunch.perf.memory import estimate
@@ -93,7 +94,7 @@ def _no_checkpointing(row: PublishedRun, zero_stage: int) -> Layout:
     layout = next(
         layout
         for layout in candidate_layouts(row)
-        if layout.activation_checkpointing == "none" and layout.virtual_stages == 1
+        if layout.activation_checkpointing == "none" and layout.dims.virtual_stages == 1
     )
     return _bundled(layout).replace(zero_stage=zero_stage)
 
@@ -201,7 +202,7 @@ def row_spec(row: PublishedRun):  # type: ignore[no-untyped-def]
                 "global_batch": row.global_batch,
                 "zero_stage": row.zero_stage,
             },
-            "parallel": {"tp": row.tp, "pp": row.pp, "cp": row.cp},
+            "parallel": {"tp": row.dims.tp, "pp": row.dims.pp, "cp": row.dims.cp},
             "cluster": {
                 "target": "slurm",
                 "nodes": row.gpus // per_node,
@@ -237,20 +238,11 @@ def test_the_authors_layout_ranks_first_or_within_the_models_accuracy(row: Publi
     advice = advise(
         spec, matmul_precision=row.precision, machine=spec_machine(spec, framework="megatron")
     )
-    published = (row.tp, row.pp, row.cp, row.dp, "ring", 1)
-    ranks = [
-        i
-        for i, c in enumerate(advice.ranked)
-        if (
-            c.layout.tp,
-            c.layout.pp,
-            c.layout.cp,
-            c.layout.dp,
-            c.layout.cp_algorithm,
-            c.layout.ulysses_degree,
-        )
-        == published
-    ]
+
+    def degrees(d: ParallelDims) -> tuple:
+        return (d.tp, d.pp, d.cp, d.dp, d.cp_algorithm, d.ulysses_degree)
+
+    ranks = [i for i, c in enumerate(advice.ranked) if degrees(c.layout.dims) == degrees(row.dims)]
     assert ranks, f"{row.name}: the published layout is not among the ranked ones"
     ours = advice.ranked[ranks[0]]
     gap = ours.time.step_seconds / advice.ranked[0].time.step_seconds - 1

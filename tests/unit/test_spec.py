@@ -20,7 +20,11 @@ from tests.helpers.specs import SPEC, make, problems
 
 def test_base_is_valid_and_derives_dp() -> None:
     spec = validate_spec(SPEC)
-    assert spec.dp == 4 and spec.ring_degree == 8 and spec.ulysses_degree == 1
+    assert (
+        spec.parallel_dims.dp == 4
+        and spec.parallel_dims.ring_degree == 8
+        and spec.parallel_dims.ulysses_degree == 1
+    )
     assert spec.model.layers == 32 and spec.model.kv_heads == 8 and spec.model.head_dim == 128
 
 
@@ -71,7 +75,7 @@ def test_ulysses_degree_must_divide_heads() -> None:
 
 def test_ulysses_within_kv_heads_is_valid() -> None:
     spec = validate_spec(make(**{"parallel.cp_algorithm": "ulysses"}))
-    assert spec.ulysses_degree == 8 and spec.ring_degree == 1
+    assert spec.parallel_dims.ulysses_degree == 8 and spec.parallel_dims.ring_degree == 1
 
 
 @pytest.mark.parametrize(
@@ -105,7 +109,7 @@ def test_hybrid_degrees_multiply_to_cp() -> None:
             }
         )
     )
-    assert spec.ulysses_degree == 8 and spec.ring_degree == 2
+    assert spec.parallel_dims.ulysses_degree == 8 and spec.parallel_dims.ring_degree == 2
     found = problems(
         make(
             **{

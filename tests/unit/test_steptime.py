@@ -9,6 +9,7 @@ import pytest
 
 from ctxlaunch.contract.hardware import GPUS
 from ctxlaunch.contract.loader import load_spec
+from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.contract.spec import ModelSpec
 from ctxlaunch.perf import profiles
 from ctxlaunch.perf.layout import Layout
@@ -21,7 +22,9 @@ H100_NDR = Machine.from_gpu(GPUS["H100"], network="infiniband-ndr", gpus_per_nod
 
 
 def test_terms_add_up_and_mfu_uses_both_conventions() -> None:
-    st = predict(LLAMA_8B, Layout(seq_len=65536, cp=8, dp=4, grad_accum=2), H100_NDR)
+    st = predict(
+        LLAMA_8B, Layout(seq_len=65536, grad_accum=2, dims=ParallelDims(cp=8, dp=4)), H100_NDR
+    )
     assert st.step_seconds == pytest.approx(sum(st.terms.values()))
     assert st.tokens_per_second_per_gpu == pytest.approx(65536 * 2 * 4 / st.step_seconds / 32)
     assert st.mfu["full"] > st.mfu["causal"] > 0
@@ -31,7 +34,7 @@ def test_terms_add_up_and_mfu_uses_both_conventions() -> None:
 
 
 def test_fp8_runs_the_matmuls_at_twice_the_peak() -> None:
-    layout = Layout(seq_len=8192, dp=8)
+    layout = Layout(seq_len=8192, dims=ParallelDims(dp=8))
     bf16 = predict(LLAMA_8B, layout, H100_NDR)
     fp8 = predict(LLAMA_8B, layout.replace(matmul_precision="fp8"), H100_NDR)
     eta = H100_NDR.eta_matmul
@@ -42,7 +45,7 @@ def test_fp8_runs_the_matmuls_at_twice_the_peak() -> None:
 
 
 def test_ring_transfer_is_exposed_only_where_it_outlasts_the_hop_compute() -> None:
-    layout = Layout(seq_len=131072, cp=16, dp=1)
+    layout = Layout(seq_len=131072, dims=ParallelDims(cp=16, dp=1))
     nvlink_like = Machine.from_gpu(
         GPUS["H100"], network="infiniband-ndr", gpus_per_node=16, nvlink_domain=16
     )
@@ -62,9 +65,9 @@ def test_ring_transfer_is_exposed_only_where_it_outlasts_the_hop_compute() -> No
 def test_allgather_cp_exposes_its_gather_and_runs_one_long_attention_call() -> None:
     # Llama 3's CP: K/V of the other 15 ranks gathered per layer (bf16), fp32 dK/dV
     # reduce-scattered, 15 ring steps each over the network (cp 16 spans two nodes), exposed.
-    layout = Layout(seq_len=131072, cp=16, dp=1)
+    layout = Layout(seq_len=131072, dims=ParallelDims(cp=16, dp=1))
     ring = predict(LLAMA_8B, layout, H100_NDR)
-    gathered = predict(LLAMA_8B, layout.replace(cp_algorithm="allgather"), H100_NDR)
+    gathered = predict(LLAMA_8B, layout.with_dims(cp_algorithm="allgather"), H100_NDR)
     assert gathered.terms["cp_ring_exposed"] == 0 == ring.terms["cp_allgather"]
     kv_others = 15 * (131072 / 16) * LLAMA_8B.kv_hidden
     link = H100_NDR.network
@@ -83,7 +86,7 @@ def test_allgather_cp_exposes_its_gather_and_runs_one_long_attention_call() -> N
     # the planner holds the whole sequence's K/V and fp32 dK/dV while a layer's attention runs.
     from ctxlaunch.perf import activations, commvolume
 
-    all_gather = layout.replace(cp_algorithm="allgather")
+    all_gather = layout.with_dims(cp_algorithm="allgather")
     assert commvolume.cp_block_bytes(LLAMA_8B, all_gather) == pytest.approx(
         2 * kv_others * 2 + 2 * kv_others * 4
     )
@@ -98,26 +101,28 @@ def test_allgather_cp_exposes_its_gather_and_runs_one_long_attention_call() -> N
 
 
 def test_ulysses_all_to_all_and_tp_collectives_appear_with_their_degree() -> None:
-    ring = predict(LLAMA_8B, Layout(seq_len=32768, cp=8, tp=1), H100_NDR)
+    ring = predict(LLAMA_8B, Layout(seq_len=32768, dims=ParallelDims(cp=8, tp=1)), H100_NDR)
     ulysses = predict(
-        LLAMA_8B, Layout(seq_len=32768, cp=8, cp_algorithm="ulysses", ulysses_degree=8), H100_NDR
+        LLAMA_8B,
+        Layout(seq_len=32768, dims=ParallelDims(cp=8, cp_algorithm="ulysses", ulysses_degree=8)),
+        H100_NDR,
     )
     assert ring.terms["ulysses_all_to_all"] == 0 < ulysses.terms["ulysses_all_to_all"]
-    tp = predict(LLAMA_8B, Layout(seq_len=32768, tp=8), H100_NDR)
+    tp = predict(LLAMA_8B, Layout(seq_len=32768, dims=ParallelDims(tp=8)), H100_NDR)
     assert tp.terms["tp_collectives"] > 0 and ring.terms["tp_collectives"] == 0
 
 
 def test_pipeline_bubble_follows_the_schedule() -> None:
-    base = Layout(seq_len=8192, pp=4, grad_accum=8, dp=2)
+    base = Layout(seq_len=8192, grad_accum=8, dims=ParallelDims(pp=4, dp=2))
     one_f_one_b = predict(LLAMA_8B, base, H100_NDR)
     micro = one_f_one_b.detail["microbatch_seconds"]
     assert one_f_one_b.terms["pp_bubble"] == pytest.approx(3 * micro)
-    interleaved = predict(LLAMA_8B, base.replace(virtual_stages=2), H100_NDR)
+    interleaved = predict(LLAMA_8B, base.with_dims(virtual_stages=2), H100_NDR)
     assert interleaved.terms["pp_bubble"] == pytest.approx(1.5 * micro)
 
 
 def test_full_recomputation_costs_a_forward() -> None:
-    layout = Layout(seq_len=8192, dp=8)
+    layout = Layout(seq_len=8192, dims=ParallelDims(dp=8))
     none = predict(LLAMA_8B, layout, H100_NDR)
     full = predict(LLAMA_8B, layout.replace(activation_checkpointing="full"), H100_NDR)
     ratio = full.terms["compute_attention"] / none.terms["compute_attention"]
@@ -134,7 +139,7 @@ def test_every_runnable_example_gets_a_prediction(name: str) -> None:
 
 
 def test_cpu_overheads_are_counted_where_measured_and_absent_on_gpus() -> None:
-    layout = Layout(seq_len=4096, cp=4, dp=1)
+    layout = Layout(seq_len=4096, dims=ParallelDims(cp=4, dp=1))
     gpu = predict(LLAMA_8B, layout, H100_NDR)
     # On GPUs: no per-sync cost; the fixed cost per micro-batch is the profile's measured one.
     assert gpu.terms["sync_overhead"] == 0
@@ -263,7 +268,7 @@ def test_the_loss_passes_over_the_logits_the_rank_holds_at_the_loss_rate() -> No
         h200,
     ).terms
     assert fp32["compute_loss"] == pytest.approx(one["compute_loss"] * 40 / 52)
-    sharded = predict(model, Layout(seq_len=8192, tp=2, cp=2), h200).terms
+    sharded = predict(model, Layout(seq_len=8192, dims=ParallelDims(tp=2, cp=2)), h200).terms
     assert sharded["compute_loss"] == pytest.approx(one["compute_loss"] / 4)
     assert one["compute_loss"] > one["compute_elementwise"] / 4
     # A profile with no loss rate of its own (a CPU calibration) runs it at the elementwise rate.

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.contract.spec import ModelSpec
 from ctxlaunch.perf.flops import mfu
 from ctxlaunch.runtime.telemetry.exporter import Exporter, Identity
@@ -62,8 +63,7 @@ IDENTITY = Identity(
     local_rank=1,
     node="n",
     model="tiny",
-    cp=2,
-    cp_algorithm="ring",
+    dims=ParallelDims(cp=2, cp_algorithm="ring"),
     seq_len=2048,
 )
 

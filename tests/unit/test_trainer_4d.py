@@ -93,12 +93,12 @@ def _save_then_resume(
 ) -> dict:
     """Train two steps at one layout and checkpoint; then, in the same job, resume that
     checkpoint at each other layout and train the last two steps."""
-    from ctxlaunch.runtime.parallel.parallelize import spec_context
+    from ctxlaunch.runtime.parallel.context import build_context
     from ctxlaunch.runtime.trainer.loop import Trainer
 
     def trainer_for(spec_data: dict) -> Trainer:
         spec = validate_spec(spec_data)
-        ctx = spec_context(spec, rank=rank, world_size=world)
+        ctx = build_context(spec.parallel_dims, rank=rank)
         return Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
 
     first = trainer_for(saving)
@@ -132,11 +132,12 @@ def test_checkpoint_resumes_at_other_layouts(tmp_path) -> None:
     got = run_distributed(
         _save_then_resume, 4, saving, resuming, str(tmp_path / "ckpt"), timeout_s=360
     )[0]
-    from ctxlaunch.runtime.parallel.parallelize import build_context
+    from ctxlaunch.contract.parallel_dims import ParallelDims
+    from ctxlaunch.runtime.parallel.context import build_context
     from ctxlaunch.runtime.trainer.loop import Trainer
 
     spec = validate_spec(spec_for(1, **{**model, **COMMON, "training.steps": 4}))
-    ctx = build_context(rank=0, world_size=1, dp=1, cp=1, ulysses=1, cp_sharding="zigzag")
+    ctx = build_context(ParallelDims(), rank=0)
     straight = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     want = [straight.train_step().loss for _ in range(4)]
     torch.testing.assert_close(got["before"], want[:2], rtol=1e-5, atol=1e-6)

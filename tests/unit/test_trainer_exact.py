@@ -82,11 +82,11 @@ def test_layout_matches_single_process(case, reference: dict) -> None:
 
 def _run_with_stop(rank: int, world: int, spec_data: dict, stop_after: int | None) -> dict:
     """Trainer.run(), sending this process SIGUSR1 after `stop_after` steps (a preemption)."""
-    from ctxlaunch.runtime.parallel.parallelize import spec_context
+    from ctxlaunch.runtime.parallel.context import build_context
     from ctxlaunch.runtime.trainer.loop import Trainer
 
     spec = validate_spec(spec_data)
-    ctx = spec_context(spec, rank=rank, world_size=world)
+    ctx = build_context(spec.parallel_dims, rank=rank)
     trainer = Trainer(spec, ctx, torch.device("cpu"), log=lambda _: None)
     losses: list[float] = []
 

@@ -74,29 +74,14 @@ class JobSpec(_Strict):
         return ParallelDims.from_sections(self.parallel, self.cluster)
 
     @property
-    def dp(self) -> int:
-        """Data parallel degree: given, or the GPU count over tp x pp x cp x ep."""
-        return self.parallel_dims.dp
-
-    @property
-    def ulysses_degree(self) -> int:
-        """Ulysses (inner) degree of the CP group: cp for ulysses, 1 for ring."""
-        return self.parallel_dims.ulysses
-
-    @property
-    def ring_degree(self) -> int:
-        """Ring (outer) degree of the CP group."""
-        return self.parallel_dims.ring
-
-    @property
     def grad_accum(self) -> int:
         """Micro-batches per optimizer step per rank: given, or derived from global_batch."""
-        return self.training.grad_accum_at(self.dp)
+        return self.training.grad_accum_at(self.parallel_dims.dp)
 
     @property
     def global_batch(self) -> int:
         """Sequences per optimizer step."""
-        return self.training.micro_batch * self.grad_accum * self.dp
+        return self.training.micro_batch * self.grad_accum * self.parallel_dims.dp
 
     @property
     def tokens_per_step(self) -> int:

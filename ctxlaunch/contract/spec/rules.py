@@ -36,7 +36,8 @@ def layout_problems(
     out.extend(engine_problems(t, dims))
     out.extend(offload_problems(t, dims))
     out.extend(attention_tile_problems(t, dims))
-    grad_accum = t.grad_accum_at(dims.dp) if dims.fills_world else None
+    fills = dims.world_size == c.world_size
+    grad_accum = t.grad_accum_at(dims.dp) if fills else None
     out.extend(pipeline_problems(m, p, grad_accum))
     out.extend(tensor_parallel_problems(m, p, t.seq_len))
     if dims.ep > 1:
@@ -48,7 +49,8 @@ def layout_problems(
             )
         )
     out.extend(cp_problems(m, p, t.seq_len))
-    out.extend(batch_problems(t, dims))
+    if fills:
+        out.extend(batch_problems(t, dims))
     if t.data.source == "text" and m.vocab < 256:
         out.append(_problem(("model", "vocab"), m.vocab, "byte-level text data needs vocab >= 256"))
     out.extend(eval_problems(t, p))
@@ -60,7 +62,7 @@ def composition_problems(
     p: ParallelSpec, c: ClusterSpec, dims: ParallelDims
 ) -> list[InitErrorDetails]:
     """TP x PP x CP x EP x DP = nodes x gpus_per_node."""
-    if dims.fills_world:
+    if dims.world_size == c.world_size:
         return []
     per_replica = dims.ranks_per_replica
     if p.dp is None:
@@ -69,7 +71,7 @@ def composition_problems(
                 ("parallel",),
                 {"tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "ep": dims.ep},
                 f"tp x pp x cp x ep = {per_replica} must divide the GPU count nodes x "
-                f"gpus_per_node = {c.nodes} x {c.gpus_per_node} = {dims.world_size} (dp is "
+                f"gpus_per_node = {c.nodes} x {c.gpus_per_node} = {c.world_size} (dp is "
                 "derived as the quotient); fix: change a degree or the node count",
             )
         ]
@@ -78,7 +80,7 @@ def composition_problems(
             ("parallel", "dp"),
             p.dp,
             f"tp x pp x cp x ep x dp = {dims.tp} x {dims.pp} x {dims.cp} x {dims.ep} x {p.dp} = "
-            f"{per_replica * p.dp}, but nodes x gpus_per_node = {dims.world_size}; fix: make "
+            f"{per_replica * p.dp}, but nodes x gpus_per_node = {c.world_size}; fix: make "
             "them equal, or omit dp to derive it",
         )
     ]
@@ -216,23 +218,23 @@ def offload_problems(t: TrainingSpec, dims: ParallelDims) -> list[InitErrorDetai
 
 def attention_tile_problems(t: TrainingSpec, dims: ParallelDims) -> list[InitErrorDetails]:
     """training.attention_tile_tokens tiles the ring's backward: it needs a ring."""
-    if not t.attention_tile_tokens or dims.ring > 1:
+    if not t.attention_tile_tokens or dims.ring_degree > 1:
         return []
     return [
         _problem(
             ("training", "attention_tile_tokens"),
             t.attention_tile_tokens,
             f"attention tiles split the ring attention's backward, but this layout has no ring "
-            f"(cp {dims.cp}, ring degree {dims.ring}); fix: remove attention_tile_tokens, or "
+            f"(cp {dims.cp}, ring degree {dims.ring_degree}); fix: remove attention_tile_tokens, or "
             "cp_algorithm ring or hybrid with a ring degree above 1",
         )
     ]
 
 
 def batch_problems(t: TrainingSpec, dims: ParallelDims) -> list[InitErrorDetails]:
-    """global_batch is a whole number of micro_batch x dp, and agrees with grad_accum. Checked
+    """global_batch is a whole number of micro_batch x dp, and agrees with grad_accum. Asked
     only when the degrees fill the GPUs (dp means nothing otherwise)."""
-    if not dims.fills_world or t.global_batch is None:
+    if t.global_batch is None:
         return []
     dp = dims.dp
     per_step = t.micro_batch * dp

@@ -79,7 +79,6 @@ def _evaluate(spec: JobSpec, denv: DistEnv, path: Path | None) -> EvalResult:
     """Join the job's group, build this rank's part of the model (forward only: whole weights,
     no DeepSpeed; model.init_from's weights when it is set), load the checkpoint at `path`
     into it (None: keep the imported weights) and evaluate."""
-    from dataclasses import replace
 
     import torch
     import torch.distributed as dist
@@ -87,17 +86,15 @@ def _evaluate(spec: JobSpec, denv: DistEnv, path: Path | None) -> EvalResult:
     from ctxlaunch.runtime.evaluation.eval_weights import load_weights
     from ctxlaunch.runtime.evaluation.evaluator import Evaluator
     from ctxlaunch.runtime.modeling.model import Transformer
-    from ctxlaunch.runtime.parallel.parallelize import ParallelSettings, parallelize
+    from ctxlaunch.runtime.parallel.parallelize import parallelize_job
 
     device = join_process_group(spec, denv)
     try:
         ctx = rank_context(spec, denv)
         with torch.device("meta"):
             model = Transformer.from_spec(spec.model)
-        settings = ParallelSettings.from_spec(spec)
-        if settings.state_engine == "deepspeed":  # forward only: whole weights, no DeepSpeed
-            settings = replace(settings, state_engine="torch")
-        parts = parallelize(model, ctx=ctx, settings=settings, device=device)
+        # Forward only: under DeepSpeed the weights stay whole (parallelize shards for FSDP2).
+        parts = parallelize_job(model, spec, ctx=ctx, device=device)
         if path is not None:
             load_weights(parts, spec, ctx, device, path)
         evaluator = Evaluator(spec, ctx, parts.model, device)

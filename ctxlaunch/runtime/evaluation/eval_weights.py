@@ -13,7 +13,7 @@ import torch
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
-    from ctxlaunch.runtime.parallel.parallelize import ParallelContext
+    from ctxlaunch.runtime.parallel.context import ParallelContext
 
 
 def load_weights(
@@ -25,7 +25,7 @@ def load_weights(
         from ctxlaunch.runtime.checkpointing.reshard import CheckpointState
 
         CheckpointState(
-            parts.named_parameters(), None, None, parts.plan, ctx.tp, ctx.tp_group, device
+            parts.named_parameters(), None, None, parts.plan, ctx.dims.tp, ctx.tp_group, device
         ).load(path)
         return
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -30,7 +30,7 @@ from ctxlaunch.runtime.records import Bucket, EvalResult, PasskeyCell
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
     from ctxlaunch.runtime.modeling.model import Transformer
-    from ctxlaunch.runtime.parallel.parallelize import ParallelContext
+    from ctxlaunch.runtime.parallel.context import ParallelContext
 
 
 class Evaluator:
@@ -40,7 +40,7 @@ class Evaluator:
     def __init__(
         self, spec: JobSpec, ctx: ParallelContext, model: Transformer, device: torch.device
     ):
-        if ctx.pp > 1:
+        if ctx.dims.pp > 1:
             raise ValueError(
                 "evaluation runs forward only without a pipeline schedule: it "
                 "needs parallel.pp = 1 (checkpoints load at any layout: --set "
@@ -61,17 +61,19 @@ class Evaluator:
             self.probes = passkey_probes(spec, data.encode)
         elif not training.eval.passkey.enabled:
             self.passkey_note = "disabled (training.eval.passkey.enabled: false)"
-        self.positions = shard_positions(training.seq_len, ctx.cp_rank, ctx.cp, ctx.cp_sharding)
-        self.cp_shard = (ctx.cp_rank, ctx.cp, ctx.cp_sharding)
+        self.positions = shard_positions(
+            training.seq_len, ctx.cp_rank, ctx.dims.cp, ctx.dims.cp_sharding
+        )
+        self.cp_shard = (ctx.cp_rank, ctx.dims.cp, ctx.dims.cp_sharding)
         self.autocast_dtype = torch.bfloat16 if spec.model.dtype == "bf16" else None
 
     def _mine(self, count: int) -> list[int | None]:
         """The items this DP replica scores, None for the padding forwards that keep every
         replica at the same count."""
-        per_replica = -(-count // self.ctx.dp)
+        per_replica = -(-count // self.ctx.dims.dp)
         return [
             i if i < count else None
-            for i in range(self.ctx.dp_rank, per_replica * self.ctx.dp, self.ctx.dp)
+            for i in range(self.ctx.dp_rank, per_replica * self.ctx.dims.dp, self.ctx.dims.dp)
         ]
 
     def _score(

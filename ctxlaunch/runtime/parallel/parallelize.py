@@ -1,15 +1,7 @@
-"""The TP x CP x DP x PP mesh, and `parallelize`: the one place a layout is applied to the
-model (CP attention, TP, activation checkpointing, pipeline split, FSDP2, materialisation,
-pipeline schedule).
-
-Rank order (innermost first): TP, CP, DP, PP, the order the spec documents and the renderers
-place on nodes. TP (a collective in every block, forward and backward, on the critical path)
-is consecutive ranks, inside a node; a CP group spans tp x cp consecutive ranks, inside a node
-(or an NVLink domain) where it fits; DP reduces gradients once a step and PP sends one
-activation per micro-batch and stage, the two that tolerate the slowest links, go outermost.
-Inside the CP group the Ulysses index is innermost:
-    rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index,
-    cp_index = ring_index * ulysses + ulysses_index.
+"""`parallelize`: the one place a layout is applied to the model, in order (CP attention, TP,
+activation checkpointing, the pipeline split, FSDP2, materialisation, the pipeline schedule).
+It reads the planner's own record of the job (`perf.layout.Layout`, with the job's one
+`ParallelDims`) and this rank's context (`context.py`), so what runs is what was planned.
 """
 
 from __future__ import annotations
@@ -23,11 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ctxlaunch import cp as cp_attention
-from ctxlaunch.contract.spec import JobSpec, ModelSpec, StateEngine
-from ctxlaunch.cp import comm as cp_comm
+from ctxlaunch.contract.spec import JobSpec, ModelSpec
+from ctxlaunch.perf.layout import Layout
 from ctxlaunch.runtime.modeling.loss import VocabShard, chunked_cross_entropy
-from ctxlaunch.runtime.modeling.model import AttentionFn, Checkpointing, Transformer
+from ctxlaunch.runtime.modeling.model import Transformer
 from ctxlaunch.runtime.modeling.offload import ActivationOffload
 from ctxlaunch.runtime.modeling.weight_sharding import (
     Sharding,
@@ -36,6 +27,7 @@ from ctxlaunch.runtime.modeling.weight_sharding import (
     write_local,
     write_rows,
 )
+from ctxlaunch.runtime.parallel.context import ParallelContext, attention_for
 from ctxlaunch.runtime.parallel.pipeline import StageModule, pipeline_schedule, split_stages
 from ctxlaunch.runtime.parallel.tensor_parallel import (
     VocabParallelEmbedding,
@@ -50,228 +42,6 @@ if TYPE_CHECKING:
 
     from ctxlaunch.runtime.checkpointing.hf import SafetensorsCheckpoint
     from ctxlaunch.runtime.progress import Progress
-
-
-@dataclass(frozen=True)
-class ParallelContext:
-    rank: int
-    world_size: int
-    dp: int
-    cp: int
-    ulysses: int
-    cp_sharding: str
-    cp_group: dist.ProcessGroup | None
-    dp_group: dist.ProcessGroup | None
-    ulysses_group: dist.ProcessGroup | None
-    ring_group: dist.ProcessGroup | None
-    tp: int = 1
-    pp: int = 1
-    tp_group: dist.ProcessGroup | None = None
-    pp_group: dist.ProcessGroup | None = None
-    dp_cp_group: dist.ProcessGroup | None = None
-    """The ranks holding the same weights (same TP and PP index): gradients average here."""
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp
-
-    @property
-    def cp_rank(self) -> int:
-        return self.rank // self.tp % self.cp
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank // (self.tp * self.cp) % self.dp
-
-    @property
-    def pp_rank(self) -> int:
-        return self.rank // (self.tp * self.cp * self.dp)
-
-    def rank_of(self, *, tp: int, cp: int, dp: int, pp: int) -> int:
-        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
-
-    @property
-    def ring(self) -> int:
-        return self.cp // self.ulysses
-
-
-def spec_context(spec: JobSpec, *, rank: int, world_size: int) -> ParallelContext:
-    """This rank's place in the spec's DP x CP x TP x PP layout (`build_context` with the
-    spec's degrees)."""
-    return build_context(
-        rank=rank,
-        world_size=world_size,
-        dp=spec.dp,
-        cp=spec.parallel.cp,
-        ulysses=spec.ulysses_degree,
-        cp_sharding=spec.parallel.cp_sharding,
-        tp=spec.parallel.tp,
-        pp=spec.parallel.pp,
-    )
-
-
-def build_context(
-    *,
-    rank: int,
-    world_size: int,
-    dp: int,
-    cp: int,
-    ulysses: int,
-    cp_sharding: str,
-    tp: int = 1,
-    pp: int = 1,
-) -> ParallelContext:
-    """Create the process groups. Every rank creates every group in the same order
-    (`new_group` is collective over the whole job) and keeps the ones it belongs to."""
-    if tp * cp * dp * pp != world_size:
-        raise ValueError(
-            f"tp x cp x dp x pp = {tp} x {cp} x {dp} x {pp} must equal the world size {world_size}"
-        )
-    if cp % ulysses:
-        raise ValueError(f"the Ulysses degree {ulysses} must divide cp = {cp}")
-    ring = cp // ulysses
-    mine: dict[str, dist.ProcessGroup | None] = dict.fromkeys(
-        ("tp", "cp", "dp", "pp", "dp_cp", "ulysses", "ring")
-    )
-
-    def at(t: int, c: int, d: int, p: int) -> int:
-        return ((p * dp + d) * cp + c) * tp + t
-
-    def make(name: str, ranks: list[int]) -> None:
-        if world_size == 1 or len(ranks) == 1:
-            return
-        group = cp_comm.new_group(ranks)
-        if rank in ranks:
-            mine[name] = group
-
-    # Group creation order is part of the protocol: every rank runs these same loops.
-    for p in range(pp):
-        for d in range(dp):
-            for c in range(cp):
-                make("tp", [at(t, c, d, p) for t in range(tp)])
-    for p in range(pp):
-        for t in range(tp):
-            for d in range(dp):
-                make("cp", [at(t, c, d, p) for c in range(cp)])
-            for c in range(cp):
-                make("dp", [at(t, c, d, p) for d in range(dp)])
-            if dp > 1 and cp > 1:
-                make("dp_cp", [at(t, c, d, p) for d in range(dp) for c in range(cp)])
-            if 1 < ulysses < cp:
-                for d in range(dp):
-                    for r in range(ring):
-                        make("ulysses", [at(t, r * ulysses + u, d, p) for u in range(ulysses)])
-                    for u in range(ulysses):
-                        make("ring", [at(t, r * ulysses + u, d, p) for r in range(ring)])
-    for t in range(tp):
-        for d in range(dp):
-            for c in range(cp):
-                make("pp", [at(t, c, d, p) for p in range(pp)])
-    dp_cp = mine["dp_cp"] or (mine["cp"] if dp == 1 else mine["dp"])
-    return ParallelContext(
-        rank=rank,
-        world_size=world_size,
-        dp=dp,
-        cp=cp,
-        ulysses=ulysses,
-        cp_sharding=cp_sharding,
-        cp_group=mine["cp"],
-        dp_group=mine["dp"],
-        ulysses_group=mine["ulysses"],
-        ring_group=mine["ring"],
-        tp=tp,
-        pp=pp,
-        tp_group=mine["tp"],
-        pp_group=mine["pp"],
-        dp_cp_group=dp_cp,
-    )
-
-
-def attention_for(
-    ctx: ParallelContext, algorithm: str, tile_tokens: int | None = None
-) -> AttentionFn:
-    """The attention the layout calls for, bound to this rank's groups (a ring's backward
-    over tiles of `tile_tokens`, training.attention_tile_tokens)."""
-    if ctx.cp == 1:
-        return partial(cp_attention.full_attention, causal=True)
-    if algorithm == "ring" or (algorithm == "hybrid" and ctx.ulysses == 1):
-        return partial(
-            cp_attention.ring_attention,
-            group=ctx.cp_group,
-            causal=True,
-            sharding=ctx.cp_sharding,
-            tile_tokens=tile_tokens,
-        )
-    if algorithm == "ulysses" or (algorithm == "hybrid" and ctx.ulysses == ctx.cp):
-        return partial(
-            cp_attention.ulysses_attention,
-            group=ctx.cp_group,
-            causal=True,
-            sharding=ctx.cp_sharding,
-        )
-    if algorithm == "hybrid":
-        assert ctx.ulysses_group is not None and ctx.ring_group is not None  # 1 < ulysses < cp
-        return partial(
-            cp_attention.hybrid_attention,
-            ulysses_group=ctx.ulysses_group,
-            ring_group=ctx.ring_group,
-            causal=True,
-            sharding=ctx.cp_sharding,
-            tile_tokens=tile_tokens,
-        )
-    raise ValueError(f"unknown CP algorithm {algorithm!r}")
-
-
-@dataclass(frozen=True)
-class ParallelSettings:
-    """The slices of the spec that `parallelize` reads."""
-
-    cp_algorithm: str
-    checkpointing: Checkpointing
-    state_engine: StateEngine
-    """`JobSpec.state_engine`: FSDP2 wraps the parts only for "fsdp2"."""
-    zero_stage: int
-    stage_layers: tuple[int, ...]
-    seq_len: int
-    micro_batch: int
-    n_micro: int
-    """Micro-batches per step (the gradient accumulation): the pipeline schedule's count."""
-    seed: int
-    bf16: bool = False
-    """`model.dtype` is bf16: FSDP2 gathers bf16 parameters (fp32 masters sharded)."""
-    init_from: ModelSpec | None = None
-    """The model section when it names a Hugging Face checkpoint (`model.init_from`): the
-    initial weights are read from it instead of drawn."""
-    mlp_tile_tokens: int | None = None
-    """training.mlp_tile_tokens: the feed-forward over tiles of this many tokens."""
-    attention_tile_tokens: int | None = None
-    """training.attention_tile_tokens: the ring attention's backward over tiles."""
-    offload_states: bool = False
-    """training.offload.optimizer under FSDP2: its CPU offload policy (the sharded parameters,
-    their gradients and the optimizer's states in host memory)."""
-    offload_activations: bool = False
-    """training.offload.activations: the blocks' checkpointed inputs in host memory."""
-
-    @classmethod
-    def from_spec(cls, spec: JobSpec) -> ParallelSettings:
-        t = spec.training
-        return cls(
-            mlp_tile_tokens=t.mlp_tile_tokens,
-            attention_tile_tokens=t.attention_tile_tokens,
-            offload_states=t.offload.optimizer and spec.state_engine == "fsdp2",
-            offload_activations=t.offload.activations,
-            cp_algorithm=spec.parallel.cp_algorithm,
-            checkpointing=t.activation_checkpointing,
-            state_engine=spec.state_engine,
-            zero_stage=t.zero_stage,
-            stage_layers=spec.stage_layers,
-            seq_len=t.seq_len,
-            micro_batch=t.micro_batch,
-            n_micro=spec.grad_accum,
-            seed=t.seed,
-            bf16=spec.model.dtype == "bf16",
-            init_from=spec.model if spec.model.init_from else None,
-        )
 
 
 @dataclass(frozen=True)
@@ -305,7 +75,13 @@ class ModelParts:
 
 
 def parallelize(
-    model: Transformer, *, ctx: ParallelContext, settings: ParallelSettings, device: torch.device
+    model: Transformer,
+    *,
+    ctx: ParallelContext,
+    layout: Layout,
+    device: torch.device,
+    seed: int,
+    init_from: ModelSpec | None = None,
 ) -> ModelParts:
     """Apply the layout to a model built on the meta device, in order: CP attention, TP,
     activation checkpointing, the pipeline split, FSDP2; then materialise what this rank
@@ -314,51 +90,54 @@ def parallelize(
     Materialising allocates only this rank's share: its stages' modules, their TP slice, and
     under FSDP2 its DP x CP shard of that. Transient, one parameter at a time: the whole
     parameter's initial value on the CPU (`Transformer.initial_value`, seeded by the
-    parameter's name, so every layout starts from the same weights) and its TP slice; or,
-    with `model.init_from`, just the rows (and columns) this rank keeps, read from the
-    Hugging Face checkpoint (`ctxlaunch.runtime.checkpointing.hf`)."""
+    parameter's name and `seed`, so every layout starts from the same weights) and its TP
+    slice; or, with `init_from` (the model section, when it names a Hugging Face checkpoint),
+    just the rows (and columns) this rank keeps, read from the checkpoint
+    (`ctxlaunch.runtime.checkpointing.hf`)."""
     full_shapes = {name: p.shape for name, p in model.named_parameters()}
-    attend = attention_for(ctx, settings.cp_algorithm, settings.attention_tile_tokens)
+    dims = ctx.dims
+    attend = attention_for(ctx, layout.attention_tile_tokens or None)
     for block in model.block_modules():
         block.attn.attend = attend
     plan = apply_tensor_parallel(model, ctx)
-    model.set_checkpointing(settings.checkpointing)
-    model.set_mlp_tiling(settings.mlp_tile_tokens)
+    model.set_checkpointing(layout.activation_checkpointing)
+    model.set_mlp_tiling(layout.mlp_tile_tokens or None)
     stages = (
-        split_stages(model, stage_layers=settings.stage_layers, pp=ctx.pp, pp_rank=ctx.pp_rank)
-        if ctx.pp > 1
+        split_stages(model, stage_layers=layout.stage_layers, pp=dims.pp, pp_rank=ctx.pp_rank)
+        if dims.pp > 1
         else []
     )
     parts: list[nn.Module] = list(stages) or [model]
-    sharded = settings.state_engine == "fsdp2" and ctx.dp_cp_group is not None
-    states_on_host = sharded and settings.offload_states
+    bf16 = layout.dtype == "bf16"
+    sharded = layout.fsdp and ctx.dp_cp_group is not None
+    states_on_host = sharded and layout.offload_optimizer
     if ctx.dp_cp_group is not None and sharded:
         _fully_shard(
             parts,
             ctx.dp_cp_group,
             device,
-            reshard_after_forward=settings.zero_stage == 3,
-            bf16=settings.bf16,
+            reshard_after_forward=layout.zero_stage == 3,
+            bf16=bf16,
             offload=states_on_host,
         )
     # Under FSDP2's CPU offload policy the sharded parameters live in host memory (FSDP2
     # copies each unit's shard to the device to gather it).
     home = torch.device("cpu") if states_on_host else device
-    if settings.init_from is not None:
-        _materialise_from_hf(parts, full_shapes, plan, ctx, settings.init_from, home)
+    if init_from is not None:
+        _materialise_from_hf(parts, full_shapes, plan, ctx, init_from, home)
     else:
         for part in parts:
-            _materialise(part, model, full_shapes, plan, ctx, settings.seed, home)
+            _materialise(part, model, full_shapes, plan, ctx, seed, home)
     activation_offload = None
-    if settings.offload_activations:
+    if layout.offload_activations:
         blocks = model.block_modules()
         activation_offload = ActivationOffload(len(blocks), device)
         for slot, block in enumerate(blocks):
             block.offload_input = partial(activation_offload.saving, slot)
     schedule = None
-    n_stages = len(settings.stage_layers)
+    n_stages = len(layout.stage_layers)
     if stages:
-        tokens = settings.seq_len // ctx.cp
+        tokens = layout.seq_len // dims.cp
         # Between stages the hidden states are in the residual stream's dtype: bf16 where
         # FSDP2 gathers bf16 parameters, else fp32 (autocast keeps an fp32 residual).
         schedule = pipeline_schedule(
@@ -367,13 +146,13 @@ def parallelize(
             n_stages=n_stages,
             group=ctx.pp_group,
             device=device,
-            micro_batch=settings.micro_batch,
+            micro_batch=layout.micro_batch,
             tokens=tokens,
-            sp_tokens=tokens // ctx.tp,
-            n_micro=settings.n_micro,
-            hidden_dtype=torch.bfloat16 if sharded and settings.bf16 else torch.float32,
-            shard_gradients=sharded and settings.zero_stage >= 2,
-            reshard_after_backward=settings.zero_stage == 3,
+            sp_tokens=tokens // dims.tp,
+            n_micro=layout.grad_accum,
+            hidden_dtype=torch.bfloat16 if sharded and bf16 else torch.float32,
+            shard_gradients=sharded and layout.zero_stage >= 2,
+            reshard_after_backward=layout.zero_stage == 3,
         )
     return ModelParts(
         model=model,
@@ -385,6 +164,21 @@ def parallelize(
         last=not stages or stages[-1].stage_index == n_stages - 1,
         activation_offload=activation_offload,
         states_on_host=states_on_host,
+    )
+
+
+def parallelize_job(
+    model: Transformer, spec: JobSpec, *, ctx: ParallelContext, device: torch.device
+) -> ModelParts:
+    """`parallelize` with a validated job's layout (the planner's `Layout.from_spec`), seed and
+    Hugging Face checkpoint: what the trainer's and `ctxlaunch eval`'s ranks run."""
+    return parallelize(
+        model,
+        ctx=ctx,
+        layout=Layout.from_spec(spec),
+        device=device,
+        seed=spec.training.seed,
+        init_from=spec.model if spec.model.init_from else None,
     )
 
 
@@ -462,8 +256,8 @@ def _materialise(
         for name, param in part.named_parameters():
             value = model.initial_value(name, full_shapes[name], seed)
             sharding = plan[name]
-            if sharding is not None and ctx.tp > 1:
-                value = sharding.shard(value, ctx.tp, ctx.tp_rank)
+            if sharding is not None and ctx.dims.tp > 1:
+                value = sharding.shard(value, ctx.dims.tp, ctx.tp_rank)
             write_local(param, value)
 
 
@@ -481,7 +275,7 @@ def _materialise_from_hf(
     from ctxlaunch.runtime.checkpointing import hf
     from ctxlaunch.runtime.progress import Progress
 
-    assert model.init_from is not None  # settings.init_from is set only with it
+    assert model.init_from is not None  # parallelize's init_from is given only with it
     checkpoint = hf.SafetensorsCheckpoint(model.init_from)
     hf.check_shapes(checkpoint, full_shapes, model)
     tensors = sum(1 for part in parts for _ in part.parameters())
@@ -512,7 +306,7 @@ def _read_from_hf(
             with torch.no_grad():
                 for name, param in part.named_parameters():
                     sharding = plan[name]
-                    tp, tp_rank = (ctx.tp, ctx.tp_rank) if sharding is not None else (1, 0)
+                    tp, tp_rank = (ctx.dims.tp, ctx.tp_rank) if sharding is not None else (1, 0)
                     slice_rows = (
                         full_shapes[name][0] // tp
                         if sharding and not sharding.dim
@@ -536,9 +330,9 @@ def apply_tensor_parallel(model: Transformer, ctx: ParallelContext) -> dict[str,
     materialised whole one: its values) and install the sequence-parallel collectives.
     Returns the sharding of every parameter, by its name in the whole model."""
     plan = shardings(model)
-    if ctx.tp == 1:
+    if ctx.dims.tp == 1:
         return plan
-    group, tp, rank = ctx.tp_group, ctx.tp, ctx.tp_rank
+    group, tp, rank = ctx.tp_group, ctx.dims.tp, ctx.tp_rank
     assert group is not None  # tp > 1
     with torch.no_grad():
         for name, param in list(model.named_parameters()):

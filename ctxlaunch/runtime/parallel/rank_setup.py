@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     import torch
 
     from ctxlaunch.contract.spec import JobSpec
+    from ctxlaunch.runtime.parallel.context import ParallelContext
     from ctxlaunch.runtime.parallel.distenv import DistEnv
-    from ctxlaunch.runtime.parallel.parallelize import ParallelContext
 
 
 class SetupError(Exception):
@@ -79,6 +79,7 @@ def join_process_group(spec: JobSpec, denv: DistEnv) -> torch.device:
 
 def rank_context(spec: JobSpec, denv: DistEnv) -> ParallelContext:
     """This rank's place in the spec's DP x CP x TP x PP layout (its groups)."""
-    from ctxlaunch.runtime.parallel.parallelize import spec_context
 
-    return spec_context(spec, rank=denv.rank, world_size=denv.world_size)
+    from ctxlaunch.runtime.parallel.context import build_context
+
+    return build_context(spec.parallel_dims, rank=denv.rank)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import push_to_gateway
 
+from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.runtime.telemetry.metrics import LABELS, METRICS, Metric
 
 if TYPE_CHECKING:
@@ -38,8 +39,8 @@ class Identity:
     local_rank: int
     node: str
     model: str
-    cp: int
-    cp_algorithm: str
+    dims: ParallelDims
+    """The job's degrees: the CP degree and algorithm label every series."""
     seq_len: int
 
     def labels(self) -> dict[str, str]:
@@ -49,8 +50,8 @@ class Identity:
             "rank": str(self.rank),
             "node": self.node,
             "model": self.model,
-            "cp": str(self.cp),
-            "cp_algorithm": self.cp_algorithm,
+            "cp": str(self.dims.cp),
+            "cp_algorithm": self.dims.cp_algorithm,
             "seq_len": str(self.seq_len),
         }
 
@@ -70,8 +71,7 @@ def identity_from_spec(
         local_rank=local_rank,
         node=socket.gethostname(),
         model=spec.model.preset or "custom",
-        cp=spec.parallel.cp,
-        cp_algorithm=spec.parallel.cp_algorithm,
+        dims=spec.parallel_dims,
         seq_len=spec.training.seq_len,
     )
 

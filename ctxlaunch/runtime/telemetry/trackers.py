@@ -141,7 +141,7 @@ def run_config(spec: JobSpec) -> dict[str, Any]:
     config["fabric"]["env"] = {name: REDACTED for name in config["fabric"]["env"]}
     config["derived"] = {
         "world_size": spec.cluster.world_size,
-        "dp": spec.dp,
+        "dp": spec.parallel_dims.dp,
         "grad_accum": spec.grad_accum,
         "global_batch": spec.global_batch,
         "tokens_per_step": spec.tokens_per_step,

@@ -204,7 +204,7 @@ class TrainingTelemetry:
         fits = []
         if report.smallest_fitting_cp is not None:
             o = report.smallest_fitting_cp
-            fits.append(f"parallel.cp = {o.cp} ({o.gpus} GPUs)")
+            fits.append(f"parallel.cp = {o.dims.cp} ({o.gpus} GPUs)")
         fits += [s.describe() for s in report.suggestions[:2]]
         would_fit = " or ".join(fits) if fits else "nothing the planner can vary"
         exporter = self.exporter

@@ -39,7 +39,8 @@ from ctxlaunch.perf.memory import (
 )
 from ctxlaunch.runtime.checkpointing.reshard import CheckpointState
 from ctxlaunch.runtime.data.batches import MicroBatch
-from ctxlaunch.runtime.parallel.parallelize import ModelParts, ParallelContext
+from ctxlaunch.runtime.parallel.context import ParallelContext
+from ctxlaunch.runtime.parallel.parallelize import ModelParts
 from ctxlaunch.runtime.parallel.pipeline import StageModule
 from ctxlaunch.runtime.trainer import fastpath
 
@@ -203,7 +204,7 @@ class TorchEngine:
         self, batches: list[MicroBatch], predicted_tokens: int
     ) -> list[torch.Tensor]:
         self.parts.model.loss_divisor = loss_divisor(
-            predicted_tokens, self.ctx.dp * self.ctx.cp, self.grad_accum
+            predicted_tokens, self.ctx.dims.dp * self.ctx.dims.cp, self.grad_accum
         )
         autocast = torch.autocast(
             device_type=self.device.type,
@@ -245,9 +246,9 @@ class TorchEngine:
             _all_reduce_buckets(
                 [p.grad for p in params if p.grad is not None],
                 self.ctx.dp_cp_group,
-                self.ctx.dp * self.ctx.cp,
+                self.ctx.dims.dp * self.ctx.dims.cp,
             )
-        if self.ctx.tp > 1:
+        if self.ctx.dims.tp > 1:
             replicated = [
                 _local(p.grad)
                 for name, p in self.named_parameters()
@@ -268,7 +269,7 @@ class TorchEngine:
                 replicated = replicated + square
             else:
                 split = split + square
-        total = split + replicated / self.ctx.tp
+        total = split + replicated / self.ctx.dims.tp
         groups = (
             self.ctx.dp_cp_group if self.parts.sharded else None,
             self.ctx.tp_group,
@@ -332,8 +333,8 @@ class TorchEngine:
             sharding = self.plan[name]
             out[name] = (
                 by_rank[0]
-                if sharding is None or self.ctx.tp == 1
-                else sharding.unshard([by_rank[r] for r in range(self.ctx.tp)])
+                if sharding is None or self.ctx.dims.tp == 1
+                else sharding.unshard([by_rank[r] for r in range(self.ctx.dims.tp)])
             )
         return out
 
@@ -344,7 +345,7 @@ class TorchEngine:
             self.optimizer,
             self.scheduler,
             self.plan,
-            self.ctx.tp,
+            self.ctx.dims.tp,
             self.ctx.tp_group,
             self.device,
         )
@@ -460,7 +461,9 @@ class DeepSpeedEngine:
         t = spec.training
         self.device = device
         self.grad_accum = spec.grad_accum
-        self.replicas = spec.dp * spec.parallel.cp  # DeepSpeed's data-parallel world (TP 1 x PP 1)
+        self.replicas = (
+            spec.parallel_dims.dp * spec.parallel.cp
+        )  # DeepSpeed's data-parallel world (TP 1 x PP 1)
         model = parts.model
         self.activation_offload = parts.activation_offload
         self.offload_states = t.offload.optimizer

@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
+    from ctxlaunch.contract.parallel_dims import ParallelDims
     from ctxlaunch.contract.spec import JobSpec
     from ctxlaunch.cp.kernel_choice import KernelChoice
-    from ctxlaunch.runtime.parallel.parallelize import ParallelContext
+    from ctxlaunch.runtime.parallel.context import ParallelContext
 
 
 def resolve(setting: bool | Literal["auto"], device: torch.device) -> bool:
@@ -20,15 +21,15 @@ def resolve(setting: bool | Literal["auto"], device: torch.device) -> bool:
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
-def attention_block_shape(spec: JobSpec, ctx: ParallelContext) -> tuple[int, int, int, int, int]:
+def attention_block_shape(spec: JobSpec, dims: ParallelDims) -> tuple[int, int, int, int, int]:
     """(batch, query heads, K/V heads, block length, head dim) of this rank's attention calls:
     the heads TP and Ulysses leave it, over the ring's block of the sequence (a zigzag ring
     calls the kernel on half-chunks)."""
     m = spec.model
-    split = ctx.tp * ctx.ulysses
-    ring = ctx.cp // ctx.ulysses
+    split = dims.tp * dims.ulysses_degree
+    ring = dims.ring_degree
     block = spec.training.seq_len // ring
-    if ring > 1 and ctx.cp_sharding == "zigzag":
+    if ring > 1 and dims.cp_sharding == "zigzag":
         block //= 2
     return (
         spec.training.micro_batch,
@@ -47,7 +48,7 @@ def choose_attention_kernel(
     from ctxlaunch.cp import kernels
     from ctxlaunch.cp.kernel_choice import choose
 
-    batch, heads, kv_heads, block, head_dim = attention_block_shape(spec, ctx)
+    batch, heads, kv_heads, block, head_dim = attention_block_shape(spec, ctx.dims)
     dtype = torch.bfloat16 if spec.model.dtype == "bf16" else torch.float32
     choice = choose(batch, heads, kv_heads, block, head_dim, dtype, device)
     if device.type == "cuda" and dist.is_initialized() and dist.get_world_size() > 1:

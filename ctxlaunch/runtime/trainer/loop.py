@@ -23,7 +23,8 @@ from ctxlaunch.runtime.checkpointing import checkpoint, checkpoint_integrity
 from ctxlaunch.runtime.data.batches import Batches, MicroBatch, make_source
 from ctxlaunch.runtime.modeling import model as model_module
 from ctxlaunch.runtime.modeling.model import Transformer
-from ctxlaunch.runtime.parallel.parallelize import ParallelContext, ParallelSettings, parallelize
+from ctxlaunch.runtime.parallel.context import ParallelContext
+from ctxlaunch.runtime.parallel.parallelize import parallelize_job
 from ctxlaunch.runtime.records import StepMetrics, peak_memory_bytes
 from ctxlaunch.runtime.trainer import fastpath, faults, stopsignal
 from ctxlaunch.runtime.trainer.engines import Engine, make_engine
@@ -51,20 +52,18 @@ class Trainer:
         model_module.set_compiled(fastpath.resolve(training.compile, device))
         with torch.device("meta"):  # parallelize materialises only this rank's share
             model = Transformer.from_spec(spec.model)
-        parts = parallelize(
-            model, ctx=ctx, settings=ParallelSettings.from_spec(spec), device=device
-        )
+        parts = parallelize_job(model, spec, ctx=ctx, device=device)
         self.engine: Engine = make_engine(parts, spec, ctx, device)
         self.batches = Batches(
             make_source(training.data, spec.model.vocab, training.seq_len, training.seed),
             seq_len=training.seq_len,
             micro_batch=training.micro_batch,
             global_batch=spec.global_batch,
-            dp=ctx.dp,
+            dp=ctx.dims.dp,
             dp_rank=ctx.dp_rank,
-            cp=ctx.cp,
+            cp=ctx.dims.cp,
             cp_rank=ctx.cp_rank,
-            cp_sharding=ctx.cp_sharding,
+            cp_sharding=ctx.dims.cp_sharding,
             document_mask=training.data.document_mask,
             restart_positions=training.data.restart_positions,
         )
@@ -136,16 +135,16 @@ class Trainer:
         """The busiest over the mean attention area of this rank's CP group in the step's
         micro-batches (pure arithmetic on the batches' documents; no communication)."""
         ctx = self.ctx
-        if ctx.cp == 1:
+        if ctx.dims.cp == 1:
             return 1.0
         totals: list[int] = []
         for batch in batches:
             areas = ring_rank_areas(
                 batch.documents,
                 self.spec.training.seq_len,
-                ctx.cp,
-                ctx.cp_sharding,
-                ctx.ulysses,
+                ctx.dims.cp,
+                ctx.dims.cp_sharding,
+                ctx.dims.ulysses_degree,
                 batch=batch.tokens.size(0),
             )
             totals = [a + b for a, b in zip(totals, areas, strict=True)] if totals else list(areas)
@@ -178,7 +177,7 @@ class Trainer:
             [loss.detach().to(torch.float64), torch.tensor(float(stop), dtype=torch.float64)]
         )
         dist.all_reduce(packed)
-        return float(packed[0]) / (self.ctx.world_size // self.ctx.pp), bool(packed[1] > 0)
+        return float(packed[0]) / (self.ctx.world_size // self.ctx.dims.pp), bool(packed[1] > 0)
 
     # -- checkpoints ---------------------------------------------------------------------------
     @property
@@ -320,7 +319,7 @@ class Trainer:
             f"peak {metrics.peak_memory_bytes / 2**30:.2f} GiB  lr {metrics.lr:.2e}"
             + (
                 f"  attention busiest/mean {metrics.attention_balance:.2f}"
-                if self.ctx.cp > 1
+                if self.ctx.dims.cp > 1
                 else ""
             )
         )
@@ -361,7 +360,7 @@ class Trainer:
             "step_seconds": sum(m.step_seconds for m in timed) / len(timed),
             "peak_memory_bytes_per_rank": peaks,
             "world_size": self.ctx.world_size,
-            "cp": self.ctx.cp,
+            "cp": self.ctx.dims.cp,
             "cp_algorithm": self.spec.parallel.cp_algorithm,
             # Every step, warm-up included: the balance follows the data, not the timing.
             "attention_balance": sum(m.attention_balance for m in history) / len(history),

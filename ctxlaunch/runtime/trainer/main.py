@@ -174,9 +174,9 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
         attention = fastpath.choose_attention_kernel(spec, ctx, device)
         telemetry.attention_kernel(attention)
         log(
-            f"ctxlaunch: {spec.name}: {denv.world_size} ranks ({denv.launcher}), dp {ctx.dp} "
-            f"x cp {ctx.cp} ({spec.parallel.cp_algorithm}, {ctx.cp_sharding}) x tp {ctx.tp} x pp "
-            f"{ctx.pp} (blocks per stage {list(spec.stage_layers)}), "
+            f"ctxlaunch: {spec.name}: {denv.world_size} ranks ({denv.launcher}), dp {ctx.dims.dp} "
+            f"x cp {ctx.dims.cp} ({spec.parallel.cp_algorithm}, {ctx.dims.cp_sharding}) x tp {ctx.dims.tp} x pp "
+            f"{ctx.dims.pp} (blocks per stage {list(spec.stage_layers)}), "
             f"ZeRO-{spec.training.zero_stage}, {spec.model.dtype}, device {device.type}, "
             + fastpath.describe(spec, device, attention)
         )
