@@ -37,6 +37,7 @@ from ctxlaunch.contract.heal_log import (
     LayoutEntry,
     layout_key,
 )
+from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.contract.spec import JobSpec, layout_problems, resolve_state_engine
 from ctxlaunch.contract.stages import balanced_stage_layers
 from ctxlaunch.perf.layout import Layout
@@ -198,8 +199,16 @@ def _fixed(own: Layout, may_change: list[str]) -> set[str]:
     return {name for names in CHANGES_OF.values() for name in names} - free
 
 
+_DIMS_FIELDS = frozenset(f.name for f in dataclasses.fields(ParallelDims))
+
+
+def _value(layout: Layout, name: str) -> Any:
+    """A field of the layout by name: one of its degrees (its ParallelDims) or its own."""
+    return getattr(layout.dims if name in _DIMS_FIELDS else layout, name)
+
+
 def _keeps(layout: Layout, own: Layout, fixed: set[str]) -> bool:
-    return all(getattr(layout, name) == getattr(own, name) for name in fixed)
+    return all(_value(layout, name) == _value(own, name) for name in fixed)
 
 
 def _changed_fields(layout: Layout, current: Layout) -> int:
@@ -214,7 +223,7 @@ def _changed_fields(layout: Layout, current: Layout) -> int:
         "activation_checkpointing",
         "virtual_stages",
     )
-    return sum(1 for name in names if getattr(layout, name) != getattr(current, name))
+    return sum(1 for name in names if _value(layout, name) != _value(current, name))
 
 
 def search(

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from ctxlaunch.contract.families.hfweights import ModelShape, expected_tensors
+from ctxlaunch.contract.families import FAMILIES
 from ctxlaunch.contract.loader import SpecError, validate_spec
 from tests.helpers.hf_models import hf_config, save_hf
 from tests.helpers.tiny_hf import write_tiny_llama
@@ -61,19 +61,7 @@ def test_expected_tensors_are_what_transformers_saves(
         if name != "__metadata__"
     }
     model = validate_spec(spec_at(tmp_path)).model
-    shape = ModelShape(
-        model.layers,
-        model.hidden,
-        model.heads,
-        model.kv_heads,
-        model.head_dim,
-        model.ffn_hidden,
-        model.vocab,
-        model.tie_embeddings,
-        model.qkv_bias,
-        model.qk_norm,
-    )
-    assert expected_tensors(shape) == saved
+    assert FAMILIES[model.family].hf_tensors(model) == saved
 
 
 def damage(case: str, directory: Path) -> str:

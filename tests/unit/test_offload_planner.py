@@ -42,7 +42,8 @@ def _layout(**changes) -> Layout:
         matmul_precision="bf16",
         dims=ParallelDims(tp=1, pp=1, cp=8, dp=1, cp_algorithm="ring"),
     )
-    return base.replace(**changes)
+    degrees = {k: changes.pop(k) for k in list(changes) if k in ("tp", "pp", "cp", "dp")}
+    return base.with_dims(**degrees).replace(**changes)
 
 
 def test_deepspeed_host_memory_by_hand() -> None:
