@@ -247,9 +247,14 @@ class SlurmBackend(Backend):
     """A Slurm cluster, through its commands (sbatch, scontrol, sacct, scancel)."""
 
     name = "slurm"
+    artifact_mode = 0o755  # the batch script is a program: sbatch and a user may run it
 
     def __init__(self, python: str | None = None):
         self.python = python or sys.executable
+
+    def scheduler_name(self, record: jobstore.JobRecord) -> str:
+        """Slurm's states are Slurm's own (JobState)."""
+        return "Slurm"
 
     def dryrun(self, spec: JobSpec, entry: JobEntry = TRAINING) -> DryRun:
         """The batch script for `spec`, in a new record directory; for a function entry, the
