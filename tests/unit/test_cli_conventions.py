@@ -65,11 +65,17 @@ def test_shell_completion_completes_commands_and_subcommands() -> None:
         "walk/extend-8k",
         "walk/pretrain-1k",
     ]
+    # The shell named, not detected: typer otherwise takes the shell of the process tree the
+    # tests run in (sh under `su` or a CI runner), which may be one it has no script for.
     script = subprocess.run(
         [CTXLAUNCH, "--show-completion", "bash"],
         capture_output=True,
         text=True,
-        env={**os.environ, "SHELL": "/bin/bash"},
+        env={
+            **os.environ,
+            "SHELL": "/bin/bash",
+            "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1",
+        },
         timeout=60,
     )
     assert "_CTXLAUNCH_COMPLETE" in script.stdout, script.stdout + script.stderr
