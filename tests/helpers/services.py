@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-SERVICES_DIR = Path(os.environ.get("CTXLAUNCH_SERVICES_DIR", "/var/tmp/ctxlaunch-services"))
+from devkit import SERVICES_DIR
+
 PROMETHEUS_URL = f"http://127.0.0.1:{os.environ.get('CTXLAUNCH_PROMETHEUS_PORT', '9090')}"
 PUSHGATEWAY_URL = f"http://127.0.0.1:{os.environ.get('CTXLAUNCH_PUSHGATEWAY_PORT', '9091')}"
 TARGETS_DIR = SERVICES_DIR / "prometheus" / "targets"
