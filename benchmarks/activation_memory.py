@@ -29,7 +29,7 @@ def worker(args: argparse.Namespace) -> None:
     from ctxlaunch.perf.layout import Layout
     from ctxlaunch.perf.memory import block_activation_bytes_per_token
     from ctxlaunch.runtime.modeling.model import Block, rope_tables
-    from tests.helpers.memtrace import SavedTensorMeter
+    from devkit.memtrace import SavedTensorMeter
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ctxlaunch.perf.memory import LOSS_CHUNK_TOKENS
 from ctxlaunch.runtime.modeling.loss import chunked_cross_entropy
-from tests.helpers.memtrace import AllocatorTrace
+from devkit.memtrace import AllocatorTrace
 
 
 def _chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

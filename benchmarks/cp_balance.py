@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python benchmarks/cp_balance.py [--seq 131072] [--sequences 16]
         [--time-seq 16384] [--time-cp 2 4] [--out benchmarks/results/cp_balance.json]
 
-Areas: for every long-tailed length distribution of tests/helpers/doc_lengths.py, and for a
+Areas: for every long-tailed length distribution of devkit/doc_lengths.py, and for a
 real tokenized corpus (every .py file of this Python's standard library, one document each,
 tokenized with Llama 3's tiktoken BPE from the llama_models package, in a seeded shuffle;
 packed into
@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ctxlaunch.cp import attention_area, ring_attention, shard_sequence  # noqa: E402
-from tests.helpers.doc_lengths import LONG_TAILED, lengths, pack, worst_cases  # noqa: E402
+from devkit.doc_lengths import LONG_TAILED, lengths, pack, worst_cases  # noqa: E402
 
 SHARDINGS = ("balanced", "zigzag", "contiguous")
 CP_SIZES = (2, 4, 8, 16)

@@ -704,7 +704,7 @@ def saved_tensors_probe(device: str, model_name: str, seqs: tuple[int, ...]) -> 
         block_activation_bytes_per_token,
     )
     from ctxlaunch.runtime.modeling.model import Transformer
-    from tests.helpers.memtrace import SavedTensorMeter
+    from devkit.memtrace import SavedTensorMeter
 
     class Listing(SavedTensorMeter):
         def __init__(self, exclude):

@@ -5,7 +5,7 @@ tests/service/kubernetes_node/test_kubernetes_node.py checks, with the clock on 
     .venv/bin/python benchmarks/kube_node_faults.py
 
 The node, the scheduler, the kubelet, containerd and the memory cgroup are real; the PyTorchJob
-controller is tests/helpers/pytorchjob_operator.py (no training operator can be installed
+controller is devkit/pytorchjob_operator.py (no training operator can be installed
 here), reconciling every 0.5 s as the operator's informers would react. Host-side times come
 from polling every 0.2 s (the figures are good to about that); the container's own start and end
 come from the kubelet's status (whole seconds).
@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.helpers.kube_node import (  # noqa: E402  the repo root is on the path only now
+from devkit.kube_node import (  # noqa: E402  the repo root is on the path only now
     CONTAINERD_SOCK,
     KUBECTL,
     NODE_ADMIN,
@@ -45,7 +45,7 @@ from tests.helpers.kube_node import (  # noqa: E402  the repo root is on the pat
     submit_args,
     with_checkpoint_volume,
 )
-from tests.helpers.pytorchjob_operator import PyTorchJobOperator, wait_for  # noqa: E402
+from devkit.pytorchjob_operator import PyTorchJobOperator, wait_for  # noqa: E402
 
 POLL = 0.2
 

@@ -7,7 +7,7 @@ the attention calls, and the bytes those other launches move.
 The schedule of `benchmarks/gpu_check.py` (BENCHMARKS.md, GPU runs on the H200) runs on ``meta``
 tensors, which send `ctxlaunch.cp.kernels` down its CUDA code path (only the CPU is
 special-cased) and run torch's own shape functions of every op, flash included. The counting is
-`tests/helpers/launches.Counter` (a TorchDispatchMode over the aten calls). Ops inside
+`devkit/launches.Counter` (a TorchDispatchMode over the aten calls). Ops inside
 `merge.merge_block` are counted apart, and for the compiled merge CUDA runs (this checkout's
 default) Inductor's own count of kernels and bytes for the same call is
 measured by compiling it on the CPU. ``--root`` runs another checkout's schedule (e.g. main,
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers.launches import Counter, nbytes
+from devkit.launches import Counter, nbytes
 
 
 @contextlib.contextmanager

@@ -63,6 +63,7 @@ def render(
     of the way of a plain `kubectl apply -f DIR` on a cluster without the Prometheus Operator;
     --monitoring adds the PrometheusRule and the dashboard's ConfigMap there."""
     from ctxlaunch.contract.fsutil import WriteFailed, write_files_whole
+    from ctxlaunch.launch.backends import get_backend
     from ctxlaunch.launch.monitoring import MonitoringError, MonitoringOptions
     from ctxlaunch.launch.render import TEMPLATES, artifact_name, render_files
 
@@ -97,7 +98,7 @@ def render(
         return
     if output.exists() and not output.is_dir():
         fail(f"--output: {output} exists and is not a directory")
-    mode = 0o755 if kind == "slurm" else 0o644
+    mode = get_backend(kind).artifact_mode
     try:
         written = write_files_whole(
             {output / name: (text.encode("utf-8"), mode) for name, text in files.items()}
@@ -167,10 +168,8 @@ def submit(
         backend = get_backend(job.cluster.target, options)
     except (NotImplementedError, OptionsError) as exc:
         fail(str(exc))
-    if job.cluster.target == "local" and not dry_run:
-        require(
-            "submit", "torch"
-        )  # the job's ranks are this machine's processes, running the trainer
+    if backend.runs_here and not dry_run:
+        require("submit", "torch")  # the job's ranks are this machine's processes
     dryrun = backend.dryrun(job)
     if dry_run:
         _say_prediction(report.step_time)
@@ -282,7 +281,7 @@ def status(
             )
         )
         return
-    out.print(status_line(record, state), markup=False)
+    out.print(status_line(record, state, backend.scheduler_name(record)), markup=False)
     for line in detail:
         out.print(f"  {line}", markup=False)
 
@@ -332,7 +331,7 @@ def wait(
         fail(f"the scheduler no longer knows job {record.backend_id}")
     except RuntimeError as exc:
         fail(str(exc), code=exitcodes.FAILED)
-    out.print(status_line(record, state), markup=False)
+    out.print(status_line(record, state, backend.scheduler_name(record)), markup=False)
     if not state.terminal:
         fail(f"still {state.state} after {timeout:g} s", code=exitcodes.FAILED)
     for line in backend.explain(record, state):

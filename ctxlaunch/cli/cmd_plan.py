@@ -98,6 +98,8 @@ def advise(
     TP within the NVLink domain, PP and virtual stages, CP degree and algorithm, ZeRO stage,
     activation checkpointing and micro-batch, each with predicted memory, step time,
     tokens/s/GPU and MFU in both conventions; the rejected ones grouped by reason."""
+    from ctxlaunch.contract.spec import problem_message
+    from ctxlaunch.contract.spec.rules import target_problems
     from ctxlaunch.planning.advise import advice_spec_text, load_for_advice, print_advice
     from ctxlaunch.planning.advise import advise as run_advice
 
@@ -120,11 +122,14 @@ def advise(
             )
         else:
             n_nodes = gpus // per_node
-    if n_nodes is not None and n_nodes > 1 and job.cluster.target == "local":
-        fail(
-            f"--nodes/--gpus: {n_nodes} nodes, but target local runs on one node; set "
-            "cluster.target (e.g. --set cluster.target=slurm)"
-        )
+    if n_nodes is not None:
+        # The spec's own rule for what its target allows, on the node count asked for.
+        problems = target_problems(job.cluster.model_copy(update={"nodes": n_nodes}))
+        if problems:
+            fail(
+                f"--nodes/--gpus: {n_nodes} nodes, but {problem_message(problems[0])}; set "
+                "cluster.target (e.g. --set cluster.target=slurm)"
+            )
     machine = _machine(job, framework, gpus_per_node=per_node)
     if fp8 and "fp8" not in machine.peak_flops:
         fail(f"--fp8: cluster.gpu {job.cluster.gpu} has no FP8 matmul rate to time it with")

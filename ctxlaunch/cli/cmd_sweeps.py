@@ -43,6 +43,7 @@ def sweep(
     On Slurm the points that share resources go as one job array; locally they run one after
     another. Prints the sweep id for `report`."""
     from ctxlaunch.launch import sweep as sweeps
+    from ctxlaunch.launch.backends import get_backend
 
     try:
         spec_def, points = sweeps.load_sweep(definition, set_ or ())
@@ -61,7 +62,7 @@ def sweep(
         for dryrun in submission.dryruns:
             sys.stdout.write(dryrun.describe())
         return
-    if submission.target == "local":
+    if get_backend(submission.target).runs_here:
         require("sweep", "torch")  # the points run here, one after another
     # With --json, stdout holds the JSON alone: what the jobs print goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():

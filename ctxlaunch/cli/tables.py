@@ -144,18 +144,11 @@ def print_phases(report: PlanReport) -> None:
     out.print(table)
 
 
-_SCHEDULERS = {"slurm": "Slurm", "kubernetes": "PyTorchJob"}
-
-
-def status_line(record: JobRecord, status: Status) -> str:
-    """One line for a job's state (and its story below it, when it has one)."""
+def status_line(record: JobRecord, status: Status, scheduler: str) -> str:
+    """One line for a job's state (and its story below it, when it has one); `scheduler` names
+    whose word `status.scheduler_state` is (the backend's `scheduler_name`)."""
     parts = [f"{record.backend_id or record.id}: {status.state}"]
     if status.scheduler_state and status.scheduler_state != status.state:
-        scheduler = (
-            "TrainJob"
-            if record.extra.get("api") == "trainjob"
-            else _SCHEDULERS.get(record.target, record.target)
-        )
         parts.append(f"({scheduler}: {status.scheduler_state})")
     if status.reason:
         parts.append(f"reason {status.reason}")

@@ -24,7 +24,7 @@ from ctxlaunch.contract.rundir import (
     slurm_rendezvous_port_shell,
     spec_json,
 )
-from ctxlaunch.contract.spec import JobSpec, KubernetesSpec
+from ctxlaunch.contract.spec import JobSpec, KubernetesSpec, SlurmSpec
 from ctxlaunch.contract.spec.secret_refs import env_references, plain_env
 from ctxlaunch.launch import env_references as references
 
@@ -159,44 +159,18 @@ def slurm_request(
     ranks_per_node = ranks_per_node_of(spec, entry)
     # training.heal on_allocation_change replan: any node count from min_nodes up; the job
     # re-plans its layout for what it gets.
-    fewest = spec.training.heal.fewest_nodes(c.nodes)
-    directives = [f"--job-name={job_name or spec.name}"]
-    if fewest < c.nodes:
-        # A node range with --ntasks-per-node gets its fewest nodes even when all are idle
-        # (the task count follows the minimum; seen on Slurm 22.05, select/cons_tres): ask for
-        # the CPUs each node's tasks need instead, and srun places the tasks on what came.
-        directives += [
-            f"--nodes={fewest}-{c.nodes}",
-            f"--mincpus={ranks_per_node * (s.cpus_per_task or 1)}",
-        ]
-    else:
-        directives += [f"--nodes={c.nodes}", f"--ntasks-per-node={ranks_per_node}"]
-    if c.gpu != "cpu":
-        directives.append(f"--gpus-per-node={c.gpus_per_node}")
-    if s.cpus_per_task:
-        directives.append(f"--cpus-per-task={s.cpus_per_task}")
-    if s.mem is not None:
-        directives.append(f"--mem={s.mem}")
-    for flag, value in (("partition", s.partition), ("account", s.account), ("qos", s.qos)):
-        if value:
-            directives.append(f"--{flag}={value}")
-    directives.append(f"--time={s.time_limit}")
-    if s.exclusive:
-        directives.append("--exclusive")
-    directives.append("--requeue" if s.requeue else "--no-requeue")
-    if s.signal_seconds:
-        # To the batch shell ("B:"), which passes it to the ranks: they checkpoint and exit 75,
-        # and the shell requeues the job.
-        directives.append(f"--signal=B:USR1@{s.signal_seconds}")
-    if array:
-        directives.append(f"--array=0-{len(array) - 1}")
-    directives += [
-        "--output="
-        + ("" if log_dir == "." else log_dir.rstrip("/") + "/")
-        + ("%x-%A_%a.out" if array else "%x-%j.out"),
-        # Requeued runs append to the same log rather than truncating the first run's.
-        "--open-mode=append",
-    ]
+    directives = sbatch_flags(
+        slurm_options(
+            s,
+            job_name=job_name or spec.name,
+            nodes=c.nodes,
+            fewest_nodes=spec.training.heal.fewest_nodes(c.nodes),
+            ranks_per_node=ranks_per_node,
+            gpus_per_node=None if c.gpu == "cpu" else c.gpus_per_node,
+            log_dir=log_dir,
+            array_size=len(array or []),
+        )
+    )
     srun_args = [
         "--kill-on-bad-exit=1",
         f"--ntasks-per-node={ranks_per_node}",
@@ -239,6 +213,102 @@ def slurm_request(
     )
 
 
+SlurmOptions = dict[str, str | int | bool]
+"""sbatch options by name (without the leading dashes), in the order the batch script lists
+them; True for a flag that takes no value (`--exclusive`)."""
+
+
+def slurm_options(
+    s: SlurmSpec,
+    *,
+    job_name: str,
+    nodes: int,
+    fewest_nodes: int,
+    ranks_per_node: int,
+    gpus_per_node: int | None,
+    log_dir: str,
+    array_size: int = 0,
+) -> SlurmOptions:
+    """A Slurm job's sbatch options: the one list that the batch script's `#SBATCH` lines
+    (`sbatch_flags`) and a function job's submitit parameters (`submitit_parameters`) are both
+    made from. `fewest_nodes` below `nodes` asks for a node range; `gpus_per_node` None asks
+    for no GPU; `array_size` above 0 makes a job array with one log per task."""
+    options: SlurmOptions = {"job-name": job_name}
+    if fewest_nodes < nodes:
+        # A node range with --ntasks-per-node gets its fewest nodes even when all are idle
+        # (the task count follows the minimum; seen on Slurm 22.05, select/cons_tres): ask for
+        # the CPUs each node's tasks need instead, and srun places the tasks on what came.
+        options["nodes"] = f"{fewest_nodes}-{nodes}"
+        options["mincpus"] = ranks_per_node * (s.cpus_per_task or 1)
+    else:
+        options["nodes"] = nodes
+        options["ntasks-per-node"] = ranks_per_node
+    if gpus_per_node is not None:
+        options["gpus-per-node"] = gpus_per_node
+    if s.cpus_per_task:
+        options["cpus-per-task"] = s.cpus_per_task
+    if s.mem is not None:
+        options["mem"] = s.mem
+    for flag, value in (("partition", s.partition), ("account", s.account), ("qos", s.qos)):
+        if value:
+            options[flag] = value
+    options["time"] = s.time_limit
+    if s.exclusive:
+        options["exclusive"] = True
+    options["requeue" if s.requeue else "no-requeue"] = True
+    if s.signal_seconds:
+        # To the batch shell ("B:"), which passes it to the ranks: they checkpoint and exit 75,
+        # and the shell requeues the job.
+        options["signal"] = f"B:USR1@{s.signal_seconds}"
+    if array_size:
+        options["array"] = f"0-{array_size - 1}"
+    options["output"] = ("" if log_dir == "." else log_dir.rstrip("/") + "/") + (
+        "%x-%A_%a.out" if array_size else "%x-%j.out"
+    )
+    # Requeued runs append to the same log rather than truncating the first run's.
+    options["open-mode"] = "append"
+    return options
+
+
+def sbatch_flags(options: SlurmOptions) -> list[str]:
+    """The options as sbatch's command-line flags, one per `#SBATCH` line."""
+    return [
+        f"--{name}" if value is True else f"--{name}={value}" for name, value in options.items()
+    ]
+
+
+SUBMITIT_OWN_OPTIONS = ("job-name", "nodes", "ntasks-per-node")
+"""Options that go to submitit as its own parameters: it counts the job's tasks from `nodes`
+and `ntasks_per_node` to collect their results."""
+SUBMITIT_WRITES_ITS_LOGS = ("output", "open-mode")
+"""Options submitit sets itself: it writes the logs in its folder (the job's record directory,
+where the batch script's log goes too), appending, and reads them back from there."""
+
+
+def submitit_parameters(options: SlurmOptions) -> dict[str, Any]:
+    """submitit.SlurmExecutor's parameters for a function job with these sbatch options.
+
+    Every option reaches submitit's batch script: the task counts and the name as its own
+    parameters; the signal as its `signal_delay_s` (submitit signals its own runner, which
+    checkpoints or requeues the call, that long before the time limit; the batch shell the
+    `B:` option would reach is submitit's, and traps nothing); the log options not at all
+    (SUBMITIT_WRITES_ITS_LOGS); every other one verbatim through `additional_parameters`, in
+    the spec's own Slurm syntax (submitit would reformat `time` as minutes, `mem` as GB).
+    ValueError for a job array: a function job is one job."""
+    extra: dict[str, Any] = {}
+    parameters: dict[str, Any] = {"additional_parameters": extra}
+    for name, value in options.items():
+        if name == "array":
+            raise ValueError("a function job is one job, not a job array")
+        if name == "signal":
+            parameters["signal_delay_s"] = int(str(value).rpartition("@")[2])
+        elif name in SUBMITIT_OWN_OPTIONS:
+            parameters[name.replace("-", "_")] = value
+        elif name not in SUBMITIT_WRITES_ITS_LOGS:
+            extra[name.replace("-", "_")] = value
+    return parameters
+
+
 def ranks_per_node_of(spec: JobSpec, entry: JobEntry) -> int:
     """Processes per node of `entry` in `spec`'s job: its own count, else one per GPU."""
     return entry.ranks_per_node or spec.cluster.gpus_per_node
@@ -251,8 +321,11 @@ class SlurmFunctionRequest:
     lines that set the job's environment before the function runs."""
 
     job_name: str
+    options: SlurmOptions
+    """The job's sbatch options (`slurm_options`, as the batch script would have them)."""
     parameters: dict[str, Any]
-    """For `submitit.SlurmExecutor.update_parameters`."""
+    """For `submitit.SlurmExecutor.update_parameters`: the options, translated
+    (`submitit_parameters`)."""
     setup: list[str]
     """Shell lines the job runs first: `export NAME=value` for the job's environment."""
     module: str
@@ -263,41 +336,29 @@ class SlurmFunctionRequest:
 
 def slurm_function_request(spec: JobSpec, entry: JobEntry) -> SlurmFunctionRequest:
     """What submitit needs to run `entry.function` of `entry.module` as a one-node Slurm job of
-    `spec`'s cluster: partition, account, QOS, GPUs, time limit and the fabric's environment
-    from the spec, as the batch script would have them."""
+    `spec`'s cluster: the batch script's own sbatch options (`slurm_options`: partition,
+    account, QOS, GPUs, time limit, requeue rule, signal lead) on one node with the entry's
+    task count, translated for submitit's executor, and the fabric's environment."""
     import shlex
 
     c, s = spec.cluster, spec.cluster.slurm
     if entry.function is None:
         raise ValueError(f"the {entry.name} entry has no function to run through submitit")
-    # Values submitit would reformat (its `mem` in GB, `time` in minutes) go through its
-    # additional_parameters verbatim, in the spec's own Slurm syntax.
-    extra: dict[str, Any] = {"time": s.time_limit}
-    if s.mem is not None:
-        extra["mem"] = s.mem
-    if s.account:
-        extra["account"] = s.account
-    parameters: dict[str, Any] = {
-        "job_name": spec.name,
-        "nodes": 1,
-        "ntasks_per_node": ranks_per_node_of(spec, entry),
-        "additional_parameters": extra,
-    }
-    if c.gpu != "cpu":
-        parameters["gpus_per_node"] = c.gpus_per_node
-    if s.cpus_per_task:
-        parameters["cpus_per_task"] = s.cpus_per_task
-    if s.partition:
-        parameters["partition"] = s.partition
-    if s.qos:
-        parameters["qos"] = s.qos
-    if s.exclusive:
-        parameters["exclusive"] = True
+    options = slurm_options(
+        s,
+        job_name=spec.name,
+        nodes=1,
+        fewest_nodes=1,
+        ranks_per_node=ranks_per_node_of(spec, entry),
+        gpus_per_node=None if c.gpu == "cpu" else c.gpus_per_node,
+        log_dir=s.log_dir,
+    )
     setup = [f"export {name}={shlex.quote(value)}" for name, value in job_environment(spec).items()]
     setup += references.shell_lines(env_references(spec.fabric.env))
     return SlurmFunctionRequest(
         job_name=spec.name,
-        parameters=parameters,
+        options=options,
+        parameters=submitit_parameters(options),
         setup=setup,
         module=entry.module,
         function=entry.function,

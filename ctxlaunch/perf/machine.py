@@ -17,6 +17,7 @@ from ctxlaunch.perf.profiles import (
     ATTENTION_MATMUL_FRACTION,
     MEGATRON_ETA_MATMUL,
     FrameworkProfile,
+    fitted_document,
     fitted_values,
     profile,
 )
@@ -490,9 +491,14 @@ def _describe_host(host: dict[str, Any] | None) -> str:
 
 
 def calibrate_hint() -> str:
-    """How to calibrate this machine, and about how long it takes."""
-    seconds = fitted_values(CPU_MODEL)["calibration_seconds"]
-    return f"run `ctxlaunch calibrate` (about {seconds / 60:.0f} min on a 2-core machine)"
+    """How to calibrate this machine, and about how long it took on the machine the CPU model's
+    data file names (its `machine`)."""
+    document = fitted_document(CPU_MODEL)
+    seconds = document["values"]["calibration_seconds"]
+    return (
+        f"run `ctxlaunch calibrate` (about {seconds / 60:.0f} min on the machine it was timed "
+        f"on: {document['machine']})"
+    )
 
 
 def _cpu_machine(measured: Calibration, per_node: int, source: str) -> Machine:

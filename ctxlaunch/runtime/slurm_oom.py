@@ -29,8 +29,10 @@ from ctxlaunch.contract.rundir import RUN_DIR_ENV, SPEC_ENV
 
 OUT_OF_MEMORY = "OUT_OF_MEMORY"
 ACCOUNTING_WAIT_SECONDS = 20.0
-"""How long to wait for the step's accounting record (sacct lags the step's end; up to ~5 s
-was measured on the test cluster)."""
+"""How long to wait for the step's accounting record: sacct shows a step's end only once
+slurmctld has passed it to slurmdbd, seconds after the step ended, and later on a busy
+controller; the wait allows several times the usual lag (BENCHMARKS.md, faults: Slurm faults).
+A step whose record has not come by then is taken as not out of memory: no re-plan."""
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", OUT_OF_MEMORY)
 
 

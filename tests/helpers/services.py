@@ -13,12 +13,21 @@ from pathlib import Path
 
 import pytest
 
-SERVICES_DIR = Path(os.environ.get("CTXLAUNCH_SERVICES_DIR", "/var/tmp/ctxlaunch-services"))
+from devkit import SERVICES_DIR
+
 PROMETHEUS_URL = f"http://127.0.0.1:{os.environ.get('CTXLAUNCH_PROMETHEUS_PORT', '9090')}"
 PUSHGATEWAY_URL = f"http://127.0.0.1:{os.environ.get('CTXLAUNCH_PUSHGATEWAY_PORT', '9091')}"
 TARGETS_DIR = SERVICES_DIR / "prometheus" / "targets"
 RULES_DIR = SERVICES_DIR / "prometheus" / "rules"
 START_HINT = "start the services with `scripts/services/all.sh start` (scripts/test does it)"
+SERVICES_ENV = "CTXLAUNCH_SERVICES"
+"""scripts/test exports it as 1 once the services are installed and started: then what they
+bring (promtool) must be there, and a test that would skip without it fails instead."""
+
+
+def services_installed() -> bool:
+    """Whether this run is one where the services are installed (SERVICES_ENV is 1)."""
+    return os.environ.get(SERVICES_ENV) == "1"
 
 
 def _get(url: str, timeout: float = 5.0) -> bytes:

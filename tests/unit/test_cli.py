@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -31,6 +33,24 @@ def test_validate_ok_and_invalid() -> None:
     assert result.exit_code == 2
     golden = (GOLDEN / "invalid-ulysses-gqa" / "error.txt").read_text()
     assert golden.split(":", 1)[1] in result.stderr
+
+
+def test_validate_reports_the_old_name_parallel_layout(tmp_path: Path) -> None:
+    """A spec that spells parallel.cp_sharding by its old name, parallel.layout, is valid (exit
+    0) and `validate` says how to write it now, in its warnings and in its JSON."""
+    data = yaml.safe_load((JOBS / "demo.yaml").read_text())
+    data["parallel"]["layout"] = data["parallel"].pop("cp_sharding")
+    path = tmp_path / "old-name.yaml"
+    path.write_text(yaml.safe_dump(data))
+    deprecation = "parallel.layout is deprecated: write parallel.cp_sharding (the same values)"
+    with pytest.warns(DeprecationWarning, match=re.escape(deprecation)):
+        result = run("validate", str(path))
+    assert result.exit_code == 0, result.output
+    assert f"warning: {deprecation}" in " ".join(result.stderr.split())
+    with pytest.warns(DeprecationWarning, match=re.escape(deprecation)):
+        result = run("validate", str(path), "--json")
+    assert result.exit_code == 0, result.output
+    assert deprecation in json.loads(result.stdout)["warnings"]
 
 
 def test_console_script_exits_2_on_bad_spec(tmp_path: Path) -> None:

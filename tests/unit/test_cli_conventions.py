@@ -4,6 +4,7 @@ how to download it."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ from typer.testing import CliRunner
 
 from ctxlaunch import __version__
 from ctxlaunch.cli import app
-from tests.helpers.paths import JOBS
+from tests.helpers.paths import JOBS, ROOT
 from tests.helpers.tiny_hf import write_tiny_llama
 
 CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
@@ -64,11 +65,17 @@ def test_shell_completion_completes_commands_and_subcommands() -> None:
         "walk/extend-8k",
         "walk/pretrain-1k",
     ]
+    # The shell named, not detected: typer otherwise takes the shell of the process tree the
+    # tests run in (sh under `su` or a CI runner), which may be one it has no script for.
     script = subprocess.run(
         [CTXLAUNCH, "--show-completion", "bash"],
         capture_output=True,
         text=True,
-        env={**os.environ, "SHELL": "/bin/bash"},
+        env={
+            **os.environ,
+            "SHELL": "/bin/bash",
+            "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1",
+        },
         timeout=60,
     )
     assert "_CTXLAUNCH_COMPLETE" in script.stdout, script.stdout + script.stderr
@@ -243,3 +250,90 @@ def test_a_hub_id_in_init_from_says_how_to_download_it(
     write_tiny_llama(tmp_path / "org" / "tiny-llama")
     result = runner.invoke(app, ["validate", str(_init_from_spec(tmp_path, "org/tiny-llama"))])
     assert result.exit_code == 0, result.stderr
+
+
+# -- the CLI never names a target ----------------------------------------------------------------
+NOT_TARGETS = {("cmd_image.py", "via")}
+"""(module, variable) whose string values share a word with a target but are not targets:
+`image check --via local` is a probe mode (this Python, no image)."""
+
+
+def _strings(node: ast.AST) -> set[str]:
+    """The string constants `node` is, or holds as a tuple, list or set display."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return set().union(*(_strings(element) for element in node.elts))
+    return set()
+
+
+def target_name_uses(module: Path) -> list[str]:
+    """Each place in `module` that branches on a target by name: a comparison with a target's
+    name, a table keyed by one, a subscript or a match case with one."""
+    from ctxlaunch.launch.backends import BACKENDS
+
+    targets = set(BACKENDS)
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(module.read_text(encoding="utf-8"))):
+        named: set[str] = set()
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            exempt = any(
+                isinstance(o, ast.Name) and (module.name, o.id) in NOT_TARGETS for o in operands
+            )
+            named = set() if exempt else set().union(*(_strings(o) for o in operands))
+        elif isinstance(node, ast.Dict):
+            named = set().union(*(_strings(key) for key in node.keys if key is not None))
+        elif isinstance(node, ast.Subscript):
+            named = _strings(node.slice)
+        elif isinstance(node, ast.MatchValue):
+            named = _strings(node.value)
+        if named & targets:
+            line = getattr(node, "lineno", 0)
+            found.append((line, f"{module.name}:{line}: {ast.unparse(node)}"))
+    return [text for _, text in sorted(found)]
+
+
+def test_the_cli_never_names_a_target() -> None:
+    """The CLI asks the backend (runs_here, artifact_mode, scheduler_name) and the spec's rules,
+    never which target it talks to: a new target then needs no change in the CLI."""
+    found = [
+        use
+        for module in sorted((ROOT / "ctxlaunch" / "cli").rglob("*.py"))
+        for use in target_name_uses(module)
+    ]
+    assert not found, "the CLI branches on a target's name; ask the backend:\n" + "\n".join(found)
+
+
+def test_the_target_name_check_finds_each_form(tmp_path: Path) -> None:
+    """The check above can fail: each form of naming a target is caught, a probe mode is not."""
+    module = tmp_path / "cmd_image.py"
+    module.write_text(
+        "if job.cluster.target == 'local': pass\n"
+        "mode = 0o755 if kind in ('slurm',) else 0o644\n"
+        "NAMES = {'kubernetes': 'PyTorchJob'}\n"
+        "x = BACKENDS['slurm']\n"
+        "match target:\n    case 'local': pass\n"
+        "if via == 'local': pass\n"
+    )
+    assert [use.split(":")[1] for use in target_name_uses(module)] == ["1", "2", "3", "4", "6"]
+
+
+def test_status_names_the_scheduler_whose_state_it_shows() -> None:
+    """`status` prints a scheduler's own word for a state beside ctxlaunch's, named by the
+    backend: Slurm, or the Kubernetes job object's kind."""
+    from ctxlaunch.cli.tables import status_line
+    from ctxlaunch.launch.backends import get_backend
+    from ctxlaunch.launch.backends.base import Status
+    from ctxlaunch.launch.jobstore import JobRecord
+
+    state = Status(state="PENDING", scheduler_state="CONFIGURING")
+    for target, extra, scheduler in (
+        ("slurm", {}, "Slurm"),
+        ("kubernetes", {}, "PyTorchJob"),
+        ("kubernetes", {"api": "trainjob"}, "TrainJob"),
+        ("local", {}, "local"),
+    ):
+        record = JobRecord(id="j", name="demo", target=target, created=0.0, extra=extra)
+        line = status_line(record, state, get_backend(target).scheduler_name(record))
+        assert line.startswith(f"j: PENDING ({scheduler}: CONFIGURING) "), line

@@ -9,7 +9,6 @@ from __future__ import annotations
 import difflib
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,12 +19,13 @@ import yaml
 from ctxlaunch.runtime.telemetry.metrics import BY_NAME
 from tests.helpers.devtools import DEV_SCRIPTS, dev_script
 from tests.helpers.paths import ROOT
+from tests.helpers.promtool import RULE_TESTS, promtool
+from tests.helpers.services import SERVICES_ENV
 
 dash = dev_script("grafana_dashboard")
 
 DASHBOARD = ROOT / dash.DEFAULT_OUTPUT
 RULES = ROOT / "manifests" / "prometheus" / "ctxlaunch-rules.yml"
-RULE_TESTS = ROOT / "tests" / "promtool" / "ctxlaunch-rules.test.yml"
 REGENERATE = "python scripts/dev/grafana_dashboard.py"
 
 # --------------------------------------------------------------------------------------------
@@ -337,17 +337,6 @@ def test_recording_rules_aggregate_as_their_level_says() -> None:
 # promtool
 
 
-def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.fail(
-            "promtool is not installed: run `scripts/services/prometheus.sh install` "
-            "(as root; it installs Debian's prometheus, which ships promtool)",
-            pytrace=False,
-        )
-    return path
-
-
 @pytest.mark.parametrize(
     "args",
     [("check", "rules", RULES), ("test", "rules", RULE_TESTS)],
@@ -360,3 +349,17 @@ def test_promtool(args: tuple) -> None:
     assert result.returncode == 0, (
         f"promtool {' '.join(map(str, args))} failed:\n{result.stdout}{result.stderr}"
     )
+
+
+def test_a_missing_promtool_skips_the_fast_loop_and_fails_the_whole_suite(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without promtool the tests above skip, saying how to install it; where scripts/test has
+    installed the services they fail instead, so the whole suite cannot skip them silently."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no promtool on it
+    monkeypatch.delenv(SERVICES_ENV, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="scripts/services/prometheus.sh install"):
+        promtool()
+    monkeypatch.setenv(SERVICES_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match="promtool is not installed"):
+        promtool()

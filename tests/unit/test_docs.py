@@ -210,6 +210,73 @@ def test_no_page_keeps_a_diary() -> None:
     assert found == []
 
 
+LAB_NOTE = re.compile(
+    r"""
+    \b20\d\d-\d\d-\d\d\b | \bissue\s+\d+ | \brun\s+\d+\b | \bruns\s+\d+ | \bat\s+[0-9a-f]{7}\b
+    | BENCHMARKS(\.md)?,?\s+(section\s+)?\d
+    | \bon\s+(a|the|this|that)\s+\d+-(v?cpu|core) | \bthat\s+machine\b | \bthe\s+test\s+cluster\b
+    | \bthis\s+machine.s\s+(run|reading)
+    """,
+    re.IGNORECASE | re.VERBOSE,
+)
+"""What the project's reviewers flag (the before-stop hook's pattern, across line breaks): a
+date, an issue or run number, a commit, a BENCHMARKS section number or a particular machine."""
+
+
+def lab_notes(paths: list[Path], base: Path = ROOT) -> list[str]:
+    """Each lab note in `paths`, as `file:line: text` (the file relative to `base`)."""
+    found = []
+    for path in paths:
+        # A comment's continuation marks out of the way, so a phrase reads across them (the
+        # line count stays).
+        text = re.sub(r"(?m)^[ \t]*#+", "", path.read_text(encoding="utf-8"))
+        for match in LAB_NOTE.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            found.append(f"{path.relative_to(base)}:{line}: {' '.join(match[0].split())}")
+    return found
+
+
+def test_no_module_page_or_readme_keeps_lab_notes() -> None:
+    """The package, the README and the docs say what the code does and why, in general terms:
+    the reader has neither the machine a note was taken on nor its date or run. A reading goes
+    to BENCHMARKS.md with its command, or beside its constant as data (perf/fitted/*.json)."""
+    paths = [*sorted((ROOT / "ctxlaunch").rglob("*.py")), ROOT / "README.md"]
+    found = lab_notes([*paths, *sorted(DOCS.rglob("*.md"))])
+    assert found == [], "say the rule, not where it was seen:\n" + "\n".join(found)
+
+
+def test_the_lab_note_check_finds_each_form(tmp_path: Path) -> None:
+    """The check above can fail: each form is caught, also across a line break; a rule in
+    general terms is not."""
+    notes = [
+        "on a 2-vCPU machine",
+        "on a 16-core machine",
+        "lost in that\n# machine's noise",
+        "measured on the test cluster",
+        "this machine's reading",
+        "on 2026-12-04",
+        "see issue 12",
+        "BENCHMARKS section 4",
+        "the self-check's run 10",
+        "fixed at 5a1b6fd",
+    ]
+    module = tmp_path / "probe.py"
+    module.write_text("\n".join(f"# {note}" for note in notes) + "\n# on every core of a machine\n")
+    found = lab_notes([module], base=tmp_path)
+    assert [note.split(":")[1] for note in found] == [
+        "1",
+        "2",
+        "3",
+        "5",
+        "6",
+        "7",
+        "8",
+        "9",
+        "10",
+        "11",
+    ]
+
+
 # --------------------------------------------------------------------------------------------
 # The site.
 

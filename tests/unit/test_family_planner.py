@@ -14,7 +14,7 @@ from ctxlaunch.perf.flops import count_params, flops_per_token
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.memory import activation_bytes, block_activation_bytes_per_token
 from ctxlaunch.runtime.modeling.model import Transformer
-from tests.helpers.memtrace import SavedTensorMeter
+from devkit.memtrace import SavedTensorMeter
 
 PRESETS = ("llama3-8b", "mistral-7b", "mistral-nemo-12b", "qwen2.5-7b", "qwen2.5-7b-1m", "qwen3-8b")
 

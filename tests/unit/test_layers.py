@@ -284,3 +284,44 @@ def test_every_module_name_is_unique() -> None:
             names.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)) + "/")
     twice = {name: places for name, places in names.items() if len(places) > 1}
     assert twice == {}, f"module names used twice: {twice}"
+
+
+# --------------------------------------------------------------------------------------------
+# Around the package: the tests, the benchmarks and what they share (devkit).
+
+AROUND: dict[str, set[str]] = {
+    "tests": {"benchmarks"},
+    "benchmarks": {"tests"},
+    "devkit": {"tests", "benchmarks"},
+}
+"""Folder -> the top-level folders its files may not import: the benchmarks measure without the
+tests' helpers and the tests check without the benchmarks; both share devkit, which needs
+neither."""
+
+
+def top_level_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, top-level name) of every absolute import in the file, inside functions too."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append((node.lineno, node.module.split(".")[0]))
+    return found
+
+
+def test_benchmarks_and_tests_do_not_import_each_other() -> None:
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for folder, forbidden in AROUND.items()
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for line, name in top_level_imports(path)
+        if name in forbidden
+    ]
+    assert wrong == [], "move what both need into devkit/:\n" + "\n".join(wrong)
+
+
+def test_the_import_check_sees_imports_inside_functions(tmp_path: Path) -> None:
+    module = tmp_path / "bench.py"
+    module.write_text("import os\n\ndef f():\n    from tests.helpers.memtrace import x\n")
+    assert top_level_imports(module) == [(1, "os"), (4, "tests")]

@@ -1,7 +1,7 @@
 """The code passes its own linters: ruff (pyflakes, pycodestyle, import order, pyupgrade,
-bugbear) and `ruff format --check` over the package, the tests, the benchmarks and the scripts,
-and mypy over the package, with the
-settings in pyproject.toml. A `type: ignore` must say why on its own line."""
+bugbear) and `ruff format --check` over the package, the tests, the benchmarks, devkit and the
+scripts, and mypy over the package, with the settings in pyproject.toml. A `type: ignore` must
+say why on its own line."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def _run(tool: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-LINTED = ("ctxlaunch", "tests", "benchmarks", "scripts")
+LINTED = ("ctxlaunch", "tests", "benchmarks", "devkit", "scripts")
 
 
 def test_ruff() -> None:

@@ -11,7 +11,7 @@ from ctxlaunch.contract.spec import ModelSpec
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.memory import activation_bytes
 from ctxlaunch.runtime.modeling.model import Transformer
-from tests.helpers.memtrace import SavedTensorMeter
+from devkit.memtrace import SavedTensorMeter
 
 MODEL = ModelSpec(layers=2, hidden=256, heads=8, kv_heads=2, ffn_hidden=704, vocab=256)
 

@@ -64,7 +64,7 @@ def host_data_bytes(spec) -> int:
 def _traces(rank: int, world: int, specs: list[dict]) -> list[Any]:
     """This rank's memory trace of two training steps of each spec."""
     from ctxlaunch.runtime.parallel.context import build_context
-    from tests.helpers.memtrace import measure_training_peak
+    from devkit.memtrace import measure_training_peak
 
     out = []
     for data in specs:

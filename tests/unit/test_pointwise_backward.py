@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ctxlaunch.perf.memory import BACKWARD_CHUNK_TOKENS
 from ctxlaunch.runtime.modeling.model import _RMSNorm, _SwiGLU
-from tests.helpers.memtrace import AllocatorTrace
+from devkit.memtrace import AllocatorTrace
 
 # A token count that is not a multiple of the chunk, so the last chunk is partial.
 TOKENS = 2 * BACKWARD_CHUNK_TOKENS + 77

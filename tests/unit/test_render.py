@@ -452,3 +452,47 @@ def test_bad_kubernetes_api_and_gang_settings_name_the_field(sets: list[str], fi
     with pytest.raises(SpecError) as caught:
         load_spec(JOBS / "llama3-70b-1m-k8s.yaml", sets)
     assert f"  - {field} (value:" in str(caught.value), str(caught.value)
+
+
+def test_a_function_job_has_the_batch_scripts_slurm_options(tmp_path: Path) -> None:
+    """A function job (the calibration, through submitit) asks Slurm for what the batch script
+    asks, from the same option list: only its nodes and tasks (one node, the entry's ranks) and
+    its log (submitit's folder) differ, and the time-limit signal is submitit's own, with the
+    batch script's lead. submitit's own batch script carries every one of them."""
+    from submitit.slurm.slurm import _make_sbatch_string  # what SlurmExecutor.submit writes
+
+    from ctxlaunch.contract.rundir import calibration_entry
+    from ctxlaunch.launch.request import sbatch_flags, slurm_function_request, slurm_request
+
+    def shared(flags: list[str]) -> list[str]:
+        return [flag for flag in flags if not flag.startswith(("--nodes=", "--ntasks-per-node="))]
+
+    for overrides in (
+        [],
+        [
+            "cluster.slurm.requeue=false",
+            "cluster.slurm.signal_seconds=300",
+            "cluster.slurm.mem=512G",
+        ],
+    ):
+        spec = load_spec(JOBS / "llama3-8b-128k-slurm.yaml", overrides)
+        script = [f for f in slurm_request(spec).directives if not f.startswith("--output=")]
+        function = slurm_function_request(spec, calibration_entry(None))
+        flags = [f for f in sbatch_flags(function.options) if not f.startswith("--output=")]
+        assert shared(flags) == shared(script)
+        assert (function.options["nodes"], function.options["ntasks-per-node"]) == (1, 1)
+        text = _make_sbatch_string(
+            command="true", folder=tmp_path, setup=function.setup, **function.parameters
+        )
+        lines = [line.removeprefix("#SBATCH ") for line in text.splitlines() if "#SBATCH" in line]
+        for flag in shared(script):
+            if flag.startswith("--signal="):
+                # submitit's runner gets its own signal (never the B: batch shell's), as early
+                lead = flag.rpartition("@")[2]
+                signals = [line for line in lines if line.startswith("--signal=")]
+                assert len(signals) == 1 and signals[0].endswith(f"@{lead}"), signals
+                assert not signals[0].startswith("--signal=B:"), signals
+            else:
+                assert lines.count(flag) == 1, (flag, lines)
+        assert ("--no-requeue" in lines) == ("cluster.slurm.requeue=false" in overrides)
+        assert "--ntasks-per-node=1" in lines and "--nodes=1" in lines

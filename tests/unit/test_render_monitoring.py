@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -29,12 +28,12 @@ from ctxlaunch.launch.monitoring import (
 from ctxlaunch.launch.render import render_files
 from tests.helpers.paths import JOBS, ROOT
 from tests.helpers.prometheus_operator import prometheusrule_schema
+from tests.helpers.promtool import RULE_TESTS, promtool
 
 EXAMPLE = JOBS / "llama3-70b-1m-k8s.yaml"
 """A scrape-mode Kubernetes example: its goldens sit beside its PodMonitor's."""
 RULES_FILE = "monitoring/llama3-70b-1m-rules.yaml"
 DASHBOARD_FILE = "monitoring/ctxlaunch-dashboard.yaml"
-RULE_TESTS = ROOT / "tests" / "promtool" / "ctxlaunch-rules.test.yml"
 
 
 def monitored(*sets: str, options: MonitoringOptions | None = None) -> dict[str, str]:
@@ -160,17 +159,6 @@ def test_the_prometheus_rule_validates_against_the_operator_schema() -> None:
 )
 def test_scope_expr(expr: str, scoped: str) -> None:
     assert scope_expr(expr, "j") == scoped
-
-
-def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.fail(
-            "promtool is not installed: run `scripts/services/prometheus.sh install` "
-            "(as root; it installs Debian's prometheus, which ships promtool)",
-            pytrace=False,
-        )
-    return path
 
 
 def promtool_tests_on_the_rendered_rules(job: str, tmp_path: Path) -> subprocess.CompletedProcess:

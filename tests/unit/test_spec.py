@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -457,3 +459,57 @@ def test_tensor_parallel_splits_ffn_vocab_and_each_cp_ranks_tokens() -> None:
         )
     )
     assert "divisible by cp x tp = 8" in found["training.seq_len"]
+
+
+# -- parallel.layout, the old name of parallel.cp_sharding ----------------------------------------
+OLD_NAME = "parallel.layout is deprecated: write parallel.cp_sharding (the same values)"
+
+
+def _with_old_name(value: str) -> dict:
+    """SPEC with its sharding given as `parallel.layout` only."""
+    data = copy.deepcopy(SPEC)
+    parallel = {k: v for k, v in data["parallel"].items() if k != "cp_sharding"}
+    data["parallel"] = {**parallel, "layout": value}
+    return data
+
+
+@pytest.mark.parametrize("value", ["zigzag", "contiguous"])
+def test_the_old_name_parallel_layout_is_read_as_cp_sharding_and_warns(value: str) -> None:
+    """A spec written with `parallel: {layout: ...}` still validates and means cp_sharding; it
+    warns, once as a DeprecationWarning and once among the spec's warnings (which `validate`
+    prints), and the spec the job carries spells the new name only."""
+    with pytest.warns(DeprecationWarning, match=re.escape(OLD_NAME)):
+        spec = validate_spec(_with_old_name(value))
+    assert spec.parallel.cp_sharding == value
+    assert spec.parallel.deprecations == [OLD_NAME]
+    assert OLD_NAME in spec.warnings()
+    dumped = spec.model_dump()["parallel"]
+    assert dumped["cp_sharding"] == value and "layout" not in dumped
+    # The new name alone warns of nothing.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="parallel.layout")
+        assert OLD_NAME not in validate_spec(make(**{"parallel.cp_sharding": value})).warnings()
+
+
+def test_the_old_name_set_on_the_command_line_replaces_the_new_one() -> None:
+    """`--set parallel.layout=contiguous` on a spec that says cp_sharding: zigzag: the old name
+    wins, as any --set does, and still warns."""
+    data = apply_overrides(
+        make(**{"parallel.cp_sharding": "zigzag"}), ["parallel.layout=contiguous"]
+    )
+    with pytest.warns(DeprecationWarning, match=re.escape(OLD_NAME)):
+        spec = validate_spec(data)
+    assert spec.parallel.cp_sharding == "contiguous"
+
+
+def test_the_old_and_the_new_name_must_agree() -> None:
+    data = _with_old_name("contiguous")
+    data["parallel"]["cp_sharding"] = "zigzag"
+    found = problems(data)
+    assert (
+        "parallel.layout (the old name of parallel.cp_sharding) is 'contiguous' but "
+        "parallel.cp_sharding is 'zigzag'; fix: give only parallel.cp_sharding"
+    ) in found["parallel"]
+    data["parallel"]["cp_sharding"] = "contiguous"  # the same value twice is one answer
+    with pytest.warns(DeprecationWarning, match=re.escape(OLD_NAME)):
+        assert validate_spec(data).parallel.cp_sharding == "contiguous"

@@ -15,7 +15,7 @@ def _rank(rank: int, world: int, autocast: bool) -> dict[str, object]:
     from torch import nn
 
     from ctxlaunch.runtime.parallel.tensor_parallel import gather_linear, gather_sequence
-    from tests.helpers.memtrace import SavedTensorMeter
+    from devkit.memtrace import SavedTensorMeter
 
     group = dist.group.WORLD
     generator = torch.Generator().manual_seed(11)

@@ -189,6 +189,9 @@ class Backend(ABC):
     """Whether a job's files are the submitter's (the local machine's, a cluster's shared
     filesystem), so a job can write its result where the submitter reads it; else the result
     comes back through the job's log."""
+    artifact_mode: ClassVar[int] = 0o644
+    """The file mode `render --output` writes this backend's artifacts with (a batch script is
+    run as a program, so the Slurm backend's is executable)."""
 
     @classmethod
     def with_options(cls, options: BackendOptions) -> Backend:
@@ -197,6 +200,11 @@ class Backend(ABC):
         raise OptionsError(
             f"{options.flags} are for cluster.target {options.target}, not {cls.name}"
         )
+
+    def scheduler_name(self, record: JobRecord) -> str:
+        """Whose word a status's `scheduler_state` is ("Slurm", "PyTorchJob"), for `status`
+        to print beside it; by default the backend's name."""
+        return self.name
 
     # -- submitting -----------------------------------------------------------------------------
     @abstractmethod

@@ -72,6 +72,10 @@ class KubernetesBackend(Backend):
             return super().with_options(options)
         return cls(options)
 
+    def scheduler_name(self, record: jobstore.JobRecord) -> str:
+        """The states are the job object's: a PyTorchJob's or a TrainJob's conditions."""
+        return job_api(record).kind
+
     def dryrun(self, spec: JobSpec, entry: JobEntry = TRAINING, sweep: str | None = None) -> DryRun:
         """The ConfigMap and PyTorchJob (and PodMonitor) as rendered; `sweep` labels them;
         `entry` is what the pods run."""

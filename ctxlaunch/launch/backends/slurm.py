@@ -6,8 +6,9 @@ the same spec (the same request and template), with the trainer started by this 
 logs, metrics, exit statuses and events kept in the job's record directory; it goes in with
 `sbatch --parsable`, the artifact users read and can submit by hand. A function job, whose
 return value comes back (the calibration job: it measures a node and returns its profile), goes
-through submitit's executor instead, with the same resources, account, queue and environment
-(launch.request.slurm_function_request), and its result is read back from submitit's files.
+through submitit's executor instead, with the batch script's own sbatch options on one node
+and the same environment (launch.request.slurm_function_request), and its result is read back
+from submitit's files.
 States come from Slurm itself (scontrol while the controller remembers the job, sacct after)
 through one table, and a requeued job's story from the job's events.
 """
@@ -247,9 +248,14 @@ class SlurmBackend(Backend):
     """A Slurm cluster, through its commands (sbatch, scontrol, sacct, scancel)."""
 
     name = "slurm"
+    artifact_mode = 0o755  # the batch script is a program: sbatch and a user may run it
 
     def __init__(self, python: str | None = None):
         self.python = python or sys.executable
+
+    def scheduler_name(self, record: jobstore.JobRecord) -> str:
+        """Slurm's states are Slurm's own (JobState)."""
+        return "Slurm"
 
     def dryrun(self, spec: JobSpec, entry: JobEntry = TRAINING) -> DryRun:
         """The batch script for `spec`, in a new record directory; for a function entry, the

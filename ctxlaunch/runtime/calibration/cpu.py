@@ -30,22 +30,23 @@ if TYPE_CHECKING:
 ATTENTION_SEQ = 6144
 """The block `ctxlaunch calibrate` measures the attention rate on: as long as the trainer's long
 calls and none of the CPU self-check's lengths (benchmarks/steptime_cpu.py). The CPU kernel's
-thread scaling depends on the block: on a 2-vCPU machine two threads ran 1.64x one thread's
-rate on 2,048 tokens and almost 2x on 4K-16K; with the rate taken on this block the
-self-check's one-process points there came within 5-9 %, against 11-18 % slow with a
-2,048-token block."""
+thread scaling grows with the block up to a few thousand tokens, so a rate taken on a short
+block understates what every core does on the long calls that dominate a step
+(benchmarks/attention_threads_cpu.py measures the scaling; BENCHMARKS.md, step-time model:
+the CPU calibration's choices)."""
 
 ATTENTION_RAMP_SEQS = (1536, 6144)
 """Two block lengths to fit attention's rate and length ramp on: none of the lengths the
 benchmark's calls run (benchmarks/steptime_cpu.py: 512 to 16,384, powers of two)."""
 
 SYNC_RUNS = ((192, 40), (768, 60))
-"""(square product, iterations) the exchange is measured after: 192 (0.1-0.25 ms of one thread
-on a 2-vCPU machine) for its cost with no compute to speak of, and 768 (about 6.5 ms there, as
-long as a rank of the CPU self-check computes between exchanges at its shortest, 4K CP 4; a size
-no trainer call runs) for its growth. Beyond about 15 ms of compute the cost of an exchange was
-lost in that machine's noise (benchmarks/sync_cpu.py read it as 0 in some runs and several
-times the others in the next)."""
+"""(square product, iterations) the exchange is measured after: 192, a product far shorter
+than the exchange, for its cost with no compute to speak of; and 768, about as long as a rank
+of the CPU self-check computes between exchanges at its shortest (4K, CP 4) and a size no
+trainer call runs, for its growth. Nothing longer: after more compute the exchange's cost is
+smaller than the compute's own variation between runs, and a reading of it is noise
+(benchmarks/sync_cpu.py measures the cost against the compute; BENCHMARKS.md, step-time
+model: the CPU calibration's choices)."""
 
 LOOPBACK_SIZES = (4096, 262144, 4 * 2**20, 16 * 2**20)
 """Message bytes the gloo loopback line is fitted through."""
@@ -359,15 +360,15 @@ def measure(
     are measured on. Attention is measured on one block of `attention_seq` tokens (default
     `seq`) with no length ramp; or, given `attention_ramp_seqs` (two lengths, e.g.
     ATTENTION_RAMP_SEQS), on both and fitted to a rate and a ramp (`fit_ramp`), with all cores
-    and with one thread. The ramp is not the default: on a 2-vCPU machine the all-core rate
-    moved more between two readings minutes apart than the ramp it would fit, and the one-thread
-    kernel barely ramps over these lengths (56 tokens). Each exchange cost is the median of
-    `sync_readings` runs. Each compute rate, and the model's fixed cost and elementwise rate, is
-    the median of `rate_readings` readings taken in turn (all cores, one thread, all cores, ...),
-    so a minute of load elsewhere moves one reading, not the profile: on a shared 2-vCPU machine
-    one low attention reading (91 GFLOP/s against 106-111 in the others) predicted the CPU
-    self-check's one-process steps 19-30 % slow. `show_progress` reports each finished stage on
-    stderr (runtime/progress.py)."""
+    and with one thread. The ramp is not the default: on a machine shared with other work the
+    all-core rate can move more between two readings minutes apart than the ramp it would fit,
+    and the one-thread kernel barely ramps over these lengths. Each exchange cost is the median
+    of `sync_readings` runs. Each compute rate, and the model's fixed cost and elementwise rate,
+    is the median of `rate_readings` readings taken in turn (all cores, one thread, all cores,
+    ...), so a minute of load elsewhere moves one reading, not the profile: a single low reading
+    would slow every predicted step in proportion (BENCHMARKS.md, step-time model: the CPU
+    calibration's choices). `show_progress` reports each finished stage on stderr
+    (runtime/progress.py)."""
     from ctxlaunch.contract.spec import ModelSpec
 
     model = model or ModelSpec.model_validate({"preset": "tiny", "dtype": dtype})

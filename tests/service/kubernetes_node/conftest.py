@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.kube_node import project_image, require_node
+from devkit.kube_node import project_image
+from tests.helpers.kube_node import require_node
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 (scripts/services/kubernetes-node.sh): the container's memory limit is too small for the
 spec's layout, the memory cgroup kills the rank (containerd reports OOMKilled), the pod entry
 records the OOM in the heal log and exits retryable, the PyTorchJob operator stand-in
-(tests/helpers/pytorchjob_operator.py: no training operator can be installed here) replaces the
+(devkit/pytorchjob_operator.py: no training operator can be installed here) replaces the
 pod, and the new pod re-plans to a layout that fits and completes.
 
 The healed run's losses equal those of a fresh run at the new layout (the OOM strikes before the
@@ -19,6 +19,15 @@ from pathlib import Path
 import pytest
 
 from ctxlaunch.contract import exitcodes
+from devkit.kube_node import (
+    NODE_ADMIN,
+    ctx,
+    kubectl,
+    new_namespace,
+    submit_args,
+    with_checkpoint_volume,
+)
+from devkit.pytorchjob_operator import PyTorchJobOperator
 from tests.helpers.healing import (
     assert_same_losses,
     first_step_after,
@@ -27,15 +36,6 @@ from tests.helpers.healing import (
     replanned_figures_line,
     replans,
 )
-from tests.helpers.kube_node import (
-    NODE_ADMIN,
-    ctx,
-    kubectl,
-    new_namespace,
-    submit_args,
-    with_checkpoint_volume,
-)
-from tests.helpers.pytorchjob_operator import PyTorchJobOperator
 
 MEMORY_BOUND = (
     "model.layers=16",

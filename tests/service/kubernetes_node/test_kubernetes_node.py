@@ -7,7 +7,7 @@ run the project's own image, written here without any registry (scripts/services
 and imported into containerd.
 
 No training operator can be installed here (nothing this machine reaches ships it), so
-tests/helpers/pytorchjob_operator.py plays training-operator 1.9's part: pods and headless
+devkit/pytorchjob_operator.py plays training-operator 1.9's part: pods and headless
 services from the PyTorchJob's replica templates, their environment and init container,
 restartPolicy ExitCode, and the conditions it writes. Everything below it is real: the
 scheduler binds the pods, the kubelet runs them, exit codes and OOMKilled come from the runtime
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.kube_node import (
+from devkit.kube_node import (
     CONTAINERD_SOCK,
     CTXLAUNCH,
     NODE_ADMIN,
@@ -35,8 +35,8 @@ from tests.helpers.kube_node import (
     submit_args,
     with_checkpoint_volume,
 )
+from devkit.pytorchjob_operator import PyTorchJobOperator, wait_for
 from tests.helpers.paths import JOBS
-from tests.helpers.pytorchjob_operator import PyTorchJobOperator, wait_for
 
 TINY = (
     "training.seq_len=1024",

@@ -12,7 +12,7 @@ import torch
 from ctxlaunch.cp import attention_area, shard_for_rank, shard_positions, unshard_from_shards
 from ctxlaunch.cp.balance import TARGET, balanced_spans, rank_areas, zigzag_spans
 from ctxlaunch.cp.sharding import rank_spans
-from tests.helpers.doc_lengths import LONG_TAILED, lengths, pack, worst_cases
+from devkit.doc_lengths import LONG_TAILED, lengths, pack, worst_cases
 
 SEQ_LEN = 65536
 BOUND = 1.05

@@ -2,7 +2,7 @@
 what CUDA runs): the same outputs and gradients as the per-rectangle path, which stays the
 reference; one attention call per ring hop where the per-rectangle path makes one per
 rectangle, counted by the launch counting of `benchmarks/ring_counts.py`
-(`tests/helpers/launches.Counter`).
+(`devkit/launches.Counter`).
 
 On the CPU FlexAttention's operators run torch's dense reference implementation (its fused
 kernel is CUDA's): these tests check the calls, the block masks and the out/lse conventions
@@ -28,8 +28,8 @@ from ctxlaunch.cp import (
     shard_sequence,
     ulysses_attention,
 )
+from devkit.launches import Counter
 from tests.helpers.dist import run_distributed
-from tests.helpers.launches import Counter
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 
