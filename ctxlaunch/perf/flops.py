@@ -24,36 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
+
+from ctxlaunch.contract.families.family import BlockShape
 
 MfuConvention = Literal["full", "causal"]
 CONVENTIONS: tuple[MfuConvention, ...] = ("full", "causal")
-
-
-class ModelShape(Protocol):
-    """What FLOP and parameter counts read of a model (a ModelSpec, or a published run's
-    shape); read-only, so frozen records satisfy it."""
-
-    @property
-    def layers(self) -> int: ...
-    @property
-    def hidden(self) -> int: ...
-    @property
-    def heads(self) -> int: ...
-    @property
-    def kv_heads(self) -> int: ...
-    @property
-    def ffn_hidden(self) -> int: ...
-    @property
-    def vocab(self) -> int: ...
-    @property
-    def tie_embeddings(self) -> bool: ...
-    @property
-    def head_dim(self) -> int: ...
-    @property
-    def qkv_bias(self) -> bool: ...
-    @property
-    def qk_norm(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -81,7 +57,7 @@ class ParamCount:
         return self.per_layer * self.layers + self.final_norm + head
 
 
-def count_params(model: ModelShape) -> ParamCount:
+def count_params(model: BlockShape) -> ParamCount:
     """The decoder's parameters, by part."""
     h, f = model.hidden, model.ffn_hidden
     q = model.heads * model.head_dim
@@ -103,20 +79,20 @@ def count_params(model: ModelShape) -> ParamCount:
     )
 
 
-def attention_flops_per_token(model: ModelShape, seq_len: int, convention: MfuConvention) -> float:
+def attention_flops_per_token(model: BlockShape, seq_len: int, convention: MfuConvention) -> float:
     """Attention score + value FLOPs per token, forward and backward."""
     full = 12.0 * model.layers * model.heads * model.head_dim * seq_len
     return full if convention == "full" else full / 2
 
 
-def flops_per_token(model: ModelShape, seq_len: int, convention: MfuConvention) -> float:
+def flops_per_token(model: BlockShape, seq_len: int, convention: MfuConvention) -> float:
     """Model FLOPs per trained token (forward + backward) for sequences of seq_len tokens."""
     return 6.0 * count_params(model).matmul + attention_flops_per_token(model, seq_len, convention)
 
 
 def mfu(
     tokens_per_second_per_gpu: float,
-    model: ModelShape,
+    model: BlockShape,
     seq_len: int,
     peak_flops_per_gpu: float,
     convention: MfuConvention,
