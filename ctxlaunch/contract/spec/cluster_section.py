@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     Field,
@@ -25,6 +25,7 @@ from ctxlaunch.contract.spec.fields import (
     RFC1123_SUBDOMAIN,
     SLURM_NAME,
     SLURM_TIME,
+    UID_MAX,
     PositiveInt,
     _problem,
     _Strict,
@@ -128,7 +129,7 @@ class KubernetesSpec(_Strict):
     """Mount the service account's API token in the pods (automountServiceAccountToken). The
     trainer never calls the API server, so a training pod holds no credential unless this is
     set (for something else in the image that needs one)."""
-    run_as_user: PositiveInt | None = 1000
+    run_as_user: Annotated[int, Field(ge=1, le=UID_MAX)] | None = 1000
     """The user (and group) id the pods run as (securityContext runAsUser, runAsGroup and
     fsGroup, so mounted volumes are writable): the project's image (Dockerfile) has user 1000.
     None: the image's own USER, which must then be a numeric id other than 0. Either way the

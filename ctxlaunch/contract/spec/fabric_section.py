@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from ctxlaunch.contract.hardware import NetworkType
-from ctxlaunch.contract.spec.fields import ENV_NAME, PositiveInt, _Strict
+from ctxlaunch.contract.spec.fields import ENV_NAME, INT32_MAX, PositiveInt, _Strict
 from ctxlaunch.contract.spec.secret_refs import EnvValue
 
 
@@ -23,7 +23,7 @@ class FabricSpec(_Strict):
     """HCA names for NCCL_IB_HCA, matched exactly (rendered with a leading '=')."""
     socket_ifname: str | None = None
     """NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME for bootstrap (e.g. eth0, or ^lo,docker)."""
-    gid_index: int | None = Field(None, ge=0)
+    gid_index: int | None = Field(None, ge=0, le=INT32_MAX)
     """NCCL_IB_GID_INDEX; default 3 on RoCE (RoCE v2)."""
     gdr_level: str | None = None
     """NCCL_NET_GDR_LEVEL (LOC, PIX, PXB, PHB, SYS)."""
