@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ MAX_STATE_BYTES = 16 << 20
 """The largest record ctxlaunch reads back from its own state (a job or sweep record, a run's
 summary, a saved calibration): 16 MiB, where a sweep of the most points a sweep may hold,
 each with its resolved spec, stays under 8 MiB."""
+MAX_PROFILE_BYTES = 4 << 20
+"""The largest machine profile or saved CPU calibration read (4 MiB; one is a few KiB)."""
 MAX_EVENTS_BYTES = 64 << 20
 """How much of an events or evaluation log is read: its last 64 MiB (a year of a step event
 each minute is about 50 MiB)."""
@@ -149,7 +152,9 @@ def read_bounded_lines(path: str | Path, max_bytes: int, what: str = "the file")
 
 
 def loads_bounded_json(text: str, max_depth: int = MAX_DEPTH) -> Any:
-    """json.loads, refusing (ValueError) a document nested deeper than `max_depth`."""
+    """json.loads, refusing (ValueError) a document nested deeper than `max_depth` or holding
+    text that is not Unicode (a lone surrogate escape such as \\ud800, which no file or
+    terminal can take)."""
     try:
         data = json.loads(text)
     except RecursionError:
@@ -157,7 +162,33 @@ def loads_bounded_json(text: str, max_depth: int = MAX_DEPTH) -> Any:
     depth = value_depth(data)
     if depth > max_depth:
         raise ValueError(f"nested {depth} deep, more than the {max_depth} allowed")
+    if _SURROGATE_ESCAPE.search(text) and _holds_surrogate(data):
+        raise ValueError(
+            "it holds a lone surrogate escape (\\ud800 to \\udfff), which is not Unicode"
+        )
     return data
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+"""A JSON escape of a surrogate: only a document holding one can hold a lone surrogate."""
+
+
+def _holds_surrogate(value: Any) -> bool:
+    """Whether any key or string in `value` cannot be encoded as UTF-8 (a lone surrogate)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def value_depth(value: Any) -> int:

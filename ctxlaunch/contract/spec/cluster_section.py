@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
@@ -33,6 +33,13 @@ from ctxlaunch.contract.spec.fields import (
 
 PROFILE_FORMAT = "ctxlaunch-machine-profile/1"
 """The `format` of a machine profile file (ctxlaunch.perf.machine.save_profile)."""
+
+
+def _read_profile(path: str) -> dict[str, Any]:
+    """A machine profile's JSON object, read with bounds (ValueError saying why not)."""
+    from ctxlaunch.contract.bounded import MAX_PROFILE_BYTES, read_bounded_object
+
+    return read_bounded_object(path, MAX_PROFILE_BYTES, "the machine profile")
 
 
 class SlurmSpec(_Strict):
@@ -267,7 +274,7 @@ class ClusterSpec(_Strict):
         if value is None:
             return None
         path = Path(value).expanduser().resolve()
-        if not path.is_file():
+        if not path.exists():
             raise ValueError(
                 f"{value}: no such file (a machine profile written by "
                 "`ctxlaunch calibrate SPEC --submit`)"
@@ -278,18 +285,16 @@ class ClusterSpec(_Strict):
     def _check_profile(self) -> ClusterSpec:
         if self.profile is None:
             return self
-        import json
-
         try:
-            data = json.loads(Path(self.profile).read_text())
-        except (OSError, ValueError) as exc:
+            data = _read_profile(self.profile)
+        except ValueError as exc:
             raise ValidationError.from_exception_data(
                 "ClusterSpec",
                 [
                     _problem(
                         ("profile",),
                         self.profile,
-                        f"{self.profile}: not a readable JSON machine profile ({exc})",
+                        f"not a readable JSON machine profile ({exc})",
                     )
                 ],
             ) from None
@@ -331,9 +336,7 @@ class ClusterSpec(_Strict):
         """The fabric the named profile was measured over (None: no profile)."""
         if self.profile is None:
             return None
-        import json
-
-        return str(json.loads(Path(self.profile).read_text()).get("fabric"))
+        return str(_read_profile(self.profile).get("fabric"))
 
     @property
     def gpu_info(self) -> GpuInfo:
