@@ -66,3 +66,23 @@ def test_every_step_damaged_fails_in_one_sentence(two_steps: Path) -> None:
     assert result.returncode == 1
     assert "every committed checkpoint" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_cut_short_step_whose_marker_predates_the_file_list_is_skipped(
+    two_steps: Path,
+) -> None:
+    """A marker written before markers recorded the files (no "files") cannot be compared with
+    them: the step's data files are checked against what its metadata places in them, so a
+    newest step cut short is skipped (every rerun failed) and the job resumes from step 2."""
+    newest = two_steps / "checkpoints" / "step-00000004"
+    marker = json.loads((newest / MARKER).read_text())
+    del marker["files"]
+    (newest / MARKER).write_text(json.dumps(marker))
+    damaged = data_file(newest)
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    run = two_steps / "run3"
+    result = train(two_steps / "job.yaml", run, "training.steps=6")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout + result.stderr
+    assert f"skipped checkpoint {newest}" in out and f"{damaged} is cut short" in out
+    assert "resumed from " + str(two_steps / "checkpoints" / "step-00000002") in out
