@@ -80,9 +80,12 @@ class ChatTokenizer:
     path: Path
     render: Callable[[list[dict[str, Any]], bool], str]
     """(messages, add_generation_prompt) -> the template's text."""
-    tokenize: Callable[[str], tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]
-    """Text -> (ids, each id's character span as [start, end) rows), special tokens parsed,
-    none added; a piece (PIECE_CHARS) at a time."""
+    tokenize: Callable[
+        [str, Sequence[tuple[int, int]]], tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]
+    ]
+    """(text, character spans) -> (ids, whether each id's characters overlap a span), special
+    tokens parsed, none added; a piece (PIECE_CHARS) at a time, so that neither the native
+    tokenizer nor the ids' character offsets ever hold more than a piece's."""
     vocab_size: int
 
 
@@ -200,22 +203,25 @@ def load_chat_tokenizer(path: str | Path) -> ChatTokenizer:
 
     continuation_drops_space = drops_space(lambda text: list(encode(text).ids))
 
-    def tokenize(text: str) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    def tokenize(
+        text: str, spans: Sequence[tuple[int, int]]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
         # A piece at a time, as the plain path does: the native tokenizer holds several times
         # its input per token at once (a 20 MB message peaked at 3.3 GB in one call).
-        ids: list[npt.NDArray[np.int64]] = []
-        spans: list[npt.NDArray[np.int64]] = []
+        ids: list[npt.NDArray[np.int64]] = [np.zeros(0, dtype=np.int64)]
+        marked: list[npt.NDArray[np.bool_]] = [np.zeros(0, dtype=np.bool_)]
         start = 0
         for number, piece in enumerate(text_pieces(text)):
             skip = 1 if number and continuation_drops_space and piece.startswith(" ") else 0
             encoding = encode(piece[skip:])
             ids.append(np.asarray(encoding.ids, dtype=np.int64))
-            offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
-            spans.append(offsets + start + skip)
+            offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2) + start + skip
+            mask = np.zeros(len(offsets), dtype=np.bool_)
+            for first, stop in spans:
+                mask |= (offsets[:, 0] < stop) & (offsets[:, 1] > first)
+            marked.append(mask)
             start += len(piece)
-        if not ids:
-            return np.zeros(0, dtype=np.int64), np.zeros((0, 2), dtype=np.int64)
-        return np.concatenate(ids), np.concatenate(spans)
+        return np.concatenate(ids), np.concatenate(marked)
 
     return ChatTokenizer(file, render, tokenize, tokenizer.get_vocab_size(with_added_tokens=True))
 
@@ -354,11 +360,7 @@ def encode_conversation(
             f"({type(exc).__name__}{': ' + reason if reason else ''})"
         ) from None
     check_unicode(text, where)
-    ids, offsets = chat.tokenize(text)
-    mask = np.zeros(len(ids), dtype=np.bool_)
-    for start, stop in spans:
-        mask |= (offsets[:, 0] < stop) & (offsets[:, 1] > start)
-    return ids, mask
+    return chat.tokenize(text, spans)
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
