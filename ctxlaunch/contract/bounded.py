@@ -327,8 +327,8 @@ _TAG_WORDS = {
 
 class SentencedConstructor(SafeConstructor):
     """A YAML constructor mixin: a value its tag's constructor rejects outside PyYAML's own
-    error type (a 5,000-digit integer, `!!int abc`, the date 2024-02-30) becomes a
-    BoundedYamlError naming the value and its line, never a ValueError traceback."""
+    error type (a 5,000-digit integer, `!!int abc`, an impossible date such as February 30th)
+    becomes a BoundedYamlError naming the value and its line, never a ValueError traceback."""
 
     def construct_object(self, node: Node, deep: bool = False) -> Any:
         try:
