@@ -154,6 +154,7 @@ def test_a_set_path_deeper_than_any_field_is_one_sentence() -> None:
         (f"fabric.gid_index={2**31}", "less than or equal to 2147483647"),
         ("training.eval.passkey.trials=1000000000", "15,000,000,000 probes"),
         ("training.eval.buckets=1000000000", "less than or equal to 64"),
+        ("training.eval.sequences=1000000000", "less than or equal to 1000"),
     ],
 )
 def test_a_number_no_consumer_holds_is_refused(override: str, words: str) -> None:

@@ -233,6 +233,8 @@ class PasskeySpec(_Strict):
 MAX_PASSKEY_PROBES = 1000
 """The most passkey probes an evaluation runs (lengths x depths x trials): each is a forward
 pass of up to seq_len tokens; the default grid is 30."""
+MAX_EVAL_SEQUENCES = 1000
+"""The most held-out sequences an evaluation scores (the default is 8)."""
 MAX_EVAL_BUCKETS = 64
 """The most context-length buckets: they halve seq_len, which has at most 63 halvings."""
 
@@ -244,8 +246,9 @@ class EvalSpec(_Strict):
 
     interval: int = Field(0, ge=0)
     """Evaluate every this many training steps; 0: only through `ctxlaunch eval`."""
-    sequences: PositiveInt = 8
-    """Held-out sequences of seq_len tokens to score (fewer if the held-out data is shorter)."""
+    sequences: int = Field(8, ge=1, le=MAX_EVAL_SEQUENCES)
+    """Held-out sequences of seq_len tokens to score (fewer if the held-out data is shorter;
+    at most 1,000: each is a forward pass, and all are held at once)."""
     buckets: int = Field(6, ge=1, le=MAX_EVAL_BUCKETS)
     """Context-length buckets, doubling up to seq_len: with 6 at 8,192 tokens the buckets are
     [0, 256), [256, 512), ... [4096, 8192). A token's context length is its position (the

@@ -327,7 +327,11 @@ def _report_failure(directory: Path, codes: list[int | None], status: int, err: 
             continue
         logs = sorted(directory.glob(f"torchrun/*/attempt_*/{rank}/stderr.log"))
         if logs:
-            tail = logs[-1].read_text(errors="replace").splitlines()[-15:]
+            try:
+                data = read_bounded_bytes(logs[-1], MAX_LOG_BYTES, "the rank's log", tail=True)
+            except BoundedReadError:
+                continue
+            tail = data.decode("utf-8", errors="replace").splitlines()[-15:]
             print(f"--- rank {rank} stderr (last lines of {logs[-1]}) ---", file=err)
             print("\n".join(tail), file=err)
     err.flush()
