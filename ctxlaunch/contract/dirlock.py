@@ -55,24 +55,37 @@ class Holder:
         return f"job {self.job} (host {self.host}, pid {self.pid}, since {when})"
 
 
-def hold(directory: str | Path, job: str) -> bool:
+SAME_JOB_WAIT_SECONDS = 180.0
+"""How long a job waits for its own earlier run to let go of the directory: a requeued run can
+start before the filesystem has released the lock of a run on a node that died (an NFSv4
+lease lasts 90 s by default). Another job is refused at once."""
+
+
+def hold(directory: str | Path, job: str, same_job_wait: float = SAME_JOB_WAIT_SECONDS) -> bool:
     """Take `directory` (made if needed) for this process until it ends: DirectoryInUse naming
-    the holder when another process has it. False, taking nothing, where the filesystem has
-    no record locks (the caller says so); OSError when the lock file cannot be made."""
+    the holder when another process has it (after up to `same_job_wait` seconds when the
+    holder is an earlier run of `job`). False, taking nothing, where the filesystem has no
+    record locks (the caller says so); OSError when the lock file cannot be made."""
     path = Path(directory) / LOCK_FILE
     if str(path) in _HELD:
         return True
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in NOT_SUPPORTED:
-            return False
-        if exc.errno in (errno.EACCES, errno.EAGAIN):
-            raise DirectoryInUse(_in_use(directory, read_holder(path))) from None
-        raise
+    deadline = time.monotonic() + same_job_wait
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in NOT_SUPPORTED:
+                return False
+            if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
+            found = read_holder(path)
+            if found is None or found.job != job or time.monotonic() > deadline:
+                raise DirectoryInUse(_in_use(directory, found)) from None
+            time.sleep(1.0)
     me = Holder(job=job, host=socket.gethostname(), pid=os.getpid(), since=time.time())
     text = json.dumps(me.__dict__).encode()
     os.ftruncate(fd, 0)

@@ -1,7 +1,8 @@
 """A rank never outlives the command that started it (ctxlaunch.contract.lifeline,
-ctxlaunch.runtime.tether): real processes, killed with SIGKILL. The full path (a SIGKILLed
-`ctxlaunch submit` with torchrun and two ranks) is test_local.py's; these check each hold on
-its own, in a second or two."""
+ctxlaunch.runtime.tether), and a checkpoint directory has one writer while it lives
+(ctxlaunch.contract.dirlock): real processes, killed with SIGKILL. The full path (a SIGKILLed
+`ctxlaunch submit` with torchrun and two ranks, a second job on its directory) is
+test_local.py's; these check each hold on its own, in a second or two."""
 
 from __future__ import annotations
 
@@ -114,3 +115,53 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return text[text.rfind(")") + 2 :].split()[0] not in ("Z", "X")
+
+
+HOLDER = (
+    "import sys, time\n"
+    "from ctxlaunch.contract import dirlock\n"
+    "dirlock.hold(sys.argv[1], sys.argv[2])\n"
+    "print('held', flush=True)\n"
+    "time.sleep(float(sys.argv[3]))\n"
+)
+"""A stand-in for a job's first rank: it holds the checkpoint directory for a while."""
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_directory_has_one_writer_until_it_ends(tmp_path) -> None:
+    """Another job is refused at once, naming the holder; the same job's next run (a requeue
+    starting before the filesystem let go) waits for it; once the holder has ended, however it
+    ended, the directory is free: the kernel released the lock, nobody cleans up."""
+    from ctxlaunch.contract import dirlock
+
+    directory = tmp_path / "ckpt"
+    first = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(directory), "job-a", "120"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert first.stdout is not None and first.stdout.readline() == "held\n"
+        found = dirlock.holder(directory)
+        assert found is not None and (found.job, found.pid) == ("job-a", first.pid)
+        with pytest.raises(dirlock.DirectoryInUse) as refused:
+            dirlock.hold(directory, "job-b")
+        assert f"is in use by job job-a (host {found.host}, pid {first.pid}, since " in str(
+            refused.value
+        )
+        again = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(directory), "job-a", "0"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(1.5)
+        assert again.poll() is None  # waiting for the first run, not refused
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        assert again.stdout is not None and again.stdout.readline() == "held\n"
+        assert again.wait(timeout=30) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert dirlock.holder(directory) is None

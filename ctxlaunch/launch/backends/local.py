@@ -4,6 +4,7 @@ rank, streaming rank 0's log, and exit with the job's status."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -120,8 +121,9 @@ class LocalBackend(Backend):
             backend_id=job_id,
             command=dryrun.command,
             artifact="spec.json",
-            # Who runs the job: once it is gone without recording an end, the job is LOST.
-            extra={"launcher": str(lifeline.this_process())},
+            # Who runs the job: once it is gone without recording an end, the job is LOST
+            # (told only on its host: a home shared between machines holds others' jobs).
+            extra={"launcher": str(lifeline.this_process()), "host": socket.gethostname()},
         )
         directory = record.directory
         ranks = ranks_per_node_of(spec, dryrun.entry)
@@ -184,7 +186,8 @@ class LocalBackend(Backend):
         restarts = _count(record.extra.get("restarts"))
         if code is None:
             launcher = lifeline.ProcessId.parse(record.extra.get("launcher"))
-            if launcher is not None and not launcher.alive():
+            here = record.extra.get("host") == socket.gethostname()
+            if launcher is not None and here and not launcher.alive():
                 return Status(
                     state="LOST",
                     restarts=restarts,

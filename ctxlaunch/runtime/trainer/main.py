@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def hold_checkpoint_dir(spec: JobSpec) -> None:
     """Take the job's checkpoint directory for this run's life (ctxlaunch.contract.dirlock):
-    DirectoryInUse naming the job that has it, before anything is built or written."""
+    DirectoryInUse naming the job that has it, before anything is built or written (a run of
+    this same job, requeued, waits for its earlier run to let go first)."""
     directory = spec.training.checkpoint.dir
     assert directory is not None
     job = os.environ.get(JOB_ID_ENV) or spec.name
