@@ -515,7 +515,8 @@ def kubernetes_request(
         image_pull_policy=k.image_pull_policy,
         command=pod_command(entry),
         restart_policy=POD_RESTART_POLICY,
-        env=job_environment(spec),
+        # ctxlaunch's own variable last (the spec's environment cannot name it anyway).
+        env={**job_environment(spec), **({RUN_DIR_ENV: k.run_dir} if k.run_dir else {})},
         secret_env=references.secret_key_refs(env_references(spec.fabric.env)),
         limits=limits,
         requests=requests,

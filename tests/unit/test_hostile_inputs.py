@@ -201,6 +201,23 @@ def test_the_batch_script_exports_ctxlaunchs_own_variables_after_the_specs() -> 
     assert text.index("export MY_FLAG=1") < text.index("export CTXLAUNCH_SPEC_JSON=")
 
 
+def test_a_pods_run_directory_is_a_field_not_an_environment_variable() -> None:
+    """On Kubernetes the run directory went on a volume through fabric.env's
+    CTXLAUNCH_RUN_DIR, now refused: cluster.kubernetes.run_dir says it, and the pods get it
+    after the spec's environment."""
+    code, text = _invoke(
+        "render",
+        str(JOBS / "llama3-70b-1m-k8s.yaml"),
+        "--set",
+        "cluster.kubernetes.run_dir=/checkpoints/run",
+        "--set",
+        "fabric.env={MY_FLAG: '1'}",
+    )
+    assert code == 0, text
+    first = text.index('name: "MY_FLAG"')
+    assert first < text.index('name: "CTXLAUNCH_RUN_DIR" value: "/checkpoints/run"')
+
+
 def test_a_machine_profile_or_calibration_that_is_no_file_is_named(
     home: Path, tmp_path: Path
 ) -> None:

@@ -152,6 +152,10 @@ class KubernetesSpec(_Strict):
     """Names of Secrets for pulling the image."""
     host_network: bool = False
     """Run pods on the host network (RDMA without a CNI); sets dnsPolicy ClusterFirstWithHostNet."""
+    run_dir: str | None = None
+    """Where the pods keep the job's run (its events, metrics and exit statuses), a path in the
+    container: on a mounted volume they outlive the pod (a healing job's next pod reads them).
+    None: a directory of the container's own."""
     shm_size: str = "64Gi"
     """Size limit of the memory-backed /dev/shm (the default 64 MiB breaks NCCL and dataloaders)."""
     rdma_resource: str | None = None
