@@ -6,6 +6,7 @@ checkpoints are the real trainer's, of a tiny Llama."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,23 @@ from tests.helpers.checkpoints import tiny_job, train
 MARKER = "COMMITTED"
 
 
-@pytest.fixture
-def two_steps(tmp_path: Path) -> Path:
-    """A job trained 4 steps with a checkpoint at steps 2 and 4."""
-    spec = tiny_job(tmp_path, steps=4, interval=2)
-    result = train(spec, tmp_path / "run")
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A job trained 4 steps with a checkpoint at steps 2 and 4 (once for the module)."""
+    root = tmp_path_factory.mktemp("trained")
+    result = train(tiny_job(root, steps=4, interval=2), root / "run")
     assert result.returncode == 0, result.stderr
+    return root
+
+
+@pytest.fixture
+def two_steps(trained: Path, tmp_path: Path) -> Path:
+    """A copy of the trained job for one test to damage: its model, checkpoints and spec
+    (naming the copy's own directories)."""
+    for name in ("model", "checkpoints"):
+        shutil.copytree(trained / name, tmp_path / name)
+    spec = (trained / "job.yaml").read_text()
+    (tmp_path / "job.yaml").write_text(spec.replace(str(trained), str(tmp_path)))
     return tmp_path
 
 
