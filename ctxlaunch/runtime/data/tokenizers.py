@@ -14,6 +14,8 @@ import importlib
 import os
 import re
 import stat
+import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,15 +233,26 @@ def tokenizer_config(path: Path) -> dict[str, Any]:
         raise TokenizerError(f"tokenizer {path}: {exc}") from None
 
 
+_held_stderr: Any = None
+"""A temporary file that takes this process's stderr while native code runs (made once)."""
+
+
 @contextlib.contextmanager
 def native_panics(path: Path, where: str = "") -> Iterator[None]:
     """A panic in a tokenizer's native code inside the block (its regex engine giving up on an
     expression that backtracks without end, "retry-limit-in-match over") becomes one
-    TokenizerError naming the file (and `where`, the text's place); the native report it
-    prints on the process's stderr is held back, so the command says one sentence."""
+    TokenizerError naming the file (and `where`, the text's place). The process's stderr is
+    held in a temporary file meanwhile: after the block it is passed on (a progress display's
+    frames arrive a little late, none is lost), after a panic the native report in it is
+    dropped, so the command says one sentence."""
+    global _held_stderr
+    if _held_stderr is None:
+        _held_stderr = tempfile.TemporaryFile()  # noqa: SIM115 - held for the process's life
+    held_fd = _held_stderr.fileno()
+    sys.stderr.flush()
     saved = os.dup(2)
-    quiet = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(quiet, 2)
+    os.dup2(held_fd, 2)
+    panicked = False
     try:
         yield
     except BaseException as exc:
@@ -247,6 +260,7 @@ def native_panics(path: Path, where: str = "") -> Iterator[None]:
         # cannot always be imported: it is known by its name.
         if type(exc).__name__ != "PanicException":
             raise
+        panicked = True
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         at = f" on the text at {where}" if where else ""
         raise TokenizerError(
@@ -254,9 +268,17 @@ def native_panics(path: Path, where: str = "") -> Iterator[None]:
             "its pre-tokenizer backtracks without bound on such text"
         ) from None
     finally:
+        sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
-        os.close(quiet)
+        held = os.lseek(held_fd, 0, os.SEEK_END)
+        if held and not panicked:
+            os.lseek(held_fd, 0, os.SEEK_SET)
+            while chunk := os.read(held_fd, 1 << 16):
+                os.write(2, chunk)
+        if held:
+            os.ftruncate(held_fd, 0)
+            os.lseek(held_fd, 0, os.SEEK_SET)
 
 
 def _sentencepiece(path: Path, eod_token: str | None) -> Tokenizer:
