@@ -15,7 +15,7 @@ import typer
 
 from ctxlaunch.cli.common import SetOpt, SpecArg, err, fail, load, out
 from ctxlaunch.cli.extras import require
-from ctxlaunch.contract import exitcodes
+from ctxlaunch.contract import exitcodes, lifeline
 from ctxlaunch.contract.rundir import EVAL_MODULE, SPEC_ENV, cpu_threads_per_rank, spec_json
 
 
@@ -83,10 +83,18 @@ def evaluate(
             command += ["--checkpoint", checkpoint]
         if base:
             command.append("--base")
-        env = {**os.environ, SPEC_ENV: spec_json(job)}
+        env = {**os.environ, SPEC_ENV: spec_json(job), **lifeline.launcher_env()}
         if job.cluster.gpu == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_rank(ranks)))
-        process = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        process = subprocess.run(
+            command,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+            # torchrun dies with this command, and each rank with torchrun (runtime.tether).
+            preexec_fn=lifeline.child_of(os.getpid()),
+        )
         if process.returncode or not result_path.is_file():
             errors = _rank_errors(Path(scratch) / "logs") or process.stderr.strip().splitlines()
             detail = "\n".join(errors[-12:])

@@ -348,10 +348,13 @@ def list_jobs(
     from ctxlaunch.launch.backends import get_backend
 
     rows = []
-    for record in jobstore.all_records()[-limit:]:
+    records, damaged = jobstore.scan_records()
+    for problem in damaged:  # named, and skipped: the other jobs are still listed
+        err.print(f"warning: {problem}; skipped", markup=False)
+    for record in records[-limit:]:
         try:
             state = get_backend(record.target).status(record).state
-        except (KeyError, RuntimeError):  # NotImplementedError is a RuntimeError
+        except (KeyError, RuntimeError, ValueError):  # NotImplementedError is a RuntimeError
             state = "UNKNOWN"
         rows.append((record, state))
     if as_json:

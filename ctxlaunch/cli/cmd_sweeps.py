@@ -91,7 +91,7 @@ def _sweep_jobs(sweep_id: str) -> dict[str, Any]:
         if point.get("job"):
             try:
                 record = jobstore.find(point["job"])
-            except KeyError:  # recorded by the sweep, but its record is gone
+            except (KeyError, ValueError):  # recorded by the sweep, but its record is gone
                 record = None
             entry["backend_id"] = record.backend_id if record else None
             if record is not None and "exit_status" in record.extra:
@@ -140,9 +140,13 @@ def report(
         data = jobstore.load_sweep(sweep_id)
     except KeyError:
         fail(f"no sweep {sweep_id!r} in {jobstore.sweeps_root()}")
+    except ValueError as exc:  # a reference no sweep can have, or a damaged record
+        fail(str(exc))
     if plots is not None and plots.exists() and not plots.is_dir():
         fail(f"--plots: {plots} exists and is not a directory")
     result = build_report(data, load_calibration())
+    for problem in result.problems:  # named; the point's columns are left empty
+        err.print(f"warning: {problem}", markup=False)
     if csv_path is not None:
         atomic_write_text(csv_path, result.csv_text())
     if plots is not None or html_path is not None:

@@ -47,10 +47,18 @@ def load(spec: Path, overrides: list[str] | None, **forced: object) -> JobSpec:
         data = apply_overrides(read_spec_data(spec), overrides or ())
         if forced:
             data = apply_overrides(data, [f"{k}={json.dumps(v)}" for k, v in forced.items()])
-        return validate_spec(data, str(spec))
+        job = validate_spec(data, str(spec))
     except SpecError as exc:
         err.print(str(exc), markup=False)
         raise typer.Exit(exitcodes.BAD_INPUT) from None
+    if job.cluster.profile is not None:
+        from ctxlaunch.perf.machine import load_profile
+
+        try:  # its constants, each of its type, before anything computes with them
+            load_profile(Path(job.cluster.profile))
+        except ValueError as exc:
+            fail(str(exc))
+    return job
 
 
 def print_warnings(spec: JobSpec) -> None:
@@ -77,4 +85,11 @@ def find_job(reference: str) -> tuple[JobRecord, Backend]:
             f"no job {reference!r} in {jobstore.jobs_root()}"
             + (f" (recent: {known})" if known else "")
         )
-    return record, get_backend(record.target)
+    except ValueError as exc:  # a reference no job can have, or a damaged record
+        fail(str(exc))
+    try:
+        return record, get_backend(record.target)
+    except NotImplementedError:
+        fail(
+            f"job {record.id}: its record names the target {record.target[:40]!r}, not one of ours"
+        )

@@ -20,6 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ctxlaunch.contract.bounded import (
+    MAX_EVENTS_BYTES,
+    BoundedReadError,
+    loads_bounded_json,
+    read_bounded_lines,
+)
+
 EVENTS_FILE = "events.jsonl"
 
 STARTED = "started"
@@ -123,12 +130,19 @@ def append_event(run_dir: str | Path, kind: str, **fields: Any) -> bool:
 def parse_events(lines: list[str]) -> list[Event]:
     """The events in these lines, oldest first; a line that is not a complete event (half
     written when the job was killed, or foreign) is skipped."""
-    events = []
+    records = []
     for line in lines:
         try:
-            record = json.loads(line)
+            records.append(loads_bounded_json(line))
         except ValueError:
             continue
+    return _events(records)
+
+
+def _events(records: list[Any]) -> list[Event]:
+    """The events among parsed lines: objects of a known kind (anything else is skipped)."""
+    events = []
+    for record in records:
         if not isinstance(record, dict) or record.get("event") not in EVENT_FIELDS:
             continue
         kind = record.pop("event")
@@ -140,12 +154,14 @@ def parse_events(lines: list[str]) -> list[Event]:
 
 
 def read_events(run_dir: str | Path) -> list[Event]:
-    """The run directory's events, oldest first (none when it has no events file yet)."""
+    """The run directory's events, oldest first (none when it has no events file yet, or one
+    that is no file: a FIFO, a directory): the file's last MAX_EVENTS_BYTES, read with bounds,
+    so a job's log never hangs or exhausts the command that reads it."""
     try:
-        text = events_path(run_dir).read_text(errors="replace")
-    except OSError:
+        lines = read_bounded_lines(events_path(run_dir), MAX_EVENTS_BYTES, "the events file")
+    except BoundedReadError:
         return []
-    return parse_events(text.splitlines())
+    return _events(lines)
 
 
 def requeue_printf(events_file: str, restart_var: str, cause_var: str, exit_var: str) -> str:

@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from ctxlaunch.contract.bounded import (
+    MAX_DEPTH,
     MAX_SPEC_BYTES,
     BoundedComposer,
     BoundedReadError,
     BoundedYamlError,
+    SentencedConstructor,
     check_mapping_keys,
     read_bounded_text,
 )
@@ -70,10 +72,11 @@ def read_spec_data(path: str | Path) -> dict[str, Any]:
     return parse_yaml(text, str(path))
 
 
-class _SpecLoader(BoundedComposer, yaml.SafeLoader):
+class _SpecLoader(BoundedComposer, SentencedConstructor, yaml.SafeLoader):
     """YAML 1.1 reads 10:00 as the base-60 number 600; specs hold Slurm times like that, so
     numbers with colons stay strings (as in YAML 1.2). Bounded (contract/bounded.py): nesting,
-    aliases expanded, keys that are text and given once."""
+    aliases expanded, keys that are text and given once, values their tags' constructors
+    reject told as such."""
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         check_mapping_keys(node)
@@ -142,12 +145,22 @@ def apply_overrides(
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key or any(not part for part in key.split(".")):
-            problems.append(Problem("", f"--set {item!r}: expected path.to.field=value"))
+            problems.append(Problem("", f"--set {_clip(item, 80)!r}: expected path.to.field=value"))
+            continue
+        if key.count(".") >= MAX_DEPTH:
+            # Deeper than any spec field, and deeper than the spec's later steps walk.
+            problems.append(
+                Problem(
+                    "",
+                    f"--set {_clip(key, 80)}: a path of {key.count('.') + 1:,} parts; a spec "
+                    f"field is at most {MAX_DEPTH} deep",
+                )
+            )
             continue
         try:
             value = load_yaml(raw) if raw.strip() else ""
         except BoundedYamlError as exc:
-            problems.append(Problem(key, f"--set {key}: the value is {exc.problem}"))
+            problems.append(Problem(key, f"--set {key}: {exc.problem}"))
             continue
         except yaml.YAMLError:
             value = raw

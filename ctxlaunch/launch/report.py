@@ -12,11 +12,18 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ctxlaunch.contract.bounded import (
+    MAX_EVENTS_BYTES,
+    MAX_STATE_BYTES,
+    BoundedReadError,
+    read_bounded_lines,
+    read_bounded_object,
+)
 from ctxlaunch.contract.hardware import GiB
 from ctxlaunch.launch.sweep import RESULT_FIELDS, result_row
 from ctxlaunch.perf.flops import CONVENTIONS, flops_per_token
@@ -45,6 +52,8 @@ ring; resumed at step 4 with cp 1, dp 2")."""
 class SweepReport:
     sweep: dict[str, Any]
     rows: list[dict[str, Any]]
+    problems: list[str] = field(default_factory=list)
+    """Run files that could not be read (each named, its columns left empty)."""
 
     @property
     def columns(self) -> list[str]:
@@ -72,16 +81,35 @@ class SweepReport:
         return buffer.getvalue()
 
 
-def _point_spec(entry: dict[str, Any], record: Any) -> Any:
-    """The point's resolved spec: kept in the sweep record, else the job's spec.json."""
+def _point_spec(entry: dict[str, Any], record: Any, problems: list[str]) -> Any:
+    """The point's resolved spec: kept in the sweep record, else the job's spec.json (None,
+    with the reason in `problems`, where neither can be read)."""
     from ctxlaunch.contract.loader import validate_spec
     from ctxlaunch.launch import jobstore
 
     data = entry.get("spec")
+    source = f"the sweep record's spec of {entry['name']}"
     if data is None and record is not None:
         path = jobstore.run_dir(record) / "spec.json"
-        data = json.loads(path.read_text()) if path.is_file() else None
-    return validate_spec(data, entry["name"]) if data is not None else None
+        source = str(path)
+        data = _run_file(path, problems, "the point's spec")
+    try:
+        return validate_spec(data, source) if data is not None else None
+    except ValueError as exc:
+        problems.append(f"{source}: not a valid spec ({str(exc).splitlines()[-1].strip()})")
+        return None
+
+
+def _run_file(path: Path, problems: list[str], what: str) -> dict[str, Any] | None:
+    """A run's JSON record (summary.json, spec.json), read with bounds; None when it is not
+    there, or (named in `problems`) cannot be read."""
+    if not os.path.lexists(path):
+        return None
+    try:
+        return read_bounded_object(path, MAX_STATE_BYTES, what)
+    except BoundedReadError as exc:
+        problems.append(str(exc))
+        return None
 
 
 def predict_row(row: dict[str, Any], spec: Any, calibration: Any) -> None:
@@ -116,20 +144,40 @@ def predict_row(row: dict[str, Any], spec: Any, calibration: Any) -> None:
     row["step_error"] = step and time.step_seconds / step - 1
 
 
-def eval_columns(path: Path) -> dict[str, Any]:
-    """The EVAL_FIELDS of a run's last evaluation in its eval.jsonl (None where it has none)."""
+def eval_columns(path: Path, problems: list[str] | None = None) -> dict[str, Any]:
+    """The EVAL_FIELDS of a run's last evaluation in its eval.jsonl (None where it has none;
+    a file that cannot be read, or a last line that is not an evaluation, is named in
+    `problems`)."""
     row: dict[str, Any] = dict.fromkeys(EVAL_FIELDS)
-    lines = path.read_text().splitlines() if path.is_file() else []
+    try:
+        lines = read_bounded_lines(path, MAX_EVENTS_BYTES, "the evaluation log")
+    except BoundedReadError as exc:
+        if problems is not None:
+            problems.append(str(exc))
+        return row
     if not lines:
         return row
-    last = json.loads(lines[-1])
-    row["eval_loss"] = last["loss"]
-    scored = [b for b in last["buckets"] if b["tokens"]]
-    row["eval_loss_longest"] = scored[-1]["loss"] if scored else None
-    cells = last.get("passkey") or []
-    trials = sum(c["trials"] for c in cells)
-    row["passkey_retrieved"] = sum(c["retrieved"] for c in cells) / trials if trials else None
+    last = lines[-1]
+    try:
+        loss = _number(last["loss"])
+        scored = [b for b in last["buckets"] if b["tokens"]]
+        longest = _number(scored[-1]["loss"]) if scored else None
+        cells = last.get("passkey") or []
+        trials = sum(_number(c["trials"]) for c in cells)
+        retrieved = sum(_number(c["retrieved"]) for c in cells) / trials if trials else None
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError):
+        if problems is not None:
+            problems.append(f"{path}: the last line is not an evaluation ctxlaunch wrote")
+        return row
+    row.update(eval_loss=loss, eval_loss_longest=longest, passkey_retrieved=retrieved)
     return row
+
+
+def _number(value: Any) -> float:
+    """A JSON number from a run file (TypeError for anything else, a bool included)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{value!r} is not a number")
+    return value
 
 
 def build_report(sweep: dict[str, Any], calibration: Any = None) -> SweepReport:
@@ -138,30 +186,42 @@ def build_report(sweep: dict[str, Any], calibration: Any = None) -> SweepReport:
     from ctxlaunch.launch.backends import get_backend
 
     rows = []
+    problems: list[str] = []
     for entry in sweep["points"]:
         record = None
         if entry["job"] is None:
             row = result_row(entry, "SKIPPED", None)
         else:
-            record = jobstore.load(entry["job"])
+            try:
+                record = jobstore.load(entry["job"])
+            except (KeyError, ValueError) as exc:  # gone, or damaged (named)
+                problems.append(
+                    str(exc)
+                    if isinstance(exc, ValueError)
+                    else f"no record of job {entry['job']!r} in {jobstore.jobs_root()}"
+                )
+        if record is not None:
             healing: tuple[str, ...] = ()
             try:
                 status = get_backend(record.target).status(record)
                 state, healing = status.state, status.healing
-            except (KeyError, RuntimeError):  # NotImplementedError is a RuntimeError
+            # NotImplementedError is a RuntimeError; a damaged events file a ValueError
+            except (KeyError, RuntimeError, ValueError):
                 state = "UNKNOWN"
-            summary_path = jobstore.run_dir(record) / "summary.json"
-            summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+            run = jobstore.run_dir(record)
+            summary = _run_file(run / "summary.json", problems, "the run's summary")
             row = result_row(entry, state, summary)
             # training.heal: how often the point's layout was re-planned, and each re-plan.
             row["replans"] = len(healing)
             row["healing"] = "; then ".join(healing) or None
-            row.update(eval_columns(jobstore.run_dir(record) / "eval.jsonl"))
-        spec = _point_spec(entry, record)
+            row.update(eval_columns(run / "eval.jsonl", problems))
+        elif entry["job"] is not None:
+            row = result_row(entry, "UNKNOWN", None)
+        spec = _point_spec(entry, record, problems)
         if spec is not None:
             predict_row(row, spec, calibration)
         rows.append(row)
-    return SweepReport(sweep, rows)
+    return SweepReport(sweep, rows, problems)
 
 
 # --------------------------------------------------------------------------------------------

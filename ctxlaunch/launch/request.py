@@ -105,6 +105,8 @@ class SlurmRequest:
     directives: list[str]
     """sbatch options, one per `#SBATCH` line (values are validated to need no quoting)."""
     env: dict[str, str]
+    own_env: dict[str, str]
+    """ctxlaunch's own variables besides the spec (the run directory), exported after `env`."""
     srun_args: list[str]
     entry_command: list[str]
     """What each task runs: the job entry's module (the trainer, one task per GPU)."""
@@ -177,8 +179,7 @@ def slurm_request(
         "--label",
     ]
     env = job_environment(spec)
-    if run_dir and not array:
-        env[RUN_DIR_ENV] = run_dir
+    own_env = {RUN_DIR_ENV: run_dir} if run_dir and not array else {}
     # The trainer's own run directory: $CTXLAUNCH_RUN_DIR (a job array's task sets its own),
     # else its default. Job names are RFC 1123 labels: nothing in them needs quoting.
     events_file = f'"${{{RUN_DIR_ENV}:-{default_run_dir(job_name or spec.name)}}}"/{EVENTS_FILE}'
@@ -186,6 +187,7 @@ def slurm_request(
         job_name=job_name or spec.name,
         directives=directives,
         env=env,
+        own_env=own_env,
         srun_args=srun_args,
         entry_command=[python, "-u", "-m", entry.module, *entry.args],
         max_restarts=s.max_restarts,
@@ -513,7 +515,8 @@ def kubernetes_request(
         image_pull_policy=k.image_pull_policy,
         command=pod_command(entry),
         restart_policy=POD_RESTART_POLICY,
-        env=job_environment(spec),
+        # ctxlaunch's own variable last (the spec's environment cannot name it anyway).
+        env={**job_environment(spec), **({RUN_DIR_ENV: k.run_dir} if k.run_dir else {})},
         secret_env=references.secret_key_refs(env_references(spec.fabric.env)),
         limits=limits,
         requests=requests,

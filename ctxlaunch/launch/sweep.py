@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -98,22 +99,63 @@ def load_sweep(
                 for e in exc.errors()
             ],
         ) from None
+    sizes = [len(values) for values in definition.axes.values()]
+    count = math.prod(sizes)
+    if count > MAX_SWEEP_POINTS:
+        # Counted before anything is expanded: validating each point takes tens of
+        # milliseconds, and 10^8 of them would run for years.
+        raise SpecError(
+            str(path),
+            [
+                Problem(
+                    "sweep.axes",
+                    f"{' x '.join(map(str, sizes))} values make {count:,} points; a sweep holds "
+                    f"at most {MAX_SWEEP_POINTS:,}",
+                )
+            ],
+        )
     base = apply_overrides(
         read_spec_data(path.parent / definition.base),
-        [f"{k}={json.dumps(v)}" for k, v in definition.set.items()] + list(overrides),
+        # A YAML date is text to a spec: default=str keeps it what the spec's field reads.
+        [f"{k}={json.dumps(v, default=str)}" for k, v in definition.set.items()] + list(overrides),
     )
-    return definition, expand(definition, base)
+    return definition, expand(definition, base, str(path))
 
 
-def expand(definition: SweepDefinition, base: dict[str, Any]) -> list[Point]:
+MAX_SWEEP_POINTS = 1000
+"""The most points a sweep expands to (the product of its axes' lengths): Slurm's default
+MaxArraySize (1001) holds them as one job array."""
+CHECKPOINT_DIR = "training.checkpoint.dir"
+
+
+def expand(definition: SweepDefinition, base: dict[str, Any], source: str = "") -> list[Point]:
+    """Every point of the sweep: the base with the point's axis values, named by them, each
+    checkpointing in its own directory under the base's (`<dir>/<point name>`) unless an axis
+    sets the directory itself; SpecError when two points would get one name."""
     axes = list(definition.axes.items())
-    points = []
+    points: list[Point] = []
+    named: dict[str, dict[str, Any]] = {}
     for index, combination in enumerate(itertools.product(*(values for _, values in axes))):
         values = dict(zip((path for path, _ in axes), combination, strict=True))
         name = point_name(definition.name, combination)
+        if name in named:
+            raise SpecError(
+                source or definition.name,
+                [
+                    Problem(
+                        "sweep.axes",
+                        f"the points {named[name]} and {values} would both be named {name}",
+                    )
+                ],
+            )
+        named[name] = values
         data = apply_overrides(
-            base, [f"{k}={json.dumps(v)}" for k, v in values.items()] + [f"name={name}"]
+            base,
+            [f"{k}={json.dumps(v, default=str)}" for k, v in values.items()] + [f"name={name}"],
         )
+        own_dir = _own_checkpoint_dir(data, name)
+        if own_dir is not None and CHECKPOINT_DIR not in values:
+            data = apply_overrides(data, [f"{CHECKPOINT_DIR}={json.dumps(own_dir)}"])
         try:
             points.append(Point(index, values, name, validate_spec(data, name)))
         except SpecError as exc:
@@ -121,14 +163,43 @@ def expand(definition: SweepDefinition, base: dict[str, Any]) -> list[Point]:
     return points
 
 
+def _own_checkpoint_dir(data: dict[str, Any], name: str) -> str | None:
+    """The point's own checkpoint directory under the base's (None: the base has none), so a
+    point never resumes from another point's steps."""
+    training = data.get("training")
+    checkpoint = training.get("checkpoint") if isinstance(training, dict) else None
+    directory = checkpoint.get("dir") if isinstance(checkpoint, dict) else None
+    return str(Path(directory) / name) if isinstance(directory, str) and directory else None
+
+
+_PLAIN_WORD = re.compile(r"^[a-z0-9]+$")
+"""An axis value that stands in a name as it is: lowercase letters and digits, no '-'."""
+
+
+def _name_part(value: Any) -> tuple[str, bool]:
+    """How `value` reads in a point's name, and whether it reads exactly (it can be told back
+    from the name alone): a non-negative integer, or a word of lowercase letters and digits
+    that is not all digits (so "1" the text is never 1 the number)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return str(value), True
+    if isinstance(value, str) and _PLAIN_WORD.fullmatch(value) and not value.isdigit():
+        return value, True
+    return re.sub(r"[^a-z0-9]+", "-", str(value).lower()).strip("-") or "x", False
+
+
 def point_name(prefix: str, values: tuple[Any, ...]) -> str:
-    """A stable, readable job name from the axis values (hashed when too long)."""
-    parts = [re.sub(r"[^a-z0-9]+", "-", str(v).lower()).strip("-") or "x" for v in values]
-    name = "-".join([prefix, *parts])
+    """A stable, readable job name from the axis values, one per distinct point: values that
+    read exactly are joined by '-' (each part holds no '-', so the parts split back into the
+    values); otherwise (`a-b`, `a_b` and `A B` all read `a-b`) a digest of the values follows.
+    A name over the job name's limit is the prefix and a digest."""
+    parts = [_name_part(v) for v in values]
+    digest = hashlib.sha256(json.dumps(list(values), sort_keys=True, default=str).encode())
+    name = "-".join([prefix, *(part for part, _ in parts)])
+    if not all(exact for _, exact in parts):
+        name += "-" + digest.hexdigest()[:8]
     if len(name) <= MAX_JOB_NAME:
         return name
-    digest = hashlib.sha256(json.dumps(list(map(str, values))).encode()).hexdigest()[:10]
-    return f"{prefix}-{digest}"
+    return f"{prefix}-{digest.hexdigest()[:10]}"
 
 
 def slurm_groups(points: list[Point]) -> list[list[Point]]:
@@ -151,10 +222,18 @@ def result_row(
 ) -> dict[str, Any]:
     row = {"name": point_record["name"], **point_record["values"], "state": state}
     for field in RESULT_FIELDS:
-        row[field] = summary.get(field) if summary else None
-    peaks = (summary or {}).get("peak_memory_bytes_per_rank") or []
-    row["peak_memory_gib"] = max(peaks) / 2**30 if peaks else None
+        row[field] = _measured(summary.get(field)) if summary else None
+    peaks = (summary or {}).get("peak_memory_bytes_per_rank")
+    numbers = [n for n in map(_measured, peaks) if n is not None] if isinstance(peaks, list) else []
+    row["peak_memory_gib"] = max(numbers) / 2**30 if numbers else None
     return row
+
+
+def _measured(value: Any) -> float | None:
+    """A summary's figure: a finite number, else None (a run file ctxlaunch did not write)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return value if math.isfinite(value) else None
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ctxlaunch.contract.bounded import MAX_PROFILE_BYTES, BoundedReadError, read_bounded_object
 from ctxlaunch.contract.fsutil import atomic_write_text
 from ctxlaunch.contract.hardware import GPUS, LINKS, GpuInfo, LinkInfo
 from ctxlaunch.contract.rundir import home
@@ -405,12 +406,48 @@ def calibration_path() -> Path:
 
 
 def load_calibration(path: Path | None = None) -> Calibration | None:
-    """The saved CPU constants; None where none are saved (or the file is unreadable)."""
+    """The saved CPU constants; None where none are saved (or the file is not a calibration:
+    read with bounds, each constant of its type)."""
     path = path or calibration_path()
     try:
-        return Calibration(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
+        data = read_bounded_object(path, MAX_PROFILE_BYTES, "the CPU calibration")
+        return typed_record(Calibration, data)
+    except ValueError:
         return None
+
+
+def typed_record(cls: Any, data: Any) -> Any:
+    """`cls` (a dataclass) from `data`, each field of its annotated type (a float finite; a
+    dict a JSON object): ValueError naming the field that is not, or one `cls` lacks."""
+    import math
+    import typing
+
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(data) - set(hints))
+    if unknown:
+        raise ValueError(f"unknown field {unknown[0][:60]!r}")
+    for name, value in data.items():
+        kinds = typing.get_args(hints[name]) or (hints[name],)
+        origins = {typing.get_origin(k) or k for k in kinds}
+        if value is None and type(None) in origins:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{name} is {value}, not a finite number")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        fits = (
+            (float in origins and number)
+            or (int in origins and isinstance(value, int) and not isinstance(value, bool))
+            or any(k in origins and isinstance(value, k) for k in (str, bool, dict, list))
+            or Any in origins
+        )
+        if not fits:
+            raise ValueError(f"{name} is a {type(value).__name__}")
+    try:
+        return cls(**data)
+    except TypeError as exc:  # a field it needs is missing
+        raise ValueError(str(exc).split(") ", 1)[-1]) from None
 
 
 def save_calibration(calibration: Calibration, path: Path | None = None) -> Path:
@@ -453,11 +490,15 @@ def load_profile(path: Path) -> Calibration | GpuCalibration:
     """The constants of a machine profile (a GPU node's, or a CPU's); ValueError naming the
     file when it is not one."""
     try:
-        data = json.loads(path.read_text())
+        data = read_bounded_object(path, MAX_PROFILE_BYTES, "the machine profile")
         kind = GpuCalibration if data.get("kind") == "gpu" else Calibration
-        return kind(**data["calibration"])
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise ValueError(f"cluster.profile: {path} is not a machine profile ({exc})") from None
+        return typed_record(kind, data.get("calibration"))
+    except BoundedReadError as exc:
+        raise ValueError(f"cluster.profile: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(
+            f"cluster.profile: {path} is not a machine profile (its calibration: {exc})"
+        ) from None
 
 
 CPU_MODEL = "ctxlaunch-cpu"

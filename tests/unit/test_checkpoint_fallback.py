@@ -6,6 +6,7 @@ checkpoints are the real trainer's, of a tiny Llama."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,23 @@ from tests.helpers.checkpoints import tiny_job, train
 MARKER = "COMMITTED"
 
 
-@pytest.fixture
-def two_steps(tmp_path: Path) -> Path:
-    """A job trained 4 steps with a checkpoint at steps 2 and 4."""
-    spec = tiny_job(tmp_path, steps=4, interval=2)
-    result = train(spec, tmp_path / "run")
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A job trained 4 steps with a checkpoint at steps 2 and 4 (once for the module)."""
+    root = tmp_path_factory.mktemp("trained")
+    result = train(tiny_job(root, steps=4, interval=2), root / "run")
     assert result.returncode == 0, result.stderr
+    return root
+
+
+@pytest.fixture
+def two_steps(trained: Path, tmp_path: Path) -> Path:
+    """A copy of the trained job for one test to damage: its model, checkpoints and spec
+    (naming the copy's own directories)."""
+    for name in ("model", "checkpoints"):
+        shutil.copytree(trained / name, tmp_path / name)
+    spec = (trained / "job.yaml").read_text()
+    (tmp_path / "job.yaml").write_text(spec.replace(str(trained), str(tmp_path)))
     return tmp_path
 
 
@@ -66,3 +78,23 @@ def test_every_step_damaged_fails_in_one_sentence(two_steps: Path) -> None:
     assert result.returncode == 1
     assert "every committed checkpoint" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_cut_short_step_whose_marker_predates_the_file_list_is_skipped(
+    two_steps: Path,
+) -> None:
+    """A marker written before markers recorded the files (no "files") cannot be compared with
+    them: the step's data files are checked against what its metadata places in them, so a
+    newest step cut short is skipped (every rerun failed) and the job resumes from step 2."""
+    newest = two_steps / "checkpoints" / "step-00000004"
+    marker = json.loads((newest / MARKER).read_text())
+    del marker["files"]
+    (newest / MARKER).write_text(json.dumps(marker))
+    damaged = data_file(newest)
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    run = two_steps / "run3"
+    result = train(two_steps / "job.yaml", run, "training.steps=6")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout + result.stderr
+    assert f"skipped checkpoint {newest}" in out and f"{damaged} is cut short" in out
+    assert "resumed from " + str(two_steps / "checkpoints" / "step-00000002") in out

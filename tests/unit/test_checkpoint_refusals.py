@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tests.helpers.checkpoints import LAUNCHER_VARIABLES, run_ctxlaunch, tiny_job, train
@@ -124,3 +125,29 @@ def test_resume_from_another_models_deepspeed_checkpoint_exits_2(tmp_path: Path)
     step = tmp_path / "checkpoints" / "step-00000001"
     assert f"error: {step} does not hold this model's weights" in text, text
     assert "blocks.1.ffn.w_down.weight" in text and "it was saved by a different model" in text
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("claim", ["negative", "2^60 elements"])
+def test_export_checks_declared_shapes_before_allocating_them(
+    claim: str, trained: Path, tmp_path: Path
+) -> None:
+    """A checkpoint whose metadata declares a tensor of a negative size or of 2^60 elements:
+    `export` compares the declared shapes with the model before it allocates anything (it
+    allocated what was declared, and exited 1 with torch's error), exit 2 naming the tensor."""
+    import pickle
+
+    step = tmp_path / "step-00000001"
+    shutil.copytree(trained / "checkpoints" / "step-00000001", step)
+    metadata = pickle.loads((step / ".metadata").read_bytes())  # the trainer's own file
+    key = "model/blocks.0.ffn.w_down.weight#0"
+    meta = metadata.state_dict_metadata[key]
+    size = [-1, HIDDEN] if claim == "negative" else [2**30, 2**30]
+    meta.size = torch.Size(size)
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    exported = run_ctxlaunch("export", str(step), "--hf", str(tmp_path / "hf"))
+    assert exported.returncode == 2, exported.stderr
+    said = " ".join(exported.stderr.split())
+    words = "a size is negative" if claim == "negative" else "more than this model's"
+    assert f"declares {key} of shape {size}" in said and words in said, said
+    assert "Traceback" not in exported.stderr and not (tmp_path / "hf").exists()

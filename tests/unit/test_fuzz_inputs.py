@@ -1,14 +1,18 @@
 """Seeded mutations of what a user hands the commands: every example spec (to `validate` and
-`render`), a Hugging Face config.json under `model.init_from` (to `validate`), JSON lines (to
-`data prepare`) and every kind of tokenizer file `data prepare` reads. Each outcome must be
-exit 0 or 2 with no traceback, no code run from the input, and nothing half-written. The seeds
-are fixed, so a failure reproduces; the counts are bounded so the whole file runs in seconds."""
+`render`), the example sweep (to `sweep --dry-run`), a Hugging Face config.json under
+`model.init_from` (to `validate`), JSON lines and chat lines, chat templates and
+tokenizer_config.json (to `data prepare`), every kind of tokenizer file `data prepare` reads,
+`--set` paths (to `validate`), and what ctxlaunch reads back from its own state: job and sweep
+records and a run's files (to `status`, `list` and `report`). Each outcome must be exit 0 or 2
+with no traceback, no code run from the input, and nothing half-written. The seeds are fixed,
+so a failure reproduces; the counts are bounded so the whole file runs in seconds."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import shutil
 from collections import Counter
 from importlib.metadata import distribution
 from pathlib import Path
@@ -379,3 +383,289 @@ def _mutate_tokenizer(kind: str, genuine: bytes, rng: random.Random) -> bytes:
     if kind == "tiktoken":
         return _mutate_tiktoken(genuine.decode(), rng)
     return _mutate_bytes(genuine, rng)
+
+
+SWEEP_MUTATIONS = 16
+RECORD_MUTATIONS = 24
+"""Mutations of a job record, a sweep record and a run's files, in turn."""
+CHAT_MUTATIONS = 20
+"""Mutations of chat lines, of the chat template and of tokenizer_config.json, each."""
+SET_PATH_MUTATIONS = 40
+
+
+def test_mutated_sweep_files_expand_or_exit_2(tmp_path: Path) -> None:
+    """The example sweep mutated as the specs are (its base made absolute): `sweep --dry-run`
+    exits 0 or 2, no tag runs code."""
+    rng = random.Random("sweep")
+    marker = tmp_path / "code-ran"
+    text = (ROOT / "jobs" / "sweeps" / "demo.yaml").read_text()
+    text = text.replace("base: ../demo.yaml", f"base: {ROOT / 'jobs' / 'demo.yaml'}")
+    outcomes: Counter[int] = Counter()
+    for number in range(SWEEP_MUTATIONS):
+        path = tmp_path / f"s{number}.yaml"
+        path.write_bytes(_mutate_yaml(text, rng, marker).encode("utf-8", "surrogatepass"))
+        outcomes[_invoke(["sweep", str(path), "--dry-run"])] += 1
+        assert not marker.exists(), f"{path}: the YAML ran a command"
+    assert outcomes[0] > 0 and outcomes[2] > 0, outcomes
+
+
+def _mutate_json_value(data: Any, rng: random.Random) -> bytes:
+    """A JSON document with a value somewhere inside it (up to three levels down) removed or
+    replaced by a hostile one, or its text cut short or its bytes mutated."""
+    operation = rng.randrange(4)
+    text = json.dumps(data)
+    if operation == 0:
+        return text[: rng.randrange(len(text))].encode()
+    if operation == 1:
+        return _mutate_bytes(text.encode(), rng)
+    copy = json.loads(text)
+    node: Any = copy
+    parent, key = None, None
+    for _ in range(rng.randint(1, 3)):
+        if isinstance(node, dict) and node:
+            parent, key = node, rng.choice(sorted(node))
+        elif isinstance(node, list) and node:
+            parent, key = node, rng.randrange(len(node))
+        else:
+            break
+        node = parent[key]
+    if parent is None:
+        return json.dumps(rng.choice(HOSTILE_JSON_VALUES)).encode("utf-8", "surrogatepass")
+    if operation == 2 and isinstance(parent, dict):
+        del parent[key]
+    else:
+        parent[key] = rng.choice(HOSTILE_JSON_VALUES)
+    return json.dumps(copy).encode("utf-8", "surrogatepass")
+
+
+def _state(home: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, bytes]]:
+    """A finished local job's record, a one-point sweep record of it and its run files, as
+    ctxlaunch writes them."""
+    from ctxlaunch.contract.loader import load_spec
+
+    job_id = "local-demo-20260101-000000-abcd"
+    record = {
+        "id": job_id,
+        "name": "demo",
+        "target": "local",
+        "created": 1.0,
+        "backend_id": job_id,
+        "command": ["torchrun"],
+        "artifact": "spec.json",
+        "extra": {"exit_status": 0, "rank_exit_codes": [0, 0], "restarts": 0},
+    }
+    spec = load_spec(ROOT / "jobs" / "demo.yaml", ["training.seq_len=2048"])
+    sweep = {
+        "id": "sweep-demo-1",
+        "name": "demo",
+        "target": "local",
+        "created": 1.0,
+        "axes": ["training.seq_len"],
+        "points": [
+            {
+                "index": 0,
+                "name": "demo-2048",
+                "values": {"training.seq_len": 2048},
+                "job": job_id,
+                "skipped": None,
+                "spec": spec.model_dump(mode="json"),
+            },
+        ],
+    }
+    files = {
+        "summary.json": json.dumps(
+            {
+                "tokens_per_second_per_gpu": 900.0,
+                "step_seconds": 1.1,
+                "final_loss": 2.0,
+                "attention_balance": 1.0,
+                "peak_memory_bytes_per_rank": [2**30, 2**30],
+            }
+        ).encode(),
+        "eval.jsonl": json.dumps(
+            {
+                "loss": 2.0,
+                "buckets": [{"tokens": 10, "loss": 2.1}],
+                "passkey": [{"trials": 2, "retrieved": 1}],
+            }
+        ).encode()
+        + b"\n",
+        "events.jsonl": b'{"event":"step","time":1.0,"step":1,"loss":2.0}\n',
+    }
+    return record, sweep, files
+
+
+def test_mutated_job_records_sweep_records_and_run_files_exit_0_or_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job record, a sweep record and a run's files (summary, evaluation and events logs)
+    mutated one at a time: `status` and `report` exit 0 or 2 (a damaged record is named), and
+    `list` always exits 0, naming a record it skips."""
+    rng = random.Random("records")
+    outcomes: Counter[int] = Counter()
+    for number in range(RECORD_MUTATIONS):
+        home = tmp_path / f"h{number}"
+        monkeypatch.setenv("CTXLAUNCH_HOME", str(home))
+        record, sweep, files = _state(home)
+        job_dir = home / "jobs" / record["id"]
+        job_dir.mkdir(parents=True)
+        (home / "sweeps").mkdir()
+        contents = {
+            job_dir / "job.json": json.dumps(record).encode(),
+            home / "sweeps" / "sweep-demo-1.json": json.dumps(sweep).encode(),
+            **{job_dir / name: data for name, data in files.items()},
+        }
+        target = sorted(contents)[number % len(contents)]
+        original = json.loads(contents[target].splitlines()[0])
+        contents[target] = _mutate_json_value(original, rng)
+        for path, data in contents.items():
+            path.write_bytes(data)
+        outcomes[_invoke(["status", record["id"]])] += 1
+        outcomes[_invoke(["report", "sweep-demo-1"])] += 1
+        assert _invoke(["list"]) == 0
+    assert outcomes[0] > 0 and outcomes[2] > 0, outcomes
+
+
+HOSTILE_TEMPLATE_PIECES = [
+    "{% include 'x' %}",
+    "{{ 'a' * 99999999999 }}",
+    "{% for i in range(999999999) %}{% endfor %}",
+    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+    "{{ messages[99] }}",
+    "{{ raise_exception('no') }}",
+    "{{ 1 / 0 }}",
+    "{{ ''.__class__ }}",
+    "{% for",
+    "{{ x.y.z }}",
+]
+"""What a hostile or broken chat template holds: includes, unbounded sizes, recursion, errors
+of its own, sandbox escapes, syntax cut short."""
+
+
+def _mutate_template(template: str, rng: random.Random) -> str:
+    """A chat template with a hostile piece inserted, a character inserted or removed, or its
+    text cut short."""
+    operation = rng.randrange(4)
+    cut = rng.randrange(len(template))
+    if operation == 0:
+        return template[:cut] + rng.choice(HOSTILE_TEMPLATE_PIECES) + template[cut:]
+    if operation == 1:
+        return template[:cut] + rng.choice(HOSTILE_CHARACTERS + ["{", "}", "%"]) + template[cut:]
+    if operation == 2:
+        return template[:cut] + template[cut + 1 :]
+    return template[:cut]
+
+
+HOSTILE_MESSAGES: list[Any] = [
+    *HOSTILE_JSON_VALUES,
+    [{"role": "user"}],
+    [{"role": 5, "content": "x"}],
+    [{"role": "user", "content": ["a", "b"]}],
+    [{"role": "user", "content": 7}],
+]
+"""A chat line's messages that no conversation can be (each is refused naming the line)."""
+ODD_MESSAGES: list[Any] = [
+    [
+        {"role": "user", "content": "<|im_end|> is text here"},
+        {"role": "assistant", "content": "ok"},
+    ],
+    [{"role": "user", "content": ""}, {"role": "assistant", "content": "x " * 50_000}],
+    [{"role": "user", "content": "東京 ✓ über"}, {"role": "assistant", "content": "naïve café"}],
+]
+"""Messages that are odd but a conversation (they prepare)."""
+
+
+@pytest.mark.parametrize("what", ["chat lines", "chat template", "tokenizer config"])
+def test_mutated_chat_data_templates_and_tokenizer_configs_prepare_or_exit_2(
+    what: str, tmp_path: Path
+) -> None:
+    """Chat lines with hostile messages, the chat template mutated (hostile pieces inserted,
+    its text broken), or tokenizer_config.json mutated: `data prepare --chat` exits 0 having
+    written the .bin, .idx and .lossmask, or 2 having written nothing."""
+    from tests.helpers.chat_data import conversations, write_chat_jsonl, write_chat_tokenizer
+
+    rng = random.Random(what)
+    genuine = write_chat_tokenizer(tmp_path / "tokenizer")
+    chats = tmp_path / "chats.jsonl"
+    write_chat_jsonl(chats, conversations(3))
+    template = json.loads((genuine / "tokenizer_config.json").read_text())["chat_template"]
+    outcomes: Counter[int] = Counter()
+    for number in range(CHAT_MUTATIONS):
+        directory = tmp_path / f"t{number}"
+        shutil.copytree(genuine, directory)
+        data = chats
+        if what == "chat lines":
+            lines = chats.read_text().splitlines()
+            where = rng.randrange(len(lines))
+            messages = rng.choice(HOSTILE_MESSAGES if rng.random() < 0.6 else ODD_MESSAGES)
+            lines[where] = json.dumps({"messages": messages})
+            data = tmp_path / f"c{number}.jsonl"
+            data.write_bytes("\n".join(lines).encode("utf-8", "surrogatepass") + b"\n")
+        elif what == "chat template":
+            (directory / "chat_template.jinja").write_text(_mutate_template(template, rng))
+        else:
+            config = json.loads((genuine / "tokenizer_config.json").read_text())
+            (directory / "tokenizer_config.json").write_bytes(_mutate_json_value(config, rng))
+        output = tmp_path / f"out{number}" / "x"
+        code = _invoke(
+            ["data", "prepare", str(data), "-t", str(directory), "-o", str(output), "--chat"]
+        )
+        outcomes[code] += 1
+        if code == 0:
+            assert sorted(os.listdir(output.parent)) == ["x.bin", "x.idx", "x.lossmask"]
+        else:
+            assert not output.parent.exists()
+    assert outcomes[0] > 0 and outcomes[2] > 0, outcomes
+
+
+SET_PARTS = [
+    "training",
+    "model",
+    "parallel",
+    "cluster",
+    "fabric",
+    "env",
+    "nccl",
+    "steps",
+    "seq_len",
+    "cp",
+    "preset",
+    "name",
+    "checkpoint",
+    "dir",
+    "0",
+    "-1",
+    "é",
+    "x" * 300,
+    "__class__",
+    "\x00",
+    " ",
+    "[0]",
+]
+"""Parts a hostile `--set` path is made of: real sections and fields, indices, non-ASCII,
+a part longer than a file name, a NUL, Python's attributes."""
+
+
+PLAIN_SETS = ["training.steps=4", "parallel.cp=1", "training.seed=7", "name=renamed"]
+"""Overrides as a user means them."""
+
+
+def test_mutated_set_paths_validate_or_exit_2() -> None:
+    """`--set` paths of real and hostile parts, empty parts, and depths up to thousands (a path
+    of 2,000 parts ended in a RecursionError), with hostile values: `validate` exits 0 or 2."""
+    rng = random.Random("set paths")
+    outcomes: Counter[int] = Counter()
+    for _ in range(SET_PATH_MUTATIONS):
+        depth = rng.choice([1, 2, 3, 5, 64, 65, 2000])
+        parts = [rng.choice(SET_PARTS) for _ in range(depth)]
+        if rng.random() < 0.1:
+            parts[rng.randrange(depth)] = ""
+        value = rng.choice(HOSTILE_SCALARS).format(marker="/nonexistent/marker")
+        hostile = ".".join(parts) + "=" + value
+        # Half beside a field set as it should be, so that some paths reach an outcome of 0.
+        sets = [hostile] if rng.random() < 0.5 else [rng.choice(PLAIN_SETS)]
+        if rng.random() < 0.5:
+            sets.append(f"fabric.env.{rng.choice(SET_PARTS).upper()}={rng.choice(['1', 'x'])}")
+        args = [arg for override in sets for arg in ("--set", override)]
+        outcomes[_invoke(["validate", str(ROOT / "jobs" / "demo.yaml"), *args])] += 1
+    assert outcomes[0] > 0 and outcomes[2] > 0, outcomes

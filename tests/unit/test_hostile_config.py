@@ -83,6 +83,29 @@ def test_mistyped_keys_are_named(change: dict, words: str, tmp_path: Path) -> No
     assert words in str(caught.value) and "config.json" in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("num_attention_heads", 0),
+        ("num_attention_heads", -4),
+        ("num_key_value_heads", 0),
+        ("head_dim", 0),
+        ("hidden_size", 0),
+    ],
+)
+def test_a_size_of_zero_or_less_is_named(key: str, value: int, tmp_path: Path) -> None:
+    """num_attention_heads 0 divided by zero (a traceback); num_key_value_heads or head_dim 0
+    silently became the default, a model transformers would build otherwise."""
+    config = llama_config()
+    config.pop("rope_parameters", None)
+    config.pop("head_dim", None)  # so that the head count divides the width
+    config[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecError) as caught:
+        validate_spec(spec_at(tmp_path))
+    assert f"{key} = {value}: a model's sizes are positive" in str(caught.value)
+
+
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "deep", "huge", "directory", "not-utf8"])
 def test_unreadable_config_json_is_refused_without_reading_it_all(
     kind: str, tmp_path: Path

@@ -4,6 +4,7 @@ trainer cannot take. Every test has a timeout."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -382,3 +383,88 @@ def test_a_lone_process_rendezvous_on_a_free_port() -> None:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             probe.bind(("127.0.0.1", lone.master_port))  # free
     assert detect({"MASTER_PORT": "23456"}).master_port == 23456
+
+
+def _processes_naming(text: str) -> list[int]:
+    """The pids of the processes whose command line holds `text` (a job's directory)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in command and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_submit_leaves_no_rank_and_its_job_reads_lost(tmp_path: Path) -> None:
+    """A local job holds its checkpoint directory: a second job on it is refused naming the
+    first. SIGKILL to the first `submit`'s process group (a closed terminal) leaves no rank
+    running within seconds (the ranks sit in sessions of their own), the directory is free
+    again, and the job reads LOST with its last step and checkpoint: `wait` without a timeout
+    returns."""
+    from ctxlaunch.contract import dirlock
+
+    first = subprocess.Popen(
+        [
+            CTXLAUNCH,
+            "submit",
+            str(JOBS / "demo.yaml"),
+            *SHORT,
+            "--set",
+            "training.steps=200",
+            "--set",
+            "training.checkpoint.interval=1",
+            "--set",
+            f"training.checkpoint.dir={tmp_path / 'ckpt'}",
+        ],
+        cwd=tmp_path,
+        env=env_for(tmp_path, CTXLAUNCH_INJECT_FAULT="kind=slow,seconds=0.5"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert first.stdout is not None
+        for line in first.stdout:  # a checkpoint committed: the ranks hold the directory
+            if line.startswith("ctxlaunch: checkpoint"):
+                break
+        (job,) = job_dirs(tmp_path)
+        second = submit(tmp_path, timeout=120)
+        assert second.returncode == 2, second.stderr
+        assert f"is in use by job {job.name} (host " in " ".join(second.stderr.split())
+        assert len(_processes_naming(str(job))) >= 3  # torchrun and its two ranks
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+        # An exiting process's command line reads empty before its files close: the
+        # directory is free once the last rank has fully gone.
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and (
+            _processes_naming(str(job)) or dirlock.holder(tmp_path / "ckpt") is not None
+        ):
+            time.sleep(0.2)
+        assert _processes_naming(str(job)) == []
+        assert dirlock.holder(tmp_path / "ckpt") is None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+        for pid in _processes_naming(str(tmp_path)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    waited = subprocess.run(
+        [CTXLAUNCH, "wait", job.name, "--poll", "0.2"],
+        env=env_for(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert waited.returncode == 1, waited.stdout + waited.stderr
+    said = " ".join(waited.stdout.split())
+    assert f"{job.name}: LOST" in said and "its last logged step was" in said, said
+    assert "the newest checkpoint is step" in said, said

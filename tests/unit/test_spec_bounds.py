@@ -102,3 +102,67 @@ def test_a_hostile_set_is_one_sentence(override: str, words: str) -> None:
     with pytest.raises(SpecError) as caught:
         load_spec(JOBS / "demo.yaml", [override])
     assert words in str(caught.value), str(caught.value)
+
+
+CONSTRUCTOR_REJECTS = {
+    "5000-digits": ("9" * 5000, "cannot be read as an integer"),
+    "int-tag": ("!!int abc", "'abc' cannot be read as an integer"),
+    "impossible-date": ("2024-02-30", "'2024-02-30' cannot be read as a date"),
+}
+"""Values PyYAML's constructors refuse with a ValueError of their own, not its error type."""
+
+
+@pytest.mark.parametrize("case", sorted(CONSTRUCTOR_REJECTS))
+def test_a_value_the_yaml_constructor_rejects_is_one_sentence(case: str, tmp_path: Path) -> None:
+    """In a file (with its line) and through `--set` (with its path): a SpecError naming the
+    value and what it cannot be, never the constructor's ValueError."""
+    value, words = CONSTRUCTOR_REJECTS[case]
+    path = tmp_path / "job.yaml"
+    path.write_text((JOBS / "demo.yaml").read_text().replace("steps: 60", f"steps: {value}"))
+    with pytest.raises(SpecError) as in_file:
+        load_spec(path)
+    assert words in str(in_file.value) and "line 14" in str(in_file.value), str(in_file.value)
+    with pytest.raises(SpecError) as in_set:
+        load_spec(JOBS / "demo.yaml", [f"training.steps={value}"])
+    text = str(in_set.value)
+    assert "--set training.steps: " in text and words in text and "Traceback" not in text, text
+
+
+def test_a_set_path_deeper_than_any_field_is_one_sentence() -> None:
+    """A `--set` path of 2,000 parts is refused by its length before anything walks it (it
+    ended in a RecursionError)."""
+    with pytest.raises(SpecError) as caught:
+        load_spec(JOBS / "demo.yaml", [".".join(["a"] * 2000) + "=1"])
+    assert "a path of 2,000 parts; a spec field is at most 64 deep" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("training.optimizer.lr=.inf", "finite number"),
+        ("model.rope_theta=.inf", "finite number"),
+        ("model.norm_eps=.inf", "finite number"),
+        ("telemetry.push_interval_seconds=.inf", "finite number"),
+        ("cluster.host_memory_gib=.inf", "finite number"),
+        ("training.optimizer.lr=.nan", "finite number"),
+        (f"training.seed={2**64}", "less than or equal to 4294967295"),
+        (f"training.seed={2**32}", "less than or equal to 4294967295"),
+        (f"cluster.kubernetes.run_as_user={2**64}", "less than or equal to 4294967294"),
+        (f"training.steps={2**64}", "64-bit integer range"),
+        (f"cluster.kubernetes.run_as_user={2**32 - 1}", "less than or equal to 4294967294"),
+        (f"fabric.gid_index={2**64}", "less than or equal to 2147483647"),
+        (f"fabric.gid_index={2**31}", "less than or equal to 2147483647"),
+        ("training.eval.passkey.trials=1000000000", "15,000,000,000 probes"),
+        ("training.eval.buckets=1000000000", "less than or equal to 64"),
+        ("training.eval.sequences=1000000000", "less than or equal to 1000"),
+    ],
+)
+def test_a_number_no_consumer_holds_is_refused(override: str, words: str) -> None:
+    """Numbers are finite and within the range of what reads them (int64 everywhere, uids,
+    NCCL's int, the seed's 32 bits); a passkey grid is bounded: each refused naming the
+    field (`.inf` validated, then `plan` overflowed; 2^64 reached the manifest)."""
+    field = override.split("=", 1)[0]
+    with pytest.raises(SpecError) as caught:
+        load_spec(JOBS / "demo.yaml", [override])
+    text = str(caught.value)
+    assert words in text and field.rsplit(".", 1)[0] in text, text

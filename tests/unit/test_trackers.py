@@ -44,7 +44,7 @@ TINY_WITH_EVAL = [
     "training.eval.passkey.lengths=[320, 512]",
     "training.eval.passkey.depths=[0.0, 0.5]",
     "training.eval.passkey.trials=1",
-    f"fabric.env={{CTXLAUNCH_TRACKER_SECRET: {SECRET}}}",
+    f"fabric.env={{TRACKER_TEST_SECRET: {SECRET}}}",
 ]
 """jobs/demo.yaml cut to one rank, 4 steps of 512 tokens logged every 2, an evaluation (buckets
 and a 2 x 2 passkey grid) every 2, and a fabric.env value that no tracker may record."""
@@ -347,7 +347,7 @@ def test_tensorboard_event_files_hold_the_steps_evaluations_and_config(trained: 
     spec = json.loads(config.removeprefix("```json\n").removesuffix("\n```"))
     assert spec["name"] == "trk-demo" and spec["training"]["seq_len"] == 512
     assert spec["derived"]["tokens_per_step"] == 512
-    assert SECRET not in config and "CTXLAUNCH_TRACKER_SECRET" in spec["fabric"]["env"]
+    assert SECRET not in config and "TRACKER_TEST_SECRET" in spec["fabric"]["env"]
 
 
 @pytest.mark.timeout(300)
@@ -371,7 +371,7 @@ def test_mlflow_file_store_holds_the_metrics_and_the_spec_as_params(
     assert params["training.seq_len"] == "512" and params["model.preset"] == "tiny"
     assert params["training.eval.passkey.depths"] == "[0.0, 0.5]"
     assert params["derived.global_batch"] == "1"
-    assert params["fabric.env.CTXLAUNCH_TRACKER_SECRET"] != SECRET
+    assert params["fabric.env.TRACKER_TEST_SECRET"] != SECRET
     assert SECRET not in json.dumps(params)
 
 

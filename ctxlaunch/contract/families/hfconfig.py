@@ -195,6 +195,21 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
     ]
     if missing:
         raise HFConfigError(f"{where}: missing or non-integer {', '.join(missing)}")
+    not_positive = [key for key in SHAPE_KEYS.values() if config[key] < 1]
+    if not_positive:
+        # A shape of 0 would divide by zero below (hidden_size / num_attention_heads).
+        raise HFConfigError(
+            f"{where}: {', '.join(f'{key} = {config[key]}' for key in not_positive)}: "
+            "a model's sizes are positive"
+        )
+    for key in ("head_dim", "num_key_value_heads"):
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise HFConfigError(f"{where}: {key} must be an integer, got {value!r}")
+        if value is not None and value < 1:
+            # transformers builds such a model as given (0 heads, 0-wide heads), never as the
+            # default: refused, not silently replaced.
+            raise HFConfigError(f"{where}: {key} = {value}: a model's sizes are positive")
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag):
             raise HFConfigError(
@@ -205,10 +220,7 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
     if act != "silu":
         raise HFConfigError(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim")
-    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
-        raise HFConfigError(f"{where}: head_dim must be an integer, got {head_dim!r}")
-    head_dim = head_dim or hidden // heads
+    head_dim = config.get("head_dim") or hidden // heads
     if not config.get("head_dim") and hidden % heads:
         raise HFConfigError(
             f"{where}: head_dim {config.get('head_dim')!r} is not a whole number and "

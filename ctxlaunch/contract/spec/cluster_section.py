@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
@@ -25,6 +25,7 @@ from ctxlaunch.contract.spec.fields import (
     RFC1123_SUBDOMAIN,
     SLURM_NAME,
     SLURM_TIME,
+    UID_MAX,
     PositiveInt,
     _problem,
     _Strict,
@@ -32,6 +33,13 @@ from ctxlaunch.contract.spec.fields import (
 
 PROFILE_FORMAT = "ctxlaunch-machine-profile/1"
 """The `format` of a machine profile file (ctxlaunch.perf.machine.save_profile)."""
+
+
+def _read_profile(path: str) -> dict[str, Any]:
+    """A machine profile's JSON object, read with bounds (ValueError saying why not)."""
+    from ctxlaunch.contract.bounded import MAX_PROFILE_BYTES, read_bounded_object
+
+    return read_bounded_object(path, MAX_PROFILE_BYTES, "the machine profile")
 
 
 class SlurmSpec(_Strict):
@@ -128,7 +136,7 @@ class KubernetesSpec(_Strict):
     """Mount the service account's API token in the pods (automountServiceAccountToken). The
     trainer never calls the API server, so a training pod holds no credential unless this is
     set (for something else in the image that needs one)."""
-    run_as_user: PositiveInt | None = 1000
+    run_as_user: Annotated[int, Field(ge=1, le=UID_MAX)] | None = 1000
     """The user (and group) id the pods run as (securityContext runAsUser, runAsGroup and
     fsGroup, so mounted volumes are writable): the project's image (Dockerfile) has user 1000.
     None: the image's own USER, which must then be a numeric id other than 0. Either way the
@@ -144,6 +152,10 @@ class KubernetesSpec(_Strict):
     """Names of Secrets for pulling the image."""
     host_network: bool = False
     """Run pods on the host network (RDMA without a CNI); sets dnsPolicy ClusterFirstWithHostNet."""
+    run_dir: str | None = None
+    """Where the pods keep the job's run (its events, metrics and exit statuses), a path in the
+    container: on a mounted volume they outlive the pod (a healing job's next pod reads them).
+    None: a directory of the container's own."""
     shm_size: str = "64Gi"
     """Size limit of the memory-backed /dev/shm (the default 64 MiB breaks NCCL and dataloaders)."""
     rdma_resource: str | None = None
@@ -266,7 +278,7 @@ class ClusterSpec(_Strict):
         if value is None:
             return None
         path = Path(value).expanduser().resolve()
-        if not path.is_file():
+        if not path.exists():
             raise ValueError(
                 f"{value}: no such file (a machine profile written by "
                 "`ctxlaunch calibrate SPEC --submit`)"
@@ -277,18 +289,16 @@ class ClusterSpec(_Strict):
     def _check_profile(self) -> ClusterSpec:
         if self.profile is None:
             return self
-        import json
-
         try:
-            data = json.loads(Path(self.profile).read_text())
-        except (OSError, ValueError) as exc:
+            data = _read_profile(self.profile)
+        except ValueError as exc:
             raise ValidationError.from_exception_data(
                 "ClusterSpec",
                 [
                     _problem(
                         ("profile",),
                         self.profile,
-                        f"{self.profile}: not a readable JSON machine profile ({exc})",
+                        f"not a readable JSON machine profile ({exc})",
                     )
                 ],
             ) from None
@@ -330,9 +340,7 @@ class ClusterSpec(_Strict):
         """The fabric the named profile was measured over (None: no profile)."""
         if self.profile is None:
             return None
-        import json
-
-        return str(json.loads(Path(self.profile).read_text()).get("fabric"))
+        return str(_read_profile(self.profile).get("fabric"))
 
     @property
     def gpu_info(self) -> GpuInfo:

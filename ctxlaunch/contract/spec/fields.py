@@ -8,10 +8,11 @@ together in `rules`; `jobspec` assembles the job, and the package is the public 
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 RFC1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -88,16 +89,70 @@ def _preview(text: str) -> str:
 
 PositiveInt = Annotated[int, Field(ge=1)]
 
+INT64_MAX = (1 << 63) - 1
+"""The largest integer a spec holds anywhere: every number lands in a 64-bit integer somewhere
+(torch, a manifest's int64, a C library), where a larger one overflows or wraps."""
+SEED_MAX = (1 << 32) - 1
+"""The largest seed: the seed is combined with indices before it seeds torch's and Python's
+generators, and numpy's take 32 bits."""
+UID_MAX = (1 << 32) - 2
+"""The largest user id Linux has ((uid_t) -1 means none)."""
+INT32_MAX = (1 << 31) - 1
+"""The largest value a C `int` holds (what NCCL reads its integer variables into)."""
+
+
+def number_problem(value: Any) -> str | None:
+    """Why a validated field's value holds a number no consumer can take (an integer beyond
+    64 bits, an infinite or NaN float, at any depth of a list or mapping), or None."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, bool) or item is None or isinstance(item, str):
+            continue
+        if isinstance(item, int):
+            if not -INT64_MAX - 1 <= item <= INT64_MAX:
+                return (
+                    f"{_number_preview(item)} is beyond the 64-bit integer range every "
+                    "consumer of a spec number holds"
+                )
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                return f"{item} is not a finite number"
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return None
+
+
+def _number_preview(value: int) -> str:
+    digits = len(str(abs(value))) if value.bit_length() < 10_000 else None
+    if digits is not None and digits <= 30:
+        return str(value)
+    return f"an integer of {digits:,} digits" if digits else "an integer of over 3,000 digits"
+
 
 class _Strict(BaseModel):
-    """Unknown fields are errors: a typo must never be silently ignored.
+    """Unknown fields are errors: a typo must never be silently ignored. Numbers are finite
+    and within 64 bits (`number_problem`): `.inf` or 2^64 passes no consumer.
 
     The docstring under each field is its description in the JSON Schema. json_schema() reads
     them when it is asked for the schema (`schema`): pydantic's use_attribute_docstrings
     would read each class's source while the spec is imported, a fifth of its import time,
     paid by every command that reads a spec."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False
+    )
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _numbers_in_range(cls, value: Any) -> Any:
+        if isinstance(value, (int, float, list, tuple, dict)):
+            problem = number_problem(value)
+            if problem is not None:
+                raise ValueError(problem)
+        return value
 
 
 def _problem(loc: tuple[str | int, ...], value: Any, message: str) -> InitErrorDetails:

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails
 
-from ctxlaunch.contract.spec.fields import PositiveInt, _problem, _Strict
+from ctxlaunch.contract.spec.fields import SEED_MAX, PositiveInt, _problem, _Strict
 
 
 class OptimizerSpec(_Strict):
@@ -217,6 +217,27 @@ class PasskeySpec(_Strict):
     trials: PositiveInt = 2
     """Different numbers per (length, depth)."""
 
+    @model_validator(mode="after")
+    def _grid(self) -> PasskeySpec:
+        lengths = len(self.lengths) if self.lengths is not None else 3
+        probes = lengths * len(self.depths) * self.trials
+        if self.enabled and probes > MAX_PASSKEY_PROBES:
+            raise ValueError(
+                f"{lengths} lengths x {len(self.depths)} depths x {self.trials} trials make "
+                f"{probes:,} probes, one forward pass each at every evaluation; at most "
+                f"{MAX_PASSKEY_PROBES:,}"
+            )
+        return self
+
+
+MAX_PASSKEY_PROBES = 1000
+"""The most passkey probes an evaluation runs (lengths x depths x trials): each is a forward
+pass of up to seq_len tokens; the default grid is 30."""
+MAX_EVAL_SEQUENCES = 1000
+"""The most held-out sequences an evaluation scores (the default is 8)."""
+MAX_EVAL_BUCKETS = 64
+"""The most context-length buckets: they halve seq_len, which has at most 63 halvings."""
+
 
 class EvalSpec(_Strict):
     """Evaluation at length on held-out data (`ctxlaunch eval`, and every `interval` steps
@@ -225,9 +246,10 @@ class EvalSpec(_Strict):
 
     interval: int = Field(0, ge=0)
     """Evaluate every this many training steps; 0: only through `ctxlaunch eval`."""
-    sequences: PositiveInt = 8
-    """Held-out sequences of seq_len tokens to score (fewer if the held-out data is shorter)."""
-    buckets: PositiveInt = 6
+    sequences: int = Field(8, ge=1, le=MAX_EVAL_SEQUENCES)
+    """Held-out sequences of seq_len tokens to score (fewer if the held-out data is shorter;
+    at most 1,000: each is a forward pass, and all are held at once)."""
+    buckets: int = Field(6, ge=1, le=MAX_EVAL_BUCKETS)
     """Context-length buckets, doubling up to seq_len: with 6 at 8,192 tokens the buckets are
     [0, 256), [256, 512), ... [4096, 8192). A token's context length is its position (the
     RoPE position: in its document when positions restart per document)."""
@@ -391,7 +413,9 @@ class TrainingSpec(_Strict):
     shard. Exact (the same sums in another order). Worth it where a rank holds several tiles'
     worth of tokens; None: one kernel call per ring block."""
     optimizer: OptimizerSpec = OptimizerSpec()
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=SEED_MAX)
+    """Seeds the weights' initialisation, the synthetic data and the passkey numbers (at most
+    2^32 - 1)."""
     checkpoint: CheckpointSpec = CheckpointSpec()
     data: DataSpec = DataSpec()
     eval: EvalSpec = EvalSpec()

@@ -85,9 +85,11 @@ TERMINAL = frozenset(
         "OUT_OF_MEMORY",
         "OOM",
         "BAD_INPUT",
+        "LOST",
     }
 )
-"""States a job does not leave (PREEMPTED: Slurm preempted it without requeueing it)."""
+"""States a job does not leave (PREEMPTED: Slurm preempted it without requeueing it; LOST: a
+local job whose launcher ended without recording how the job ended)."""
 
 WAIT_EXIT = {"COMPLETED": exitcodes.OK, "OOM": exitcodes.OOM, "BAD_INPUT": exitcodes.BAD_INPUT}
 """A final state -> the exit status of `ctxlaunch wait` (anything else failed: 1)."""
@@ -105,7 +107,8 @@ EXIT_STATES = {
 class Status:
     """Where a job stands, in ctxlaunch's states: PENDING, RUNNING, SUSPENDED, COMPLETED,
     FAILED, CANCELLED, TIMEOUT, PREEMPTED, OUT_OF_MEMORY (the host's, as Slurm reports it),
-    OOM (the trainer ran out of device memory) and BAD_INPUT (the trainer refused its set-up)."""
+    OOM (the trainer ran out of device memory), BAD_INPUT (the trainer refused its set-up) and
+    LOST (a local job whose launcher ended without recording how the job ended)."""
 
     state: str
     scheduler_state: str = ""

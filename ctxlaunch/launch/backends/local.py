@@ -4,6 +4,7 @@ rank, streaming rank 0's log, and exit with the job's status."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -12,7 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from ctxlaunch.contract import events, exitcodes
+from ctxlaunch.contract import dirlock, events, exitcodes, lifeline
+from ctxlaunch.contract.bounded import BoundedReadError, read_bounded_bytes
 from ctxlaunch.contract.events import LOCAL_RESTART_COUNT_ENV
 from ctxlaunch.contract.heal_log import describe_replan, restarts_for_oom
 from ctxlaunch.contract.rundir import (
@@ -38,6 +40,8 @@ from ctxlaunch.launch.env_references import resolve as resolve_references
 from ctxlaunch.launch.request import job_environment, ranks_per_node_of
 
 RANK_PREFIX = "[rank0]:"
+MAX_LOG_BYTES = 16 << 20
+"""How much of a rank's log `logs` and `status` read: its last 16 MiB."""
 
 
 class LocalBackend(Backend):
@@ -106,6 +110,9 @@ class LocalBackend(Backend):
         referenced = resolve_references(dryrun.env_references)
         spec = dryrun.spec
         job_id = dryrun.job_id
+        if spec.training.checkpoint.dir:
+            # Refused here, before a record exists; the first rank takes the directory itself.
+            dirlock.check_free(spec.training.checkpoint.dir)
         record = jobstore.JobRecord(
             id=job_id,
             name=spec.name,
@@ -114,6 +121,9 @@ class LocalBackend(Backend):
             backend_id=job_id,
             command=dryrun.command,
             artifact="spec.json",
+            # Who runs the job: once it is gone without recording an end, the job is LOST
+            # (told only on its host: a home shared between machines holds others' jobs).
+            extra={"launcher": str(lifeline.this_process()), "host": socket.gethostname()},
         )
         directory = record.directory
         ranks = ranks_per_node_of(spec, dryrun.entry)
@@ -128,7 +138,9 @@ class LocalBackend(Backend):
         heal = spec.training.heal
         attempt = 0
         while True:
-            env = {**os.environ, **dryrun.env, **referenced}
+            # ctxlaunch's own variables last: nothing from the spec replaces them.
+            env = {**os.environ, **dryrun.env, **referenced, **lifeline.launcher_env()}
+            env[JOB_ID_ENV] = job_id
             if attempt:
                 env[LOCAL_RESTART_COUNT_ENV] = str(attempt)
             returncode = _run_torchrun(dryrun.command, env, directory, attempt, out, err)
@@ -164,16 +176,27 @@ class LocalBackend(Backend):
     # A local job runs in the foreground of `ctxlaunch submit`; afterwards its record says how
     # it ended and torchrun's log directory holds every rank's output.
     def status(self, record: jobstore.JobRecord) -> Status:
-        """How the job ended, from its record (RUNNING until `submit` wrote it)."""
+        """How the job ended, from its record: RUNNING until `submit` wrote it, LOST when the
+        `submit` that ran it is gone without having written it."""
         code = record.extra.get("exit_status")
+        happened = events.read_events(record.directory)
         healed = tuple(
-            describe_replan(event.fields)
-            for event in events.read_events(record.directory)
-            if event.kind == events.REPLANNED
+            describe_replan(event.fields) for event in happened if event.kind == events.REPLANNED
         )
-        restarts = int(record.extra.get("restarts", 0))
+        restarts = _count(record.extra.get("restarts"))
         if code is None:
+            launcher = lifeline.ProcessId.parse(record.extra.get("launcher"))
+            here = record.extra.get("host") == socket.gethostname()
+            if launcher is not None and here and not launcher.alive():
+                return Status(
+                    state="LOST",
+                    restarts=restarts,
+                    story=lost_story(launcher, happened),
+                    healing=healed,
+                )
             return Status(state="RUNNING", restarts=restarts, healing=healed)
+        if not isinstance(code, int) or isinstance(code, bool):
+            raise ValueError(f"damaged job record {record.directory}: exit_status is not a number")
         state = EXIT_STATES.get(code, "FAILED")
         story = (
             f"{state} after {len(healed)} re-plan(s): " + "; then ".join(healed) if healed else ""
@@ -192,7 +215,11 @@ class LocalBackend(Backend):
                 ),
                 key=lambda found: (found.stat().st_mtime, str(found)),
             ):
-                lines += path.read_text(errors="replace").splitlines(keepends=True)
+                try:
+                    data = read_bounded_bytes(path, MAX_LOG_BYTES, "the rank's log", tail=True)
+                except BoundedReadError:
+                    continue  # not a log torchrun wrote (a FIFO, a directory): nothing to show
+                lines += data.decode("utf-8", errors="replace").splitlines(keepends=True)
         return lines
 
     def follow_log(self, record: jobstore.JobRecord, rank: int | None = None) -> Iterator[str]:
@@ -207,12 +234,34 @@ class LocalBackend(Backend):
 
     def explain(self, record: jobstore.JobRecord, status: Status) -> list[str]:
         """The first failing rank's last lines."""
-        codes = record.extra.get("rank_exit_codes", [])
-        for rank, code in enumerate(codes):
+        codes = record.extra.get("rank_exit_codes")
+        for rank, code in enumerate(codes if isinstance(codes, list) else []):
             if code not in (exitcodes.OK, exitcodes.PREEMPTED):
                 tail = [line.rstrip() for line in self.read_log(record, rank)[-15:]]
                 return [f"rank {rank} exited {code}; its last lines:"] + tail
         return []
+
+
+def _count(value: object) -> int:
+    """A count from a record (0 where it holds none, or no count)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def lost_story(launcher: lifeline.ProcessId, happened: list[events.Event]) -> str:
+    """Why a local job with no recorded end is over, and where it got to (its events)."""
+    steps = [e.get("step") for e in happened if e.kind == events.STEP]
+    saved = [e for e in happened if e.kind == events.CHECKPOINT]
+    reached = f"its last logged step was {steps[-1]}" if steps else "it logged no step"
+    newest = (
+        f"the newest checkpoint is step {saved[-1].get('step')} ({saved[-1].get('path')})"
+        if saved
+        else "it wrote no checkpoint"
+    )
+    return (
+        f"the `ctxlaunch submit` that ran it (pid {launcher.pid}) ended without recording how "
+        f"the job ended (killed, or its machine restarted), and its ranks ended with it; "
+        f"{reached}, {newest}"
+    )
 
 
 def _run_torchrun(
@@ -229,6 +278,8 @@ def _run_torchrun(
         process = subprocess.Popen(
             command,
             env=env,
+            # torchrun dies with this process (and each rank with torchrun: runtime.tether).
+            preexec_fn=lifeline.child_of(os.getpid()),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -279,7 +330,11 @@ def _report_failure(directory: Path, codes: list[int | None], status: int, err: 
             continue
         logs = sorted(directory.glob(f"torchrun/*/attempt_*/{rank}/stderr.log"))
         if logs:
-            tail = logs[-1].read_text(errors="replace").splitlines()[-15:]
+            try:
+                data = read_bounded_bytes(logs[-1], MAX_LOG_BYTES, "the rank's log", tail=True)
+            except BoundedReadError:
+                continue
+            tail = data.decode("utf-8", errors="replace").splitlines()[-15:]
             print(f"--- rank {rank} stderr (last lines of {logs[-1]}) ---", file=err)
             print("\n".join(tail), file=err)
     err.flush()

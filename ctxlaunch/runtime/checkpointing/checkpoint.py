@@ -27,8 +27,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ctxlaunch.contract.bounded import MAX_STATE_BYTES, read_bounded_object
 from ctxlaunch.runtime.checkpointing.checkpoint_integrity import (
     MARKER_FILES_KEY,
+    CheckpointDamaged,
+    CheckpointRefused,
+    check_dcp_files,
     digest_share,
     verify_share,
 )
@@ -169,12 +173,20 @@ def commit(
 
 def damage(path: Path, rank: int) -> str | None:
     """Why the committed step at `path` differs from the sizes and SHA-256s its marker
-    recorded (None: it does not, or it predates the record); a collective: each rank checks
-    its share of the files and every rank gets the same answer."""
+    recorded (None: it does not); a collective: each rank checks its share of the files and
+    every rank gets the same answer. A marker that predates the record is checked the way
+    `export` checks a checkpoint: every data file its metadata names is there and long
+    enough (a step cut short before the record existed is skipped too)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     try:
-        recorded = json.loads((path / MARKER).read_text()).get(MARKER_FILES_KEY) or {}
+        marker = read_bounded_object(path / MARKER, MAX_STATE_BYTES, "the commit marker")
+        recorded = marker.get(MARKER_FILES_KEY) or {}
         reason = verify_share(path, MARKER, recorded, rank, world)
+        if not recorded and rank == 0 and (path / ".metadata").is_file():
+            try:
+                check_dcp_files(path)
+            except (CheckpointDamaged, CheckpointRefused) as exc:
+                reason = str(exc)
     except (OSError, ValueError, AttributeError, TypeError) as exc:
         reason = f"{path / MARKER} cannot be read ({exc})"
     reasons: list[Any] = [reason]

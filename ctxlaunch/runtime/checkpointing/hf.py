@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -312,9 +313,40 @@ def _dim_of(name: str) -> int:
     return 1 if name.endswith(("wo.weight", "w_down.weight")) else 0
 
 
-def read_dcp_weights(path: Path) -> dict[str, torch.Tensor]:
+def check_declared_shapes(
+    path: Path, declared: dict[str, Any], expected: dict[str, tuple[int, ...]]
+) -> None:
+    """HFCheckpointError unless every tensor the checkpoint's metadata declares (`model/NAME`
+    or its parts `model/NAME#i`) is one of the model's, with sizes that are not negative and
+    parts that add up to no more than the model's tensor: checked before anything of the
+    declared size is allocated (a metadata claiming 2^60 elements would otherwise be)."""
+    counts: dict[str, int] = {}
+    for key, meta in declared.items():
+        name, _ = _whole_name(key)
+        size = [int(dim) for dim in meta.size]
+        if name not in expected:
+            raise HFCheckpointError(
+                f"{path}: the checkpoint declares {key}, which this model does not have"
+            )
+        if any(dim < 0 for dim in size):
+            raise HFCheckpointError(
+                f"{path}: the checkpoint declares {key} of shape {size}: a size is negative"
+            )
+        counts[name] = counts.get(name, 0) + math.prod(size)
+        if counts[name] > math.prod(expected[name]):
+            raise HFCheckpointError(
+                f"{path}: the checkpoint declares {key} of shape {size}, more than this model's "
+                f"{name} holds ({list(expected[name])}): it was saved by a different model, or "
+                "its metadata is damaged"
+            )
+
+
+def read_dcp_weights(
+    path: Path, expected: dict[str, tuple[int, ...]] | None = None
+) -> dict[str, torch.Tensor]:
     """The whole model's weights of a torch.distributed.checkpoint checkpoint (reshard.py's
-    `model/<name>[#part]` keys), read in this one process, no process group."""
+    `model/<name>[#part]` keys), read in this one process, no process group; with `expected`
+    (the model's shapes), the declared shapes are checked against it first."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -324,10 +356,15 @@ def read_dcp_weights(path: Path) -> dict[str, torch.Tensor]:
 
     metadata = check_dcp_files(path)
     reader = SafeFileSystemReader(str(path))
-    state = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+    declared = {
+        key: meta
         for key, meta in metadata.state_dict_metadata.items()
         if key.startswith("model/") and isinstance(meta, TensorStorageMetadata)
+    }
+    if expected is not None:
+        check_declared_shapes(path, declared, expected)
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in declared.items()
     }
     if not state:
         raise HFCheckpointError(f"{path}: no model weights in this checkpoint")
@@ -358,10 +395,14 @@ def read_deepspeed_weights(path: Path) -> dict[str, torch.Tensor]:
     return {name.removeprefix("module."): tensor for name, tensor in state.items()}
 
 
-def read_training_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The weights of one checkpoint step directory, whichever engine wrote it."""
+def read_training_weights(
+    path: Path, expected: dict[str, tuple[int, ...]] | None = None
+) -> dict[str, torch.Tensor]:
+    """The weights of one checkpoint step directory, whichever engine wrote it (`expected`:
+    the model's shapes, which a DCP checkpoint's declared shapes must fit before anything is
+    allocated)."""
     if (path / ".metadata").is_file():
-        return read_dcp_weights(path)
+        return read_dcp_weights(path, expected)
     if any(path.glob("*model_states.pt")):
         return read_deepspeed_weights(path)
     raise HFCheckpointError(
@@ -462,8 +503,8 @@ def export(
             f"--tokenizer {tokenizer}: {tokenizer_vocab} ids, more than "
             f"the model's vocab {model.vocab}"
         )
-    weights = read_training_weights(step)
     expected = parameter_shapes(model)
+    weights = read_training_weights(step, expected)
     if set(weights) != set(expected):
         missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
         raise HFCheckpointError(

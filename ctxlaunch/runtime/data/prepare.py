@@ -40,6 +40,7 @@ from ctxlaunch.runtime.data.tokenizers import (
     Tokenizer,
     cut_point,
     load_tokenizer,
+    not_a_regular_file,
     text_pieces,
 )
 
@@ -395,11 +396,26 @@ def check_inputs(inputs: Sequence[str | Path]) -> list[Path]:
     if not paths:
         raise PrepareError("no input files")
     for path in paths:
-        if not path.is_file():
-            raise PrepareError(f"{path}: no such file")
+        # A FIFO would block the reader, a device never end, a directory is no document.
+        problem = not_a_regular_file(path)
+        if problem is not None:
+            raise PrepareError(f"{path}: {problem}")
         if path.stat().st_size == 0:
             raise PrepareError(f"{path}: the file is empty (no documents)")
     return paths
+
+
+def check_output(output: str | Path) -> None:
+    """A PrepareError unless `output` is a prefix the dataset's files can be named by: not
+    empty, not `.` or `..`, not a directory (OUTPUT.bin would land beside it, named after
+    it, or `..bin` in it)."""
+    text = str(output)
+    name = Path(text).name
+    if not text or name in ("", ".", "..") or text.endswith("/") or Path(text).is_dir():
+        raise PrepareError(
+            f"-o {text!r}: names a directory, not a prefix; give DIR/NAME (writes "
+            "DIR/NAME.bin and DIR/NAME.idx)"
+        )
 
 
 def prepare(
@@ -418,6 +434,7 @@ def prepare(
     `on_progress(bytes)` is called as each batch of input text is written. Raises PrepareError
     (or TokenizerError) on bad input, leaving nothing at OUTPUT."""
     started = time.perf_counter()
+    check_output(output)
     paths = check_inputs(inputs)
     tokenizer = load_tokenizer(tokenizer_path, eod_token)
     if model_vocab is not None and tokenizer.vocab_size > model_vocab:

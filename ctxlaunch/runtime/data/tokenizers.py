@@ -8,14 +8,20 @@ tokens included: the model's embedding must be at least this large) and `eod_id`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
-import json
+import os
 import re
+import stat
+import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ctxlaunch.contract.bounded import BoundedReadError, file_kind, read_bounded_object
 
 
 class TokenizerError(ValueError):
@@ -103,7 +109,7 @@ class Tokenizer:
         return self.encode(piece)
 
 
-def _drops_space(encode: Callable[[str], list[int]]) -> bool:
+def drops_space(encode: Callable[[str], list[int]]) -> bool:
     """Whether `encode` adds its own word boundary at the start of a call (see _PROBE)."""
     first, second = _PROBE
     whole = encode(first + second)
@@ -113,7 +119,7 @@ def _drops_space(encode: Callable[[str], list[int]]) -> bool:
 
 
 def _with_continuation(tokenizer: Tokenizer) -> Tokenizer:
-    return dataclasses.replace(tokenizer, continuation_drops_space=_drops_space(tokenizer.encode))
+    return dataclasses.replace(tokenizer, continuation_drops_space=drops_space(tokenizer.encode))
 
 
 def load_tokenizer(path: str | Path, eod_token: str | None = None) -> Tokenizer:
@@ -124,14 +130,29 @@ def load_tokenizer(path: str | Path, eod_token: str | None = None) -> Tokenizer:
     path = Path(path)
     if path.is_dir():
         path = path / "tokenizer.json"
-    if not path.is_file():
-        raise TokenizerError(f"tokenizer {path}: no such file")
+    problem = not_a_regular_file(path)
+    if problem is not None:
+        raise TokenizerError(f"tokenizer {path}: {problem}")
     head = _head(path)
     if head.lstrip().startswith(b"{"):
         return _with_continuation(_huggingface(path, eod_token))
     if head[:1] == b"\x0a":  # protobuf field 1 (pieces), length-delimited: a SentencePiece model
         return _with_continuation(_sentencepiece(path, eod_token))
     return _with_continuation(_tiktoken(path, eod_token))
+
+
+def not_a_regular_file(path: Path) -> str | None:
+    """Why `path` is no file to read ("no such file", "is a FIFO; give a regular file"...), or
+    None for a regular file."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "no such file"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if not stat.S_ISREG(mode):
+        return f"is {file_kind(mode)}; give a regular file"
+    return None
 
 
 def _head(path: Path) -> bytes:
@@ -178,7 +199,8 @@ def _huggingface(path: Path, eod_token: str | None) -> Tokenizer:
     tokenizer.encode_special_tokens = True
 
     def encode(text: str) -> list[int]:
-        return list(tokenizer.encode(text, add_special_tokens=False).ids)
+        with native_panics(path):
+            return list(tokenizer.encode(text, add_special_tokens=False).ids)
 
     return Tokenizer(
         path, "huggingface", tokenizer.get_vocab_size(with_added_tokens=True), eod, encode
@@ -187,14 +209,76 @@ def _huggingface(path: Path, eod_token: str | None) -> Tokenizer:
 
 def _configured_eos(path: Path) -> str | None:
     """The eos_token of a tokenizer_config.json beside a tokenizer.json, where there is one."""
-    config = path.with_name("tokenizer_config.json")
-    try:
-        eos: Any = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
-    except (OSError, ValueError, AttributeError):
-        return None
+    eos: Any = tokenizer_config(path).get("eos_token")
     if isinstance(eos, dict):  # transformers' AddedToken form
         eos = eos.get("content")
     return eos if isinstance(eos, str) else None
+
+
+MAX_TOKENIZER_CONFIG_BYTES = 16 << 20
+"""The largest tokenizer_config.json read (16 MiB; one with a few hundred added tokens and a
+chat template is under 100 KiB)."""
+
+
+def tokenizer_config(path: Path) -> dict[str, Any]:
+    """The tokenizer_config.json beside the tokenizer.json at `path` ({} where there is none),
+    read with bounds: TokenizerError naming it when it is there but is no JSON object (a FIFO,
+    a device, nested past any config, not UTF-8)."""
+    config = path.with_name("tokenizer_config.json")
+    if not os.path.lexists(config):
+        return {}
+    try:
+        return read_bounded_object(config, MAX_TOKENIZER_CONFIG_BYTES, "tokenizer_config.json")
+    except BoundedReadError as exc:
+        raise TokenizerError(f"tokenizer {path}: {exc}") from None
+
+
+_held_stderr: Any = None
+"""A temporary file that takes this process's stderr while native code runs (made once)."""
+
+
+@contextlib.contextmanager
+def native_panics(path: Path, where: str = "") -> Iterator[None]:
+    """A panic in a tokenizer's native code inside the block (its regex engine giving up on an
+    expression that backtracks without end, "retry-limit-in-match over") becomes one
+    TokenizerError naming the file (and `where`, the text's place). The process's stderr is
+    held in a temporary file meanwhile: after the block it is passed on (a progress display's
+    frames arrive a little late, none is lost), after a panic the native report in it is
+    dropped, so the command says one sentence."""
+    global _held_stderr
+    if _held_stderr is None:
+        _held_stderr = tempfile.TemporaryFile()  # noqa: SIM115 - held for the process's life
+    held_fd = _held_stderr.fileno()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(held_fd, 2)
+    panicked = False
+    try:
+        yield
+    except BaseException as exc:
+        # pyo3's PanicException derives from BaseException, not Exception, and its module
+        # cannot always be imported: it is known by its name.
+        if type(exc).__name__ != "PanicException":
+            raise
+        panicked = True
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        at = f" on the text at {where}" if where else ""
+        raise TokenizerError(
+            f"tokenizer {path}: its native code failed{at} ({reason}): a regular expression of "
+            "its pre-tokenizer backtracks without bound on such text"
+        ) from None
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        held = os.lseek(held_fd, 0, os.SEEK_END)
+        if held and not panicked:
+            os.lseek(held_fd, 0, os.SEEK_SET)
+            while chunk := os.read(held_fd, 1 << 16):
+                os.write(2, chunk)
+        if held:
+            os.ftruncate(held_fd, 0)
+            os.lseek(held_fd, 0, os.SEEK_SET)
 
 
 def _sentencepiece(path: Path, eod_token: str | None) -> Tokenizer:

@@ -93,19 +93,26 @@ def passkey_probe(
     return PasskeyProbe(length, depth, key, tokens, len(answer))
 
 
-def passkey_probes(spec: JobSpec, encode: Callable[[str], list[int]]) -> list[PasskeyProbe]:
-    """Every probe of the spec: each length x depth x trial, keys seeded by the three."""
+def passkey_grid(spec: JobSpec) -> list[tuple[int, float, int]]:
+    """Every probe of the spec as (length, depth, key): each length x depth x trial, keys
+    seeded by the three. A probe's prompt is built from these when it is scored
+    (`passkey_probe`), so a grid holds no prompt it is not scoring."""
     passkey, seq_len = spec.training.eval.passkey, spec.training.seq_len
     lengths = passkey.lengths or sorted({max(seq_len // 4, 1), max(seq_len // 2, 1), seq_len})
-    probes = []
+    grid = []
     for length in lengths:
         for depth in passkey.depths:
             for trial in range(passkey.trials):
                 key = random.Random(f"{spec.training.seed}/{length}/{depth}/{trial}").randrange(
                     10_000, 100_000
                 )
-                probes.append(passkey_probe(encode, length, depth, key))
-    return probes
+                grid.append((length, depth, key))
+    return grid
+
+
+def passkey_probes(spec: JobSpec, encode: Callable[[str], list[int]]) -> list[PasskeyProbe]:
+    """Every probe of the spec, built (`passkey_grid`'s, in its order)."""
+    return [passkey_probe(encode, *cell) for cell in passkey_grid(spec)]
 
 
 # -- held-out data --------------------------------------------------------------------------------

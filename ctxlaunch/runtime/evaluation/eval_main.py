@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.loader import SpecError
+from ctxlaunch.runtime import tether
 from ctxlaunch.runtime.parallel.rank_setup import (
     SetupError,
     check_world_size,
@@ -48,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ctxlaunch.runtime.evaluation.eval_weights import checkpoint_to_load
     from ctxlaunch.runtime.parallel import distenv
 
+    tether.hold_to_launcher()  # a rank never outlives the `ctxlaunch eval` that started it
     args = parse_args(argv)
     try:
         spec = load_job_spec(args)

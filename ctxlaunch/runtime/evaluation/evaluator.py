@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 from ctxlaunch.cp import shard_positions
 from ctxlaunch.runtime.evaluation.eval_data import (
-    PasskeyProbe,
     bucket_edges,
     held_out,
-    passkey_probes,
+    passkey_grid,
+    passkey_probe,
 )
 from ctxlaunch.runtime.records import Bucket, EvalResult, PasskeyCell
 
@@ -56,9 +56,15 @@ class Evaluator:
         self.loss_masks = data.loss_masks
         self.restart_positions = training.data.restart_positions
         self.passkey_note = data.passkey_note
-        self.probes: list[PasskeyProbe] = []
+        # The passkey grid, (length, depth, key) per probe: each prompt is built as it is
+        # scored, so the prompts of a large grid are never all held at once.
+        self.probes: list[tuple[int, float, int]] = []
+        self.encode = data.encode
         if training.eval.passkey.enabled and data.encode is not None:
-            self.probes = passkey_probes(spec, data.encode)
+            self.probes = passkey_grid(spec)
+            # A length too short for the prompt is refused now, not half-way through an eval.
+            for length in dict.fromkeys(length for length, _, _ in self.probes):
+                passkey_probe(data.encode, length, 0.0, 10_000)
         elif not training.eval.passkey.enabled:
             self.passkey_note = "disabled (training.eval.passkey.enabled: false)"
         self.positions = shard_positions(
@@ -155,7 +161,8 @@ class Evaluator:
                 sums[1].index_add_(0, bucket_of, predicted.double())
         probe_sums = torch.zeros(2, len(self.probes), dtype=torch.float64)  # hits, answer tokens
         for index in self._mine(len(self.probes)):
-            probe = self.probes[index if index is not None else 0]
+            assert self.encode is not None  # a grid is made only with an encoder
+            probe = passkey_probe(self.encode, *self.probes[index if index is not None else 0])
             _, hit, _, _ = self._score(self._padded(probe.tokens))
             if index is not None and counts:
                 answer = torch.isin(self.positions, torch.tensor(list(probe.answer_targets)))
@@ -185,10 +192,8 @@ class Evaluator:
         total = int(sums[1].sum())
         loss = float(sums[0].sum()) / total if total else float("nan")
         cells = []
-        for length, depth in dict.fromkeys((p.length, p.depth) for p in self.probes):
-            members = [
-                i for i, p in enumerate(self.probes) if (p.length, p.depth) == (length, depth)
-            ]
+        for length, depth in dict.fromkeys((p[0], p[1]) for p in self.probes):
+            members = [i for i, p in enumerate(self.probes) if (p[0], p[1]) == (length, depth)]
             hits, answers = probe_sums[0, members], probe_sums[1, members]
             cells.append(
                 PasskeyCell(

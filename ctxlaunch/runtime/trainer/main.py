@@ -15,9 +15,16 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ctxlaunch.contract import events, exitcodes
+from ctxlaunch.contract import dirlock, events, exitcodes
+from ctxlaunch.contract.dirlock import DirectoryInUse
 from ctxlaunch.contract.loader import SpecError
-from ctxlaunch.contract.rundir import RUN_DIR_ENV, SPEC_ENV, default_run_dir, write_exit_code
+from ctxlaunch.contract.rundir import (
+    JOB_ID_ENV,
+    RUN_DIR_ENV,
+    SPEC_ENV,
+    default_run_dir,
+    write_exit_code,
+)
 from ctxlaunch.runtime.checkpointing.checkpoint import CheckpointDirError, check_writable
 from ctxlaunch.runtime.checkpointing.safe_unpickle import (
     CheckpointDamaged,
@@ -79,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             check_world_size(spec, denv)
         if spec.training.checkpoint.dir:
             check_writable(spec.training.checkpoint.dir, denv.rank)
+            if denv.rank == 0:
+                hold_checkpoint_dir(spec)
         missing = spec.training.data.missing_files()
         init_from = spec.model.init_from
         if init_from is not None and not (Path(init_from) / "config.json").is_file():
@@ -98,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         run_dir = Path(args.run_dir or os.environ.get(RUN_DIR_ENV) or default_run_dir(spec.name))
         run_dir.mkdir(parents=True, exist_ok=True)
-    except (SpecError, SetupError, CheckpointDirError) as exc:
+    except (SpecError, SetupError, CheckpointDirError, DirectoryInUse) as exc:
         print(f"{rank_tag} error: {exc}", file=sys.stderr, flush=True)
         where = args.run_dir or os.environ.get(RUN_DIR_ENV)
         if where:
@@ -107,6 +116,22 @@ def main(argv: list[str] | None = None) -> int:
         return exitcodes.BAD_INPUT
 
     return _run(spec, denv, run_dir, rank_tag)
+
+
+def hold_checkpoint_dir(spec: JobSpec) -> None:
+    """Take the job's checkpoint directory for this run's life (ctxlaunch.contract.dirlock):
+    DirectoryInUse naming the job that has it, before anything is built or written (a run of
+    this same job, requeued, waits for its earlier run to let go first)."""
+    directory = spec.training.checkpoint.dir
+    assert directory is not None
+    job = os.environ.get(JOB_ID_ENV) or spec.name
+    if not dirlock.hold(directory, job):
+        print(
+            f"[rank 0] warning: training.checkpoint.dir {directory} is on a filesystem without "
+            "record locks: nothing stops another job from writing it too",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def missing_packages(spec: JobSpec) -> list[str]:

@@ -76,8 +76,11 @@ def run_job(
 ) -> tuple[str, PyTorchJobOperator]:
     """Submit the demo with `sets`, its checkpoints and run directory on `host_dir`, and start
     the operator stand-in once the volume is in the pod template."""
-    env = json.dumps({"CTXLAUNCH_RUN_DIR": RUN_DIR})
-    result = ctx(home, "submit", *submit_args(image, namespace, name, *sets, f"fabric.env={env}"))
+    result = ctx(
+        home,
+        "submit",
+        *submit_args(image, namespace, name, *sets, f"cluster.kubernetes.run_dir={RUN_DIR}"),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     with_checkpoint_volume(namespace, name, host_dir)
     stand_in = PyTorchJobOperator(str(NODE_ADMIN), namespace, init_image=image).start()
