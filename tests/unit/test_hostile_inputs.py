@@ -192,6 +192,15 @@ def test_fabric_env_cannot_set_the_launchers_own_variables(section: str, name: s
     assert "choose another name" in said
 
 
+@pytest.mark.parametrize(
+    "name", ["CTXLAUNCH_ATTENTION_KERNEL", "CTXLAUNCH_MASKED_ATTENTION", "CTXLAUNCH_CP_FUSED_MERGE"]
+)
+def test_fabric_env_may_carry_the_attention_switches(name: str) -> None:
+    """The switches the ranks read and no launcher sets stay settable, so a pod can get them."""
+    code, said = _invoke("validate", str(JOBS / "demo.yaml"), "--set", f"fabric.env={{{name}: x}}")
+    assert code == 0, said
+
+
 def test_the_batch_script_exports_ctxlaunchs_own_variables_after_the_specs() -> None:
     """Whatever the spec's environment holds, the validated spec comes after it."""
     code, text = _invoke(

@@ -111,10 +111,18 @@ LAUNCHER_OWN_PREFIXES = {
 }
 """Name prefixes the launchers own, each with whose they are."""
 
+ATTENTION_SWITCHES = frozenset(
+    {"CTXLAUNCH_ATTENTION_KERNEL", "CTXLAUNCH_MASKED_ATTENTION", "CTXLAUNCH_CP_FUSED_MERGE"}
+)
+"""ctxlaunch's attention switches (ctxlaunch.cp): read by the ranks, never set by a launcher,
+so a job may carry them in fabric.env (on Kubernetes, the only way into a pod)."""
+
 
 def launcher_own(name: str) -> str | None:
     """Whose variable `name` is when a launcher sets it for the ranks (ctxlaunch, torchrun,
     the training operator), in words; None for a name the spec may set."""
+    if name in ATTENTION_SWITCHES:
+        return None
     if name in RENDEZVOUS_OWN:
         return "a rendezvous variable the launcher sets for each rank"
     return next(
