@@ -51,13 +51,24 @@ def sweep(
         err.print(str(exc), markup=False)
         raise typer.Exit(exitcodes.BAD_INPUT) from None
     runnable, reasons = sweeps.triage(points, force)
-    err.print(sweep_points_table(spec_def, points, len(runnable), reasons))
+    accounts = {
+        index: a for index, a in sweeps.point_accounting(runnable).items() if index not in reasons
+    }
+    err.print(sweep_points_table(spec_def, points, len(runnable), reasons, accounts))
+    total = sweeps.accounting_total(accounts.values())
+    err.print(_total_line(total), markup=False)
     if not runnable:
         fail("no point of the sweep can run")
     submission = sweeps.prepare(spec_def.name, runnable)
     if dry_run:
         if as_json:
-            out.print_json(json.dumps([dryrun_dict(d) for d in submission.dryruns]))
+            listed = {
+                "name": spec_def.name,
+                "points": _points_json(points, reasons, accounts),
+                "total": total,
+                "submissions": [dryrun_dict(d) for d in submission.dryruns],
+            }
+            out.print_json(json.dumps(listed))
             return
         for dryrun in submission.dryruns:
             sys.stdout.write(dryrun.describe())
@@ -77,6 +88,38 @@ def sweep(
         out.print_json(json.dumps(_sweep_jobs(sweep_id)))
         return
     print(sweep_id)
+
+
+def _total_line(total: dict[str, Any]) -> str:
+    """The runnable points together: GPU-hours, energy, cost, and their time one after another."""
+    from ctxlaunch.perf.accounting import amount, duration, energy
+
+    parts = [
+        f"{total['points']} points to run: {amount(total['gpu_hours'])} GPU-hours",
+    ]
+    if total["energy_kwh"] is not None:
+        parts.append(energy(total["energy_kwh"]))
+    if total["cost"] is not None:
+        parts.append(f"cost {amount(total['cost'])}")
+    parts.append(f"{duration(total['seconds_one_after_another'])} one after another")
+    return ", ".join(parts)
+
+
+def _points_json(
+    points: list[Any], reasons: dict[int, str], accounts: dict[int, Any]
+) -> list[dict[str, Any]]:
+    """Each point with its values, whether it runs, and its run's accounting."""
+    return [
+        {
+            "index": point.index,
+            "name": point.name,
+            "values": point.values,
+            "runs": point.index not in reasons,
+            "skipped": reasons.get(point.index),
+            "accounting": accounts[point.index].to_dict() if point.index in accounts else None,
+        }
+        for point in points
+    ]
 
 
 def _sweep_jobs(sweep_id: str) -> dict[str, Any]:

@@ -122,8 +122,14 @@ def test_submit_and_sweep_dry_run_json_say_what_would_be_submitted(
     assert data["target"] == "slurm" and data["command"][0] == "sbatch"
     assert data["artifact"].startswith("#!/bin/bash")
     result = run("sweep", str(JOBS / "sweeps" / "demo.yaml"), "--dry-run", "--json")
-    points = json.loads(result.stdout)
-    assert len(points) == 4 and {p["target"] for p in points} == {"local"}
+    data = json.loads(result.stdout)
+    submissions = data["submissions"]
+    assert len(submissions) == 4 and {p["target"] for p in submissions} == {"local"}
+    assert [p["runs"] for p in data["points"]] == [True] * 4
+    assert all(p["accounting"]["steps"] == 10 for p in data["points"])
+    assert data["total"]["gpu_hours"] == sum(
+        p["accounting"]["gpu_hours"]["value"] for p in data["points"]
+    )
     assert not (tmp_path / "jobs").exists()  # a dry run records nothing
 
 

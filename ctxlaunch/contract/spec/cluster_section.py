@@ -255,6 +255,10 @@ class ClusterSpec(_Strict):
     the device, the cpu entry's memory unless stated."""
     slurm: SlurmSpec = SlurmSpec()
     kubernetes: KubernetesSpec = KubernetesSpec()
+    gpu_hour_price: PositiveFloat | dict[GpuType, PositiveFloat] | None = None
+    """What one GPU-hour costs (in the currency of your choice): one price, or a price per GPU
+    type ({H100: 2.5, H200: 3.2}), of which cluster.gpu's is used. With it, `plan`, `advise`
+    and `sweep` give the run's cost beside its GPU-hours; `advise --rank-by cost` ranks by it."""
     profile: str | None = None
     """A machine profile (JSON) that `ctxlaunch calibrate SPEC --submit` measured on this
     cluster; plan, advise, telemetry's predicted step and report time the job with it. A
@@ -337,6 +341,14 @@ class ClusterSpec(_Strict):
     @property
     def gpu_info(self) -> GpuInfo:
         return gpu_info(self.gpu)
+
+    @property
+    def price_per_gpu_hour(self) -> float | None:
+        """The price of one GPU-hour of cluster.gpu (gpu_hour_price), None where not given."""
+        price = self.gpu_hour_price
+        if isinstance(price, dict):
+            return price.get(self.gpu)
+        return price
 
     @property
     def host_memory_bytes(self) -> int:

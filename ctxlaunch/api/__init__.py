@@ -1,0 +1,33 @@
+"""ctxlaunch as a library: typed functions for notebooks and pipelines, the same calls the
+command line makes. No function prints or exits: each returns a result or raises one of
+`ApiError` (bad input, one sentence), `SpecError` (every problem of a spec), `JobNotFound` or
+`SchedulerError`.
+
+    from ctxlaunch import api
+
+    job = api.load_spec("jobs/demo.yaml", ["training.steps=4"])
+    report = api.plan(job)
+    print(report.accounting.summary())
+"""
+
+from __future__ import annotations
+
+from ctxlaunch.api.errors import ApiError, JobNotFound, Problem, SchedulerError, SpecError
+from ctxlaunch.api.plan_api import advise, plan
+from ctxlaunch.api.spec_api import SpecLike, Validation, build_spec, load_spec, spec_data, validate
+
+__all__ = [
+    "ApiError",
+    "JobNotFound",
+    "Problem",
+    "SchedulerError",
+    "SpecError",
+    "SpecLike",
+    "Validation",
+    "advise",
+    "build_spec",
+    "load_spec",
+    "plan",
+    "spec_data",
+    "validate",
+]
