@@ -13,21 +13,45 @@ command line makes. No function prints or exits: each returns a result or raises
 from __future__ import annotations
 
 from ctxlaunch.api.errors import ApiError, JobNotFound, Problem, SchedulerError, SpecError
+from ctxlaunch.api.job_api import (
+    JobStatus,
+    Rendered,
+    Submitted,
+    backend_for,
+    cancel,
+    logs,
+    render,
+    report,
+    status,
+    submit,
+    wait,
+)
 from ctxlaunch.api.plan_api import advise, plan
 from ctxlaunch.api.spec_api import SpecLike, Validation, build_spec, load_spec, spec_data, validate
 
 __all__ = [
     "ApiError",
     "JobNotFound",
+    "JobStatus",
     "Problem",
+    "Rendered",
     "SchedulerError",
     "SpecError",
     "SpecLike",
+    "Submitted",
     "Validation",
     "advise",
+    "backend_for",
     "build_spec",
+    "cancel",
     "load_spec",
+    "logs",
     "plan",
+    "render",
+    "report",
     "spec_data",
+    "status",
+    "submit",
     "validate",
+    "wait",
 ]

@@ -52,8 +52,9 @@ def export(
     ] = None,
 ) -> None:
     """Write CHECKPOINT (any layout: torch.distributed.checkpoint or DeepSpeed) as a Hugging
-    Face LlamaForCausalLM directory: config.json with the RoPE it was trained with, safetensors
-    shards and their index, the init_from checkpoint's tokenizer files. Written to a temporary
+    Face directory of the model's own family (its transformers class in config.json, with the
+    RoPE it was trained with), safetensors shards and their index, the init_from checkpoint's
+    tokenizer files. Written to a temporary
     directory and renamed into place; on an error nothing is left at --hf, nor any directory made
     for it."""
     from torch.distributed.checkpoint.api import CheckpointException

@@ -150,7 +150,12 @@ def _sweep_jobs(sweep_id: str) -> dict[str, Any]:
 
 def report(
     sweep_id: Annotated[
-        str, typer.Argument(help="The id `ctxlaunch sweep` printed.", show_default=False)
+        str,
+        typer.Argument(
+            help="The id `ctxlaunch sweep` printed, or one job's (ctxlaunch's or the "
+            "scheduler's).",
+            show_default=False,
+        ),
     ],
     csv_path: Annotated[
         Path | None, typer.Option("--csv", help="Also write the table as CSV.")
@@ -169,23 +174,22 @@ def report(
         typer.Option("--html", help="Write one self-contained HTML page (plots and table)."),
     ] = None,
 ) -> None:
-    """A sweep's results against the models' predictions, one row per point.
+    """A sweep's (or one job's) results against the models' predictions, one row per job.
 
     Each row: the point's axis values, its state, measured tokens/s/GPU, step time, final loss
     and peak memory, and the predicted step time (its error), tokens/s/GPU, MFU in both
     conventions and peak memory."""
+    from ctxlaunch import api
     from ctxlaunch.contract.fsutil import atomic_write_bytes, atomic_write_text
-    from ctxlaunch.launch import jobstore
-    from ctxlaunch.launch.report import build_report, html_page, plot_pngs
-    from ctxlaunch.perf.machine import load_calibration
+    from ctxlaunch.launch.report import html_page, plot_pngs
 
-    try:
-        data = jobstore.load_sweep(sweep_id)
-    except KeyError:
-        fail(f"no sweep {sweep_id!r} in {jobstore.sweeps_root()}")
     if plots is not None and plots.exists() and not plots.is_dir():
         fail(f"--plots: {plots} exists and is not a directory")
-    result = build_report(data, load_calibration())
+    try:
+        result = api.report(sweep_id)
+    except api.JobNotFound as exc:
+        fail(str(exc))
+    data = result.sweep
     if csv_path is not None:
         atomic_write_text(csv_path, result.csv_text())
     if plots is not None or html_path is not None:

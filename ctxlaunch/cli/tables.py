@@ -260,7 +260,9 @@ REPORT_COLUMNS = (
 
 def report_table(data: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
     """`report`: one row per point, measured against predicted."""
-    table = Table(title=f"sweep {data['name']} ({data['id']})", title_justify="left")
+    table = Table(
+        title=f"{data.get('kind', 'sweep')} {data['name']} ({data['id']})", title_justify="left"
+    )
     shown = ["name", *data["axes"], *REPORT_COLUMNS]
     # The evaluation's columns where some point evaluated (training.eval.interval).
     shown += [

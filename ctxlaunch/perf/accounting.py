@@ -28,6 +28,7 @@ from ctxlaunch.contract.hardware import POWER_SOURCES, REFERENCE_NODE_GPUS
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
+    from ctxlaunch.perf.machine import Machine
     from ctxlaunch.perf.steptime import StepTime
 
 IDLE_POWER_FRACTION = 0.1
@@ -233,4 +234,75 @@ def account(
         price_per_gpu_hour=price,
         cost=gpu_hours.scaled(price) if price is not None else None,
         power_source=POWER_SOURCES.get(c.gpu, ""),
+    )
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the job is predicted to do, as the trainer reports it beside what it measures and
+    `status` reads it back: the planner's peak memory and the step-time model's step, MFU and
+    tokens/s, with the step's expected error (0: not known on this machine)."""
+
+    step_seconds: float
+    expected_error: float
+    calibrated: bool
+    peak_memory_bytes: int
+    tokens_per_second_per_gpu: float
+    mfu: dict[str, float]
+    """By convention: full and causal (perf.flops)."""
+    steps: int
+    source: str
+    """Where the step time's constants come from (perf.machine.Provenance's note)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step_seconds": self.step_seconds,
+            "expected_error": self.expected_error,
+            "calibrated": self.calibrated,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
+            "mfu": dict(self.mfu),
+            "steps": self.steps,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Prediction:
+        """Read back what `to_dict` wrote (ValueError where it is not that)."""
+        try:
+            return cls(
+                step_seconds=float(data["step_seconds"]),
+                expected_error=float(data["expected_error"]),
+                calibrated=bool(data["calibrated"]),
+                peak_memory_bytes=int(data["peak_memory_bytes"]),
+                tokens_per_second_per_gpu=float(data["tokens_per_second_per_gpu"]),
+                mfu={str(k): float(v) for k, v in dict(data["mfu"]).items()},
+                steps=int(data["steps"]),
+                source=str(data.get("source", "")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a prediction ({exc})") from None
+
+
+def job_prediction(spec: JobSpec, machine: Machine | None = None) -> Prediction:
+    """The prediction of `spec` on `machine` (default: perf.machine.machine_for, the machine
+    `plan` and the trainer both resolve for it)."""
+    from ctxlaunch.perf.layout import Layout
+    from ctxlaunch.perf.machine import machine_for
+    from ctxlaunch.perf.memory import estimate
+    from ctxlaunch.perf.steptime import predict
+
+    layout = Layout.from_spec(spec)
+    machine = machine or machine_for(spec)
+    step = predict(spec.model, layout, machine)
+    memory = estimate(spec.model, layout, spec.cluster.gpu_info)
+    return Prediction(
+        step_seconds=step.step_seconds,
+        expected_error=step.expected_error if step.provenance.calibrated else 0.0,
+        calibrated=step.provenance.calibrated,
+        peak_memory_bytes=memory.total,
+        tokens_per_second_per_gpu=step.tokens_per_second_per_gpu,
+        mfu={str(convention): value for convention, value in step.mfu.items()},
+        steps=spec.training.steps,
+        source=step.provenance.note,
     )

@@ -124,6 +124,13 @@ class KubernetesSpec(_Strict):
     """Container image with ctxlaunch installed (required for target: kubernetes)."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     service_account: str | None = None
+    trainer_status: bool = True
+    """api trainjob only: rank 0 writes the TrainJob's status.trainerStatus (progress, the
+    seconds left, the step's loss, MFU and tokens/s; `kubectl get trainjob -o yaml` shows it)
+    through the status subresource. Rendered beside the TrainJob: a Role that may only patch
+    that TrainJob's status, its RoleBinding and (unless service_account names one) a
+    ServiceAccount; the token is a projected volume in the trainer container only. Creating the
+    Role needs that permission yourself (RBAC's escalation check); false renders none of it."""
     mount_service_account_token: bool = False
     """Mount the service account's API token in the pods (automountServiceAccountToken). The
     trainer never calls the API server, so a training pod holds no credential unless this is

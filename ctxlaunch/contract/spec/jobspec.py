@@ -55,6 +55,31 @@ class JobSpec(_Strict):
             raise ValidationError.from_exception_data("JobSpec", problems)
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _sharding_for_the_mask(cls, data: Any) -> Any:
+        """parallel.cp_sharding left unsaid is balanced under a document mask with a ring (or
+        hybrid) CP, whose ranks zigzag leaves unbalanced on packed documents, and zigzag
+        otherwise. A sharding the spec states is kept."""
+        if not isinstance(data, dict):
+            return data
+        training = data.get("training")
+        parallel = data.get("parallel") or {}
+        masked = (
+            isinstance(training, dict)
+            and isinstance(training.get("data"), dict)
+            and training["data"].get("document_mask") is True
+        )
+        if (
+            not masked
+            or not isinstance(parallel, dict)
+            or "cp_sharding" in parallel
+            or "layout" in parallel  # its old name
+            or parallel.get("cp_algorithm") == "ulysses"
+        ):
+            return data
+        return {**data, "parallel": {**parallel, "cp_sharding": "balanced"}}
+
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
