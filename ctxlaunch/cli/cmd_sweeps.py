@@ -152,8 +152,7 @@ def report(
     sweep_id: Annotated[
         str,
         typer.Argument(
-            help="The id `ctxlaunch sweep` printed, or one job's (ctxlaunch's or the "
-            "scheduler's).",
+            help="The id `ctxlaunch sweep` printed, or one job's (ctxlaunch's or the scheduler's).",
             show_default=False,
         ),
     ],

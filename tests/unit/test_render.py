@@ -396,9 +396,7 @@ def test_trainjob_and_runtime_validate_against_the_trainer_crds(
     container = expected["spec"]["containers"][0]
     container["name"] = "node"
     container["ports"][0] = {"name": "rendezvous", "containerPort": 29400}
-    container["env"].append(
-        {"name": "CTXLAUNCH_TRAINJOB", "value": "llm-training/llama3-70b-1m"}
-    )
+    container["env"].append({"name": "CTXLAUNCH_TRAINJOB", "value": "llm-training/llama3-70b-1m"})
     container["volumeMounts"].append(
         {
             "name": "trainjob-status",

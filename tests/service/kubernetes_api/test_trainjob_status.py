@@ -115,7 +115,9 @@ def test_rank_0_writes_trainer_status_with_its_own_least_privilege(
 
     # Another job's status is refused to this account, said once, never raised.
     other = TrainJobProgress(access, namespace, "other", interval_seconds=60, log=said.append)
-    assert other.write({"progressPercentage": 1, "lastUpdatedTime": "2026-01-01T00:00:00Z"}) is False
+    assert (
+        other.write({"progressPercentage": 1, "lastUpdatedTime": "2026-01-01T00:00:00Z"}) is False
+    )
     other.close(1)
     assert len(said) == 1 and "cannot write the TrainJob's trainerStatus" in said[0]
     assert "forbidden" in said[0].lower()
