@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -175,13 +176,28 @@ def calibrate(
         ),
     ] = None,
     set_: SetOpt = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Save the calibration even where other processes held the cores or its "
+            "readings disagree (saying what was seen).",
+        ),
+    ] = False,
 ) -> None:
     """Measure this CPU for the step-time model: matmul (at the model's shapes) and attention
     throughput, memory bandwidth, the model's elementwise rate and fixed cost per micro-batch,
     gloo loopback bandwidth and latency. `advise` and `report` on `gpu: cpu` use
-    them (saved in $CTXLAUNCH_HOME/cpu_calibration.json)."""
+    them (saved in $CTXLAUNCH_HOME/cpu_calibration.json).
+
+    It watches what else runs on the cores, before and while it measures, and whether its
+    readings agree; where other processes hold the cores or the readings disagree beyond their
+    spread, it saves nothing and says what it saw (exit 1), unless --force. Its progress gives
+    the time left from its own first readings."""
+    import dataclasses as dc
 
     from ctxlaunch.perf.machine import save_calibration
+    from ctxlaunch.runtime.calibration import trust
     from ctxlaunch.runtime.calibration.cpu import ATTENTION_SEQ, measure
 
     if submit or profile_out is not None or wait_ is not None:
@@ -190,6 +206,12 @@ def calibrate(
     model = None
     if spec is not None:
         model = load(spec, set_).model
+    cores = os.cpu_count() or 1
+    # Before anything is measured: a machine someone else keeps busy is refused in a second.
+    before = trust.judge(others_cores=trust.others_busy_cores(1.0), cores=cores)
+    if before and not force:
+        fail(_refusal(before), code=exitcodes.FAILED)
+    watch = trust.LoadWatch().start()
     try:
         calibration = measure(
             heads=model.heads if model else 4,
@@ -201,6 +223,16 @@ def calibrate(
         )
     except RuntimeError as exc:
         fail(str(exc), code=exitcodes.FAILED)
+    calibration, reasons = _judged(calibration, watch.others_cores(), cores, before)
+    if reasons and not force:
+        fail(_refusal(reasons), code=exitcodes.FAILED)
+    for reason in reasons:
+        err.print(f"warning: saved with --force although {reason}", markup=False)
+    calibration = (
+        dc.replace(calibration, trust={**(calibration.trust or {}), "forced_over": reasons})
+        if reasons
+        else calibration
+    )
     path = save_calibration(calibration)
     if as_json:
         out.print_json(json.dumps(dataclasses.asdict(calibration)))
@@ -223,6 +255,43 @@ def calibrate(
                 f"{one['elementwise'] / 1e9:.2f} GB/s"
             )
     err.print(f"wrote {path}")
+
+
+def _refusal(reasons: list[str]) -> str:
+    """Why `calibrate` saved nothing, in one sentence."""
+    return (
+        "calibrate saved nothing: " + "; ".join(reasons) + ". Measure on a quiet machine, or "
+        "pass --force to save it anyway"
+    )
+
+
+def _judged(
+    calibration: Any, others: float | None, cores: int, before: list[str]
+) -> tuple[Any, list[str]]:
+    """The calibration with what was seen while it measured (runtime.calibration.trust), and
+    each reason not to trust it (those seen before it started first)."""
+    import dataclasses as dc
+
+    from ctxlaunch.runtime.calibration import trust
+
+    readings = (calibration.trust or {}).get("readings", {})
+    one = calibration.one_thread or {}
+    reasons = before + trust.judge(
+        others_cores=others,
+        cores=cores,
+        readings=readings,
+        all_cores={
+            "matmul": calibration.matmul_flops_per_second,
+            "attention": calibration.attention_flops_per_second,
+        },
+        one_thread={k: one[k] for k in ("matmul", "attention") if k in one},
+    )
+    seen = {
+        **(calibration.trust or {}),
+        "others_cores": others,
+        "spread": {name: trust.spread(values) for name, values in readings.items()},
+    }
+    return dc.replace(calibration, trust=seen), list(dict.fromkeys(reasons))
 
 
 def _submit_calibration(
