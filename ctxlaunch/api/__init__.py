@@ -13,6 +13,7 @@ command line makes. No function prints or exits: each returns a result or raises
 from __future__ import annotations
 
 from ctxlaunch.api.errors import ApiError, JobNotFound, Problem, SchedulerError, SpecError
+from ctxlaunch.api.init_api import Started, init_spec
 from ctxlaunch.api.job_api import (
     JobStatus,
     Rendered,
@@ -38,12 +39,14 @@ __all__ = [
     "SchedulerError",
     "SpecError",
     "SpecLike",
+    "Started",
     "Submitted",
     "Validation",
     "advise",
     "backend_for",
     "build_spec",
     "cancel",
+    "init_spec",
     "load_spec",
     "logs",
     "plan",
