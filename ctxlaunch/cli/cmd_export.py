@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -50,6 +51,10 @@ def export(
             "checkpoint's own tokenizer files."
         ),
     ] = None,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="Machine-readable output: the directory, the step, the files."),
+    ] = False,
 ) -> None:
     """Write CHECKPOINT (any layout: torch.distributed.checkpoint or DeepSpeed) as a Hugging
     Face directory of the model's own family (its transformers class in config.json, with the
@@ -98,4 +103,7 @@ def export(
             f"export of {checkpoint} failed reading it: {type(exc).__name__}: {exc}",
             exitcodes.FAILED,
         )
+    if as_json:
+        out.print_json(json.dumps({"hf": str(hf), "step": str(step), "files": list(files)}))
+        return
     out.print(f"wrote {hf} from {step}: {', '.join(files)}")

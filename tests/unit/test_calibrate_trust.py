@@ -4,6 +4,7 @@ are named; the progress's time left comes from the calibration's own first stage
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from typer.testing import CliRunner
 from ctxlaunch.cli import app
 from ctxlaunch.runtime.calibration.cpu import Stages
 from ctxlaunch.runtime.calibration.trust import LoadWatch, judge, spread
+from ctxlaunch.runtime.progress import Progress
 
 BUSY_LOOP = "while True: pass"
 
@@ -85,17 +87,13 @@ def test_readings_that_disagree_or_contradict_are_named() -> None:
 def test_the_time_left_comes_from_its_own_first_stages() -> None:
     """Each stage to come takes what the last of its kind took; one of a kind not run yet the
     mean of those done."""
-
-    class Lines:
-        notes: list[str] = []
-
-        def advance(self, count: int = 1, note: str = "") -> None:
-            self.notes.append(note)
-
-    progress = Lines()
-    stages = Stages(progress, ["compute", "model", "compute", "model", "exchange"])  # type: ignore[arg-type]
+    stream = io.StringIO()
+    progress = Progress("calibrate: measurements", total=5, stream=stream, live=False)
+    stages = Stages(progress, ["compute", "model", "compute", "model", "exchange"])
     stages.done = [("compute", 20.0), ("model", 40.0)]
     assert stages.seconds_left() == 20.0 + 40.0 + 30.0
     stages.done = []
     assert stages("compute", 7) == 7
-    assert progress.notes[-1].startswith("compute; about ") and progress.notes[-1].endswith(" left")
+    last = stream.getvalue().splitlines()[-1]
+    assert last.startswith("calibrate: measurements: 20% (1/5) (compute; about ")
+    assert last.endswith(" left)")

@@ -167,6 +167,31 @@ def test_submit_json_runs_a_local_job_and_reports_it(tmp_path: Path) -> None:
     )
     assert [j["id"] for j in json.loads(listed.stdout)] == [data["id"]]
 
+    def ask(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [CTXLAUNCH, *args], capture_output=True, text=True, env=env, timeout=60
+        )
+
+    # The finished job measured against its plan, from its own files.
+    status = json.loads(ask("status", data["id"], "--json").stdout)
+    measured = status["measured"]
+    assert status["state"] == "COMPLETED" and measured["step"] == measured["steps"] == 1
+    figures = {f["name"]: f for f in measured["figures"]}
+    assert set(figures) == {"step time", "peak memory", "MFU causal", "MFU full", "tokens/s/GPU"}
+    for figure in figures.values():
+        assert figure["measured"] > 0 and figure["predicted"] > 0
+        assert figure["difference"] == pytest.approx(figure["measured"] / figure["predicted"] - 1)
+    text = ask("status", data["id"]).stdout
+    assert "measured against predicted" in text and "step time" in text and "%" in text
+    waited = json.loads(ask("wait", data["id"], "--json").stdout)
+    assert waited["state"] == "COMPLETED" and waited["measured"] == measured
+    lines = [json.loads(x) for x in ask("logs", data["id"], "--json").stdout.splitlines()]
+    assert any(x["line"].startswith("step 1/1  100%") for x in lines)
+    assert ask("logs", data["id"], "--rank", "1").returncode == 2  # a 1-rank job
+    report = json.loads(ask("report", data["id"], "--json").stdout)
+    (row,) = report["rows"]
+    assert row["state"] == "COMPLETED" and row["predicted_step_seconds"] > 0
+
 
 @pytest.mark.distributed
 @pytest.mark.timeout(420)
@@ -210,6 +235,48 @@ def test_sweep_json_gives_the_job_ids(tmp_path: Path) -> None:
         timeout=60,
     )
     assert report.returncode == 0, report.stderr
+
+
+# -- --json on every command that prints data --------------------------------------------------
+NO_JSON = {
+    "train": "one rank of the trainer: what it prints is the job's log",
+    "schema": "prints the JSON Schema itself (--markdown: the reference page)",
+    "dashboard": "hands out the dashboard's JSON file as it is",
+    "alerts": "hands out the rule file as it is",
+}
+"""The commands without --json, and why."""
+
+
+def _commands() -> dict[str, object]:
+    """Every command of the app by its full name (`data prepare`), walked from typer's click
+    group."""
+    from typer.main import get_command
+
+    found: dict[str, object] = {}
+
+    def walk(command: object, prefix: str) -> None:
+        children = getattr(command, "commands", None)
+        if children is None:
+            found[prefix] = command
+            return
+        for name, child in children.items():
+            walk(child, f"{prefix} {name}".strip())
+
+    walk(get_command(app), "")
+    return found
+
+
+def test_every_command_that_prints_data_takes_json() -> None:
+    commands = _commands()
+    assert {"init", "wait", "cancel", "image check", "data prepare", "logs"} <= set(commands)
+    missing = [
+        name
+        for name, command in sorted(commands.items())
+        if name not in NO_JSON
+        and "--json" not in [o for p in getattr(command, "params", []) for o in p.opts]
+    ]
+    assert not missing, f"commands that print data without --json: {missing}"
+    assert set(NO_JSON) <= set(commands)  # no reason kept for a command that is gone
 
 
 # -- render's target -----------------------------------------------------------------------------

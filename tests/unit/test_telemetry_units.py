@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -221,8 +222,8 @@ def _read_by_monitoring() -> set[str]:
 
 
 def test_every_series_the_dashboard_and_alerts_read_is_served_from_the_first_scrape(
-    tmp_path, monkeypatch
-) -> None:  # type: ignore[no-untyped-def]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A rank's first scrape: its counters (a labelled one at 0 for each label it is known to
     take) and what it knows before a step; after its first step, every series the dashboard
     and the rules read, but an event's that has not happened (an OOM's, a re-plan's, an

@@ -3,9 +3,9 @@ whether its readings agree with each other.
 
 A calibration measures rates with every core and with one thread, each several times. On a
 machine that other processes keep busy, the all-core rates fall by the share those processes
-take, the readings scatter, and the all-core rate can even read below one thread's (23.9
-GFLOP/s against 88.9 was saved once, and the next prediction was 42 % off). `judge` names each
-such sign; `ctxlaunch calibrate` saves nothing while there is one, unless told to.
+take, the readings scatter, and the all-core rate can even read below one thread's; every
+prediction made from such rates is off by as much. `judge` names each such sign; `ctxlaunch
+calibrate` saves nothing while there is one, unless told to.
 
 Others' load is counted from the kernel's own accounting: the CPU time /proc/stat says every
 core spent busy, less the CPU time of this process and its finished children (getrusage),
@@ -23,7 +23,7 @@ from pathlib import Path
 BUSY_CORES_LIMIT = 0.5
 """Others' busy cores (CPU seconds per second) above which the machine is not the calibration's:
 half a core. A quiet machine's daemons take a few hundredths; one busy loop takes a whole core,
-which on a 2-core machine halves the all-core rates."""
+which takes 1/N of an N-core machine's all-core rates."""
 MAX_SPREAD = 0.25
 """The most a rate's readings may spread ((max - min) / median) before they disagree: on a quiet
 machine the readings of one rate agree within a few per cent; a quarter is a minute of someone
