@@ -85,7 +85,7 @@ def sweep(
             fail(str(exc))
     err.print(f"sweep {sweep_id}: `ctxlaunch report {sweep_id}` for the results")
     if as_json:
-        out.print_json(json.dumps(_sweep_jobs(sweep_id)))
+        out.print_json(json.dumps({**_sweep_jobs(sweep_id, accounts), "total": total}))
         return
     print(sweep_id)
 
@@ -122,15 +122,17 @@ def _points_json(
     ]
 
 
-def _sweep_jobs(sweep_id: str) -> dict[str, Any]:
+def _sweep_jobs(sweep_id: str, accounts: dict[int, Any] | None = None) -> dict[str, Any]:
     """`sweep --json`: the sweep id and, per point, its job's ctxlaunch and scheduler ids (a
-    local job's exit status), or why it was skipped."""
+    local job's exit status), or why it was skipped, and its run's predicted accounting."""
     from ctxlaunch.launch import jobstore
 
     data = jobstore.load_sweep(sweep_id)
     points = []
     for point in data["points"]:
         entry = {k: point.get(k) for k in ("index", "name", "values", "job", "skipped")}
+        run = (accounts or {}).get(point["index"])
+        entry["accounting"] = run.to_dict() if run is not None else None
         if point.get("job"):
             try:
                 record = jobstore.find(point["job"])

@@ -235,6 +235,13 @@ def measured_against_predicted(
         summary = _summary_from_log(record, backend)
         source = "the summary in its log"
     if summary is None and not rows:
+        try:
+            reported = backend.reported_progress(record)
+        except (KeyError, RuntimeError):  # the scheduler cannot be asked: nothing reported
+            reported = None
+        if reported is not None:
+            rows, source = [reported], "the progress the job reports to its scheduler"
+    if summary is None and not rows:
         return Measured(source="no step measured yet, or its run's files are not readable here")
     measured = _from_summary(summary) if summary is not None else _from_steps(rows)
     prediction, machine = _prediction(record, summary)

@@ -17,8 +17,7 @@ import pytest
 
 from ctxlaunch.runtime.records import StepMetrics
 from ctxlaunch.runtime.telemetry.trainjob_status import ApiAccess, TrainJobProgress
-from tests.helpers.kube_api import IMAGE, get, kubectl, render_dir
-from tests.helpers.paths import JOBS
+from tests.helpers.kube_api import ctx, get, kubectl, spec_args
 from tests.helpers.services import KUBE_DIR
 
 CRD = "trainjobs.trainer.kubeflow.org"
@@ -63,17 +62,13 @@ def trainer_status(namespace: str, timeout: float = 20.0) -> dict:
 
 @pytest.mark.timeout(120)
 def test_rank_0_writes_trainer_status_with_its_own_least_privilege(
-    namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    namespace: str, tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    out = render_dir(
-        tmp_path,
-        JOBS / "demo.yaml",
-        namespace,
-        "cluster.kubernetes.api=trainjob",
-        f"cluster.kubernetes.image={IMAGE}",
-    )
-    manifest = out / "demo.yaml"
-    kubectl("apply", "--server-side", "-f", str(manifest))
+    """Submitted as ctxlaunch submits it; the writer's progress is what `status` shows while
+    the job runs."""
+    result = ctx(home, "submit", *spec_args(namespace, "demo", "cluster.kubernetes.api=trainjob"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    job = result.stdout.strip()
     account = f"system:serviceaccount:{namespace}:demo-status"
 
     def may(*args: str) -> bool:
@@ -107,6 +102,11 @@ def test_rank_0_writes_trainer_status_with_its_own_least_privilege(
     assert metrics["tokens_per_second_per_gpu"] == "1234.5"
     assert metrics["predicted_step_seconds"] == "1.8"
     assert status["lastUpdatedTime"].endswith("Z")
+    # `status` while it runs: the progress its rank 0 reported, against the plan.
+    shown = json.loads(ctx(home, "status", job, "--json").stdout)["measured"]
+    assert (shown["step"], shown["steps"], shown["remaining_seconds"]) == (3, 10, 14.0)
+    step_time = next(f for f in shown["figures"] if f["name"] == "step time")
+    assert step_time["measured"] == 2.0 and step_time["predicted"] > 0
     writer.on_step(step(10, 10, 0.0))
     writer.close(0)
     status = trainer_status(namespace)
@@ -122,7 +122,7 @@ def test_rank_0_writes_trainer_status_with_its_own_least_privilege(
     assert len(said) == 1 and "cannot write the TrainJob's trainerStatus" in said[0]
     assert "forbidden" in said[0].lower()
 
-    kubectl("delete", "-f", str(manifest))
+    assert ctx(home, "cancel", job).returncode == 0
     left = kubectl(
         "get", "serviceaccounts,roles,rolebindings", "-n", namespace, "-o", "json"
     ).stdout
