@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from ctxlaunch.cli.common import SetOpt, SpecArg, err, fail, load, out, print_warnings
+from ctxlaunch.cli.extras import require
 from ctxlaunch.cli.tables import print_plan
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.loader import SpecError
@@ -206,6 +207,7 @@ def calibrate(
     model = None
     if spec is not None:
         model = load(spec, set_).model
+    require("calibrate", "torch")  # what measures: said before the machine is looked at
     cores = os.cpu_count() or 1
     # Before anything is measured: a machine someone else keeps busy is refused in a second.
     before = trust.judge(others_cores=trust.others_busy_cores(1.0), cores=cores)

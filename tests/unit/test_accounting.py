@@ -111,15 +111,18 @@ def test_plan_prints_the_run_and_its_json_carries_it() -> None:
 
 
 def test_advise_ranks_by_time_or_cost_across_gpu_counts() -> None:
+    from ctxlaunch import api
+
     result = runner.invoke(app, ["advise", EXAMPLE, "--rank-by", "cost"])
     assert result.exit_code == 2
     assert "--rank-by cost: cluster.gpu_hour_price gives no price for H100" in result.stderr
     assert runner.invoke(app, ["advise", EXAMPLE, "--rank-by", "speed"]).exit_code == 2
-    args = ["advise", EXAMPLE, "--gpus", "16", "--gpus", "32", "--json", "--top", "400"]
-    args += ["--set", "cluster.gpu_hour_price=2.5"]
-    by_time = json.loads(runner.invoke(app, [*args, "--rank-by", "time"]).stdout)
-    by_cost = json.loads(runner.invoke(app, [*args, "--rank-by", "cost"]).stdout)
-    assert by_time["gpu_counts"] == [16, 32] and by_time["rank_by"] == "time"
+    # One search over both counts, ranked one way and then the other.
+    advice = api.advise(EXAMPLE, ["cluster.gpu_hour_price=2.5"], gpus=[16, 32], rank_by="time")
+    by_time = advice.to_dict(top=None)
+    advice.rerank("cost")
+    by_cost = advice.to_dict(top=None)
+    assert by_time["gpu_counts"] == [16, 32] and by_cost["rank_by"] == "cost"
     times = [r["accounting"]["seconds"]["value"] for r in by_time["ranked"]]
     costs = [r["accounting"]["cost"]["value"] for r in by_cost["ranked"]]
     assert times == sorted(times, key=lambda v: float(f"{v:.4g}"))
@@ -127,3 +130,9 @@ def test_advise_ranks_by_time_or_cost_across_gpu_counts() -> None:
     assert {r["gpus"] for r in by_time["ranked"]} == {16, 32}
     # More GPUs train sooner, and fewer cost less here: the two rankings disagree.
     assert by_time["ranked"][0]["gpus"] == 32 and by_cost["ranked"][0]["gpus"] == 16
+    # The command prints the same ranking, with the run's columns.
+    shown = runner.invoke(
+        app,
+        ["advise", EXAMPLE, "--top", "2", "--set", "cluster.gpu_hour_price=2.5"],
+    ).stdout
+    assert "time to train" in shown and "cost" in shown and "the best, the whole run:" in shown
