@@ -19,6 +19,7 @@ from ctxlaunch.cli import (
     cmd_eval,
     cmd_export,
     cmd_image,
+    cmd_init,
     cmd_jobs,
     cmd_plan,
     cmd_share,
@@ -66,6 +67,7 @@ def _main(
 
 # Registered in this order: `ctxlaunch --help` lists the commands so.
 COMMANDS: list[tuple[str | None, Callable[..., None]]] = [
+    (None, cmd_init.init),
     (None, cmd_spec.validate),
     (None, cmd_plan.plan),
     (None, cmd_plan.advise),

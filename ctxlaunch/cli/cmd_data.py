@@ -5,7 +5,7 @@ on, and that Megatron trains on too."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -87,6 +87,12 @@ def prepare_command(
             help="With --chat: a role whose turns the loss counts (repeatable); default assistant.",
         ),
     ] = None,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json", help="Machine-readable output: the files written, the counts, the lengths."
+        ),
+    ] = False,
 ) -> None:
     """Tokenize INPUT files into OUTPUT.bin / OUTPUT.idx (Megatron's indexed dataset),
     appending the end-of-document token to each document; with --chat, conversations through
@@ -159,6 +165,9 @@ def prepare_command(
         fail(str(exc))
     except KeyboardInterrupt:
         fail(f"-o {output}: interrupted; nothing was written", exitcodes.FAILED)
+    if as_json:
+        _print_json(result, output)
+        return
     if result.loss_mask_path is not None:
         out.print(
             f"wrote {result.bin_path}, {result.idx_path} and {result.loss_mask_path}: "
@@ -176,6 +185,28 @@ def prepare_command(
         f"{result.tokens_per_second:,.0f} tokens/s"
     )
     _print_lengths(output)
+
+
+def _print_json(result: Any, output: Path) -> None:
+    """`data prepare --json`: what was written and the documents' lengths."""
+    import dataclasses
+    import json
+
+    import numpy as np
+
+    from ctxlaunch.perf.flops import token_weighted_document_tokens
+    from ctxlaunch.runtime.data.indexed import IndexedDataset
+
+    sizes = np.asarray(IndexedDataset(output).document_lengths(), dtype=np.int64)
+    report = {
+        k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(result).items()
+    }
+    report["lengths"] = {
+        "median": int(np.median(sizes)) if sizes.size else 0,
+        "longest": int(sizes.max()) if sizes.size else 0,
+        "token_weighted_mean": round(token_weighted_document_tokens(sizes.tolist())),
+    }
+    out.print_json(json.dumps(report))
 
 
 def _bucket_label(limit: int) -> str:

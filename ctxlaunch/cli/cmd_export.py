@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -50,10 +51,15 @@ def export(
             "checkpoint's own tokenizer files."
         ),
     ] = None,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="Machine-readable output: the directory, the step, the files."),
+    ] = False,
 ) -> None:
     """Write CHECKPOINT (any layout: torch.distributed.checkpoint or DeepSpeed) as a Hugging
-    Face LlamaForCausalLM directory: config.json with the RoPE it was trained with, safetensors
-    shards and their index, the init_from checkpoint's tokenizer files. Written to a temporary
+    Face directory of the model's own family (its transformers class in config.json, with the
+    RoPE it was trained with), safetensors shards and their index, the init_from checkpoint's
+    tokenizer files. Written to a temporary
     directory and renamed into place; on an error nothing is left at --hf, nor any directory made
     for it."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -97,4 +103,7 @@ def export(
             f"export of {checkpoint} failed reading it: {type(exc).__name__}: {exc}",
             exitcodes.FAILED,
         )
+    if as_json:
+        out.print_json(json.dumps({"hf": str(hf), "step": str(step), "files": list(files)}))
+        return
     out.print(f"wrote {hf} from {step}: {', '.join(files)}")

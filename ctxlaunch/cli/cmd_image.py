@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
 import typer
@@ -26,6 +27,10 @@ def check(
     ] = "auto",
     timeout: Annotated[float, typer.Option(help="Seconds the probe may take.")] = 600,
     context: Annotated[str | None, typer.Option(help="kubeconfig context (pod).")] = None,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="Machine-readable output: the verdict, where, the output."),
+    ] = False,
 ) -> None:
     """Run the probe (torch at the pinned version, NCCL, the pods' entry point, `ctxlaunch
     train --help`) in cluster.kubernetes.image; exit 0 when it can start the trainer."""
@@ -52,6 +57,16 @@ def check(
             result = images.check_pod(job, context=context, timeout=timeout)
     except KubeError as exc:
         fail(f"the probe pod could not run: {exc}", code=exitcodes.FAILED)
+    if as_json:
+        report = {
+            "image": job.cluster.kubernetes.image,
+            "ok": result.ok,
+            "where": result.where,
+            "returncode": result.returncode,
+            "output": result.output,
+        }
+        out.print_json(json.dumps(report))
+        raise typer.Exit(exitcodes.OK if result.ok else exitcodes.FAILED)
     out.print(result.output.rstrip("\n"), markup=False)
     verdict = "can" if result.ok else "cannot"
     err.print(

@@ -15,7 +15,6 @@ from ctxlaunch.cli.common import (
     SpecArg,
     err,
     fail,
-    find_job,
     load,
     out,
     print_warnings,
@@ -26,6 +25,7 @@ from ctxlaunch.contract import exitcodes
 
 if TYPE_CHECKING:
     from ctxlaunch.launch.backends.base import Backend, DryRun
+    from ctxlaunch.planning.plan import PlanReport
 
 
 def render(
@@ -56,33 +56,36 @@ def render(
         ),
     ] = False,
     set_: SetOpt = None,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Machine-readable output: every file's text by its path (writes nothing).",
+        ),
+    ] = False,
 ) -> None:
     """Render a Slurm batch script or a Kubeflow PyTorchJob/TrainJob manifest.
 
     In scrape mode the PodMonitor goes to monitoring/<name>-podmonitor.yaml under --output, out
     of the way of a plain `kubectl apply -f DIR` on a cluster without the Prometheus Operator;
     --monitoring adds the PrometheusRule and the dashboard's ConfigMap there."""
+    from ctxlaunch import api
     from ctxlaunch.contract.fsutil import WriteFailed, write_files_whole
     from ctxlaunch.launch.backends import get_backend
-    from ctxlaunch.launch.monitoring import MonitoringError, MonitoringOptions
-    from ctxlaunch.launch.render import TEMPLATES, artifact_name, render_files
+    from ctxlaunch.launch.render import TEMPLATES
 
     if target is not None and target not in TEMPLATES:
         fail(f"--target: {target!r} is not a target to render; use slurm or kubernetes")
     job = load(spec, set_, **({"cluster.target": target} if target else {}))
-    # The render targets by name, typed: the spec's target must be one of them.
-    kind = next((known for known in TEMPLATES if known == job.cluster.target), None)
-    if kind is None:
-        fail(
-            f"cluster.target is {job.cluster.target!r}: a local job has nothing to render "
-            "(`ctxlaunch submit` runs it); give --target slurm or kubernetes"
-        )
-    print_warnings(job)
     try:
-        files = render_files(job, kind, monitoring=MonitoringOptions() if monitoring else None)
-    except MonitoringError as exc:
+        rendered = api.render(job, monitoring=monitoring)
+    except api.ApiError as exc:
         fail(str(exc))
-    main_name = artifact_name(job, kind)
+    print_warnings(job)
+    files, main_name, kind = rendered.files, rendered.main, rendered.target
+    if as_json:
+        out.print_json(json.dumps({"target": kind, "main": main_name, "files": files}))
+        return
     if output is None:
         sys.stdout.write(files[main_name])
         for extra in sorted(set(files) - {main_name}):
@@ -147,7 +150,7 @@ def submit(
 
     A job predicted not to fit is refused unless --force; --dry-run prints the exact command
     and the bytes that would be submitted."""
-    from ctxlaunch.launch.backends import KubernetesOptions, OptionsError, get_backend
+    from ctxlaunch import api
     from ctxlaunch.perf.machine import machine_for
     from ctxlaunch.planning.plan import plan_job
 
@@ -159,20 +162,15 @@ def submit(
             f"{job.name} is predicted not to fit: {report.verdict()}. Change the spec (see "
             f"`ctxlaunch plan {spec}`), or pass --force to submit anyway."
         )
-    options = (
-        KubernetesOptions(context=context, server_dry_run=server_dry_run)
-        if context or server_dry_run
-        else None
-    )
     try:
-        backend = get_backend(job.cluster.target, options)
-    except (NotImplementedError, OptionsError) as exc:
+        backend = api.backend_for(job, context=context, server_dry_run=server_dry_run)
+    except api.ApiError as exc:
         fail(str(exc))
     if backend.runs_here and not dry_run:
         require("submit", "torch")  # the job's ranks are this machine's processes
     dryrun = backend.dryrun(job)
     if dry_run:
-        _say_prediction(report.step_time)
+        _say_prediction(report)
         if as_json:
             out.print_json(json.dumps(dryrun_dict(dryrun)))
         else:
@@ -181,25 +179,30 @@ def submit(
     if as_json:
         if server_dry_run:
             fail("--json: --dry-run=server submits nothing to report; leave out --json")
-        _submit_json(backend, dryrun, report.step_time)
+        _submit_json(backend, dryrun, report)
     # Before a job that runs here; after a remote submission, so that a refusal stays one line.
     if backend.runs_here:
-        _say_prediction(report.step_time)
+        _say_prediction(report)
     try:
         code = backend.schedule(dryrun)
     except RuntimeError as exc:  # the scheduler refused the job: nothing was submitted
         fail(str(exc))
     if not backend.runs_here and code == 0:
-        _say_prediction(report.step_time)
+        _say_prediction(report)
     raise typer.Exit(code)
 
 
-def _say_prediction(step_time: dict[str, Any] | None) -> None:
-    """The job's predicted step on stderr, with where its constants come from: whether the
-    figure holds here, and how to calibrate where it does not."""
+def _say_prediction(report: PlanReport | None) -> None:
+    """The job's predicted step and run on stderr, with where the step's constants come from:
+    whether the figure holds here, and how to calibrate where it does not."""
+    from ctxlaunch.perf.accounting import duration
+
+    step_time = report.step_time if report is not None else None
     if step_time is not None:
+        run = report.accounting if report is not None else None
+        whole = f", the run {duration(run.seconds.value)}" if run is not None else ""
         err.print(
-            f"ctxlaunch: predicted step {step_time['step_seconds']:.3g} s; "
+            f"ctxlaunch: predicted step {step_time['step_seconds']:.3g} s{whole}; "
             + step_time_provenance(step_time),
             markup=False,
         )
@@ -219,23 +222,21 @@ def dryrun_dict(dryrun: DryRun) -> dict[str, Any]:
     }
 
 
-def _submit_json(
-    backend: Backend, dryrun: DryRun, step_time: dict[str, Any] | None = None
-) -> NoReturn:
+def _submit_json(backend: Backend, dryrun: DryRun, report: PlanReport | None = None) -> NoReturn:
     """`submit --json`: submit (a local job: run it, its output on stderr), print the record
     as JSON and exit with the status `submit` exits with."""
     import contextlib
 
     if backend.runs_here:
-        _say_prediction(step_time)
+        _say_prediction(report)
     with contextlib.redirect_stdout(sys.stderr):  # a local job streams rank 0's lines
         try:
             record = backend.submit(dryrun)
         except RuntimeError as exc:  # the scheduler refused the job: nothing was submitted
             fail(str(exc))
     if not backend.runs_here:
-        _say_prediction(step_time)
-    report: dict[str, Any] = {
+        _say_prediction(report)
+    answer: dict[str, Any] = {
         "id": record.id,
         "backend_id": record.backend_id,
         "name": record.name,
@@ -244,45 +245,38 @@ def _submit_json(
     code = exitcodes.OK
     if "exit_status" in record.extra:  # a local job has ended by now
         code = int(record.extra["exit_status"])
-        report["exit_status"] = code
-    out.print_json(json.dumps(report))
+        answer["exit_status"] = code
+    out.print_json(json.dumps(answer))
     raise typer.Exit(code)
 
 
-def status(
-    job: JobArg,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
-) -> None:
-    """Where a submitted job stands.
+AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+
+
+def status(job: JobArg, as_json: AsJson = False) -> None:
+    """Where a submitted job stands, and its run measured against its plan.
 
     States come from the scheduler; for a failure the failing rank's last lines, for an OOM
-    the layout that caused it."""
-    import dataclasses
+    the layout that caused it; progress, time left, and the step time, peak memory, MFU and
+    tokens/s measured against predicted, with the difference in per cent."""
+    from ctxlaunch import api
 
-    record, backend = find_job(job)
     try:
-        state = backend.status(record)
-        detail = backend.explain(record, state)
-    except KeyError:
-        fail(f"the scheduler no longer knows job {record.backend_id}")
-    except RuntimeError as exc:  # the scheduler cannot be asked
+        found = api.status(job)
+    except (api.JobNotFound, api.ApiError) as exc:
+        fail(str(exc))
+    except api.SchedulerError as exc:  # the scheduler cannot be asked
         fail(str(exc), code=exitcodes.FAILED)
     if as_json:
-        out.print_json(
-            json.dumps(
-                {
-                    "id": record.id,
-                    "backend_id": record.backend_id,
-                    "name": record.name,
-                    "target": record.target,
-                    **dataclasses.asdict(state),
-                    "detail": detail,
-                }
-            )
-        )
+        out.print_json(json.dumps(found.to_dict()))
         return
-    out.print(status_line(record, state, backend.scheduler_name(record)), markup=False)
-    for line in detail:
+    _print_status(found)
+
+
+def _print_status(found: Any) -> None:
+    """A job's state line, its story, and its run against its plan."""
+    out.print(status_line(found.record, found.status, found.scheduler), markup=False)
+    for line in found.detail + found.measured.lines():
         out.print(f"  {line}", markup=False)
 
 
@@ -292,25 +286,46 @@ def logs(
         bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")
     ] = False,
     rank: Annotated[int | None, typer.Option("--rank", help="Only this rank's lines.")] = None,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help='Machine-readable output: one JSON object per line ({"line": ...}), as the '
+            "lines come.",
+        ),
+    ] = False,
 ) -> None:
     """Print a job's log (every rank's lines, labelled), or one rank's."""
-    record, backend = find_job(job)
+    from ctxlaunch import api
+
     try:
-        lines = backend.follow_log(record, rank) if follow_ else backend.read_log(record, rank)
+        lines = api.logs(job, rank, follow_)
         for line in lines:
+            if as_json:
+                line = json.dumps({"line": line.rstrip("\n")}) + "\n"
             sys.stdout.write(line)
             sys.stdout.flush()
-    except RuntimeError as exc:  # e.g. a Kubernetes job without pods yet
+    except (api.JobNotFound, api.ApiError) as exc:
+        fail(str(exc))
+    except api.SchedulerError as exc:  # e.g. a Kubernetes job without pods yet
         fail(str(exc), code=exitcodes.FAILED)
 
 
-def cancel(job: JobArg) -> None:
+def cancel(job: JobArg, as_json: AsJson = False) -> None:
     """Cancel a submitted job."""
-    record, backend = find_job(job)
+    from ctxlaunch import api
+
     try:
-        backend.cancel(record)
-    except RuntimeError as exc:
+        record = api.cancel(job)
+    except (api.JobNotFound, api.ApiError) as exc:
+        fail(str(exc))
+    except api.SchedulerError as exc:
         fail(str(exc), code=exitcodes.FAILED)
+    if as_json:
+        out.print_json(
+            json.dumps({"id": record.id, "backend_id": record.backend_id, "cancelled": True})
+        )
+        return
     err.print(f"cancelled {record.backend_id or record.id}")
 
 
@@ -320,22 +335,28 @@ def wait(
         float | None, typer.Option(help="Give up after this many seconds (exit 1).")
     ] = None,
     poll: Annotated[float, typer.Option(help="Seconds between checks.")] = 2.0,
+    as_json: AsJson = False,
 ) -> None:
     """Wait until a job ends; exit 0 if it completed, 86 on an OOM, 1 otherwise."""
+    from ctxlaunch import api
     from ctxlaunch.launch.backends.base import WAIT_EXIT
 
-    record, backend = find_job(job)
     try:
-        state = backend.wait(record, timeout, poll)
-    except KeyError:
-        fail(f"the scheduler no longer knows job {record.backend_id}")
-    except RuntimeError as exc:
+        found = api.wait(job, timeout, poll)
+    except (api.JobNotFound, api.ApiError) as exc:
+        fail(str(exc))
+    except api.SchedulerError as exc:
         fail(str(exc), code=exitcodes.FAILED)
-    out.print(status_line(record, state, backend.scheduler_name(record)), markup=False)
+    state = found.status
+    if as_json:
+        out.print_json(json.dumps(found.to_dict()))
+    else:
+        out.print(status_line(found.record, state, found.scheduler), markup=False)
     if not state.terminal:
         fail(f"still {state.state} after {timeout:g} s", code=exitcodes.FAILED)
-    for line in backend.explain(record, state):
-        out.print(f"  {line}", markup=False)
+    if not as_json:
+        for line in found.detail + found.measured.lines():
+            out.print(f"  {line}", markup=False)
     raise typer.Exit(WAIT_EXIT.get(state.state, exitcodes.FAILED))
 
 

@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from ctxlaunch.cli.common import SetOpt, SpecArg, err, fail, load, out, print_warnings
+from ctxlaunch.cli.extras import require
 from ctxlaunch.cli.tables import print_plan
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.loader import SpecError
 
 if TYPE_CHECKING:
-    from ctxlaunch.contract.spec import JobSpec
     from ctxlaunch.launch.backends.base import Backend
     from ctxlaunch.launch.jobstore import JobRecord
-    from ctxlaunch.perf.machine import Machine
 
 FrameworkOpt = Annotated[
     str,
@@ -31,30 +31,24 @@ FrameworkOpt = Annotated[
 ]
 
 
-def _machine(job: JobSpec, framework: str, **kwargs: Any) -> Machine:
-    """machine_for with a framework profile; an unknown name is bad input."""
-    from ctxlaunch.perf.machine import machine_for
-    from ctxlaunch.perf.profiles import PROFILES
-
-    if framework not in PROFILES:
-        fail(f"--framework {framework}: not a known profile (known: {', '.join(sorted(PROFILES))})")
-    return machine_for(job, framework=framework, **kwargs)
-
-
 def plan(
     spec: SpecArg,
     set_: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     framework: FrameworkOpt = "ctxlaunch",
 ) -> None:
-    """Predict per-GPU memory and FLOPs before submitting.
+    """Predict per-GPU memory, FLOPs, the step and the whole run before submitting.
 
     Fit or not and by how much, the smallest CP degree that fits, the longest sequence at each
-    CP degree, and model FLOPs in both MFU conventions."""
-    from ctxlaunch.planning.plan import plan_job
+    CP degree, model FLOPs in both MFU conventions, and the run's time to train, GPU-hours,
+    energy and (with cluster.gpu_hour_price) cost, each with the step time's expected error."""
+    from ctxlaunch import api
 
     job = load(spec, set_)
-    report = plan_job(job, _machine(job, framework))
+    try:
+        report = api.plan(job, framework=framework)
+    except api.ApiError as exc:
+        fail(str(exc))
     if as_json:
         out.print_json(json.dumps(report.to_dict()))
         return
@@ -65,18 +59,33 @@ def plan(
 def advise(
     spec: SpecArg,
     set_: SetOpt = None,
-    top: Annotated[int, typer.Option("--top", help="Show the N fastest layouts.", min=1)] = 10,
+    top: Annotated[int, typer.Option("--top", help="Show the N best layouts.", min=1)] = 10,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     gpus: Annotated[
-        int | None,
-        typer.Option("--gpus", help="Advise for this many GPUs instead of the spec's.", min=1),
-    ] = None,
-    nodes: Annotated[
-        int | None,
+        list[int] | None,
         typer.Option(
-            "--nodes", help="Advise for this many nodes (of the spec's gpus_per_node).", min=1
+            "--gpus",
+            help="Advise for this many GPUs instead of the spec's; repeat it to rank several "
+            "counts together (--rank-by time or cost then weighs them).",
+            min=1,
         ),
     ] = None,
+    nodes: Annotated[
+        list[int] | None,
+        typer.Option(
+            "--nodes",
+            help="Advise for this many nodes (of the spec's gpus_per_node); repeatable.",
+            min=1,
+        ),
+    ] = None,
+    rank_by: Annotated[
+        str,
+        typer.Option(
+            "--rank-by",
+            help="step: the predicted step time; time: the time to train the run "
+            "(training.steps or training.tokens); cost: its GPU-hours at cluster.gpu_hour_price.",
+        ),
+    ] = "step",
     fp8: Annotated[
         bool,
         typer.Option(
@@ -87,67 +96,40 @@ def advise(
     ] = False,
     write: Annotated[
         Path | None,
-        typer.Option(
-            "--write", help="Save the fastest layout as a spec to this file (atomically)."
-        ),
+        typer.Option("--write", help="Save the best layout as a spec to this file (atomically)."),
     ] = None,
     framework: FrameworkOpt = "ctxlaunch",
 ) -> None:
-    """Rank every legal layout that fits by predicted step time.
+    """Rank every legal layout that fits by predicted step time, time to train or cost.
 
     TP within the NVLink domain, PP and virtual stages, CP degree and algorithm, ZeRO stage,
     activation checkpointing and micro-batch, each with predicted memory, step time,
-    tokens/s/GPU and MFU in both conventions; the rejected ones grouped by reason."""
-    from ctxlaunch.contract.spec import problem_message
-    from ctxlaunch.contract.spec.rules import target_problems
-    from ctxlaunch.planning.advise import advice_spec_text, load_for_advice, print_advice
-    from ctxlaunch.planning.advise import advise as run_advice
+    tokens/s/GPU, MFU in both conventions and the run's time to train (and cost); the rejected
+    ones grouped by reason."""
+    from ctxlaunch import api
+    from ctxlaunch.planning.advise import advice_spec_text, print_advice
 
     try:
-        data, job, note = load_for_advice(spec, set_)
+        advice = api.advise(
+            spec,
+            set_ or (),
+            gpus=gpus or (),
+            nodes=nodes or (),
+            rank_by=rank_by,
+            fp8=fp8,
+            framework=framework,
+        )
     except SpecError as exc:
         err.print(str(exc), markup=False)
         raise typer.Exit(exitcodes.BAD_INPUT) from None
-    if gpus is not None and nodes is not None:
-        fail("--gpus and --nodes: give one of them")
-    per_node = job.cluster.gpus_per_node
-    n_nodes = nodes
-    if gpus is not None:
-        if gpus < per_node:
-            n_nodes, per_node = 1, gpus
-        elif gpus % per_node:
-            fail(
-                f"--gpus {gpus}: not a whole number of nodes of {per_node} GPUs "
-                "(cluster.gpus_per_node)"
-            )
-        else:
-            n_nodes = gpus // per_node
-    if n_nodes is not None:
-        # The spec's own rule for what its target allows, on the node count asked for.
-        problems = target_problems(job.cluster.model_copy(update={"nodes": n_nodes}))
-        if problems:
-            fail(
-                f"--nodes/--gpus: {n_nodes} nodes, but {problem_message(problems[0])}; set "
-                "cluster.target (e.g. --set cluster.target=slurm)"
-            )
-    machine = _machine(job, framework, gpus_per_node=per_node)
-    if fp8 and "fp8" not in machine.peak_flops:
-        fail(f"--fp8: cluster.gpu {job.cluster.gpu} has no FP8 matmul rate to time it with")
-    advice = run_advice(
-        job,
-        nodes=n_nodes,
-        gpus_per_node=per_node,
-        machine=machine,
-        matmul_precision="fp8" if fp8 else None,
-    )
-    if note:
-        advice.notes.insert(0, note)
+    except api.ApiError as exc:
+        fail(str(exc))
     if write is not None:
         if advice.best is None:
             fail(f"--write {write}: no layout fits, nothing written")
-        text = advice_spec_text(data, advice, str(spec))
         from ctxlaunch.contract.fsutil import atomic_write_text
 
+        text = advice_spec_text(api.spec_data(spec, set_ or ()), advice, str(spec))
         atomic_write_text(write, text)
         err.print(f"wrote {write}: {advice.best.describe()}")
     if as_json:
@@ -195,13 +177,28 @@ def calibrate(
         ),
     ] = None,
     set_: SetOpt = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Save the calibration even where other processes held the cores or its "
+            "readings disagree (saying what was seen).",
+        ),
+    ] = False,
 ) -> None:
     """Measure this CPU for the step-time model: matmul (at the model's shapes) and attention
     throughput, memory bandwidth, the model's elementwise rate and fixed cost per micro-batch,
     gloo loopback bandwidth and latency. `advise` and `report` on `gpu: cpu` use
-    them (saved in $CTXLAUNCH_HOME/cpu_calibration.json)."""
+    them (saved in $CTXLAUNCH_HOME/cpu_calibration.json).
+
+    It watches what else runs on the cores, before and while it measures, and whether its
+    readings agree; where other processes hold the cores or the readings disagree beyond their
+    spread, it saves nothing and says what it saw (exit 1), unless --force. Its progress gives
+    the time left from its own first readings."""
+    import dataclasses as dc
 
     from ctxlaunch.perf.machine import save_calibration
+    from ctxlaunch.runtime.calibration import trust
     from ctxlaunch.runtime.calibration.cpu import ATTENTION_SEQ, measure
 
     if submit or profile_out is not None or wait_ is not None:
@@ -210,6 +207,13 @@ def calibrate(
     model = None
     if spec is not None:
         model = load(spec, set_).model
+    require("calibrate", "torch")  # what measures: said before the machine is looked at
+    cores = os.cpu_count() or 1
+    # Before anything is measured: a machine someone else keeps busy is refused in a second.
+    before = trust.judge(others_cores=trust.others_busy_cores(1.0), cores=cores)
+    if before and not force:
+        fail(_refusal(before), code=exitcodes.FAILED)
+    watch = trust.LoadWatch().start()
     try:
         calibration = measure(
             heads=model.heads if model else 4,
@@ -221,6 +225,16 @@ def calibrate(
         )
     except RuntimeError as exc:
         fail(str(exc), code=exitcodes.FAILED)
+    calibration, reasons = _judged(calibration, watch.others_cores(), cores, before)
+    if reasons and not force:
+        fail(_refusal(reasons), code=exitcodes.FAILED)
+    for reason in reasons:
+        err.print(f"warning: saved with --force although {reason}", markup=False)
+    calibration = (
+        dc.replace(calibration, trust={**(calibration.trust or {}), "forced_over": reasons})
+        if reasons
+        else calibration
+    )
     path = save_calibration(calibration)
     if as_json:
         out.print_json(json.dumps(dataclasses.asdict(calibration)))
@@ -243,6 +257,43 @@ def calibrate(
                 f"{one['elementwise'] / 1e9:.2f} GB/s"
             )
     err.print(f"wrote {path}")
+
+
+def _refusal(reasons: list[str]) -> str:
+    """Why `calibrate` saved nothing, in one sentence."""
+    return (
+        "calibrate saved nothing: " + "; ".join(reasons) + ". Measure on a quiet machine, or "
+        "pass --force to save it anyway"
+    )
+
+
+def _judged(
+    calibration: Any, others: float | None, cores: int, before: list[str]
+) -> tuple[Any, list[str]]:
+    """The calibration with what was seen while it measured (runtime.calibration.trust), and
+    each reason not to trust it (those seen before it started first)."""
+    import dataclasses as dc
+
+    from ctxlaunch.runtime.calibration import trust
+
+    readings = (calibration.trust or {}).get("readings", {})
+    one = calibration.one_thread or {}
+    reasons = before + trust.judge(
+        others_cores=others,
+        cores=cores,
+        readings=readings,
+        all_cores={
+            "matmul": calibration.matmul_flops_per_second,
+            "attention": calibration.attention_flops_per_second,
+        },
+        one_thread={k: one[k] for k in ("matmul", "attention") if k in one},
+    )
+    seen = {
+        **(calibration.trust or {}),
+        "others_cores": others,
+        "spread": {name: trust.spread(values) for name, values in readings.items()},
+    }
+    return dc.replace(calibration, trust=seen), list(dict.fromkeys(reasons))
 
 
 def _submit_calibration(

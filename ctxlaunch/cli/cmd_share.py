@@ -136,19 +136,23 @@ def examples(
 
 
 OutputFileOpt = Annotated[
-    Path | None,
+    str | None,
     typer.Option(
         "--output",
         "-o",
-        help="Write it to this file (or into this directory), atomically; default: stdout.",
+        help="Write it to this file, or into this directory (one that exists, or a path ending "
+        "in /, made if missing), atomically; default: stdout.",
         show_default=False,
     ),
 ]
 
 
-def _hand_out(what: str, output: Path | None) -> None:
-    """Print the shared file `what`, or write it to `output` (a file, or a directory to put it
-    in under its own name)."""
+def _hand_out(what: str, output: str | None) -> None:
+    """Print the shared file `what`, or write it to `output`: a file, or a directory to put it
+    in under its own name (one that exists, or a path written with a trailing slash, which is
+    made: `-o monitoring/` never writes a file called monitoring)."""
+    import os
+
     from ctxlaunch.contract.fsutil import atomic_write_text
 
     source = shared(what)
@@ -156,7 +160,17 @@ def _hand_out(what: str, output: Path | None) -> None:
     if output is None:
         sys.stdout.write(text)
         return
-    path = output / source.name if output.is_dir() else output
+    target = Path(output)
+    as_folder = output.endswith((os.sep, "/")) or target.is_dir()
+    if as_folder and target.exists() and not target.is_dir():
+        fail(f"--output {output}: {target} exists and is not a directory")
+    if not as_folder and target.is_dir():
+        fail(f"--output {output}: is a directory")
+    path = target / source.name if as_folder else target
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(f"--output {output}: cannot make {path.parent} ({exc.strerror})")
     err.print(f"wrote {atomic_write_text(path, text)}", markup=False)
 
 

@@ -51,13 +51,24 @@ def sweep(
         err.print(str(exc), markup=False)
         raise typer.Exit(exitcodes.BAD_INPUT) from None
     runnable, reasons = sweeps.triage(points, force)
-    err.print(sweep_points_table(spec_def, points, len(runnable), reasons))
+    accounts = {
+        index: a for index, a in sweeps.point_accounting(runnable).items() if index not in reasons
+    }
+    err.print(sweep_points_table(spec_def, points, len(runnable), reasons, accounts))
+    total = sweeps.accounting_total(accounts.values())
+    err.print(_total_line(total), markup=False)
     if not runnable:
         fail("no point of the sweep can run")
     submission = sweeps.prepare(spec_def.name, runnable)
     if dry_run:
         if as_json:
-            out.print_json(json.dumps([dryrun_dict(d) for d in submission.dryruns]))
+            listed = {
+                "name": spec_def.name,
+                "points": _points_json(points, reasons, accounts),
+                "total": total,
+                "submissions": [dryrun_dict(d) for d in submission.dryruns],
+            }
+            out.print_json(json.dumps(listed))
             return
         for dryrun in submission.dryruns:
             sys.stdout.write(dryrun.describe())
@@ -74,20 +85,54 @@ def sweep(
             fail(str(exc))
     err.print(f"sweep {sweep_id}: `ctxlaunch report {sweep_id}` for the results")
     if as_json:
-        out.print_json(json.dumps(_sweep_jobs(sweep_id)))
+        out.print_json(json.dumps({**_sweep_jobs(sweep_id, accounts), "total": total}))
         return
     print(sweep_id)
 
 
-def _sweep_jobs(sweep_id: str) -> dict[str, Any]:
+def _total_line(total: dict[str, Any]) -> str:
+    """The runnable points together: GPU-hours, energy, cost, and their time one after another."""
+    from ctxlaunch.perf.accounting import amount, duration, energy
+
+    parts = [
+        f"{total['points']} points to run: {amount(total['gpu_hours'])} GPU-hours",
+    ]
+    if total["energy_kwh"] is not None:
+        parts.append(energy(total["energy_kwh"]))
+    if total["cost"] is not None:
+        parts.append(f"cost {amount(total['cost'])}")
+    parts.append(f"{duration(total['seconds_one_after_another'])} one after another")
+    return ", ".join(parts)
+
+
+def _points_json(
+    points: list[Any], reasons: dict[int, str], accounts: dict[int, Any]
+) -> list[dict[str, Any]]:
+    """Each point with its values, whether it runs, and its run's accounting."""
+    return [
+        {
+            "index": point.index,
+            "name": point.name,
+            "values": point.values,
+            "runs": point.index not in reasons,
+            "skipped": reasons.get(point.index),
+            "accounting": accounts[point.index].to_dict() if point.index in accounts else None,
+        }
+        for point in points
+    ]
+
+
+def _sweep_jobs(sweep_id: str, accounts: dict[int, Any] | None = None) -> dict[str, Any]:
     """`sweep --json`: the sweep id and, per point, its job's ctxlaunch and scheduler ids (a
-    local job's exit status), or why it was skipped."""
+    local job's exit status), or why it was skipped, and its run's predicted accounting."""
     from ctxlaunch.launch import jobstore
 
     data = jobstore.load_sweep(sweep_id)
     points = []
     for point in data["points"]:
         entry = {k: point.get(k) for k in ("index", "name", "values", "job", "skipped")}
+        run = (accounts or {}).get(point["index"])
+        entry["accounting"] = run.to_dict() if run is not None else None
         if point.get("job"):
             try:
                 record = jobstore.find(point["job"])
@@ -107,7 +152,11 @@ def _sweep_jobs(sweep_id: str) -> dict[str, Any]:
 
 def report(
     sweep_id: Annotated[
-        str, typer.Argument(help="The id `ctxlaunch sweep` printed.", show_default=False)
+        str,
+        typer.Argument(
+            help="The id `ctxlaunch sweep` printed, or one job's (ctxlaunch's or the scheduler's).",
+            show_default=False,
+        ),
     ],
     csv_path: Annotated[
         Path | None, typer.Option("--csv", help="Also write the table as CSV.")
@@ -126,27 +175,24 @@ def report(
         typer.Option("--html", help="Write one self-contained HTML page (plots and table)."),
     ] = None,
 ) -> None:
-    """A sweep's results against the models' predictions, one row per point.
+    """A sweep's (or one job's) results against the models' predictions, one row per job.
 
     Each row: the point's axis values, its state, measured tokens/s/GPU, step time, final loss
     and peak memory, and the predicted step time (its error), tokens/s/GPU, MFU in both
     conventions and peak memory."""
+    from ctxlaunch import api
     from ctxlaunch.contract.fsutil import atomic_write_bytes, atomic_write_text
-    from ctxlaunch.launch import jobstore
-    from ctxlaunch.launch.report import build_report, html_page, plot_pngs
-    from ctxlaunch.perf.machine import load_calibration
+    from ctxlaunch.launch.report import html_page, plot_pngs
 
-    try:
-        data = jobstore.load_sweep(sweep_id)
-    except KeyError:
-        fail(f"no sweep {sweep_id!r} in {jobstore.sweeps_root()}")
-    except ValueError as exc:  # a reference no sweep can have, or a damaged record
-        fail(str(exc))
     if plots is not None and plots.exists() and not plots.is_dir():
         fail(f"--plots: {plots} exists and is not a directory")
-    result = build_report(data, load_calibration())
+    try:
+        result = api.report(sweep_id)
+    except (api.JobNotFound, api.ApiError) as exc:
+        fail(str(exc))
     for problem in result.problems:  # named; the point's columns are left empty
         err.print(f"warning: {problem}", markup=False)
+    data = result.sweep
     if csv_path is not None:
         atomic_write_text(csv_path, result.csv_text())
     if plots is not None or html_path is not None:

@@ -22,6 +22,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "train": ("torch", "deepspeed", "safetensors", "numpy"),
     "data": ("tokenizers", "sentencepiece", "tiktoken", "numpy"),
     "report": ("matplotlib",),
+    "kubernetes": ("kubernetes",),
     "tensorboard": ("tensorboard",),
     "mlflow": ("mlflow",),
     "wandb": ("wandb",),

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from ctxlaunch.launch.backends.base import Status
     from ctxlaunch.launch.jobstore import JobRecord
     from ctxlaunch.launch.sweep import Point, SweepDefinition
+    from ctxlaunch.perf.accounting import Accounting
     from ctxlaunch.planning.plan import PlanReport
 
 
@@ -122,6 +123,25 @@ def print_plan(report: PlanReport) -> None:
             f"`ctxlaunch advise` ranks the other layouts"
         )
         out.print(step_time_provenance(st), markup=False)
+    if report.accounting is not None:
+        print_accounting(report.accounting)
+
+
+def print_accounting(accounting: Accounting) -> None:
+    """The whole run: time to train, GPU-hours, energy and cost, each with its range."""
+    a = accounting
+    out.print(f"the run: {a.summary()}", markup=False)
+    if a.energy_kwh is not None:
+        out.print(
+            f"power: {a.gpu_watts:,.0f} W per GPU ({a.busy_fraction:.0%} of the step computing) "
+            f"+ {a.other_watts:,.0f} W for the rest of the nodes = "
+            f"{a.mean_power_watts / 1000:,.1f} kW (IT power, before the data centre's PUE)",
+            markup=False,
+        )
+    else:
+        out.print(f"energy: not estimated ({a.power_source})", markup=False)
+    if a.price_per_gpu_hour is None:
+        out.print("cost: set cluster.gpu_hour_price to see it", markup=False)
 
 
 def print_phases(report: PlanReport) -> None:
@@ -183,20 +203,40 @@ def jobs_table(rows: list[tuple[JobRecord, str]]) -> Table:
 
 
 def sweep_points_table(
-    definition: SweepDefinition, points: list[Point], runnable: int, reasons: dict[int, str]
+    definition: SweepDefinition,
+    points: list[Point],
+    runnable: int,
+    reasons: dict[int, str],
+    accounts: dict[int, Accounting] | None = None,
 ) -> Table:
-    """`sweep`: every point with its axis values and whether it runs (why not)."""
+    """`sweep`: every point with its axis values, whether it runs (why not), and what its run
+    takes (time to train, GPU-hours, energy, cost where priced)."""
+    from ctxlaunch.perf.accounting import amount, duration, energy
+
+    accounts = accounts or {}
+    priced = any(a.cost is not None for a in accounts.values())
     table = Table(
         title=f"sweep {definition.name}: {len(points)} points, {runnable} to run",
         title_justify="left",
     )
-    for column in ("name", *definition.axes, "runs"):
+    columns = ["name", *definition.axes, "runs", "time to train", "GPU-hours", "energy"]
+    for column in columns + (["cost"] if priced else []):
         table.add_column(column)
     for point in points:
+        a = accounts.get(point.index) if point.index not in reasons else None
+        cells = ["", "", "", ""]
+        if a is not None:
+            cells = [
+                duration(a.seconds.value),
+                amount(a.gpu_hours.value),
+                energy(a.energy_kwh.value) if a.energy_kwh else "",
+                amount(a.cost.value) if a.cost else "",
+            ]
         table.add_row(
             point.name,
             *(str(v) for v in point.values.values()),
             "yes" if point.index not in reasons else "no: " + reasons[point.index],
+            *(cells if priced else cells[:3]),
         )
     return table
 
@@ -220,7 +260,9 @@ REPORT_COLUMNS = (
 
 def report_table(data: dict[str, Any], rows: list[dict[str, Any]]) -> Table:
     """`report`: one row per point, measured against predicted."""
-    table = Table(title=f"sweep {data['name']} ({data['id']})", title_justify="left")
+    table = Table(
+        title=f"{data.get('kind', 'sweep')} {data['name']} ({data['id']})", title_justify="left"
+    )
     shown = ["name", *data["axes"], *REPORT_COLUMNS]
     # The evaluation's columns where some point evaluated (training.eval.interval).
     shown += [

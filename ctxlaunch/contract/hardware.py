@@ -54,6 +54,13 @@ class GpuInfo:
     node_host_bytes_per_second: float = 0.0
     """Host memory bandwidth of that node (its DDR channels, data sheet): what an offloaded
     optimizer's step on the CPU streams at, shared by the node's ranks."""
+    board_power_watts: float = 0.0
+    """The board's maximum power (data sheet TDP; POWER_SOURCES): what the GPU draws while it
+    computes. 0: not known (the energy estimate is then left out)."""
+    node_other_power_watts: float = 0.0
+    """What the rest of the usual node of this GPU type draws (CPUs, memory, NICs, switches,
+    fans): its reference system's maximum power less its GPUs' board power (POWER_SOURCES),
+    counted for the whole run."""
 
 
 DDR5_SOCKET_BYTES_PER_SECOND = 8 * 4800e6 * 8
@@ -71,6 +78,28 @@ HOST_MEMORY_SOURCES = {
     "L40S": "a typical 8 x L40S PCIe server (OVX-class): 1 TB system memory",
 }
 """Where each GPU type's usual node host memory (GpuInfo.node_host_memory_bytes) comes from."""
+
+POWER_SOURCES = {
+    "H100": "H100 SXM5 data sheet: up to 700 W per GPU; DGX H100 data sheet: about 10.2 kW "
+    "maximum system power for 8 GPUs, so 10,200 - 8 x 700 = 4,600 W for the rest of the node",
+    "H200": "H200 SXM data sheet: up to 700 W per GPU; DGX H200 data sheet: about 10.2 kW "
+    "maximum system power for 8 GPUs, so 4,600 W for the rest of the node",
+    "B200": "HGX B200: up to 1,000 W per GPU; DGX B200 data sheet: about 14.3 kW maximum system "
+    "power for 8 GPUs, so 14,300 - 8 x 1,000 = 6,300 W for the rest of the node",
+    "A100": "A100 SXM4 data sheet: 400 W per GPU; DGX A100 data sheet: 6.5 kW maximum system "
+    "power for 8 GPUs, so 6,500 - 8 x 400 = 3,300 W for the rest of the node",
+    "A100-40GB": "A100 SXM4 data sheet: 400 W per GPU; DGX A100 data sheet: 6.5 kW maximum "
+    "system power, so 3,300 W for the rest of the node",
+    "L40S": "L40S data sheet: 350 W per GPU; no reference system states a maximum for an 8 x "
+    "L40S server, so the DGX A100's 3,300 W for the rest of a two-socket node stands in",
+    "cpu": "not known: a CPU rank's share of its package power is not in the table, so no "
+    "energy is estimated",
+}
+"""Where each GPU type's power figures (GpuInfo.board_power_watts, node_other_power_watts) come
+from."""
+REFERENCE_NODE_GPUS = 8
+"""GPUs of the reference systems POWER_SOURCES names: the rest of the node's power is shared
+among this many (a node of 4 GPUs is charged half of it)."""
 
 # Sources: NVIDIA data sheets (dense figures) and ../shared/docs/domain.md; H100 means SXM.
 # Memory is what `torch.cuda.get_device_properties(i).total_memory` reports on such a GPU
@@ -94,6 +123,8 @@ GPUS: dict[str, GpuInfo] = {
         host_link="pcie5",
         node_host_memory_bytes=2000 * GB,
         node_host_bytes_per_second=2 * DDR5_SOCKET_BYTES_PER_SECOND,
+        board_power_watts=700,
+        node_other_power_watts=4600,
     ),
     "H200": GpuInfo(
         "H200",
@@ -110,6 +141,8 @@ GPUS: dict[str, GpuInfo] = {
         host_link="pcie5",
         node_host_memory_bytes=2000 * GB,
         node_host_bytes_per_second=2 * DDR5_SOCKET_BYTES_PER_SECOND,
+        board_power_watts=700,
+        node_other_power_watts=4600,
     ),
     # DGX B200: 1,440 GB over 8 GPUs (180 GB each), not the 192 GB chip figure.
     "B200": GpuInfo(
@@ -126,6 +159,8 @@ GPUS: dict[str, GpuInfo] = {
         host_link="pcie5",
         node_host_memory_bytes=2000 * GB,
         node_host_bytes_per_second=2 * DDR5_SOCKET_BYTES_PER_SECOND,
+        board_power_watts=1000,
+        node_other_power_watts=6300,
     ),
     "A100": GpuInfo(
         "A100",
@@ -141,6 +176,8 @@ GPUS: dict[str, GpuInfo] = {
         host_link="pcie4",
         node_host_memory_bytes=2000 * GB,
         node_host_bytes_per_second=2 * DDR4_SOCKET_BYTES_PER_SECOND,
+        board_power_watts=400,
+        node_other_power_watts=3300,
     ),
     "A100-40GB": GpuInfo(
         "A100-40GB",
@@ -156,6 +193,8 @@ GPUS: dict[str, GpuInfo] = {
         host_link="pcie4",
         node_host_memory_bytes=1000 * GB,
         node_host_bytes_per_second=2 * DDR4_SOCKET_BYTES_PER_SECOND,
+        board_power_watts=400,
+        node_other_power_watts=3300,
     ),
     # PCIe only: no NVLink, so CP between two L40S crosses the PCIe bus.
     "L40S": GpuInfo(
@@ -172,6 +211,8 @@ GPUS: dict[str, GpuInfo] = {
         host_link="pcie4",
         node_host_memory_bytes=1000 * GB,
         node_host_bytes_per_second=2 * DDR5_SOCKET_BYTES_PER_SECOND,
+        board_power_watts=350,
+        node_other_power_watts=3300,
     ),
     # "cpu" is one process on the local CPU (the local demo). Its peak is measured at run
     # time by the trainer; the figures here only keep the planner's arithmetic total.

@@ -86,6 +86,13 @@ JOB_ID_ENV = "CTXLAUNCH_JOB_ID"
 DEFAULT_RUNS_DIR = "runs"
 """Without a run directory given, a job keeps its run in runs/<job name> (relative to where it
 starts)."""
+TRAINJOB_ENV = "CTXLAUNCH_TRAINJOB"
+"""In a TrainJob's pods that report progress (cluster.kubernetes.trainer_status): the TrainJob's
+namespace/name, whose status.trainerStatus rank 0 writes."""
+TRAINJOB_TOKEN_DIR = "/var/run/secrets/ctxlaunch/trainjob-status"
+"""Where a TrainJob's trainer container finds the token (`token`) and the cluster's CA
+(`ca.crt`) it writes the TrainJob's status with: a projected volume mounted in that container
+only, the pod's own service-account token left unmounted."""
 HOME_ENV = "CTXLAUNCH_HOME"
 """Where job records and the CPU calibration live (default ~/.ctxlaunch)."""
 

@@ -225,3 +225,30 @@ def _sweep_problem(data: dict[str, Any]) -> str | None:
 def run_dir(record: JobRecord) -> Path:
     """Where the job's trainer wrote metrics.jsonl and summary.json."""
     return Path(record.extra.get("run_dir") or record.directory)
+
+
+def recorded_spec(record: JobRecord) -> dict[str, Any] | None:
+    """The resolved spec a job was submitted with (JSON data), from its record or the spec.json
+    beside it; None where neither holds it."""
+    spec = record.extra.get("spec")
+    if isinstance(spec, dict):
+        return spec
+    for directory in (record.directory, run_dir(record)):
+        path = directory / "spec.json"
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            return data
+    return None
+
+
+def recorded_ranks(record: JobRecord) -> int | None:
+    """How many ranks the job runs (nodes x GPUs per node of its recorded spec), or None."""
+    spec = recorded_spec(record)
+    try:
+        cluster = spec["cluster"] if spec else None
+        return int(cluster["nodes"]) * int(cluster["gpus_per_node"]) if cluster else None
+    except (KeyError, TypeError, ValueError):
+        return None

@@ -180,6 +180,30 @@ def _number(value: Any) -> float:
     return value
 
 
+def job_sweep(record: Any) -> dict[str, Any]:
+    """One job as a sweep of one point (no axes), so `report JOB` is a sweep's report of it."""
+    from ctxlaunch.launch import jobstore
+
+    return {
+        "kind": "job",
+        "id": record.id,
+        "name": record.name,
+        "target": record.target,
+        "created": record.created,
+        "axes": [],
+        "points": [
+            {
+                "index": 0,
+                "name": record.name,
+                "values": {},
+                "job": record.id,
+                "skipped": None,
+                "spec": jobstore.recorded_spec(record),
+            }
+        ],
+    }
+
+
 def build_report(sweep: dict[str, Any], calibration: Any = None) -> SweepReport:
     """Every point of a sweep record: state, measured results, predictions."""
     from ctxlaunch.launch import jobstore

@@ -19,6 +19,8 @@ from ctxlaunch.contract.rundir import (
     SPEC_ENV,
     TRAINER_MODULE,
     TRAINING,
+    TRAINJOB_ENV,
+    TRAINJOB_TOKEN_DIR,
     JobEntry,
     default_run_dir,
     slurm_rendezvous_port_shell,
@@ -428,6 +430,26 @@ class KubernetesRequest:
     secret_env: dict[str, dict[str, str]] = field(default_factory=dict)
     """Variables whose value is a Secret's key: name -> the container's
     valueFrom.secretKeyRef."""
+    status_access: StatusAccess | None = None
+    """A TrainJob whose rank 0 writes its trainerStatus: the RBAC rendered beside it and the
+    token mounted in its trainer container."""
+
+
+@dataclass(frozen=True)
+class StatusAccess:
+    """What lets a TrainJob's rank 0 write its own status.trainerStatus and nothing else: a
+    Role on that one TrainJob's status subresource, bound to the pods' service account (made
+    here unless the spec names one), and the token as a projected volume in the trainer
+    container only."""
+
+    service_account: str
+    create_service_account: bool
+    role: str
+    """The Role's and the RoleBinding's name."""
+    rules: list[dict[str, Any]]
+    token_dir: str
+    volume: dict[str, Any]
+    """The projected volume: a short-lived service-account token and the cluster's CA."""
 
 
 @dataclass(frozen=True)
@@ -504,6 +526,13 @@ def kubernetes_request(
         **({SWEEP_LABEL: sweep} if sweep else {}),
     }
     trainjob = k.api == "trainjob"
+    access = status_access(k, spec.name) if trainjob and k.trainer_status else None
+    env = job_environment(spec)
+    # ctxlaunch's own variables last (the spec's environment cannot name them anyway).
+    if k.run_dir:
+        env[RUN_DIR_ENV] = k.run_dir
+    if access is not None:
+        env[TRAINJOB_ENV] = f"{k.namespace}/{spec.name}"
     return KubernetesRequest(
         name=spec.name,
         namespace=k.namespace,
@@ -515,8 +544,7 @@ def kubernetes_request(
         image_pull_policy=k.image_pull_policy,
         command=pod_command(entry),
         restart_policy=POD_RESTART_POLICY,
-        # ctxlaunch's own variable last (the spec's environment cannot name it anyway).
-        env={**job_environment(spec), **({RUN_DIR_ENV: k.run_dir} if k.run_dir else {})},
+        env=env,
         secret_env=references.secret_key_refs(env_references(spec.fabric.env)),
         limits=limits,
         requests=requests,
@@ -545,13 +573,57 @@ def kubernetes_request(
         node_selector=dict(k.node_selector),
         tolerations=tolerations,
         image_pull_secrets=list(k.image_pull_secrets),
-        service_account=k.service_account,
+        service_account=access.service_account if access is not None else k.service_account,
+        status_access=access,
         priority_class=k.priority_class,
         run_policy=run_policy,
         elastic_policy=elastic_policy(k, fewest, c.nodes),
         metrics_ports=[(f"metrics-{r}", spec.telemetry.port + r) for r in range(c.gpus_per_node)]
         if spec.telemetry.prometheus == "scrape"
         else [],
+    )
+
+
+STATUS_TOKEN_SECONDS = 3600
+"""The projected token's lifetime: the kubelet rotates it before it expires (the trainer reads
+the file at each write)."""
+
+
+def status_access(k: KubernetesSpec, name: str) -> StatusAccess:
+    """The least privilege that lets rank 0 write the TrainJob `name`'s trainerStatus: patch
+    (and get) on that TrainJob's status subresource alone."""
+    return StatusAccess(
+        service_account=k.service_account or f"{name}-status",
+        create_service_account=k.service_account is None,
+        role=f"{name}-status",
+        rules=[
+            {
+                "apiGroups": ["trainer.kubeflow.org"],
+                "resources": ["trainjobs/status"],
+                "resourceNames": [name],
+                "verbs": ["get", "patch"],
+            }
+        ],
+        token_dir=TRAINJOB_TOKEN_DIR,
+        volume={
+            "name": "trainjob-status",
+            "projected": {
+                "sources": [
+                    {
+                        "serviceAccountToken": {
+                            "path": "token",
+                            "expirationSeconds": STATUS_TOKEN_SECONDS,
+                        }
+                    },
+                    {
+                        "configMap": {
+                            "name": "kube-root-ca.crt",
+                            "items": [{"key": "ca.crt", "path": "ca.crt"}],
+                        }
+                    },
+                ]
+            },
+        },
     )
 
 

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -37,6 +37,9 @@ from ctxlaunch.contract.loader import (
 )
 from ctxlaunch.contract.spec import MAX_JOB_NAME, RFC1123_LABEL, JobSpec
 from ctxlaunch.launch.backends.base import DryRun
+
+if TYPE_CHECKING:
+    from ctxlaunch.perf.accounting import Accounting
 
 
 class SweepDefinition(BaseModel):
@@ -253,6 +256,37 @@ def triage(points: list[Point], force: bool = False) -> tuple[list[Point], dict[
         else:
             runnable.append(point)
     return runnable, reasons
+
+
+def point_accounting(points: list[Point]) -> dict[int, Accounting]:
+    """Each valid point's whole run at its predicted step (perf.accounting): time to train,
+    GPU-hours, energy and cost, by point index."""
+    from ctxlaunch.perf.accounting import account
+    from ctxlaunch.perf.machine import machine_for
+    from ctxlaunch.perf.steptime import predict_spec
+
+    out = {}
+    for point in points:
+        if point.spec is not None:
+            out[point.index] = account(
+                point.spec, predict_spec(point.spec, machine_for(point.spec))
+            )
+    return out
+
+
+def accounting_total(accounts: Iterable[Accounting]) -> dict[str, Any]:
+    """The sweep's points together: their GPU-hours, energy and cost summed, and their time if
+    they run one after another (a local sweep does)."""
+    accounts = list(accounts)
+    energies = [a.energy_kwh.value for a in accounts if a.energy_kwh is not None]
+    costs = [a.cost.value for a in accounts if a.cost is not None]
+    return {
+        "points": len(accounts),
+        "seconds_one_after_another": sum(a.seconds.value for a in accounts),
+        "gpu_hours": sum(a.gpu_hours.value for a in accounts),
+        "energy_kwh": sum(energies) if len(energies) == len(accounts) and accounts else None,
+        "cost": sum(costs) if len(costs) == len(accounts) and accounts else None,
+    }
 
 
 @dataclass(frozen=True)

@@ -246,6 +246,10 @@ class Calibration:
     """L0 of attention's length ramp on the calibrated CPU: a call over L tokens runs at
     attention_flops_per_second x L / (L + L0) (fitted on two block lengths none of the
     benchmark's calls use; 0: one rate for every length)."""
+    trust: dict[str, Any] | None = None
+    """What the machine did while it was measured, and how far the readings agreed:
+    `others_cores` (other processes' busy cores on average), `readings` (each rate's readings)
+    and `spread` ((max - min) / median of each), as runtime.calibration.trust reads them."""
     one_thread: dict[str, float] | None = None
     """The same rates with one thread ("matmul", "attention", "elementwise", and the attention
     ramp's "attention_ramp_tokens"): what a rank

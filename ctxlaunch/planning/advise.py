@@ -27,6 +27,7 @@ from typing import Any
 
 from ctxlaunch.contract.hardware import GiB, GpuInfo
 from ctxlaunch.contract.spec import JobSpec, ModelSpec, layout_problems, problem_message
+from ctxlaunch.perf.accounting import Accounting, account
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.machine import Machine, machine_for
 from ctxlaunch.perf.memory import MemoryEstimate, estimate, fits_with_host
@@ -39,13 +40,37 @@ MICRO_BATCHES = (1, 2, 4, 8)
 MAX_VIRTUAL_STAGES = 8
 
 
+RANK_BY = ("step", "time", "cost")
+"""What `advise` ranks by: the predicted step time, the time to train the run (across GPU
+counts: more GPUs, shorter), or its cost (GPU-hours x cluster.gpu_hour_price)."""
+
+
 @dataclass(frozen=True)
 class Candidate:
-    """A layout that fits, with its predicted memory and step time."""
+    """A layout that fits, with its predicted memory and step time, and the whole run at it."""
 
     layout: Layout
     memory: MemoryEstimate
     time: StepTime
+    accounting: Accounting | None = None
+    """The run at this layout: time to train, GPU-hours, energy, cost (perf.accounting)."""
+    nodes: int = 1
+    gpus_per_node: int = 1
+    """The node shape the layout was searched on."""
+
+    @property
+    def gpus(self) -> int:
+        return self.layout.dims.world_size
+
+    def metric(self, rank_by: str) -> float:
+        """The figure `rank_by` ranks on (RANK_BY): seconds a step, seconds the run, or its
+        cost."""
+        a = self.accounting
+        if rank_by == "time" and a is not None:
+            return a.seconds.value
+        if rank_by == "cost" and a is not None and a.cost is not None:
+            return a.cost.value
+        return self.time.step_seconds
 
     def describe(self) -> str:
         """The layout in one line, as the table and the rejections name it."""
@@ -68,9 +93,11 @@ class Candidate:
         return {
             "layout": self.describe(),
             "changes": self.layout.overrides(),
+            "gpus": self.gpus,
             "memory_total_bytes": self.memory.total,
             "fits": self.memory.fits,
             **self.time.to_dict(),
+            "accounting": self.accounting.to_dict() if self.accounting else None,
         }
 
 
@@ -96,6 +123,12 @@ class Advice:
     notes: list[str] = field(default_factory=list)
     own: StepTime | None = None
     """The spec's own layout, predicted, where it is legal and fits on the same GPUs."""
+    own_accounting: Accounting | None = None
+    """The whole run at the spec's own layout (with `own`)."""
+    rank_by: str = "step"
+    """What the ranking orders by (RANK_BY)."""
+    gpu_counts: tuple[int, ...] = ()
+    """The GPU counts searched, where more than one was (`merge`)."""
 
     @property
     def best(self) -> Candidate | None:
@@ -107,12 +140,17 @@ class Advice:
         return self.best.time.expected_error if self.best else 0.0
 
     def ties_best(self, candidate: Candidate) -> bool:
-        """Whether `candidate` is within the model's expected error of the fastest: the model
-        cannot tell them apart, so they rank as ties."""
+        """Whether `candidate` is within the model's expected error of the best (the fastest,
+        or the cheapest): the model cannot tell them apart, so they rank as ties."""
         if self.best is None:
             return False
-        limit = self.best.time.step_seconds * (1 + self.expected_error)
-        return candidate.time.step_seconds <= limit
+        limit = self.best.metric(self.rank_by) * (1 + self.expected_error)
+        return candidate.metric(self.rank_by) <= limit
+
+    def rerank(self, rank_by: str) -> None:
+        """Order the ranked layouts by `rank_by` (RANK_BY)."""
+        self.rank_by = rank_by
+        self.ranked.sort(key=lambda c: (float(f"{c.metric(rank_by):.4g}"), *_rank_key(c)))
 
     def rank_labels(self, top: int | None = None) -> list[str]:
         """'1', or '=1' for every layout tied with the fastest, then their own ranks."""
@@ -137,6 +175,9 @@ class Advice:
             "gpus_per_node": self.gpus_per_node,
             "seq_len": self.spec.training.seq_len,
             "tokens_per_step": self.spec.tokens_per_step,
+            "steps": self.spec.training.steps,
+            "rank_by": self.rank_by,
+            "gpu_counts": list(self.gpu_counts) or [self.nodes * self.gpus_per_node],
             "layouts_timed": self.layouts_timed,
             "memory_estimates": self.memory_estimates,
             "validator_calls": self.validator_calls,
@@ -395,7 +436,16 @@ class _Search:
             )
             return None
         self.advice.layouts_timed += 1
-        return Candidate(layout, memory, predict(self.model, layout, self.machine))
+        time = predict(self.model, layout, self.machine)
+        cluster = self.base.cluster
+        return Candidate(
+            layout,
+            memory,
+            time,
+            account(self.base, time),
+            nodes=cluster.nodes,
+            gpus_per_node=cluster.gpus_per_node,
+        )
 
 
 def advise(
@@ -433,6 +483,7 @@ def advise(
         own = Layout.from_spec(spec)
         if estimate(spec.model, own, search.gpu).fits:
             advice.own = predict(spec.model, own, machine)
+            advice.own_accounting = account(spec, advice.own)
     if not advice.ranked:
         advice.notes.append(
             "no layout fits on this many GPUs: add GPUs (--gpus, --nodes) or shorten the sequence"
@@ -440,19 +491,48 @@ def advise(
     return advice
 
 
+def merge(advices: list[Advice], rank_by: str) -> Advice:
+    """One ranking of the advice for several GPU counts (each `advise` on the same spec), by
+    `rank_by`: the spec's own count's advice first in `advices`."""
+    first = advices[0]
+    mine = next((a for a in advices if a.own is not None), first)
+    merged = Advice(
+        spec=first.spec,
+        nodes=first.nodes,
+        gpus_per_node=first.gpus_per_node,
+        ranked=[c for a in advices for c in a.ranked],
+        rejected=[r for a in advices for r in a.rejected],
+        layouts_timed=sum(a.layouts_timed for a in advices),
+        memory_estimates=sum(a.memory_estimates for a in advices),
+        validator_calls=sum(a.validator_calls for a in advices),
+        notes=[n for a in advices for n in a.notes],
+        own=mine.own,
+        own_accounting=mine.own_accounting,
+        gpu_counts=tuple(a.nodes * a.gpus_per_node for a in advices),
+    )
+    merged.rerank(rank_by)
+    return merged
+
+
 # --------------------------------------------------------------------------------------------
 # the command's input and output
 # --------------------------------------------------------------------------------------------
 def load_for_advice(
-    path: Any, overrides: list[str] | None
+    path: Any, overrides: list[str] | None, source: str | None = None
 ) -> tuple[dict[str, Any], JobSpec, str | None]:
-    """(the spec's data with the overrides, the validated spec, a note). A spec whose only
-    problems are its layout is still advised on: its parallel section is reset to one GPU per
-    replica (the search varies it anyway) and the note says so. Anything else raises the
-    SpecError."""
+    """(the spec's data with the overrides, the validated spec, a note) from a spec file (or
+    its mapping, named `source`). A spec whose only problems are its layout is still advised
+    on: its parallel section is reset to one GPU per replica (the search varies it anyway) and
+    the note says so. Anything else raises the SpecError."""
+    from collections.abc import Mapping
+
     from ctxlaunch.contract.loader import SpecError, apply_overrides, read_spec_data, validate_spec
 
-    data = apply_overrides(read_spec_data(path), overrides or ())
+    if isinstance(path, Mapping):
+        raw, path = dict(path), source or "<spec>"
+    else:
+        raw = read_spec_data(path)
+    data = apply_overrides(raw, overrides or ())
     try:
         return data, validate_spec(data, str(path)), None
     except SpecError as exc:
@@ -490,8 +570,8 @@ def advice_spec_text(data: dict[str, Any], advice: Advice, source: str) -> str:
     assert advice.best is not None
     changes = {
         **advice.best.layout.overrides(),
-        "cluster.nodes": advice.nodes,
-        "cluster.gpus_per_node": advice.gpus_per_node,
+        "cluster.nodes": advice.best.nodes,
+        "cluster.gpus_per_node": advice.best.gpus_per_node,
     }
     new = apply_overrides(data, [f"{k}={json.dumps(v)}" for k, v in changes.items()])
     for section in ("parallel", "training"):  # drop the nulls the changes set
@@ -508,75 +588,123 @@ def advice_spec_text(data: dict[str, Any], advice: Advice, source: str) -> str:
     return header + yaml.safe_dump(new, sort_keys=False)
 
 
+TITLES = {
+    "step": "Fastest layouts that fit",
+    "time": "Quickest layouts to train the run",
+    "cost": "Cheapest layouts to train the run",
+}
+COMPUTE_TERMS = ("compute_matmul", "compute_attention", "compute_elementwise", "compute_loss")
+
+
+def _advice_columns(advice: Advice) -> list[str]:
+    columns = ["#", "layout"]
+    if advice.gpu_counts:
+        columns.append("GPUs")
+    columns += ["GiB/GPU", "step s", "tokens/s/GPU", "MFU full", "MFU causal", "time to train"]
+    if advice.spec.cluster.price_per_gpu_hour is not None:
+        columns.append("cost")
+    return [*columns, "largest overhead"]
+
+
+def _advice_row(advice: Advice, label: str, c: Candidate) -> list[str]:
+    """One ranked layout as `_advice_columns` names its cells."""
+    from ctxlaunch.perf.accounting import amount, duration
+
+    overheads = {
+        k: v
+        for k, v in c.time.terms.items()
+        if k not in COMPUTE_TERMS and v > 1e-3 * c.time.step_seconds
+    }
+    worst = max(overheads, key=overheads.__getitem__) if overheads else None
+    row = [label, c.describe()]
+    if advice.gpu_counts:
+        row.append(str(c.gpus))
+    row += [
+        f"{c.memory.total / GiB:,.1f}",
+        f"{c.time.step_seconds:.4g}",
+        f"{c.time.tokens_per_second_per_gpu:,.0f}",
+        f"{c.time.mfu['full']:.1%}",
+        f"{c.time.mfu['causal']:.1%}",
+        duration(c.accounting.seconds.value) if c.accounting else "",
+    ]
+    if advice.spec.cluster.price_per_gpu_hour is not None:
+        cost = c.accounting.cost if c.accounting else None
+        row.append(amount(cost.value) if cost else "")
+    row.append(
+        f"{worst.replace('_', ' ')} {overheads[worst] / c.time.step_seconds:.1%}" if worst else "-"
+    )
+    return row
+
+
+def _own_line(advice: Advice, own: StepTime, best: Candidate) -> str:
+    """The spec's own layout against the best, by what the ranking orders by."""
+    from ctxlaunch.perf.accounting import duration
+
+    s = advice.spec
+    p, t = s.parallel, s.training
+    line = (
+        f"the spec's own layout (tp {p.tp} pp {p.pp} cp {p.cp} {p.cp_algorithm}, "
+        f"ZeRO-{t.zero_stage}, checkpointing {t.activation_checkpointing}): "
+        f"{own.step_seconds:.4g} s/step, {own.tokens_per_second_per_gpu:,.0f} tokens/s/GPU"
+    )
+    mine = advice.own_accounting
+    if advice.rank_by == "step" or mine is None or best.accounting is None:
+        return (
+            line
+            + f"; the fastest's step is {1 - best.time.step_seconds / own.step_seconds:.1%} shorter"
+        )
+    if advice.rank_by == "time":
+        return line + (
+            f", {duration(mine.seconds.value)} to train; the quickest takes "
+            f"{1 - best.accounting.seconds.value / mine.seconds.value:.1%} less"
+        )
+    if mine.cost is None or best.accounting.cost is None:
+        return line
+    return line + (
+        f", costs {mine.cost.value:,.0f}; the cheapest costs "
+        f"{1 - best.accounting.cost.value / mine.cost.value:.1%} less"
+    )
+
+
 def print_advice(console: Any, advice: Advice, top: int) -> None:
     from rich.table import Table
 
     s = advice.spec
     for note in advice.notes:
         console.print(f"note: {note}", markup=False)
+    gpus = (
+        " or ".join(str(n) for n in advice.gpu_counts) + f" {s.cluster.gpu}"
+        if advice.gpu_counts
+        else f"{advice.nodes} x {advice.gpus_per_node} {s.cluster.gpu}"
+    )
     console.print(
         f"[bold]{s.name}[/]: {s.model.preset or 'custom'} model, seq_len "
-        f"{s.training.seq_len:,}, {s.tokens_per_step:,} tokens per step, "
-        f"{advice.nodes} x {advice.gpus_per_node} {s.cluster.gpu} over "
-        f"{s.fabric.network}"
+        f"{s.training.seq_len:,}, {s.tokens_per_step:,} tokens per step x "
+        f"{s.training.steps:,} steps, {gpus} over {s.fabric.network}"
     )
     table = Table(
-        title=f"Fastest layouts that fit ({len(advice.ranked)} ranked)", title_justify="left"
+        title=f"{TITLES[advice.rank_by]} ({len(advice.ranked)} ranked)", title_justify="left"
     )
-    for column in (
-        "#",
-        "layout",
-        "GiB/GPU",
-        "step s",
-        "tokens/s/GPU",
-        "MFU full",
-        "MFU causal",
-        "largest overhead",
-    ):
+    for column in _advice_columns(advice):
         table.add_column(
             column, justify="left" if column in ("layout", "largest overhead") else "right"
         )
-    compute = ("compute_matmul", "compute_attention", "compute_elementwise", "compute_loss")
     for label, c in zip(advice.rank_labels(top), advice.ranked[:top], strict=True):
-        overheads = {
-            k: v
-            for k, v in c.time.terms.items()
-            if k not in compute and v > 1e-3 * c.time.step_seconds
-        }
-        worst = max(overheads, key=overheads.__getitem__) if overheads else None
-        worst_text = (
-            f"{worst.replace('_', ' ')} {overheads[worst] / c.time.step_seconds:.1%}"
-            if worst
-            else "-"
-        )
-        table.add_row(
-            label,
-            c.describe(),
-            f"{c.memory.total / GiB:,.1f}",
-            f"{c.time.step_seconds:.4g}",
-            f"{c.time.tokens_per_second_per_gpu:,.0f}",
-            f"{c.time.mfu['full']:.1%}",
-            f"{c.time.mfu['causal']:.1%}",
-            worst_text,
-        )
+        table.add_row(*_advice_row(advice, label, c))
     console.print(table)
     if advice.best is not None:
         tied = sum(1 for c in advice.ranked if advice.ties_best(c))
         console.print(
             f"step times {advice.best.time.range_text()}; {tied} layout(s) within "
-            "that of the fastest rank as ties (=1)",
+            "that of the best rank as ties (=1)",
             markup=False,
         )
+        if advice.best.accounting is not None:
+            console.print(
+                f"the best, the whole run: {advice.best.accounting.summary()}", markup=False
+            )
     if advice.own is not None and advice.best is not None:
-        p = s.parallel
-        console.print(
-            f"the spec's own layout (tp {p.tp} pp {p.pp} cp {p.cp} {p.cp_algorithm}, "
-            f"ZeRO-{s.training.zero_stage}, checkpointing {s.training.activation_checkpointing}"
-            f"): {advice.own.step_seconds:.4g} s/step, "
-            f"{advice.own.tokens_per_second_per_gpu:,.0f} tokens/s/GPU; the fastest is "
-            f"{advice.own.step_seconds / advice.best.time.step_seconds - 1:.1%} faster",
-            markup=False,
-        )
+        console.print(_own_line(advice, advice.own, advice.best), markup=False)
     for kind, items in advice.rejected_by_kind().items():
         if not items:
             continue

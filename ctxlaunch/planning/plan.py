@@ -12,6 +12,7 @@ from typing import Any
 from ctxlaunch.contract.hardware import GiB
 from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.contract.spec import JobSpec, cp_problems, problem_message
+from ctxlaunch.perf.accounting import Accounting, account
 from ctxlaunch.perf.activations import ATTENTION_TILE_TOKENS
 from ctxlaunch.perf.flops import CONVENTIONS, count_params, flops_per_token
 from ctxlaunch.perf.hostmemory import HostEstimate, HostLimit, host_estimate
@@ -90,6 +91,9 @@ class PlanReport:
     (`memory.peak_phases`), before the allowance; the largest is the step's peak."""
     host: HostEstimate | None = None
     """With training.offload, the host memory of the busiest node (perf.hostmemory)."""
+    accounting: Accounting | None = None
+    """The whole run at the predicted step: time to train, GPU-hours, energy, cost
+    (perf.accounting), where the job fits."""
 
     @property
     def peak_phase(self) -> Phase | None:
@@ -203,6 +207,7 @@ class PlanReport:
             ],
             "flops": self.flops,
             "step_time": self.step_time,
+            "accounting": self.accounting.to_dict() if self.accounting else None,
             "warnings": self.warnings,
         }
 
@@ -220,6 +225,8 @@ def plan_job(spec: JobSpec, machine: Machine | None = None) -> PlanReport:
     )
     options = cp_options(spec, layout)
     smallest = next((o for o in options if o.fits), None)
+    fits = current.fits and (host is None or host.fits)
+    step = predict(spec.model, layout, machine or machine_for(spec, saved=False)) if fits else None
     return PlanReport(
         host=host,
         spec=spec,
@@ -231,11 +238,8 @@ def plan_job(spec: JobSpec, machine: Machine | None = None) -> PlanReport:
         flops=flops_report(spec),
         warnings=spec.warnings(),
         phases=peak_phases(spec.model, layout),
-        step_time=(
-            predict(spec.model, layout, machine or machine_for(spec, saved=False)).to_dict()
-            if current.fits and (host is None or host.fits)
-            else None
-        ),
+        step_time=step.to_dict() if step is not None else None,
+        accounting=account(spec, step) if step is not None else None,
     )
 
 

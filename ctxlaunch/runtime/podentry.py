@@ -12,6 +12,7 @@ memory cgroup killed (it leaves no status; the cgroup's oom_kill count rose) cou
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -23,6 +24,7 @@ from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.heal_log import HEALING_KEY
 from ctxlaunch.contract.rundir import (
     EXIT_DIR,
+    RESULT_LINE,
     RUN_DIR_ENV,
     TRAINER_MODULE,
     combine_exit_codes,
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, forward)
     returncode = process.wait()
     tell_healing(args[0])
+    hand_back_summary(run_dir)
     if returncode == 0:
         return exitcodes.OK
     per_node = int(os.environ.get("PET_NPROC_PER_NODE") or 1)
@@ -113,6 +116,18 @@ def main(argv: list[str] | None = None) -> int:
 TERMINATION_LOG = Path("/dev/termination-log")
 """The container's termination message (terminationMessagePath's default): the kubelet copies
 it into the pod's status, where `ctxlaunch status` reads it."""
+
+
+def hand_back_summary(run_dir: Path) -> None:
+    """The run's summary (rank 0's summary.json, measured beside predicted) as the pod's
+    result line: the pod's files are not the submitter's, so `ctxlaunch status` reads it from
+    the log (contract.rundir.RESULT_LINE). Nothing where this pod holds no summary."""
+    path = run_dir / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    print(RESULT_LINE + json.dumps(summary, separators=(",", ":")), flush=True)
 
 
 def tell_healing(spec_path: str, path: Path = TERMINATION_LOG) -> None:

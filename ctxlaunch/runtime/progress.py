@@ -95,3 +95,37 @@ class Progress:
     ) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+class StepClock:
+    """A run's progress and time left, from its own steps: the mean of the measured steps (the
+    first, which warms up, left out once there are others), or the predicted step before any
+    is measured. Steps resumed from a checkpoint count as done."""
+
+    def __init__(self, total_steps: int, predicted_step_seconds: float | None = None) -> None:
+        self.total_steps = max(total_steps, 1)
+        self.predicted = predicted_step_seconds
+        self._seconds: list[float] = []
+
+    def record(self, step_seconds: float) -> None:
+        """One more step measured."""
+        self._seconds.append(step_seconds)
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The step the time left is counted in (None: nothing measured or predicted)."""
+        timed = self._seconds[1:] or self._seconds
+        if timed:
+            return sum(timed) / len(timed)
+        return self.predicted
+
+    def progress(self, step: int) -> float:
+        """The share of the run done after `step` steps, 0 to 1."""
+        return min(max(step / self.total_steps, 0.0), 1.0)
+
+    def remaining_seconds(self, step: int) -> float | None:
+        """Seconds until the last step, after `step` steps (None: no step time known yet)."""
+        step_seconds = self.step_seconds
+        if step_seconds is None:
+            return None
+        return max(self.total_steps - step, 0) * step_seconds

@@ -35,6 +35,15 @@ class StepMetrics:
     """The attention area the busiest rank of this rank's CP group computed in the step over
     the group's mean (1.0: every rank did the same; a ring waits for the busiest). Under a
     document mask it follows the sharding (`parallel.cp_sharding`)."""
+    steps: int = 0
+    """The optimizer steps the run is to complete (training.steps; 0: not said)."""
+    progress: float = 0.0
+    """The share of the run's steps done, 0 to 1."""
+    remaining_seconds: float | None = None
+    """Time left until the last step: the steps left at the run's mean measured step (the
+    first, warm-up step left out), or at the predicted step before one is measured."""
+    predicted_step_seconds: float | None = None
+    """The step-time model's step for this job, to read the measured one against."""
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -264,18 +264,75 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 min=0,
             ),
             PanelSpec(
-                "Step time",
-                "Wall time of the last optimizer step.",
+                "Step time: measured against predicted",
+                "Wall time of the last optimizer step per rank; dotted: the step-time model's "
+                "prediction for the run; dashed: the prediction's expected error either side "
+                "(none where the error is not known on this machine). The "
+                "CtxlaunchStepDriftedFromPrediction alert fires when a rank's step stays outside "
+                "that band.",
                 "timeseries",
                 "s",
-                (_per_rank("ctxlaunch_step_duration_seconds"),),
+                (
+                    _per_rank("ctxlaunch_step_duration_seconds"),
+                    Target(
+                        f"max by (run) ({_q('ctxlaunch_predicted_step_duration_seconds')})",
+                        "predicted ({{run}})",
+                    ),
+                    Target(
+                        f"max by (run) ({_q('ctxlaunch_predicted_step_duration_seconds')} * "
+                        f"(1 + {_q('ctxlaunch_predicted_step_error_ratio')}) and "
+                        f"{_q('ctxlaunch_predicted_step_error_ratio')} > 0)",
+                        "expected error, slow side ({{run}})",
+                    ),
+                    Target(
+                        f"max by (run) ({_q('ctxlaunch_predicted_step_duration_seconds')} * "
+                        f"(1 - {_q('ctxlaunch_predicted_step_error_ratio')}) and "
+                        f"{_q('ctxlaunch_predicted_step_error_ratio')} > 0)",
+                        "expected error, fast side ({{run}})",
+                    ),
+                ),
+                width=24,
                 min=0,
+                dotted="^predicted",
+                dashed="^expected error",
             ),
         ),
     ),
     (
         "Progress",
         (
+            PanelSpec(
+                "Progress",
+                "The share of the run's steps done (the last step over training.steps).",
+                "stat",
+                "percentunit",
+                (
+                    Target(
+                        f"max by (run) ({_q('ctxlaunch_last_step')}) / "
+                        f"max by (run) ({_q('ctxlaunch_target_steps')})",
+                        "{{run}}",
+                        instant=True,
+                    ),
+                ),
+                width=6,
+                height=5,
+            ),
+            PanelSpec(
+                "Time left",
+                "Until the run's last step: the steps left at the run's mean measured step, or at "
+                "the predicted step before one is measured.",
+                "stat",
+                "s",
+                (
+                    Target(
+                        f"max by (run) ({_q('ctxlaunch_estimated_remaining_seconds')})",
+                        "{{run}}",
+                        instant=True,
+                    ),
+                ),
+                width=6,
+                height=5,
+            ),
             PanelSpec(
                 "Loss",
                 "Mean next-token loss of the last step.",

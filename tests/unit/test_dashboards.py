@@ -173,7 +173,16 @@ REQUIRED_PANELS = {
         "flops",
         ["ctxlaunch_model_flops_per_second_per_gpu{", 'convention="full"'],
     ),
-    "Step time": ("s", ["ctxlaunch_step_duration_seconds{"]),
+    "Step time: measured against predicted": (
+        "s",
+        [
+            "ctxlaunch_step_duration_seconds{",
+            "ctxlaunch_predicted_step_duration_seconds{",
+            "ctxlaunch_predicted_step_error_ratio{",
+        ],
+    ),
+    "Time left": ("s", ["ctxlaunch_estimated_remaining_seconds{"]),
+    "Progress": ("percentunit", ["ctxlaunch_last_step{", "ctxlaunch_target_steps{"]),
     "Loss": ("none", ["ctxlaunch_loss{"]),
     "Memory per rank against capacity": (
         "bytes",
@@ -296,6 +305,7 @@ def test_alerts_have_for_severity_and_annotations() -> None:
         "CtxlaunchTrainingStalled",
         "CtxlaunchMemoryHeadroomLow",
         "CtxlaunchExposedCommHigh",
+        "CtxlaunchStepDriftedFromPrediction",
     }
     for alert in alerts:
         name = alert["alert"]

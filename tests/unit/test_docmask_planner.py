@@ -158,14 +158,15 @@ def test_the_spec_carries_the_sharding_to_the_step_time(tmp_path) -> None:
 
 
 def test_advise_offers_the_balanced_sharding_where_zigzag_leaves_a_rank_busier() -> None:
-    """Under a document mask (the 128K extension example: 32K-token documents), every ring and
-    hybrid whose zigzag shards leave the busiest rank more attention than the mean is also
-    ranked with the balanced sharding, which is faster; the advice's spec runs it."""
+    """Under a document mask (the 128K extension example: 32K-token documents) with a spec that
+    states zigzag, every ring and hybrid whose zigzag shards leave the busiest rank more
+    attention than the mean is also ranked with the balanced sharding, which is faster; the
+    advice's spec runs it."""
     from ctxlaunch.contract.loader import load_spec
     from ctxlaunch.planning.advise import advise, degree_options
     from tests.helpers.paths import JOBS
 
-    spec = load_spec(JOBS / "llama3-8b-extend-128k.yaml")
+    spec = load_spec(JOBS / "llama3-8b-extend-128k.yaml", ["parallel.cp_sharding=zigzag"])
     options = degree_options(spec, 32, 8, 8)
     balanced = [o for o in options if o.dims.cp_sharding == "balanced"]
     assert balanced and all(o.dims.ring_degree > 1 for o in balanced)

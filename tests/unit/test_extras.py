@@ -35,7 +35,6 @@ BASE_MODULES = {
     "rich": "rich",
     "submitit": "submitit",
     "prometheus_client": "prometheus-client",
-    "kubernetes": "kubernetes",
     "urllib3": "urllib3",
 }
 """Top-level modules the base install provides -> the distribution that is declared for it."""
@@ -157,7 +156,8 @@ def hiding(tmp_path: Path):
     def run(hidden: str, *args: str) -> subprocess.CompletedProcess[str]:
         env = {
             **os.environ,
-            "PYTHONPATH": str(site),
+            # The hiding site first; a checkout on the path (a worktree's) stays after it.
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
             "CTXLAUNCH_TEST_HIDE": hidden,
             "CTXLAUNCH_HOME": str(home),
         }
@@ -236,6 +236,47 @@ def test_the_trainer_names_a_missing_package_of_the_train_extra(hiding, tmp_path
     assert result.returncode == 2, result.stderr
     assert "needs the safetensors package: pip install 'ctxlaunch[train]'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_kubernetes_command_without_the_client_names_the_kubernetes_extra(
+    hiding, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kubeconfig the direct transport leaves to the official client (an exec plugin's
+    credentials): without the client, submit names the extra that installs it."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "c",
+                "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+                "clusters": [{"name": "k", "cluster": {"server": "https://127.0.0.1:9"}}],
+                "users": [
+                    {
+                        "name": "u",
+                        "user": {
+                            "exec": {
+                                "apiVersion": "client.authentication.k8s.io/v1",
+                                "command": "true",
+                            }
+                        },
+                    }
+                ],
+            }
+        )
+    )
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    result = hiding(
+        "kubernetes",
+        "submit",
+        str(JOBS / "demo.yaml"),
+        "--set",
+        "cluster.target=kubernetes",
+        "--set",
+        "cluster.kubernetes.image=example/ctxlaunch:1",
+    )
+    assert_names_extra(result, "submit", "kubernetes: pip install 'ctxlaunch[kubernetes]'")
 
 
 def test_other_import_errors_are_not_taken_for_a_missing_extra() -> None:

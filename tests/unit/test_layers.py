@@ -2,6 +2,7 @@
 code's own import statements (module level and inside functions alike).
 
     contract -> perf -> planning -> launch | runtime -> cli        cp: torch only
+                                    launch -> api -> cli
 
 launch (what submits a job) and runtime (what runs inside it) never import each other: they meet
 in contract (the spec that travels with the job, the run directory, the exit files)."""
@@ -24,7 +25,8 @@ ALLOWED: dict[str, set[str]] = {
     "launch": {"contract", "perf", "planning", "launch"},
     "runtime": {"contract", "perf", "planning", "runtime", "cp"},
     "cp": {"cp"},
-    "cli": {"contract", "perf", "planning", "launch", "runtime", "cp", "cli"},
+    "api": {"contract", "perf", "planning", "launch", "api"},
+    "cli": {"contract", "perf", "planning", "launch", "runtime", "cp", "api", "cli"},
 }
 """Layer -> the layers its modules may import. The package root (`ctxlaunch`, which holds only
 the version) is open to all."""

@@ -83,6 +83,7 @@ def test_the_wheel_carries_the_data_files_the_license_and_the_types(wheel: Path)
         "wandb",
         "trackers",
         "docs",
+        "kubernetes",
     } <= extras
     base = [line for line in headers if line.startswith("Requires-Dist") and "extra ==" not in line]
     assert not [line for line in base if "torch" in line or "numpy" in line], base
@@ -177,6 +178,7 @@ def check_base(ctxlaunch: Installed) -> None:
     where = ctxlaunch.python("import ctxlaunch; print(ctxlaunch.__file__)").stdout
     assert "site-packages" in where and str(ROOT) not in where
     assert ctxlaunch.python("import torch").returncode != 0  # the base install has no torch
+    assert ctxlaunch.python("import kubernetes").returncode != 0  # nor the Kubernetes client
     assert ctxlaunch("--version").stdout.strip() == f"ctxlaunch {__version__}"
     names = [line.split()[0] for line in ctxlaunch("examples").stdout.splitlines()]
     assert "llama3-8b-128k-slurm" in names and "sweeps/demo" in names

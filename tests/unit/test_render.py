@@ -111,10 +111,13 @@ def crd_validator(crd: Path):
 
 
 def trainjob_docs(text: str) -> tuple[dict, dict]:
-    """The TrainingRuntime and the TrainJob of a rendered trainjob file."""
+    """The TrainingRuntime and the TrainJob of a rendered trainjob file (after its ConfigMap
+    and the RBAC that lets rank 0 write the TrainJob's status)."""
     docs = [d for d in yaml.safe_load_all(text) if d]
-    assert [d["kind"] for d in docs] == ["ConfigMap", "TrainingRuntime", "TrainJob"]
-    return docs[1], docs[2]
+    kinds = [d["kind"] for d in docs]
+    assert kinds[0] == "ConfigMap" and kinds[-2:] == ["TrainingRuntime", "TrainJob"], kinds
+    assert set(kinds[1:-2]) <= {"ServiceAccount", "Role", "RoleBinding"}, kinds
+    return docs[-2], docs[-1]
 
 
 def trainjob_pod(runtime: dict) -> dict:
@@ -377,7 +380,9 @@ def test_trainjob_and_runtime_validate_against_the_trainer_crds(
     sets: list[str], trainer_crds: dict[str, Path]
 ) -> None:
     """TrainJob and TrainingRuntime against Trainer v2.3.0's schemas (unknown fields refused),
-    and the runtime's pod template is the PyTorchJob's, container name and port aside."""
+    and the runtime's pod template is the PyTorchJob's, container name and port aside, and the
+    trainer container's access to its TrainJob's status (the variable naming it, the projected
+    token mounted there alone)."""
     spec = load_spec(JOBS / "llama3-70b-1m-k8s.yaml", ["cluster.kubernetes.api=trainjob", *sets])
     runtime, trainjob = trainjob_docs(render(spec, "kubernetes"))
     for doc in (runtime, trainjob):
@@ -391,8 +396,34 @@ def test_trainjob_and_runtime_validate_against_the_trainer_crds(
     container = expected["spec"]["containers"][0]
     container["name"] = "node"
     container["ports"][0] = {"name": "rendezvous", "containerPort": 29400}
+    container["env"].append({"name": "CTXLAUNCH_TRAINJOB", "value": "llm-training/llama3-70b-1m"})
+    container["volumeMounts"].append(
+        {
+            "name": "trainjob-status",
+            "mountPath": "/var/run/secrets/ctxlaunch/trainjob-status",
+            "readOnly": True,
+        }
+    )
+    expected["spec"]["volumes"].append(
+        {
+            "name": "trainjob-status",
+            "projected": {
+                "sources": [
+                    {"serviceAccountToken": {"path": "token", "expirationSeconds": 3600}},
+                    {
+                        "configMap": {
+                            "name": "kube-root-ca.crt",
+                            "items": [{"key": "ca.crt", "path": "ca.crt"}],
+                        }
+                    },
+                ]
+            },
+        }
+    )
     expected["spec"]["restartPolicy"] = "Never"
     assert pod == expected
+    # The pod's own token stays unmounted: the status token is in the trainer container only.
+    assert pod["spec"]["automountServiceAccountToken"] is False
     assert trainjob["spec"]["trainer"] == {"numNodes": 64, "numProcPerNode": 8}
     assert trainjob["spec"]["runtimeRef"]["name"] == runtime["metadata"]["name"]
     queued = "cluster.kubernetes.queue=team-a" in sets

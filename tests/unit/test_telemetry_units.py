@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -205,3 +206,73 @@ def test_the_cpu_peak_does_not_fall_when_the_core_is_shared() -> None:
             process.kill()
             process.wait()
     assert shared > 0.7 * alone, (shared, alone)
+
+
+def _read_by_monitoring() -> set[str]:
+    """Every metric the shipped dashboard and alert rules read (recording rules' own names
+    left out)."""
+    import re
+
+    from ctxlaunch.runtime.telemetry.metrics import BY_NAME
+    from tests.helpers.paths import ROOT
+
+    text = (ROOT / "manifests" / "grafana" / "ctxlaunch-training.json").read_text()
+    text += (ROOT / "manifests" / "prometheus" / "ctxlaunch-rules.yml").read_text()
+    return {name for name in re.findall(r"ctxlaunch_[a-z_]+", text) if name in BY_NAME}
+
+
+def test_every_series_the_dashboard_and_alerts_read_is_served_from_the_first_scrape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank's first scrape: its counters (a labelled one at 0 for each label it is known to
+    take) and what it knows before a step; after its first step, every series the dashboard
+    and the rules read, but an event's that has not happened (an OOM's, a re-plan's, an
+    evaluation's)."""
+    import torch
+
+    from ctxlaunch.contract.loader import load_spec
+    from ctxlaunch.cp.kernel_choice import KernelChoice
+    from ctxlaunch.runtime.records import StepMetrics
+    from ctxlaunch.runtime.telemetry.metrics import BY_NAME
+    from ctxlaunch.runtime.telemetry.training import TrainingTelemetry
+    from tests.helpers.paths import JOBS
+
+    monkeypatch.setenv("CTXLAUNCH_HOME", str(tmp_path))
+    spec = load_spec(JOBS / "demo.yaml")
+    telemetry = TrainingTelemetry(spec, rank=0, local_rank=0, device=torch.device("cpu"))
+    # What the trainer's start sets before its first step (trainer.main).
+    telemetry.attention_kernel(KernelChoice("cpu flash", "only"))
+    first = telemetry.exporter.scrape_text()
+    for why in ("oom", "allocation"):
+        line = next(x for x in first.splitlines() if f'why="{why}"' in x)
+        assert line.startswith("ctxlaunch_replans_total{") and line.endswith(" 0.0"), line
+    assert "ctxlaunch_oom_events_total{" in first
+    assert "ctxlaunch_predicted_step_error_ratio{" in first
+    assert "ctxlaunch_predicted_mfu_ratio{" in first
+    telemetry.on_step(
+        StepMetrics(
+            step=1,
+            loss=5.0,
+            step_seconds=1.0,
+            tokens_per_second_per_gpu=100.0,
+            model_tflops_per_gpu_full=0.01,
+            model_tflops_per_gpu_causal=0.005,
+            peak_memory_bytes=1 << 20,
+            lr=1e-3,
+            grad_norm=1.0,
+            exposed_comm_seconds=0.0,
+            steps=60,
+            progress=1 / 60,
+            remaining_seconds=59.0,
+        )
+    )
+    text = telemetry.exporter.scrape_text()
+    telemetry.close(0)
+    read = _read_by_monitoring()
+    assert "ctxlaunch_replans_total" in read and "ctxlaunch_estimated_remaining_seconds" in read
+    missing = sorted(name for name in read if not BY_NAME[name].event and f"\n{name}{{" not in text)
+    assert not missing, f"read by the dashboard or the rules, not served: {missing}"
+    assert any(
+        x.startswith("ctxlaunch_estimated_remaining_seconds{") and x.endswith(" 59.0")
+        for x in text.splitlines()
+    )

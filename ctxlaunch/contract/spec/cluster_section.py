@@ -132,6 +132,13 @@ class KubernetesSpec(_Strict):
     """Container image with ctxlaunch installed (required for target: kubernetes)."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     service_account: str | None = None
+    trainer_status: bool = True
+    """api trainjob only: rank 0 writes the TrainJob's status.trainerStatus (progress, the
+    seconds left, the step's loss, MFU and tokens/s; `kubectl get trainjob -o yaml` shows it)
+    through the status subresource. Rendered beside the TrainJob: a Role that may only patch
+    that TrainJob's status, its RoleBinding and (unless service_account names one) a
+    ServiceAccount; the token is a projected volume in the trainer container only. Creating the
+    Role needs that permission yourself (RBAC's escalation check); false renders none of it."""
     mount_service_account_token: bool = False
     """Mount the service account's API token in the pods (automountServiceAccountToken). The
     trainer never calls the API server, so a training pod holds no credential unless this is
@@ -267,6 +274,10 @@ class ClusterSpec(_Strict):
     the device, the cpu entry's memory unless stated."""
     slurm: SlurmSpec = SlurmSpec()
     kubernetes: KubernetesSpec = KubernetesSpec()
+    gpu_hour_price: PositiveFloat | dict[GpuType, PositiveFloat] | None = None
+    """What one GPU-hour costs (in the currency of your choice): one price, or a price per GPU
+    type ({H100: 2.5, H200: 3.2}), of which cluster.gpu's is used. With it, `plan`, `advise`
+    and `sweep` give the run's cost beside its GPU-hours; `advise --rank-by cost` ranks by it."""
     profile: str | None = None
     """A machine profile (JSON) that `ctxlaunch calibrate SPEC --submit` measured on this
     cluster; plan, advise, telemetry's predicted step and report time the job with it. A
@@ -345,6 +356,14 @@ class ClusterSpec(_Strict):
     @property
     def gpu_info(self) -> GpuInfo:
         return gpu_info(self.gpu)
+
+    @property
+    def price_per_gpu_hour(self) -> float | None:
+        """The price of one GPU-hour of cluster.gpu (gpu_hour_price), None where not given."""
+        price = self.gpu_hour_price
+        if isinstance(price, dict):
+            return price.get(self.gpu)
+        return price
 
     @property
     def host_memory_bytes(self) -> int:

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ValidationError, field_validator, model_validator
+from pydantic import PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails
 
 from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.contract.spec import rules as spec_rules
 from ctxlaunch.contract.spec.cluster_section import ClusterSpec
 from ctxlaunch.contract.spec.fabric_section import FabricSpec
-from ctxlaunch.contract.spec.fields import MAX_JOB_NAME, RFC1123_LABEL, _Strict, text_problems
+from ctxlaunch.contract.spec.fields import (
+    MAX_JOB_NAME,
+    RFC1123_LABEL,
+    _Strict,
+    text_problems,
+)
 from ctxlaunch.contract.spec.heal_rules import heal_problems
 from ctxlaunch.contract.spec.model_section import ModelSpec
 from ctxlaunch.contract.spec.parallel_section import ParallelSpec
@@ -36,6 +41,10 @@ class JobSpec(_Strict):
     fabric: FabricSpec = FabricSpec()
     telemetry: TelemetrySpec = TelemetrySpec()
 
+    _notes: list[str] = PrivateAttr(default_factory=list)
+    """What validation resolved that the user should hear of (a token budget overriding the
+    steps given): said among the warnings."""
+
     @model_validator(mode="before")
     @classmethod
     def _plain_text(cls, data: Any) -> Any:
@@ -45,6 +54,31 @@ class JobSpec(_Strict):
         if problems:
             raise ValidationError.from_exception_data("JobSpec", problems)
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sharding_for_the_mask(cls, data: Any) -> Any:
+        """parallel.cp_sharding left unsaid is balanced under a document mask with a ring (or
+        hybrid) CP, whose ranks zigzag leaves unbalanced on packed documents, and zigzag
+        otherwise. A sharding the spec states is kept."""
+        if not isinstance(data, dict):
+            return data
+        training = data.get("training")
+        parallel = data.get("parallel") or {}
+        masked = (
+            isinstance(training, dict)
+            and isinstance(training.get("data"), dict)
+            and training["data"].get("document_mask") is True
+        )
+        if (
+            not masked
+            or not isinstance(parallel, dict)
+            or "cp_sharding" in parallel
+            or "layout" in parallel  # its old name
+            or parallel.get("cp_algorithm") == "ulysses"
+        ):
+            return data
+        return {**data, "parallel": {**parallel, "cp_sharding": "balanced"}}
 
     @field_validator("name")
     @classmethod
@@ -65,7 +99,23 @@ class JobSpec(_Strict):
         problems += heal_problems(self.training, self.cluster, self.state_engine)
         if problems:
             raise ValidationError.from_exception_data("JobSpec", problems)
+        if self.training.tokens is not None:
+            # The budget fixes the steps: set here once, so the trainer, the learning-rate
+            # schedule, telemetry and the planner all read the same training.steps. The spec
+            # is frozen; this is its construction.
+            steps = self.steps_for_tokens(self.training.tokens)
+            if "steps" in self.training.model_fields_set and steps != self.training.steps:
+                self._notes.append(
+                    f"training.tokens {self.training.tokens:,} is {steps:,} steps of "
+                    f"{self.tokens_per_step:,} tokens: they run, not training.steps "
+                    f"{self.training.steps:,}"
+                )
+            object.__setattr__(self, "training", self.training.model_copy(update={"steps": steps}))
         return self
+
+    def steps_for_tokens(self, tokens: int) -> int:
+        """The optimizer steps that train `tokens` tokens at this job's tokens per step."""
+        return -(-tokens // self.tokens_per_step)
 
     # Derived quantities used everywhere; computed, never stored.
     @property
@@ -107,7 +157,7 @@ class JobSpec(_Strict):
 
     def warnings(self) -> list[str]:
         """Legal but poor choices, worth a second look (not errors)."""
-        return spec_rules.layout_warnings(
+        return self._notes + spec_rules.layout_warnings(
             self.model,
             self.training,
             self.parallel,

@@ -46,7 +46,8 @@ class ParallelSpec(_Strict):
     seq_len % 2N == 0), contiguous (seq_len % N == 0), or balanced (under a document mask,
     placed per sequence by its documents so that every rank computes the same attention area:
     long documents cut head-tail over all ranks, the others whole; needs seq_len % 2N == 0, and
-    without a document mask it is zigzag). Formerly `layout`, still accepted with a
+    without a document mask it is zigzag). Default: balanced under training.data.document_mask
+    with a ring or hybrid CP, zigzag otherwise. Formerly `layout`, still accepted with a
     deprecation warning."""
 
     _renamed: list[str] = PrivateAttr(default_factory=list)

@@ -4,7 +4,7 @@ experiment trackers rank 0 writes."""
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
@@ -32,10 +32,11 @@ class TelemetrySpec(_Strict):
     trackers: list[TrackerSpec] = []
     """Experiment trackers rank 0 writes, each at most once: [{kind: tensorboard, log_dir},
     {kind: mlflow, tracking_uri, experiment, run_name}, {kind: wandb, project, entity, mode,
-    dir}]. Each logged step: loss, learning rate, gradient norm, tokens/s per GPU, MFU (full
-    and causal), peak memory against the planner's prediction; each evaluation: the loss per
-    context-length bucket and the passkey grid; at the start, the resolved spec. A tracker
-    that cannot start or fails is reported once and left out; training goes on."""
+    dir}], or by name alone for their defaults ([tensorboard, mlflow]). Each logged step:
+    loss, learning rate, gradient norm, tokens/s per GPU, MFU (full and causal), peak memory
+    against the planner's prediction; each evaluation: the loss per context-length bucket and
+    the passkey grid; at the start, the resolved spec. A tracker that cannot start or fails is
+    reported once and left out; training goes on."""
 
     @field_validator("bind_address")
     @classmethod
@@ -66,6 +67,15 @@ class TelemetrySpec(_Strict):
             r"^https?://[A-Za-z0-9._\-\[\]:]+(/[\w./\-]*)?$", value
         ):
             raise ValueError(f"{value!r} is not an http(s) URL")
+        return value
+
+    @field_validator("trackers", mode="before")
+    @classmethod
+    def _names_for_defaults(cls, value: Any) -> Any:
+        """A tracker named alone (`trackers: [tensorboard, mlflow]`) is that kind with its
+        defaults; an unknown name is then refused as an unknown kind."""
+        if isinstance(value, list):
+            return [{"kind": item} if isinstance(item, str) else item for item in value]
         return value
 
     @field_validator("trackers")

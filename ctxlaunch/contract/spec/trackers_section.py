@@ -55,7 +55,9 @@ class MlflowTrackerSpec(_Strict):
     tracking_uri: str | None = None
     """MLflow tracking URI: http(s)://host:port of a tracking server, databricks, a database
     (sqlite:///path, postgresql://...) or file:<path>; default a local file store,
-    `file:<run dir>/mlruns` (`mlflow ui --backend-store-uri file:<run dir>/mlruns` shows it)."""
+    `file:<run dir>/mlruns`. The `mlflow` extra is the client alone (mlflow-skinny, no UI): to
+    browse a file store, `pip install mlflow` and run `MLFLOW_ALLOW_FILE_STORE=true mlflow ui
+    --backend-store-uri file:<run dir>/mlruns` (MLflow refuses a file store without it)."""
     experiment: str | None = None
     """Experiment name (created if missing); default: the job name."""
     run_name: str | None = None

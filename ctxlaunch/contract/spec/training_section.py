@@ -384,7 +384,12 @@ class TrainingSpec(_Strict):
     grad_accum: PositiveInt | None = None
     """Micro-batches per optimizer step per rank. Derived from global_batch when not given."""
     steps: PositiveInt = 100
-    """Optimizer steps to run."""
+    """Optimizer steps to run. With `tokens` given, derived from it (a different number given
+    too is overridden, with a warning)."""
+    tokens: PositiveInt | None = None
+    """A token budget: train this many tokens, that is ceil(tokens / tokens per step) optimizer
+    steps (tokens per step = global batch x seq_len). `plan`, `advise` and `sweep` give the
+    time, GPU-hours, energy and cost of the whole run from it (or from `steps`)."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """none: keep all activations; selective: recompute each block's feed-forward half (cheap,
     linear in s) and keep attention (quadratic to recompute); full: keep only each block's input

@@ -283,6 +283,12 @@ class Backend(ABC):
         """What a user needs next to a failed state (the failing rank's last lines, the OOM's
         layout); nothing for any other state."""
 
+    def reported_progress(self, record: JobRecord) -> dict[str, Any] | None:
+        """The job's last step as its scheduler holds it, where the job reports there (a
+        TrainJob's trainerStatus), in the keys of a metrics.jsonl line; None by default: the
+        run's own files say it."""
+        return None
+
     def wait(self, record: JobRecord, timeout: float | None, poll: float) -> Status:
         """The job's status once it is final, asked every `poll` seconds; the last one seen
         (not final) once `timeout` seconds have passed. KeyError and RuntimeError as status."""

@@ -74,6 +74,9 @@ supports (training-operator 1.9: 1.28+; Trainer 2.3: 1.31+); older servers get a
 RESOURCES: dict[str, tuple[str, str]] = {
     "PyTorchJob": ("/apis/kubeflow.org/v1", "pytorchjobs"),
     "ConfigMap": ("/api/v1", "configmaps"),
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "TrainingRuntime": ("/apis/trainer.kubeflow.org/v1alpha1", "trainingruntimes"),
     "TrainJob": ("/apis/trainer.kubeflow.org/v1alpha1", "trainjobs"),
     "PodMonitor": ("/apis/monitoring.coreos.com/v1", "podmonitors"),

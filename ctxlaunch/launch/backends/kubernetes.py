@@ -217,6 +217,14 @@ class KubernetesBackend(Backend):
         restarts = max(found.restarts, restart_events(conn, namespace, name))
         return dataclasses.replace(found, restarts=restarts)
 
+    def reported_progress(self, record: jobstore.JobRecord) -> dict[str, Any] | None:
+        """A TrainJob's status.trainerStatus, which its rank 0 writes, as a metrics line."""
+        if job_api(record).kind != "TrainJob":
+            return None
+        conn = Connection.for_record(record)
+        job = conn.get(job_path(record.extra["namespace"], record.extra["name"], "TrainJob"))
+        return trainer_status_metrics(job)
+
     def read_log(self, record: jobstore.JobRecord, rank: int | None = None) -> list[str]:
         """Every pod's log (each headed by its pod's name), or one rank's lines."""
         conn = Connection.for_record(record)
@@ -354,3 +362,23 @@ class KubernetesBackend(Backend):
 
 class NoPodsYet(KubeError):
     """The job has no pods (yet): there is no log to read."""
+
+
+def trainer_status_metrics(job: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A TrainJob's trainerStatus (runtime.telemetry.trainjob_status writes it) in the keys of
+    a metrics.jsonl line; None where it has none or holds no step."""
+    found = ((job or {}).get("status") or {}).get("trainerStatus") or {}
+    values: dict[str, Any] = {}
+    for metric in found.get("metrics") or []:
+        try:
+            values[str(metric["name"])] = float(metric["value"])
+        except (KeyError, TypeError, ValueError):
+            continue
+    if "step" not in values:
+        return None
+    line: dict[str, Any] = {k: v for k, v in values.items() if k not in ("step", "steps")}
+    line["step"] = int(values["step"])
+    line["steps"] = int(values.get("steps", 0))
+    if "estimatedRemainingSeconds" in found:
+        line["remaining_seconds"] = float(found["estimatedRemainingSeconds"])
+    return line

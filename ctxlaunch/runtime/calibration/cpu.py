@@ -383,9 +383,14 @@ def measure(
     ramp_seqs = None if attention_seq else attention_ramp_seqs
     # The stages, in order: compute rates (all cores, one thread) per reading, the loopback,
     # the model's residual (all cores, one thread) per reading, an exchange curve per rank count.
-    stages = 4 * rate_readings + 1 + len(sync_ranks)
+    plan = (
+        ["compute, all cores", "compute, one thread"] * rate_readings
+        + ["gloo loopback"]
+        + ["model step, all cores", "model step, one thread"] * rate_readings
+        + [f"exchange, {n} ranks" for n in sync_ranks]
+    )
     with (
-        Progress("calibrate: measurements", total=stages)
+        Progress("calibrate: measurements", total=len(plan))
         if show_progress
         else contextlib.nullcontext()
     ) as progress:
@@ -394,7 +399,7 @@ def measure(
             model,
             attention_seq,
             ramp_seqs,
-            progress,
+            Stages(progress, plan),
             repeats=repeats,
             sizes=sizes,
             sync_ranks=sync_ranks,
@@ -403,11 +408,35 @@ def measure(
         )
 
 
-def _staged(progress: Progress | None, note: str, value: Any) -> Any:
-    """`value`, measured; the stage it finished is reported to `progress`."""
-    if progress is not None:
-        progress.advance(note=note)
-    return value
+class Stages:
+    """The calibration's stages as they end, reported with the time left: each stage still to
+    come takes as long as the last one of its kind took here, or the mean of those done where
+    none of its kind has run yet (its own first readings, never a figure from another
+    machine)."""
+
+    def __init__(self, progress: Progress | None, plan: list[str]) -> None:
+        self.progress = progress
+        self.plan = plan
+        self.done: list[tuple[str, float]] = []
+        self._since = time.monotonic()
+
+    def seconds_left(self) -> float:
+        """The estimate of the stages still to come."""
+        took = dict(self.done)
+        mean = sum(seconds for _, seconds in self.done) / len(self.done) if self.done else 0.0
+        return sum(took.get(note, mean) for note in self.plan[len(self.done) :])
+
+    def __call__(self, note: str, value: Any) -> Any:
+        """`value`, measured: the stage `note` has ended."""
+        now = time.monotonic()
+        self.done.append((note, now - self._since))
+        self._since = now
+        if self.progress is not None:
+            from ctxlaunch.perf.accounting import duration
+
+            left = self.seconds_left()
+            self.progress.advance(note=f"{note}; about {duration(left)} left" if left > 0 else note)
+        return value
 
 
 def _measure_stages(
@@ -415,7 +444,7 @@ def _measure_stages(
     model: ModelSpec,
     attention_seq: int | None,
     ramp_seqs: tuple[int, int] | None,
-    progress: Progress | None,
+    staged: Stages,
     *,
     repeats: int,
     sizes: tuple[int, ...],
@@ -423,23 +452,17 @@ def _measure_stages(
     sync_readings: int,
     rate_readings: int,
 ) -> Calibration:
-    """`measure`'s measurements, each stage reported to `progress` as it ends."""
+    """`measure`'s measurements, each stage reported as it ends (`staged`)."""
     rounds = [
         (
-            _staged(
-                progress, "compute, all cores", _compute_rates(common, 0, attention_seq, ramp_seqs)
-            ),
-            _staged(
-                progress, "compute, one thread", _compute_rates(common, 1, attention_seq, ramp_seqs)
-            ),
+            staged("compute, all cores", _compute_rates(common, 0, attention_seq, ramp_seqs)),
+            staged("compute, one thread", _compute_rates(common, 1, attention_seq, ramp_seqs)),
         )
         for _ in range(rate_readings)
     ]
     matmul, attention, ramp, tile, copy = median_each([r[0] for r in rounds])
     matmul_1, attention_1, ramp_1, _, _ = median_each([r[1] for r in rounds])
-    bandwidth, latency = _staged(
-        progress, "gloo loopback", measure_loopback(sizes=sizes, repeats=repeats)
-    )
+    bandwidth, latency = staged("gloo loopback", measure_loopback(sizes=sizes, repeats=repeats))
     calibration = Calibration(
         matmul_flops_per_second=matmul,
         attention_flops_per_second=attention,
@@ -453,9 +476,17 @@ def _measure_stages(
         one_thread={"matmul": matmul_1, "attention": attention_1, "attention_ramp_tokens": ramp_1},
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         host=host_signature(),
+        trust={
+            "readings": {
+                "matmul, all cores": [r[0][0] for r in rounds],
+                "attention, all cores": [r[0][1] for r in rounds],
+                "matmul, one thread": [r[1][0] for r in rounds],
+                "attention, one thread": [r[1][1] for r in rounds],
+            }
+        },
     )
     return _with_model_and_sync(
-        calibration, model, repeats, rate_readings, sync_ranks, sync_readings, progress
+        calibration, model, repeats, rate_readings, sync_ranks, sync_readings, staged
     )
 
 
@@ -487,20 +518,19 @@ def _with_model_and_sync(
     rate_readings: int,
     sync_ranks: tuple[int, ...],
     sync_readings: int,
-    progress: Progress | None = None,
+    staged: Stages | None = None,
 ) -> Calibration:
     """`calibration` (its compute and link rates measured) completed with the real model's fixed
     cost and elementwise rate, all cores and one thread, each the median of `rate_readings`
     readings, and the exchange cost curve at each rank count of `sync_ranks`."""
+    staged = staged or Stages(None, [])
     residuals = [
         (
-            _staged(
-                progress,
+            staged(
                 "model step, all cores",
                 measure_model_residual(model, calibration, repeats=repeats),
             ),
-            _staged(
-                progress,
+            staged(
                 "model step, one thread",
                 measure_model_residual(model, calibration, repeats=repeats, threads=1),
             ),
@@ -510,9 +540,7 @@ def _with_model_and_sync(
     overhead, elementwise = median_each([r[0] for r in residuals])
     overhead_1, elementwise_1 = median_each([r[1] for r in residuals])
     curves = {
-        str(n): _staged(
-            progress, f"exchange, {n} ranks", measure_sync_curve(n, readings=sync_readings)
-        )
+        str(n): staged(f"exchange, {n} ranks", measure_sync_curve(n, readings=sync_readings))
         for n in sync_ranks
     }
     return dataclasses.replace(

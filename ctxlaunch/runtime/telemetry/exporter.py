@@ -102,6 +102,11 @@ class Exporter:
             if metric.kind == "counter" and not metric.extra_labels:
                 # Exist at 0 from the start: increase() and the dashboards need a baseline.
                 self.series(metric.name)
+            if metric.kind == "counter":
+                # A labelled counter at 0 for each label it is known to take (why: oom or
+                # allocation): a panel of it reads 0 from the first scrape, not "no data".
+                for known in metric.known_labels:
+                    self.series(metric.name, **dict(known))
         self.url = pushgateway_url
         self.interval = push_interval_seconds
         self._stop = threading.Event()

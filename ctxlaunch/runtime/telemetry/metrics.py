@@ -22,6 +22,13 @@ class Metric:
     kind: str  # gauge | counter
     help: str
     extra_labels: tuple[str, ...] = ()
+    known_labels: tuple[tuple[tuple[str, str], ...], ...] = ()
+    """The extra labels' values known before anything happens: a counter is served at 0 for
+    each from a rank's first scrape, so increase() has its baseline and a panel reads 0, not
+    no data."""
+    event: bool = False
+    """Served only once what it describes has happened (an OOM's, a re-plan's or an
+    evaluation's series): its labels are the event's."""
 
 
 METRICS: tuple[Metric, ...] = (
@@ -78,6 +85,31 @@ METRICS: tuple[Metric, ...] = (
         "the constants `ctxlaunch calibrate` measured), for comparison.",
     ),
     Metric(
+        "ctxlaunch_predicted_step_error_ratio",
+        "gauge",
+        "The expected relative error of the predicted step on this machine (its profile's or "
+        "calibration's held-out check); 0 where it is not known (uncalibrated here), so no "
+        "drift alert fires.",
+    ),
+    Metric(
+        "ctxlaunch_predicted_tokens_per_second_per_gpu",
+        "gauge",
+        "The step-time model's tokens per second per GPU, for comparison with the measured.",
+    ),
+    Metric(
+        "ctxlaunch_predicted_mfu_ratio",
+        "gauge",
+        "The step-time model's MFU, against the same peak as the measured ctxlaunch_mfu_ratio.",
+        ("convention",),
+        known_labels=((("convention", "full"),), (("convention", "causal"),)),
+    ),
+    Metric(
+        "ctxlaunch_estimated_remaining_seconds",
+        "gauge",
+        "Time left until the run's last step: the steps left at the run's mean measured step "
+        "(the first, warm-up step left out), or at the predicted step before one is measured.",
+    ),
+    Metric(
         "ctxlaunch_allocator_retries_total",
         "counter",
         "Times the CUDA caching allocator freed its cache and retried an allocation.",
@@ -89,6 +121,7 @@ METRICS: tuple[Metric, ...] = (
         "1 for an OOM that happened, labelled with the step, the planner's prediction and "
         "what the planner says would fit.",
         ("step", "predicted_peak_bytes", "capacity_bytes", "would_fit"),
+        event=True,
     ),
     Metric(
         "ctxlaunch_replans_total",
@@ -96,6 +129,7 @@ METRICS: tuple[Metric, ...] = (
         "Layout re-plans by training.heal that started this run (1 for a run that resumed at a "
         "new layout after an OOM or on a changed allocation).",
         ("why",),
+        known_labels=((("why", "oom"),), (("why", "allocation"),)),
     ),
     Metric(
         "ctxlaunch_replan_info",
@@ -103,12 +137,14 @@ METRICS: tuple[Metric, ...] = (
         "1 for a re-plan that started this run, labelled with why (oom, allocation), the "
         "layouts from and to, and the checkpoint step it resumed from.",
         ("why", "from_layout", "to_layout", "step"),
+        event=True,
     ),
     Metric(
         "ctxlaunch_replan_timestamp_seconds",
         "gauge",
         "Unix time of the re-plan that started this run (the dashboard's annotation).",
         ("why",),
+        event=True,
     ),
     Metric("ctxlaunch_last_step", "gauge", "The last completed optimizer step."),
     Metric(
@@ -125,14 +161,16 @@ METRICS: tuple[Metric, ...] = (
         'context-length bucket [start, stop) of token positions; bucket "all" is the '
         "mean over every token.",
         ("bucket",),
+        event=True,
     ),
-    Metric("ctxlaunch_eval_step", "gauge", "The training step of the last evaluation."),
+    Metric("ctxlaunch_eval_step", "gauge", "The training step of the last evaluation.", event=True),
     Metric(
         "ctxlaunch_passkey_retrieval_ratio",
         "gauge",
         "Share of passkey probes retrieved at the last evaluation (every answer token the "
         "arg-max), per prompt length in tokens and depth of the number in the filler.",
         ("length", "depth"),
+        event=True,
     ),
     Metric(
         "ctxlaunch_attention_kernel_info",

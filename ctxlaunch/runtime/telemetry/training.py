@@ -14,6 +14,7 @@ import torch
 
 from ctxlaunch.contract.hardware import GiB
 from ctxlaunch.contract.rundir import default_run_dir
+from ctxlaunch.perf.accounting import Prediction, job_prediction
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.memory import estimate
 from ctxlaunch.runtime.records import peak_memory_bytes
@@ -61,10 +62,7 @@ def peak_flops(spec: JobSpec, device: torch.device) -> tuple[float, str]:
 def predicted_step_seconds(spec: JobSpec) -> float:
     """The step-time model's step for this job: the GPU and fabric tables, or on the CPU the
     constants measured by `ctxlaunch calibrate` (the tables' placeholders without them)."""
-    from ctxlaunch.perf.machine import machine_for
-    from ctxlaunch.perf.steptime import predict_spec
-
-    return predict_spec(spec, machine_for(spec)).step_seconds
+    return job_prediction(spec).step_seconds
 
 
 def device_capacity_bytes(device: torch.device) -> int:
@@ -118,8 +116,10 @@ class TrainingTelemetry:
         self.capacity = device_capacity_bytes(device)
         self.exporter.set("ctxlaunch_memory_capacity_bytes", self.capacity)
         self.prediction = estimate(spec.model, Layout.from_spec(spec), spec.cluster.gpu_info)
-        self.exporter.set("ctxlaunch_planner_predicted_peak_bytes", self.prediction.total)
-        self.exporter.set("ctxlaunch_predicted_step_duration_seconds", predicted_step_seconds(spec))
+        self.job_prediction: Prediction = job_prediction(spec)
+        """What the job is predicted to do (the step, MFU, tokens/s, peak memory), which the
+        trainer's metrics, its summary and `status` read the measured figures against."""
+        self._set_prediction(self.job_prediction)
         self.exporter.set("ctxlaunch_target_steps", spec.training.steps)
         self._retries_seen = 0
         self.trackers = Trackers([])
@@ -131,6 +131,22 @@ class TrainingTelemetry:
                 run_name=spec.name if identity.run == "manual" else f"{spec.name}-{identity.run}",
                 say=log,
             )
+
+    def _set_prediction(self, prediction: Prediction) -> None:
+        """The prediction as series, beside the measured ones from the first scrape."""
+        exporter = self.exporter
+        exporter.set("ctxlaunch_planner_predicted_peak_bytes", self.prediction.total)
+        exporter.set("ctxlaunch_predicted_step_duration_seconds", prediction.step_seconds)
+        exporter.set("ctxlaunch_predicted_step_error_ratio", prediction.expected_error)
+        exporter.set(
+            "ctxlaunch_predicted_tokens_per_second_per_gpu", prediction.tokens_per_second_per_gpu
+        )
+        for convention, value in prediction.mfu.items():
+            exporter.set("ctxlaunch_predicted_mfu_ratio", value, convention=convention)
+        exporter.set(
+            "ctxlaunch_estimated_remaining_seconds",
+            prediction.step_seconds * self.spec.training.steps,
+        )
 
     def attention_kernel(self, choice: KernelChoice) -> None:
         """Export the attention kernel the run chose (`fastpath.choose_attention_kernel`)."""
@@ -163,6 +179,8 @@ class TrainingTelemetry:
         exporter.set("ctxlaunch_cp_exposed_comm_seconds", metrics.exposed_comm_seconds)
         exporter.set("ctxlaunch_cp_attention_balance_ratio", metrics.attention_balance)
         exporter.set("ctxlaunch_last_step", metrics.step)
+        if metrics.remaining_seconds is not None:
+            exporter.set("ctxlaunch_estimated_remaining_seconds", metrics.remaining_seconds)
         exporter.set("ctxlaunch_last_step_timestamp_seconds", time.time())
         if self.trackers.logs_step(metrics.step):
             series = step_series(

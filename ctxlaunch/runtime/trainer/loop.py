@@ -3,6 +3,7 @@ preemption signal."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ctxlaunch.contract import events, exitcodes
 from ctxlaunch.cp import ring_rank_areas
 from ctxlaunch.cp.comm import exposed_comm_seconds
+from ctxlaunch.perf.accounting import Prediction, duration
 from ctxlaunch.perf.flops import flops_per_token
 from ctxlaunch.runtime.checkpointing import checkpoint, checkpoint_integrity
 from ctxlaunch.runtime.data.batches import Batches, MicroBatch, make_source
@@ -25,6 +27,7 @@ from ctxlaunch.runtime.modeling import model as model_module
 from ctxlaunch.runtime.modeling.model import Transformer
 from ctxlaunch.runtime.parallel.context import ParallelContext
 from ctxlaunch.runtime.parallel.parallelize import parallelize_job
+from ctxlaunch.runtime.progress import StepClock
 from ctxlaunch.runtime.records import StepMetrics, peak_memory_bytes
 from ctxlaunch.runtime.trainer import fastpath, faults, stopsignal
 from ctxlaunch.runtime.trainer.engines import Engine, make_engine
@@ -84,6 +87,13 @@ class Trainer:
         self.fault = faults.from_env()
         self.damaged_steps: frozenset[int] = frozenset()
         """Committed steps resume found damaged and skipped: never pruned."""
+        self.prediction: Prediction | None = None
+        """What the planner and the step-time model predict for this job (main sets it), which
+        each step's metrics and the summary carry beside the measured figures."""
+
+    @property
+    def predicted_step_seconds(self) -> float | None:
+        return self.prediction.step_seconds if self.prediction is not None else None
 
     # -- one step ------------------------------------------------------------------------------
     def train_step(self, on_gradients: Callable[[Engine], object] | None = None) -> StepMetrics:
@@ -279,8 +289,17 @@ class Trainer:
         self.install_signal_handlers()
         self.resume()
         history: list[StepMetrics] = []
+        clock = StepClock(training.steps, self.predicted_step_seconds)
         while self.step < training.steps:
             metrics = self.train_step()
+            clock.record(metrics.step_seconds)
+            metrics = dataclasses.replace(
+                metrics,
+                steps=training.steps,
+                progress=clock.progress(metrics.step),
+                remaining_seconds=clock.remaining_seconds(metrics.step),
+                predicted_step_seconds=self.predicted_step_seconds,
+            )
             history.append(metrics)
             for observer in observers:
                 observer(metrics)
@@ -312,8 +331,13 @@ class Trainer:
         return exitcodes.OK
 
     def _log_step(self, metrics: StepMetrics) -> None:
+        left = (
+            f"  {metrics.progress:.0%}, {duration(metrics.remaining_seconds)} left"
+            if metrics.remaining_seconds is not None
+            else ""
+        )
         self.log(
-            f"step {metrics.step}/{self.spec.training.steps}  loss {metrics.loss:.4f}  "
+            f"step {metrics.step}/{self.spec.training.steps}{left}  loss {metrics.loss:.4f}  "
             f"step {metrics.step_seconds:.2f} s  {metrics.tokens_per_second_per_gpu:,.0f} tokens/s/GPU  "
             f"{metrics.model_tflops_per_gpu_full:.3f} TFLOP/s/GPU (full)  "
             f"peak {metrics.peak_memory_bytes / 2**30:.2f} GiB  lr {metrics.lr:.2e}"
@@ -364,6 +388,11 @@ class Trainer:
             "cp_algorithm": self.spec.parallel.cp_algorithm,
             # Every step, warm-up included: the balance follows the data, not the timing.
             "attention_balance": sum(m.attention_balance for m in history) / len(history),
+            "model_tflops_per_gpu": {
+                "full": sum(m.model_tflops_per_gpu_full for m in timed) / len(timed),
+                "causal": sum(m.model_tflops_per_gpu_causal for m in timed) / len(timed),
+            },
+            "predicted": self.prediction.to_dict() if self.prediction is not None else None,
         }
         self.log(
             f"ctxlaunch: done: {summary['steps']} steps, loss {summary['first_loss']:.4f} "

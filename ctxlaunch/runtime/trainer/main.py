@@ -168,6 +168,7 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
 
     from ctxlaunch.runtime.checkpointing.checkpoint import CheckpointWriteError
     from ctxlaunch.runtime.telemetry.training import TrainingTelemetry
+    from ctxlaunch.runtime.telemetry.trainjob_status import trainjob_progress
     from ctxlaunch.runtime.trainer import fastpath, faults, healing, heartbeat
     from ctxlaunch.runtime.trainer.loop import Trainer
 
@@ -193,6 +194,8 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
     )
     if settled.decision is not None and settled.decision.replanned:
         telemetry.replanned(settled.decision)
+    # A TrainJob's rank 0 writes its progress into the TrainJob's status (trainer_status).
+    progress = trainjob_progress(denv.rank, log)
     trainer = None
     try:
         ctx = rank_context(spec, denv)
@@ -210,7 +213,9 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
                 run_dir, events.STARTED, restart=events.restart_count(), world_size=denv.world_size
             )
         trainer = Trainer(spec, ctx, device, run_dir if denv.rank == 0 else None, log=log)
-        code = trainer.run(observers=[telemetry.on_step], eval_observers=[telemetry.on_eval])
+        trainer.prediction = telemetry.job_prediction
+        observers = [telemetry.on_step] + ([progress.on_step] if progress is not None else [])
+        code = trainer.run(observers=observers, eval_observers=[telemetry.on_eval])
     except torch.OutOfMemoryError as exc:
         step = trainer.step + 1 if trainer is not None else 0
         message = telemetry.on_oom(step)
@@ -250,6 +255,8 @@ def _run(spec: JobSpec, denv: DistEnv, run_dir: Path, rank_tag: str) -> int:
         )
         code = exitcodes.FAILED
     telemetry.close(code)
+    if progress is not None:
+        progress.close(code)
     record_exit(run_dir, denv.rank, code)
     if code in (exitcodes.OK, exitcodes.PREEMPTED):
         dist.destroy_process_group()

@@ -49,12 +49,18 @@ def test_demo_completes_with_logs_and_metrics_in_prometheus(tmp_path: Path, home
     followed = ctx(home, tmp_path, "logs", job_id, "--follow", "--rank", "0", timeout=170)
     assert followed.returncode == 0, followed.stderr
     assert followed.stdout.splitlines()[-1].startswith("ctxlaunch: done: 4 steps")
-    assert "step 1/4" in followed.stdout and "step 4/4" in followed.stdout
+    assert "step 1/4" in followed.stdout and "step 4/4  100%, 0 s left" in followed.stdout
     waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5", timeout=170)
     assert waited.returncode == 0, waited.stdout + waited.stderr
     assert f"{job_id}: COMPLETED" in waited.stdout
     final = status(home, tmp_path, job_id)
     assert final["state"] == "COMPLETED" and final["restarts"] == 0
+    # Measured against its plan, from the run's files on the shared filesystem.
+    measured = final["measured"]
+    assert measured["step"] == measured["steps"] == 4 and measured["remaining_seconds"] == 0
+    assert {f["name"]: f["measured"] > 0 for f in measured["figures"]} == dict.fromkeys(
+        ["step time", "peak memory", "MFU causal", "MFU full", "tokens/s/GPU"], True
+    )
     log = ctx(home, tmp_path, "logs", job_id).stdout
     assert "0: ctxlaunch: done: 4 steps" in log and "2 ranks (slurm)" in log
     rank0 = ctx(home, tmp_path, "logs", job_id, "--rank", "0").stdout

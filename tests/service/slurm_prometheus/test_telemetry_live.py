@@ -29,21 +29,11 @@ from tests.helpers.services import (
 
 CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
 DASHBOARD = json.loads((ROOT / "manifests/grafana/ctxlaunch-training.json").read_text())
-# Not from every run: the OOM event (the OOM test covers it), and the evaluation's series, which
-# exist only where training.eval.interval evaluates (tests/unit/test_eval.py covers them).
-EVAL_ONLY = ("ctxlaunch_eval_loss", "ctxlaunch_eval_step", "ctxlaunch_passkey_retrieval_ratio")
-# exist only in a run that training.heal re-planned (tests/unit/test_local.py's healing run
-# covers the re-plan's record).
-HEAL_ONLY = (
-    "ctxlaunch_replans_total",
-    "ctxlaunch_replan_info",
-    "ctxlaunch_replan_timestamp_seconds",
-)
-ALWAYS = [
-    m.name
-    for m in METRICS
-    if m.name != "ctxlaunch_oom_event_info" and m.name not in EVAL_ONLY + HEAL_ONLY
-]
+# Not from every run: an event's series (metrics.Metric.event), which exist once it happened:
+# the OOM's (the OOM test covers it), the evaluation's (tests/unit/test_eval.py covers them,
+# these runs do not evaluate) and a re-plan's (tests/unit/test_local.py's healing run).
+EVENTS = tuple(m.name for m in METRICS if m.event)
+ALWAYS = [m.name for m in METRICS if not m.event]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -139,18 +129,24 @@ def check_values(job: str) -> None:
         s["metric"]["source"] for s in query(f'ctxlaunch_peak_flops_per_second{{job="{job}"}}')
     }
     assert sources == {"measured_cpu_matmul"}  # stated as such on the CPU
+    # The prediction and the time left, beside the measured figures.
+    assert all(v > 0 for v in values("ctxlaunch_predicted_step_duration_seconds"))
+    assert all(v > 0 for v in values("ctxlaunch_predicted_tokens_per_second_per_gpu"))
+    assert all(v >= 0 for v in values("ctxlaunch_predicted_step_error_ratio"))
+    assert all(v >= 0 for v in values("ctxlaunch_estimated_remaining_seconds"))
+    assert values("ctxlaunch_replans_total", ', why="oom"') == [0.0, 0.0]  # served at 0
 
 
 def check_dashboard(job: str, run: str) -> None:
     for title, expr in dev_script("grafana_dashboard").panel_queries(
         DASHBOARD, {"job": job, "run": run}
     ):
-        if "ctxlaunch_oom_event_info" in expr:
-            continue  # an event table: empty unless an OOM happened (the OOM test covers it)
-        if any(name in expr for name in EVAL_ONLY):
-            continue  # no evaluation in these runs (training.eval.interval 0)
-        if any(name in expr for name in HEAL_ONLY):
-            continue  # no re-plan in these runs (training.heal off)
+        if any(name in expr for name in EVENTS):
+            continue  # an event's panel: empty until it happens (see EVENTS)
+        if "ctxlaunch_predicted_step_error_ratio" in expr and not query(
+            f'ctxlaunch_predicted_step_error_ratio{{job="{job}"}} > 0'
+        ):
+            continue  # the error band: none where the error is not known on this machine
         # Range functions (increase) need two scrapes of the series: poll, briefly.
         try:
             poll(expr, timeout=15)
