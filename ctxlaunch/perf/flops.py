@@ -54,6 +54,10 @@ class ModelShape(Protocol):
     def qkv_bias(self) -> bool: ...
     @property
     def qk_norm(self) -> bool: ...
+    @property
+    def post_norms(self) -> bool: ...
+    @property
+    def attention_sinks(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -91,8 +95,10 @@ def count_params(model: ModelShape) -> ParamCount:
         attention += q + 2 * kv  # biases on q, k and v
     if model.qk_norm:
         attention += 2 * model.head_dim  # q/k norms: one gain over each head of q, one of k
+    if model.attention_sinks:
+        attention += model.heads  # one sink logit per query head
     mlp = 3 * h * f  # gate, up, down
-    norms = 2 * h
+    norms = 4 * h if model.post_norms else 2 * h  # before (and after) each sub-block
     embedding = model.vocab * h
     return ParamCount(
         embedding=embedding,
