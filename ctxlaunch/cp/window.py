@@ -363,7 +363,10 @@ def _window_forward(q, k, v, sinks, args: WindowArgs):
     # Rows start empty (lse -inf): the first call into a row merges as a copy of it.
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-    scratch = MergeScratch(out)
+    plans = [args.plan(seq_len, rank, src) for src in range(size)]
+    # The merge's scratch, as large as the largest call (a tile, where the window cuts).
+    rows = max((c[0].stop - c[0].start for p in plans for _, cs in p.calls for c in cs), default=1)
+    scratch = MergeScratch(out[:, :, : max(rows, 1)])
     halos: dict[int, torch.Tensor] = {}
     if size > 1:
         comm = PeerComm(args.group, side_stream(q.device))
@@ -472,15 +475,15 @@ def halo_plan_bytes(
     window: int,
     row_bytes: int,
 ) -> list[int]:
-    """Bytes each ring rank sends in a local layer's forward halo exchange, for K and V rows of
-    ``row_bytes`` each (pure: no process group; what the benchmark and the planner's tests
-    check the exchange against)."""
-    sent = []
+    """Bytes each ring rank receives in a local layer's forward halo exchange (K and V rows of
+    ``row_bytes`` each; summed over the ranks, what they send), pure: no process group; what
+    the benchmark and the planner's tests check the exchange against."""
+    received = []
     for rank in range(shards.ring_size):
         rows = sum(
-            block_plan(documents, seq_len, shards, peer, rank, window).halo_rows
+            block_plan(documents, seq_len, shards, rank, peer, window).halo_rows
             for peer in range(shards.ring_size)
             if peer != rank
         )
-        sent.append(2 * rows * row_bytes)
-    return sent
+        received.append(2 * rows * row_bytes)
+    return received

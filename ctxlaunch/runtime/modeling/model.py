@@ -298,9 +298,20 @@ class _GeGLU(torch.autograd.Function):
         gate2, up2, grad2 = gate.reshape(-1, f), up.reshape(-1, f), grad.reshape(-1, f)
         grad_gate = torch.empty(gate2.shape, dtype=gate.dtype, device=gate.device)
         grad_up = torch.empty(up2.shape, dtype=up.dtype, device=up.device)
-        kernel = _pointwise("geglu_backward")
+        kernel = None if _POINTWISE is None else _POINTWISE["geglu_backward"]
         for rows in _row_chunks(gate2.shape[0]):
-            grad_gate[rows], grad_up[rows] = kernel(gate2[rows], up2[rows], grad2[rows])
+            if kernel is not None:
+                grad_gate[rows], grad_up[rows] = kernel(gate2[rows], up2[rows], grad2[rows])
+                continue
+            g32, dy = _upcast(gate2[rows]), _upcast(grad2[rows])
+            work = F.gelu(g32, approximate="tanh")
+            grad_up[rows] = work.mul_(dy)
+            # Two (chunk x ffn) fp32 temporaries at most, as SwiGLU's backward (four in 16-bit
+            # with the upcasts of gate and the gradient, gone before up's arrives).
+            slope = torch.ops.aten.gelu_backward(dy, g32, approximate="tanh")
+            del work, g32, dy
+            grad_gate[rows] = slope.mul_(_upcast(up2[rows]))
+            del slope  # before the next chunk's, not after
         return grad_gate.view(gate.shape), grad_up.view(up.shape)
 
 
