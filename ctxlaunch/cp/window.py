@@ -30,7 +30,11 @@ window's lower edge (a triangle: the one masked call, through an additive mask o
 size), the keys every row of the tile sees (full), and the tile's diagonal square (causal). No
 call covers a pair outside the window but the hidden half of the edge triangle.
 
-Soft-capped scores (``softcap``) run every call through the math kernel (``kernels``); sinks
+Where ``kernels.masked_kernel()`` is "flex" (on CUDA by default), each block (the own one,
+each halo's) is one FlexAttention call instead, with a block mask of its rows' and keys' global
+positions, documents and the window (``flex.py``; built once per step and layer kind, kept for
+the other layers and backward). Soft-capped scores (``softcap``) run every call through the
+math kernel (``kernels``; FlexAttention's backward here takes no score modifier); sinks
 (``sinks``, one logit per query head) are folded into each row's log-sum-exp once, after every
 piece is merged (``merge.fold_sinks``), and their gradient is summed from the final out and lse.
 """
@@ -46,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import kernels
+from . import flex, kernels
 from .comm import PeerComm, side_stream
 from .documents import CuSeqlens, RingShards, Run, batch_groups, documents_in
 from .merge import MergeScratch, fold_sinks, merge_block, sink_gradient
@@ -306,6 +310,52 @@ class WindowArgs:
     def plan(self, seq_len: int, rank: int, src: int) -> BlockPlan:
         return block_plan(self.documents, seq_len, self.shards, rank, src, self.window, self.tile)
 
+    def one_call(self, device: torch.device) -> bool:
+        """Each block in one FlexAttention call (masked blocks on CUDA, unless told
+        otherwise; never with soft-capped scores)."""
+        masked = self.window is not None or self.documents is not None
+        return masked and self.softcap is None and kernels.masked_kernel(device) == "flex"
+
+    def block_mask(self, seq_len: int, rank: int, src: int, q: torch.Tensor):
+        """The FlexAttention block mask of ``rank``'s queries ``q`` over ``src``'s keys (its
+        halo's rows for another rank), kept for the step's other layers of this kind."""
+        batch = q.size(0)
+        key = (self.documents, batch, seq_len, self.shards, rank, src, self.window, str(q.device))
+        mask = _FLEX_MASKS.get(key)
+        if mask is None:
+            mask = _build_mask(self, batch, seq_len, rank, src, q.device)
+            _FLEX_MASKS[key] = mask
+            while len(_FLEX_MASKS) > _FLEX_CAPACITY:
+                _FLEX_MASKS.pop(next(iter(_FLEX_MASKS)))
+        return mask
+
+
+_FLEX_MASKS: dict[tuple, object] = {}
+_FLEX_CAPACITY = 256
+
+
+def _build_mask(
+    args: WindowArgs, batch: int, seq_len: int, rank: int, src: int, device: torch.device
+):
+    plan = args.plan(seq_len, rank, src)
+    q_pos, q_doc, kv_pos, kv_doc = [], [], [], []
+    for bounds in args.documents or ((0, seq_len),) * batch:
+        mine = [g + i for _, g, n in _runs(args.shards, bounds, rank) for i in range(n)]
+        theirs = [g + i for _, g, n in _runs(args.shards, bounds, src) for i in range(n)]
+        if src != rank:
+            theirs = [theirs[row] for start, stop in plan.halo for row in range(start, stop)]
+        q_pos.append(mine)
+        kv_pos.append(theirs)
+        q_doc.append([bisect.bisect_right(bounds, p) - 1 for p in mine])
+        kv_doc.append([bisect.bisect_right(bounds, p) - 1 for p in theirs])
+
+    def as_tensor(values):
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return flex.document_block_mask(
+        as_tensor(q_pos), as_tensor(q_doc), as_tensor(kv_pos), as_tensor(kv_doc), args.window
+    )
+
 
 def _pack(k: torch.Tensor, v: torch.Tensor, halo: tuple[tuple[int, int], ...]) -> torch.Tensor:
     """K and V rows of ``halo`` in one contiguous (2, B, Hkv, rows, D) buffer."""
@@ -319,7 +369,11 @@ def _pack(k: torch.Tensor, v: torch.Tensor, halo: tuple[tuple[int, int], ...]) -
     return buffer
 
 
-def _forward_calls(q, k, v, plan: BlockPlan, out, lse, scratch, args: WindowArgs) -> None:
+def _forward_calls(q, k, v, plan: BlockPlan, out, lse, scratch, args: WindowArgs, mask=None):
+    if mask is not None:  # the whole block in one call
+        block_out, block_lse = flex.block_forward(q, k, v, mask, args.scale)
+        merge_block(out, lse, block_out, block_lse, scratch)
+        return
     for batch, calls in plan.calls:
         for call in calls:
             rows, kv_rows, kind, _ = call
@@ -335,7 +389,15 @@ def _forward_calls(q, k, v, plan: BlockPlan, out, lse, scratch, args: WindowArgs
             merge_block(out[batch, :, rows], lse[batch, :, rows], block_out, block_lse, scratch)
 
 
-def _backward_calls(grad_out, q, k, v, out, lse, plan, dq, dk, dv, args: WindowArgs) -> None:
+def _backward_calls(grad_out, q, k, v, out, lse, plan, dq, dk, dv, args: WindowArgs, mask=None):
+    if mask is not None:  # the whole block in one call
+        block_dq, block_dk, block_dv = flex.block_backward(
+            grad_out, q, k, v, out, lse, mask, args.scale
+        )
+        dq += block_dq
+        dk += block_dk
+        dv += block_dv
+        return
     for batch, calls in plan.calls:
         for call in calls:
             rows, kv_rows, kind, _ = call
@@ -364,9 +426,14 @@ def _window_forward(q, k, v, sinks, args: WindowArgs):
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
     plans = [args.plan(seq_len, rank, src) for src in range(size)]
+    one_call = args.one_call(q.device)
     # The merge's scratch, as large as the largest call (a tile, where the window cuts).
     rows = max((c[0].stop - c[0].start for p in plans for _, cs in p.calls for c in cs), default=1)
-    scratch = MergeScratch(out[:, :, : max(rows, 1)])
+    scratch = MergeScratch(out if one_call else out[:, :, : max(rows, 1)])
+
+    def mask(src: int):
+        return args.block_mask(seq_len, rank, src, q) if one_call else None
+
     halos: dict[int, torch.Tensor] = {}
     if size > 1:
         comm = PeerComm(args.group, side_stream(q.device))
@@ -381,11 +448,12 @@ def _window_forward(q, k, v, sinks, args: WindowArgs):
                 halos[peer] = k.new_empty((2, k.size(0), k.size(1), mine.halo_rows, k.size(3)))
                 comm.recv(halos[peer], peer)
         comm.commit()
-    _forward_calls(q, k, v, args.plan(seq_len, rank, rank), out, lse, scratch, args)
+    # The own block first: every row sees itself, so no row's lse is -inf after it.
+    _forward_calls(q, k, v, plans[rank], out, lse, scratch, args, mask(rank))
     if size > 1:
         comm.wait()
     for peer, halo in halos.items():
-        _forward_calls(q, halo[0], halo[1], args.plan(seq_len, rank, peer), out, lse, scratch, args)
+        _forward_calls(q, halo[0], halo[1], plans[peer], out, lse, scratch, args, mask(peer))
     if sinks is not None:
         fold_sinks(out, lse, sinks)
     return out.to(q.dtype), lse, halos
@@ -399,6 +467,11 @@ def _window_backward(grad_out, q, k, v, out, lse, sinks, halos: dict[int, torch.
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     incoming: dict[int, torch.Tensor] = {}
+    one_call = args.one_call(q.device)
+
+    def mask(src: int):
+        return args.block_mask(seq_len, rank, src, q) if one_call else None
+
     if size > 1:
         comm = PeerComm(args.group, side_stream(q.device))
         # The halos' gradients first, so that they travel home while the own block computes.
@@ -406,8 +479,9 @@ def _window_backward(grad_out, q, k, v, out, lse, sinks, halos: dict[int, torch.
             grads = torch.zeros(halo.shape, dtype=acc, device=halo.device)
             plan = args.plan(seq_len, rank, peer)
             _backward_calls(
-                grad_out, q, halo[0], halo[1], out, lse, plan, dq, grads[0], grads[1], args
-            )
+                grad_out, q, halo[0], halo[1], out, lse, plan, dq, grads[0], grads[1], args,
+                mask(peer),
+            )  # fmt: skip
             comm.send(grads, peer)
         for peer in range(size):
             theirs = args.plan(seq_len, peer, rank) if peer != rank else None
@@ -417,7 +491,9 @@ def _window_backward(grad_out, q, k, v, out, lse, sinks, halos: dict[int, torch.
                 )
                 comm.recv(incoming[peer], peer)
         comm.commit()
-    _backward_calls(grad_out, q, k, v, out, lse, args.plan(seq_len, rank, rank), dq, dk, dv, args)
+    _backward_calls(
+        grad_out, q, k, v, out, lse, args.plan(seq_len, rank, rank), dq, dk, dv, args, mask(rank)
+    )
     if size > 1:
         comm.wait()
     for peer, grads in incoming.items():

@@ -183,7 +183,9 @@ def test_a_window_within_a_chunk_needs_one_neighbour_per_chunk() -> None:
 # -- under CP ----------------------------------------------------------------------------------
 def _cases(world_size: int):
     """(method, sharding, documents, window, softcap, sinks) of one launch. At 16 tokens a rank
-    (zigzag chunks of 8): windows below a chunk, of a whole shard, and spanning two shards."""
+    (zigzag chunks of 8): windows below a chunk, of a whole shard, and spanning two shards.
+    The ones marked "flex" run each block as one FlexAttention call (the CUDA path, run here on
+    torch's dense reference implementation)."""
     seq_len = 16 * world_size
     docs = [[0, 5, seq_len - 7, seq_len], [0, seq_len // 2 + 1, seq_len]]
     cases = []
@@ -194,6 +196,10 @@ def _cases(world_size: int):
             ("ring", "balanced", docs, window, None, window == 24),
         ]
     cases += [("ring", "zigzag", docs, None, 2.0, True)]  # a soft-capped global layer with sinks
+    cases += [
+        ("ring", "zigzag", None, 5, None, True, "flex"),
+        ("ring", "balanced", docs, 24, None, False, "flex"),
+    ]
     if world_size == 2:
         cases += [
             ("ulysses", "zigzag", None, 5, 2.0, True),
@@ -210,8 +216,14 @@ def _cases(world_size: int):
 def _check_cp(rank, world_size):
     groups = new_hybrid_groups(2) if world_size == 4 else None
     seq_len = 16 * world_size
-    for method, sharding, documents, window, softcap, with_sinks in _cases(world_size):
-        name = f"{method} {sharding} documents={documents} window={window} softcap={softcap} sinks={with_sinks}"
+    from ctxlaunch.cp import kernels
+
+    for method, sharding, documents, window, softcap, with_sinks, *kernel in _cases(world_size):
+        name = (
+            f"{method} {sharding} documents={documents} window={window} softcap={softcap} "
+            f"sinks={with_sinks} {kernel}"
+        )
+        kernels.use_masked_kernel(kernel[0] if kernel else "auto")
         kv_heads = world_size if method == "ulysses" else 2
         q, k, v, grad, sinks = _inputs(name, 2, 4, kv_heads, seq_len, 8, with_sinks)
         extended = dict(window=window, softcap=softcap, documents=documents)
@@ -244,6 +256,7 @@ def _check_cp(rank, world_size):
             total = sink_leaf.grad.clone()
             dist.all_reduce(total)
             _assert_close(total, ref_grads[3], f"{name}: dsinks")
+    kernels.use_masked_kernel("auto")
     if world_size == 4:
         _check_exchanges(rank)
     return True
