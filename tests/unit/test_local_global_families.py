@@ -366,6 +366,14 @@ def test_layouts_match_transformers_and_one_process(world: int, tmp_path: Path) 
         got = ranks[0][number]
         assert abs(got["loss"] - loss) < 1e-5, (name, got["loss"], loss)
         assert set(got["grads"]) == set(want_grads), name
+        worst_grad = max(
+            float(
+                (torch.from_numpy(got["grads"][n]) - g).abs().max() / g.abs().max().clamp_min(1e-12)
+            )
+            for n, g in want_grads.items()
+        )
+        print(f"{name}: |loss - one process| {abs(got['loss'] - loss):.1e}, largest gradient "
+              f"difference / that gradient's largest entry {worst_grad:.1e}")  # fmt: skip
         for param, grad in want_grads.items():
             # fp32 sums in another order: within 1e-4 of the gradient's largest entry (a
             # tied, sqrt(hidden)-scaled embedding's gradient sums both ends' contributions).
@@ -376,8 +384,10 @@ def test_layouts_match_transformers_and_one_process(world: int, tmp_path: Path) 
             )  # fmt: skip
         if reference is None:
             continue
-        assert abs(got["loss"] - reference_loss(reference, data)) < 1e-5, name
+        want_loss = reference_loss(reference, data)
+        assert abs(got["loss"] - want_loss) < 1e-5, name
         sequences = reference_sequences(reference, data)
+        worst = 0.0
         for rank in ranks:
             held = rank[number]["logits"]
             if held is not None:
@@ -386,6 +396,9 @@ def test_layouts_match_transformers_and_one_process(world: int, tmp_path: Path) 
                     torch.from_numpy(held["logits"]), want, rtol=1e-5, atol=1e-5,
                     msg=lambda m: f"{name} logits: {m}",
                 )  # fmt: skip
+                worst = max(worst, float((torch.from_numpy(held["logits"]) - want).abs().max()))
+        print(f"{name}: |loss - transformers| {abs(got['loss'] - want_loss):.1e}, "
+              f"max |logits - transformers| {worst:.1e}")  # fmt: skip
 
 
 def _reload(source: Path):

@@ -4,7 +4,8 @@ under CP (ring with its three shardings, Ulysses, hybrid), against the float64 m
 cover every visible (query, key) pair exactly once and nothing else; the halo exchange moves
 only the window's rows, one send per chunk when the window fits in the preceding chunk.
 
-The multi-process cases run in one launch per world size (gloo processes)."""
+A tiny decoder with sinks (GPT-OSS's part, ahead of its family) trains at CP 2 as at one
+process. The multi-process cases run in one launch per world size (gloo processes)."""
 
 from __future__ import annotations
 
@@ -259,7 +260,59 @@ def _check_cp(rank, world_size):
     kernels.use_masked_kernel("auto")
     if world_size == 4:
         _check_exchanges(rank)
+    else:
+        _check_model_with_sinks(rank, world_size)
     return True
+
+
+def _check_model_with_sinks(rank, world_size):
+    """A tiny decoder whose attention has sinks (GPT-OSS's part; no family here has it yet),
+    a local and a full layer: its loss and every gradient, the sinks' included, at CP 2 (ring
+    and Ulysses, zigzag) are one process's."""
+    import copy
+    from functools import partial
+
+    from ctxlaunch.cp import shard_positions
+    from ctxlaunch.runtime.modeling.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(
+        layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=96, vocab=64, rope_theta=1e4,
+        norm_eps=1e-5, tie_embeddings=False, attention_sinks=True, layer_windows=(9, None),
+    )  # fmt: skip
+    model.init_weights(3)
+    with torch.no_grad():
+        for block in model.block_modules():
+            block.attn.sinks.normal_()
+    tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(5))
+    targets = tokens.roll(-1, dims=1)
+    reference = copy.deepcopy(model)
+    reference.loss_divisor = targets.numel()
+    want_loss = reference(tokens, torch.arange(32), targets)
+    want_loss.backward()
+    want = {n: p.grad for n, p in reference.named_parameters()}
+    assert float(want["blocks.0.attn.sinks"].abs().max()) > 0
+    for attention in (ring_attention, ulysses_attention):
+        cp = copy.deepcopy(model)
+        cp.loss_divisor = targets.numel()  # the global count: the ranks' losses sum to the mean
+        for block in cp.block_modules():
+            block.attn.attend = partial(attention, group=None, causal=True, sharding="zigzag")
+        loss = cp(
+            shard_sequence(tokens, None, 1),
+            shard_positions(32, rank, world_size),
+            shard_sequence(targets, None, 1),
+        )
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        torch.testing.assert_close(total, want_loss.detach())
+        for name, param in cp.named_parameters():
+            grad = param.grad.clone()
+            dist.all_reduce(grad)
+            torch.testing.assert_close(
+                grad, want[name], rtol=1e-4, atol=1e-6,
+                msg=lambda m, n=name, a=attention.__name__: f"{a}: gradient of {n}: {m}",
+            )  # fmt: skip
 
 
 def _check_exchanges(rank):
