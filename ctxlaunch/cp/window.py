@@ -296,10 +296,15 @@ class WindowArgs:
     shards: RingShards | None
     """How the ring's shards are cut (None: one process)."""
     documents: CuSeqlens | None
+    """The document mask's global boundaries per batch element (None: none)."""
     window: int | None
+    """The local layer's window (None: the whole causal prefix, as a full layer)."""
     scale: float
+    """What scores are multiplied by."""
     softcap: float | None
+    """Scores soft-capped, softcap * tanh(score / softcap) (None: not)."""
     tile: int = BAND_TILE_TOKENS
+    """Query rows per tile of a piece the window cuts."""
 
     def place(self) -> tuple[int, int]:
         """(this rank, ranks) in the ring."""
@@ -308,6 +313,7 @@ class WindowArgs:
         return dist.get_rank(self.group), dist.get_world_size(self.group)
 
     def plan(self, seq_len: int, rank: int, src: int) -> BlockPlan:
+        """The (cached) plan of ``rank``'s queries over ``src``'s keys."""
         return block_plan(self.documents, seq_len, self.shards, rank, src, self.window, self.tile)
 
     def one_call(self, device: torch.device) -> bool:

@@ -275,7 +275,6 @@ LAYOUTS: dict[int, list[tuple[str, int, dict]]] = {
     # (family, window, layout) at SEQ = 32 tokens: CP 2 shards of 16 (zigzag chunks of 8).
     2: [
         ("gemma3", 5, {"parallel.cp": 2, **RING, "parallel.cp_sharding": "zigzag"}),
-        ("gemma3", 16, {"parallel.cp": 2, **RING, "parallel.cp_sharding": "contiguous"}),
         (
             "gemma3",
             24,

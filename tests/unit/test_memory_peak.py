@@ -379,15 +379,12 @@ family adds: norms after each sub-block, GeGLU, q/k norms, gains as 1 + w, cappe
 
 @pytest.mark.timeout(900)
 def test_peak_of_a_local_global_model_within_2_percent() -> None:
-    """The local/global model at one process (fp32, bf16 autocast, full checkpointing) and at
-    CP 2 on a ring, where the local layer exchanges and keeps its halo: each within 2 %."""
+    """The local/global model at one process (no checkpointing, and full) and at CP 2 on a
+    ring, where the local layer exchanges and keeps its halo: each within 2 % (what it saves in
+    bf16 is test_memory_measured's)."""
     _check(
         1,
-        [
-            LOCAL_GLOBAL,
-            {**LOCAL_GLOBAL, "model.dtype": "bf16"},
-            {**LOCAL_GLOBAL, "training.activation_checkpointing": "full"},
-        ],
+        [LOCAL_GLOBAL, {**LOCAL_GLOBAL, "training.activation_checkpointing": "full"}],
         0.02,
     )
     _check(2, [{**LOCAL_GLOBAL, "parallel.cp": 2}], 0.02, replicas_alike=True, remeasure=2)
