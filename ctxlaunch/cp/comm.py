@@ -73,6 +73,16 @@ def commit_sizes() -> dict[int, int]:
     return dict(_commit_bytes)
 
 
+# How many point-to-point sends of a halo exchange (one peer's K/V rows, or their gradients)
+# moved how many bytes each, since the process started: what the window tests read.
+_exchange_bytes: collections.Counter[int] = collections.Counter()
+
+
+def exchange_sizes() -> dict[int, int]:
+    """Bytes per halo send -> how many sends moved that many, so far in this process."""
+    return dict(_exchange_bytes)
+
+
 @contextlib.contextmanager
 def exposed():
     """Count the time spent inside this block as exposed communication."""
@@ -146,6 +156,66 @@ class RingComm:
 
     def wait(self) -> None:
         """Block until the committed transfers are done (and any simulated link delay has passed)."""
+        with exposed():
+            for req in self._reqs:
+                req.wait(_wait_timeout)
+            self._reqs = []
+            if self._stream is not None:
+                torch.cuda.current_stream().wait_stream(self._stream)
+            remaining = self._committed_at + _link_delay_s - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
+
+
+class PeerComm:
+    """Non-blocking transfers between any members of ``group`` (a local layer's halo exchange:
+    each rank sends the K/V rows a peer's queries see, to that peer alone): ``send`` and
+    ``recv`` queue, ``commit`` starts them all, ``wait`` blocks until they are done. Peers are
+    ranks in ``group``; on CUDA the transfers run on ``stream`` as `RingComm`'s do."""
+
+    def __init__(self, group: dist.ProcessGroup | None, stream: torch.cuda.Stream | None = None):
+        if group is None:
+            group = dist.group.WORLD
+            assert group is not None, "torch.distributed is not initialised"
+        self.group: dist.ProcessGroup = group
+        self._ops: list[dist.P2POp] = []
+        self._reqs: list = []
+        self._committed_at = 0.0
+        self._stream = stream
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        """Queue sending ``tensor`` (contiguous) to group rank ``peer``."""
+        peer_rank = dist.get_global_rank(self.group, peer)
+        self._ops.append(dist.P2POp(dist.isend, tensor, peer_rank, self.group))
+
+    def recv(self, buffer: torch.Tensor, peer: int) -> None:
+        """Queue receiving into ``buffer`` from group rank ``peer``."""
+        peer_rank = dist.get_global_rank(self.group, peer)
+        self._ops.append(dist.P2POp(dist.irecv, buffer, peer_rank, self.group))
+
+    def commit(self) -> None:
+        """Start every queued transfer (nothing to do when none is queued)."""
+        sends = [op.tensor.nbytes for op in self._ops if op.op is dist.isend]
+        if not self._ops:
+            return
+        _commit_bytes[sum(sends)] += 1
+        for nbytes in sends:
+            _exchange_bytes[nbytes] += 1
+        if self._stream is None:
+            self._reqs = dist.batch_isend_irecv(self._ops)
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                self._reqs = dist.batch_isend_irecv(self._ops)
+            for op in self._ops:
+                op.tensor.record_stream(self._stream)
+        self._ops = []
+        self._committed_at = time.perf_counter()
+
+    def wait(self) -> None:
+        """Block until the committed transfers are done (and any simulated link delay has passed)."""
+        if not self._reqs:
+            return
         with exposed():
             for req in self._reqs:
                 req.wait(_wait_timeout)

@@ -132,7 +132,7 @@ def shard_runs(rank: int, world_size: int, sharding: str, s_local: int) -> tuple
     return RingShards(sharding, world_size).runs((0, s_local * world_size), rank)
 
 
-def _documents_in(bounds: tuple[int, ...], start: int, stop: int) -> range:
+def documents_in(bounds: tuple[int, ...], start: int, stop: int) -> range:
     """Indices of the documents overlapping global tokens [start, stop)."""
     return range(bisect.bisect_right(bounds, start) - 1, bisect.bisect_left(bounds, stop))
 
@@ -161,7 +161,7 @@ def block_pieces(
         at = bisect.bisect_left(kv_starts, q_start)
         if at < len(kv_runs) and kv_starts[at] == q_start:
             # The same run (only a rank's own block has it): each of its documents, causally.
-            for doc in _documents_in(bounds, q_start, q_stop):
+            for doc in documents_in(bounds, q_start, q_stop):
                 rows = _overlap(q_run, bounds, doc)
                 diagonal.append((rows, rows, True))
         # Runs are disjoint, so a K/V run that starts earlier ends before this one starts: only

@@ -1,6 +1,8 @@
 # Shapes: q (B, Hq, Sq, D); k, v (B, Hkv, Sk, D), Hq % Hkv == 0; out (B, Hq, Sq, D); lse (B, Hq, Sq).
-"""One FlexAttention call per block under a document mask: a ring hop's queries over the K/V it
-holds, or a whole sequence's documents, in a single kernel call with a block mask.
+"""One FlexAttention call per block under a document mask or a local layer's window: a ring
+hop's queries over the K/V it holds, a local layer's own block or halo block (``window.py``),
+or a whole sequence's documents, in a single kernel call with a block mask (one per layer
+kind: the window is part of the mask's key).
 
 The per-rectangle path (``documents.block_pieces``) makes one dense kernel call per (query run,
 K/V run, document) rectangle: thousands for a sequence of short documents, each with a fixed
@@ -126,14 +128,20 @@ def document_block_mask(
     q_documents: torch.Tensor,
     kv_positions: torch.Tensor,
     kv_documents: torch.Tensor,
+    window: int | None = None,
 ):
     """The block mask of queries at global ``q_positions`` (B, Sq) in ``q_documents`` over keys
-    at ``kv_positions`` (B, Sk) in ``kv_documents``: same document, key not after the query."""
+    at ``kv_positions`` (B, Sk) in ``kv_documents``: same document, key not after the query,
+    and with a ``window`` (a local layer's) less than window positions before it. A batch of
+    one broadcasts over any batch."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def visible(b, h, q_index, kv_index):
         same = q_documents[b, q_index] == kv_documents[b, kv_index]
-        return same & (q_positions[b, q_index] >= kv_positions[b, kv_index])
+        distance = q_positions[b, q_index] - kv_positions[b, kv_index]
+        if window is None:
+            return same & (distance >= 0)
+        return same & (distance >= 0) & (distance < window)
 
     batch, q_len = q_positions.shape
     device = q_positions.device

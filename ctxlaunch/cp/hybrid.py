@@ -11,6 +11,9 @@ The same holds for a document mask: the inner ring's shards are pieces of the sa
 sequence, so the global document boundaries apply to it unchanged. Under the balanced sharding
 a Ulysses group's tokens are the union of its members' runs, in ascending position: the inner
 ring is told so (``RingShards`` with the Ulysses degree), and its blocks follow from the runs.
+A local layer's window applies to both: after the all-to-all its inner ring exchanges only
+the halos its queries see (``window.py``); soft-capped scores and sinks pass to the inner ring
+on this rank's heads.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ import torch.distributed as dist
 
 from . import comm, kernels
 from .documents import RingShards, check_documents
-from .reference import full_attention
+from .reference import check_extensions, full_attention
 from .ring import check_tile_tokens, ring_attention_on
 from .sharding import check_shard_len
-from .ulysses import HeadShardPlan, check_head_split, head_sharded_attention
+from .ulysses import HeadShardPlan, check_head_split, head_sharded_attention, member_sinks
 
 
 def new_hybrid_groups(
@@ -64,6 +67,10 @@ def hybrid_attention(
     return_lse: bool = False,
     documents: Sequence[Sequence[int]] | None = None,
     tile_tokens: int | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Ulysses x ring attention; differentiable.
 
@@ -77,6 +84,7 @@ def hybrid_attention(
     ``documents``: a document mask, the global boundaries as ``ring_attention`` takes them
     (under ``sharding="balanced"`` the shards must have been cut with the same ``documents``).
     ``tile_tokens``: the inner ring's backward over tiles (``ring_attention``'s).
+    ``window``, ``softcap`` and ``sinks`` (Hq,) as ``ring_attention`` takes them.
     """
     kernels.check_qkv(q, k, v)
     ulysses_size, ring_size = dist.get_world_size(ulysses_group), dist.get_world_size(ring_group)
@@ -85,17 +93,23 @@ def hybrid_attention(
     check_head_split(q, k, ulysses_size, "hybrid_attention")
     scale = kernels.resolve_scale(q, scale)
     check_tile_tokens(tile_tokens)
+    check_extensions(causal, window, softcap, sinks, q.size(1))
     cu = check_documents(documents, causal, q.size(0), q.size(2) * cp_world_size)
     first = dist.get_rank(ring_group) * ulysses_size
     members = list(range(first, first + ulysses_size))
     plan = HeadShardPlan(ulysses_group, members, cp_world_size, sharding, q.size(2), cu)
     shards = RingShards(sharding, ring_size, ulysses_size)
+    local_sinks = member_sinks(sinks, plan)
 
     def attend(qh, kh, vh):
         if ring_size == 1:
-            return full_attention(qh, kh, vh, causal, scale, return_lse=True, documents=cu)
+            return full_attention(
+                qh, kh, vh, causal, scale, return_lse=True, documents=cu, window=window,
+                softcap=softcap, sinks=local_sinks,
+            )  # fmt: skip
         return ring_attention_on(
-            qh, kh, vh, ring_group, causal, shards, scale, True, cu, tile_tokens
-        )
+            qh, kh, vh, ring_group, causal, shards, scale, True, cu, tile_tokens,
+            window=window, softcap=softcap, sinks=local_sinks,
+        )  # fmt: skip
 
     return head_sharded_attention(q, k, v, plan, attend, return_lse)

@@ -5,6 +5,14 @@
 query row's scaled scores; ``attention_backward`` takes the *final* (merged) out and lse, which
 is what lets a ring recompute each block's gradient independently. Causal masking is aligned
 top-left; CP only asks for it on square (Sq == Sk) diagonal blocks, where alignments agree.
+
+Two additions for local layers and soft-capped scores: ``mask``, an additive (Sq, Sk) mask in
+q's dtype (0 where a key is seen, -inf where hidden; a sliding window's edge tile), which the
+CPU flash kernel takes as it is; and ``softcap``, scores passed through ``cap * tanh(s / cap)``
+before the softmax, which no flash kernel here supports: such calls (and masked ones on CUDA)
+run the math kernel below, tiled over query rows, exact in fp32. Every row of a call must see
+at least one key (the kernels give a fully hidden row lse 0, not -inf): callers cut their
+tiles so (``window.py``).
 """
 
 from __future__ import annotations
@@ -47,9 +55,23 @@ def resolve_scale(q: torch.Tensor, scale: float | None) -> float:
 
 
 def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    *,
+    softcap: float | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q over k, v: ``(out in q.dtype, lse fp32 (B, Hq, Sq))``. Inputs may be views."""
+    """Attention of q over k, v: ``(out in q.dtype, lse fp32 (B, Hq, Sq))``. Inputs may be views.
+    ``softcap``: scores soft-capped before the softmax; ``mask``: additive (Sq, Sk) in q's dtype."""
+    if softcap is not None or (mask is not None and q.device.type != "cpu"):
+        return _math_forward(q, k, v, causal, scale, softcap, mask)
+    if mask is not None:
+        return aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+        )
     if q.device.type == "cpu":
         # The CPU flash kernel takes Hkv < Hq natively (GQA) and strided inputs as they are.
         return aten._scaled_dot_product_flash_attention_for_cpu(
@@ -67,17 +89,91 @@ def attention_backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    *,
+    softcap: float | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of one block given the final ``out`` and ``lse`` of its query rows.
 
     dk and dv have k's Hkv heads (GQA heads summed), in k's dtype; only CUDA's memory-efficient
-    path (fp32 inputs) returns them in fp32 under GQA.
+    path (fp32 inputs) returns them in fp32 under GQA. ``softcap`` and ``mask`` as in
+    ``attention_forward``. The final lse may hold more than this block's keys (other blocks,
+    attention sinks): the gradient is exact for any such lse.
     """
+    if softcap is not None or (mask is not None and q.device.type != "cpu"):
+        return _math_backward(grad_out, q, k, v, out, lse, causal, scale, softcap, mask)
+    if mask is not None:
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
+        )
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale
         )
     return _cuda_backward(grad_out, q, k, v, out, lse, causal, scale)
+
+
+# --- the math kernel (soft-capped scores, masks on CUDA) -------------------------------------------
+MATH_TILE_ROWS = 512
+"""Query rows the math kernel computes at a time: its fp32 scores are (B, Hq, rows, Sk)."""
+
+
+def _scores(q_rows, k, causal, scale, softcap, mask, first_row):
+    """Scaled scores of q's rows `first_row`.. over k (both in the accumulator dtype, K/V
+    heads expanded), soft-capped and masked: (raw tanh or None, scores)."""
+    s = torch.matmul(q_rows, k.transpose(-1, -2)) * scale
+    capped = None
+    if softcap is not None:
+        # transformers' order: scale, divide by the cap, tanh, multiply by the cap.
+        capped = torch.tanh(s / softcap)
+        s = capped * softcap
+    if causal:
+        rows = torch.arange(first_row, first_row + s.size(-2), device=s.device)
+        hidden = torch.arange(s.size(-1), device=s.device)[None, :] > rows[:, None]
+        s = s.masked_fill(hidden, float("-inf"))
+    if mask is not None:
+        s = s + mask[first_row : first_row + s.size(-2)].to(s.dtype)
+    return capped, s
+
+
+def _math_forward(q, k, v, causal, scale, softcap, mask):
+    acc = torch.promote_types(q.dtype, torch.float32)
+    n_rep = q.size(1) // k.size(1)
+    kx, vx = _expand_kv(k, n_rep).to(acc), _expand_kv(v, n_rep).to(acc)
+    out = torch.empty_like(q)
+    lse = q.new_empty(q.shape[:3], dtype=acc)
+    for first in range(0, q.size(2), MATH_TILE_ROWS):
+        rows = slice(first, first + MATH_TILE_ROWS)
+        _, s = _scores(q[:, :, rows].to(acc), kx, causal, scale, softcap, mask, first)
+        block_lse = torch.logsumexp(s, dim=-1)
+        out[:, :, rows] = torch.matmul(torch.exp(s - block_lse.unsqueeze(-1)), vx).to(q.dtype)
+        lse[:, :, rows] = block_lse
+    return out, lse
+
+
+def _math_backward(grad_out, q, k, v, out, lse, causal, scale, softcap, mask):
+    acc = torch.promote_types(q.dtype, torch.float32)
+    n_rep = q.size(1) // k.size(1)
+    kx, vx = _expand_kv(k, n_rep).to(acc), _expand_kv(v, n_rep).to(acc)
+    dq = torch.empty_like(q)
+    dkx = torch.zeros_like(kx)
+    dvx = torch.zeros_like(vx)
+    for first in range(0, q.size(2), MATH_TILE_ROWS):
+        rows = slice(first, first + MATH_TILE_ROWS)
+        q_rows, g_rows = q[:, :, rows].to(acc), grad_out[:, :, rows].to(acc)
+        capped, s = _scores(q_rows, kx, causal, scale, softcap, mask, first)
+        p = torch.exp(s - lse[:, :, rows].to(acc).unsqueeze(-1))
+        dvx += torch.matmul(p.transpose(-1, -2), g_rows)
+        # d softmax: p * (dO . v_j - dO . out), the row term over the final (merged) out.
+        row_term = (g_rows * out[:, :, rows].to(acc)).sum(-1, keepdim=True)
+        ds = p * (torch.matmul(g_rows, vx.transpose(-1, -2)) - row_term)
+        if capped is not None:
+            ds = ds * (1 - capped * capped)  # d(cap * tanh(s / cap)) / ds
+        dq[:, :, rows] = (torch.matmul(ds, kx) * scale).to(q.dtype)
+        dkx += torch.matmul(ds.transpose(-1, -2), q_rows) * scale
+    dk = dkx.unflatten(1, (k.size(1), n_rep)).sum(2) if n_rep > 1 else dkx
+    dv = dvx.unflatten(1, (v.size(1), n_rep)).sum(2) if n_rep > 1 else dvx
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 # --- CUDA ----------------------------------------------------------------------------------------

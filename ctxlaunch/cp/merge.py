@@ -95,3 +95,25 @@ def fused_merge():
     """``merge_math`` compiled once per process (recompiled per distinct shape and stride set,
     of which an unmasked ring has two: the whole shard and its halves)."""
     return torch.compile(merge_math, fullgraph=True)
+
+
+# -- attention sinks --------------------------------------------------------------------------------
+# A sink is a learned logit per head that joins every row's softmax denominator and carries no
+# value: merged once, after every block, as a block whose lse is the sink and whose out is 0.
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Fold the per-head sink logits ``sinks`` (H,) into the merged fp32 accumulators in place:
+    lse' = log(e^lse + e^sink), out' = out * e^(lse - lse')."""
+    sink = sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse)
+    out.mul_(torch.sigmoid(lse - sink).unsqueeze(-1))
+    torch.logaddexp(lse, sink, out=lse)
+
+
+def sink_gradient(
+    grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
+    """The gradient of the sinks (H,) from these rows, given the final out and lse (sinks
+    folded in): d sink_h = -sum over rows of e^(sink_h - lse) (dO . out)."""
+    acc = lse.dtype
+    weight = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)
+    row_term = (grad_out.to(acc) * out.to(acc)).sum(-1)
+    return -(weight * row_term).sum(dim=(0, 2)).to(sinks.dtype)

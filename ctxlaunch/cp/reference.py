@@ -2,7 +2,8 @@
 """Single-process full attention through the same kernels as the CP paths: the CP=1 path, and
 the local attention inside Ulysses. Under a document mask: one kernel call per document (the
 per-rectangle path), or one FlexAttention call over the whole sequence where
-``kernels.masked_kernel()`` is "flex"."""
+``kernels.masked_kernel()`` is "flex". A sliding window, soft-capped scores or attention sinks
+run through the pieces of ``window.py`` (at one process: no exchange)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,14 @@ import torch
 
 from . import flex, kernels
 from .documents import CuSeqlens, batch_groups, check_documents
+from .window import (
+    WindowArgs,
+    check_sinks,
+    check_softcap,
+    check_window,
+    effective_window,
+    window_attention_on,
+)
 
 
 class _FullAttention(torch.autograd.Function):
@@ -105,6 +114,10 @@ def full_attention(
     scale: float | None = None,
     return_lse: bool = False,
     documents: Sequence[Sequence[int]] | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention over the whole sequence in one process; differentiable.
 
@@ -112,9 +125,24 @@ def full_attention(
     1/sqrt(D). Returns out (q's dtype) or, with ``return_lse``, (out, lse fp32 (B, Hq, S)).
     ``documents`` (per batch element the document boundaries ``[0, ..., S]``): attend causally
     within each document only, each computed exactly as if run alone.
+    ``window``: a local layer's sliding window (a query at i sees keys i - window < j <= i);
+    ``softcap``: scores become ``softcap * tanh(score / softcap)``; ``sinks`` (Hq,): a learned
+    logit per head in every row's softmax denominator (differentiable). All three need
+    ``causal``.
     """
     kernels.check_qkv(q, k, v)
     cu = check_documents(documents, causal, q.size(0), q.size(2))
+    if window is not None or softcap is not None or sinks is not None:
+        check_extensions(causal, window, softcap, sinks, q.size(1))
+        args = WindowArgs(
+            None,
+            None,
+            cu,
+            effective_window(window, q.size(2)),
+            kernels.resolve_scale(q, scale),
+            softcap,
+        )
+        return window_attention_on(q, k, v, args, sinks, return_lse)
     if cu is not None:
         one_call = kernels.masked_kernel(q.device) == "flex"
         attention = _OneCallDocumentAttention if one_call else _DocumentAttention
@@ -122,3 +150,19 @@ def full_attention(
         return (out, lse) if return_lse else out
     out, lse = _FullAttention.apply(q, k, v, causal, kernels.resolve_scale(q, scale))
     return (out, lse) if return_lse else out
+
+
+def check_extensions(
+    causal: bool,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    heads: int,
+) -> None:
+    """Raise ValueError for a window, soft-cap or sinks that are not well formed, or given
+    without ``causal`` (every layer that has them is a causal decoder's)."""
+    check_window(window)
+    check_softcap(softcap)
+    check_sinks(sinks, heads)
+    if not causal and (window is not None or softcap is not None or sinks is not None):
+        raise ValueError("a window, soft-capped scores and attention sinks need causal=True")

@@ -21,6 +21,12 @@ rank's shard is its runs of the sequence (``documents.RingShards``).
 Under ``tile_tokens`` backward cuts every piece into tiles of at most that many query and key
 rows (``_tiles``), so the kernels' gradient buffers are a tile's, not a shard's; a masked block
 whose shard the tiles cut runs as its rectangles, each tiled, not as one FlexAttention call.
+
+A local (sliding-window) layer does not rotate shards at all: its ranks exchange only the keys
+some query of theirs sees (``window.py``'s halo exchange). Soft-capped scores (``softcap``) run
+every block through the math kernel (no FlexAttention call); attention sinks (``sinks``) are
+folded into each row once, after the last hop's merge, and their gradient is summed from the
+final out and lse.
 """
 
 from __future__ import annotations
@@ -33,9 +39,10 @@ import torch.distributed as dist
 from . import flex, kernels
 from .comm import RingComm, side_stream
 from .documents import CuSeqlens, RingShards, batch_groups, check_documents, ring_block_pieces
-from .merge import MergeScratch, merge_block
-from .reference import full_attention
+from .merge import MergeScratch, fold_sinks, merge_block, sink_gradient
+from .reference import check_extensions, full_attention
 from .sharding import check_shard_len
+from .window import WindowArgs, effective_window, window_attention_on
 
 _ALL = slice(None)
 
@@ -132,7 +139,7 @@ def _hop(direction: str, step: int):
     return torch.profiler.record_function(f"cp.ring.{direction}.step{step}")
 
 
-def _ring_forward(q, k, v, group, causal, shards, scale, documents=None):
+def _ring_forward(q, k, v, group, causal, shards, scale, documents=None, softcap=None, sinks=None):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     comm = RingComm(group, side_stream(q.device))
     # The running fp32 out and lse, and the merge's scratch: allocated once, before the first hop.
@@ -140,7 +147,9 @@ def _ring_forward(q, k, v, group, causal, shards, scale, documents=None):
     lse = q.new_empty(q.shape[:3], dtype=_accumulator(q))
     scratch = MergeScratch(out)
     kv = _Rotation((k, v), world_size, keep_first=True)
-    one_call = documents is not None and kernels.masked_kernel(q.device) == "flex"
+    one_call = (
+        documents is not None and softcap is None and kernels.masked_kernel(q.device) == "flex"
+    )
     for step in range(world_size):
         with _hop("forward", step):
             if step + 1 < world_size:
@@ -166,6 +175,7 @@ def _ring_forward(q, k, v, group, causal, shards, scale, documents=None):
                     v_held[batch, :, kv_rows],
                     block_causal,
                     scale,
+                    softcap=softcap,
                 )
                 if step == 0 and block_causal == causal:
                     # Step 0's diagonal piece(s) cover every local query row exactly once.
@@ -178,6 +188,8 @@ def _ring_forward(q, k, v, group, causal, shards, scale, documents=None):
             if step + 1 < world_size:
                 comm.wait()
                 kv.advance()
+    if sinks is not None:
+        fold_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
@@ -239,7 +251,20 @@ def _tiles(part: Part, q_len: int, kv_len: int, tile: int | None) -> list[Part]:
 
 
 def _ring_backward(
-    grad_out, q, k, v, out, lse, group, causal, shards, scale, documents=None, tile=None
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    group,
+    causal,
+    shards,
+    scale,
+    documents=None,
+    tile=None,
+    softcap=None,
+    sinks=None,
 ):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     stream = side_stream(q.device)
@@ -273,6 +298,7 @@ def _ring_backward(
                 lse[batch, :, q_tile],
                 tile_causal,
                 scale,
+                softcap=softcap,
             )
             # In place, the kernel's dtype converted on the fly (CUDA casts inside the add
             # kernel).
@@ -283,7 +309,12 @@ def _ring_backward(
     # Where tiles cut the shard, a masked block runs as its rectangles, each tiled (a block
     # mask covers the whole of a block's keys).
     cut = tile is not None and tile < q.size(2)
-    one_call = documents is not None and not cut and kernels.masked_kernel(q.device) == "flex"
+    one_call = (
+        documents is not None
+        and not cut
+        and softcap is None
+        and kernels.masked_kernel(q.device) == "flex"
+    )
 
     def one_call_block(rows: tuple[int, int], src, k_shard, v_shard, dk, dv) -> None:
         """A block's gradients in one FlexAttention call (its query rows ``rows``)."""
@@ -354,24 +385,30 @@ def _ring_backward(
         grads.advance()
         dk_home += grads.held[0]
         dv_home += grads.held[1]
-    return dq.to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype)
+    d_sinks = None if sinks is None else sink_gradient(grad_out, out, lse, sinks)
+    return dq.to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype), d_sinks
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, shards, scale, documents, tile):
+    def forward(ctx, q, k, v, sinks, group, causal, shards, scale, documents, tile, softcap):
         # gloo sends only contiguous buffers.
         k, v = k.contiguous(), v.contiguous()
-        out, lse = _ring_forward(q, k, v, group, causal, shards, scale, documents)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, causal, shards, scale, documents, tile)
+        out, lse = _ring_forward(q, k, v, group, causal, shards, scale, documents, softcap, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.args = (group, causal, shards, scale, documents, tile, softcap)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        dq, dk, dv = _ring_backward(grad_out, *ctx.saved_tensors, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        group, causal, shards, scale, documents, tile, softcap = ctx.args
+        dq, dk, dv, d_sinks = _ring_backward(
+            grad_out, q, k, v, out, lse, group, causal, shards, scale, documents, tile,
+            softcap, sinks,
+        )  # fmt: skip
+        return dq, dk, dv, d_sinks, None, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -385,6 +422,10 @@ def ring_attention(
     return_lse: bool = False,
     documents: Sequence[Sequence[int]] | None = None,
     tile_tokens: int | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Ring attention over the ranks of ``group`` (None: the default group); differentiable.
 
@@ -404,6 +445,12 @@ def ring_attention(
     ``tile_tokens``: backward computes each block over tiles of at most this many query rows
     and key rows, so what the kernels allocate (their dq, dk, dv and accumulators) is bounded
     by the tile, not by the shard; the same sums in another order. None: one call per block.
+
+    ``window``: a local layer's sliding window (a query at i sees keys i - window < j <= i):
+    the ranks exchange only the keys some query of theirs sees (``window.py``). ``softcap``:
+    scores become ``softcap * tanh(score / softcap)`` in every block. ``sinks`` (Hq,): a
+    learned logit per head in every row's softmax denominator, counted once (differentiable).
+    All three need ``causal``.
     """
     kernels.check_qkv(q, k, v)
     world_size = dist.get_world_size(group)
@@ -411,11 +458,15 @@ def ring_attention(
     scale = kernels.resolve_scale(q, scale)
     check_tile_tokens(tile_tokens)
     if world_size == 1:
-        return full_attention(q, k, v, causal, scale, return_lse, documents)
+        return full_attention(
+            q, k, v, causal, scale, return_lse, documents, window=window, softcap=softcap,
+            sinks=sinks,
+        )  # fmt: skip
+    check_extensions(causal, window, softcap, sinks, q.size(1))
     cu = check_documents(documents, causal, q.size(0), q.size(2) * world_size)
     return ring_attention_on(
         q, k, v, group, causal, RingShards(sharding, world_size), scale, return_lse, cu,
-        tile_tokens,
+        tile_tokens, window=window, softcap=softcap, sinks=sinks,
     )  # fmt: skip
 
 
@@ -436,8 +487,19 @@ def ring_attention_on(
     return_lse: bool,
     documents: CuSeqlens | None,
     tile_tokens: int | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """``ring_attention`` on checked inputs, over shards cut as ``shards`` says (a hybrid's
-    inner ring holds its Ulysses groups' tokens)."""
-    out, lse = _RingAttention.apply(q, k, v, group, causal, shards, scale, documents, tile_tokens)
+    inner ring holds its Ulysses groups' tokens). A window shorter than the sequence runs
+    the halo exchange instead of the ring."""
+    window = effective_window(window, q.size(2) * shards.ring_size)
+    if window is not None:
+        args = WindowArgs(group, shards, documents, window, scale, softcap)
+        return window_attention_on(q, k, v, args, sinks, return_lse)
+    out, lse = _RingAttention.apply(
+        q, k, v, sinks, group, causal, shards, scale, documents, tile_tokens, softcap
+    )
     return (out, lse) if return_lse else out

@@ -6,6 +6,8 @@ The all-to-all here also puts the gathered tokens in ascending position order (s
 rank order, which under zigzag is not token order), so causal attention needs no special mask.
 Under the balanced sharding a batch element's members hold runs that its document boundaries
 decide: the tokens are put in order by one index per batch group instead of chunk by chunk.
+A local layer's window, soft-capped scores and attention sinks apply after the all-to-all, to
+the whole sequence of this rank's heads (each rank holds the sinks of the heads it gets).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from . import kernels
 from .comm import exposed
 from .documents import CuSeqlens, batch_groups, check_documents
-from .reference import full_attention
+from .reference import check_extensions, full_attention
 from .sharding import check_shard_len, group_chunk_plan, rank_spans
 
 
@@ -171,6 +173,15 @@ def check_head_split(q: torch.Tensor, k: torch.Tensor, degree: int, what: str) -
         )
 
 
+def member_sinks(sinks: torch.Tensor | None, plan: HeadShardPlan) -> torch.Tensor | None:
+    """The sinks of the heads this member gets from the all-to-all (head group j for group
+    rank j); a differentiable slice, so their gradient reaches the whole parameter."""
+    if sinks is None:
+        return None
+    heads = sinks.size(0) // plan.size
+    return sinks.narrow(0, dist.get_rank(plan.group) * heads, heads)
+
+
 def head_sharded_attention(q, k, v, plan: HeadShardPlan, attend, return_lse: bool):
     """All-to-all q, k, v to head shards, run ``attend(q, k, v) -> (out, lse)`` on them, and
     all-to-all the output (and lse) back. Shared by Ulysses and hybrid attention."""
@@ -191,6 +202,10 @@ def ulysses_attention(
     scale: float | None = None,
     return_lse: bool = False,
     documents: Sequence[Sequence[int]] | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Ulysses (all-to-all) attention over the ranks of ``group`` (None: default group); differentiable.
 
@@ -203,16 +218,23 @@ def ulysses_attention(
     takes them): after the all-to-all each rank holds the whole sequence in token order for
     its heads, so each document is plain causal attention on its rows. Under
     ``sharding="balanced"`` the shards must have been cut with the same ``documents``.
+    ``window``, ``softcap`` and ``sinks`` (Hq,) as ``ring_attention`` takes them, applied after
+    the all-to-all.
     """
     kernels.check_qkv(q, k, v)
     world_size = dist.get_world_size(group)
     check_shard_len(q.size(2), k.size(2), world_size, sharding)
     check_head_split(q, k, world_size, "ulysses_attention")
+    check_extensions(causal, window, softcap, sinks, q.size(1))
     scale = kernels.resolve_scale(q, scale)
     cu = check_documents(documents, causal, q.size(0), q.size(2) * world_size)
     plan = HeadShardPlan(group, list(range(world_size)), world_size, sharding, q.size(2), cu)
+    local_sinks = member_sinks(sinks, plan)
 
     def attend(qh, kh, vh):
-        return full_attention(qh, kh, vh, causal, scale, return_lse=True, documents=cu)
+        return full_attention(
+            qh, kh, vh, causal, scale, return_lse=True, documents=cu, window=window,
+            softcap=softcap, sinks=local_sinks,
+        )  # fmt: skip
 
     return head_sharded_attention(q, k, v, plan, attend, return_lse)

@@ -39,12 +39,21 @@ hidden / heads), h_kv the K/V width and f the feed-forward width:
   with q/k norms:
     the fused q/k/v output (q and k norms' input) a*(h_q + 2*h_kv)
     their reciprocal RMS values, fp32             4*(heads + kv_heads)
+  with norms after each sub-block (post-norms):
+    the o and down projections' outputs (inputs)  2*a*h
+    their reciprocal RMS values, fp32             8
 
     total: 2*r*h + a*(2*h + 3*h_q + 2*h_kv + 3*f) + 4*heads + 8 (+ the q/k norms' terms)
 
 The q and k norms save their input, a view of the fused projection's output, so the whole of
 that output (v's part too) stays until the block's backward. The q/k/v biases save
-nothing: their gradient is the output gradient summed over the tokens.
+nothing: their gradient is the output gradient summed over the tokens. GeGLU saves what
+SwiGLU saves; gains applied as 1 + w, a scaled embedding and attention sinks add nothing per
+token.
+
+A local (sliding-window) layer under a CP ring also keeps, for its backward, the K/V rows it
+received from other ranks (its halo: `commvolume.halo_rows` per sequence, 2*h_kv/t*a bytes
+each): per local block, not per token (`halo_bytes`).
 
 No s-by-s term: attention runs through flash kernels that keep only the log-sum-exp. For
 Llama-3-8B in bf16 (h 4096, h_kv 1024, f 14336, 32 heads) that is 147,592 bytes = 36.0*h per
@@ -75,6 +84,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ctxlaunch.perf.commvolume import halo_rows
 from ctxlaunch.perf.layout import Layout
 
 if TYPE_CHECKING:
@@ -103,6 +113,8 @@ def attention_half_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
     saved = r * h + a * (h + 3 * h_q + 2 * h_kv) + 4 * model.heads + 4
     if model.qk_norm:
         saved += a * (h_q + 2 * h_kv) + 4 * (model.heads + model.kv_heads)
+    if model.post_norms:
+        saved += a * h + 4  # the norm after attention keeps the o projection's output
     return saved
 
 
@@ -114,6 +126,8 @@ def block_activation_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
     h, f = model.hidden, model.ffn_hidden
     attention_half = attention_half_bytes_per_token(model, layout)
     feed_forward_half = r * h + a * (h + 3 * f) + 4
+    if model.post_norms:
+        feed_forward_half += a * h + 4  # the norm after the feed-forward keeps its output
     # TP with sequence parallelism divides every per-token tensor by t, the norm outputs the
     # column-parallel projections read included: as in Megatron, each projection keeps its
     # input's local shard and gathers it again in backward (tensor_parallel.gather_linear).
@@ -181,7 +195,9 @@ def loss_workspace_bytes(model: ModelSpec, layout: Layout) -> float:
         return (a + 12) * vocab_per_rank * chunk_tokens
     upcast = 4 * vocab_per_rank * chunk_tokens if a != 4 else 0.0
     copies = a * (vocab_per_rank + chunk_tokens) * h if layout.residual_bytes != a else 0.0
-    return a * vocab_per_rank * chunk_tokens + upcast + copies
+    # A final logit soft-cap keeps the chunk's fp32 tanh until its gradient is formed.
+    capped = 4 * vocab_per_rank * chunk_tokens if model.logit_softcap is not None else 0.0
+    return a * vocab_per_rank * chunk_tokens + upcast + copies + capped
 
 
 def autocast_weight_copy_bytes(model: ModelSpec, layout: Layout) -> float:
@@ -221,11 +237,11 @@ def stage_activation_bytes(
     tokens = layout.tokens_per_rank / tp  # per rank, sequence-parallel under TP
     r = layout.residual_bytes  # the table's r
     # Outside the blocks, per sequence-parallel token: the RoPE cos/sin tables (one pair for
-    # every block, over the CP shard's tokens); on the first stage the int64 token ids (and,
+    # every block of a kind, over the CP shard's tokens); on the first stage the int64 token ids (and,
     # under TP, the vocabulary mask of the parallel embedding); on the last the final RMSNorm
     # input and rstd, and the gradient of the chunked loss's input (gathered over TP): the loss
     # computes it in forward and keeps it, in place of the input it no longer keeps.
-    outside = 2 * model.head_dim * layout.compute_bytes * tp
+    outside = 2 * model.head_dim * layout.compute_bytes * tp * rope_table_kinds(model)
     if first:
         outside += 8 * tp + (tp if tp > 1 else 0)
     if last:
@@ -237,7 +253,26 @@ def stage_activation_bytes(
     return (
         tokens * (per_block * kept_blocks + outside)
         + autocast_weight_copy_bytes(model, layout) * blocks
+        + halo_bytes(model, layout) * kept_blocks
     )
+
+
+def rope_table_kinds(model: ModelSpec) -> int:
+    """How many pairs of RoPE tables the blocks keep: two where local layers rotate by their
+    own base beside full ones, else one."""
+    windows = model.layer_windows
+    own_base = model.local_rope_theta is not None and any(w is not None for w in windows)
+    return 2 if own_base and any(w is None for w in windows) else 1
+
+
+def halo_bytes(model: ModelSpec, layout: Layout) -> float:
+    """The halos one block keeps for backward per micro-batch, averaged over the layers (a
+    local layer under a CP ring keeps the K/V rows it received; recomputed with its block
+    under full checkpointing, so none stays)."""
+    if layout.activation_checkpointing == "full":
+        return 0.0
+    rows = sum(halo_rows(layout, w) for w in model.layer_windows) / model.layers
+    return layout.micro_batch * rows * 2 * model.kv_hidden / layout.dims.tp * layout.compute_bytes
 
 
 def device_kept_blocks(layout: Layout, blocks: int) -> int:

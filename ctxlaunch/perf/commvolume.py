@@ -36,6 +36,13 @@ keep fp32 weights, so it is fp32 under autocast too; a under Megatron), per bloc
   forward and again in backward, dK and dV (fp32) N-1 hops in backward:
       2 * (N-1) * n*h_kv/t * (2*a + 4);   full recomputation adds 2*(N-1)*n*h_kv/t*a
   (selective checkpointing keeps attention: nothing more).
+- A local (sliding-window) layer under a ring of N ranks sends no hops: each rank receives, per
+  chunk it holds (one contiguous, two zigzag or balanced), the w - 1 rows before the chunk that
+  another rank holds (at most s - s/N), K and V in one exchange, and sends their fp32 dK/dV
+  home in backward; per sequence, with c chunks:
+      c * min(w - 1, s - s/N) * h_kv/t * (2*a + 2*4)   (forward again under full recomputation)
+  against the full ring's 2 * (N-1) * n*h_kv/t * (2*a + 4). Ulysses' all-to-alls are a full
+  layer's (the window applies after them).
 - CP Ulysses of degree U: q, k, v to heads and the output back in forward, the same volume in
   backward: 2 * (U-1)/U * n*(2*h_q + 2*h_kv)/t * a, half as much again under full
   recomputation. Hybrid: the Ulysses term with U plus the ring
@@ -200,6 +207,49 @@ def cp_block_bytes(model: ModelSpec, layout: Layout) -> float:
     return ring_bytes + ulysses
 
 
+def halo_rows(layout: Layout, window: int | None) -> float:
+    """K/V rows one ring rank receives per sequence in a local layer's halo exchange (the
+    busiest rank: every chunk it holds needs the window - 1 rows before it, at most what the
+    other ranks hold); 0 without a ring or with a window the sequence fits in."""
+    ring = layout.dims.ring_degree
+    if ring <= 1 or window is None or window >= layout.seq_len:
+        return 0.0
+    chunks = 1 if layout.dims.cp_sharding == "contiguous" else 2
+    return chunks * min(window - 1, layout.seq_len - layout.seq_len / ring)
+
+
+def halo_exchange_bytes(model: ModelSpec, layout: Layout, window: int) -> float:
+    """Bytes of one local block's halo exchanges per micro-batch: K and V rows forward (again
+    in a recomputed forward) and their fp32 gradients home in backward."""
+    rows = layout.micro_batch * halo_rows(layout, window)
+    row = model.kv_hidden / layout.dims.tp
+    forward, backward = 2 * rows * row * layout.compute_bytes, 2 * rows * row * 4
+    return ring_forwards(layout) * forward + backward
+
+
+def halo_block_bytes(model: ModelSpec, layout: Layout, window: int) -> float:
+    """Bytes one local block sends over CP per micro-batch: its halo exchanges, and Ulysses'
+    all-to-alls as a full block's (hybrid)."""
+    ulysses = (
+        ulysses_passes(layout) * ulysses_all_to_all_bytes(model, layout)
+        if layout.dims.ulysses_degree > 1
+        else 0.0
+    )
+    return halo_exchange_bytes(model, layout, window) + ulysses
+
+
+def layer_cp_bytes(model: ModelSpec, layout: Layout) -> list[float]:
+    """Bytes each layer sends over CP per micro-batch: a full layer's ring or all-to-all, a
+    local layer's halo exchange (all-gather CP gathers every layer's K/V alike)."""
+    full = cp_block_bytes(model, layout)
+    if layout.dims.cp == 1 or layout.dims.cp_algorithm == "allgather":
+        return [full] * model.layers
+    return [
+        full if w is None or w >= layout.seq_len else halo_block_bytes(model, layout, w)
+        for w in model.layer_windows
+    ]
+
+
 def pp_message_bytes(model: ModelSpec, layout: Layout, *, stream: int | None = None) -> float:
     """Bytes of one activation (or its gradient) sent between pipeline stages."""
     width = stream_bytes(layout) if stream is None else stream
@@ -251,7 +301,10 @@ def step_comm_bytes(
             layers * tp_block_bytes(model, layout)
             + tp_edge_bytes(model, layout, first=first_stage, last=last_stage)
         )
+    per_layer = layer_cp_bytes(model, layout)
     cp_bytes = m * layers * cp_block_bytes(model, layout)
+    if len(set(per_layer)) > 1:  # local layers: a stage's blocks, each the average layer's
+        cp_bytes = m * layers * sum(per_layer) / len(per_layer)
     pp_bytes = m * pp_message_bytes(model, layout) * ((not last_stage) + (not first_stage))
     dp_bytes = dp_step_bytes(layout, stage_params, norm_params=norm_params)
     return CommVolume(tp=tp_bytes, cp=cp_bytes, pp=pp_bytes, dp=dp_bytes)

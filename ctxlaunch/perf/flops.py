@@ -14,6 +14,12 @@ Two conventions are in use and differ by up to ~1.8x at 128K+ tokens, so both ar
 - "causal": the attention term is halved for causal masking (Megatron-LM).
 Neither counts activation recomputation (that would be hardware FLOPs, not model FLOPs).
 
+A local (sliding-window) layer's attention is its window's: each token's query meets at most
+`window` keys, so in the "full" convention a local layer counts `window` keys per token where a
+full layer counts s, and in the "causal" convention the band's exact area, s*w - w(w-1)/2 pairs
+per sequence, where a full layer counts s^2 / 2 (`attention_keys_per_token`). The step-time
+model scales the attention it executes by the same share (`window_attention_fraction`).
+
 A document mask (training.data.document_mask) computes only each document's causal triangle:
 `document_attention_fraction` is that share of the causal area, which the step-time model
 applies to the attention it executes (the MFU conventions above stay those of the published
@@ -26,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from ctxlaunch.contract.families.family import BlockShape
+from ctxlaunch.contract.families.family import BlockShape, WindowedShape
 
 MfuConvention = Literal["full", "causal"]
 CONVENTIONS: tuple[MfuConvention, ...] = ("full", "causal")
@@ -67,8 +73,10 @@ def count_params(model: BlockShape) -> ParamCount:
         attention += q + 2 * kv  # biases on q, k and v
     if model.qk_norm:
         attention += 2 * model.head_dim  # q/k norms: one gain over each head of q, one of k
+    if model.attention_sinks:
+        attention += model.heads  # one sink logit per query head
     mlp = 3 * h * f  # gate, up, down
-    norms = 2 * h
+    norms = 4 * h if model.post_norms else 2 * h  # before (and after) each sub-block
     embedding = model.vocab * h
     return ParamCount(
         embedding=embedding,
@@ -79,20 +87,41 @@ def count_params(model: BlockShape) -> ParamCount:
     )
 
 
-def attention_flops_per_token(model: BlockShape, seq_len: int, convention: MfuConvention) -> float:
-    """Attention score + value FLOPs per token, forward and backward."""
-    full = 12.0 * model.layers * model.heads * model.head_dim * seq_len
-    return full if convention == "full" else full / 2
+def attention_keys_per_token(seq_len: int, window: int | None, convention: MfuConvention) -> float:
+    """Keys one token's query is counted against in a layer: a full layer's s ("full") or
+    s / 2 ("causal"); a local layer's window ("full") or its band's area per token
+    ("causal")."""
+    if window is None or window >= seq_len:
+        return float(seq_len) if convention == "full" else seq_len / 2
+    if convention == "full":
+        return float(window)
+    return (seq_len * window - window * (window - 1) / 2) / seq_len
 
 
-def flops_per_token(model: BlockShape, seq_len: int, convention: MfuConvention) -> float:
+def attention_flops_per_token(
+    model: WindowedShape, seq_len: int, convention: MfuConvention
+) -> float:
+    """Attention score + value FLOPs per token, forward and backward, summed over the layers
+    (each local layer's over its window)."""
+    keys = sum(attention_keys_per_token(seq_len, w, convention) for w in model.layer_windows)
+    return 12.0 * model.heads * model.head_dim * keys
+
+
+def window_attention_fraction(model: WindowedShape, seq_len: int) -> float:
+    """The share of the causal attention area of all layers that the model computes: 1 with
+    no local layer, less where local layers see only their window."""
+    keys = sum(attention_keys_per_token(seq_len, w, "causal") for w in model.layer_windows)
+    return keys / (len(model.layer_windows) * seq_len / 2)
+
+
+def flops_per_token(model: WindowedShape, seq_len: int, convention: MfuConvention) -> float:
     """Model FLOPs per trained token (forward + backward) for sequences of seq_len tokens."""
     return 6.0 * count_params(model).matmul + attention_flops_per_token(model, seq_len, convention)
 
 
 def mfu(
     tokens_per_second_per_gpu: float,
-    model: BlockShape,
+    model: WindowedShape,
     seq_len: int,
     peak_flops_per_gpu: float,
     convention: MfuConvention,

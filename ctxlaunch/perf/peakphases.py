@@ -405,7 +405,8 @@ class _LastBlockBackward:
     recomputed: float
     """What checkpointing recomputes for it (and its bf16 weight copies)."""
     released: float
-    """The loss's saved tensors, released by then (last stage)."""
+    """The loss's saved tensors, released by then (last stage), and the post-norm's after the
+    feed-forward."""
     produced: float
     """Gradients produced by then, in the dtype they are produced in."""
     root_unsharded: float
@@ -443,6 +444,14 @@ def _last_block_backward(model: ModelSpec, layout: Layout, step: _StageStep) -> 
         produced = (
             produced_per_param * hidden * model.ffn_hidden / layout.dims.tp
         )  # down projection
+    if (
+        model.post_norms
+        and layout.activation_checkpointing == "none"
+        and not layout.mlp_tile_tokens
+    ):
+        # The norm after the feed-forward is differentiated first: its saved output of the
+        # down projection and reciprocal RMS are gone before the gated activation's backward.
+        released += tokens * (layout.compute_bytes * hidden + 4)
     root_unsharded = (
         _head_grad_bytes(model, layout, produced_per_param) if step.fsdp and step.last else 0.0
     )

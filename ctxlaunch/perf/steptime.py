@@ -75,7 +75,14 @@ from typing import TYPE_CHECKING, Any
 from ctxlaunch.contract.hardware import LinkInfo
 from ctxlaunch.perf import commvolume
 from ctxlaunch.perf.activations import block_activation_bytes_per_token
-from ctxlaunch.perf.flops import CONVENTIONS, MfuConvention, count_params, flops_per_token
+from ctxlaunch.perf.flops import (
+    CONVENTIONS,
+    MfuConvention,
+    attention_keys_per_token,
+    count_params,
+    flops_per_token,
+    window_attention_fraction,
+)
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.machine import Machine, Provenance, machine_for
 from ctxlaunch.perf.modelstates import params_per_rank
@@ -236,8 +243,9 @@ def _attention_compute_seconds(
     mask computes `attended_fraction` of that area on average, and the ring's busiest rank,
     which every rank waits for, `attention_imbalance` times that (1 under the balanced
     sharding); the diagonal tiles a causal kernel wastes stay the same in total (each
-    document's causal call wastes in proportion to its length)."""
-    keys = layout.seq_len / 2
+    document's causal call wastes in proportion to its length). Local layers compute only
+    their window's band (`flops.window_attention_fraction`)."""
+    keys = layout.seq_len / 2 * window_attention_fraction(model, layout.seq_len)
     flops_per_entry = 12 + (4 if layout.activation_checkpointing == "full" else 0)
     entries = (
         shape.tokens_per_rank
@@ -366,10 +374,14 @@ def _ring_seconds(
     model: ModelSpec, layout: Layout, machine: Machine, shape: _Shape, attention_compute: float
 ) -> tuple[float, float, float]:
     """(exposed seconds, one forward hop's transfer, one forward hop's compute) of the ring:
-    each hop's transfer against the attention of the block in hand, only the excess exposed."""
+    each hop's transfer against the attention of the block in hand, only the excess exposed.
+    The ring's layers are the full ones; a local layer's one halo exchange flies beside its
+    own block's attention (`_halo_seconds`)."""
     ring_blocks = shape.ring_blocks
     if ring_blocks <= 1:
         return 0.0, 0.0, 0.0
+    full_layers = sum(w is None or w >= layout.seq_len for w in model.layer_windows)
+    local_share = 1 - full_layers / model.layers
     link = machine.link_for_span(layout.dims.tp * layout.dims.cp)
     hop_bytes_fwd, hop_bytes_bwd = commvolume.ring_hop_bytes(model, layout)
     hop_transfer_fwd = _collective_seconds(hop_bytes_fwd, 1, link, machine)
@@ -379,15 +391,52 @@ def _ring_seconds(
         / shape.layers_per_stage
         / (3 + (1 if layout.activation_checkpointing == "full" else 0))
     )
+    if local_share:
+        # A full layer's share of the attention computed: local layers compute their band.
+        keys = [attention_keys_per_token(layout.seq_len, w, "causal") for w in model.layer_windows]
+        attention_fwd_layer *= layout.seq_len / 2 / sum(keys) * model.layers
     hop_compute_fwd = attention_fwd_layer / ring_blocks
     exposed_fwd = max(0.0, hop_transfer_fwd - hop_compute_fwd)
     exposed_bwd = max(0.0, hop_transfer_bwd - 2 * hop_compute_fwd)
     exposed = (
         shape.layers_per_stage
+        * (1 - local_share)
         * (ring_blocks - 1)
         * (commvolume.ring_forwards(layout) * exposed_fwd + exposed_bwd)
     )
+    if local_share:
+        exposed += (
+            shape.layers_per_stage
+            * local_share
+            * _halo_seconds(model, layout, machine, attention_compute / shape.layers_per_stage)
+        )
     return exposed, hop_transfer_fwd, hop_compute_fwd
+
+
+def _halo_seconds(
+    model: ModelSpec, layout: Layout, machine: Machine, attention_compute: float
+) -> float:
+    """A local layer's exposed halo exchanges per micro-batch: the forward exchange (again when
+    recomputed) against the layer's forward attention, the gradients' against its backward
+    (the exchange flies beside the own block, most of a local layer's attention)."""
+    windows = [w for w in model.layer_windows if w is not None and w < layout.seq_len]
+    if not windows:
+        return 0.0
+    window = sum(windows) / len(windows)
+    rows = layout.micro_batch * commvolume.halo_rows(layout, round(window))
+    row = model.kv_hidden / layout.dims.tp
+    link = machine.link_for_span(layout.dims.tp * layout.dims.cp)
+    forward = _collective_seconds(2 * rows * row * layout.compute_bytes, 1, link, machine)
+    backward = _collective_seconds(2 * rows * row * 4, 1, link, machine)
+    # This layer's share of the attention computed (by its keys per token).
+    keys = [attention_keys_per_token(layout.seq_len, w, "causal") for w in model.layer_windows]
+    local = attention_compute * attention_keys_per_token(layout.seq_len, round(window), "causal")
+    local /= sum(keys)
+    passes = 3 + (1 if layout.activation_checkpointing == "full" else 0)
+    local_forward = local / passes
+    return commvolume.ring_forwards(layout) * max(0.0, forward - local_forward) + max(
+        0.0, backward - 2 * local_forward
+    )
 
 
 def _allgather_seconds(model: ModelSpec, layout: Layout, machine: Machine, shape: _Shape) -> float:

@@ -54,6 +54,29 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", {"use_sliding_window": False, "sliding_window": 4096}),
     # q/k norms, head_dim free of hidden / heads, no biases.
     "qwen3": ("Qwen3Config", {"head_dim": 32, "use_sliding_window": False}),
+    # Local and full layers alternating, scores scaled by 24^-1/2 and soft-capped, final
+    # logits soft-capped: caps small enough that tanh bends at these scores.
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "head_dim": 16,
+            "sliding_window": 5,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+        },
+    ),
+    # A local layer, then a full one with its own RoPE base and scaling (rope_parameters per
+    # kind, built by hf_config); q/k norms.
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "sliding_window": 5,
+            "query_pre_attn_scalar": 24,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
 }
 """Per family: transformers' config class and what it sets beyond the shape every tiny model
 shares (hidden 64, 4 heads, 2 K/V heads, FFN 96, vocabulary VOCAB)."""
@@ -75,8 +98,13 @@ def hf_config(
     import transformers
 
     name, extra = FAMILY_CONFIGS.get(family, ("LlamaConfig", {}))
-    params = {**ROPES[rope], "rope_theta": theta}
-    return getattr(transformers, name)(
+    params: dict[str, Any] = {**ROPES[rope], "rope_theta": theta}
+    if family == "gemma3":
+        params = {
+            "full_attention": params,
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+    kwargs = dict(
         vocab_size=vocab,
         hidden_size=64,
         intermediate_size=96,
@@ -88,8 +116,8 @@ def hf_config(
         tie_word_embeddings=tied,
         rms_norm_eps=1e-5,
         initializer_range=0.1,
-        **{**extra, **changes},
     )
+    return getattr(transformers, name)(**{**kwargs, **extra, **changes})
 
 
 def save_hf(
@@ -152,7 +180,7 @@ def our_logits(trainer, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[n
     model = trainer.engine.parts.model
     with torch.no_grad():
         hidden = model.hidden_states(tokens, torch.arange(tokens.shape[1]))
-        return F.linear(hidden, model._output_weight())
+        return model.cap_logits(F.linear(hidden, model._output_weight()))
 
 
 def one_process(data: dict) -> dict:
@@ -216,7 +244,7 @@ def local_logits(trainer) -> dict | None:  # type: ignore[no-untyped-def]
         shards = [torch.empty_like(logits) for _ in range(trainer.ctx.dims.tp)]
         dist.all_gather(shards, logits.contiguous(), group=trainer.ctx.tp_group)
         logits = torch.cat(shards, dim=-1)
-    return {"logits": logits.numpy(), "positions": batch.positions.numpy()}
+    return {"logits": model.cap_logits(logits).numpy(), "positions": batch.positions.numpy()}
 
 
 def first_losses(rank: int, world: int, cases: list[dict]) -> list[dict]:

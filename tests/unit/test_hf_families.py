@@ -64,38 +64,37 @@ def test_a_family_disagreeing_with_config_json_is_refused(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize(
-    "family, config, window",
+    "family, config, windows",
     [
         # Mistral 7B v0.1: a window on every layer.
-        ("mistral", {"sliding_window": 16}, 16),
+        ("mistral", {"sliding_window": 16}, (16, 16)),
         # Qwen2 with the window switched on for the layers from max_window_layers on.
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, 16),
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+            (None, 16),
+        ),
         # ... and switched on, but for no layer (max_window_layers = every layer).
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}, None),
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2},
+            (None, None),
+        ),
         # The released Qwen checkpoints: a window written, but off.
-        ("qwen3", {"use_sliding_window": False, "sliding_window": 16}, None),
+        ("qwen3", {"use_sliding_window": False, "sliding_window": 16}, (None, None)),
     ],
 )
-def test_a_sliding_window_shorter_than_the_sequence_is_refused_by_name(
-    family: str, config: dict, window: int | None, tmp_path: Path
+def test_a_sliding_window_shorter_than_the_sequence_makes_local_layers(
+    family: str, config: dict, windows: tuple, tmp_path: Path
 ) -> None:
-    """A window that would hide keys at the job's length is refused, naming the field, the
-    length and the fix; one as long as the sequence, or none, trains; `sliding_window: null`
-    in the spec turns it off (full attention, as Mistral since v0.2)."""
+    """A window that hides keys at the job's length trains as local layers on the layers the
+    family's config.json names; `sliding_window: null` in the spec turns it off (full
+    attention, as Mistral since v0.2)."""
     save_hf(tmp_path, hf_config("default", family=family, **config))
-    assert validate_spec(spec_data(tmp_path, **{"training.seq_len": 16})).model.sliding_window == (
-        window
-    )
-    if window is None:
-        assert validate_spec(spec_data(tmp_path)).model.sliding_window is None
-        return
-    with pytest.raises(SpecError) as found:
-        validate_spec(spec_data(tmp_path))  # SEQ = 32 tokens > 16
-    text = str(found.value)
-    assert "model.sliding_window = 16 is shorter than training.seq_len = 32" in text
-    assert "sliding_window: null" in text
+    model = validate_spec(spec_data(tmp_path)).model  # SEQ = 32 tokens > 16
+    assert model.layer_windows == windows
     off = validate_spec(spec_data(tmp_path, **{"model.sliding_window": "null"}))
-    assert off.model.sliding_window is None
+    assert off.model.sliding_window is None and off.model.layer_windows == (None, None)
 
 
 # -- the block: what transformers computes, bit for bit where it can be ------------------------

@@ -133,3 +133,49 @@ def test_predicted_activations_match_saved_tensors_at_tp2_and_per_pp_stage() -> 
                 f"measured {measured:,} ({predicted / measured - 1:+.3%})"
             )
             assert predicted == pytest.approx(measured, rel=0.01), (kind, dtype, rank)
+
+
+LOCAL_GLOBAL = ModelSpec(
+    family="gemma3",
+    layers=2,
+    hidden=256,
+    heads=8,
+    kv_heads=2,
+    head_dim=32,
+    ffn_hidden=704,
+    vocab=256,
+    sliding_window=128,
+    layer_types=("local", "full"),
+    local_rope_theta=10000.0,
+    query_pre_attn_scalar=32,
+    logit_softcap=30.0,
+)
+"""A local and a full layer with the parts their family adds: norms after each sub-block,
+GeGLU, q/k norms, gains applied as 1 + w, a scaled embedding, capped logits."""
+
+
+@pytest.mark.parametrize(
+    "dtype, zero, checkpointing",
+    [("fp32", 0, "none"), ("fp32", 0, "selective"), ("bf16", 0, "none"), ("bf16", 2, "none")],
+)
+def test_local_global_activations_match_saved_tensors(
+    dtype: str, zero: int, checkpointing: str
+) -> None:
+    """The post-norms' inputs and reciprocal RMS values are what the planner adds; the window,
+    GeGLU, the offsets, the embedding scale and the capped loss save nothing more."""
+    torch.manual_seed(0)
+    seq = 1024
+    model = Transformer.from_spec(LOCAL_GLOBAL)
+    model.set_checkpointing(checkpointing)
+    if dtype == "bf16" and zero > 0:
+        model = model.to(torch.bfloat16)
+    tokens = torch.randint(0, LOCAL_GLOBAL.vocab, (1, seq))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16" and zero == 0):
+        with SavedTensorMeter(exclude=model.parameters()) as meter:
+            loss = model(tokens, torch.arange(seq), tokens.roll(-1, 1))
+    layout = Layout(
+        seq_len=seq, dtype=dtype, zero_stage=zero, activation_checkpointing=checkpointing
+    )
+    predicted = activation_bytes(LOCAL_GLOBAL, layout)
+    assert predicted == pytest.approx(meter.bytes, rel=0.01), (predicted, meter.bytes)
+    loss.backward()

@@ -2,12 +2,10 @@
 it refuses (`refused`).
 
 A family is one `Family` (`family.py`): its Hugging Face class and model_type, the parts its
-block adds to the common one (q/k/v biases, q/k norms), how its config.json states a sliding
-window, the config keys its export writes, and its presets. Everything else in ctxlaunch reads
-these through `FAMILIES` and never names a family. A sliding window is not implemented: a
-window shorter than the job's sequence (which would change which keys a query sees) is refused
-by the spec's rules; one at least as long as the sequence masks nothing, so the block is exactly
-the full causal one.
+block adds to the common one (q/k/v biases, q/k norms, norms with a unit offset and after each
+sub-block, GeGLU, a scaled embedding, attention sinks), how its config.json states its local
+(sliding-window) layers and their RoPE, the config keys its export writes, and its presets.
+Everything else in ctxlaunch reads these through `FAMILIES` and never names a family.
 """
 
 from __future__ import annotations
@@ -15,12 +13,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from ctxlaunch.contract.families import llama, mistral, qwen2, qwen3
+from ctxlaunch.contract.families import gemma2, gemma3, llama, mistral, qwen2, qwen3
 from ctxlaunch.contract.families.family import Family
 from ctxlaunch.contract.families.refused import REFUSED
 
 FAMILIES: dict[str, Family] = {
-    family.name: family for family in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY)
+    family.name: family
+    for family in (
+        llama.FAMILY,
+        mistral.FAMILY,
+        qwen2.FAMILY,
+        qwen3.FAMILY,
+        gemma2.FAMILY,
+        gemma3.FAMILY,
+    )
 }
 """The families `model.family` takes, by name."""
 
@@ -51,8 +57,11 @@ __all__ = [
 
 
 def family_of_architecture(architecture: str) -> Family | None:
-    """The family whose checkpoints are of transformers class `architecture`, if any."""
-    return next((f for f in FAMILIES.values() if f.architecture == architecture), None)
+    """The family whose checkpoints are of transformers class `architecture` (or hold its
+    decoder as their text model), if any."""
+    return next(
+        (f for f in FAMILIES.values() if architecture in (f.architecture, *f.wrappers)), None
+    )
 
 
 def family_of_model_type(model_type: str) -> Family | None:
@@ -62,4 +71,6 @@ def family_of_model_type(model_type: str) -> Family | None:
 
 def supported_architectures() -> str:
     """The classes `model.init_from` takes, for messages."""
-    return ", ".join(f"{f.architecture} ({f.releases})" for f in FAMILIES.values())
+    return ", ".join(
+        f"{' or '.join((f.architecture, *f.wrappers))} ({f.releases})" for f in FAMILIES.values()
+    )

@@ -19,8 +19,15 @@ that exist is one module beside this one, registered in `__init__.py`.
     blocks.{i}.ffn_norm.weight       model.layers.{i}.post_attention_layernorm.weight
     blocks.{i}.ffn.w_gate_up.weight  model.layers.{i}.mlp.{gate,up}_proj.weight (dim 0)
     blocks.{i}.ffn.w_down.weight     model.layers.{i}.mlp.down_proj.weight
+    blocks.{i}.attn.sinks            model.layers.{i}.self_attn.sinks (attention_sinks)
     norm.weight                      model.norm.weight
     head.weight                      lm_head.weight (absent when tied)
+
+A family with norms after each sub-block (`post_norms`, Gemma's naming) renames two of them:
+
+    blocks.{i}.attn_post_norm.weight model.layers.{i}.post_attention_layernorm.weight
+    blocks.{i}.ffn_norm.weight       model.layers.{i}.pre_feedforward_layernorm.weight
+    blocks.{i}.ffn_post_norm.weight  model.layers.{i}.post_feedforward_layernorm.weight
 
 Hugging Face's q/k projections (and their biases) are already in the rotate-half layout that
 the trainer's RoPE uses, so they are copied as they are.
@@ -31,7 +38,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 
 class BlockShape(Protocol):
@@ -58,13 +65,30 @@ class BlockShape(Protocol):
     def qkv_bias(self) -> bool: ...
     @property
     def qk_norm(self) -> bool: ...
+    @property
+    def post_norms(self) -> bool: ...
+    @property
+    def attention_sinks(self) -> bool: ...
 
 
 class WindowedShape(BlockShape, Protocol):
-    """A shape with the attention window it was trained with (what an export writes)."""
+    """A shape with the attention windows and the scores it was trained with (what an export
+    writes)."""
 
     @property
     def sliding_window(self) -> int | None: ...
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def local_rope_theta(self) -> float | None: ...
+    @property
+    def query_pre_attn_scalar(self) -> float | None: ...
+    @property
+    def attention_softcap(self) -> float | None: ...
+    @property
+    def logit_softcap(self) -> float | None: ...
 
 
 TOP_WEIGHTS: dict[str, str] = {
@@ -92,9 +116,22 @@ BLOCK_WEIGHTS: dict[str, tuple[str, ...]] = {
     "ffn_norm.weight": ("post_attention_layernorm.weight",),
     "ffn.w_gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "ffn.w_down.weight": ("mlp.down_proj.weight",),
+    "attn.sinks": ("self_attn.sinks",),
 }
 """A block's parameters (under `blocks.{i}.`) -> their Hugging Face tensors under
 `model.layers.{i}.`, in order: a fused projection is its parts concatenated along dim 0."""
+
+POST_NORM_WEIGHTS: dict[str, tuple[str, ...]] = {
+    "attn_post_norm.weight": ("post_attention_layernorm.weight",),
+    "ffn_norm.weight": ("pre_feedforward_layernorm.weight",),
+    "ffn_post_norm.weight": ("post_feedforward_layernorm.weight",),
+}
+"""What a family with `post_norms` names differently (Gemma's names): the norm before the
+feed-forward is its `pre_feedforward_layernorm`, and `post_attention_layernorm` is the norm
+after attention."""
+
+LAYER_TYPES = {"full": "full_attention", "local": "sliding_attention"}
+"""A layer's kind (the spec's `layer_types`) -> transformers' name of it in config.json."""
 
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
 
@@ -118,6 +155,10 @@ def parameter_shapes(model: BlockShape) -> dict[str, tuple[int, ...]]:
         block["attn.wqkv.bias"] = (q + 2 * kv,)
     if model.qk_norm:
         block["attn.q_norm.weight"] = block["attn.k_norm.weight"] = (model.head_dim,)
+    if model.post_norms:
+        block["attn_post_norm.weight"] = block["ffn_post_norm.weight"] = (h,)
+    if model.attention_sinks:
+        block["attn.sinks"] = (model.heads,)
     for i in range(model.layers):
         shapes |= {f"blocks.{i}.{leaf}": shape for leaf, shape in block.items()}
     return shapes
@@ -151,14 +192,61 @@ class Family:
     """Biases on the q, k and v projections (none on o)."""
     qk_norm: bool = False
     """An RMSNorm (weight of head_dim) over each head of q and of k, before RoPE."""
+    norm_offset: bool = False
+    """RMSNorm gains (the q/k norms' too) are stored as w and applied as 1 + w."""
+    post_norms: bool = False
+    """An RMSNorm on each sub-block's output too, before the residual add (and the names of
+    `POST_NORM_WEIGHTS`)."""
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    """The feed-forward gate's activation: silu (SwiGLU) or gelu_tanh (GeGLU, GELU's tanh
+    approximation, transformers' gelu_pytorch_tanh)."""
+    embedding_scale: bool = False
+    """The embedding's output is multiplied by sqrt(hidden) (rounded to the weights' dtype)."""
+    attention_sinks: bool = False
+    """A learned logit per query head in every softmax denominator, carrying no value."""
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Named shapes of the family's released models (`model: {preset: NAME}`)."""
+    config_defaults: Mapping[str, Any] = field(default_factory=dict)
+    """What transformers' config class assumes where a config.json leaves a key out (an export
+    by save_pretrained writes only the keys that differ from them), where it differs from the
+    common block's."""
+    wrappers: Mapping[str, str] = field(default_factory=dict)
+    """Other transformers classes, by architecture, with their model_type, whose checkpoints
+    hold this family's decoder as their text model: its config under `text_config`, its
+    tensors under one of `wrapped_prefixes` instead of `model.`."""
+    wrapped_prefixes: tuple[str, ...] = ()
+    """Where a wrapper's checkpoint keeps the text model's `model.` tensors."""
 
     def sliding_window(self, config: Mapping[str, Any]) -> int | None:
         """The attention window some layer of a checkpoint of this family uses, as
         transformers reads its config.json (None: every layer attends to the whole causal
         prefix). The common block has none."""
         return None
+
+    def layer_types(self, config: Mapping[str, Any]) -> tuple[str, ...] | None:
+        """Which layers are local ("local") and which full ("full"), as the spec's
+        `layer_types` takes them, when some layer has the window (None: every layer has it)."""
+        return None
+
+    def config_fields(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The model section's fields this family's config.json sets beyond the common ones
+        (the attention scale, soft-caps, the local layers' RoPE base). A ValueError, one
+        sentence naming the key, for a value ctxlaunch cannot reproduce."""
+        return {}
+
+    def rope_parameters(self, config: Mapping[str, Any]) -> Any:
+        """The RoPE section of config.json the full layers use (transformers 5's
+        `rope_parameters`, or 4.x's `rope_scaling`; None: neither)."""
+        return config.get("rope_parameters") or config.get("rope_scaling")
+
+    def text_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """The decoder's config: config.json itself, or a wrapper's `text_config`."""
+        if config.get("architectures") and str(config["architectures"][0]) in self.wrappers:
+            text = config.get("text_config")
+            if not isinstance(text, dict):
+                raise ValueError(f"{config['architectures'][0]}: text_config must be an object")
+            return {**self.config_defaults, **text}
+        return {**self.config_defaults, **config}
 
     def export_keys(self, model: WindowedShape, base: Mapping[str, Any]) -> dict[str, Any]:
         """config.json keys an export writes for this family beyond the common ones (`base`:
@@ -170,12 +258,24 @@ class Family:
         fused projections are several, concatenated along dim 0)."""
         if name in TOP_WEIGHTS:
             return (TOP_WEIGHTS[name],)
+        weights = BLOCK_WEIGHTS | (POST_NORM_WEIGHTS if self.post_norms else {})
         match = _BLOCK.match(name)
-        if match and match.group(2) in BLOCK_WEIGHTS:
+        if match and match.group(2) in weights:
             return tuple(
-                f"model.layers.{match.group(1)}.{part}" for part in BLOCK_WEIGHTS[match.group(2)]
+                f"model.layers.{match.group(1)}.{part}" for part in weights[match.group(2)]
             )
         raise KeyError(f"no Hugging Face name for parameter {name!r}")
+
+    def stored_name(self, hf_name: str, names: Any) -> str:
+        """Where a checkpoint holding tensors `names` keeps `hf_name` (a `model.` tensor of a
+        wrapper's checkpoint lives under one of `wrapped_prefixes`)."""
+        if hf_name in names or not hf_name.startswith("model."):
+            return hf_name
+        for prefix in self.wrapped_prefixes:
+            moved = prefix + hf_name.removeprefix("model.")
+            if moved in names:
+                return moved
+        return hf_name
 
     def hf_tensors(self, model: BlockShape) -> dict[str, tuple[int, ...]]:
         """Every Hugging Face tensor a checkpoint of this shape holds for the model, with its
@@ -188,27 +288,53 @@ class Family:
         return tensors
 
 
-def layered_window(config: Mapping[str, Any]) -> int | None:
-    """The window of a config.json that turns it on with `use_sliding_window` and applies it
-    to the layers `layer_types` marks sliding (by default, from `max_window_layers` on)."""
+def read_layer_types(config: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """config.json's `layer_types` as the spec's kinds (None when absent); a ValueError for a
+    kind other than full or sliding attention."""
+    listed = config.get("layer_types")
+    if listed is None:
+        return None
+    names = {hf: ours for ours, hf in LAYER_TYPES.items()}
+    if not isinstance(listed, list) or any(kind not in names for kind in listed):
+        raise ValueError(
+            f"layer_types {listed!r}: each layer must be full_attention or sliding_attention"
+        )
+    return tuple(names[kind] for kind in listed)
+
+
+def layered_types(config: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """The layers' kinds of a config.json that turns the window on with `use_sliding_window`
+    and applies it to the layers `layer_types` marks sliding (by default, from
+    `max_window_layers` on); None when no layer has it."""
     window = config.get("sliding_window")
     if not config.get("use_sliding_window") or not window:
         return None
-    layer_types = config.get("layer_types")
     layers = int(config.get("num_hidden_layers") or 0)
-    if isinstance(layer_types, list):
-        sliding = "sliding_attention" in layer_types
-    else:
-        sliding = int(config.get("max_window_layers", layers)) < layers
-    return int(window) if sliding else None
+    kinds = read_layer_types(config)
+    if kinds is None:
+        first = int(config.get("max_window_layers", layers))
+        kinds = tuple("local" if i >= first else "full" for i in range(layers))
+    return kinds if "local" in kinds else None
+
+
+def layered_window(config: Mapping[str, Any]) -> int | None:
+    """The window of a config.json that turns it on with `use_sliding_window` and applies it
+    to the layers `layer_types` marks sliding (by default, from `max_window_layers` on)."""
+    return int(config["sliding_window"]) if layered_types(config) is not None else None
+
+
+def hf_layer_types(model: WindowedShape) -> list[str]:
+    """Every layer's kind as transformers names it in config.json."""
+    return [LAYER_TYPES["full" if w is None else "local"] for w in model.layer_windows]
 
 
 def layered_window_keys(model: WindowedShape, base: Mapping[str, Any]) -> dict[str, Any]:
     """The keys that say `layered_window`'s window as the model was trained: off when the spec
-    turned it off."""
+    turned it off, else on the layers the spec makes local."""
     keys: dict[str, Any] = {"use_sliding_window": model.sliding_window is not None}
     if model.sliding_window is not None:
         keys["sliding_window"] = model.sliding_window
+        keys["layer_types"] = hf_layer_types(model)
     elif "layer_types" in base:
         # transformers reads the layers' kinds from here before use_sliding_window.
         keys["layer_types"] = ["full_attention"] * model.layers

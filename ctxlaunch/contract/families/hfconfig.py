@@ -104,11 +104,15 @@ def _number(config: dict[str, Any], key: str, default: float, where: str) -> flo
     return float(value)
 
 
-def rope_from_config(config: dict[str, Any], where: str) -> tuple[float, dict[str, Any]]:
+def rope_from_config(
+    config: dict[str, Any], where: str, params: Any = None
+) -> tuple[float, dict[str, Any]]:
     """(rope_theta, the `rope_scaling` section in ctxlaunch's form) of a config.json, in either
     of transformers' spellings: `rope_theta` + `rope_scaling` (4.x, the released Llama 3.1
-    files) or `rope_parameters` (5.x)."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    files) or `rope_parameters` (5.x); `params`: the section a family reads (its full
+    layers')."""
+    if params is None:
+        params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise HFConfigError(f"{where}: rope_scaling must be an object, got {params!r}")
     theta = _number(params, "rope_theta", _number(config, "rope_theta", 10000.0, where), where)
@@ -155,6 +159,10 @@ def _family(config: dict[str, Any], where: str) -> Family:
         )
     if architectures:
         by_class = family_of_architecture(architectures[0])
+        if by_class is not None and architectures[0] in by_class.wrappers:
+            # A wrapper (a multimodal class) around the family's decoder: its own model_type.
+            if by_class.wrappers[architectures[0]] == model_type:
+                return by_class
         if by_class is None or (family is not None and family is not by_class):
             lacking = REFUSED.get(model_type)
             raise HFConfigError(
@@ -185,9 +193,13 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
     """The ModelSpec fields DIR/config.json determines, after refusing what ctxlaunch cannot
     reproduce (another architecture, biases it has no place for, an activation other than
     SiLU)."""
-    config = read_config(directory)
+    outer = read_config(directory)
     where = str(Path(directory) / CONFIG_FILE)
-    family = _family(config, where)
+    family = _family(outer, where)
+    try:
+        config = family.text_config(outer)
+    except ValueError as exc:
+        raise HFConfigError(f"{where}: {exc}") from None
     missing = [
         key
         for key in SHAPE_KEYS.values()
@@ -216,9 +228,13 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
                 f"{where}: {flag} is true; ctxlaunch's {family.architecture} has no biases there"
                 + (_biased_families() if flag == "attention_bias" else "")
             )
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise HFConfigError(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
+    act = config.get("hidden_activation") or config.get("hidden_act", "silu")
+    wanted = {"silu": ("silu",), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}
+    if act not in wanted[family.activation]:
+        raise HFConfigError(
+            f"{where}: hidden_act {act!r} is not supported ({family.architecture}'s "
+            f"feed-forward is gated by {wanted[family.activation][0]})"
+        )
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
     if not config.get("head_dim") and hidden % heads:
@@ -230,7 +246,12 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
         raise HFConfigError(
             f"{where}: pretraining_tp = {config['pretraining_tp']} is not supported (1 only)"
         )
-    theta, scaling = rope_from_config(config, where)
+    theta, scaling = rope_from_config(config, where, family.rope_parameters(config))
+    try:
+        extra = family.config_fields(config)
+        layer_types = family.layer_types(config)
+    except ValueError as exc:
+        raise HFConfigError(f"{where}: {exc}") from None
     fields: dict[str, Any] = {name: config[key] for name, key in SHAPE_KEYS.items()}
     fields.update(
         family=family.name,
@@ -241,6 +262,8 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
         rope_theta=theta,
         rope_scaling=scaling,
         sliding_window=family.sliding_window(config),
+        layer_types=layer_types,
+        **extra,
     )
     return fields
 

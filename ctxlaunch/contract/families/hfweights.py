@@ -79,7 +79,9 @@ def check_weights(directory: str | Path, model: BlockShape, family: Family) -> N
     and the tensor) otherwise. Reads the headers alone."""
     directory = Path(directory)
     files, listing = _tensor_files(directory)
-    for name, want in family.hf_tensors(model).items():
+    for canonical, want in family.hf_tensors(model).items():
+        # A wrapper's checkpoint (a multimodal class) keeps the decoder under its own prefix.
+        name = family.stored_name(canonical, files)
         file = files.get(name)
         if file is None:
             raise HFWeightsError(f"{listing}: no tensor {name}, which the model needs")

@@ -1,5 +1,6 @@
 """Qwen2, Qwen2.5 and Qwen2.5-1M: the common block with biases on the q, k and v projections
-(none on o), and a sliding window on some layers that the released checkpoints leave off."""
+(none on o), and a sliding window on the layers `use_sliding_window` and `max_window_layers`
+(or `layer_types`) name, which the released checkpoints leave off."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from ctxlaunch.contract.families.family import (
     Family,
     WindowedShape,
+    layered_types,
     layered_window,
     layered_window_keys,
 )
@@ -21,6 +23,9 @@ class Qwen2(Family):
 
     def sliding_window(self, config: Mapping[str, Any]) -> int | None:
         return layered_window(config)
+
+    def layer_types(self, config: Mapping[str, Any]) -> tuple[str, ...] | None:
+        return layered_types(config)
 
     def export_keys(self, model: WindowedShape, base: Mapping[str, Any]) -> dict[str, Any]:
         return layered_window_keys(model, base)

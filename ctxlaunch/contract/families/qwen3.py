@@ -9,6 +9,7 @@ from typing import Any
 from ctxlaunch.contract.families.family import (
     Family,
     WindowedShape,
+    layered_types,
     layered_window,
     layered_window_keys,
 )
@@ -20,6 +21,9 @@ class Qwen3(Family):
 
     def sliding_window(self, config: Mapping[str, Any]) -> int | None:
         return layered_window(config)
+
+    def layer_types(self, config: Mapping[str, Any]) -> tuple[str, ...] | None:
+        return layered_types(config)
 
     def export_keys(self, model: WindowedShape, base: Mapping[str, Any]) -> dict[str, Any]:
         return {"attention_bias": False, **layered_window_keys(model, base)}

@@ -7,12 +7,6 @@ _MOE = "a mixture-of-experts feed-forward (ctxlaunch's models are dense)"
 REFUSED: dict[str, str] = {
     "gemma": "a GeGLU feed-forward (gelu_pytorch_tanh), an embedding scaled by sqrt(hidden) and "
     "RMSNorm gains applied as 1 + w",
-    "gemma2": "a GeGLU feed-forward, norms after each sub-block, logit soft-capping and "
-    "alternating sliding-window layers",
-    "gemma3": "a GeGLU feed-forward, norms after each sub-block, q/k norms with 1 + w gains and "
-    "interleaved local (sliding-window) layers with their own RoPE base",
-    "gemma3_text": "a GeGLU feed-forward, norms after each sub-block, q/k norms with 1 + w gains "
-    "and interleaved local (sliding-window) layers with their own RoPE base",
     "mixtral": _MOE,
     "qwen2_moe": _MOE,
     "qwen3_moe": _MOE,

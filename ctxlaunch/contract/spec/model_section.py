@@ -1,5 +1,6 @@
 """The model section of the job spec: a Llama-style decoder's family, shape and RoPE scaling,
-given in full, from a preset, or from a Hugging Face checkpoint (init_from)."""
+given in full, from a preset, or from a Hugging Face checkpoint (init_from); which of its layers
+are local (a sliding window) and which global, with the RoPE base of each kind."""
 
 from __future__ import annotations
 
@@ -88,6 +89,10 @@ RopeScaling = Annotated[
 ]
 """RoPE frequency scaling, as transformers computes it, chosen by `type`."""
 
+LayerKind = Literal["full", "local"]
+"""A layer's attention: full (the whole causal prefix) or local (the last sliding_window
+tokens)."""
+
 SHAPE_FIELDS = (
     "family",
     "layers",
@@ -153,10 +158,26 @@ class ModelSpec(_Strict):
     tie_embeddings: bool = False
     """Share the input embedding with the output head."""
     sliding_window: PositiveInt | None = None
-    """The attention window of the checkpoint (as its config.json states it; most released
-    long-context checkpoints have none): a query sees at most this many keys. ctxlaunch's
-    attention is full causal, so a window shorter than training.seq_len (which would change what
-    a query sees) is refused; null: no window."""
+    """The window of the local layers (as the checkpoint's config.json states it): a query of
+    a local layer sees the last sliding_window tokens, itself included (transformers'
+    sliding-window mask); under CP a local layer's ranks exchange only those keys. null: no
+    local layer."""
+    layer_types: tuple[LayerKind, ...] | None = None
+    """Which layers are local and which full, as a pattern repeated over the layers (Gemma 3:
+    [local, local, local, local, local, full]; Gemma 2: [local, full]); null: every layer local
+    (a window on every layer). Without a sliding_window every layer is full, whatever this says (so
+    `sliding_window: null` beside init_from turns a checkpoint's window off)."""
+    local_rope_theta: float | None = Field(None, gt=0)
+    """The RoPE base of the local layers, without scaling (Gemma 3: 10,000, its global layers
+    at rope_theta with rope_scaling); null: local layers rotate as the full ones."""
+    query_pre_attn_scalar: float | None = Field(None, gt=0)
+    """Attention scores are scaled by query_pre_attn_scalar^-1/2 (Gemma: 256, or hidden / heads
+    in Gemma 2 27B); null: head_dim^-1/2."""
+    attention_softcap: float | None = Field(None, gt=0)
+    """Attention scores soft-capped in every layer, cap * tanh(score / cap), before the softmax
+    (Gemma 2: 50); null: none."""
+    logit_softcap: float | None = Field(None, gt=0)
+    """Output logits soft-capped the same way before the loss (Gemma 2: 30); null: none."""
 
     @model_validator(mode="before")
     @classmethod
@@ -274,6 +295,43 @@ class ModelSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_layer_types(self) -> ModelSpec:
+        problems = []
+        if self.layer_types is not None and not self.layer_types:
+            problems.append(
+                _problem(
+                    ("layer_types",),
+                    list(self.layer_types),
+                    "layer_types is empty; fix: list a pattern of full and local layers, or null",
+                )
+            )
+        elif self.layer_types is not None and len(self.layer_types) > self.layers:
+            problems.append(
+                _problem(
+                    ("layer_types",),
+                    list(self.layer_types),
+                    f"layer_types lists {len(self.layer_types)} layers, more than layers = "
+                    f"{self.layers}; fix: give a pattern of at most {self.layers} entries",
+                )
+            )
+        if (
+            self.local_rope_theta is not None
+            and self.sliding_window is not None
+            and not any(self.layer_windows)
+        ):
+            problems.append(
+                _problem(
+                    ("local_rope_theta",),
+                    self.local_rope_theta,
+                    "local_rope_theta is set but no layer is local; fix: set sliding_window "
+                    "(and layer_types), or local_rope_theta: null",
+                )
+            )
+        if problems:
+            raise ValidationError.from_exception_data(type(self).__name__, problems)
+        return self
+
+    @model_validator(mode="after")
     def _check_weights(self) -> ModelSpec:
         # Before any rank starts: the weights' headers against the shape (config.json's, or the
         # spec's where they agree). A directory not here, or holding config.json alone, is left
@@ -308,3 +366,44 @@ class ModelSpec(_Strict):
     def qk_norm(self) -> bool:
         """The family normalises each head of q and of k before RoPE."""
         return FAMILIES[self.family].qk_norm
+
+    @property
+    def norm_offset(self) -> bool:
+        """The family's RMSNorm gains are stored as w and applied as 1 + w."""
+        return FAMILIES[self.family].norm_offset
+
+    @property
+    def post_norms(self) -> bool:
+        """The family normalises each sub-block's output too, before the residual add."""
+        return FAMILIES[self.family].post_norms
+
+    @property
+    def activation(self) -> str:
+        """The feed-forward gate's activation: silu (SwiGLU) or gelu_tanh (GeGLU)."""
+        return FAMILIES[self.family].activation
+
+    @property
+    def embedding_scale(self) -> bool:
+        """The family multiplies the embedding by sqrt(hidden)."""
+        return FAMILIES[self.family].embedding_scale
+
+    @property
+    def attention_sinks(self) -> bool:
+        """The family's attention has a learned sink logit per query head."""
+        return FAMILIES[self.family].attention_sinks
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer, its window: sliding_window for a local layer, None for a full one."""
+        if self.sliding_window is None:
+            return (None,) * self.layers
+        pattern = self.layer_types or ("local",)
+        return tuple(
+            self.sliding_window if pattern[i % len(pattern)] == "local" else None
+            for i in range(self.layers)
+        )
+
+    @property
+    def local_layers(self) -> int:
+        """How many layers are local."""
+        return sum(w is not None for w in self.layer_windows)

@@ -31,7 +31,6 @@ def layout_problems(
     """Every rule that ties the layout to the model and the cluster; all broken ones at once.
     `dims` are the degrees `p` sets on `c` (ParallelDims.from_sections)."""
     out = composition_problems(p, c, dims)
-    out.extend(sliding_window_problems(m, t.seq_len))
     out.extend(head_split_problems(m, dims))
     out.extend(engine_problems(t, dims))
     out.extend(offload_problems(t, dims))
@@ -82,26 +81,6 @@ def composition_problems(
             f"tp x pp x cp x ep x dp = {dims.tp} x {dims.pp} x {dims.cp} x {dims.ep} x {p.dp} = "
             f"{per_replica * p.dp}, but nodes x gpus_per_node = {c.world_size}; fix: make "
             "them equal, or omit dp to derive it",
-        )
-    ]
-
-
-def sliding_window_problems(m: ModelSpec, seq_len: int) -> list[InitErrorDetails]:
-    """A sliding window shorter than the sequence would hide keys from queries: ctxlaunch's
-    attention (every CP algorithm) is full causal, so such a model is refused by name. A window
-    at least as long as the sequence masks nothing (a query at distance d < window sees every
-    earlier key, as transformers' `sliding_window_overlay` has it)."""
-    if m.sliding_window is None or seq_len <= m.sliding_window:
-        return []
-    return [
-        _problem(
-            ("model", "sliding_window"),
-            m.sliding_window,
-            f"model.sliding_window = {m.sliding_window} is shorter than training.seq_len = "
-            f"{seq_len}: a query would see only the last {m.sliding_window} keys, and "
-            "ctxlaunch's attention is full causal at every CP layout; fix: sliding_window: null "
-            "to train with full attention (as most released long-context checkpoints do), or "
-            f"seq_len <= {m.sliding_window}",
         )
     ]
 

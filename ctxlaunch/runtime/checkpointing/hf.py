@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ctxlaunch.contract.families import FAMILIES
+from ctxlaunch.contract.families import FAMILIES, Family
 from ctxlaunch.contract.families.family import parameter_shapes, part_rows
 from ctxlaunch.contract.families.hfconfig import CONFIG_FILE, read_config
 from ctxlaunch.contract.fsutil import missing_directories
@@ -56,8 +56,10 @@ def hf_names(name: str, model: ModelSpec) -> tuple[str, ...]:
 class SafetensorsCheckpoint:
     """The tensors of a Hugging Face checkpoint directory, read a slice at a time."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, family: Family | None = None):
         self.directory = Path(directory)
+        self.family = family
+        """Whose names to look for under a wrapper's prefix (`Family.stored_name`)."""
         index = self.directory / INDEX_FILE
         single = self.directory / SINGLE_FILE
         from safetensors import safe_open
@@ -77,6 +79,8 @@ class SafetensorsCheckpoint:
         self._handles: dict[str, Any] = {}
 
     def _slice(self, hf_name: str) -> Any:
+        if self.family is not None:
+            hf_name = self.family.stored_name(hf_name, self.files)
         if hf_name not in self.files:
             raise HFCheckpointError(f"{self.directory} has no tensor {hf_name!r}")
         file = self.files[hf_name]
@@ -420,7 +424,7 @@ def export_dtype(name: str, model: ModelSpec, saved: torch.dtype) -> torch.dtype
         return table[name]
     if model.init_from and Path(model.init_from, CONFIG_FILE).is_file():
         try:
-            return SafetensorsCheckpoint(model.init_from).dtype()
+            return SafetensorsCheckpoint(model.init_from, FAMILIES[model.family]).dtype()
         except HFCheckpointError:
             pass
     return saved

@@ -14,6 +14,11 @@ it no longer keeps) and, outside autograd's saved tensors, the head weight's gra
 
 Under TP the vocabulary is split (`VocabShard`): the row maximum and then the sum of
 exponentials with the target logit are all-reduced over TP, per chunk, in forward only.
+
+With a final logit soft-cap (`softcap`) each chunk's logits become cap * tanh(logit / cap)
+before the softmax (transformers' order: divide, tanh, multiply); the chunk keeps the tanh in
+one more fp32 (T, V) buffer until its gradient is multiplied by the cap's derivative,
+1 - tanh^2.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         dtype: torch.dtype,
         vocab: VocabShard | None,
         grad: bool,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         scale = 1.0 / divisor
         with torch.autocast(hidden.device.type, enabled=False):
@@ -100,7 +106,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 logits = torch.mm(h, w.t())
                 wide = logits.dtype in (torch.float32, torch.float64)
                 work = logits if wide else logits.float()
+                capped = None
+                if softcap is not None:
+                    capped = torch.div(work, softcap).tanh_()
+                    work.copy_(capped).mul_(softcap)
                 loss = _loss_and_logit_grad_(work, targets[rows], scale, vocab, grad)
+                if capped is not None and grad:
+                    work.mul_(capped.mul_(capped).neg_().add_(1))  # d(cap tanh(l / cap)) / dl
+                del capped
                 total = total + loss.sum()  # float64 logits keep a float64 total
                 if not grad:
                     continue
@@ -130,7 +143,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
         if grad_weight is not None:
             grad_weight.mul_(grad_loss.to(grad_weight.dtype))
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -141,11 +154,13 @@ def chunked_cross_entropy(
     divisor: float,
     chunk_tokens: int,
     vocab: VocabShard | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Sum over tokens of -log softmax(hidden @ weight.T)[target], divided by `divisor`;
     targets of -100 add nothing. The matmuls run in the autocast dtype when autocast is on,
     else in `hidden`'s; the softmax in fp32 (or wider). `vocab`: the TP shard of a
-    vocabulary-parallel head (None: the whole vocabulary)."""
+    vocabulary-parallel head (None: the whole vocabulary). `softcap`: the logits
+    soft-capped, softcap * tanh(logit / softcap), before the softmax (None: not)."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(
             f"hidden must be (tokens, h) and targets (tokens,); got "
@@ -157,5 +172,5 @@ def chunked_cross_entropy(
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _ChunkedCrossEntropy.apply(
-        hidden, weight, targets, float(divisor), chunk_tokens, dtype, vocab, grad
+        hidden, weight, targets, float(divisor), chunk_tokens, dtype, vocab, grad, softcap
     )

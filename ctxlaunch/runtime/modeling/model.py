@@ -2,7 +2,11 @@
 # attention tensors in SDPA layout (B, H, S, D).
 """A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU; with the parts a
 family may add to it (contract/families/family.py): biases on the q, k and v projections, an
-RMSNorm over each head of q and of k before RoPE, and a head width free of hidden / heads.
+RMSNorm over each head of q and of k before RoPE, a head width free of hidden / heads, norm
+gains applied as 1 + w, norms after each sub-block, GeGLU, an embedding scaled by
+sqrt(hidden), attention sinks; and per layer its attention kind: full, or local with its
+sliding window (and the local layers' own RoPE base), with scores scaled and soft-capped as
+the spec says, and the output logits soft-capped before the loss.
 
 The model never touches a process group. Which attention runs (full, ring, Ulysses, hybrid) is
 `Attention.attend`, installed by `parallelize`; positions come in with the tokens, so RoPE
@@ -11,7 +15,9 @@ its document); a packed batch's document boundaries, when given, pass through to
 Tensor parallelism enters the same way: `project_in`/`exit` around attention and the
 feed-forward (the input projection and identity by default; under TP the sequence all-gather
 fused with the column-parallel projection, and the reduce-scatter), `chunked_loss`
-for the vocabulary-parallel loss (loss.py: forward and backward per chunk of tokens).
+for the vocabulary-parallel loss (loss.py: forward and backward per chunk of tokens). A
+layer's window, scale, soft-cap and sinks are arguments of `attend`, so one attention
+function serves local and full layers alike.
 
 What each block saves for backward is deliberate (the planner's constants in
 ctxlaunch/memory.py are derived from it): RMSNorm keeps only its input and the fp32 reciprocal
@@ -19,7 +25,8 @@ RMS; SwiGLU keeps gate and up and recomputes the SiLU in backward; attention kee
 output and the log-sum-exp (the flash kernels keep no s-by-s matrix). The q/k norms keep
 their input, which is a view of the fused q/k/v projection's output (so that whole output
 stays), and their fp32 reciprocal RMS; the biases keep nothing (their gradient is the output
-gradient summed over tokens).
+gradient summed over tokens). The post-norms keep their input and reciprocal RMS as the
+others do; GeGLU keeps what SwiGLU keeps.
 """
 
 from __future__ import annotations
@@ -49,7 +56,8 @@ from ctxlaunch.runtime.modeling.loss import chunked_cross_entropy
 from ctxlaunch.runtime.modeling.tiling import tiled_feed_forward
 
 AttentionFn = Callable[..., torch.Tensor]
-"""attend(q, k, v) or, under a document mask, attend(q, k, v, documents=...) -> out."""
+"""attend(q, k, v, **options) -> out; the options, each given only when the layer has it:
+documents (a document mask), window (a local layer's), scale, softcap, sinks."""
 Documents = tuple[tuple[int, ...], ...] | None
 """Per sequence, the global document boundaries of a packed batch (None: no document mask)."""
 Hook = Callable[[torch.Tensor], torch.Tensor]
@@ -132,6 +140,20 @@ def _swiglu_backward_math(
     return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
 
 
+def _geglu_forward_math(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def _geglu_backward_math(
+    gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_gate, grad_up) of rows, computed in fp32, in the inputs' dtype."""
+    g32, dy32 = _upcast(gate), _upcast(dy)
+    grad_up = F.gelu(g32, approximate="tanh") * dy32
+    grad_gate = torch.ops.aten.gelu_backward(dy32 * _upcast(up), g32, approximate="tanh")
+    return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
+
+
 def _apply_rope_math(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -143,6 +165,8 @@ _EAGER_POINTWISE: dict[str, Callable[..., Any]] = {
     "rms_backward": _rms_backward_math,
     "swiglu_forward": _swiglu_forward_math,
     "swiglu_backward": _swiglu_backward_math,
+    "geglu_forward": _geglu_forward_math,
+    "geglu_backward": _geglu_backward_math,
     "rope": _apply_rope_math,
 }
 _compiled_pointwise: dict[str, Callable[..., Any]] = {}
@@ -208,15 +232,18 @@ class _RMSNorm(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.offset = offset
+        """The gain is stored as w and applied as 1 + w (in fp32, as transformers' Gemma)."""
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.float() + 1.0 if self.offset else self.weight
         # Under autocast the norm runs in the input's dtype (fp32 residual), as the planner counts.
         with torch.autocast(device_type=x.device.type, enabled=False):
-            return _RMSNorm.apply(x, self.weight, self.eps)
+            return _RMSNorm.apply(x, weight, self.eps)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -253,6 +280,43 @@ class _SwiGLU(torch.autograd.Function):
             grad_gate[rows] = work.mul_(dy).mul_(_upcast(up2[rows]))
             del dy, work  # before the next chunk's, not after
         return grad_gate.view(gate.shape), grad_up.view(up.shape)
+
+
+class _GeGLU(torch.autograd.Function):
+    """gelu_tanh(gate) * up (GELU's tanh approximation); saves gate and up, recomputes the GELU
+    in backward, in fp32 over chunks of tokens as `_SwiGLU` does."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return _pointwise("geglu_forward")(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        f = gate.shape[-1]
+        gate2, up2, grad2 = gate.reshape(-1, f), up.reshape(-1, f), grad.reshape(-1, f)
+        grad_gate = torch.empty(gate2.shape, dtype=gate.dtype, device=gate.device)
+        grad_up = torch.empty(up2.shape, dtype=up.dtype, device=up.device)
+        kernel = None if _POINTWISE is None else _POINTWISE["geglu_backward"]
+        for rows in _row_chunks(gate2.shape[0]):
+            if kernel is not None:
+                grad_gate[rows], grad_up[rows] = kernel(gate2[rows], up2[rows], grad2[rows])
+                continue
+            g32, dy = _upcast(gate2[rows]), _upcast(grad2[rows])
+            work = F.gelu(g32, approximate="tanh")
+            grad_up[rows] = work.mul_(dy)
+            # Two (chunk x ffn) fp32 temporaries at most, as SwiGLU's backward (four in 16-bit
+            # with the upcasts of gate and the gradient, gone before up's arrives).
+            slope = torch.ops.aten.gelu_backward(dy, g32, approximate="tanh")
+            del work, g32, dy
+            grad_gate[rows] = slope.mul_(_upcast(up2[rows]))
+            del slope  # before the next chunk's, not after
+        return grad_gate.view(gate.shape), grad_up.view(up.shape)
+
+
+GATED: dict[str, type[torch.autograd.Function]] = {"silu": _SwiGLU, "gelu_tanh": _GeGLU}
+"""The feed-forward's gated activation, by the family's name for it."""
 
 
 def inverse_frequencies(
@@ -354,6 +418,11 @@ class Attention(nn.Module):
         qkv_bias: bool = False,
         qk_norm: bool = False,
         eps: float = 1e-6,
+        norm_offset: bool = False,
+        window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
     ):
         super().__init__()
         self.heads, self.kv_heads = heads, kv_heads
@@ -362,8 +431,16 @@ class Attention(nn.Module):
         self.wo = nn.Linear(heads * self.head_dim, hidden, bias=False)
         # One gain of head_dim for every head (the q/k norms): under TP each rank applies it to its own
         # heads, and under Ulysses before the all-to-all, while every head is still local.
-        self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, eps) if qk_norm else None
-        self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, eps, norm_offset) if qk_norm else None
+        self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, eps, norm_offset) if qk_norm else None
+        self.window = window
+        """A local layer's sliding window (None: a full layer)."""
+        self.scale = scale
+        """What scores are multiplied by (None: the kernels' 1/sqrt(head_dim))."""
+        self.softcap = softcap
+        """Scores soft-capped, softcap * tanh(score / softcap) (None: not)."""
+        # One sink logit per query head, split with the heads under TP.
+        self.sinks: nn.Parameter | None = nn.Parameter(torch.zeros(heads)) if sinks else None
         self.attend: AttentionFn = _local_attention
         self.project_in: ProjectIn = _project
         self.exit: Hook = _identity
@@ -382,32 +459,43 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin).transpose(1, 2).contiguous()
         k = apply_rope(k, cos, sin).transpose(1, 2).contiguous()
         v = v.view(b, s, self.kv_heads, d).transpose(1, 2).contiguous()
-        out = (
-            self.attend(q, k, v) if documents is None else self.attend(q, k, v, documents=documents)
-        )
+        out = self.attend(q, k, v, **self.options(documents))
         return self.exit(self.wo(out.transpose(1, 2).reshape(b, s, self.heads * d)))
+
+    def options(self, documents: Documents) -> dict[str, Any]:
+        """What `attend` is told beside q, k and v: only what this layer has, so a layer of
+        the common block calls attend(q, k, v) as it always did."""
+        given = {
+            "documents": documents,
+            "window": self.window,
+            "scale": self.scale,
+            "softcap": self.softcap,
+            "sinks": self.sinks,
+        }
+        return {name: value for name, value in given.items() if value is not None}
 
 
 def _local_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
 ) -> torch.Tensor:
     from ctxlaunch.cp import full_attention
 
-    return full_attention(q, k, v, causal=True, documents=documents)
+    return full_attention(q, k, v, causal=True, **options)
 
 
 class FeedForward(nn.Module):
-    def __init__(self, hidden: int, ffn_hidden: int):
+    def __init__(self, hidden: int, ffn_hidden: int, activation: str = "silu"):
         super().__init__()
         self.ffn_hidden = ffn_hidden
         self.w_gate_up = nn.Linear(hidden, 2 * ffn_hidden, bias=False)
         self.w_down = nn.Linear(ffn_hidden, hidden, bias=False)
+        self.gated = GATED[activation]
         self.project_in: ProjectIn = _project
         self.exit: Hook = _identity
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.project_in(x, self.w_gate_up).chunk(2, dim=-1)
-        return self.exit(self.w_down(_SwiGLU.apply(gate, up)))
+        return self.exit(self.w_down(self.gated.apply(gate, up)))
 
 
 class Block(nn.Module):
@@ -422,14 +510,35 @@ class Block(nn.Module):
         head_dim: int | None = None,
         qkv_bias: bool = False,
         qk_norm: bool = False,
+        norm_offset: bool = False,
+        post_norms: bool = False,
+        activation: str = "silu",
+        window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
     ):
         super().__init__()
-        self.attn_norm = RMSNorm(hidden, eps)
+        self.attn_norm = RMSNorm(hidden, eps, norm_offset)
         self.attn = Attention(
-            hidden, heads, kv_heads, head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, eps=eps
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            eps=eps,
+            norm_offset=norm_offset,
+            window=window,
+            scale=scale,
+            softcap=softcap,
+            sinks=sinks,
         )
-        self.ffn_norm = RMSNorm(hidden, eps)
-        self.ffn = FeedForward(hidden, ffn_hidden)
+        # Norms on each sub-block's output, before the residual add (None: not this family's).
+        self.attn_post_norm = RMSNorm(hidden, eps, norm_offset) if post_norms else None
+        self.ffn_norm = RMSNorm(hidden, eps, norm_offset)
+        self.ffn = FeedForward(hidden, ffn_hidden, activation)
+        self.ffn_post_norm = RMSNorm(hidden, eps, norm_offset) if post_norms else None
         self.checkpointing: Checkpointing = "none"
         self.mlp_tile_tokens: int | None = None
         """The feed-forward half over tiles of this many tokens (tiling.py); None: whole."""
@@ -438,18 +547,24 @@ class Block(nn.Module):
         kept (on the device; `parallelize` installs offload.py's host-memory offload)."""
 
     def _feed_forward_tile(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ffn(self.ffn_norm(x))
+        y = self.ffn(self.ffn_norm(x))
+        return self.ffn_post_norm(y) if self.ffn_post_norm is not None else y
 
     def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mlp_tile_tokens:
             params = [*self.ffn_norm.parameters(), *self.ffn.parameters()]
+            if self.ffn_post_norm is not None:
+                params += list(self.ffn_post_norm.parameters())
             return x + tiled_feed_forward(self._feed_forward_tile, x, self.mlp_tile_tokens, params)
-        return x + self.ffn(self.ffn_norm(x))
+        return x + self._feed_forward_tile(x)
 
     def _forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents = None
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, documents)
+        attended = self.attn(self.attn_norm(x), cos, sin, documents)
+        if self.attn_post_norm is not None:
+            attended = self.attn_post_norm(attended)
+        x = x + attended
         if self.checkpointing == "selective" and not self.mlp_tile_tokens:
             # Recompute the feed-forward half (linear in s, cheap); keep attention (quadratic
             # in s to recompute). Tiled, it already keeps only its input and recomputes.
@@ -485,12 +600,32 @@ class Transformer(nn.Module):
         head_dim: int | None = None,
         qkv_bias: bool = False,
         qk_norm: bool = False,
+        norm_offset: bool = False,
+        post_norms: bool = False,
+        activation: str = "silu",
+        embedding_scale: bool = False,
+        attention_sinks: bool = False,
+        layer_windows: tuple[int | None, ...] | None = None,
+        local_rope_theta: float | None = None,
+        query_pre_attn_scalar: float | None = None,
+        attention_softcap: float | None = None,
+        logit_softcap: float | None = None,
     ):
         super().__init__()
         self.hidden = hidden
         self.head_dim = head_dim or hidden // heads
         self.rope_theta = rope_theta
         self.rope_scaling: RopeScaling = rope_scaling or DefaultRope()
+        self.local_rope_theta = local_rope_theta
+        """The local layers' RoPE base, unscaled (None: they rotate as the full ones)."""
+        self.norm_offset = norm_offset
+        self.embedding_scale = embedding_scale
+        """The embedding's output is multiplied by sqrt(hidden), rounded to its dtype."""
+        self.logit_softcap = logit_softcap
+        """The output logits are soft-capped before the loss (None: not)."""
+        windows = layer_windows or (None,) * layers
+        # None keeps the kernels' own 1/sqrt(head_dim), bit for bit what they always computed.
+        scale = None if query_pre_attn_scalar is None else query_pre_attn_scalar**-0.5
         # The embedding, norm and head are None on pipeline ranks that do not run them; the
         # embedding is vocabulary-parallel under TP.
         self.embed: nn.Module | None = nn.Embedding(vocab, hidden)
@@ -504,10 +639,17 @@ class Transformer(nn.Module):
                 head_dim=self.head_dim,
                 qkv_bias=qkv_bias,
                 qk_norm=qk_norm,
+                norm_offset=norm_offset,
+                post_norms=post_norms,
+                activation=activation,
+                window=windows[i],
+                scale=scale,
+                softcap=attention_softcap,
+                sinks=attention_sinks,
             )
-            for _ in range(layers)
+            for i in range(layers)
         )
-        self.norm: RMSNorm | None = RMSNorm(hidden, norm_eps)
+        self.norm: RMSNorm | None = RMSNorm(hidden, norm_eps, norm_offset)
         self.head: nn.Linear | None = (
             None if tie_embeddings else nn.Linear(hidden, vocab, bias=False)
         )
@@ -543,6 +685,16 @@ class Transformer(nn.Module):
             head_dim=model.head_dim,
             qkv_bias=model.qkv_bias,
             qk_norm=model.qk_norm,
+            norm_offset=model.norm_offset,
+            post_norms=model.post_norms,
+            activation=model.activation,
+            embedding_scale=model.embedding_scale,
+            attention_sinks=model.attention_sinks,
+            layer_windows=model.layer_windows,
+            local_rope_theta=model.local_rope_theta,
+            query_pre_attn_scalar=model.query_pre_attn_scalar,
+            attention_softcap=model.attention_softcap,
+            logit_softcap=model.logit_softcap,
         )
 
     def initial_value(self, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
@@ -550,8 +702,9 @@ class Transformer(nn.Module):
         by (seed, name): the same at every layout, and computable for one parameter without
         the others, so a rank draws only the parameters it holds."""
         if name.endswith("norm.weight"):
-            return torch.ones(shape)
-        if name.endswith(".bias"):
+            # A gain of 1 either way: stored as 1, or as 0 where it is applied as 1 + w.
+            return torch.zeros(shape) if self.norm_offset else torch.ones(shape)
+        if name.endswith((".bias", ".sinks")):
             return torch.zeros(shape)
         std = 0.02
         if name.endswith(("wo.weight", "w_down.weight")):
@@ -588,16 +741,40 @@ class Transformer(nn.Module):
         blocks: Iterable[Block],
         documents: Documents = None,
     ) -> torch.Tensor:
-        # Tables in the dtype q and k will have (autocast's, if on), made once for all blocks.
+        # Tables in the dtype q and k will have (autocast's, if on), made once for all blocks
+        # of a kind: the full layers', and the local layers' where their RoPE base differs.
         dtype = (
             torch.get_autocast_dtype(x.device.type)
             if torch.is_autocast_enabled(x.device.type)
             else x.dtype
         )
-        cos, sin = rope_tables(positions, self.head_dim, self.rope_theta, dtype, self.rope_scaling)
+        blocks = list(blocks)
+        full = rope_tables(positions, self.head_dim, self.rope_theta, dtype, self.rope_scaling)
+        local = full
+        if self.local_rope_theta is not None and any(b.attn.window for b in blocks):
+            local = rope_tables(positions, self.head_dim, self.local_rope_theta, dtype)
         for block in blocks:
+            cos, sin = local if block.attn.window is not None else full
             x = block(x, cos, sin, documents)
         return x
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embedding of `tokens` (this stage must hold it), scaled where the family
+        scales it: by sqrt(hidden) rounded to the embedding's dtype, as transformers does, a
+        plain number so that nothing is saved for backward."""
+        if self.embed is None:
+            raise RuntimeError("this pipeline rank holds no embedding")
+        x = self.embed(tokens)
+        if self.embedding_scale:
+            x = x * float(torch.tensor(self.hidden**0.5, dtype=x.dtype))
+        return x
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits soft-capped where the spec says (transformers' order: divide, tanh,
+        multiply)."""
+        if self.logit_softcap is None:
+            return logits
+        return torch.tanh(logits / self.logit_softcap) * self.logit_softcap
 
     def hidden_states(
         self, tokens: torch.Tensor, positions: torch.Tensor, documents: Documents = None
@@ -608,7 +785,7 @@ class Transformer(nn.Module):
                 "hidden_states needs the whole model; this one is a pipeline rank's part"
             )
         return self.norm(
-            self.run_blocks(self.embed(tokens), positions, self.block_modules(), documents)
+            self.run_blocks(self.embed_tokens(tokens), positions, self.block_modules(), documents)
         )
 
     def _output_weight(self) -> torch.Tensor:
@@ -642,7 +819,7 @@ class Transformer(nn.Module):
         losses, hits = [], []
         for start in range(0, hidden.shape[0], self.loss_chunk_tokens):
             end = start + self.loss_chunk_tokens
-            logits = F.linear(hidden[start:end], self._output_weight()).float()
+            logits = self.cap_logits(F.linear(hidden[start:end], self._output_weight()).float())
             loss, hit = self.token_scorer(logits, targets[start:end])
             losses.append(loss)
             hits.append(hit)
@@ -667,4 +844,5 @@ class Transformer(nn.Module):
             targets,
             divisor=divisor,
             chunk_tokens=self.loss_chunk_tokens,
+            softcap=self.logit_softcap,
         )

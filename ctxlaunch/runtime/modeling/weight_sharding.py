@@ -52,6 +52,8 @@ def shardings(model: Transformer) -> dict[str, Sharding | None]:
         elif kind == "w_gate_up.weight":
             f = param.shape[0] // 2
             out[name] = Sharding(0, (f, f))
+        elif kind == "attn.sinks":
+            out[name] = Sharding(0, (param.shape[0],))  # one per query head: split with them
         elif kind in ("wo.weight", "w_down.weight"):
             out[name] = Sharding(1, (param.shape[1],))
         elif name in ("embed.weight", "head.weight"):

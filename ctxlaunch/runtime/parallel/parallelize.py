@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ctxlaunch.contract.families import FAMILIES
 from ctxlaunch.contract.spec import JobSpec, ModelSpec
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.runtime.modeling.loss import VocabShard, chunked_cross_entropy
@@ -276,7 +277,7 @@ def _materialise_from_hf(
     from ctxlaunch.runtime.progress import Progress
 
     assert model.init_from is not None  # parallelize's init_from is given only with it
-    checkpoint = hf.SafetensorsCheckpoint(model.init_from)
+    checkpoint = hf.SafetensorsCheckpoint(model.init_from, FAMILIES[model.family])
     hf.check_shapes(checkpoint, full_shapes, model)
     tensors = sum(1 for part in parts for _ in part.parameters())
     with (

@@ -81,7 +81,7 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
-            x = self.embed(x)
+            x = self._model[0].embed_tokens(x)
         documents: Documents = None
         positions = self.positions
         if self.micro_inputs is not None:
