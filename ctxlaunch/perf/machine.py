@@ -424,6 +424,7 @@ def typed_record(cls: Any, data: Any) -> Any:
     """`cls` (a dataclass) from `data`, each field of its annotated type (a float finite; a
     dict a JSON object): ValueError naming the field that is not, or one `cls` lacks."""
     import math
+    import types
     import typing
 
     if not isinstance(data, dict):
@@ -433,7 +434,9 @@ def typed_record(cls: Any, data: Any) -> Any:
     if unknown:
         raise ValueError(f"unknown field {unknown[0][:60]!r}")
     for name, value in data.items():
-        kinds = typing.get_args(hints[name]) or (hints[name],)
+        hint = hints[name]
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        kinds = typing.get_args(hint) if union else (hint,)
         origins = {typing.get_origin(k) or k for k in kinds}
         if value is None and type(None) in origins:
             continue
