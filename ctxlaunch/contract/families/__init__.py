@@ -2,9 +2,10 @@
 it refuses (`refused`).
 
 A family is one `Family` (`family.py`): its Hugging Face class and model_type, the parts its
-block adds to the common one (q/k/v biases, q/k norms), how its config.json states a sliding
-window, the config keys its export writes, and its presets. Everything else in ctxlaunch reads
-these through `FAMILIES` and never names a family. A sliding window is not implemented: a
+block adds to the common one (q/k/v biases, q/k norms, a mixture-of-experts feed-forward and
+its shared expert: `experts.py`), how its config.json states a sliding window, the config
+keys its export writes, and its presets. Everything else in ctxlaunch reads these through
+`FAMILIES` and never names a family. A sliding window is not implemented: a
 window shorter than the job's sequence (which would change which keys a query sees) is refused
 by the spec's rules; one at least as long as the sequence masks nothing, so the block is exactly
 the full causal one.
@@ -15,12 +16,29 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from ctxlaunch.contract.families import llama, mistral, qwen2, qwen3
+from ctxlaunch.contract.families import (
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 from ctxlaunch.contract.families.family import Family
 from ctxlaunch.contract.families.refused import REFUSED
 
 FAMILIES: dict[str, Family] = {
-    family.name: family for family in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY)
+    family.name: family
+    for family in (
+        llama.FAMILY,
+        mistral.FAMILY,
+        qwen2.FAMILY,
+        qwen3.FAMILY,
+        qwen3_moe.FAMILY,
+        mixtral.FAMILY,
+        qwen2_moe.FAMILY,
+    )
 }
 """The families `model.family` takes, by name."""
 

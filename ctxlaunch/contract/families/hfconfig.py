@@ -26,6 +26,7 @@ from ctxlaunch.contract.families import (
     family_of_model_type,
     supported_architectures,
 )
+from ctxlaunch.contract.families.experts import MoeConfigError
 
 CONFIG_FILE = "config.json"
 
@@ -230,6 +231,10 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
         rope_scaling=scaling,
         sliding_window=family.sliding_window(config),
     )
+    try:
+        fields["moe"] = family.moe_fields(config, where)
+    except MoeConfigError as exc:
+        raise HFConfigError(str(exc)) from None
     return fields
 
 
