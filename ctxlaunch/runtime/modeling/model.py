@@ -8,6 +8,9 @@ The model never touches a process group. Which attention runs (full, ring, Ulyss
 `Attention.attend`, installed by `parallelize`; positions come in with the tokens, so RoPE
 follows each token's global position under any CP layout (or, per sequence, its position in
 its document); a packed batch's document boundaries, when given, pass through to `attend`.
+A family's mixture-of-experts blocks have `moe.MoEFeedForward` as their `ffn` (the router, the
+experts and their dispatch, which `parallelize` installs as it installs attention), and the
+model's `routing` records what they route for the load-balancing loss (moe.py).
 Tensor parallelism enters the same way: `project_in`/`exit` around attention and the
 feed-forward (the input projection and identity by default; under TP the sequence all-gather
 fused with the column-parallel projection, and the reduce-scatter), `chunked_loss`
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ctxlaunch.contract.families.experts import ExpertsShape
 from ctxlaunch.contract.spec import (
     DefaultRope,
     LinearRope,
@@ -46,6 +50,7 @@ from ctxlaunch.contract.spec import (
 )
 from ctxlaunch.perf.memory import BACKWARD_CHUNK_TOKENS, LOSS_CHUNK_TOKENS
 from ctxlaunch.runtime.modeling.loss import chunked_cross_entropy
+from ctxlaunch.runtime.modeling.moe import MoEFeedForward, Routing
 from ctxlaunch.runtime.modeling.tiling import tiled_feed_forward
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -388,6 +393,28 @@ class Attention(nn.Module):
         return self.exit(self.wo(out.transpose(1, 2).reshape(b, s, self.heads * d)))
 
 
+def _draw(key: str, shape: torch.Size | tuple[int, ...], std: float) -> torch.Tensor:
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+    return torch.randn(shape, generator=generator) * std
+
+
+def _moe_feed_forward(
+    hidden: int, moe: ExpertsShape | None, shared_expert: bool, layer: int
+) -> MoEFeedForward | None:
+    """Block `layer`'s mixture-of-experts feed-forward, where `moe` makes it one."""
+    if moe is None or not moe.is_moe_layer(layer):
+        return None
+    shared = (
+        FeedForward(hidden, moe.shared_ffn_hidden)
+        if shared_expert and moe.shared_ffn_hidden
+        else None
+    )
+    return MoEFeedForward(
+        hidden, moe, renormalise=moe.norm_topk_prob, swiglu=_SwiGLU.apply, shared=shared
+    )
+
+
 def _local_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents = None
 ) -> torch.Tensor:
@@ -422,6 +449,7 @@ class Block(nn.Module):
         head_dim: int | None = None,
         qkv_bias: bool = False,
         qk_norm: bool = False,
+        ffn: nn.Module | None = None,
     ):
         super().__init__()
         self.attn_norm = RMSNorm(hidden, eps)
@@ -429,7 +457,8 @@ class Block(nn.Module):
             hidden, heads, kv_heads, head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, eps=eps
         )
         self.ffn_norm = RMSNorm(hidden, eps)
-        self.ffn = FeedForward(hidden, ffn_hidden)
+        # A mixture of experts where the model says (moe.MoEFeedForward), else the dense SwiGLU.
+        self.ffn: nn.Module = ffn if ffn is not None else FeedForward(hidden, ffn_hidden)
         self.checkpointing: Checkpointing = "none"
         self.mlp_tile_tokens: int | None = None
         """The feed-forward half over tiles of this many tokens (tiling.py); None: whole."""
@@ -485,6 +514,8 @@ class Transformer(nn.Module):
         head_dim: int | None = None,
         qkv_bias: bool = False,
         qk_norm: bool = False,
+        moe: ExpertsShape | None = None,
+        shared_expert: bool = False,
     ):
         super().__init__()
         self.hidden = hidden
@@ -504,9 +535,25 @@ class Transformer(nn.Module):
                 head_dim=self.head_dim,
                 qkv_bias=qkv_bias,
                 qk_norm=qk_norm,
+                ffn=_moe_feed_forward(hidden, moe, shared_expert, i),
             )
-            for _ in range(layers)
+            for i in range(layers)
         )
+        for index, ffn in enumerate(
+            b.ffn for b in self.blocks if isinstance(b, Block) and isinstance(b.ffn, MoEFeedForward)
+        ):
+            ffn.index = index
+        self.routing: Routing | None = (
+            None
+            if moe is None
+            else Routing(
+                moe.experts,
+                len([i for i in range(layers) if moe.is_moe_layer(i)]),
+                moe.aux_loss_coef,
+                hidden,
+            )
+        )
+        """The load-balancing loss's records of a mixture-of-experts model (moe.py)."""
         self.norm: RMSNorm | None = RMSNorm(hidden, norm_eps)
         self.head: nn.Linear | None = (
             None if tie_embeddings else nn.Linear(hidden, vocab, bias=False)
@@ -543,22 +590,35 @@ class Transformer(nn.Module):
             head_dim=model.head_dim,
             qkv_bias=model.qkv_bias,
             qk_norm=model.qk_norm,
+            moe=model.moe,
+            shared_expert=model.shared_expert,
         )
 
-    def initial_value(self, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    def initial_value(
+        self,
+        name: str,
+        shape: torch.Size,
+        seed: int,
+        experts: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
         """The initial fp32 value (CPU) of the whole parameter `name`, from a generator seeded
         by (seed, name): the same at every layout, and computable for one parameter without
-        the others, so a rank draws only the parameters it holds."""
+        the others, so a rank draws only the parameters it holds; of an expert parameter only
+        the `experts` (first, count) it holds, each from its own generator."""
         if name.endswith("norm.weight"):
             return torch.ones(shape)
         if name.endswith(".bias"):
             return torch.zeros(shape)
         std = 0.02
-        if name.endswith(("wo.weight", "w_down.weight")):
+        if name.endswith(("wo.weight", "w_down.weight", "experts.w_down")):
             std = std / (2 * len(self.blocks)) ** 0.5  # residual branches, GPT-2 style
-        digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
-        generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
-        return torch.randn(shape, generator=generator) * std
+        if name.endswith(("experts.w_gate_up", "experts.w_down")):
+            # One generator per expert: a rank holding some of the experts draws only those.
+            first, count = experts if experts is not None else (0, shape[0])
+            return torch.stack(
+                [_draw(f"{seed}/{name}/{j}", shape[1:], std) for j in range(first, first + count)]
+            )
+        return _draw(f"{seed}/{name}", shape, std)
 
     def init_weights(self, seed: int) -> None:
         """Initialise a whole (unsharded, materialised) model: `initial_value` of each
@@ -586,6 +646,31 @@ class Transformer(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         blocks: Iterable[Block],
+        documents: Documents = None,
+        *,
+        receives: bool = False,
+        sends: bool = False,
+    ) -> torch.Tensor:
+        """The blocks over x. Under pipeline parallelism a stage that `receives` hidden states
+        and one that `sends` them on exchange the mixture-of-experts router counts with them
+        (moe.py); the last part closes the load-balancing loss's statistics."""
+        blocks = list(blocks)
+        routing = self.routing
+        record = routing.begin(blocks) if routing is not None else None
+        if receives and routing is not None:
+            x = routing.receive_counts(x, record)
+        x = self._blocks(x, positions, blocks, documents)
+        if routing is not None and record is not None:
+            x = routing.end(record, blocks, x, last=not sends)
+        if sends and routing is not None:
+            x = routing.send_counts(x, record)
+        return x
+
+    def _blocks(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        blocks: list[Block],
         documents: Documents = None,
     ) -> torch.Tensor:
         # Tables in the dtype q and k will have (autocast's, if on), made once for all blocks.
