@@ -119,6 +119,8 @@ def apply_expert_parallel(model: Transformer, ctx: ParallelContext) -> dict[str,
             module.dispatch = partial(expert_parallel_dispatch, group=ctx.ep_group)
         for leaf in ("w_gate_up", "w_down"):
             held[f"{owner}.experts.{leaf}"] = (first, count)
-    if model.routing is not None and d.world_size > 1:
+    if model.routing is not None and d.world_size // d.pp > 1:
+        # Where the stage has one rank the counts are already whole; with one stage the
+        # group is the whole job (None).
         model.routing.reduce = partial(_sum_over, group=ctx.tokens_group)
     return held

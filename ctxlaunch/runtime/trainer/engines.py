@@ -224,7 +224,12 @@ class TorchEngine:
         self.parts.model.loss_divisor = loss_divisor(
             predicted_tokens, self.ctx.dims.dp * self.ctx.dims.cp, self.grad_accum
         )
-        set_router_scale(self.parts.model, self.ctx.dims.dp * self.ctx.dims.cp, self.grad_accum)
+        # A pipeline schedule divides every gradient by the micro-batches after the step.
+        set_router_scale(
+            self.parts.model,
+            self.ctx.dims.dp * self.ctx.dims.cp,
+            1 if self.parts.schedule is not None else self.grad_accum,
+        )
         autocast = torch.autocast(
             device_type=self.device.type,
             dtype=self.autocast_dtype or torch.float32,
