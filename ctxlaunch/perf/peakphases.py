@@ -32,6 +32,11 @@ The SwiGLU and RMSNorm backward passes run their fp32 pointwise math in chunks
 (activations.BACKWARD_CHUNK_TOKENS), so those temporaries stay one chunk's whatever the
 sequence length. Measured against the allocator's own record (memtrace.AllocatorTrace) on the
 CPU in tests/unit/test_memory_peak.py.
+
+A mixture-of-experts block's feed-forward backward peaks at its first step, the combine's: the
+gradients of the experts' outputs (k rows a token) and of their router weights (k rows, summed
+after), next to the gradient flowing in (and its 16-bit copy under autocast), with everything
+saved still held (ctxlaunch.perf.moecost; measured in tests/unit/test_moe_memory.py).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ctxlaunch.perf import moecost
 from ctxlaunch.perf.activations import (
     BACKWARD_CHUNK_TOKENS,
     attention_half_bytes_per_token,
@@ -420,6 +426,8 @@ def _last_block_backward(model: ModelSpec, layout: Layout, step: _StageStep) -> 
     gradient (same bytes), gate and up's gradients and the chunk's fp32 temporaries on top,
     with the gradient flowing into the block (on a stage that is not the last it arrived in a
     receive buffer)."""
+    if model.moe is not None:
+        return _moe_last_block_backward(model, layout, step)
     tokens = step.sequence_parallel_tokens
     hidden = model.hidden
     ffn_per_rank = model.ffn_hidden / layout.dims.tp
@@ -462,6 +470,49 @@ def _last_block_backward(model: ModelSpec, layout: Layout, step: _StageStep) -> 
             + 2 * layout.compute_bytes * ffn_per_rank * step.shard_tokens
             + _swiglu_backward_temporaries(model, layout)
         )
+    return _LastBlockBackward(recomputed, released, produced, root_unsharded, workspace)
+
+
+def _moe_last_block_backward(
+    model: ModelSpec, layout: Layout, step: _StageStep
+) -> _LastBlockBackward:
+    """The last block's mixture-of-experts backward at the combine: the gradient flowing in
+    (on the last stage; a receive buffer's on the others), its 16-bit copy where the
+    residual is wider, and the gradients of the k experts' outputs and of their weights per
+    token (moecost's module docstring); the gradients produced so far are the head's and the
+    final norm's (last stage)."""
+    tokens = step.sequence_parallel_tokens
+    moe = model.moe
+    assert moe is not None  # the caller's test
+    a, h, k = layout.compute_bytes, model.hidden, moe.experts_per_token
+    recomputed = 0.0
+    if layout.activation_checkpointing != "none":
+        # Under full checkpointing the feed-forward's input (x + attention) is recomputed too;
+        # selective keeps it.
+        again = layout.residual_bytes * h if layout.activation_checkpointing == "full" else 0
+        recomputed = tokens * (again + moecost.feed_forward_bytes_per_token(model, layout) + 4)
+        if layout.fp32_weights and layout.dtype == "bf16":
+            recomputed += moecost.weight_copy_bytes(model, layout)
+    recomputed += tokens * _attention_recompute_bytes_per_token(model, layout)
+    produced_per_param = fsdp_param_bytes(layout) if step.fsdp else step.gradient_bytes_per_param
+    released = produced = root_unsharded = 0.0
+    if step.last:
+        released = tokens * _loss_released_bytes_per_token(model, layout)
+        counts = count_params(model)
+        produced = produced_per_param * ((counts.head or counts.embedding) + h) / layout.dims.tp
+        root_unsharded = _head_grad_bytes(model, layout, produced_per_param) if step.fsdp else 0.0
+    incoming = (step.hidden_bytes if step.last else 0.0) + (
+        a * h * tokens if layout.residual_bytes != a else 0.0
+    )
+    workspace = incoming + 2 * k * a * h * tokens
+    if layout.activation_checkpointing != "none":
+        # The recomputation's end, before the combine's backward: its forward's experts'
+        # outputs (k rows a token) and, where the residual is wider, the norm's output the
+        # feed-forward was called with, are still alive.
+        transient = k * a * h * tokens + (
+            layout.residual_bytes * h * tokens if layout.residual_bytes != a else 0.0
+        )
+        workspace = max(workspace, incoming + transient)
     return _LastBlockBackward(recomputed, released, produced, root_unsharded, workspace)
 
 

@@ -42,6 +42,12 @@ class MoESpec(_Strict):
     E x sum_e (share of routings to e) x (mean probability of e), its statistics over every
     token of the micro-batch on every rank and over every mixture-of-experts layer, as
     transformers' load_balancing_loss_func computes them. 0 turns it off."""
+    planned_load: float | None = Field(None, ge=1)
+    """The routing load the planner admits under expert parallelism: the routings the busiest
+    rank of an EP group receives over the mean, for which it plans the dispatch buffers and
+    the experts' activations. null: ep (dropless, every routing of the group may reach one
+    rank), or the capacity factor's bound where one is set. A run's measured load is the
+    expert_rank_load metric; the alert fires as it nears this."""
     capacity_factor: float | None = Field(None, gt=0)
     """null (the default): dropless, every token reaches its experts. A number c: each expert
     takes at most ceil(c x tokens x experts_per_token / experts) of a rank's routings per layer,

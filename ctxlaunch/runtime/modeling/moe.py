@@ -120,15 +120,16 @@ class Experts(nn.Module):
                 w_down.transpose(-2, -1),
                 offs=offsets,
             )
-        outputs = []
-        start = 0
-        for expert, count in enumerate(counts):
-            # An expert no routing reached runs on no rows: its weights still get a (zero)
-            # gradient, so every rank reduces the same gradients.
-            block = rows[start : start + count]
-            gate, up = F.linear(block, w_gate_up[expert]).chunk(2, dim=-1)
-            outputs.append(F.linear(self.swiglu(gate, up), w_down[expert]))
-            start += count
+        # split and unbind, not slicing and indexing: their backward assembles the rows' and
+        # the weights' gradients once, where a slice's would allocate a whole-size zero
+        # gradient for each expert. An expert no routing reached runs on no rows: its weights
+        # still get a (zero) gradient, so every rank reduces the same gradients.
+        outputs = [
+            F.linear(self.swiglu(*F.linear(block, gate_up).chunk(2, dim=-1)), down)
+            for block, gate_up, down in zip(
+                rows.split(counts), w_gate_up.unbind(0), w_down.unbind(0), strict=True
+            )
+        ]
         return torch.cat(outputs)
 
 
@@ -141,11 +142,14 @@ def sort_routings(index: torch.Tensor, experts: int) -> tuple[torch.Tensor, torc
 def combine(
     tokens: torch.Tensor, order: torch.Tensor, k: int, out_rows: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
-    """Each token's experts' outputs (rows in `order`) times their router weights, summed per
-    token in expert order: (T, h)."""
-    token_of = order // k
-    weighted = out_rows * weights.reshape(-1)[order].unsqueeze(-1).to(out_rows.dtype)
-    return torch.zeros_like(tokens, dtype=out_rows.dtype).index_add(0, token_of, weighted)
+    """Each token's experts' outputs (rows in `order`) back in token order, times their router
+    weights, summed per token: (T, h). Un-permuted by an index (which keeps only the index for
+    backward), not added in place by `index_add` (which would keep the weighted rows too)."""
+    restore = torch.empty_like(order)
+    restore[order] = torch.arange(order.numel(), device=order.device)
+    per_token = out_rows[restore].view(tokens.shape[0], k, -1)
+    del out_rows  # the caller passes its only reference: gone before the weighted product
+    return (per_token * weights.unsqueeze(-1).to(per_token.dtype)).sum(1)
 
 
 def local_dispatch(
@@ -157,8 +161,8 @@ def local_dispatch(
     """Every expert on this rank: the routings sorted by expert, one grouped computation,
     combined back (`combine`)."""
     order, counts = sort_routings(index, experts.total)
-    rows = tokens[order // index.shape[1]]
-    return combine(tokens, order, index.shape[1], experts(rows, counts.tolist()), weights)
+    k = index.shape[1]
+    return combine(tokens, order, k, experts(tokens[order // k], counts.tolist()), weights)
 
 
 @dataclass
@@ -366,6 +370,10 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         tokens = x.reshape(-1, h)
+        if torch.is_autocast_enabled(x.device.type):
+            # Cast once: the router, the experts' rows (and the all-to-all's bytes) and the
+            # shared expert then share one 16-bit copy instead of autocast making one each.
+            tokens = tokens.to(torch.get_autocast_dtype(x.device.type))
         probabilities, index, weights = self.route(tokens)
         weights, dropped = self._capacity(index, weights)
         if self.routing is not None:

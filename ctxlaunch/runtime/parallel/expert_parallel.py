@@ -70,22 +70,25 @@ def expert_parallel_dispatch(
     `group` (this rank's are `experts`, E / ep of them, in rank order)."""
     ep, local, k = dist.get_world_size(group), experts.local, index.shape[1]
     order, counts = sort_routings(index, experts.total)
-    rows = tokens[order // k]
     # What every rank sends to each of my experts, before the rows themselves.
     arriving = torch.empty_like(counts)
     dist.all_to_all_single(arriving, counts, group=group)
     send = counts.view(ep, local).sum(1).tolist()
     by_source = arriving.view(ep, local)  # [source rank, my expert]
     receive = by_source.sum(1).tolist()
-    arrived = _AllToAll.apply(rows, receive, send, group)
     # The rows arrive by source rank, then expert: group them by expert for the experts.
     expert_of = torch.arange(local, device=counts.device).repeat(ep)
     regroup = torch.argsort(expert_of.repeat_interleave(by_source.reshape(-1)), stable=True)
-    out = experts(arrived[regroup], by_source.sum(0).tolist())
     restore = torch.empty_like(regroup)
     restore[regroup] = torch.arange(regroup.numel(), device=regroup.device)
-    returned = _AllToAll.apply(out[restore], send, receive, group)
-    return combine(tokens, order, k, returned, weights)
+    # Each buffer is dropped as soon as the next holds its rows (nested calls, no names kept):
+    # the sent rows, the arrived ones, the experts' outputs and the ones sent back are one
+    # routing-sized buffer at a time beside what autograd keeps.
+    out = experts(
+        _AllToAll.apply(tokens[order // k], receive, send, group)[regroup],
+        by_source.sum(0).tolist(),
+    )
+    return combine(tokens, order, k, _AllToAll.apply(out[restore], send, receive, group), weights)
 
 
 def _sum_over(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
