@@ -719,16 +719,18 @@ def _deferred_reduce_scatter_phases(
     ]
 
 
-def _optimizer_step_phase(step: _StageStep) -> Phase:
+def _optimizer_step_phase(step: _StageStep, layout: Layout) -> Phase:
     """The optimizer step: every gradient, and foreach AdamW's fp32 denominator for every
-    parameter (sqrt of the second moment, divided, plus eps) before the update."""
+    parameter (sqrt of the second moment, divided, plus eps) before the update; a fused (or
+    one-tensor-at-a-time) step has no such temporaries (`Layout.foreach_optimizer`)."""
+    denominators = step.parameters if layout.foreach_optimizer else 0.0
     return Phase(
         "optimizer step",
         step.parameters,
         step.gradients,
         step.optimizer_states,
         0.0,
-        step.backward_buffers - step.bucket + step.parameters,
+        step.backward_buffers - step.bucket + denominators,
         step.stage,
     )
 
@@ -740,7 +742,7 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
         *_loss_phases(model, layout, step),
         *_block_backward_phases(model, layout, step),
         *_deferred_reduce_scatter_phases(model, layout, step),
-        _optimizer_step_phase(step),
+        _optimizer_step_phase(step, layout),
     ]
 
 

@@ -34,6 +34,7 @@ from tests.helpers.hf_models import (
     spec_data,
 )
 from tests.helpers.moe_reference import transformers_step
+from tests.helpers.paths import ROOT
 from tests.helpers.specs import make, problems
 
 FAMILIES_MOE = ("qwen3_moe", "mixtral", "qwen2_moe")
@@ -280,3 +281,57 @@ def test_every_moe_family_preset_validates_with_expert_parallelism() -> None:
                     }
                 )
             )
+
+
+# -- planned before submit ------------------------------------------------------------------------
+RECIPE = ROOT / "jobs" / "qwen3-30b-a3b-extend-256k.yaml"
+
+
+def test_plan_counts_the_experts_and_reaches_256k_on_one_h100_node() -> None:
+    """The recipe: total and active parameters, the experts a rank holds and their states,
+    the routing load admitted and the buffers at it, the all-to-all inside the node; it fits
+    at 256K tokens on 8 x H100 80 GB, and the longest sequence at CP 8 is at least that."""
+    from ctxlaunch.contract.loader import load_spec
+    from ctxlaunch.planning.plan import plan_job
+
+    report = plan_job(load_spec(RECIPE))
+    experts = report.experts
+    assert experts is not None and report.fits
+    assert experts["params_active"] < experts["params_total"] / 8
+    assert experts["expert_params_per_rank"] == 128 // 8 * 3 * 2048 * 768 * 48
+    assert experts["routed_load"] == 1.5
+    assert experts["all_to_all_bytes_per_step_in_node"] > 0
+    assert experts["all_to_all_bytes_per_step_across_nodes"] == 0
+    assert report.flops["params_active"] == experts["params_active"]
+    at_cp8 = next(o for o in report.cp_options if o.dims.cp == 8)
+    assert at_cp8.dims.ep == 8 and at_cp8.longest_seq_len >= 262144
+
+
+def test_the_planner_admits_the_worst_dropless_routing_unless_told() -> None:
+    """Without planned_load the busiest EP rank is planned to receive every routing of its
+    group (ep times its share); a capacity bounds it; one EP rank needs no more than its own."""
+    from ctxlaunch.perf.layout import Layout
+    from ctxlaunch.perf.moecost import routed_load
+
+    model = ModelSpec.model_validate({"preset": "qwen3-30b-a3b"})
+    layout = Layout(seq_len=65536).with_dims(cp=8, ep=8)
+    assert routed_load(model, layout) == 8
+    capped = model.model_copy(
+        update={"moe": model.moe.model_copy(update={"capacity_factor": 1.25})}
+    )
+    assert routed_load(capped, layout) == 1.25
+    assert routed_load(model, layout.with_dims(ep=1)) == 1
+
+
+def test_advise_ranks_the_ep_degree_with_the_rest() -> None:
+    """advise varies EP over the degrees that divide dp x cp and the experts, beside CP, TP,
+    PP and ZeRO; each ranked layout's EP degree divides its DP x CP ranks."""
+    from ctxlaunch.contract.loader import load_spec
+    from ctxlaunch.planning.advise import advise
+
+    advice = advise(load_spec(RECIPE))
+    degrees = {c.layout.dims.ep for c in advice.ranked}
+    assert len(degrees) > 1
+    for candidate in advice.ranked:
+        dims = candidate.layout.dims
+        assert dims.shard_group % dims.ep == 0 and 128 % dims.ep == 0

@@ -187,7 +187,12 @@ class ModelSpec(_Strict):
                         )
                     },
                 )
-            data = {**MODEL_PRESETS[name], **data}
+            preset = MODEL_PRESETS[name]
+            merged = {**preset, **data}
+            if isinstance(preset.get("moe"), dict) and isinstance(data.get("moe"), dict):
+                # moe fields given beside a preset change those fields, not the whole section.
+                merged["moe"] = {**preset["moe"], **data["moe"]}
+            data = merged
         return data
 
     @model_validator(mode="before")

@@ -123,14 +123,14 @@ def expert_problems(m: ModelSpec, t: TrainingSpec, dims: ParallelDims) -> list[I
                 "model's feed-forward is a mixture of experts; fix: remove mlp_tile_tokens",
             )
         )
-    if t.engine == "deepspeed" and dims.ep > 1 and t.zero_stage == 3:
+    if t.engine == "deepspeed" and dims.ep > 1:
         out.append(
             _problem(
-                ("training", "zero_stage"),
-                t.zero_stage,
-                "DeepSpeed ZeRO-3 partitions every parameter over DP x CP, and expert "
-                "parallelism needs each rank's experts whole; fix: zero_stage 1 or 2, or "
-                "engine: fsdp2",
+                ("training", "engine"),
+                t.engine,
+                f"engine deepspeed averages every gradient over DP x CP, but at ep = {dims.ep} "
+                "the ranks hold different experts (only its own MoE layer class knows them); "
+                "fix: engine: fsdp2 (or auto), or ep: 1",
             )
         )
     return out
@@ -232,7 +232,7 @@ def offload_problems(t: TrainingSpec, dims: ParallelDims) -> list[InitErrorDetai
                 f"{str(off.optimizer).lower()}; fix: zero_stage: 3 and offload.optimizer: true",
             )
         )
-    engine = resolve_state_engine(t.engine, t.zero_stage, tp=dims.tp, pp=dims.pp)
+    engine = resolve_state_engine(t.engine, t.zero_stage, tp=dims.tp, pp=dims.pp, ep=dims.ep)
     if (off.optimizer or off.parameters) and engine == "fsdp2" and dims.dp * dims.cp == 1:
         out.append(
             _problem(

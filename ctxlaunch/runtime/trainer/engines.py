@@ -131,10 +131,13 @@ def make_optimizer(
             groups, lr=opt.lr, betas=opt.betas, eps=opt.eps, adamw_mode=True
         )
     else:
-        # One foreach step cannot take FSDP2's sharded parameters and plain ones together (the
-        # experts a rank alone holds beside sharded dense weights): those step one by one.
-        sharded = {hasattr(p, "full_tensor") for p in model.parameters()}
-        kernel: dict[str, bool] = {"fused": True} if fused else {"foreach": len(sharded) == 1}
+        # Neither a fused nor a foreach step takes FSDP2's sharded parameters and plain ones
+        # together (the experts a rank alone holds beside sharded dense weights): those step
+        # one tensor at a time (perf.layout's foreach_optimizer plans that).
+        mixed = len({hasattr(p, "full_tensor") for p in model.parameters()}) > 1
+        kernel: dict[str, bool] = (
+            {"foreach": False} if mixed else {"fused": True} if fused else {"foreach": True}
+        )
         optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps, **kernel)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(training.steps, opt.warmup_steps, opt.min_lr_ratio)
