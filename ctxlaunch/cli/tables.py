@@ -251,6 +251,8 @@ REPORT_COLUMNS = (
     "peak_memory_gib",
     "predicted_peak_memory_gib",
     "attention_balance",
+    "expert_load",
+    "aux_loss",
     "final_loss",
 )
 """`report`'s columns after the point's name and axis values."""

@@ -402,6 +402,11 @@ class Trainer:
             # Every step, warm-up included: the balance follows the data, not the timing.
             "attention_balance": sum(m.attention_balance for m in history) / len(history),
         }
+        if self._routing is not None:
+            summary["aux_loss"] = history[-1].aux_loss
+            summary["expert_load"] = sum(m.expert_load for m in history) / len(history)
+            summary["expert_rank_load"] = max(m.expert_rank_load for m in history)
+            summary["tokens_dropped"] = sum(m.tokens_dropped for m in history)
         self.log(
             f"ctxlaunch: done: {summary['steps']} steps, loss {summary['first_loss']:.4f} "
             f"-> {summary['final_loss']:.4f}, "
