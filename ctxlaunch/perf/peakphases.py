@@ -33,10 +33,10 @@ The SwiGLU and RMSNorm backward passes run their fp32 pointwise math in chunks
 sequence length. Measured against the allocator's own record (memtrace.AllocatorTrace) on the
 CPU in tests/unit/test_memory_peak.py.
 
-A mixture-of-experts block's feed-forward backward peaks at its first step, the combine's: the
-gradients of the experts' outputs (k rows a token) and of their router weights (k rows, summed
-after), next to the gradient flowing in (and its 16-bit copy under autocast), with everything
-saved still held (ctxlaunch.perf.moecost; measured in tests/unit/test_moe_memory.py).
+A mixture-of-experts block's feed-forward backward peaks at its first step, the combine's (a
+batched matmul of the router weights and the experts' outputs): the gradient of the experts'
+outputs (k rows a token) next to the gradient flowing in (and its 16-bit copy under autocast),
+with everything saved still held (ctxlaunch.perf.moecost; measured in tests/unit/test_moe_memory.py).
 """
 
 from __future__ import annotations
@@ -478,9 +478,10 @@ def _moe_last_block_backward(
 ) -> _LastBlockBackward:
     """The last block's mixture-of-experts backward at the combine: the gradient flowing in
     (on the last stage; a receive buffer's on the others), its 16-bit copy where the
-    residual is wider, and the gradients of the k experts' outputs and of their weights per
-    token (moecost's module docstring); the gradients produced so far are the head's and the
-    final norm's (last stage)."""
+    residual is wider, and the gradient of the k experts' outputs per token (moecost's module
+    docstring); the gradients produced so far are the head's and the final norm's (last
+    stage). Under checkpointing the recomputation's end can be higher: its experts' outputs
+    and the norm's output are still alive there."""
     tokens = step.sequence_parallel_tokens
     moe = model.moe
     assert moe is not None  # the caller's test
@@ -504,7 +505,7 @@ def _moe_last_block_backward(
     incoming = (step.hidden_bytes if step.last else 0.0) + (
         a * h * tokens if layout.residual_bytes != a else 0.0
     )
-    workspace = incoming + 2 * k * a * h * tokens
+    workspace = incoming + k * a * h * tokens
     if layout.activation_checkpointing != "none":
         # The recomputation's end, before the combine's backward: its forward's experts'
         # outputs (k rows a token) and, where the residual is wider, the norm's output the

@@ -81,14 +81,24 @@ def expert_parallel_dispatch(
     regroup = torch.argsort(expert_of.repeat_interleave(by_source.reshape(-1)), stable=True)
     restore = torch.empty_like(regroup)
     restore[regroup] = torch.arange(regroup.numel(), device=regroup.device)
-    # Each buffer is dropped as soon as the next holds its rows (nested calls, no names kept):
-    # the sent rows, the arrived ones, the experts' outputs and the ones sent back are one
-    # routing-sized buffer at a time beside what autograd keeps.
-    out = experts(
-        _AllToAll.apply(tokens[order // k], receive, send, group)[regroup],
-        by_source.sum(0).tolist(),
+    held = by_source.sum(0).tolist()
+    # One expression, no names: each routing-sized buffer (the rows sent, the rows arrived,
+    # the experts' outputs, the outputs back) is a temporary, released as soon as the next
+    # holds its rows; combine drops the last before its product.
+    return combine(
+        tokens,
+        order,
+        k,
+        _AllToAll.apply(
+            experts(_AllToAll.apply(tokens[order // k], receive, send, group)[regroup], held)[
+                restore
+            ],
+            send,
+            receive,
+            group,
+        ),
+        weights,
     )
-    return combine(tokens, order, k, _AllToAll.apply(out[restore], send, receive, group), weights)
 
 
 def _sum_over(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
