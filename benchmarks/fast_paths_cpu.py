@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ctxlaunch.contract.loader import validate_spec  # noqa: E402
-from ctxlaunch.runtime.modeling import model as model_module  # noqa: E402
+from ctxlaunch.runtime.modeling import pointwise  # noqa: E402
 from ctxlaunch.runtime.parallel.context import build_context  # noqa: E402
 from ctxlaunch.runtime.trainer.loop import Trainer  # noqa: E402
 
@@ -47,7 +47,7 @@ def measure(preset: str, seq_len: int, steps: int, compile_: bool, fused: bool) 
     try:
         seconds = [trainer.train_step().step_seconds for _ in range(steps)]
     finally:
-        model_module.set_compiled(False)
+        pointwise.set_compiled(False)
     return {
         "compile": compile_,
         "fused_optimizer": fused,

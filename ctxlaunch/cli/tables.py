@@ -111,9 +111,12 @@ def print_plan(report: PlanReport) -> None:
         )
     out.print(flops)
     out.print(
-        f"parameters: {f['params_total']:,} ({f['params_matmul']:,} in matmuls); "
+        f"parameters: {f['params_total']:,} ({f['params_active']:,} active, "
+        f"{f['params_matmul']:,} in a token's matmuls); "
         f"tokens per step: {f['tokens_per_step']:,}"
     )
+    if report.experts is not None:
+        print_experts(report.experts)
     st = report.step_time
     if st is not None:
         out.print(
@@ -142,6 +145,41 @@ def print_accounting(accounting: Accounting) -> None:
         out.print(f"energy: not estimated ({a.power_source})", markup=False)
     if a.price_per_gpu_hour is None:
         out.print("cost: set cluster.gpu_hour_price to see it", markup=False)
+
+
+def print_experts(x: dict) -> None:
+    """A mixture-of-experts model's own terms on the busiest rank (planning.experts_report)."""
+    states = x["expert_states_bytes_per_rank"]
+    table = Table(title="Mixture of experts (busiest rank)", title_justify="left")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    rows = [
+        ("parameters: total / active", f"{x['params_total']:,} / {x['params_active']:,}"),
+        (
+            f"experts: {x['experts']} a layer, {x['experts_per_token']} per token, "
+            f"{x['moe_layers']} layers",
+            f"{x['expert_params_per_rank']:,} parameters on the rank",
+        ),
+        (
+            f"expert weights / gradients / optimizer (sharded over {x['experts_sharded_over']})",
+            f"{gib(states['parameters'])} / {gib(states['gradients'])} / "
+            f"{gib(states['optimizer_states'])} GiB",
+        ),
+        ("routing load planned (busiest EP rank / mean)", f"{x['routed_load']:.2f}"),
+        (
+            "experts' activations per layer at that load",
+            f"{gib(x['expert_activation_bytes_per_layer'])} GiB",
+        ),
+        ("dispatch and combine buffers", f"{gib(x['dispatch_buffer_bytes'])} GiB"),
+        (
+            "all-to-all per step: in node / across nodes",
+            f"{gib(x['all_to_all_bytes_per_step_in_node'])} / "
+            f"{gib(x['all_to_all_bytes_per_step_across_nodes'])} GiB",
+        ),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    out.print(table)
 
 
 def print_phases(report: PlanReport) -> None:
@@ -253,6 +291,8 @@ REPORT_COLUMNS = (
     "peak_memory_gib",
     "predicted_peak_memory_gib",
     "attention_balance",
+    "expert_load",
+    "aux_loss",
     "final_loss",
 )
 """`report`'s columns after the point's name and axis values."""

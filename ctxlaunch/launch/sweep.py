@@ -215,9 +215,18 @@ def slurm_groups(points: list[Point]) -> list[list[Point]]:
     return [[runnable[index] for index in group] for group in groups]
 
 
-RESULT_FIELDS = ("tokens_per_second_per_gpu", "step_seconds", "final_loss", "attention_balance")
+RESULT_FIELDS = (
+    "tokens_per_second_per_gpu",
+    "step_seconds",
+    "final_loss",
+    "attention_balance",
+    "aux_loss",
+    "expert_load",
+)
 """From the run's summary.json; attention_balance is the mean over its steps of the busiest CP
-rank's attention area over its group's mean (1 where CP is 1 or the ranks are balanced)."""
+rank's attention area over its group's mean (1 where CP is 1 or the ranks are balanced); for a
+mixture of experts, aux_loss the last step's load-balancing loss and expert_load the mean over
+its steps of the busiest expert's routings over the mean (empty for a dense model)."""
 
 
 def result_row(

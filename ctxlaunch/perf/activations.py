@@ -77,6 +77,11 @@ activations (`Layout.offload_activations`, under full checkpointing) leaves on t
 the last block's input: the others are in host memory (ctxlaunch.perf.hostmemory) until their
 block's backward brings them back.
 
+A mixture-of-experts block (model.moe) saves the attention half and, in place of the SwiGLU's
+terms, its router's and experts' (ctxlaunch.perf.moecost, at the routing load the planner
+admits); its weights are whole on every TP rank. Every block of such a model is planned as a
+mixture-of-experts one.
+
 The functions below name these quantities by the table's symbols (a, r, h, h_kv, f).
 """
 
@@ -84,6 +89,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ctxlaunch.perf import moecost
 from ctxlaunch.perf.commvolume import halo_rows
 from ctxlaunch.perf.layout import Layout
 
@@ -125,7 +131,9 @@ def block_activation_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
     a, r = layout.compute_bytes, layout.residual_bytes
     h, f = model.hidden, model.ffn_hidden
     attention_half = attention_half_bytes_per_token(model, layout)
-    feed_forward_half = r * h + a * (h + 3 * f) + 4
+    feed_forward_half: float = r * h + a * (h + 3 * f) + 4
+    if model.moe is not None:
+        feed_forward_half = r * h + 4 + moecost.feed_forward_bytes_per_token(model, layout)
     if model.post_norms:
         feed_forward_half += a * h + 4  # the norm after the feed-forward keeps its output
     # TP with sequence parallelism divides every per-token tensor by t, the norm outputs the
@@ -208,8 +216,10 @@ def autocast_weight_copy_bytes(model: ModelSpec, layout: Layout) -> float:
     # h, h_q, h_kv, f: the symbols of the module docstring's table.
     h, h_q, h_kv, f = model.hidden, model.q_hidden, model.kv_hidden, model.ffn_hidden
     attention = h * (h_q + 2 * h_kv) + h_q * h
-    feed_forward = 3 * h * f
-    kept = {"none": attention + feed_forward, "selective": attention, "full": 0}
+    feed_forward: float = 3 * h * f
+    if model.moe is not None:  # whole on every TP rank: its copies' bytes as they are
+        feed_forward = moecost.weight_copy_bytes(model, layout) / 2 * layout.dims.tp
+    kept: dict[str, float] = {"none": attention + feed_forward, "selective": attention, "full": 0}
     return 2.0 * kept[layout.activation_checkpointing] / layout.dims.tp
 
 

@@ -8,6 +8,10 @@ Model FLOPs per token (forward + backward, recomputation not counted) =
 `N_matmul` is every parameter except the input embedding table (a lookup, not a matmul), as
 torchtitan counts it; a tied embedding is counted once, as the output head. The biases and norm
 gains are counted in it too (as torchtitan's count of all parameters does): a few in a million.
+In a mixture-of-experts model it counts the active parameters, those a token's matmuls use:
+the router, the experts_per_token experts it is routed to (not all E) and the shared expert with
+its gate, so MFU means for a sparse model what it means for a dense one (torchtitan and
+Megatron count MoE FLOPs the same way).
 
 Two conventions are in use and differ by up to ~1.8x at 128K+ tokens, so both are reported:
 - "full": the whole score matrix is counted (PaLM, torchtitan, NeMo);
@@ -30,9 +34,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ctxlaunch.contract.families.family import BlockShape, WindowedShape
+
+if TYPE_CHECKING:
+    from ctxlaunch.contract.families.experts import ExpertsShape
 
 MfuConvention = Literal["full", "causal"]
 CONVENTIONS: tuple[MfuConvention, ...] = ("full", "causal")
@@ -45,22 +52,55 @@ class ParamCount:
     embedding: int
     """Input embedding table (vocab x hidden)."""
     per_layer: int
-    """One transformer block: attention (q, k, v, o, and the family's q/k/v biases and q/k
-    norms), SwiGLU (gate, up, down), two norms."""
+    """One dense transformer block: attention (q, k, v, o, and the family's q/k/v biases and
+    q/k norms), SwiGLU (gate, up, down), two norms."""
     layers: int
     final_norm: int
     head: int
     """Output projection (0 when tied to the embedding)."""
+    moe_layers: int = 0
+    """Blocks whose feed-forward is a mixture of experts (the others are dense)."""
+    moe_block: int = 0
+    """One mixture-of-experts block: attention, the router, every expert, the shared expert
+    and its gate, two norms."""
+    experts_per_block: int = 0
+    """The routed experts' parameters of one mixture-of-experts block (E x 3 x h x f_e): what
+    expert parallelism splits."""
+    active_experts_per_block: int = 0
+    """The routed experts' parameters one token uses in a mixture-of-experts block (top-k of
+    them)."""
+
+    @property
+    def blocks(self) -> int:
+        """Every block's parameters."""
+        return self.per_layer * (self.layers - self.moe_layers) + self.moe_block * self.moe_layers
 
     @property
     def total(self) -> int:
-        return self.embedding + self.per_layer * self.layers + self.final_norm + self.head
+        return self.embedding + self.blocks + self.final_norm + self.head
+
+    @property
+    def expert_params(self) -> int:
+        """The routed experts' parameters of every block (0 for a dense model)."""
+        return self.experts_per_block * self.moe_layers
+
+    @property
+    def active(self) -> int:
+        """Parameters one token uses: all but the experts it is not routed to."""
+        return self.total - (self.experts_per_block - self.active_experts_per_block) * (
+            self.moe_layers
+        )
 
     @property
     def matmul(self) -> int:
-        """Parameters that take part in matmuls (the 6N of model FLOPs)."""
+        """Active parameters that take part in matmuls (the 6N of model FLOPs)."""
         head = self.head if self.head else self.embedding
-        return self.per_layer * self.layers + self.final_norm + head
+        inactive = (self.experts_per_block - self.active_experts_per_block) * self.moe_layers
+        return self.blocks - inactive + self.final_norm + head
+
+    def block_params(self, layer: int, moe: ExpertsShape | None) -> int:
+        """Parameters of block `layer` (a mixture of experts where `moe` says)."""
+        return self.moe_block if moe is not None and moe.is_moe_layer(layer) else self.per_layer
 
 
 def count_params(model: BlockShape) -> ParamCount:
@@ -78,12 +118,28 @@ def count_params(model: BlockShape) -> ParamCount:
     mlp = 3 * h * f  # gate, up, down
     norms = 4 * h if model.post_norms else 2 * h  # before (and after) each sub-block
     embedding = model.vocab * h
+    moe = model.moe
+    sparse: dict[str, int] = {}
+    if moe is not None:
+        experts = moe.experts * 3 * h * moe.ffn_hidden
+        shared = (
+            3 * h * moe.shared_ffn_hidden + h
+            if model.shared_expert and moe.shared_ffn_hidden
+            else 0
+        )
+        sparse = dict(
+            moe_layers=len([i for i in range(model.layers) if moe.is_moe_layer(i)]),
+            moe_block=attention + norms + moe.experts * h + experts + shared,
+            experts_per_block=experts,
+            active_experts_per_block=moe.experts_per_token * 3 * h * moe.ffn_hidden,
+        )
     return ParamCount(
         embedding=embedding,
         per_layer=attention + mlp + norms,
         layers=model.layers,
         final_norm=h,
         head=0 if model.tie_embeddings else model.vocab * h,
+        **sparse,
     )
 
 

@@ -69,6 +69,11 @@ class Layout:
     attention_tile_tokens: int = 0
     """training.attention_tile_tokens: the ring's attention backward over tiles of at most this
     many query and key rows; 0: one kernel call per block."""
+    foreach_optimizer: bool = True
+    """The optimizer step runs torch's foreach AdamW, which allocates an fp32 temporary for
+    every parameter at once; not where the trainer fuses it (training.fused_optimizer: auto
+    fuses on CUDA) or steps one tensor at a time (FSDP2's sharded parameters beside the
+    experts a rank alone holds). DeepSpeed's engine is always foreach."""
     framework: Framework = "ctxlaunch"
     """Whose memory habits to plan: "ctxlaunch", the bundled trainer (FSDP2 under TP or PP keeps
     fp32 weights and an fp32 residual under autocast; its TP keeps the gathered norm outputs
@@ -106,6 +111,7 @@ class Layout:
                 if t.data.document_mask and t.data.mean_document_tokens
                 else None
             ),
+            foreach_optimizer=_foreach_optimizer(spec),
         )
 
     def replace(self, **changes: Any) -> Layout:
@@ -207,7 +213,9 @@ class Layout:
         """The bundled trainer shards model states with FSDP2 (training.engine, resolved)."""
         return (
             self.framework == "ctxlaunch"
-            and resolve_state_engine(self.engine, self.zero_stage, tp=self.dims.tp, pp=self.dims.pp)
+            and resolve_state_engine(
+                self.engine, self.zero_stage, tp=self.dims.tp, pp=self.dims.pp, ep=self.dims.ep
+            )
             == "fsdp2"
         )
 
@@ -266,6 +274,23 @@ class Layout:
         # ZeRO-0 bf16 runs under autocast: fp32 weights, so the residual stream stays fp32
         # (FSDP2's bf16 parameters make it bf16, as DeepSpeed's bf16 module does).
         return 4 if self.dtype == "fp32" or self.fp32_weights else 2
+
+
+def _foreach_optimizer(spec: JobSpec) -> bool:
+    """Whether the trainer's optimizer step is foreach AdamW (see `Layout.foreach_optimizer`):
+    DeepSpeed's always; torch's unless fused (auto: on CUDA) or one tensor at a time (FSDP2
+    sharding the dense states beside experts each rank holds alone)."""
+    t, dims = spec.training, spec.parallel_dims
+    if spec.state_engine == "deepspeed":
+        return True
+    fused = spec.cluster.gpu != "cpu" if t.fused_optimizer == "auto" else bool(t.fused_optimizer)
+    alone = (
+        spec.model.moe is not None
+        and spec.state_engine == "fsdp2"
+        and dims.shard_group > 1
+        and dims.expert_shard_group == 1
+    )
+    return not fused and not alone
 
 
 def default_rank_layers(layers: int, pp: int) -> list[int]:

@@ -25,7 +25,10 @@ CP rank holds a replica of the weights), mirroring how the trainer runs them:
   does without PP (runtime/parallel/pipeline.py, trainer_stage), so only the fp32 shards
   accumulate (4/Nd), and ZeRO-3 re-shards the weights after each backward.
 
-Nd above is the sharding group (`Layout.shard_group`).
+Nd above is the sharding group (`Layout.shard_group`). A mixture-of-experts model's routed
+experts are split over EP (E / ep a rank, whole on every TP rank) and their states sharded over
+the ranks holding the same experts (dp x cp / ep, `ParallelDims.expert_shard_group`): the same
+formulas with that group, added to the dense parameters' (ctxlaunch.perf.moecost).
 
 Offloaded (training.offload.optimizer, `Layout.offload_optimizer`), the optimizer states, the
 fp32 master weights and the fp32 gradients live in host memory (ctxlaunch.perf.hostmemory);
@@ -59,13 +62,50 @@ ZERO3_PREFETCH_ELEMENTS = 50_000_000
 # --------------------------------------------------------------------------------------------
 # parameters held
 # --------------------------------------------------------------------------------------------
+def _held_split(
+    model: ModelSpec, tp: int, ep: int, blocks: int | None, first: bool, last: bool
+) -> tuple[int, int]:
+    """(dense parameters split by TP, routed experts' split by EP) of a rank holding `blocks`
+    blocks (None: every one) and the embedding (`first`) and final norm and head (`last`). A
+    stage's mixture-of-experts blocks are taken in the model's proportion of them."""
+    counts = count_params(model)
+    if blocks is None:
+        blocks, first, last = model.layers, True, True
+    sparse = round(blocks * counts.moe_layers / model.layers) if counts.moe_layers else 0
+    experts = counts.experts_per_block * sparse
+    dense = counts.per_layer * (blocks - sparse) + counts.moe_block * sparse - experts
+    dense += (counts.embedding if first else 0) + (counts.final_norm + counts.head if last else 0)
+    return -(-dense // tp), -(-experts // ep)
+
+
+def stage_expert_params(model: ModelSpec, layout: Layout, stage: int | None = None) -> int:
+    """Routed experts' parameters PP rank `stage` holds (None: the busiest rank), split by
+    EP; 0 for a dense model."""
+    if model.moe is None:
+        return 0
+    d = layout.dims
+    if d.pp == 1:
+        return _held_split(model, d.tp, d.ep, None, True, True)[1]
+    layers = layout.rank_layers(model.layers)
+    if stage is None:
+        stage = max(range(d.pp), key=lambda r: stage_params(model, layout, r))
+    return _held_split(model, d.tp, d.ep, layers[stage], stage == 0, stage == d.pp - 1)[1]
+
+
 def params_per_rank(
-    model: ModelSpec, tp: int, pp: int, rank_layers: list[int] | None = None
+    model: ModelSpec, tp: int, pp: int, rank_layers: list[int] | None = None, ep: int = 1
 ) -> int:
     """Parameters held by the busiest rank before ZeRO sharding: a pipeline stage's blocks
-    (plus the embedding or the head on the end stages) split by TP. `rank_layers`: blocks per
-    PP rank (default: the balanced split the validator gives a spec, `default_rank_layers`)."""
+    (plus the embedding or the head on the end stages) split by TP, a mixture of experts'
+    routed experts by EP. `rank_layers`: blocks per PP rank (default: the balanced split the
+    validator gives a spec, `default_rank_layers`)."""
     counts = count_params(model)
+    if model.moe is not None:
+        layers = rank_layers or default_rank_layers(model.layers, pp)
+        return max(
+            sum(_held_split(model, tp, ep, None if pp == 1 else n, r == 0, r == pp - 1))
+            for r, n in enumerate(layers if pp > 1 else [model.layers])
+        )
     if pp == 1:
         return -(-counts.total // tp)
     layers = rank_layers or default_rank_layers(model.layers, pp)
@@ -77,9 +117,13 @@ def params_per_rank(
 
 def stage_params(model: ModelSpec, layout: Layout, stage: int) -> int:
     """Parameters PP rank `stage` holds before ZeRO sharding (its blocks, the embedding on the
-    first, the final norm and head on the last), split by TP."""
+    first, the final norm and head on the last), split by TP (routed experts by EP)."""
     if layout.dims.pp == 1:
-        return params_per_rank(model, layout.dims.tp, 1)
+        return params_per_rank(model, layout.dims.tp, 1, ep=layout.dims.ep)
+    if model.moe is not None:
+        d = layout.dims
+        blocks = layout.rank_layers(model.layers)[stage]
+        return sum(_held_split(model, d.tp, d.ep, blocks, stage == 0, stage == d.pp - 1))
     counts = count_params(model)
     held = counts.per_layer * layout.rank_layers(model.layers)[stage]
     if stage == 0:
@@ -91,13 +135,17 @@ def stage_params(model: ModelSpec, layout: Layout, stage: int) -> int:
 
 def largest_layer_params(model: ModelSpec, tp: int = 1) -> int:
     counts = count_params(model)
-    return -(-max(counts.per_layer, counts.embedding, counts.head) // tp)
+    return -(-max(counts.per_layer, counts.moe_block, counts.embedding, counts.head) // tp)
 
 
 def block_params(model: ModelSpec, layout: Layout) -> float:
-    """One block's parameters on a rank (its TP slice): what FSDP2 gathers and reduces as a
-    unit."""
-    return count_params(model).per_layer / layout.dims.tp
+    """One block's parameters on a rank (its TP slice; a mixture-of-experts block's experts
+    split by EP instead): what FSDP2 gathers and reduces as a unit."""
+    counts = count_params(model)
+    if model.moe is not None:
+        experts = counts.experts_per_block
+        return (counts.moe_block - experts) / layout.dims.tp + experts / layout.dims.ep
+    return counts.per_layer / layout.dims.tp
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,20 +238,33 @@ def zero3_gathered_params(
     first = stage is None or stage == 0
     last = stage is None or stage == layout.dims.pp - 1
     root = (counts.embedding if first else 0) + (counts.final_norm + counts.head if last else 0)
-    return min(params, -(-(2 * counts.per_layer + root) // layout.dims.tp))
+    block = block_params(model, layout) * layout.dims.tp
+    return min(params, int(-(-(2 * block + root) // layout.dims.tp)))
 
 
 def state_bytes(
-    model: ModelSpec, layout: Layout, params: int, stage: int | None = None
+    model: ModelSpec, layout: Layout, params: int, stage: int | None = None, experts: int = 0
 ) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer states) bytes of `params` parameters on one rank (PP
-    rank `stage`, or any), by the engine the layout runs (FSDP2, DeepSpeed or plain torch)."""
+    rank `stage`, or any), by the engine the layout runs (FSDP2, DeepSpeed or plain torch); of
+    them `experts` routed experts' parameters, sharded over the ranks holding the same
+    experts."""
+    if experts:
+        dense = _engine_state_bytes(model, layout, params - experts, stage, layout.dims.shard_group)
+        held = _engine_state_bytes(model, layout, experts, stage, layout.dims.expert_shard_group)
+        return dense[0] + held[0], dense[1] + held[1], dense[2] + held[2]
+    return _engine_state_bytes(model, layout, params, stage, layout.dims.shard_group)
+
+
+def _engine_state_bytes(
+    model: ModelSpec, layout: Layout, params: int, stage: int | None, shard_group: int
+) -> tuple[int, int, int]:
     if layout.fsdp:
         return fsdp_state_bytes(
             params,
             zero3_gathered_params(model, layout, params, stage),
             layout.zero_stage,
-            layout.dims.shard_group,
+            shard_group,
             param_bytes=fsdp_param_bytes(layout),
             offload=layout.offload_optimizer,
         )
@@ -211,7 +272,7 @@ def state_bytes(
         params,
         largest_layer_params(model, layout.dims.tp),
         layout.zero_stage,
-        layout.dims.shard_group,
+        shard_group,
         layout.dtype,
         offload_optimizer=layout.offload_optimizer,
         offload_parameters=layout.offload_parameters,
@@ -222,14 +283,20 @@ def busiest_rank_states(model: ModelSpec, layout: Layout) -> tuple[float, float,
     """(parameters, gradients, optimizer states) bytes on the rank that holds the most
     parameters."""
     params = params_per_rank(
-        model, layout.dims.tp, layout.dims.pp, layout.rank_layers(model.layers)
+        model, layout.dims.tp, layout.dims.pp, layout.rank_layers(model.layers), layout.dims.ep
     )
-    return state_bytes(model, layout, params)
+    return state_bytes(model, layout, params, experts=stage_expert_params(model, layout))
 
 
 def stage_states(model: ModelSpec, layout: Layout, stage: int) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer states) bytes on PP rank `stage`."""
-    return state_bytes(model, layout, stage_params(model, layout, stage), stage)
+    return state_bytes(
+        model,
+        layout,
+        stage_params(model, layout, stage),
+        stage,
+        stage_expert_params(model, layout, stage),
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,6 +32,11 @@ The SwiGLU and RMSNorm backward passes run their fp32 pointwise math in chunks
 (activations.BACKWARD_CHUNK_TOKENS), so those temporaries stay one chunk's whatever the
 sequence length. Measured against the allocator's own record (memtrace.AllocatorTrace) on the
 CPU in tests/unit/test_memory_peak.py.
+
+A mixture-of-experts block's feed-forward backward peaks at its first step, the combine's (a
+batched matmul of the router weights and the experts' outputs): the gradient of the experts'
+outputs (k rows a token) next to the gradient flowing in (and its 16-bit copy under autocast),
+with everything saved still held (ctxlaunch.perf.moecost; measured in tests/unit/test_moe_memory.py).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ctxlaunch.perf import moecost
 from ctxlaunch.perf.activations import (
     BACKWARD_CHUNK_TOKENS,
     attention_half_bytes_per_token,
@@ -421,6 +427,8 @@ def _last_block_backward(model: ModelSpec, layout: Layout, step: _StageStep) -> 
     gradient (same bytes), gate and up's gradients and the chunk's fp32 temporaries on top,
     with the gradient flowing into the block (on a stage that is not the last it arrived in a
     receive buffer)."""
+    if model.moe is not None:
+        return _moe_last_block_backward(model, layout, step)
     tokens = step.sequence_parallel_tokens
     hidden = model.hidden
     ffn_per_rank = model.ffn_hidden / layout.dims.tp
@@ -471,6 +479,50 @@ def _last_block_backward(model: ModelSpec, layout: Layout, step: _StageStep) -> 
             + 2 * layout.compute_bytes * ffn_per_rank * step.shard_tokens
             + _swiglu_backward_temporaries(model, layout)
         )
+    return _LastBlockBackward(recomputed, released, produced, root_unsharded, workspace)
+
+
+def _moe_last_block_backward(
+    model: ModelSpec, layout: Layout, step: _StageStep
+) -> _LastBlockBackward:
+    """The last block's mixture-of-experts backward at the combine: the gradient flowing in
+    (on the last stage; a receive buffer's on the others), its 16-bit copy where the
+    residual is wider, and the gradient of the k experts' outputs per token (moecost's module
+    docstring); the gradients produced so far are the head's and the final norm's (last
+    stage). Under checkpointing the recomputation's end can be higher: its experts' outputs
+    and the norm's output are still alive there."""
+    tokens = step.sequence_parallel_tokens
+    moe = model.moe
+    assert moe is not None  # the caller's test
+    a, h, k = layout.compute_bytes, model.hidden, moe.experts_per_token
+    recomputed = 0.0
+    if layout.activation_checkpointing != "none":
+        # Under full checkpointing the feed-forward's input (x + attention) is recomputed too;
+        # selective keeps it.
+        again = layout.residual_bytes * h if layout.activation_checkpointing == "full" else 0
+        recomputed = tokens * (again + moecost.feed_forward_bytes_per_token(model, layout) + 4)
+        if layout.fp32_weights and layout.dtype == "bf16":
+            recomputed += moecost.weight_copy_bytes(model, layout)
+    recomputed += tokens * _attention_recompute_bytes_per_token(model, layout)
+    produced_per_param = fsdp_param_bytes(layout) if step.fsdp else step.gradient_bytes_per_param
+    released = produced = root_unsharded = 0.0
+    if step.last:
+        released = tokens * _loss_released_bytes_per_token(model, layout)
+        counts = count_params(model)
+        produced = produced_per_param * ((counts.head or counts.embedding) + h) / layout.dims.tp
+        root_unsharded = _head_grad_bytes(model, layout, produced_per_param) if step.fsdp else 0.0
+    incoming = (step.hidden_bytes if step.last else 0.0) + (
+        a * h * tokens if layout.residual_bytes != a else 0.0
+    )
+    workspace = incoming + k * a * h * tokens
+    if layout.activation_checkpointing != "none":
+        # The recomputation's end, before the combine's backward: its forward's experts'
+        # outputs (k rows a token) and, where the residual is wider, the norm's output the
+        # feed-forward was called with, are still alive.
+        transient = k * a * h * tokens + (
+            layout.residual_bytes * h * tokens if layout.residual_bytes != a else 0.0
+        )
+        workspace = max(workspace, incoming + transient)
     return _LastBlockBackward(recomputed, released, produced, root_unsharded, workspace)
 
 
@@ -677,16 +729,18 @@ def _deferred_reduce_scatter_phases(
     ]
 
 
-def _optimizer_step_phase(step: _StageStep) -> Phase:
+def _optimizer_step_phase(step: _StageStep, layout: Layout) -> Phase:
     """The optimizer step: every gradient, and foreach AdamW's fp32 denominator for every
-    parameter (sqrt of the second moment, divided, plus eps) before the update."""
+    parameter (sqrt of the second moment, divided, plus eps) before the update; a fused (or
+    one-tensor-at-a-time) step has no such temporaries (`Layout.foreach_optimizer`)."""
+    denominators = step.parameters if layout.foreach_optimizer else 0.0
     return Phase(
         "optimizer step",
         step.parameters,
         step.gradients,
         step.optimizer_states,
         0.0,
-        step.backward_buffers - step.bucket + step.parameters,
+        step.backward_buffers - step.bucket + denominators,
         step.stage,
     )
 
@@ -698,7 +752,7 @@ def _stage_phases(model: ModelSpec, layout: Layout, stage: int) -> list[Phase]:
         *_loss_phases(model, layout, step),
         *_block_backward_phases(model, layout, step),
         *_deferred_reduce_scatter_phases(model, layout, step),
-        _optimizer_step_phase(step),
+        _optimizer_step_phase(step, layout),
     ]
 
 

@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ctxlaunch.contract.hardware import LinkInfo
-from ctxlaunch.perf import commvolume
+from ctxlaunch.perf import commvolume, moecost
 from ctxlaunch.perf.activations import block_activation_bytes_per_token
 from ctxlaunch.perf.flops import (
     CONVENTIONS,
@@ -200,6 +200,29 @@ def _matmul_seconds(
     )  # down
     head = projection(h, vocab / t, 1)
     attention_weights, ffn_weights = 2 * h * h_q + 2 * h * h_kv, 3 * h * f
+    if model.moe is not None:
+        # The experts' GEMMs over the rows routed to the rank (each TP rank its own tokens,
+        # whole weights), at the routing load the planner admits; the router; the shared
+        # expert. Counted over the active parameters, as the model's FLOPs are.
+        moe = model.moe
+        routed = tokens / t * moe.experts_per_token * moecost.routed_load(model, layout)
+        fe, shared = moe.ffn_hidden, moe.shared_ffn_hidden if model.shared_expert else None
+
+        def rows(count: float, d_in: float, d_out: float, forwards: int) -> float:
+            forward = gemm(count, d_out, d_in)
+            return forwards * forward + gemm(count, d_in, d_out) + gemm(d_in, d_out, count)
+
+        block -= projection(h, 2 * f / t, ffn_forwards) + projection(f / t, h, ffn_forwards)
+        block += (
+            rows(routed, h, 2 * fe, ffn_forwards)
+            + rows(routed, fe, h, ffn_forwards)
+            + rows(tokens / t, h, moe.experts, ffn_forwards)
+        )
+        ffn_weights = moe.experts_per_token * 3 * h * fe + moe.experts * h
+        if shared:
+            block += rows(tokens / t, h, 2 * shared, ffn_forwards)
+            block += rows(tokens / t, shared, h, ffn_forwards)
+            ffn_weights += 3 * h * shared + h
     recompute = {"none": 0, "selective": ffn_weights, "full": attention_weights + ffn_weights}[mode]
     recompute += tiled * ffn_weights
     flops = (
@@ -368,6 +391,22 @@ def _ulysses_seconds(model: ModelSpec, layout: Layout, machine: Machine, shape: 
             commvolume.ulysses_all_to_all_bytes(model, layout), ulysses_degree - 1, link, machine
         )
     )
+
+
+def _ep_all_to_all_seconds(
+    model: ModelSpec, layout: Layout, machine: Machine, shape: _Shape
+) -> float:
+    """Expert parallelism's dispatch and combine (forward and backward, again in a recomputed
+    forward), not overlapped, over the links an EP group spans (ep ranks tp apart)."""
+    if layout.dims.ep <= 1:
+        return 0.0
+    recompute = 1.5 if layout.activation_checkpointing != "none" else 1.0
+    link = machine.link_for_span(layout.dims.ep * layout.dims.tp)
+    moe_layers = shape.layers_per_stage * count_params(model).moe_layers / model.layers
+    per_layer = _collective_seconds(
+        moecost.all_to_all_bytes(model, layout), 4 * (layout.dims.ep - 1), link, machine
+    )
+    return moe_layers * recompute * per_layer
 
 
 def _ring_seconds(
@@ -624,7 +663,7 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
     bubble, p2p = _pipeline_seconds(model, layout, machine, micro_seconds)
 
     group = layout.dims.dp * layout.dims.cp  # the DP x CP replicas
-    params = params_per_rank(model, layout.dims.tp, layout.dims.pp)
+    params = params_per_rank(model, layout.dims.tp, layout.dims.pp, ep=layout.dims.ep)
     dp_seconds = _dp_seconds(layout, machine, params)
     hide = micro_seconds if layout.zero_stage < 3 else micro_batches * micro_seconds
     dp_exposed = max(0.0, dp_seconds - hide) if machine.overlap_dp else dp_seconds
@@ -636,7 +675,13 @@ def predict(model: ModelSpec, layout: Layout, machine: Machine) -> StepTime:
         else updated * OPTIMIZER_BYTES_PER_PARAM / machine.memory_bytes_per_second
     )
 
+    expert_terms = (
+        {"ep_all_to_all": micro_batches * _ep_all_to_all_seconds(model, layout, machine, shape)}
+        if model.moe is not None
+        else {}
+    )
     terms = {
+        **expert_terms,
         "compute_matmul": micro_batches * micro.matmul,
         "compute_attention": micro_batches * micro.attention,
         "compute_elementwise": micro_batches * micro.elementwise,

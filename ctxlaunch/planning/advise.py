@@ -4,7 +4,9 @@ step-time model among those the planner says fit.
 The search holds what the user fixed (model, sequence length, tokens per step, GPU type,
 fabric, the CP sharding layout) and varies the rest: TP (within the NVLink domain), PP and its
 virtual stages, CP degree and algorithm (ring, Ulysses, hybrid with each Ulysses degree), DP
-(what is left), ZeRO stage, activation checkpointing and micro-batch. Legality is the spec
+(what is left), for a mixture-of-experts model the EP degree (every one that divides dp x cp
+and the expert count: it borrows its ranks from them), ZeRO stage, activation checkpointing
+and micro-batch. Legality is the spec
 validator's own (`spec.layout_problems`), never a copy of its rules.
 
 Pruning, so a 70B model on 512 GPUs answers in about a second:
@@ -247,8 +249,20 @@ def degree_options(
 
     def split(tp: int, pp: int, cp: int, dp: int, algorithm: str, ulysses: int) -> Layout:
         return base.with_dims(
-            tp=tp, pp=pp, cp=cp, dp=dp, cp_algorithm=algorithm, ulysses_degree=ulysses
+            tp=tp, pp=pp, cp=cp, dp=dp, cp_algorithm=algorithm, ulysses_degree=ulysses, ep=1
         ).replace(grad_accum=max(global_batch // dp, 1))
+
+    def with_experts(layouts: list[Layout]) -> list[Layout]:
+        """Each layout at every EP degree a mixture-of-experts model takes there."""
+        if model.moe is None:
+            return layouts
+        experts = model.moe.experts
+        return [
+            lay.with_dims(ep=ep)
+            for lay in layouts
+            for ep in _divisors(lay.dims.shard_group)
+            if experts % ep == 0
+        ]
 
     tp_limit = min(nvlink_domain, gpus_per_node)
     pp_limit = model.layers
@@ -277,7 +291,7 @@ def degree_options(
                     for ring in rings
                     if ring.attention_imbalance > 1.0
                 )
-    return out
+    return with_experts(out)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Any
 from ctxlaunch.contract.hardware import GiB
 from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.contract.spec import JobSpec, cp_problems, problem_message
+from ctxlaunch.perf import moecost
 from ctxlaunch.perf.accounting import Accounting, account
 from ctxlaunch.perf.activations import ATTENTION_TILE_TOKENS
 from ctxlaunch.perf.flops import CONVENTIONS, count_params, flops_per_token
@@ -19,6 +20,7 @@ from ctxlaunch.perf.hostmemory import HostEstimate, HostLimit, host_estimate
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.machine import Machine, machine_for
 from ctxlaunch.perf.memory import MemoryEstimate, estimate, fits_with_host, longest_sequence
+from ctxlaunch.perf.modelstates import stage_expert_params, state_bytes
 from ctxlaunch.perf.peakphases import Phase, peak_phases
 from ctxlaunch.perf.steptime import predict
 
@@ -94,6 +96,8 @@ class PlanReport:
     accounting: Accounting | None = None
     """The whole run at the predicted step: time to train, GPU-hours, energy, cost
     (perf.accounting), where the job fits."""
+    experts: dict[str, Any] | None = None
+    """A mixture-of-experts model's own terms (`experts_report`); None for a dense one."""
 
     @property
     def peak_phase(self) -> Phase | None:
@@ -206,6 +210,7 @@ class PlanReport:
                 for x in self.suggestions
             ],
             "flops": self.flops,
+            "experts": self.experts,
             "step_time": self.step_time,
             "accounting": self.accounting.to_dict() if self.accounting else None,
             "warnings": self.warnings,
@@ -236,6 +241,7 @@ def plan_job(spec: JobSpec, machine: Machine | None = None) -> PlanReport:
         smallest_fitting_cp=smallest,
         suggestions=suggestions(spec, layout),
         flops=flops_report(spec),
+        experts=experts_report(spec, layout),
         warnings=spec.warnings(),
         phases=peak_phases(spec.model, layout),
         step_time=step.to_dict() if step is not None else None,
@@ -267,7 +273,8 @@ def offload_steps(spec: JobSpec, layout: Layout) -> list[Layout]:
     then the block inputs too (PP 1); then the feed-forward over tiles of the hidden size; then
     under DeepSpeed the parameters too. Each step adds copies to the step, so the first that
     fits is the fastest way to fit. Empty where FSDP2 has no ranks to shard over."""
-    engine = "deepspeed" if layout.dims.tp == 1 and layout.dims.pp == 1 else "fsdp2"
+    whole = layout.dims.tp == 1 and layout.dims.pp == 1 and layout.dims.ep == 1
+    engine = "deepspeed" if whole else "fsdp2"
     if engine == "fsdp2" and layout.dims.shard_group == 1:
         return []  # FSDP2's CPU offload policy needs sharded states
     base = layout.replace(
@@ -280,7 +287,9 @@ def offload_steps(spec: JobSpec, layout: Layout) -> list[Layout]:
         mlp_tile_tokens=0,
     )
     activations = base.replace(offload_activations=layout.dims.pp == 1)
-    tiled = _with_attention_tiles(activations.replace(mlp_tile_tokens=spec.model.hidden))
+    # A mixture of experts has no dense feed-forward to tile; the attention's tiles still help.
+    tile = spec.model.hidden if spec.model.moe is None else 0
+    tiled = _with_attention_tiles(activations.replace(mlp_tile_tokens=tile))
     steps = [base, activations, tiled]
     if engine == "deepspeed":
         steps.append(tiled.replace(offload_parameters=True))
@@ -423,6 +432,7 @@ def flops_report(spec: JobSpec) -> dict[str, Any]:
     per_token = {c: flops_per_token(spec.model, s, c) for c in CONVENTIONS}
     return {
         "params_total": counts.total,
+        "params_active": counts.active,
         "params_matmul": counts.matmul,
         "tokens_per_step": spec.tokens_per_step,
         "per_token": per_token,
@@ -432,4 +442,51 @@ def flops_report(spec: JobSpec) -> dict[str, Any]:
             "full": "attention counts the whole s x s score matrix (PaLM, torchtitan, NeMo)",
             "causal": "attention halved for causal masking (Megatron-LM)",
         },
+    }
+
+
+def experts_report(spec: JobSpec, layout: Layout) -> dict[str, Any] | None:
+    """A mixture-of-experts model's terms on the busiest rank (ctxlaunch.perf.moecost): total
+    and active parameters, the experts' parameters and states it holds, the routing load the
+    plan admits and the dispatch buffers and experts' activations at it, and the all-to-all's
+    bytes per step, inside a node and across nodes. None for a dense model."""
+    model = spec.model
+    moe = model.moe
+    if moe is None:
+        return None
+    counts = count_params(model)
+    held = stage_expert_params(model, layout)
+    states = state_bytes(model, layout, held, experts=held)
+    tokens = layout.tokens_per_rank / layout.dims.tp
+    routed = moe.experts_per_token * moecost.routed_load(model, layout) * tokens
+    stage_moe_layers = counts.moe_layers * max(layout.rank_layers(model.layers)) / model.layers
+    per_step = (
+        moecost.all_to_all_bytes(model, layout)
+        * stage_moe_layers
+        * layout.grad_accum
+        * (1.5 if layout.activation_checkpointing != "none" else 1.0)
+    )
+    inside, across = moecost.all_to_all_split(layout, spec.cluster.gpus_per_node)
+    return {
+        "experts": moe.experts,
+        "experts_per_token": moe.experts_per_token,
+        "moe_layers": counts.moe_layers,
+        "params_total": counts.total,
+        "params_active": counts.active,
+        "expert_params_per_rank": held,
+        "expert_states_bytes_per_rank": {
+            "parameters": states[0],
+            "gradients": states[1],
+            "optimizer_states": states[2],
+        },
+        "experts_sharded_over": layout.dims.expert_shard_group,
+        "routed_load": moecost.routed_load(model, layout),
+        "routings_per_layer_per_rank": routed,
+        "expert_activation_bytes_per_layer": routed
+        * moecost.expert_bytes_per_routing(model, layout),
+        "dispatch_buffer_bytes": moecost.dispatch_buffer_bytes(model, layout),
+        "all_to_all_bytes_per_step": per_step,
+        "all_to_all_bytes_per_step_in_node": per_step * inside,
+        "all_to_all_bytes_per_step_across_nodes": per_step * across,
+        "capacity_factor": moe.capacity_factor,
     }

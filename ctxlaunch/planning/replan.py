@@ -99,6 +99,7 @@ CHANGES_OF: dict[str, tuple[str, ...]] = {
     "tp": ("tp",),
     "pp": ("pp", "virtual_stages", "stage_layers"),
     "micro_batch": ("micro_batch",),
+    "ep": ("ep",),
 }
 """training.heal.may_change names -> the Layout fields each lets a re-plan change."""
 
@@ -121,8 +122,14 @@ def layout_identity(layout: Layout, layers: int, nodes: int, gpus_per_node: int)
         "stage_layers": list(stages),
         "micro_batch": layout.micro_batch,
         "zero_stage": layout.zero_stage,
+        # A mixture of experts' EP degree (named only where it splits the experts).
+        **({"ep": layout.dims.ep} if layout.dims.ep > 1 else {}),
         "engine": resolve_state_engine(
-            layout.engine, layout.zero_stage, tp=layout.dims.tp, pp=layout.dims.pp
+            layout.engine,
+            layout.zero_stage,
+            tp=layout.dims.tp,
+            pp=layout.dims.pp,
+            ep=layout.dims.ep,
         ),
         "activation_checkpointing": layout.activation_checkpointing,
         "nodes": nodes,
@@ -222,6 +229,7 @@ def _changed_fields(layout: Layout, current: Layout) -> int:
         "zero_stage",
         "activation_checkpointing",
         "virtual_stages",
+        "ep",
     )
     return sum(1 for name in names if _value(layout, name) != _value(current, name))
 
@@ -312,7 +320,7 @@ def own_layout_at(spec: JobSpec, allocation: Allocation) -> Layout | None:
     """The spec's own layout on `allocation` with the data-parallel degree that fills it (the
     global batch held), where that is legal; None where it is not."""
     own = Layout.from_spec(spec)
-    per_replica = own.dims.tp * own.dims.pp * own.dims.cp * own.dims.ep
+    per_replica = own.dims.ranks_per_replica
     if allocation.world_size % per_replica:
         return None
     dp = allocation.world_size // per_replica

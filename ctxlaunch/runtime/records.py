@@ -44,6 +44,22 @@ class StepMetrics:
     first, warm-up step left out), or at the predicted step before one is measured."""
     predicted_step_seconds: float | None = None
     """The step-time model's step for this job, to read the measured one against."""
+    aux_loss: float = 0.0
+    """A mixture-of-experts model's load-balancing loss of the step (before its coefficient,
+    as transformers reports it; the mean over the micro-batches), apart from `loss`; 0 for a
+    dense model."""
+    expert_load: float = 1.0
+    """The busiest expert's routings over the mean, in the layer where that is highest (1:
+    every expert got the same; E / experts_per_token when every token goes to the same
+    experts)."""
+    expert_load_layers: tuple[float, ...] = ()
+    """`expert_load` of each mixture-of-experts layer, in order."""
+    expert_rank_load: float = 1.0
+    """The routings the busiest rank of an EP group receives over the group's mean, in the
+    layer where that is highest (what the all-to-all and the grouped GEMM wait for)."""
+    tokens_dropped: int = 0
+    """Routings dropped over capacity in the step, every rank and layer (0 unless
+    model.moe.capacity_factor is set)."""
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -42,6 +42,7 @@ STALL_SECONDS = 600
 MEMORY_HEADROOM_MIN = 0.05
 EXPOSED_COMM_MAX = 0.20
 MFU_CAUSAL_MIN = 0.25
+EXPERT_COLLAPSE = 4.0
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ def _per_rank(metric: str, extra: str = "", legend: str = RANK_LEGEND) -> Target
     return Target(_q(metric, extra), legend)
 
 
+_EVERY_LAYER = 'layer!="max"'
 _CAUSAL = 'convention="causal"'
 _RANK0 = 'rank="0"'
 _FULL = 'convention="full"'
@@ -580,6 +582,75 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 ),
                 width=24,
                 height=5,
+            ),
+        ),
+    ),
+    (
+        "Mixture of experts",
+        (
+            PanelSpec(
+                "Expert load per layer (busiest expert / mean routings)",
+                "For each mixture-of-experts layer, the routings its busiest expert received in "
+                "the last step over the mean, over every rank (ctxlaunch_moe_expert_load_ratio): "
+                "1 is balanced; E / experts_per_token means every token went to the same "
+                "experts. A line climbing and staying up is a router collapsing onto a few "
+                f"experts: the CtxlaunchExpertCollapse alert fires above {EXPERT_COLLAPSE:g}.",
+                "timeseries",
+                "none",
+                (
+                    Target(
+                        "max by (run, layer) ("
+                        f"{_q('ctxlaunch_moe_expert_load_ratio', _EVERY_LAYER)})",
+                        "layer {{layer}} ({{run}})",
+                    ),
+                ),
+                min=1,
+                thresholds=((None, "transparent"), (EXPERT_COLLAPSE, "red")),
+            ),
+            PanelSpec(
+                "EP rank load against the planned load",
+                "The routings the busiest rank of an EP group received over the group's mean "
+                "(ctxlaunch_moe_ep_rank_load_ratio), beside the load the planner admitted for "
+                "the dispatch buffers and the experts' activations "
+                "(ctxlaunch_moe_planned_load_ratio, dashed): above it, the "
+                "CtxlaunchExpertLoadOverPlan alert fires.",
+                "timeseries",
+                "none",
+                (
+                    Target(
+                        f"max by (run) ({_q('ctxlaunch_moe_ep_rank_load_ratio')})",
+                        "busiest EP rank ({{run}})",
+                    ),
+                    Target(
+                        f"max by (run) ({_q('ctxlaunch_moe_planned_load_ratio')})",
+                        "planned ({{run}})",
+                    ),
+                ),
+                min=1,
+                dashed="planned.*",
+            ),
+            PanelSpec(
+                "Load-balancing loss",
+                "The auxiliary load-balancing loss of each step before its coefficient "
+                "(ctxlaunch_moe_aux_loss), apart from the language-model loss: experts_per_token at a "
+                "perfectly balanced router (E x sum of share x mean probability), higher as it skews.",
+                "timeseries",
+                "none",
+                (Target(f"max by (run) ({_q('ctxlaunch_moe_aux_loss', _RANK0)})", "{{run}}"),),
+            ),
+            PanelSpec(
+                "Routings dropped over capacity",
+                "Routings dropped because their expert was full (ctxlaunch_moe_tokens_dropped_total"
+                "), per second: 0 unless model.moe.capacity_factor is set.",
+                "timeseries",
+                "short",
+                (
+                    Target(
+                        f"sum by (run) (rate({_q('ctxlaunch_moe_tokens_dropped_total')}[5m]))",
+                        "{{run}}",
+                    ),
+                ),
+                min=0,
             ),
         ),
     ),

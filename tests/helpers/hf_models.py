@@ -77,6 +77,44 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             "layer_types": ["sliding_attention", "full_attention"],
         },
     ),
+    # Mixtures of experts: 4 experts, top-2, a load-balancing coefficient large enough for its
+    # gradient to show. Qwen3-MoE renormalises the top-2 here (norm_topk_prob).
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "head_dim": 32,
+            "use_sliding_window": False,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "router_aux_loss_coef": 0.05,
+        },
+    ),
+    # Mixtral: every expert intermediate_size (96) wide, always renormalised.
+    "mixtral": (
+        "MixtralConfig",
+        {
+            "sliding_window": None,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "router_aux_loss_coef": 0.05,
+        },
+    ),
+    # Qwen2-MoE: a shared expert behind its sigmoid gate, q/k/v biases, not renormalised, and
+    # layer 1 dense (mlp_only_layers) between sparse ones.
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {
+            "use_sliding_window": False,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "mlp_only_layers": [1],
+            "router_aux_loss_coef": 0.05,
+        },
+    ),
 }
 """Per family: transformers' config class and what it sets beyond the shape every tiny model
 shares (hidden 64, 4 heads, 2 K/V heads, FFN 96, vocabulary VOCAB)."""

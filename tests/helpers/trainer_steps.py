@@ -54,6 +54,7 @@ def train_steps(rank: int, world: int, spec_data: dict, steps: int) -> dict:
     return {
         "losses": [m.loss for m in metrics],
         "attention_balance": [m.attention_balance for m in metrics],
+        "aux_losses": [m.aux_loss for m in metrics],
         "grads": {k: v.numpy() for k, v in grads[0].items()} if rank == 0 else None,
     }
 

@@ -212,6 +212,14 @@ REQUIRED_PANELS = {
         "none",
         ["ctxlaunch_attention_kernel_info{", "kernel, chosen_by"],
     ),
+    "Expert load per layer (busiest expert / mean routings)": (
+        "none",
+        ["ctxlaunch_moe_expert_load_ratio{", 'layer!="max"'],
+    ),
+    "EP rank load against the planned load": (
+        "none",
+        ["ctxlaunch_moe_ep_rank_load_ratio{", "ctxlaunch_moe_planned_load_ratio{"],
+    ),
 }
 
 
@@ -306,6 +314,8 @@ def test_alerts_have_for_severity_and_annotations() -> None:
         "CtxlaunchMemoryHeadroomLow",
         "CtxlaunchExposedCommHigh",
         "CtxlaunchStepDriftedFromPrediction",
+        "CtxlaunchExpertCollapse",
+        "CtxlaunchExpertLoadOverPlan",
     }
     for alert in alerts:
         name = alert["alert"]
@@ -315,8 +325,13 @@ def test_alerts_have_for_severity_and_annotations() -> None:
         description = alert["annotations"]["description"]
         for text in (summary, description):
             assert "{{ $labels.job }}" in text and "{{ $labels.run }}" in text, name
-        # The MFU alert is per run (the mean over ranks); the others name the rank.
-        if name != "CtxlaunchMFULow":
+        # The MFU alert is per run (the mean over ranks), and so are the experts' (every rank
+        # exports the run's global routing); the others name the rank.
+        if name not in (
+            "CtxlaunchMFULow",
+            "CtxlaunchExpertCollapse",
+            "CtxlaunchExpertLoadOverPlan",
+        ):
             assert "{{ $labels.rank }}" in summary and "{{ $labels.rank }}" in description, name
         assert "$value" in description, name
         assert "threshold" in description, name
@@ -325,6 +340,7 @@ def test_alerts_have_for_severity_and_annotations() -> None:
 def test_dashboard_draws_the_alert_thresholds() -> None:
     expr = {rule["alert"]: rule["expr"] for rule in rules(RULES) if "alert" in rule}
     assert f"< {dash.MFU_CAUSAL_MIN}" in expr["CtxlaunchMFULow"]
+    assert f"> {dash.EXPERT_COLLAPSE:g}" in expr["CtxlaunchExpertCollapse"]
     assert f"> {dash.STALL_SECONDS}" in expr["CtxlaunchTrainingStalled"]
     assert f"< {dash.MEMORY_HEADROOM_MIN}" in expr["CtxlaunchMemoryHeadroomLow"]
     assert f"> {dash.EXPOSED_COMM_MAX}" in expr["CtxlaunchExposedCommHigh"]

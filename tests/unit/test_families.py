@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from ctxlaunch.contract.families import FAMILIES, MODEL_PRESETS
 from ctxlaunch.contract.families.family import parameter_shapes
@@ -22,18 +23,36 @@ COMMON = "llama"
 
 
 def _tiny(family: str) -> ModelSpec:
-    return ModelSpec.model_validate(
-        {
-            "family": family,
-            "layers": 2,
-            "hidden": 64,
-            "heads": 4,
-            "kv_heads": 2,
-            "head_dim": 32,
+    """A tiny model of `family`; with experts where the family has them (every layer sparse
+    but the last, so a dense one stands among them where the family allows it), and a shared
+    expert where it has one."""
+    fields: dict = {
+        "family": family,
+        "layers": 3,
+        "hidden": 64,
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 32,
+        "ffn_hidden": 96,
+        "vocab": 256,
+    }
+    spec = FAMILIES[family]
+    if spec.experts is not None:
+        moe = {
+            "experts": 4,
+            "experts_per_token": 2,
             "ffn_hidden": 96,
-            "vocab": 256,
+            "norm_topk_prob": spec.router_renormalises,
         }
-    )
+        if spec.shared_expert:
+            moe["shared_ffn_hidden"] = 48
+        try:  # a dense layer among the sparse ones, where the family's config can say so
+            ModelSpec.model_validate({**fields, "moe": {**moe, "dense_layers": [2]}})
+            moe["dense_layers"] = [2]
+        except ValidationError:
+            pass
+        fields["moe"] = moe
+    return ModelSpec.model_validate(fields)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -53,15 +72,21 @@ def test_the_trainer_builds_what_the_family_describes(family: str) -> None:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_parameter_has_its_hugging_face_tensors(family: str) -> None:
     """The family's names cover every parameter, each Hugging Face tensor named once, with the
-    parts of a fused projection adding up to it."""
+    parts of a fused projection adding up to it (of an experts tensor, to its rows flattened
+    over the experts)."""
     model = _tiny(family)
     spec = FAMILIES[family]
     tensors = spec.hf_tensors(model)
-    named = [n for name in parameter_shapes(model) for n in spec.hf_names(name)]
+    parts_of = {
+        name: spec.hf_parts(name, shape, model) for name, shape in parameter_shapes(model).items()
+    }
+    named = [n for parts in parts_of.values() for n, _ in parts]
     assert len(named) == len(set(named)) == len(tensors)
     for name, shape in parameter_shapes(model).items():
-        parts = [tensors[n] for n in spec.hf_names(name)]
-        assert sum(p[0] for p in parts) == shape[0] and {p[1:] for p in parts} == {shape[1:]}
+        parts = [tensors[n] for n, _ in parts_of[name]]
+        rows = shape[0] * shape[1] if len(shape) == 3 else shape[0]
+        tail = shape[-1:] if len(shape) == 3 else shape[1:]
+        assert sum(p[0] for p in parts) == rows and {p[1:] for p in parts} == {tail}
 
 
 def test_every_preset_validates_in_its_family() -> None:

@@ -90,7 +90,7 @@ def test_compiled_pointwise_matches_eager() -> None:
     SwiGLU (forward and their hand-written backward math) through torch.compile on the CPU
     (inductor, real C++ kernels) equal eager within fp32 rounding, at every checkpointing
     mode (the compiled kernels inside recomputation too)."""
-    from ctxlaunch.runtime.modeling import model as model_module
+    from ctxlaunch.runtime.modeling import pointwise
     from ctxlaunch.runtime.modeling.model import Transformer
 
     torch.manual_seed(0)
@@ -113,10 +113,10 @@ def test_compiled_pointwise_matches_eager() -> None:
     try:
         for mode in ("none", "full"):
             model.set_checkpointing(mode)
-            model_module.set_compiled(False)
+            pointwise.set_compiled(False)
             eager_loss, eager_grads = _loss_and_grads(model, tokens, positions, targets)
-            model_module.set_compiled(True)
-            assert model_module.compiled()
+            pointwise.set_compiled(True)
+            assert pointwise.compiled()
             loss, grads = _loss_and_grads(model, tokens, positions, targets)
             torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
             assert grads.keys() == eager_grads.keys()
@@ -129,11 +129,11 @@ def test_compiled_pointwise_matches_eager() -> None:
                     msg=lambda m, n=name: f"{mode} {n}: {m}",
                 )
     finally:
-        model_module.set_compiled(False)
+        pointwise.set_compiled(False)
     # The compiled path did run: dynamo captured a graph for each of the five pointwise
     # functions (more for RoPE's q and k shapes and the partial shapes), with no graph break.
     counters = torch._dynamo.utils.counters
-    assert counters["stats"]["unique_graphs"] >= len(model_module._EAGER_POINTWISE), dict(
+    assert counters["stats"]["unique_graphs"] >= len(pointwise._EAGER_POINTWISE), dict(
         counters["stats"]
     )
     assert not counters["graph_break"], dict(counters["graph_break"])

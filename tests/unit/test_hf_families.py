@@ -103,7 +103,7 @@ def test_head_norm_is_transformers_bit_for_bit() -> None:
     it over (B, S, H, D): the same bits as Qwen3RMSNorm."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    from ctxlaunch.runtime.modeling.model import RMSNorm
+    from ctxlaunch.runtime.modeling.pointwise import RMSNorm
 
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(2, 33, 4, 32, generator=generator)

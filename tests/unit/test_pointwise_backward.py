@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxlaunch.perf.memory import BACKWARD_CHUNK_TOKENS
-from ctxlaunch.runtime.modeling.model import _RMSNorm, _SwiGLU
+from ctxlaunch.runtime.modeling.pointwise import _RMSNorm, _SwiGLU
 from devkit.memtrace import AllocatorTrace
 
 # A token count that is not a multiple of the chunk, so the last chunk is partial.

@@ -3,9 +3,10 @@ it refuses (`refused`).
 
 A family is one `Family` (`family.py`): its Hugging Face class and model_type, the parts its
 block adds to the common one (q/k/v biases, q/k norms, norms with a unit offset and after each
-sub-block, GeGLU, a scaled embedding, attention sinks), how its config.json states its local
-(sliding-window) layers and their RoPE, the config keys its export writes, and its presets.
-Everything else in ctxlaunch reads these through `FAMILIES` and never names a family.
+sub-block, GeGLU, a scaled embedding, attention sinks, a mixture-of-experts feed-forward and its
+shared expert: `experts.py`), how its config.json states its local (sliding-window) layers and
+their RoPE, the config keys its export writes, and its presets. Everything else in ctxlaunch
+reads these through `FAMILIES` and never names a family.
 """
 
 from __future__ import annotations
@@ -13,7 +14,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from ctxlaunch.contract.families import gemma2, gemma3, llama, mistral, qwen2, qwen3
+from ctxlaunch.contract.families import (
+    gemma2,
+    gemma3,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 from ctxlaunch.contract.families.family import Family
 from ctxlaunch.contract.families.refused import REFUSED
 
@@ -26,6 +37,9 @@ FAMILIES: dict[str, Family] = {
         qwen3.FAMILY,
         gemma2.FAMILY,
         gemma3.FAMILY,
+        qwen3_moe.FAMILY,
+        mixtral.FAMILY,
+        qwen2_moe.FAMILY,
     )
 }
 """The families `model.family` takes, by name."""

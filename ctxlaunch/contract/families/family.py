@@ -30,7 +30,9 @@ A family with norms after each sub-block (`post_norms`, Gemma's naming) renames 
     blocks.{i}.ffn_post_norm.weight  model.layers.{i}.post_feedforward_layernorm.weight
 
 Hugging Face's q/k projections (and their biases) are already in the rotate-half layout that
-the trainer's RoPE uses, so they are copied as they are.
+the trainer's RoPE uses, so they are copied as they are. A family whose feed-forward is a
+mixture of experts (`Family.experts`) has, in the layers its model section's `moe` marks, the
+router and expert parameters of `experts.py` in place of `ffn.w_gate_up` and `ffn.w_down`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,16 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+from ctxlaunch.contract.families.experts import (
+    ExpertNames,
+    ExpertsShape,
+    expert_hf_names,
+    expert_part_rows,
+    is_expert_parameter,
+    is_moe_parameter,
+    moe_block_shapes,
+)
 
 
 class BlockShape(Protocol):
@@ -69,6 +81,10 @@ class BlockShape(Protocol):
     def post_norms(self) -> bool: ...
     @property
     def attention_sinks(self) -> bool: ...
+    @property
+    def moe(self) -> ExpertsShape | None: ...
+    @property
+    def shared_expert(self) -> bool: ...
 
 
 class WindowedShape(BlockShape, Protocol):
@@ -159,15 +175,23 @@ def parameter_shapes(model: BlockShape) -> dict[str, tuple[int, ...]]:
         block["attn_post_norm.weight"] = block["ffn_post_norm.weight"] = (h,)
     if model.attention_sinks:
         block["attn.sinks"] = (model.heads,)
+    moe = model.moe
+    sparse = block.copy()
+    if moe is not None:
+        del sparse["ffn.w_gate_up.weight"], sparse["ffn.w_down.weight"]
+        sparse |= moe_block_shapes(h, moe, model.shared_expert)
     for i in range(model.layers):
-        shapes |= {f"blocks.{i}.{leaf}": shape for leaf, shape in block.items()}
+        leaves = sparse if moe is not None and moe.is_moe_layer(i) else block
+        shapes |= {f"blocks.{i}.{leaf}": shape for leaf, shape in leaves.items()}
     return shapes
 
 
 def part_rows(name: str, model: BlockShape) -> tuple[int, ...]:
-    """Rows (dim 0) of each Hugging Face part of parameter `name`; () for a parameter that is
-    one tensor."""
+    """Rows (dim 0; of a mixture-of-experts parameter's 2-D view, `experts.py`) of each Hugging
+    Face part of parameter `name`; () for a parameter that is one tensor."""
     q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
+    if model.moe is not None and is_moe_parameter(name):
+        return expert_part_rows(name.split(".", 2)[-1], model.hidden, model.moe)
     if name.endswith(("wqkv.weight", "wqkv.bias")):
         return (q, kv, kv)
     if name.endswith("w_gate_up.weight"):
@@ -204,6 +228,15 @@ class Family:
     """The embedding's output is multiplied by sqrt(hidden) (rounded to the weights' dtype)."""
     attention_sinks: bool = False
     """A learned logit per query head in every softmax denominator, carrying no value."""
+    experts: ExpertNames | None = None
+    """The feed-forward of the layers the model section's `moe` marks is a mixture of experts,
+    whose tensors a checkpoint keeps under these names; None: every layer is dense."""
+    shared_expert: bool = False
+    """Beside the routed experts, a shared expert every token passes through, scaled by a
+    sigmoid gate of the token (`ffn.shared`, `ffn.shared_gate`)."""
+    router_renormalises: bool = False
+    """The router always renormalises the top-k probabilities to sum to 1 (config.json has no
+    norm_topk_prob); otherwise `moe.norm_topk_prob` says."""
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Named shapes of the family's released models (`model: {preset: NAME}`)."""
     config_defaults: Mapping[str, Any] = field(default_factory=dict)
@@ -253,6 +286,17 @@ class Family:
         the keys of the init_from config, kept unless the model decides them)."""
         return {"attention_bias": False, "mlp_bias": False}
 
+    def moe_fields(self, config: Mapping[str, Any], where: str) -> dict[str, Any] | None:
+        """The model section's `moe` fields of a checkpoint's config.json (`where` names it in
+        messages); None for a dense family. A family with experts overrides it
+        (`experts.moe_config_fields`)."""
+        return None
+
+    def moe_problem(self, model: BlockShape) -> str | None:
+        """Why `model`'s `moe` is not one this family's checkpoints can state (its config.json
+        has no key for it), or None."""
+        return None
+
     def hf_names(self, name: str) -> tuple[str, ...]:
         """The Hugging Face tensors that make up ctxlaunch parameter `name`, in order (the
         fused projections are several, concatenated along dim 0)."""
@@ -260,6 +304,14 @@ class Family:
             return (TOP_WEIGHTS[name],)
         weights = BLOCK_WEIGHTS | (POST_NORM_WEIGHTS if self.post_norms else {})
         match = _BLOCK.match(name)
+        if match and self.experts is not None and is_moe_parameter(name):
+            if is_expert_parameter(name):
+                # The expert count is the number of names: the model's shape decides it.
+                raise KeyError(f"{name!r} holds every expert's tensors: use hf_parts")
+            return tuple(
+                f"model.layers.{match.group(1)}.{part}"
+                for part in expert_hf_names(match.group(2), self.experts, 0)
+            )
         if match and match.group(2) in weights:
             return tuple(
                 f"model.layers.{match.group(1)}.{part}" for part in weights[match.group(2)]
@@ -277,15 +329,31 @@ class Family:
                 return moved
         return hf_name
 
+    def hf_parts(
+        self, name: str, shape: tuple[int, ...], model: BlockShape
+    ) -> list[tuple[str, tuple[int, ...]]]:
+        """The Hugging Face tensors that make up parameter `name` (of `shape`) of a model of
+        this shape, in order, each with its shape: the parts of a fused projection along dim 0,
+        those of a mixture-of-experts parameter along the rows of its 2-D view
+        (`experts.py`)."""
+        rows = part_rows(name, model) or (shape[0],)
+        match = _BLOCK.match(name)
+        if match and model.moe is not None and self.experts is not None and is_moe_parameter(name):
+            names = expert_hf_names(match.group(2), self.experts, model.moe.experts)
+            hf = [f"model.layers.{match.group(1)}.{part}" for part in names]
+        else:
+            hf = list(self.hf_names(name))
+        tail = shape[-1:] if len(shape) == 3 else shape[1:]
+        return [(n, (r, *tail)) for n, r in zip(hf, rows, strict=True)]
+
     def hf_tensors(self, model: BlockShape) -> dict[str, tuple[int, ...]]:
         """Every Hugging Face tensor a checkpoint of this shape holds for the model, with its
         shape (tensors the model does not read, such as a tied lm_head, are not listed)."""
-        tensors: dict[str, tuple[int, ...]] = {}
-        for name, shape in parameter_shapes(model).items():
-            rows = part_rows(name, model) or (shape[0],)
-            for hf_name, part in zip(self.hf_names(name), rows, strict=True):
-                tensors[hf_name] = (part, *shape[1:])
-        return tensors
+        return {
+            hf_name: part
+            for name, shape in parameter_shapes(model).items()
+            for hf_name, part in self.hf_parts(name, shape, model)
+        }
 
 
 def read_layer_types(config: Mapping[str, Any]) -> tuple[str, ...] | None:

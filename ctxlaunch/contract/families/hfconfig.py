@@ -26,6 +26,7 @@ from ctxlaunch.contract.families import (
     family_of_model_type,
     supported_architectures,
 )
+from ctxlaunch.contract.families.experts import MoeConfigError
 
 CONFIG_FILE = "config.json"
 
@@ -265,6 +266,10 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
         layer_types=layer_types,
         **extra,
     )
+    try:
+        fields["moe"] = family.moe_fields(config, where)
+    except MoeConfigError as exc:
+        raise HFConfigError(str(exc)) from None
     return fields
 
 

@@ -149,7 +149,7 @@ class JobSpec(_Strict):
     def state_engine(self) -> StateEngine:
         """What keeps the model states: the one rule the trainer and the planner both read."""
         t, p = self.training, self.parallel
-        return resolve_state_engine(t.engine, t.zero_stage, tp=p.tp, pp=p.pp)
+        return resolve_state_engine(t.engine, t.zero_stage, tp=p.tp, pp=p.pp, ep=p.ep)
 
     @property
     def nvlink_domain(self) -> int:

@@ -19,6 +19,7 @@ from ctxlaunch.contract.families.hfconfig import (
 )
 from ctxlaunch.contract.families.hfweights import HFWeightsError, check_weights, has_weights
 from ctxlaunch.contract.spec.fields import PositiveInt, _problem, _Strict
+from ctxlaunch.contract.spec.moe_section import MoESpec
 
 
 class DefaultRope(_Strict):
@@ -107,6 +108,10 @@ SHAPE_FIELDS = (
 )
 """What `init_from`'s config.json fixes: a spec may repeat these, but must agree."""
 
+MOE_TRAINING_FIELDS = ("aux_loss_coef", "capacity_factor")
+"""The `moe` fields a spec may set beside `init_from` (how to train, not what the model is);
+the others come from config.json and must agree."""
+
 
 class ModelSpec(_Strict):
     """A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU; with its family's
@@ -157,6 +162,9 @@ class ModelSpec(_Strict):
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
     """Share the input embedding with the output head."""
+    moe: MoESpec | None = None
+    """The mixture-of-experts feed-forward, for the families whose block has one (their
+    presets and config.json set it); null for a dense model."""
     sliding_window: PositiveInt | None = None
     """The window of the local layers (as the checkpoint's config.json states it): a query of
     a local layer sees the last sliding_window tokens, itself included (transformers'
@@ -200,7 +208,12 @@ class ModelSpec(_Strict):
                         )
                     },
                 )
-            data = {**MODEL_PRESETS[name], **data}
+            preset = MODEL_PRESETS[name]
+            merged = {**preset, **data}
+            if isinstance(preset.get("moe"), dict) and isinstance(data.get("moe"), dict):
+                # moe fields given beside a preset change those fields, not the whole section.
+                merged["moe"] = {**preset["moe"], **data["moe"]}
+            data = merged
         return data
 
     @model_validator(mode="before")
@@ -249,6 +262,22 @@ class ModelSpec(_Strict):
                         )
                     },
                 )
+        given_moe, moe = data.get("moe"), fields.get("moe")
+        if isinstance(given_moe, dict) and isinstance(moe, dict):
+            for name, value in given_moe.items():
+                if name not in MOE_TRAINING_FIELDS and moe.get(name) != value:
+                    raise PydanticCustomError(
+                        "init_from",
+                        "{message}",
+                        {
+                            "message": (
+                                f"model.moe.{name} = {value!r} disagrees with {moe.get(name)!r} "
+                                f"in {where} (model.init_from); fix: remove model.moe.{name} "
+                                "or make it agree"
+                            )
+                        },
+                    )
+            data = {**data, "moe": {**moe, **given_moe}}
         # rope_theta and rope_scaling in the spec win: that is how a context is extended.
         return {**fields, **data}
 
@@ -290,9 +319,84 @@ class ModelSpec(_Strict):
                     "change head_dim (or hidden or heads)",
                 )
             )
+        problems += self._moe_problems()
         if problems:
             raise ValidationError.from_exception_data(type(self).__name__, problems)
         return self
+
+    def _moe_problems(self) -> list:
+        """The family's block and the `moe` section agree: a mixture of experts where the
+        family has one, with a shared expert where it has one, a router that renormalises
+        where the family's always does, and at least one sparse layer."""
+        family = FAMILIES[self.family]
+        moe = self.moe
+        if family.experts is None:
+            if moe is None:
+                return []
+            return [
+                _problem(
+                    ("moe",),
+                    "moe",
+                    f"the {family.name} family's block is dense; fix: remove model.moe, or pick "
+                    "a family with experts ("
+                    + ", ".join(f.name for f in FAMILIES.values() if f.experts is not None)
+                    + ")",
+                )
+            ]
+        if moe is None:
+            return [
+                _problem(
+                    ("moe",),
+                    None,
+                    f"the {family.name} family's feed-forward is a mixture of experts: model.moe "
+                    "needs experts, experts_per_token and ffn_hidden (a preset or init_from "
+                    "sets them)",
+                )
+            ]
+        problems = []
+        if family.shared_expert != (moe.shared_ffn_hidden is not None):
+            problems.append(
+                _problem(
+                    ("moe", "shared_ffn_hidden"),
+                    moe.shared_ffn_hidden,
+                    f"the {family.name} family "
+                    + (
+                        "has a shared expert: give its width"
+                        if family.shared_expert
+                        else "has no shared expert: leave it null"
+                    ),
+                )
+            )
+        if family.router_renormalises and not moe.norm_topk_prob:
+            problems.append(
+                _problem(
+                    ("moe", "norm_topk_prob"),
+                    False,
+                    f"the {family.name} family's router always renormalises the top-k "
+                    "probabilities; fix: norm_topk_prob: true",
+                )
+            )
+        shaped = family.moe_problem(self)
+        if shaped is not None:
+            problems.append(_problem(("moe",), "moe", shaped))
+        outside = [i for i in moe.dense_layers if i >= self.layers]
+        if outside:
+            problems.append(
+                _problem(
+                    ("moe", "dense_layers"),
+                    outside,
+                    f"dense_layers {outside} are not layers of a {self.layers}-layer model",
+                )
+            )
+        if not moe.moe_layers(self.layers):
+            problems.append(
+                _problem(
+                    ("moe", "layer_step"),
+                    moe.layer_step,
+                    "no layer is a mixture of experts with this layer_step and dense_layers",
+                )
+            )
+        return problems
 
     @model_validator(mode="after")
     def _check_layer_types(self) -> ModelSpec:
@@ -407,3 +511,9 @@ class ModelSpec(_Strict):
     def local_layers(self) -> int:
         """How many layers are local."""
         return sum(w is not None for w in self.layer_windows)
+
+    @property
+    def shared_expert(self) -> bool:
+        """The family's mixture-of-experts blocks have a shared expert behind a sigmoid
+        gate."""
+        return FAMILIES[self.family].shared_expert

@@ -12,8 +12,9 @@ from ctxlaunch.contract.spec.fields import PositiveInt, _Strict
 
 
 class ParallelSpec(_Strict):
-    """The parallel layout. TP x PP x CP x EP x DP = nodes x gpus_per_node. Rank order (innermost
-    first): TP, CP, EP, DP, PP, so a CP group is consecutive ranks, inside a node where it fits."""
+    """The parallel layout. TP x PP x CP x DP = nodes x gpus_per_node. Rank order (innermost
+    first): TP, CP, DP, PP, so a CP group is consecutive ranks, inside a node where it fits.
+    Expert parallelism (ep) is folded over DP x CP and takes no ranks of its own."""
 
     tp: PositiveInt = 1
     """Tensor parallel degree."""
@@ -29,7 +30,11 @@ class ParallelSpec(_Strict):
     cp: PositiveInt = 1
     """Context parallel degree: the sequence is split across this many ranks."""
     ep: PositiveInt = 1
-    """Expert parallel degree (needs a mixture-of-experts model; ctxlaunch models are dense)."""
+    """Expert parallel degree, for a mixture-of-experts model (model.moe): each layer's experts
+    are split over ep consecutive ranks of the DP x CP ranks holding the same dense weights,
+    which exchange tokens by all-to-all. Folded over DP x CP (torchtitan's and Megatron's MoE
+    parallel folding), it takes no ranks of its own: it must divide dp x cp and
+    model.moe.experts."""
     dp: PositiveInt | None = None
     """Data parallel degree; derived from the GPU count when not given."""
     cp_algorithm: Literal["ring", "ulysses", "hybrid"] = "ring"

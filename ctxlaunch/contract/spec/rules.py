@@ -39,14 +39,7 @@ def layout_problems(
     grad_accum = t.grad_accum_at(dims.dp) if fills else None
     out.extend(pipeline_problems(m, p, grad_accum))
     out.extend(tensor_parallel_problems(m, p, t.seq_len))
-    if dims.ep > 1:
-        out.append(
-            _problem(
-                ("parallel", "ep"),
-                dims.ep,
-                "ep > 1 needs a mixture-of-experts model; ctxlaunch models are dense; fix: ep: 1",
-            )
-        )
+    out.extend(expert_problems(m, t, dims))
     out.extend(cp_problems(m, p, t.seq_len))
     if fills:
         out.extend(batch_problems(t, dims))
@@ -60,7 +53,8 @@ def layout_problems(
 def composition_problems(
     p: ParallelSpec, c: ClusterSpec, dims: ParallelDims
 ) -> list[InitErrorDetails]:
-    """TP x PP x CP x EP x DP = nodes x gpus_per_node."""
+    """TP x PP x CP x DP = nodes x gpus_per_node (EP is folded over DP x CP: it takes no ranks
+    of its own)."""
     if dims.world_size == c.world_size:
         return []
     per_replica = dims.ranks_per_replica
@@ -68,8 +62,8 @@ def composition_problems(
         return [
             _problem(
                 ("parallel",),
-                {"tp": dims.tp, "pp": dims.pp, "cp": dims.cp, "ep": dims.ep},
-                f"tp x pp x cp x ep = {per_replica} must divide the GPU count nodes x "
+                {"tp": dims.tp, "pp": dims.pp, "cp": dims.cp},
+                f"tp x pp x cp = {per_replica} must divide the GPU count nodes x "
                 f"gpus_per_node = {c.nodes} x {c.gpus_per_node} = {c.world_size} (dp is "
                 "derived as the quotient); fix: change a degree or the node count",
             )
@@ -78,11 +72,67 @@ def composition_problems(
         _problem(
             ("parallel", "dp"),
             p.dp,
-            f"tp x pp x cp x ep x dp = {dims.tp} x {dims.pp} x {dims.cp} x {dims.ep} x {p.dp} = "
+            f"tp x pp x cp x dp = {dims.tp} x {dims.pp} x {dims.cp} x {p.dp} = "
             f"{per_replica * p.dp}, but nodes x gpus_per_node = {c.world_size}; fix: make "
             "them equal, or omit dp to derive it",
         )
     ]
+
+
+def expert_problems(m: ModelSpec, t: TrainingSpec, dims: ParallelDims) -> list[InitErrorDetails]:
+    """Expert parallelism borrows its ranks from DP x CP and splits every layer's experts
+    evenly; a mixture-of-experts model trains with what its router needs."""
+    out: list[InitErrorDetails] = []
+    if m.moe is None:
+        if dims.ep > 1:
+            out.append(
+                _problem(
+                    ("parallel", "ep"),
+                    dims.ep,
+                    f"ep > 1 splits the experts of a mixture-of-experts model, but model.family "
+                    f"{m.family} is dense; fix: ep: 1",
+                )
+            )
+        return out
+    if dims.shard_group % dims.ep:
+        out.append(
+            _problem(
+                ("parallel", "ep"),
+                dims.ep,
+                f"ep = {dims.ep} must divide dp x cp = {dims.dp} x {dims.cp} = "
+                f"{dims.shard_group}: expert parallelism is folded over the DP x CP ranks and "
+                "takes none of its own; fix: an ep that divides it",
+            )
+        )
+    if m.moe.experts % dims.ep:
+        out.append(
+            _problem(
+                ("parallel", "ep"),
+                dims.ep,
+                f"ep = {dims.ep} must divide model.moe.experts = {m.moe.experts} (each EP rank "
+                "holds the same number of experts)",
+            )
+        )
+    if t.mlp_tile_tokens:
+        out.append(
+            _problem(
+                ("training", "mlp_tile_tokens"),
+                t.mlp_tile_tokens,
+                "the tiled feed-forward recomputes a dense SwiGLU tile by tile, and this "
+                "model's feed-forward is a mixture of experts; fix: remove mlp_tile_tokens",
+            )
+        )
+    if t.engine == "deepspeed" and dims.ep > 1:
+        out.append(
+            _problem(
+                ("training", "engine"),
+                t.engine,
+                f"engine deepspeed averages every gradient over DP x CP, but at ep = {dims.ep} "
+                "the ranks hold different experts (only its own MoE layer class knows them); "
+                "fix: engine: fsdp2 (or auto), or ep: 1",
+            )
+        )
+    return out
 
 
 def head_split_problems(m: ModelSpec, dims: ParallelDims) -> list[InitErrorDetails]:
@@ -161,7 +211,7 @@ def offload_problems(t: TrainingSpec, dims: ParallelDims) -> list[InitErrorDetai
                 f"{str(off.optimizer).lower()}; fix: zero_stage: 3 and offload.optimizer: true",
             )
         )
-    engine = resolve_state_engine(t.engine, t.zero_stage, tp=dims.tp, pp=dims.pp)
+    engine = resolve_state_engine(t.engine, t.zero_stage, tp=dims.tp, pp=dims.pp, ep=dims.ep)
     if (off.optimizer or off.parameters) and engine == "fsdp2" and dims.dp * dims.cp == 1:
         out.append(
             _problem(

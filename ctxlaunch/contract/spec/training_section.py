@@ -289,7 +289,7 @@ class OffloadSpec(_Strict):
 
 
 HealChange = Literal[
-    "cp", "cp_algorithm", "activation_checkpointing", "zero_stage", "tp", "pp", "micro_batch"
+    "cp", "cp_algorithm", "activation_checkpointing", "zero_stage", "tp", "pp", "micro_batch", "ep"
 ]
 """What a re-plan may change of the layout (never the global batch, the sequence length or the
 data order: the run stays the same run)."""
@@ -302,6 +302,7 @@ HEAL_CHANGES: tuple[HealChange, ...] = (
     "tp",
     "pp",
     "micro_batch",
+    "ep",
 )
 
 MAX_REPLANS = 20
@@ -338,8 +339,9 @@ class HealSpec(_Strict):
     training.heal."""
     may_change: list[HealChange] = list(HEAL_CHANGES)
     """What a re-plan may change: cp, cp_algorithm, activation_checkpointing, zero_stage, tp,
-    pp, micro_batch (default all). The data-parallel degree follows from the GPUs and the rest;
-    the global batch, the sequence length and the data order never change."""
+    pp, micro_batch, ep (a mixture of experts' expert parallel degree); default all. The
+    data-parallel degree follows from the GPUs and the rest; the global batch, the sequence
+    length and the data order never change."""
 
     @property
     def enabled(self) -> bool:
@@ -456,10 +458,14 @@ StateEngine = Literal["torch", "fsdp2", "deepspeed"]
 over DP x CP; deepspeed: DeepSpeed ZeRO does (bf16 weights, fp32 master copy)."""
 
 
-def resolve_state_engine(engine: str, zero_stage: int, *, tp: int, pp: int) -> StateEngine:
-    """The engine `training.engine` means at this ZeRO stage and layout (see TrainingSpec)."""
+def resolve_state_engine(
+    engine: str, zero_stage: int, *, tp: int, pp: int, ep: int = 1
+) -> StateEngine:
+    """The engine `training.engine` means at this ZeRO stage and layout (see TrainingSpec):
+    auto is DeepSpeed at TP 1 x PP 1 without expert parallelism (DeepSpeed's ZeRO averages
+    every gradient over DP x CP, experts too), FSDP2 otherwise."""
     if zero_stage == 0:
         return "torch"
-    if engine == "deepspeed" or (engine == "auto" and tp == 1 and pp == 1):
+    if engine == "deepspeed" or (engine == "auto" and tp == 1 and pp == 1 and ep == 1):
         return "deepspeed"
     return "fsdp2"

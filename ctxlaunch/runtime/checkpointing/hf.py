@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from ctxlaunch.contract.families import FAMILIES, Family
-from ctxlaunch.contract.families.family import parameter_shapes, part_rows
+from ctxlaunch.contract.families.experts import is_expert_parameter
+from ctxlaunch.contract.families.family import parameter_shapes
 from ctxlaunch.contract.families.hfconfig import CONFIG_FILE, read_config
 from ctxlaunch.contract.fsutil import missing_directories
 from ctxlaunch.contract.spec import DefaultRope, ModelSpec, YarnRope
@@ -114,10 +115,9 @@ def check_shapes(
     checkpoint: SafetensorsCheckpoint, shapes: dict[str, torch.Size], model: ModelSpec
 ) -> None:
     """Every parameter's parts are in the checkpoint with the shapes the spec implies."""
+    family = FAMILIES[model.family]
     for name, shape in shapes.items():
-        sizes = part_rows(name, model) or (shape[0],)
-        for hf_name, rows in zip(hf_names(name, model), sizes, strict=True):
-            want = (rows, *shape[1:])
+        for hf_name, want in family.hf_parts(name, tuple(shape), model):
             got = checkpoint.shape(hf_name)
             if got != want:
                 raise HFCheckpointError(
@@ -135,13 +135,22 @@ def read_local(
     tp: int,
     tp_rank: int,
     rows: tuple[int, int],
+    experts: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Rows [start, stop) of this TP rank's slice of parameter `name` (the rows it keeps
-    under FSDP2), read from the checkpoint without reading the rest."""
+    under FSDP2), read from the checkpoint without reading the rest; of an expert parameter,
+    experts [first + start, first + stop) of the `experts` (first, count) this rank holds."""
+    if is_expert_parameter(name):
+        first = experts[0] if experts is not None else 0
+        return read_experts(checkpoint, model, name, full_shape, first + rows[0], first + rows[1])
     parts = hf_names(name, model)
     lo, hi = rows
     if sharding is None:
-        return checkpoint.read(parts[0], (lo, hi))
+        if len(parts) == 1:
+            return checkpoint.read(parts[0], (lo, hi))
+        # A fused weight TP does not split (a shared expert's gate and up): its parts whole.
+        sizes = [s[0] for _, s in FAMILIES[model.family].hf_parts(name, tuple(full_shape), model)]
+        sharding, tp, tp_rank = Sharding(0, tuple(sizes)), 1, 0
     if sharding.dim == 1:
         width = full_shape[1] // tp
         return checkpoint.read(parts[0], (lo, hi), (tp_rank * width, (tp_rank + 1) * width))
@@ -158,14 +167,43 @@ def read_local(
     return torch.cat(pieces, dim=0)
 
 
+def read_experts(
+    checkpoint: SafetensorsCheckpoint,
+    model: ModelSpec,
+    name: str,
+    full_shape: torch.Size,
+    start: int,
+    stop: int,
+) -> torch.Tensor:
+    """Experts [start, stop) of expert parameter `name` (whole shape `full_shape`: E first),
+    each stacked from its Hugging Face parts (gate and up; down)."""
+    parts = FAMILIES[model.family].hf_parts(name, tuple(full_shape), model)
+    per_expert = len(parts) // full_shape[0]
+    if start >= stop:
+        return torch.empty((0, *full_shape[1:]))
+    return torch.stack(
+        [
+            torch.cat(
+                [
+                    checkpoint.read(hf_name, (0, shape[0]))
+                    for hf_name, shape in parts[j * per_expert : (j + 1) * per_expert]
+                ]
+            )
+            for j in range(start, stop)
+        ]
+    )
+
+
 # -- export ------------------------------------------------------------------------------------
 def to_hf(state: dict[str, torch.Tensor], model: ModelSpec) -> dict[str, torch.Tensor]:
     """ctxlaunch's whole-model state (name -> tensor) as Hugging Face tensors."""
+    family = FAMILIES[model.family]
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        sizes = part_rows(name, model)
-        pieces = tensor.split(list(sizes), dim=0) if sizes else (tensor,)
-        for hf_name, piece in zip(hf_names(name, model), pieces, strict=True):
+        parts = family.hf_parts(name, tuple(tensor.shape), model)
+        flat = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() == 3 else tensor
+        pieces = flat.split([shape[0] for _, shape in parts], dim=0) if len(parts) > 1 else (flat,)
+        for (hf_name, _), piece in zip(parts, pieces, strict=True):
             out[hf_name] = piece.contiguous()
     return out
 

@@ -6,6 +6,8 @@ TP-split weight is saved as its TP parts (q, k, v of the fused projection; gate 
 DTensor sharded over the TP group along the split dimension; DCP maps the saved shards onto
 whatever split the loading layout has. A pipeline stage saves and loads only its own blocks'
 names. Under FSDP2 each rank first gathers its TP slice over DP x CP (one slice at a time).
+An expert parameter is saved whole too, (E, ...), as a DTensor sharded along the experts over
+the EP group, so a checkpoint saved at one EP degree resumes at another.
 
     model/<name>[#part]        weights
     exp_avg/<name>[#part]      Adam first moments
@@ -44,15 +46,20 @@ class CheckpointState:
         tp: int,
         tp_group: dist.ProcessGroup | None,
         device: torch.device,
+        experts: frozenset[str] = frozenset(),
+        ep_group: dist.ProcessGroup | None = None,
     ):
+        from torch.distributed.device_mesh import DeviceMesh
+
         self.params, self.optimizer, self.scheduler = named_parameters, optimizer, scheduler
         self.plan, self.tp = plan, tp
         self.mesh = None
         if tp > 1:
-            from torch.distributed.device_mesh import DeviceMesh
-
             assert tp_group is not None  # tp > 1
             self.mesh = DeviceMesh.from_group(tp_group, device.type)
+        self.experts = experts
+        """The expert parameters (their local tensors are this rank's experts)."""
+        self.ep_mesh = None if ep_group is None else DeviceMesh.from_group(ep_group, device.type)
 
     def _ensure_moments(self) -> None:
         """A fresh optimizer has no state yet; loading needs tensors to load into."""
@@ -66,6 +73,17 @@ class CheckpointState:
                     state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
     def _parts(self, name: str, local: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        from torch.distributed.tensor import Shard
+
+        if name in self.experts and self.ep_mesh is not None:
+            return [
+                (
+                    name,
+                    DTensor.from_local(
+                        local.contiguous(), self.ep_mesh, [Shard(0)], run_check=False
+                    ),
+                )
+            ]
         sharding = self.plan[name]
         if sharding is None:
             return [(name, local)]
@@ -73,8 +91,6 @@ class CheckpointState:
         pieces = local.split(sizes, dim=sharding.dim)
         if self.mesh is None:
             return [(f"{name}#{i}", piece) for i, piece in enumerate(pieces)]
-        from torch.distributed.tensor import Shard
-
         return [
             (
                 f"{name}#{i}",
@@ -115,6 +131,7 @@ class CheckpointState:
                 for key, target in self._tensors(param):
                     if sharding is None:
                         value = state[f"{key}/{name}"]
+                        value = value.to_local() if hasattr(value, "to_local") else value
                     else:
                         pieces = [state[f"{key}/{name}#{i}"] for i in range(len(sharding.parts))]
                         pieces = [p.to_local() if hasattr(p, "to_local") else p for p in pieces]

@@ -25,7 +25,15 @@ def load_weights(
         from ctxlaunch.runtime.checkpointing.reshard import CheckpointState
 
         CheckpointState(
-            parts.named_parameters(), None, None, parts.plan, ctx.dims.tp, ctx.tp_group, device
+            parts.named_parameters(),
+            None,
+            None,
+            parts.plan,
+            ctx.dims.tp,
+            ctx.tp_group,
+            device,
+            frozenset(parts.experts),
+            ctx.ep_group,
         ).load(path)
         return
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -12,6 +12,9 @@ The model never touches a process group. Which attention runs (full, ring, Ulyss
 `Attention.attend`, installed by `parallelize`; positions come in with the tokens, so RoPE
 follows each token's global position under any CP layout (or, per sequence, its position in
 its document); a packed batch's document boundaries, when given, pass through to `attend`.
+A family's mixture-of-experts blocks have `moe.MoEFeedForward` as their `ffn` (the router, the
+experts and their dispatch, which `parallelize` installs as it installs attention), and the
+model's `routing` records what they route for the load-balancing loss (moe.py).
 Tensor parallelism enters the same way: `project_in`/`exit` around attention and the
 feed-forward (the input projection and identity by default; under TP the sequence all-gather
 fused with the column-parallel projection, and the reduce-scatter), `chunked_loss`
@@ -34,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
@@ -43,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ctxlaunch.contract.families.experts import ExpertsShape
 from ctxlaunch.contract.spec import (
     DefaultRope,
     LinearRope,
@@ -51,8 +55,10 @@ from ctxlaunch.contract.spec import (
     RopeScaling,
     YarnRope,
 )
-from ctxlaunch.perf.memory import BACKWARD_CHUNK_TOKENS, LOSS_CHUNK_TOKENS
+from ctxlaunch.perf.memory import LOSS_CHUNK_TOKENS
 from ctxlaunch.runtime.modeling.loss import chunked_cross_entropy
+from ctxlaunch.runtime.modeling.moe import MoEFeedForward, Routing
+from ctxlaunch.runtime.modeling.pointwise import GATED, RMSNorm, _pointwise, _SwiGLU
 from ctxlaunch.runtime.modeling.tiling import tiled_feed_forward
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -86,237 +92,6 @@ def _token_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Te
 
 
 Checkpointing = Literal["none", "selective", "full"]
-
-
-def _upcast(x: torch.Tensor) -> torch.Tensor:
-    """x in fp32, or as it is if wider (float64, for exactness checks)."""
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
-
-
-def _row_chunks(rows: int) -> Iterator[slice]:
-    """Token rows in chunks of BACKWARD_CHUNK_TOKENS: the fp32 temporaries of the pointwise
-    backward passes below exist for one chunk at a time."""
-    for start in range(0, rows, BACKWARD_CHUNK_TOKENS):
-        yield slice(start, start + BACKWARD_CHUNK_TOKENS)
-
-
-# -- compiled pointwise math (training.compile) -----------------------------------------------
-# Each function below is the whole pointwise body of one step of RMSNorm, SwiGLU or RoPE, so
-# that inductor fuses it into one kernel (no fp32 temporaries in memory). The autograd
-# Functions keep what they save and their token chunks: compiling changes only how one chunk
-# is computed, so the planner's constants still hold (its count of the eager backward's fp32
-# temporaries becomes an upper bound). Attention and the matmuls are never compiled.
-def _rms_forward_math(
-    x: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    x32 = _upcast(x)
-    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * rstd * _upcast(weight)).to(x.dtype), rstd
-
-
-def _rms_backward_math(
-    x: torch.Tensor, grad_y: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_x in x's dtype, the gain's gradient summed over these rows, fp32) of rows."""
-    normed = _upcast(x) * rstd
-    g32 = _upcast(grad_y)
-    gw = g32 * _upcast(weight)
-    mean = (gw * normed).mean(-1, keepdim=True)
-    return ((gw - normed * mean) * rstd).to(x.dtype), (g32 * normed).sum(0)
-
-
-def _swiglu_forward_math(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-def _swiglu_backward_math(
-    gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_gate, grad_up) of rows, computed in fp32, in the inputs' dtype."""
-    g32, dy32 = _upcast(gate), _upcast(dy)
-    sig = torch.sigmoid(g32)
-    grad_up = g32 * sig * dy32
-    grad_gate = sig * (1 + g32 * (1 - sig)) * dy32 * _upcast(up)
-    return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
-
-
-def _geglu_forward_math(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.gelu(gate, approximate="tanh") * up
-
-
-def _geglu_backward_math(
-    gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_gate, grad_up) of rows, computed in fp32, in the inputs' dtype."""
-    g32, dy32 = _upcast(gate), _upcast(dy)
-    grad_up = F.gelu(g32, approximate="tanh") * dy32
-    grad_gate = torch.ops.aten.gelu_backward(dy32 * _upcast(up), g32, approximate="tanh")
-    return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
-
-
-def _apply_rope_math(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
-
-
-_EAGER_POINTWISE: dict[str, Callable[..., Any]] = {
-    "rms_forward": _rms_forward_math,
-    "rms_backward": _rms_backward_math,
-    "swiglu_forward": _swiglu_forward_math,
-    "swiglu_backward": _swiglu_backward_math,
-    "geglu_forward": _geglu_forward_math,
-    "geglu_backward": _geglu_backward_math,
-    "rope": _apply_rope_math,
-}
-_compiled_pointwise: dict[str, Callable[..., Any]] = {}
-_POINTWISE: dict[str, Callable[..., Any]] | None = None
-"""The compiled kernels while `set_compiled(True)` holds, else None (the eager code below)."""
-
-
-def set_compiled(enabled: bool) -> None:
-    """Run the pointwise work of every block through torch.compile (`enabled`) or eagerly.
-    Process-wide: the autograd Functions are static. Each function is compiled once per input
-    shape and dtype, on first use (fullgraph; attention stays outside every compiled region)."""
-    global _POINTWISE
-    if enabled and not _compiled_pointwise:
-        for name, fn in _EAGER_POINTWISE.items():
-            _compiled_pointwise[name] = torch.compile(fn, fullgraph=True, dynamic=False)
-    _POINTWISE = _compiled_pointwise if enabled else None
-
-
-def _pointwise(name: str) -> Callable[..., Any]:
-    return (_POINTWISE or _EAGER_POINTWISE)[name]
-
-
-def compiled() -> bool:
-    """Whether the pointwise work runs compiled (`set_compiled`)."""
-    return _POINTWISE is not None
-
-
-class _RMSNorm(torch.autograd.Function):
-    """y = x / rms(x) * w, in fp32 inside; saves x and the fp32 1/rms only. Backward computes
-    in fp32 over chunks of tokens, so its fp32 temporaries are (chunk x h), not (tokens x h)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        y, rstd = _pointwise("rms_forward")(x, weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y: torch.Tensor):
-        x, weight, rstd = ctx.saved_tensors
-        h = x.shape[-1]
-        x2, g2, rstd2 = x.reshape(-1, h), grad_y.reshape(-1, h), rstd.reshape(-1, 1)
-        grad_x = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-        grad_weight = torch.zeros(h, dtype=rstd.dtype, device=x.device)
-        kernel = None if _POINTWISE is None else _POINTWISE["rms_backward"]
-        w32 = _upcast(weight)
-        for rows in _row_chunks(x2.shape[0]):
-            if kernel is not None:
-                grad_x[rows], gw_rows = kernel(x2[rows], g2[rows], rstd2[rows], weight)
-                grad_weight += gw_rows
-                continue
-            r = rstd2[rows]
-            normed = _upcast(x2[rows]) * r
-            g32 = _upcast(g2[rows])
-            gw = g32 * normed
-            grad_weight += gw.sum(0)
-            torch.mul(g32, w32, out=gw)
-            # d/dx of x * rstd: rstd * (gw - normed * mean(gw * normed))
-            mean = (gw * normed).mean(-1, keepdim=True)
-            grad_x[rows] = gw.sub_(normed.mul_(mean)).mul_(r)
-            del normed, g32, gw, mean  # before the next chunk's, not after
-        return grad_x.view(x.shape), grad_weight.to(weight.dtype), None
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, offset: bool = False):
-        super().__init__()
-        self.eps = eps
-        self.offset = offset
-        """The gain is stored as w and applied as 1 + w (in fp32, as transformers' Gemma)."""
-        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.float() + 1.0 if self.offset else self.weight
-        # Under autocast the norm runs in the input's dtype (fp32 residual), as the planner counts.
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            return _RMSNorm.apply(x, weight, self.eps)
-
-
-class _SwiGLU(torch.autograd.Function):
-    """silu(gate) * up; saves gate and up, recomputes the SiLU in backward. Backward computes
-    in fp32 over chunks of tokens, in place, so its fp32 temporaries are two (chunk x ffn)
-    tensors (four in 16-bit, with the upcasts of gate and grad), not eight (tokens x ffn)."""
-
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate, up)
-        return _pointwise("swiglu_forward")(gate, up)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        gate, up = ctx.saved_tensors
-        f = gate.shape[-1]
-        gate2, up2, grad2 = gate.reshape(-1, f), up.reshape(-1, f), grad.reshape(-1, f)
-        grad_gate = torch.empty(gate2.shape, dtype=gate.dtype, device=gate.device)
-        grad_up = torch.empty(up2.shape, dtype=up.dtype, device=up.device)
-        kernel = None if _POINTWISE is None else _POINTWISE["swiglu_backward"]
-        for rows in _row_chunks(gate2.shape[0]):
-            if kernel is not None:
-                grad_gate[rows], grad_up[rows] = kernel(gate2[rows], up2[rows], grad2[rows])
-                continue
-            g32 = _upcast(gate2[rows])
-            sig = torch.sigmoid(g32)
-            dy = _upcast(grad2[rows])
-            work = torch.mul(g32, sig)  # silu
-            grad_up[rows] = work.mul_(dy)
-            # d silu / d gate = sig * (1 + gate * (1 - sig))
-            work.fill_(1).sub_(sig).mul_(g32).add_(1).mul_(sig)
-            del g32, sig  # an in-place op with a 16-bit operand would upcast it into a new
-            # temporary: upcast up explicitly, once these two are gone
-            grad_gate[rows] = work.mul_(dy).mul_(_upcast(up2[rows]))
-            del dy, work  # before the next chunk's, not after
-        return grad_gate.view(gate.shape), grad_up.view(up.shape)
-
-
-class _GeGLU(torch.autograd.Function):
-    """gelu_tanh(gate) * up (GELU's tanh approximation); saves gate and up, recomputes the GELU
-    in backward, in fp32 over chunks of tokens as `_SwiGLU` does."""
-
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate, up)
-        return _pointwise("geglu_forward")(gate, up)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        gate, up = ctx.saved_tensors
-        f = gate.shape[-1]
-        gate2, up2, grad2 = gate.reshape(-1, f), up.reshape(-1, f), grad.reshape(-1, f)
-        grad_gate = torch.empty(gate2.shape, dtype=gate.dtype, device=gate.device)
-        grad_up = torch.empty(up2.shape, dtype=up.dtype, device=up.device)
-        kernel = None if _POINTWISE is None else _POINTWISE["geglu_backward"]
-        for rows in _row_chunks(gate2.shape[0]):
-            if kernel is not None:
-                grad_gate[rows], grad_up[rows] = kernel(gate2[rows], up2[rows], grad2[rows])
-                continue
-            g32, dy = _upcast(gate2[rows]), _upcast(grad2[rows])
-            work = F.gelu(g32, approximate="tanh")
-            grad_up[rows] = work.mul_(dy)
-            # Two (chunk x ffn) fp32 temporaries at most, as SwiGLU's backward (four in 16-bit
-            # with the upcasts of gate and the gradient, gone before up's arrives).
-            slope = torch.ops.aten.gelu_backward(dy, g32, approximate="tanh")
-            del work, g32, dy
-            grad_gate[rows] = slope.mul_(_upcast(up2[rows]))
-            del slope  # before the next chunk's, not after
-        return grad_gate.view(gate.shape), grad_up.view(up.shape)
-
-
-GATED: dict[str, type[torch.autograd.Function]] = {"silu": _SwiGLU, "gelu_tanh": _GeGLU}
-"""The feed-forward's gated activation, by the family's name for it."""
 
 
 def inverse_frequencies(
@@ -475,6 +250,28 @@ class Attention(nn.Module):
         return {name: value for name, value in given.items() if value is not None}
 
 
+def _draw(key: str, shape: torch.Size | tuple[int, ...], std: float) -> torch.Tensor:
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+    return torch.randn(shape, generator=generator) * std
+
+
+def _moe_feed_forward(
+    hidden: int, moe: ExpertsShape | None, shared_expert: bool, layer: int
+) -> MoEFeedForward | None:
+    """Block `layer`'s mixture-of-experts feed-forward, where `moe` makes it one."""
+    if moe is None or not moe.is_moe_layer(layer):
+        return None
+    shared = (
+        FeedForward(hidden, moe.shared_ffn_hidden)
+        if shared_expert and moe.shared_ffn_hidden
+        else None
+    )
+    return MoEFeedForward(
+        hidden, moe, renormalise=moe.norm_topk_prob, swiglu=_SwiGLU.apply, shared=shared
+    )
+
+
 def _local_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any
 ) -> torch.Tensor:
@@ -517,6 +314,7 @@ class Block(nn.Module):
         scale: float | None = None,
         softcap: float | None = None,
         sinks: bool = False,
+        ffn: nn.Module | None = None,
     ):
         super().__init__()
         self.attn_norm = RMSNorm(hidden, eps, norm_offset)
@@ -537,7 +335,10 @@ class Block(nn.Module):
         # Norms on each sub-block's output, before the residual add (None: not this family's).
         self.attn_post_norm = RMSNorm(hidden, eps, norm_offset) if post_norms else None
         self.ffn_norm = RMSNorm(hidden, eps, norm_offset)
-        self.ffn = FeedForward(hidden, ffn_hidden, activation)
+        # A mixture of experts where the model says (moe.MoEFeedForward), else the dense MLP.
+        self.ffn: nn.Module = (
+            ffn if ffn is not None else FeedForward(hidden, ffn_hidden, activation)
+        )
         self.ffn_post_norm = RMSNorm(hidden, eps, norm_offset) if post_norms else None
         self.checkpointing: Checkpointing = "none"
         self.mlp_tile_tokens: int | None = None
@@ -610,6 +411,8 @@ class Transformer(nn.Module):
         query_pre_attn_scalar: float | None = None,
         attention_softcap: float | None = None,
         logit_softcap: float | None = None,
+        moe: ExpertsShape | None = None,
+        shared_expert: bool = False,
     ):
         super().__init__()
         self.hidden = hidden
@@ -646,9 +449,25 @@ class Transformer(nn.Module):
                 scale=scale,
                 softcap=attention_softcap,
                 sinks=attention_sinks,
+                ffn=_moe_feed_forward(hidden, moe, shared_expert, i),
             )
             for i in range(layers)
         )
+        for index, ffn in enumerate(
+            b.ffn for b in self.blocks if isinstance(b, Block) and isinstance(b.ffn, MoEFeedForward)
+        ):
+            ffn.index = index
+        self.routing: Routing | None = (
+            None
+            if moe is None
+            else Routing(
+                moe.experts,
+                len([i for i in range(layers) if moe.is_moe_layer(i)]),
+                moe.aux_loss_coef,
+                hidden,
+            )
+        )
+        """The load-balancing loss's records of a mixture-of-experts model (moe.py)."""
         self.norm: RMSNorm | None = RMSNorm(hidden, norm_eps, norm_offset)
         self.head: nn.Linear | None = (
             None if tie_embeddings else nn.Linear(hidden, vocab, bias=False)
@@ -695,23 +514,36 @@ class Transformer(nn.Module):
             query_pre_attn_scalar=model.query_pre_attn_scalar,
             attention_softcap=model.attention_softcap,
             logit_softcap=model.logit_softcap,
+            moe=model.moe,
+            shared_expert=model.shared_expert,
         )
 
-    def initial_value(self, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    def initial_value(
+        self,
+        name: str,
+        shape: torch.Size,
+        seed: int,
+        experts: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
         """The initial fp32 value (CPU) of the whole parameter `name`, from a generator seeded
         by (seed, name): the same at every layout, and computable for one parameter without
-        the others, so a rank draws only the parameters it holds."""
+        the others, so a rank draws only the parameters it holds; of an expert parameter only
+        the `experts` (first, count) it holds, each from its own generator."""
         if name.endswith("norm.weight"):
             # A gain of 1 either way: stored as 1, or as 0 where it is applied as 1 + w.
             return torch.zeros(shape) if self.norm_offset else torch.ones(shape)
         if name.endswith((".bias", ".sinks")):
             return torch.zeros(shape)
         std = 0.02
-        if name.endswith(("wo.weight", "w_down.weight")):
+        if name.endswith(("wo.weight", "w_down.weight", "experts.w_down")):
             std = std / (2 * len(self.blocks)) ** 0.5  # residual branches, GPT-2 style
-        digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
-        generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
-        return torch.randn(shape, generator=generator) * std
+        if name.endswith(("experts.w_gate_up", "experts.w_down")):
+            # One generator per expert: a rank holding some of the experts draws only those.
+            first, count = experts if experts is not None else (0, shape[0])
+            return torch.stack(
+                [_draw(f"{seed}/{name}/{j}", shape[1:], std) for j in range(first, first + count)]
+            )
+        return _draw(f"{seed}/{name}", shape, std)
 
     def init_weights(self, seed: int) -> None:
         """Initialise a whole (unsharded, materialised) model: `initial_value` of each
@@ -739,6 +571,31 @@ class Transformer(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         blocks: Iterable[Block],
+        documents: Documents = None,
+        *,
+        receives: bool = False,
+        sends: bool = False,
+    ) -> torch.Tensor:
+        """The blocks over x. Under pipeline parallelism a stage that `receives` hidden states
+        and one that `sends` them on exchange the mixture-of-experts router counts with them
+        (moe.py); the last part closes the load-balancing loss's statistics."""
+        blocks = list(blocks)
+        routing = self.routing
+        record = routing.begin(blocks) if routing is not None else None
+        if receives and routing is not None:
+            x = routing.receive_counts(x, record)
+        x = self._blocks(x, positions, blocks, documents)
+        if routing is not None and record is not None:
+            x = routing.end(record, blocks, x, last=not sends)
+        if sends and routing is not None:
+            x = routing.send_counts(x, record)
+        return x
+
+    def _blocks(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        blocks: list[Block],
         documents: Documents = None,
     ) -> torch.Tensor:
         # Tables in the dtype q and k will have (autocast's, if on), made once for all blocks

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.tensor import DTensor
 
+from ctxlaunch.contract.families.experts import is_moe_parameter
+
 if TYPE_CHECKING:
     from ctxlaunch.runtime.modeling.model import Transformer
 
@@ -39,9 +41,14 @@ class Sharding:
 
 
 def shardings(model: Transformer) -> dict[str, Sharding | None]:
-    """Every parameter name of the full model -> its TP sharding (None: replicated)."""
+    """Every parameter name of the full model -> its TP sharding (None: replicated). A
+    mixture-of-experts feed-forward runs on each TP rank's own (sequence-parallel) tokens with
+    whole weights, as Megatron's expert tensor parallel degree 1: none of it is split."""
     out: dict[str, Sharding | None] = {}
     for name, param in model.named_parameters():
+        if is_moe_parameter(name):
+            out[name] = None
+            continue
         leaf = name.rsplit(".", 2)
         kind = ".".join(leaf[-2:])
         if kind in ("wqkv.weight", "wqkv.bias"):

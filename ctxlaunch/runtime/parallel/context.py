@@ -61,6 +61,30 @@ class ParallelContext:
         return self.groups.get("pp")
 
     @property
+    def ep_rank(self) -> int:
+        """This rank's place in its EP group (which experts it holds)."""
+        return self.dims.coordinates(self.rank).ep_rank
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The ranks exchanging tokens for one set of all experts (ep > 1)."""
+        return self.groups.get("ep")
+
+    @property
+    def edp_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the same experts: expert gradients average and FSDP2 shards expert
+        states here (None where this rank alone holds its experts)."""
+        if self.dims.ep == 1:
+            return self.dp_cp_group
+        return self.groups.get("edp")
+
+    @property
+    def tokens_group(self) -> dist.ProcessGroup | None:
+        """Every rank holding a part of the micro-batch's tokens (DP x CP x TP of this pipeline
+        stage; None: the whole job, where there is one stage)."""
+        return self.groups.get("tokens")
+
+    @property
     def ulysses_group(self) -> dist.ProcessGroup | None:
         return self.groups.get("ulysses")
 

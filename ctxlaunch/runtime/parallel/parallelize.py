@@ -7,7 +7,7 @@ It reads the planner's own record of the job (`perf.layout.Layout`, with the job
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -19,7 +19,8 @@ from ctxlaunch.contract.families import FAMILIES
 from ctxlaunch.contract.spec import JobSpec, ModelSpec
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.runtime.modeling.loss import VocabShard, chunked_cross_entropy
-from ctxlaunch.runtime.modeling.model import Transformer
+from ctxlaunch.runtime.modeling.model import FeedForward, Transformer
+from ctxlaunch.runtime.modeling.moe import MoEFeedForward
 from ctxlaunch.runtime.modeling.offload import ActivationOffload
 from ctxlaunch.runtime.modeling.weight_sharding import (
     Sharding,
@@ -29,6 +30,7 @@ from ctxlaunch.runtime.modeling.weight_sharding import (
     write_rows,
 )
 from ctxlaunch.runtime.parallel.context import ParallelContext, attention_for
+from ctxlaunch.runtime.parallel.expert_parallel import apply_expert_parallel
 from ctxlaunch.runtime.parallel.pipeline import StageModule, pipeline_schedule, split_stages
 from ctxlaunch.runtime.parallel.tensor_parallel import (
     VocabParallelEmbedding,
@@ -59,7 +61,8 @@ class ModelParts:
     plan: dict[str, Sharding | None]
     """TP sharding of every parameter, by its name in the whole model."""
     sharded: bool
-    """FSDP2 shards the parts' states over DP x CP."""
+    """FSDP2 shards the parts' states over DP x CP (expert states over the ranks holding the
+    same experts)."""
 
     first: bool
     """This rank runs the first stage: it feeds the token ids."""
@@ -69,6 +72,9 @@ class ModelParts:
     """The blocks' checkpointed inputs in host memory (training.offload.activations)."""
     states_on_host: bool = False
     """FSDP2 keeps the sharded parameters, gradients and optimizer states in host memory."""
+    experts: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Each expert parameter's (first, count) of the experts this rank holds, by its name in
+    the whole model (expert parallelism)."""
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """(name in the whole model, parameter) for every parameter this rank holds."""
@@ -101,6 +107,7 @@ def parallelize(
     for block in model.block_modules():
         block.attn.attend = attend
     plan = apply_tensor_parallel(model, ctx)
+    experts = apply_expert_parallel(model, ctx)
     model.set_checkpointing(layout.activation_checkpointing)
     model.set_mlp_tiling(layout.mlp_tile_tokens or None)
     stages = (
@@ -116,6 +123,7 @@ def parallelize(
         _fully_shard(
             parts,
             ctx.dp_cp_group,
+            ctx.edp_group,
             device,
             reshard_after_forward=layout.zero_stage == 3,
             bf16=bf16,
@@ -125,10 +133,10 @@ def parallelize(
     # copies each unit's shard to the device to gather it).
     home = torch.device("cpu") if states_on_host else device
     if init_from is not None:
-        _materialise_from_hf(parts, full_shapes, plan, ctx, init_from, home)
+        _materialise_from_hf(parts, full_shapes, plan, experts, ctx, init_from, home)
     else:
         for part in parts:
-            _materialise(part, model, full_shapes, plan, ctx, seed, home)
+            _materialise(part, model, full_shapes, plan, experts, ctx, seed, home)
     activation_offload = None
     if layout.offload_activations:
         blocks = model.block_modules()
@@ -165,6 +173,7 @@ def parallelize(
         last=not stages or stages[-1].stage_index == n_stages - 1,
         activation_offload=activation_offload,
         states_on_host=states_on_host,
+        experts=experts,
     )
 
 
@@ -186,6 +195,7 @@ def parallelize_job(
 def _fully_shard(
     parts: list[nn.Module],
     dp_cp_group: dist.ProcessGroup,
+    edp_group: dist.ProcessGroup | None,
     device: torch.device,
     *,
     reshard_after_forward: bool,
@@ -199,7 +209,9 @@ def _fully_shard(
     gradients in fp32: no fp32 weight enters the compute, so autocast copies none and the
     residual stream is bf16 (`Layout.fsdp_bf16_params`). With `offload`, FSDP2's CPU offload
     policy keeps the shards, their gradients and so the optimizer's states in host memory
-    (pinned on CUDA; torch cannot pin without an accelerator)."""
+    (pinned on CUDA; torch cannot pin without an accelerator). A mixture-of-experts block's
+    experts are a unit of their own over the ranks holding the same experts (`edp_group`),
+    or kept whole, out of the block's unit, where this rank alone holds them."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
@@ -224,12 +236,25 @@ def _fully_shard(
             else (part.block_modules() if isinstance(part, Transformer) else [])
         )
         for block in blocks:
+            ignored: set[nn.Parameter] = set()
+            if isinstance(block.ffn, MoEFeedForward):
+                if edp_group is not None:
+                    fully_shard(
+                        block.ffn.experts,
+                        mesh=DeviceMesh.from_group(edp_group, device.type),
+                        reshard_after_forward=reshard_after_forward,
+                        mp_policy=policy,
+                        offload_policy=offload_policy,
+                    )
+                else:
+                    ignored = set(block.ffn.experts.parameters())
             fully_shard(
                 block,
                 mesh=mesh,
                 reshard_after_forward=reshard_after_forward,
                 mp_policy=policy,
                 offload_policy=offload_policy,
+                ignored_params=ignored or None,
             )
         # The root's weights (embedding, final norm, head) stay gathered through backward: the
         # loss uses the head after the stage's forward returns.
@@ -247,15 +272,17 @@ def _materialise(
     model: Transformer,
     full_shapes: dict[str, torch.Size],
     plan: dict[str, Sharding | None],
+    experts: dict[str, tuple[int, int]],
     ctx: ParallelContext,
     seed: int,
     device: torch.device,
 ) -> None:
-    """Allocate `part`'s parameters on `device` and write each its initial value's slice."""
+    """Allocate `part`'s parameters on `device` and write each its initial value's slice (of an
+    expert parameter, this rank's experts')."""
     part.to_empty(device=device)
     with torch.no_grad():
         for name, param in part.named_parameters():
-            value = model.initial_value(name, full_shapes[name], seed)
+            value = model.initial_value(name, full_shapes[name], seed, experts.get(name))
             sharding = plan[name]
             if sharding is not None and ctx.dims.tp > 1:
                 value = sharding.shard(value, ctx.dims.tp, ctx.tp_rank)
@@ -266,6 +293,7 @@ def _materialise_from_hf(
     parts: list[nn.Module],
     full_shapes: dict[str, torch.Size],
     plan: dict[str, Sharding | None],
+    experts: dict[str, tuple[int, int]],
     ctx: ParallelContext,
     model: ModelSpec,
     device: torch.device,
@@ -285,13 +313,14 @@ def _materialise_from_hf(
         if ctx.rank == 0
         else contextlib.nullcontext()
     ) as progress:
-        _read_from_hf(parts, full_shapes, plan, ctx, model, checkpoint, device, progress)
+        _read_from_hf(parts, full_shapes, plan, experts, ctx, model, checkpoint, device, progress)
 
 
 def _read_from_hf(
     parts: list[nn.Module],
     full_shapes: dict[str, torch.Size],
     plan: dict[str, Sharding | None],
+    experts: dict[str, tuple[int, int]],
     ctx: ParallelContext,
     model: ModelSpec,
     checkpoint: SafetensorsCheckpoint,
@@ -313,11 +342,20 @@ def _read_from_hf(
                         if sharding and not sharding.dim
                         else full_shapes[name][0]
                     )
-                    rows = local_rows(param, slice_rows)
+                    held = experts.get(name)
+                    rows = local_rows(param, held[1] if held else slice_rows)
                     write_rows(
                         param,
                         hf.read_local(
-                            checkpoint, model, name, full_shapes[name], sharding, tp, tp_rank, rows
+                            checkpoint,
+                            model,
+                            name,
+                            full_shapes[name],
+                            sharding,
+                            tp,
+                            tp_rank,
+                            rows,
+                            held,
                         ),
                     )
                     if progress is not None:
@@ -348,7 +386,8 @@ def apply_tensor_parallel(model: Transformer, ctx: ParallelContext) -> dict[str,
         block.attn.heads //= tp
         block.attn.kv_heads //= tp
         block.attn.project_in, block.attn.exit = project_in, leave
-        block.ffn.project_in, block.ffn.exit = project_in, leave
+        if isinstance(block.ffn, FeedForward):  # a mixture of experts runs on its own tokens
+            block.ffn.project_in, block.ffn.exit = project_in, leave
     embedding = model.get_parameter("embed.weight")
     vocab_start = rank * embedding.shape[0]
     model.embed = VocabParallelEmbedding(embedding, vocab_start, group)

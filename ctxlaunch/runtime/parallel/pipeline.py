@@ -89,7 +89,15 @@ class StageModule(nn.Module):
             self._next_micro += 1
         if positions is None:
             raise RuntimeError("set the stage's positions before running it")
-        x = self._model[0].run_blocks(x, positions, self.block_list, documents)
+        # Between stages a mixture-of-experts model's router counts ride with the hidden states.
+        x = self._model[0].run_blocks(
+            x,
+            positions,
+            self.block_list,
+            documents,
+            receives=self.embed is None,
+            sends=self.norm is None,
+        )
         return self.norm(x) if self.norm is not None else x
 
 
@@ -217,6 +225,8 @@ def pipeline_schedule(
     )
 
     stages: list[_PipelineStageBase] = []
+    # A mixture-of-experts model's router counts ride in rows after the hidden states (moe.py).
+    carried = model.routing.rows if model.routing is not None else 0
     for module in modules:
         # Explicit shapes: shape inference would run the stage on meta tensors, and the TP and
         # CP collectives inside cannot.
@@ -225,7 +235,7 @@ def pipeline_schedule(
         else:
             example_in = torch.zeros(
                 micro_batch,
-                sp_tokens,
+                sp_tokens + carried,
                 model.hidden,
                 device=device,
                 dtype=hidden_dtype,
@@ -233,7 +243,7 @@ def pipeline_schedule(
             )
         example_out = torch.zeros(
             micro_batch,
-            sp_tokens,
+            sp_tokens + (carried if module.stage_index < n_stages - 1 else 0),
             model.hidden,
             device=device,
             dtype=hidden_dtype,

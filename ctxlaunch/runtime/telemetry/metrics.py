@@ -193,6 +193,39 @@ METRICS: tuple[Metric, ...] = (
         "over the group's mean (1: balanced; a ring waits for the busiest at every hop). "
         "Under a document mask it follows parallel.cp_sharding; balanced holds it near 1.",
     ),
+    Metric(
+        "ctxlaunch_moe_expert_load_ratio",
+        "gauge",
+        "A mixture-of-experts layer's busiest expert's routings over the mean in the last "
+        "step, over every rank (1: balanced; E / experts_per_token: every token to the same "
+        'experts, a collapsed router); layer "max" is the highest of the layers.',
+        ("layer",),
+    ),
+    Metric(
+        "ctxlaunch_moe_ep_rank_load_ratio",
+        "gauge",
+        "The routings the busiest rank of an EP group received over the group's mean in the "
+        "last step, in the layer where that is highest: what the all-to-all and the grouped "
+        "GEMM wait for.",
+    ),
+    Metric(
+        "ctxlaunch_moe_planned_load_ratio",
+        "gauge",
+        "The routing load the planner admitted (model.moe.planned_load, or its default): the "
+        "dispatch buffers and the experts' activations were planned for an EP rank load up "
+        "to this.",
+    ),
+    Metric(
+        "ctxlaunch_moe_aux_loss",
+        "gauge",
+        "The load-balancing auxiliary loss of the last step, before its coefficient, apart "
+        "from the language-model loss (ctxlaunch_loss).",
+    ),
+    Metric(
+        "ctxlaunch_moe_tokens_dropped_total",
+        "counter",
+        "Routings dropped over an expert's capacity (0 unless model.moe.capacity_factor is set).",
+    ),
 )
 
 BY_NAME = {m.name: m for m in METRICS}

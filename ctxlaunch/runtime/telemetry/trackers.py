@@ -18,6 +18,11 @@ Each logged step (every training.log_interval steps and the last), at that step:
     train/mfu_causal                 MFU, attention FLOPs over the causal half
     train/cp_exposed_comm_seconds    CP communication the step waited for
     train/cp_attention_balance       the CP group's busiest over mean attention area
+    train/moe_aux_loss               a mixture of experts' load-balancing loss (before its
+                                     coefficient), apart from train/loss
+    train/moe_expert_load            busiest expert over mean routings, the highest layer's
+    train/moe_ep_rank_load           busiest EP rank over the EP group's mean routings
+    train/moe_tokens_dropped         routings dropped over capacity (0 when dropless)
     memory/peak_allocated_gib        rank 0's peak (CUDA allocated; the process RSS on a CPU)
     memory/peak_reserved_gib         rank 0's peak reserved by the allocator
     memory/predicted_peak_gib        the planner's predicted peak per rank
@@ -105,6 +110,16 @@ def step_series(
         "train/mfu_causal": mfu["causal"],
         "train/cp_exposed_comm_seconds": metrics.exposed_comm_seconds,
         "train/cp_attention_balance": metrics.attention_balance,
+        **(
+            {
+                "train/moe_aux_loss": metrics.aux_loss,
+                "train/moe_expert_load": metrics.expert_load,
+                "train/moe_ep_rank_load": metrics.expert_rank_load,
+                "train/moe_tokens_dropped": float(metrics.tokens_dropped),
+            }
+            if metrics.expert_load_layers
+            else {}
+        ),
         "memory/peak_allocated_gib": peak_allocated_bytes / GiB,
         "memory/peak_reserved_gib": peak_reserved_bytes / GiB,
         "memory/predicted_peak_gib": predicted_peak_bytes / GiB,

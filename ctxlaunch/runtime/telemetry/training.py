@@ -17,6 +17,7 @@ from ctxlaunch.contract.rundir import default_run_dir
 from ctxlaunch.perf.accounting import Prediction, job_prediction
 from ctxlaunch.perf.layout import Layout
 from ctxlaunch.perf.memory import estimate
+from ctxlaunch.perf.moecost import routed_load
 from ctxlaunch.runtime.records import peak_memory_bytes
 from ctxlaunch.runtime.telemetry.exporter import Exporter, identity_from_spec
 from ctxlaunch.runtime.telemetry.trackers import Trackers, eval_series, step_series
@@ -115,7 +116,10 @@ class TrainingTelemetry:
         self.exporter.set("ctxlaunch_peak_flops_per_second", self.peak, source=source)
         self.capacity = device_capacity_bytes(device)
         self.exporter.set("ctxlaunch_memory_capacity_bytes", self.capacity)
-        self.prediction = estimate(spec.model, Layout.from_spec(spec), spec.cluster.gpu_info)
+        layout = Layout.from_spec(spec)
+        self.prediction = estimate(spec.model, layout, spec.cluster.gpu_info)
+        self.planned_load = routed_load(spec.model, layout)
+        """The routing load the planner admitted (perf.moecost.routed_load)."""
         self.job_prediction: Prediction = job_prediction(spec)
         """What the job is predicted to do (the step, MFU, tokens/s, peak memory), which the
         trainer's metrics, its summary and `status` read the measured figures against."""
@@ -178,6 +182,8 @@ class TrainingTelemetry:
             self._retries_seen = retries
         exporter.set("ctxlaunch_cp_exposed_comm_seconds", metrics.exposed_comm_seconds)
         exporter.set("ctxlaunch_cp_attention_balance_ratio", metrics.attention_balance)
+        if self.spec.model.moe is not None:
+            self._experts(metrics)
         exporter.set("ctxlaunch_last_step", metrics.step)
         if metrics.remaining_seconds is not None:
             exporter.set("ctxlaunch_estimated_remaining_seconds", metrics.remaining_seconds)
@@ -191,6 +197,19 @@ class TrainingTelemetry:
                 predicted_peak_bytes=self.prediction.total,
             )
             self.trackers.log(series, metrics.step)
+
+    def _experts(self, metrics: StepMetrics) -> None:
+        """A mixture of experts' routing of the step: expert load per layer and its highest,
+        the busiest EP rank's load against the planned one, the auxiliary loss, the drops."""
+        exporter = self.exporter
+        for layer, load in enumerate(metrics.expert_load_layers):
+            exporter.set("ctxlaunch_moe_expert_load_ratio", load, layer=str(layer))
+        exporter.set("ctxlaunch_moe_expert_load_ratio", metrics.expert_load, layer="max")
+        exporter.set("ctxlaunch_moe_ep_rank_load_ratio", metrics.expert_rank_load)
+        exporter.set("ctxlaunch_moe_planned_load_ratio", self.planned_load)
+        exporter.set("ctxlaunch_moe_aux_loss", metrics.aux_loss)
+        if metrics.tokens_dropped:
+            exporter.inc("ctxlaunch_moe_tokens_dropped_total", metrics.tokens_dropped)
 
     def on_eval(self, result: EvalResult) -> None:
         """Export an evaluation's loss per context-length bucket and passkey retrieval."""

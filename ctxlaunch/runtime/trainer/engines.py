@@ -17,6 +17,12 @@ per-rank mean. The TP-split weights need nothing more; the weights TP replicates
 (the RMSNorm gains, which under sequence parallelism each see only their rank's tokens) are
 summed over TP. Clipping uses the norm of the whole model: squares summed over TP (replicated
 weights once) and over the pipeline.
+
+Under expert parallelism each expert weight gathers the gradients of the tokens of its EP group
+(the all-to-all's backward), scaled by 1 / ep (moe.Experts), and is averaged over the ranks
+holding the same experts (dp x cp / ep of them): the average over DP x CP, as for every other
+weight. The load-balancing loss's gradient is injected at each part's output (moe.py), scaled
+by `loss_scale`'s replicas / micro-batches so that the same averaging gives one process's.
 """
 
 from __future__ import annotations
@@ -125,7 +131,13 @@ def make_optimizer(
             groups, lr=opt.lr, betas=opt.betas, eps=opt.eps, adamw_mode=True
         )
     else:
-        kernel: dict[str, bool] = {"fused": True} if fused else {"foreach": True}
+        # Neither a fused nor a foreach step takes FSDP2's sharded parameters and plain ones
+        # together (the experts a rank alone holds beside sharded dense weights): those step
+        # one tensor at a time (perf.layout's foreach_optimizer plans that).
+        mixed = len({hasattr(p, "full_tensor") for p in model.parameters()}) > 1
+        kernel: dict[str, bool] = (
+            {"foreach": False} if mixed else {"fused": True} if fused else {"foreach": True}
+        )
         optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps, **kernel)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(training.steps, opt.warmup_steps, opt.min_lr_ratio)
@@ -167,6 +179,15 @@ def loss_divisor(predicted_tokens: int, replicas: int, grad_accum: int) -> float
     return max(predicted_tokens, 1) / (replicas * grad_accum)
 
 
+def set_router_scale(model: nn.Module, replicas: int, grad_accum: int) -> None:
+    """The scale of the load-balancing loss's injected gradient this step (moe.Routing): the
+    gradients are averaged over `replicas` ranks and `grad_accum` micro-batches, as the
+    language-model loss's are through `loss_divisor`."""
+    routing = getattr(model, "routing", None)
+    if routing is not None:
+        routing.scale = replicas / grad_accum
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of an FSDP (DTensor) gradient, or the tensor itself."""
     local = getattr(tensor, "_local_tensor", None)
@@ -206,6 +227,12 @@ class TorchEngine:
         self.parts.model.loss_divisor = loss_divisor(
             predicted_tokens, self.ctx.dims.dp * self.ctx.dims.cp, self.grad_accum
         )
+        # A pipeline schedule divides every gradient by the micro-batches after the step.
+        set_router_scale(
+            self.parts.model,
+            self.ctx.dims.dp * self.ctx.dims.cp,
+            1 if self.parts.schedule is not None else self.grad_accum,
+        )
         autocast = torch.autocast(
             device_type=self.device.type,
             dtype=self.autocast_dtype or torch.float32,
@@ -241,13 +268,16 @@ class TorchEngine:
         return [loss.detach() for loss in stage_losses]
 
     def finish_gradients(self) -> None:
-        params = [p for _, p in self.named_parameters() if p.grad is not None]
-        if self.ctx.dp_cp_group is not None and not self.parts.sharded:  # FSDP reduce-scattered
-            _all_reduce_buckets(
-                [p.grad for p in params if p.grad is not None],
-                self.ctx.dp_cp_group,
-                self.ctx.dims.dp * self.ctx.dims.cp,
-            )
+        experts = self.parts.experts
+        dense = [
+            p.grad for n, p in self.named_parameters() if p.grad is not None and n not in experts
+        ]
+        held = [p.grad for n, p in self.named_parameters() if p.grad is not None and n in experts]
+        if not self.parts.sharded:  # FSDP reduce-scattered
+            if self.ctx.dp_cp_group is not None:
+                _all_reduce_buckets(dense, self.ctx.dp_cp_group, self.ctx.dims.shard_group)
+            if self.ctx.edp_group is not None:
+                _all_reduce_buckets(held, self.ctx.edp_group, self.ctx.dims.expert_shard_group)
         if self.ctx.dims.tp > 1:
             replicated = [
                 _local(p.grad)
@@ -259,23 +289,35 @@ class TorchEngine:
 
     def grad_norm(self) -> torch.Tensor:
         """The 2-norm of the whole model's gradient."""
-        split = replicated = torch.zeros((), dtype=torch.float32, device=self.device)
+        split = replicated = experts = torch.zeros((), dtype=torch.float32, device=self.device)
         for name, p in self.named_parameters():
             if p.grad is None:
                 continue
             # FSDP2's CPU offload keeps the gradient shards in host memory.
             square = _local(p.grad).detach().float().pow(2).sum().to(self.device)
-            if self.plan[name] is None:
+            if name in self.parts.experts:
+                experts = experts + square
+            elif self.plan[name] is None:
                 replicated = replicated + square
             else:
                 split = split + square
         total = split + replicated / self.ctx.dims.tp
-        groups = (
-            self.ctx.dp_cp_group if self.parts.sharded else None,
-            self.ctx.tp_group,
-            self.ctx.pp_group,
+        if self.parts.sharded and self.ctx.dp_cp_group is not None:
+            dist.all_reduce(total, group=self.ctx.dp_cp_group)
+        # Experts: replicated over TP, split over the EP group (and sharded over the ranks
+        # holding the same ones).
+        experts = experts / self.ctx.dims.tp
+        held_apart = (
+            self.ctx.edp_group if self.parts.sharded and self.ctx.dims.ep > 1 else None,
+            self.ctx.ep_group,
         )
-        for group in groups:
+        for group in held_apart:
+            if group is not None:
+                dist.all_reduce(experts, group=group)
+        if self.parts.sharded and self.ctx.dims.ep == 1 and self.ctx.dp_cp_group is not None:
+            dist.all_reduce(experts, group=self.ctx.dp_cp_group)
+        total = total + experts
+        for group in (self.ctx.tp_group, self.ctx.pp_group):
             if group is not None:
                 dist.all_reduce(total, group=group)
         return total.sqrt()
@@ -319,16 +361,32 @@ class TorchEngine:
         }
         if self.ctx.world_size == 1:
             return grads
-        mine = grads if self.ctx.dp_rank == 0 and self.ctx.cp_rank == 0 else {}
-        everyone: list[tuple[int, dict[str, torch.Tensor]] | None] = [None] * self.ctx.world_size
-        dist.all_gather_object(everyone, (self.ctx.tp_rank, mine))
+        # The dense weights of the first DP x CP rank; each expert slice from the first EP group.
+        first_replica = self.ctx.dp_rank == 0 and self.ctx.cp_rank == 0
+        first_experts = self.ctx.dp_rank * self.ctx.dims.cp + self.ctx.cp_rank < self.ctx.dims.ep
+        mine = {
+            name: grad
+            for name, grad in grads.items()
+            if (first_experts if name in self.parts.experts else first_replica)
+        }
+        everyone: list[tuple[int, int, dict[str, torch.Tensor]] | None] = [
+            None
+        ] * self.ctx.world_size
+        dist.all_gather_object(everyone, (self.ctx.tp_rank, self.ctx.ep_rank, mine))
         pieces: dict[str, dict[int, torch.Tensor]] = {}
+        expert_pieces: dict[str, dict[int, torch.Tensor]] = {}
         for entry in everyone:
             assert entry is not None  # all_gather_object filled every slot
-            tp_rank, theirs = entry
+            tp_rank, ep_rank, theirs = entry
             for name, grad in theirs.items():
-                pieces.setdefault(name, {})[tp_rank] = grad
-        out = {}
+                if name in self.parts.experts:
+                    expert_pieces.setdefault(name, {})[ep_rank] = grad
+                else:
+                    pieces.setdefault(name, {})[tp_rank] = grad
+        out = {
+            name: torch.cat([by_rank[r] for r in sorted(by_rank)])
+            for name, by_rank in expert_pieces.items()
+        }
         for name, by_rank in pieces.items():
             sharding = self.plan[name]
             out[name] = (
@@ -348,6 +406,8 @@ class TorchEngine:
             self.ctx.dims.tp,
             self.ctx.tp_group,
             self.device,
+            frozenset(self.parts.experts),
+            self.ctx.ep_group,
         )
 
     def save(self, path: Path) -> None:
@@ -481,6 +541,7 @@ class DeepSpeedEngine:
         self, batches: list[MicroBatch], predicted_tokens: int
     ) -> list[torch.Tensor]:
         self.model.loss_divisor = loss_divisor(predicted_tokens, self.replicas, self.grad_accum)
+        set_router_scale(self.model, self.replicas, self.grad_accum)
         losses = []
         for micro, batch in enumerate(batches):
             loss = self.engine(

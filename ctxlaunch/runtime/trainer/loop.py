@@ -23,8 +23,9 @@ from ctxlaunch.perf.accounting import Prediction, duration
 from ctxlaunch.perf.flops import flops_per_token
 from ctxlaunch.runtime.checkpointing import checkpoint, checkpoint_integrity
 from ctxlaunch.runtime.data.batches import Batches, MicroBatch, make_source
-from ctxlaunch.runtime.modeling import model as model_module
+from ctxlaunch.runtime.modeling import pointwise
 from ctxlaunch.runtime.modeling.model import Transformer
+from ctxlaunch.runtime.modeling.moe import summarise
 from ctxlaunch.runtime.parallel.context import ParallelContext
 from ctxlaunch.runtime.parallel.parallelize import parallelize_job
 from ctxlaunch.runtime.progress import StepClock
@@ -52,7 +53,7 @@ class Trainer:
         self.run_dir = run_dir
         training = spec.training
         torch.manual_seed(training.seed)
-        model_module.set_compiled(fastpath.resolve(training.compile, device))
+        pointwise.set_compiled(fastpath.resolve(training.compile, device))
         with torch.device("meta"):  # parallelize materialises only this rank's share
             model = Transformer.from_spec(spec.model)
         parts = parallelize_job(model, spec, ctx=ctx, device=device)
@@ -76,6 +77,8 @@ class Trainer:
 
             self.evaluator = Evaluator(spec, ctx, parts.model, device)
         self.tokens_per_gpu = spec.tokens_per_step / ctx.world_size
+        self._routing = parts.model.routing
+        """A mixture-of-experts model's router records (moe.Routing), None for a dense one."""
         self.flops_per_token = {
             c: flops_per_token(spec.model, training.seq_len, c) for c in ("full", "causal")
         }
@@ -106,6 +109,11 @@ class Trainer:
         exposed_before = exposed_comm_seconds()
         batches = [self.batches.get(self.step, micro) for micro in range(self.spec.grad_accum)]
         losses = self.engine.run_micro_batches(batches, self._predicted_tokens(batches))
+        routing = (
+            self._routing.step_summary(self._routing.drain(), len(batches))
+            if self._routing
+            else None
+        )
         self.engine.finish_gradients()
         if on_gradients is not None:
             on_gradients(self.engine)
@@ -123,10 +131,20 @@ class Trainer:
             ]
         ).cpu()
         grad_norm = float(host[1])
-        loss, self._stop_agreed = self._reduce(host[0])
+        loss, self._stop_agreed, summed = self._reduce(host[0], routing)
         seconds = time.perf_counter() - start
         self.step += 1
         tokens_per_second = self.tokens_per_gpu / seconds
+        experts = (
+            summarise(
+                summed,
+                self.spec.model.moe.experts,
+                self.ctx.dims.ep,
+                self.ctx.world_size // self.ctx.dims.pp,
+            )
+            if summed is not None and self.spec.model.moe is not None
+            else {}
+        )
         return StepMetrics(
             step=self.step,
             loss=loss,
@@ -139,6 +157,7 @@ class Trainer:
             grad_norm=grad_norm,
             exposed_comm_seconds=exposed_comm_seconds() - exposed_before,
             attention_balance=self._attention_balance(batches),
+            **experts,
         )
 
     def _attention_balance(self, batches: list[MicroBatch]) -> float:
@@ -172,9 +191,12 @@ class Trainer:
         dist.all_reduce(count, group=self.ctx.dp_cp_group)
         return int(count)
 
-    def _reduce(self, loss: torch.Tensor) -> tuple[float, bool]:
-        """The job's mean loss (from this rank's, a CPU tensor), and whether any rank got a
-        stop signal, in one collective.
+    def _reduce(
+        self, loss: torch.Tensor, routing: torch.Tensor | None = None
+    ) -> tuple[float, bool, torch.Tensor | None]:
+        """The job's mean loss (from this rank's, a CPU tensor), whether any rank got a
+        stop signal, and a mixture-of-experts model's routing summary summed over the job
+        (`moe.Routing.step_summary`), in one collective.
         Every rank that computes a loss (all of them, or the last pipeline stage's) holds the
         mean of its micro-batches' losses, each its summed loss over P / (DP x CP x
         grad_accum) (P the step's predicted tokens, see engines.py), so their sum over the
@@ -182,12 +204,20 @@ class Trainer:
         ranks add 0."""
         stop = stopsignal.received() is not None
         if not dist.is_initialized() or self.ctx.world_size == 1:
-            return float(loss), stop
-        packed = torch.stack(
-            [loss.detach().to(torch.float64), torch.tensor(float(stop), dtype=torch.float64)]
+            return float(loss), stop, routing
+        packed = torch.cat(
+            [
+                loss.detach().to(torch.float64).reshape(1),
+                torch.tensor([float(stop)], dtype=torch.float64),
+                routing if routing is not None else torch.zeros(0, dtype=torch.float64),
+            ]
         )
         dist.all_reduce(packed)
-        return float(packed[0]) / (self.ctx.world_size // self.ctx.dims.pp), bool(packed[1] > 0)
+        return (
+            float(packed[0]) / (self.ctx.world_size // self.ctx.dims.pp),
+            bool(packed[1] > 0),
+            packed[2:] if routing is not None else None,
+        )
 
     # -- checkpoints ---------------------------------------------------------------------------
     @property
@@ -346,6 +376,13 @@ class Trainer:
                 if self.ctx.dims.cp > 1
                 else ""
             )
+            + (
+                f"  aux {metrics.aux_loss:.4f}  experts busiest/mean {metrics.expert_load:.2f}"
+                + (f" (EP ranks {metrics.expert_rank_load:.2f})" if self.ctx.dims.ep > 1 else "")
+                + (f"  dropped {metrics.tokens_dropped:,}" if metrics.tokens_dropped else "")
+                if self._routing is not None
+                else ""
+            )
         )
         if self.run_dir is not None and self.ctx.rank == 0:
             with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
@@ -394,6 +431,11 @@ class Trainer:
             },
             "predicted": self.prediction.to_dict() if self.prediction is not None else None,
         }
+        if self._routing is not None:
+            summary["aux_loss"] = history[-1].aux_loss
+            summary["expert_load"] = sum(m.expert_load for m in history) / len(history)
+            summary["expert_rank_load"] = max(m.expert_rank_load for m in history)
+            summary["tokens_dropped"] = sum(m.tokens_dropped for m in history)
         self.log(
             f"ctxlaunch: done: {summary['steps']} steps, loss {summary['first_loss']:.4f} "
             f"-> {summary['final_loss']:.4f}, "
