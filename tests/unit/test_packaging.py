@@ -1,6 +1,7 @@
 """The package as a user gets it: the wheel's contents and metadata, and (marked distributed:
-minutes) the built wheel installed into a fresh virtual environment per extra, each extra's
-commands run from a folder outside the repository.
+minutes) the built wheel installed into a fresh virtual environment, then each extra added to
+it in turn (data, report, then train, the one that brings torch), each extra's commands run
+from a folder outside the repository once it is installed, and the base commands before any.
 
 The environments install through pip with torch constrained to the one version the project
 runs (2.13.0); the wheel is built once, without build isolation, as tests/unit/test_render.py
@@ -109,17 +110,22 @@ def test_the_image_build_context_holds_what_the_wheel_is_built_from() -> None:
         assert top not in ignored, f".dockerignore leaves out {top} (the wheel needs {source})"
 
 
-# -- installed, one environment per extra --------------------------------------------------------
-def make_venv(tmp_path: Path, wheel: Path, extra: str) -> Path:
-    """A fresh virtual environment with the wheel (and `extra`) installed; returns its bin/."""
-    venv = tmp_path / f"venv-{extra or 'base'}"
+# -- installed: the base, then each extra added to the same environment ------------------------
+def make_venv(tmp_path: Path) -> Path:
+    """A fresh virtual environment; returns its bin/."""
+    venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    constraints = tmp_path / "constraints.txt"
+    return venv / "bin"
+
+
+def install(bin_dir: Path, wheel: Path, extra: str) -> None:
+    """Install the wheel (with `extra`) into the environment of `bin_dir`."""
+    constraints = bin_dir.parent / "constraints.txt"
     constraints.write_text(TORCH_PIN + "\n")
     target = f"{wheel}[{extra}]" if extra else str(wheel)
     installed = subprocess.run(
         [
-            str(venv / "bin" / "python"),
+            str(bin_dir / "python"),
             "-m",
             "pip",
             "install",
@@ -138,7 +144,6 @@ def make_venv(tmp_path: Path, wheel: Path, extra: str) -> Path:
         env={**os.environ, "DS_BUILD_OPS": "0"},  # DeepSpeed's ops build just in time
     )
     assert installed.returncode == 0, installed.stderr[-4000:]
-    return venv / "bin"
 
 
 class Installed:
@@ -249,16 +254,17 @@ def check_report(ctxlaunch: Installed) -> None:
     ]
 
 
-CHECKS = {"": check_base, "data": check_data, "train": check_train, "report": check_report}
+CHECKS = {"": check_base, "data": check_data, "report": check_report, "train": check_train}
+"""Each extra's commands, in the order the extras are added (train last: the base's and the
+other extras' checks run without torch installed)."""
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("extra", list(CHECKS), ids=["base", "data", "train", "report"])
-def test_each_extra_installed_from_the_wheel_runs_its_commands(
-    extra: str, wheel: Path, tmp_path: Path
-) -> None:
-    bin_dir = make_venv(tmp_path, wheel, extra)
-    work = tmp_path / "work"
-    work.mkdir()
-    CHECKS[extra](Installed(bin_dir, work))
+def test_each_extra_installed_from_the_wheel_runs_its_commands(wheel: Path, tmp_path: Path) -> None:
+    bin_dir = make_venv(tmp_path)
+    for extra, check in CHECKS.items():
+        install(bin_dir, wheel, extra)
+        work = tmp_path / f"work-{extra or 'base'}"
+        work.mkdir()
+        check(Installed(bin_dir, work))
