@@ -111,6 +111,8 @@ def count_params(model: BlockShape) -> ParamCount:
     attention = h * q + 2 * h * kv + q * h  # q, k, v, o
     if model.qkv_bias:
         attention += q + 2 * kv  # biases on q, k and v
+    if model.o_bias:
+        attention += h  # the output projection's bias
     if model.qk_norm:
         attention += 2 * model.head_dim  # q/k norms: one gain over each head of q, one of k
     if model.attention_sinks:
@@ -121,7 +123,12 @@ def count_params(model: BlockShape) -> ParamCount:
     moe = model.moe
     sparse: dict[str, int] = {}
     if moe is not None:
-        experts = moe.experts * 3 * h * moe.ffn_hidden
+        expert = 3 * h * moe.ffn_hidden
+        router = moe.experts * h
+        if model.expert_biases:
+            expert += 2 * moe.ffn_hidden + h  # gate/up and down biases
+            router += moe.experts
+        experts = moe.experts * expert
         shared = (
             3 * h * moe.shared_ffn_hidden + h
             if model.shared_expert and moe.shared_ffn_hidden
@@ -129,9 +136,9 @@ def count_params(model: BlockShape) -> ParamCount:
         )
         sparse = dict(
             moe_layers=len([i for i in range(model.layers) if moe.is_moe_layer(i)]),
-            moe_block=attention + norms + moe.experts * h + experts + shared,
+            moe_block=attention + norms + router + experts + shared,
             experts_per_block=experts,
-            active_experts_per_block=moe.experts_per_token * 3 * h * moe.ffn_hidden,
+            active_experts_per_block=moe.experts_per_token * expert,
         )
     return ParamCount(
         embedding=embedding,

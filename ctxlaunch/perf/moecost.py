@@ -98,7 +98,10 @@ def feed_forward_bytes_per_token(model: ModelSpec, layout: Layout) -> float:
 def expert_params(model: ModelSpec) -> int:
     """One mixture-of-experts block's routed experts' parameters (all E)."""
     moe = model.moe
-    return 0 if moe is None else moe.experts * 3 * model.hidden * moe.ffn_hidden
+    if moe is None:
+        return 0
+    biases = 2 * moe.ffn_hidden + model.hidden if model.expert_biases else 0
+    return moe.experts * (3 * model.hidden * moe.ffn_hidden + biases)
 
 
 def weight_copy_bytes(model: ModelSpec, layout: Layout) -> float:

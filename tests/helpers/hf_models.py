@@ -115,6 +115,21 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             "router_aux_loss_coef": 0.05,
         },
     ),
+    # GPT-OSS: q/k/v/o biases, sinks, a local layer (a window of 5, smaller than a CP 2
+    # shard) then a full one, 4 experts (intermediate_size wide) with biases, top-2 softmaxed
+    # over the two logits, and a SwiGLU limit low enough that the clamps bite at these scores.
+    "gpt_oss": (
+        "GptOssConfig",
+        {
+            "head_dim": 16,
+            "sliding_window": 5,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "router_aux_loss_coef": 0.05,
+            "swiglu_limit": 0.5,
+        },
+    ),
 }
 """Per family: transformers' config class and what it sets beyond the shape every tiny model
 shares (hidden 64, 4 heads, 2 K/V heads, FFN 96, vocabulary VOCAB)."""
@@ -176,7 +191,7 @@ def save_hf(
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(1 + 0.3 * torch.randn_like(param))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):
                 param.copy_(0.3 * torch.randn_like(param))
     model = model.to(dtype)
     model.save_pretrained(directory, **save_options)

@@ -1,5 +1,5 @@
 """transformers' own mixture-of-experts models (Qwen3MoeForCausalLM, MixtralForCausalLM,
-Qwen2MoeForCausalLM; test-only references) stepped as the trainer steps: the language-model
+Qwen2MoeForCausalLM, GptOssForCausalLM; test-only references) stepped as the trainer steps: the language-model
 loss, the load-balancing loss and every gradient of the first step, named as ctxlaunch names
 its parameters. transformers is imported inside the functions (the spawned ranks of the
 multi-process tests import this module and need none of it)."""
@@ -22,11 +22,15 @@ MOE_LEAVES = {
     "mlp.experts.down_proj": "ffn.experts.w_down",
     "mlp.shared_expert.down_proj.weight": "ffn.shared.w_down.weight",
     "mlp.shared_expert_gate.weight": "ffn.shared_gate.weight",
+    "mlp.router.weight": "ffn.router.weight",
+    "mlp.router.bias": "ffn.router.bias",
 }
 """transformers' in-memory names of a sparse block's tensors (its experts fused as ctxlaunch
 fuses them) -> ctxlaunch's, under model.layers.{i}. / blocks.{i}."""
 DENSE_LEAVES = {
     "self_attn.o_proj.weight": "attn.wo.weight",
+    "self_attn.o_proj.bias": "attn.wo.bias",
+    "self_attn.sinks": "attn.sinks",
     "self_attn.q_norm.weight": "attn.q_norm.weight",
     "self_attn.k_norm.weight": "attn.k_norm.weight",
     "input_layernorm.weight": "attn_norm.weight",
@@ -48,10 +52,33 @@ FUSED = {
 }
 
 
+STACKED_LEAVES = {
+    "mlp.experts.gate_up_proj": "ffn.experts.w_gate_up",
+    "mlp.experts.down_proj": "ffn.experts.w_down",
+    "mlp.experts.gate_up_proj_bias": "ffn.experts.b_gate_up",
+    "mlp.experts.down_proj_bias": "ffn.experts.b_down",
+}
+"""A family whose experts are stacked (transformers' GptOss: (input, output), gate and up
+interleaved): its experts' tensors, turned into ctxlaunch's layout by the import's own
+`from_stacked`."""
+
+
 def ctxlaunch_grads(reference: PreTrainedModel) -> dict[str, torch.Tensor]:
     """The reference's gradients under ctxlaunch's parameter names (fused q/k/v and gate/up
-    concatenated along dim 0, as the trainer fuses them)."""
+    concatenated along dim 0, as the trainer fuses them; stacked experts turned)."""
+    from ctxlaunch.contract.families import family_of_model_type
+    from ctxlaunch.runtime.checkpointing.hf import from_stacked
+
     grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    family = family_of_model_type(reference.config.model_type)
+    if family is not None and family.experts is not None and family.experts.stacked is not None:
+        for i in range(reference.config.num_hidden_layers):
+            for theirs, ours in STACKED_LEAVES.items():
+                name = f"model.layers.{i}.{theirs}"
+                if name in grads:
+                    grads[f"model.layers.{i}.stacked.{theirs}"] = from_stacked(
+                        ours, grads.pop(name)
+                    )
     out: dict[str, torch.Tensor] = {
         "embed.weight": grads["model.embed_tokens.weight"],
         "norm.weight": grads["model.norm.weight"],
@@ -61,7 +88,8 @@ def ctxlaunch_grads(reference: PreTrainedModel) -> dict[str, torch.Tensor]:
     layers = reference.config.num_hidden_layers
     for i in range(layers):
         prefix = f"model.layers.{i}."
-        for theirs, ours in {**MOE_LEAVES, **DENSE_LEAVES}.items():
+        stacked = {f"stacked.{theirs}": ours for theirs, ours in STACKED_LEAVES.items()}
+        for theirs, ours in {**MOE_LEAVES, **DENSE_LEAVES, **stacked}.items():
             if prefix + theirs in grads:
                 out[f"blocks.{i}.{ours}"] = grads[prefix + theirs]
         for ours, parts in FUSED.items():

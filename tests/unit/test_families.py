@@ -12,6 +12,7 @@ import torch
 from pydantic import ValidationError
 
 from ctxlaunch.contract.families import FAMILIES, MODEL_PRESETS
+from ctxlaunch.contract.families.experts import is_expert_parameter
 from ctxlaunch.contract.families.family import parameter_shapes
 from ctxlaunch.contract.spec import ModelSpec
 from ctxlaunch.perf.flops import count_params
@@ -46,6 +47,8 @@ def _tiny(family: str) -> ModelSpec:
         }
         if spec.shared_expert:
             moe["shared_ffn_hidden"] = 48
+        if spec.clamped_swiglu:
+            moe |= {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
         try:  # a dense layer among the sparse ones, where the family's config can say so
             ModelSpec.model_validate({**fields, "moe": {**moe, "dense_layers": [2]}})
             moe["dense_layers"] = [2]
@@ -73,7 +76,7 @@ def test_the_trainer_builds_what_the_family_describes(family: str) -> None:
 def test_every_parameter_has_its_hugging_face_tensors(family: str) -> None:
     """The family's names cover every parameter, each Hugging Face tensor named once, with the
     parts of a fused projection adding up to it (of an experts tensor, to its rows flattened
-    over the experts)."""
+    over the experts; of a stacked experts tensor, the same elements in one tensor)."""
     model = _tiny(family)
     spec = FAMILIES[family]
     tensors = spec.hf_tensors(model)
@@ -82,8 +85,12 @@ def test_every_parameter_has_its_hugging_face_tensors(family: str) -> None:
     }
     named = [n for parts in parts_of.values() for n, _ in parts]
     assert len(named) == len(set(named)) == len(tensors)
+    stacked = spec.experts is not None and spec.experts.stacked is not None
     for name, shape in parameter_shapes(model).items():
         parts = [tensors[n] for n, _ in parts_of[name]]
+        if stacked and is_expert_parameter(name):
+            assert len(parts) == 1 and torch.Size(parts[0]).numel() == torch.Size(shape).numel()
+            continue
         rows = shape[0] * shape[1] if len(shape) == 3 else shape[0]
         tail = shape[-1:] if len(shape) == 3 else shape[1:]
         assert sum(p[0] for p in parts) == rows and {p[1:] for p in parts} == {tail}

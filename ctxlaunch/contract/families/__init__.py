@@ -3,8 +3,8 @@ it refuses (`refused`).
 
 A family is one `Family` (`family.py`): its Hugging Face class and model_type, the parts its
 block adds to the common one (q/k/v biases, q/k norms, norms with a unit offset and after each
-sub-block, GeGLU, a scaled embedding, attention sinks, a mixture-of-experts feed-forward and its
-shared expert: `experts.py`), how its config.json states its local (sliding-window) layers and
+sub-block, GeGLU, a scaled embedding, attention sinks, a mixture-of-experts feed-forward, its
+shared expert and its biases: `experts.py`), how its config.json states its local (sliding-window) layers and
 their RoPE, the config keys its export writes, and its presets. Everything else in ctxlaunch
 reads these through `FAMILIES` and never names a family.
 """
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ctxlaunch.contract.families import (
     gemma2,
     gemma3,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -40,6 +41,7 @@ FAMILIES: dict[str, Family] = {
         qwen3_moe.FAMILY,
         mixtral.FAMILY,
         qwen2_moe.FAMILY,
+        gpt_oss.FAMILY,
     )
 }
 """The families `model.family` takes, by name."""

@@ -14,10 +14,19 @@ router, E experts (SwiGLU each, of width f_e) and, in families with one, a share
     blocks.{i}.ffn.shared.w_down.weight     (h, f_s)   the shared expert's down
     blocks.{i}.ffn.shared_gate.weight       (1, h)     the shared expert's sigmoid gate
 
+In families with biases on the router and the experts (`Family.expert_biases`), also:
+
+    blocks.{i}.ffn.router.bias        (E,)             the router's bias
+    blocks.{i}.ffn.experts.b_gate_up  (E, 2 f_e)       each expert's gate then up bias
+    blocks.{i}.ffn.experts.b_down     (E, h)           each expert's down bias
+
 The experts of a layer are one tensor each (what expert parallelism splits along dim 0 and what
 a grouped GEMM reads); viewed as (E x 2 f_e, h) and (E x h, f_e), their Hugging Face parts are
 its consecutive row blocks, expert by expert: gate_0, up_0, gate_1, up_1, ... and down_0,
-down_1, ... (`expert_part_rows`).
+down_1, ... (`expert_part_rows`). A family whose checkpoints keep a layer's experts stacked
+(`StackedExperts`) has one Hugging Face tensor per expert parameter instead, laid out as x @ W
+(the input dimension before the output one) with gate and up interleaved along the output
+(gate the even columns, up the odd ones): the import and export turn it (runtime's hf.py).
 """
 
 from __future__ import annotations
@@ -49,8 +58,28 @@ class ExpertsShape(Protocol):
     def aux_loss_coef(self) -> float: ...
     @property
     def capacity_factor(self) -> float | None: ...
+    @property
+    def swiglu_limit(self) -> float | None: ...
+    @property
+    def swiglu_alpha(self) -> float | None: ...
 
     def is_moe_layer(self, layer: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """Where a checkpoint that stacks a layer's experts keeps them, under `model.layers.{i}.`:
+    one tensor per projection and bias, the experts first, each matrix (input, output), gate
+    and up interleaved along the output (transformers' fused experts with biases)."""
+
+    gate_up: str = "mlp.experts.gate_up_proj"
+    """(E, h, 2 f_e): gate in the even columns, up in the odd ones."""
+    gate_up_bias: str = "mlp.experts.gate_up_proj_bias"
+    """(E, 2 f_e), interleaved as gate_up."""
+    down: str = "mlp.experts.down_proj"
+    """(E, f_e, h)."""
+    down_bias: str = "mlp.experts.down_proj_bias"
+    """(E, h)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +88,7 @@ class ExpertNames:
     `model.layers.{i}.` (`{j}`: the expert's index)."""
 
     router: str = "mlp.gate.weight"
+    router_bias: str = "mlp.gate.bias"
     gate: str = "mlp.experts.{j}.gate_proj.weight"
     up: str = "mlp.experts.{j}.up_proj.weight"
     down: str = "mlp.experts.{j}.down_proj.weight"
@@ -68,18 +98,23 @@ class ExpertNames:
     )
     shared_down: str = "mlp.shared_expert.down_proj.weight"
     shared_gate: str = "mlp.shared_expert_gate.weight"
+    stacked: StackedExperts | None = None
+    """The experts as one tensor per projection (then `gate`, `up` and `down` are unused)."""
 
 
 ROUTER = "ffn.router.weight"
+ROUTER_BIAS = "ffn.router.bias"
 EXPERTS_GATE_UP = "ffn.experts.w_gate_up"
 EXPERTS_DOWN = "ffn.experts.w_down"
+EXPERTS_GATE_UP_BIAS = "ffn.experts.b_gate_up"
+EXPERTS_DOWN_BIAS = "ffn.experts.b_down"
 SHARED_GATE_UP = "ffn.shared.w_gate_up.weight"
 SHARED_DOWN = "ffn.shared.w_down.weight"
 SHARED_GATE = "ffn.shared_gate.weight"
-EXPERT_LEAVES = (EXPERTS_GATE_UP, EXPERTS_DOWN)
+EXPERT_LEAVES = (EXPERTS_GATE_UP, EXPERTS_DOWN, EXPERTS_GATE_UP_BIAS, EXPERTS_DOWN_BIAS)
 """A block's parameters that hold one slice per expert (dim 0): what expert parallelism
 splits."""
-MOE_LEAVES = (ROUTER, *EXPERT_LEAVES, SHARED_GATE_UP, SHARED_DOWN, SHARED_GATE)
+MOE_LEAVES = (ROUTER, ROUTER_BIAS, *EXPERT_LEAVES, SHARED_GATE_UP, SHARED_DOWN, SHARED_GATE)
 
 
 def is_moe_parameter(name: str) -> bool:
@@ -94,15 +129,18 @@ def is_expert_parameter(name: str) -> bool:
 
 
 def moe_block_shapes(
-    hidden: int, moe: ExpertsShape, shared_expert: bool
+    hidden: int, moe: ExpertsShape, shared_expert: bool, biases: bool = False
 ) -> dict[str, tuple[int, ...]]:
-    """The feed-forward parameters of one mixture-of-experts block (under `blocks.{i}.`)."""
+    """The feed-forward parameters of one mixture-of-experts block (under `blocks.{i}.`);
+    `biases`: the router and the experts have them."""
     e, f, h = moe.experts, moe.ffn_hidden, hidden
     shapes: dict[str, tuple[int, ...]] = {
         ROUTER: (e, h),
         EXPERTS_GATE_UP: (e, 2 * f, h),
         EXPERTS_DOWN: (e, h, f),
     }
+    if biases:
+        shapes |= {ROUTER_BIAS: (e,), EXPERTS_GATE_UP_BIAS: (e, 2 * f), EXPERTS_DOWN_BIAS: (e, h)}
     if shared_expert and moe.shared_ffn_hidden:
         fs = moe.shared_ffn_hidden
         shapes |= {SHARED_GATE_UP: (2 * fs, h), SHARED_DOWN: (h, fs), SHARED_GATE: (1, h)}
@@ -126,6 +164,10 @@ def expert_hf_names(leaf: str, names: ExpertNames, experts: int) -> tuple[str, .
     parameter's leaf, in the order of `expert_part_rows`."""
     if leaf == ROUTER:
         return (names.router,)
+    if leaf == ROUTER_BIAS:
+        return (names.router_bias,)
+    if names.stacked is not None and leaf in EXPERT_LEAVES:
+        return (stacked_name(leaf, names.stacked),)
     if leaf == EXPERTS_GATE_UP:
         return tuple(name.format(j=j) for j in range(experts) for name in (names.gate, names.up))
     if leaf == EXPERTS_DOWN:
@@ -137,6 +179,22 @@ def expert_hf_names(leaf: str, names: ExpertNames, experts: int) -> tuple[str, .
     if leaf == SHARED_GATE:
         return (names.shared_gate,)
     raise KeyError(leaf)
+
+
+def stacked_name(leaf: str, stacked: StackedExperts) -> str:
+    """The stacked tensor (under `model.layers.{i}.`) of expert parameter leaf `leaf`."""
+    return {
+        EXPERTS_GATE_UP: stacked.gate_up,
+        EXPERTS_DOWN: stacked.down,
+        EXPERTS_GATE_UP_BIAS: stacked.gate_up_bias,
+        EXPERTS_DOWN_BIAS: stacked.down_bias,
+    }[leaf]
+
+
+def stacked_shape(leaf: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The stacked tensor's shape of expert parameter leaf `leaf` of `shape`: each matrix
+    transposed (input first), the biases as they are."""
+    return (shape[0], shape[2], shape[1]) if leaf in (EXPERTS_GATE_UP, EXPERTS_DOWN) else shape
 
 
 # -- config.json ---------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ that exist is one module beside this one, registered in `__init__.py`.
     blocks.{i}.attn.q_norm.weight    model.layers.{i}.self_attn.q_norm.weight (qk_norm)
     blocks.{i}.attn.k_norm.weight    model.layers.{i}.self_attn.k_norm.weight (qk_norm)
     blocks.{i}.attn.wo.weight        model.layers.{i}.self_attn.o_proj.weight
+    blocks.{i}.attn.wo.bias          model.layers.{i}.self_attn.o_proj.bias (o_bias)
     blocks.{i}.ffn_norm.weight       model.layers.{i}.post_attention_layernorm.weight
     blocks.{i}.ffn.w_gate_up.weight  model.layers.{i}.mlp.{gate,up}_proj.weight (dim 0)
     blocks.{i}.ffn.w_down.weight     model.layers.{i}.mlp.down_proj.weight
@@ -50,6 +51,7 @@ from ctxlaunch.contract.families.experts import (
     is_expert_parameter,
     is_moe_parameter,
     moe_block_shapes,
+    stacked_shape,
 )
 
 
@@ -76,6 +78,8 @@ class BlockShape(Protocol):
     @property
     def qkv_bias(self) -> bool: ...
     @property
+    def o_bias(self) -> bool: ...
+    @property
     def qk_norm(self) -> bool: ...
     @property
     def post_norms(self) -> bool: ...
@@ -85,6 +89,8 @@ class BlockShape(Protocol):
     def moe(self) -> ExpertsShape | None: ...
     @property
     def shared_expert(self) -> bool: ...
+    @property
+    def expert_biases(self) -> bool: ...
 
 
 class WindowedShape(BlockShape, Protocol):
@@ -129,6 +135,7 @@ BLOCK_WEIGHTS: dict[str, tuple[str, ...]] = {
     "attn.q_norm.weight": ("self_attn.q_norm.weight",),
     "attn.k_norm.weight": ("self_attn.k_norm.weight",),
     "attn.wo.weight": ("self_attn.o_proj.weight",),
+    "attn.wo.bias": ("self_attn.o_proj.bias",),
     "ffn_norm.weight": ("post_attention_layernorm.weight",),
     "ffn.w_gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "ffn.w_down.weight": ("mlp.down_proj.weight",),
@@ -169,6 +176,8 @@ def parameter_shapes(model: BlockShape) -> dict[str, tuple[int, ...]]:
     }
     if model.qkv_bias:
         block["attn.wqkv.bias"] = (q + 2 * kv,)
+    if model.o_bias:
+        block["attn.wo.bias"] = (h,)
     if model.qk_norm:
         block["attn.q_norm.weight"] = block["attn.k_norm.weight"] = (model.head_dim,)
     if model.post_norms:
@@ -179,7 +188,7 @@ def parameter_shapes(model: BlockShape) -> dict[str, tuple[int, ...]]:
     sparse = block.copy()
     if moe is not None:
         del sparse["ffn.w_gate_up.weight"], sparse["ffn.w_down.weight"]
-        sparse |= moe_block_shapes(h, moe, model.shared_expert)
+        sparse |= moe_block_shapes(h, moe, model.shared_expert, model.expert_biases)
     for i in range(model.layers):
         leaves = sparse if moe is not None and moe.is_moe_layer(i) else block
         shapes |= {f"blocks.{i}.{leaf}": shape for leaf, shape in leaves.items()}
@@ -213,7 +222,9 @@ class Family:
     releases: str
     """The released models of the family, for messages and docs."""
     qkv_bias: bool = False
-    """Biases on the q, k and v projections (none on o)."""
+    """Biases on the q, k and v projections."""
+    o_bias: bool = False
+    """A bias on the attention's output projection too (added once, after TP's reduce)."""
     qk_norm: bool = False
     """An RMSNorm (weight of head_dim) over each head of q and of k, before RoPE."""
     norm_offset: bool = False
@@ -237,6 +248,15 @@ class Family:
     router_renormalises: bool = False
     """The router always renormalises the top-k probabilities to sum to 1 (config.json has no
     norm_topk_prob); otherwise `moe.norm_topk_prob` says."""
+    router_top_k_first: bool = False
+    """The router takes the top-k of its logits and softmaxes over those k alone, instead of a
+    softmax over every expert then the top-k (the weights sum to 1 either way where
+    renormalised; the load-balancing loss still reads the softmax over every expert)."""
+    expert_biases: bool = False
+    """Biases on the router and on each expert's gate/up and down projections."""
+    clamped_swiglu: bool = False
+    """The experts' activation is the clamped SwiGLU: gate clamped to at most
+    `moe.swiglu_limit`, up to within it, out = (up + 1) x gate x sigmoid(swiglu_alpha x gate)."""
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Named shapes of the family's released models (`model: {preset: NAME}`)."""
     config_defaults: Mapping[str, Any] = field(default_factory=dict)
@@ -305,7 +325,7 @@ class Family:
         weights = BLOCK_WEIGHTS | (POST_NORM_WEIGHTS if self.post_norms else {})
         match = _BLOCK.match(name)
         if match and self.experts is not None and is_moe_parameter(name):
-            if is_expert_parameter(name):
+            if is_expert_parameter(name) and self.experts.stacked is None:
                 # The expert count is the number of names: the model's shape decides it.
                 raise KeyError(f"{name!r} holds every expert's tensors: use hf_parts")
             return tuple(
@@ -336,8 +356,14 @@ class Family:
         this shape, in order, each with its shape: the parts of a fused projection along dim 0,
         those of a mixture-of-experts parameter along the rows of its 2-D view
         (`experts.py`)."""
-        rows = part_rows(name, model) or (shape[0],)
         match = _BLOCK.match(name)
+        experts = self.experts
+        if match and experts and experts.stacked is not None and is_expert_parameter(name):
+            # One tensor of all the layer's experts, in the checkpoint's own layout.
+            (hf_name,) = expert_hf_names(match.group(2), experts, 0)
+            leaf_shape = stacked_shape(match.group(2), shape)
+            return [(f"model.layers.{match.group(1)}.{hf_name}", leaf_shape)]
+        rows = part_rows(name, model) or (shape[0],)
         if match and model.moe is not None and self.experts is not None and is_moe_parameter(name):
             names = expert_hf_names(match.group(2), self.experts, model.moe.experts)
             hf = [f"model.layers.{match.group(1)}.{part}" for part in names]

@@ -186,8 +186,12 @@ def _family(config: dict[str, Any], where: str) -> Family:
 
 def _biased_families() -> str:
     """Which families have q/k/v biases, for the message refusing them elsewhere."""
-    names = [f.name for f in FAMILIES.values() if f.qkv_bias]
-    return f" ({', '.join(names)} {'has' if len(names) == 1 else 'have'} them on q, k and v only)"
+    kinds = {
+        "on q, k and v only": [f.name for f in FAMILIES.values() if f.qkv_bias and not f.o_bias],
+        "on q, k, v and o": [f.name for f in FAMILIES.values() if f.o_bias],
+    }
+    said = [f"{', '.join(names)}: {where}" for where, names in kinds.items() if names]
+    return f" (biases in {'; '.join(said)})" if said else ""
 
 
 def model_fields(directory: str | Path) -> dict[str, Any]:
@@ -224,7 +228,7 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
             # default: refused, not silently replaced.
             raise HFConfigError(f"{where}: {key} = {value}: a model's sizes are positive")
     for flag in ("attention_bias", "mlp_bias"):
-        if config.get(flag):
+        if config.get(flag) and not (flag == "attention_bias" and family.o_bias):
             raise HFConfigError(
                 f"{where}: {flag} is true; ctxlaunch's {family.architecture} has no biases there"
                 + (_biased_families() if flag == "attention_bias" else "")

@@ -367,6 +367,19 @@ class ModelSpec(_Strict):
                     ),
                 )
             )
+        if family.clamped_swiglu != (moe.swiglu_limit is not None):
+            problems.append(
+                _problem(
+                    ("moe", "swiglu_limit"),
+                    moe.swiglu_limit,
+                    f"the {family.name} family's experts "
+                    + (
+                        "use the clamped SwiGLU: give its limit"
+                        if family.clamped_swiglu
+                        else "use the plain SwiGLU: leave it null"
+                    ),
+                )
+            )
         if family.router_renormalises and not moe.norm_topk_prob:
             problems.append(
                 _problem(
@@ -467,6 +480,11 @@ class ModelSpec(_Strict):
         return FAMILIES[self.family].qkv_bias
 
     @property
+    def o_bias(self) -> bool:
+        """The family puts a bias on the attention's output projection too."""
+        return FAMILIES[self.family].o_bias
+
+    @property
     def qk_norm(self) -> bool:
         """The family normalises each head of q and of k before RoPE."""
         return FAMILIES[self.family].qk_norm
@@ -517,3 +535,13 @@ class ModelSpec(_Strict):
         """The family's mixture-of-experts blocks have a shared expert behind a sigmoid
         gate."""
         return FAMILIES[self.family].shared_expert
+
+    @property
+    def expert_biases(self) -> bool:
+        """The family's routers and experts have biases."""
+        return FAMILIES[self.family].expert_biases
+
+    @property
+    def router_top_k_first(self) -> bool:
+        """The family's router softmaxes over the top-k logits alone."""
+        return FAMILIES[self.family].router_top_k_first

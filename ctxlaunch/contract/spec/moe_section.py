@@ -42,6 +42,14 @@ class MoESpec(_Strict):
     E x sum_e (share of routings to e) x (mean probability of e), its statistics over every
     token of the micro-batch on every rank and over every mixture-of-experts layer, as
     transformers' load_balancing_loss_func computes them. 0 turns it off."""
+    swiglu_limit: float | None = Field(None, gt=0)
+    """The clamped SwiGLU of the families whose experts use it (config.json's swiglu_limit):
+    the gate clamped to at most this, the up projection to within +-this, and each expert's
+    activation (up + 1) x gate x sigmoid(swiglu_alpha x gate). null in the other families
+    (plain SwiGLU)."""
+    swiglu_alpha: float | None = Field(None, gt=0)
+    """The clamped SwiGLU's sigmoid gain (config.json's swiglu_alpha, 1.702 in the released
+    models): set together with swiglu_limit, null without it."""
     planned_load: float | None = Field(None, ge=1)
     """The routing load the planner admits under expert parallelism: the routings the busiest
     rank of an EP group receives over the mean, for which it plans the dispatch buffers and
@@ -60,6 +68,11 @@ class MoESpec(_Strict):
             raise ValueError(
                 f"experts_per_token = {self.experts_per_token} exceeds experts = "
                 f"{self.experts}: a token can go to at most every expert"
+            )
+        if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
+            raise ValueError(
+                f"swiglu_limit = {self.swiglu_limit} and swiglu_alpha = {self.swiglu_alpha}: "
+                "the clamped SwiGLU needs both, the plain one neither"
             )
         return self
 

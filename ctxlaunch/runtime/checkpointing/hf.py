@@ -8,6 +8,11 @@ TP slice of each part, and under FSDP2 only the DP x CP row chunk it keeps (`loc
 no rank reads or holds more than its share. Writing: the whole model in one process, fp32 (or
 the dtype asked for), in shards with model.safetensors.index.json, written to a temporary
 directory that is renamed into place only when complete.
+
+A family whose checkpoints stack a layer's experts (`StackedExperts`) keeps each expert matrix
+as (input, output) with gate and up interleaved along the output; `from_stacked` and
+`to_stacked` turn that layout into ctxlaunch's (output, input), gate rows then up rows, and
+back, exactly (a transpose and a permutation).
 """
 
 from __future__ import annotations
@@ -25,7 +30,12 @@ from typing import Any
 import torch
 
 from ctxlaunch.contract.families import FAMILIES, Family
-from ctxlaunch.contract.families.experts import is_expert_parameter
+from ctxlaunch.contract.families.experts import (
+    EXPERTS_DOWN,
+    EXPERTS_GATE_UP,
+    EXPERTS_GATE_UP_BIAS,
+    is_expert_parameter,
+)
 from ctxlaunch.contract.families.family import parameter_shapes
 from ctxlaunch.contract.families.hfconfig import CONFIG_FILE, read_config
 from ctxlaunch.contract.fsutil import missing_directories
@@ -177,10 +187,14 @@ def read_experts(
 ) -> torch.Tensor:
     """Experts [start, stop) of expert parameter `name` (whole shape `full_shape`: E first),
     each stacked from its Hugging Face parts (gate and up; down)."""
-    parts = FAMILIES[model.family].hf_parts(name, tuple(full_shape), model)
-    per_expert = len(parts) // full_shape[0]
+    family = FAMILIES[model.family]
+    parts = family.hf_parts(name, tuple(full_shape), model)
     if start >= stop:
         return torch.empty((0, *full_shape[1:]))
+    if family.experts is not None and family.experts.stacked is not None:
+        (hf_name, _), leaf = parts[0], name.split(".", 2)[-1]
+        return from_stacked(leaf, checkpoint.read(hf_name, (start, stop)))
+    per_expert = len(parts) // full_shape[0]
     return torch.stack(
         [
             torch.cat(
@@ -194,13 +208,38 @@ def read_experts(
     )
 
 
+def from_stacked(leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A stacked checkpoint's experts tensor (E, ...) in ctxlaunch's layout: matrices
+    transposed to (output, input), the interleaved gate/up columns as gate rows then up
+    rows."""
+    if leaf in (EXPERTS_GATE_UP, EXPERTS_DOWN):
+        tensor = tensor.transpose(1, 2)
+    if leaf in (EXPERTS_GATE_UP, EXPERTS_GATE_UP_BIAS):
+        tensor = torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
+    return tensor.contiguous()
+
+
+def to_stacked(leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The inverse of `from_stacked`: ctxlaunch's experts tensor in the stacked layout."""
+    if leaf in (EXPERTS_GATE_UP, EXPERTS_GATE_UP_BIAS):
+        gate, up = tensor.chunk(2, dim=1)
+        tensor = torch.stack([gate, up], dim=2).flatten(1, 2)
+    if leaf in (EXPERTS_GATE_UP, EXPERTS_DOWN):
+        tensor = tensor.transpose(1, 2)
+    return tensor.contiguous()
+
+
 # -- export ------------------------------------------------------------------------------------
 def to_hf(state: dict[str, torch.Tensor], model: ModelSpec) -> dict[str, torch.Tensor]:
     """ctxlaunch's whole-model state (name -> tensor) as Hugging Face tensors."""
     family = FAMILIES[model.family]
+    stacked = family.experts is not None and family.experts.stacked is not None
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         parts = family.hf_parts(name, tuple(tensor.shape), model)
+        if stacked and is_expert_parameter(name):
+            out[parts[0][0]] = to_stacked(name.split(".", 2)[-1], tensor)
+            continue
         flat = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() == 3 else tensor
         pieces = flat.split([shape[0] for _, shape in parts], dim=0) if len(parts) > 1 else (flat,)
         for (hf_name, _), piece in zip(parts, pieces, strict=True):

@@ -1,7 +1,8 @@
 # Shapes: tokens (B, S) with S the tokens this rank holds (S = seq_len / CP); hidden (B, S, h);
 # attention tensors in SDPA layout (B, H, S, D).
 """A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU; with the parts a
-family may add to it (contract/families/family.py): biases on the q, k and v projections, an
+family may add to it (contract/families/family.py): biases on the q, k and v projections (and
+on o), an
 RMSNorm over each head of q and of k before RoPE, a head width free of hidden / heads, norm
 gains applied as 1 + w, norms after each sub-block, GeGLU, an embedding scaled by
 sqrt(hidden), attention sinks; and per layer its attention kind: full, or local with its
@@ -191,6 +192,7 @@ class Attention(nn.Module):
         head_dim: int | None = None,
         *,
         qkv_bias: bool = False,
+        o_bias: bool = False,
         qk_norm: bool = False,
         eps: float = 1e-6,
         norm_offset: bool = False,
@@ -203,7 +205,8 @@ class Attention(nn.Module):
         self.heads, self.kv_heads = heads, kv_heads
         self.head_dim = head_dim or hidden // heads
         self.wqkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=qkv_bias)
-        self.wo = nn.Linear(heads * self.head_dim, hidden, bias=False)
+        # wo's bias is added after `exit` (once, not on each TP rank before the reduce).
+        self.wo = nn.Linear(heads * self.head_dim, hidden, bias=o_bias)
         # One gain of head_dim for every head (the q/k norms): under TP each rank applies it to its own
         # heads, and under Ulysses before the all-to-all, while every head is still local.
         self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, eps, norm_offset) if qk_norm else None
@@ -235,7 +238,8 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin).transpose(1, 2).contiguous()
         v = v.view(b, s, self.kv_heads, d).transpose(1, 2).contiguous()
         out = self.attend(q, k, v, **self.options(documents))
-        return self.exit(self.wo(out.transpose(1, 2).reshape(b, s, self.heads * d)))
+        out = self.exit(F.linear(out.transpose(1, 2).reshape(b, s, self.heads * d), self.wo.weight))
+        return out if self.wo.bias is None else out + self.wo.bias
 
     def options(self, documents: Documents) -> dict[str, Any]:
         """What `attend` is told beside q, k and v: only what this layer has, so a layer of
@@ -257,9 +261,16 @@ def _draw(key: str, shape: torch.Size | tuple[int, ...], std: float) -> torch.Te
 
 
 def _moe_feed_forward(
-    hidden: int, moe: ExpertsShape | None, shared_expert: bool, layer: int
+    hidden: int,
+    moe: ExpertsShape | None,
+    shared_expert: bool,
+    layer: int,
+    *,
+    biases: bool = False,
+    top_k_first: bool = False,
 ) -> MoEFeedForward | None:
-    """Block `layer`'s mixture-of-experts feed-forward, where `moe` makes it one."""
+    """Block `layer`'s mixture-of-experts feed-forward, where `moe` makes it one (`biases`:
+    on the router and the experts; `top_k_first`: the router's softmax over its top-k)."""
     if moe is None or not moe.is_moe_layer(layer):
         return None
     shared = (
@@ -268,7 +279,13 @@ def _moe_feed_forward(
         else None
     )
     return MoEFeedForward(
-        hidden, moe, renormalise=moe.norm_topk_prob, swiglu=_SwiGLU.apply, shared=shared
+        hidden,
+        moe,
+        renormalise=moe.norm_topk_prob,
+        swiglu=_SwiGLU.apply,
+        shared=shared,
+        biases=biases,
+        top_k_first=top_k_first,
     )
 
 
@@ -306,6 +323,7 @@ class Block(nn.Module):
         *,
         head_dim: int | None = None,
         qkv_bias: bool = False,
+        o_bias: bool = False,
         qk_norm: bool = False,
         norm_offset: bool = False,
         post_norms: bool = False,
@@ -324,6 +342,7 @@ class Block(nn.Module):
             kv_heads,
             head_dim,
             qkv_bias=qkv_bias,
+            o_bias=o_bias,
             qk_norm=qk_norm,
             eps=eps,
             norm_offset=norm_offset,
@@ -413,6 +432,9 @@ class Transformer(nn.Module):
         logit_softcap: float | None = None,
         moe: ExpertsShape | None = None,
         shared_expert: bool = False,
+        o_bias: bool = False,
+        expert_biases: bool = False,
+        router_top_k_first: bool = False,
     ):
         super().__init__()
         self.hidden = hidden
@@ -441,6 +463,7 @@ class Transformer(nn.Module):
                 norm_eps,
                 head_dim=self.head_dim,
                 qkv_bias=qkv_bias,
+                o_bias=o_bias,
                 qk_norm=qk_norm,
                 norm_offset=norm_offset,
                 post_norms=post_norms,
@@ -449,7 +472,14 @@ class Transformer(nn.Module):
                 scale=scale,
                 softcap=attention_softcap,
                 sinks=attention_sinks,
-                ffn=_moe_feed_forward(hidden, moe, shared_expert, i),
+                ffn=_moe_feed_forward(
+                    hidden,
+                    moe,
+                    shared_expert,
+                    i,
+                    biases=expert_biases,
+                    top_k_first=router_top_k_first,
+                ),
             )
             for i in range(layers)
         )
@@ -516,6 +546,9 @@ class Transformer(nn.Module):
             logit_softcap=model.logit_softcap,
             moe=model.moe,
             shared_expert=model.shared_expert,
+            o_bias=model.o_bias,
+            expert_biases=model.expert_biases,
+            router_top_k_first=model.router_top_k_first,
         )
 
     def initial_value(
@@ -532,8 +565,9 @@ class Transformer(nn.Module):
         if name.endswith("norm.weight"):
             # A gain of 1 either way: stored as 1, or as 0 where it is applied as 1 + w.
             return torch.zeros(shape) if self.norm_offset else torch.ones(shape)
-        if name.endswith((".bias", ".sinks")):
-            return torch.zeros(shape)
+        if name.endswith((".bias", ".sinks", "experts.b_gate_up", "experts.b_down")):
+            count = experts[1] if experts is not None and ".experts." in name else shape[0]
+            return torch.zeros((count, *shape[1:]))
         std = 0.02
         if name.endswith(("wo.weight", "w_down.weight", "experts.w_down")):
             std = std / (2 * len(self.blocks)) ** 0.5  # residual branches, GPT-2 style

@@ -6,9 +6,12 @@ shared expert where the family has one, and the load-balancing loss's statistics
 
 The router is transformers' (its mixture-of-experts families'): softmax over the experts in fp32,
 top-k, the k probabilities renormalised to sum to 1 where the model says, cast back to the
-hidden dtype; each token's output is the sum of its k experts' SwiGLU outputs weighted by them,
-added in expert order (as transformers' loop adds them), plus the shared expert's output times
-sigmoid(gate . token). Dropless unless `capacity_factor` is set.
+hidden dtype; or, where the family's router takes the top-k first (`top_k_first`), the top-k of
+the logits (with the router's bias where it has one) and a softmax over those k alone. Each
+token's output is the sum of its k experts' SwiGLU outputs weighted by them, plus the shared
+expert's output times sigmoid(gate . token). Dropless unless `capacity_factor` is set. Experts
+may have biases (added to each projection's output) and the clamped SwiGLU (`_ClampedSwiGLU`)
+as their activation.
 
 The model never touches a process group: moving the routings to their experts and back is
 `dispatch`, installed by `parallelize` (`local_dispatch` by default: every expert here; under
@@ -83,17 +86,70 @@ def _grouped_mm_usable(rows: torch.Tensor) -> bool:
     )
 
 
+class _ClampedSwiGLU(torch.autograd.Function):
+    """(clamp(up, -limit, limit) + 1) x g x sigmoid(alpha x g), g = clamp(gate, max=limit):
+    transformers' GptOss experts' activation. Saves gate and up as `_SwiGLU` does and
+    recomputes the rest in backward, in fp32; a clamped side's gradient is 0 beyond its limit
+    (torch's clamp passes it at the limit itself)."""
+
+    @staticmethod
+    def forward(
+        ctx, gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float
+    ) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        ctx.limit, ctx.alpha = limit, alpha
+        g = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * (g * torch.sigmoid(alpha * g))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        limit, alpha = ctx.limit, ctx.alpha
+        g32 = gate.float().clamp(max=limit)
+        u32 = up.float()
+        sig = torch.sigmoid(alpha * g32)
+        dy = grad.float()
+        grad_up = (dy * (g32 * sig)).mul_((u32.abs() <= limit).to(torch.float32))
+        # d/dg of g * sigmoid(alpha g) = sig * (1 + alpha * g * (1 - sig))
+        dglu = sig * (1 + alpha * g32 * (1 - sig))
+        grad_gate = dy * (u32.clamp(-limit, limit) + 1) * dglu
+        grad_gate.mul_((gate <= limit).to(torch.float32))
+        return grad_gate.to(gate.dtype), grad_up.to(up.dtype), None, None
+
+
+def clamped_swiglu(limit: float, alpha: float) -> Callable[..., torch.Tensor]:
+    """The experts' activation of a family with the clamped SwiGLU: (gate, up) -> out."""
+
+    def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return _ClampedSwiGLU.apply(gate, up, limit, alpha)
+
+    return activation
+
+
 class Experts(nn.Module):
     """This rank's experts, [first, first + local) of E: their gate/up (local, 2f, h) and down
-    (local, h, f) projections, as one tensor each."""
+    (local, h, f) projections, as one tensor each, and with `biases` their biases (local, 2f)
+    and (local, h)."""
 
     def __init__(
-        self, experts: int, hidden: int, ffn_hidden: int, swiglu: Callable[..., torch.Tensor]
+        self,
+        experts: int,
+        hidden: int,
+        ffn_hidden: int,
+        swiglu: Callable[..., torch.Tensor],
+        *,
+        biases: bool = False,
     ):
         super().__init__()
         self.total, self.ffn_hidden = experts, ffn_hidden
         self.w_gate_up = nn.Parameter(torch.empty(experts, 2 * ffn_hidden, hidden))
         self.w_down = nn.Parameter(torch.empty(experts, hidden, ffn_hidden))
+        self.b_gate_up: nn.Parameter | None = (
+            nn.Parameter(torch.empty(experts, 2 * ffn_hidden)) if biases else None
+        )
+        self.b_down: nn.Parameter | None = (
+            nn.Parameter(torch.empty(experts, hidden)) if biases else None
+        )
         self.first = 0
         """The global index of this rank's first expert (`parallelize` keeps a slice)."""
         self.gradient_scale = 1.0
@@ -105,32 +161,61 @@ class Experts(nn.Module):
         """Experts held here."""
         return self.w_gate_up.shape[0]
 
+    @property
+    def leaves(self) -> tuple[str, ...]:
+        """The names of its parameters, each one slice per expert (what EP splits)."""
+        return ("w_gate_up", "w_down") + (
+            ("b_gate_up", "b_down") if self.b_down is not None else ()
+        )
+
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The SwiGLU of each row block through its expert: rows (R, h) sorted by expert,
         `counts[e]` of them for local expert e -> (R, h)."""
         w_gate_up, w_down = self.w_gate_up, self.w_down
+        b_gate_up, b_down = self.b_gate_up, self.b_down
         if self.gradient_scale != 1.0:
             w_gate_up = _ScaleGradient.apply(w_gate_up, self.gradient_scale)
             w_down = _ScaleGradient.apply(w_down, self.gradient_scale)
+            if b_gate_up is not None and b_down is not None:
+                b_gate_up = _ScaleGradient.apply(b_gate_up, self.gradient_scale)
+                b_down = _ScaleGradient.apply(b_down, self.gradient_scale)
         if _grouped_mm_usable(rows):
             offsets = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
-            gate, up = F.grouped_mm(rows, w_gate_up.transpose(-2, -1), offs=offsets).chunk(2, -1)
-            return F.grouped_mm(
+            gate_up = F.grouped_mm(rows, w_gate_up.transpose(-2, -1), offs=offsets)
+            if b_gate_up is not None:
+                gate_up = gate_up + _per_row(b_gate_up, counts, rows.shape[0])
+            gate, up = gate_up.chunk(2, -1)
+            out = F.grouped_mm(
                 self.swiglu(gate.contiguous(), up.contiguous()),
                 w_down.transpose(-2, -1),
                 offs=offsets,
             )
+            return out if b_down is None else out + _per_row(b_down, counts, rows.shape[0])
         # split and unbind, not slicing and indexing: their backward assembles the rows' and
         # the weights' gradients once, where a slice's would allocate a whole-size zero
         # gradient for each expert. An expert no routing reached runs on no rows: its weights
         # still get a (zero) gradient, so every rank reduces the same gradients.
+        local = self.local
+        gate_up_biases = b_gate_up.unbind(0) if b_gate_up is not None else (None,) * local
+        down_biases = b_down.unbind(0) if b_down is not None else (None,) * local
         outputs = [
-            F.linear(self.swiglu(*F.linear(block, gate_up).chunk(2, dim=-1)), down)
-            for block, gate_up, down in zip(
-                rows.split(counts), w_gate_up.unbind(0), w_down.unbind(0), strict=True
+            F.linear(self.swiglu(*F.linear(block, gate_up, b_in).chunk(2, dim=-1)), down, b_out)
+            for block, gate_up, down, b_in, b_out in zip(
+                rows.split(counts),
+                w_gate_up.unbind(0),
+                w_down.unbind(0),
+                gate_up_biases,
+                down_biases,
+                strict=True,
             )
         ]
         return torch.cat(outputs)
+
+
+def _per_row(biases: torch.Tensor, counts: list[int], rows: int) -> torch.Tensor:
+    """Each row's expert's bias: biases (E_local, n) repeated by `counts` -> (rows, n)."""
+    repeats = torch.tensor(counts, device=biases.device)
+    return biases.repeat_interleave(repeats, dim=0, output_size=rows)
 
 
 def sort_routings(index: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,12 +411,18 @@ class MoEFeedForward(nn.Module):
         renormalise: bool,
         swiglu: Callable[..., torch.Tensor],
         shared: nn.Module | None = None,
+        biases: bool = False,
+        top_k_first: bool = False,
     ):
         super().__init__()
         self.top_k, self.renormalise = moe.experts_per_token, renormalise
+        self.top_k_first = top_k_first
+        """Top-k of the logits, then a softmax over those k (else softmax, then top-k)."""
         self.capacity_factor = moe.capacity_factor
-        self.router = nn.Linear(hidden, moe.experts, bias=False)
-        self.experts = Experts(moe.experts, hidden, moe.ffn_hidden, swiglu)
+        self.router = nn.Linear(hidden, moe.experts, bias=biases)
+        if moe.swiglu_limit is not None and moe.swiglu_alpha is not None:
+            swiglu = clamped_swiglu(moe.swiglu_limit, moe.swiglu_alpha)
+        self.experts = Experts(moe.experts, hidden, moe.ffn_hidden, swiglu, biases=biases)
         self.shared = shared
         self.shared_gate = nn.Linear(hidden, 1, bias=False) if shared is not None else None
         self.dispatch: Dispatch = local_dispatch
@@ -346,8 +437,11 @@ class MoEFeedForward(nn.Module):
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(fp32 probabilities (T, E), chosen experts (T, k), their weights (T, k) in the
         tokens' dtype), as transformers' routers compute them."""
-        logits = F.linear(tokens, self.router.weight)
+        logits = F.linear(tokens, self.router.weight, self.router.bias)
         probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if self.top_k_first:
+            top_logits, index = torch.topk(logits, self.top_k, dim=-1)
+            return probabilities, index, torch.softmax(top_logits, dim=-1)
         top, index = torch.topk(probabilities, self.top_k, dim=-1)
         if self.renormalise:
             top = top / top.sum(dim=-1, keepdim=True)

@@ -122,7 +122,7 @@ def apply_expert_parallel(model: Transformer, ctx: ParallelContext) -> dict[str,
         if d.ep > 1:
             assert ctx.ep_group is not None  # ep > 1
             with torch.no_grad():
-                for leaf in ("w_gate_up", "w_down"):
+                for leaf in experts.leaves:
                     whole = getattr(experts, leaf)
                     setattr(
                         experts, leaf, nn.Parameter(whole.detach()[first : first + count].clone())
@@ -130,7 +130,7 @@ def apply_expert_parallel(model: Transformer, ctx: ParallelContext) -> dict[str,
             experts.first = first
             experts.gradient_scale = 1.0 / d.ep
             module.dispatch = partial(expert_parallel_dispatch, group=ctx.ep_group)
-        for leaf in ("w_gate_up", "w_down"):
+        for leaf in experts.leaves:
             held[f"{owner}.experts.{leaf}"] = (first, count)
     if model.routing is not None and d.world_size // d.pp > 1:
         # Where the stage has one rank the counts are already whole; with one stage the
