@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from ctxlaunch.cli import app
 from ctxlaunch.contract.loader import SpecError, validate_spec
 from ctxlaunch.contract.spec import ModelSpec
-from ctxlaunch.perf.flops import count_params
+from ctxlaunch.perf.flops import count_params, flops_per_token
 from tests.helpers.dist import run_distributed
 from tests.helpers.hf_models import (
     SEQ,
@@ -63,6 +63,47 @@ def test_presets_count_the_published_parameters(preset: str, total: float, activ
     counts = count_params(ModelSpec.model_validate({"preset": preset}))
     assert counts.total == pytest.approx(total, rel=0.005)
     assert counts.active - counts.embedding == pytest.approx(active, rel=0.005)
+
+
+GPT_OSS_20B_128K = {
+    "name": "gpt-oss-20b-128k",
+    "model": {"preset": "gpt-oss-20b", "dtype": "bf16"},
+    "training": {
+        "seq_len": 131072,
+        "global_batch": 8,
+        "activation_checkpointing": "full",
+        "zero_stage": 3,
+        "engine": "fsdp2",
+    },
+    "parallel": {"cp": 8, "ep": 8},
+    "cluster": {"target": "slurm", "nodes": 1, "gpus_per_node": 8, "gpu": "H100"},
+}
+"""gpt-oss-20b at 128K tokens on one node of 8 H100, CP 8 with the experts over the same 8."""
+
+
+def test_validate_plan_and_advise_take_a_gpt_oss_20b_spec() -> None:
+    """The spec validates; plan counts the biases and sinks among the parameters (the model
+    card's 3.61B in a token's matmuls), the local layers' windows in the FLOPs, fits at CP 8
+    and reaches 128K there; advise ranks layouts whose EP degree divides the 32 experts."""
+    from ctxlaunch.planning.advise import advise
+    from ctxlaunch.planning.plan import plan_job
+
+    spec = validate_spec(GPT_OSS_20B_128K)
+    report = plan_job(spec)
+    assert report.fits and report.experts is not None
+    assert report.flops["params_active"] == report.experts["params_active"]
+    at_cp8 = next(o for o in report.cp_options if o.dims.cp == 8)
+    assert at_cp8.longest_seq_len >= 131072
+    counts = count_params(spec.model)
+    assert counts.matmul == pytest.approx(3.61e9, rel=0.005)
+    full = spec.model.model_copy(update={"sliding_window": None})
+    window = flops_per_token(spec.model, 131072, "full")
+    assert report.flops["per_token"]["full"] == window < flops_per_token(full, 131072, "full")
+    advice = advise(spec)
+    assert advice.ranked
+    for candidate in advice.ranked:
+        dims = candidate.layout.dims
+        assert dims.shard_group % dims.ep == 0 and 32 % dims.ep == 0
 
 
 def test_config_json_gives_the_model_section_and_quantized_is_refused(tmp_path: Path) -> None:
