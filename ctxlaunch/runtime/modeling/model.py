@@ -205,7 +205,6 @@ class Attention(nn.Module):
         self.heads, self.kv_heads = heads, kv_heads
         self.head_dim = head_dim or hidden // heads
         self.wqkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=qkv_bias)
-        # wo's bias is added after `exit` (once, not on each TP rank before the reduce).
         self.wo = nn.Linear(heads * self.head_dim, hidden, bias=o_bias)
         # One gain of head_dim for every head (the q/k norms): under TP each rank applies it to its own
         # heads, and under Ulysses before the all-to-all, while every head is still local.
@@ -237,9 +236,14 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin).transpose(1, 2).contiguous()
         k = apply_rope(k, cos, sin).transpose(1, 2).contiguous()
         v = v.view(b, s, self.kv_heads, d).transpose(1, 2).contiguous()
-        out = self.attend(q, k, v, **self.options(documents))
-        out = self.exit(F.linear(out.transpose(1, 2).reshape(b, s, self.heads * d), self.wo.weight))
-        return out if self.wo.bias is None else out + self.wo.bias
+        out = self.attend(q, k, v, **self.options(documents)).transpose(1, 2)
+        out = out.reshape(b, s, self.heads * d)
+        if self.wo.bias is None or self.exit is _identity:
+            # Through the module: DeepSpeed ZeRO-3 gathers a weight in its module's hooks.
+            return self.exit(self.wo(out))
+        # Under TP the bias after `exit`: once, not on each rank before the reduce sums them
+        # (DeepSpeed, which needs the module's hooks, runs at TP 1 only).
+        return self.exit(F.linear(out, self.wo.weight)) + self.wo.bias
 
     def options(self, documents: Documents) -> dict[str, Any]:
         """What `attend` is told beside q, k and v: only what this layer has, so a layer of

@@ -437,7 +437,8 @@ class MoEFeedForward(nn.Module):
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(fp32 probabilities (T, E), chosen experts (T, k), their weights (T, k) in the
         tokens' dtype), as transformers' routers compute them."""
-        logits = F.linear(tokens, self.router.weight, self.router.bias)
+        # Through the module: DeepSpeed ZeRO-3 gathers a weight in its module's hooks.
+        logits = self.router(tokens)
         probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)
         if self.top_k_first:
             top_logits, index = torch.topk(logits, self.top_k, dim=-1)
@@ -483,7 +484,7 @@ class MoEFeedForward(nn.Module):
             )
         out = self.dispatch(tokens, index, weights, self.experts)
         if self.shared is not None and self.shared_gate is not None:
-            gate = torch.sigmoid(F.linear(tokens, self.shared_gate.weight))
+            gate = torch.sigmoid(self.shared_gate(tokens))
             out = out + gate * self.shared(tokens)
         return out.view(b, s, h).to(x.dtype)
 
