@@ -121,6 +121,24 @@ def test_config_json_gives_the_model_section_and_quantized_is_refused(tmp_path: 
     assert (moe.swiglu_limit, moe.swiglu_alpha, moe.aux_loss_coef) == (0.5, 1.702, 0.05)
     path = tmp_path / "config.json"
     config = json.loads(path.read_text())
+    # The released files' spelling (transformers 4.x): rope_theta and rope_scaling with YaRN's
+    # truncate flag false, no layer_types (every other layer local, from the first).
+    released = {k: v for k, v in config.items() if k not in ("rope_parameters", "layer_types")}
+    released |= {
+        "rope_theta": 150000,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 16,
+        },
+    }
+    path.write_text(json.dumps(released))
+    model = validate_spec(spec_data(tmp_path)).model
+    assert model.layer_windows == (5, None) and model.rope_theta == 150000
+    assert model.rope_scaling.type == "yarn" and model.rope_scaling.truncate is False
     path.write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
     with pytest.raises(SpecError, match="quantization_config is set.*dequantize=True"):
         validate_spec(spec_data(tmp_path))

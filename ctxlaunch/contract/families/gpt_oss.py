@@ -48,9 +48,24 @@ GPT_OSS_DEFAULTS: dict[str, Any] = {
 configuration_gpt_oss.py)."""
 
 
+GPT_OSS_ROPE: dict[str, Any] = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+"""GptOssConfig's RoPE where config.json states none (its default rope_parameters)."""
+
+
 class GptOss(Family):
     """Every other layer local (the first one local) unless config.json lists the layers'
-    kinds; the experts' keys as GptOssConfig names them; quantized checkpoints refused."""
+    kinds; YaRN unless config.json says otherwise; the experts' keys as GptOssConfig names
+    them; quantized checkpoints refused."""
+
+    def rope_parameters(self, config: Mapping[str, Any]) -> Any:
+        return config.get("rope_parameters") or config.get("rope_scaling") or GPT_OSS_ROPE
 
     def sliding_window(self, config: Mapping[str, Any]) -> int | None:
         window = config.get("sliding_window")
@@ -127,14 +142,7 @@ class GptOss(Family):
 # The released models' RoPE (config.json of openai/gpt-oss-20b and -120b, and GptOssConfig's
 # default rope_parameters): YaRN stretching a 4,096-token pretraining length 32 times, base
 # 150,000.
-_YARN = dict(
-    type="yarn",
-    factor=32.0,
-    original_max_position_embeddings=4096,
-    beta_fast=32.0,
-    beta_slow=1.0,
-    truncate=False,
-)
+_YARN = {"type": "yarn", **{k: v for k, v in GPT_OSS_ROPE.items() if k != "rope_type"}}
 _GPT_OSS = dict(
     hidden=2880,
     heads=64,

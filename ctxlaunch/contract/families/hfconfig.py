@@ -125,7 +125,12 @@ def rope_from_config(
         )
     scaling: dict[str, Any] = {"type": kind}
     for key in ROPE_KEYS:
-        if params.get(key) is not None:
+        if key == "truncate" and params.get(key) is not None:
+            # A flag, not a number (GPT-OSS's released files say false).
+            if not isinstance(params[key], bool):
+                raise HFConfigError(f"{where}: truncate must be true or false, got {params[key]!r}")
+            scaling[key] = params[key]
+        elif params.get(key) is not None:
             _number(params, key, 0.0, where)  # a number, or a sentence naming the key
             scaling[key] = params[key]
     if (
