@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ctxlaunch.runtime.modeling.pointwise import _row_chunks, _upcast
+
 if TYPE_CHECKING:
     from ctxlaunch.contract.families.experts import ExpertsShape
 
@@ -89,8 +91,9 @@ def _grouped_mm_usable(rows: torch.Tensor) -> bool:
 class _ClampedSwiGLU(torch.autograd.Function):
     """(clamp(up, -limit, limit) + 1) x g x sigmoid(alpha x g), g = clamp(gate, max=limit):
     transformers' GptOss experts' activation. Saves gate and up as `_SwiGLU` does and
-    recomputes the rest in backward, in fp32; a clamped side's gradient is 0 beyond its limit
-    (torch's clamp passes it at the limit itself)."""
+    recomputes the rest in backward, in fp32 over chunks of rows as `_SwiGLU` does (so its
+    temporaries are a chunk's, as the planner counts them); a clamped side's gradient is 0
+    beyond its limit (torch's clamp passes it at the limit itself)."""
 
     @staticmethod
     def forward(
@@ -105,16 +108,26 @@ class _ClampedSwiGLU(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         gate, up = ctx.saved_tensors
         limit, alpha = ctx.limit, ctx.alpha
-        g32 = gate.float().clamp(max=limit)
-        u32 = up.float()
-        sig = torch.sigmoid(alpha * g32)
-        dy = grad.float()
-        grad_up = (dy * (g32 * sig)).mul_((u32.abs() <= limit).to(torch.float32))
-        # d/dg of g * sigmoid(alpha g) = sig * (1 + alpha * g * (1 - sig))
-        dglu = sig * (1 + alpha * g32 * (1 - sig))
-        grad_gate = dy * (u32.clamp(-limit, limit) + 1) * dglu
-        grad_gate.mul_((gate <= limit).to(torch.float32))
-        return grad_gate.to(gate.dtype), grad_up.to(up.dtype), None, None
+        f = gate.shape[-1]
+        gate2, up2, grad2 = gate.reshape(-1, f), up.reshape(-1, f), grad.reshape(-1, f)
+        grad_gate, grad_up = torch.empty_like(gate2), torch.empty_like(up2)
+        for rows in _row_chunks(gate2.shape[0]):
+            # Out of place: an fp32 input's upcast is the saved tensor itself. At most three
+            # fp32 (chunk x f) temporaries live at once, the clamps' masks aside.
+            g, u = _upcast(gate2[rows]), _upcast(up2[rows])
+            inside_gate, inside_up = g <= limit, u.abs() <= limit
+            g = g.clamp(max=limit)
+            sig = torch.sigmoid(g * alpha)
+            dy = _upcast(grad2[rows])
+            grad_up[rows] = (g * sig).mul_(dy).mul_(inside_up)
+            # d/dg of g * sigmoid(alpha g) = sig * (1 + alpha * g * (1 - sig))
+            work = torch.sub(1, sig).mul_(g).mul_(alpha).add_(1).mul_(sig)
+            del g, sig
+            work.mul_(dy).mul_(inside_gate)
+            del dy
+            grad_gate[rows] = work.mul_(u.clamp(-limit, limit).add_(1))
+            del work
+        return grad_gate.view(gate.shape), grad_up.view(up.shape), None, None
 
 
 def clamped_swiglu(limit: float, alpha: float) -> Callable[..., torch.Tensor]:
