@@ -4,7 +4,8 @@ quantized checkpoint refused, the presets' parameter counts; at one process the 
 language-model and load-balancing losses and every gradient of a step (q/k/v/o biases, sinks,
 the router's bias and its softmax over the top-k logits, the experts' biases, the clamped
 SwiGLU, the stacked and interleaved experts' import); export (import then export bitwise, and
-from_pretrained of a trained export reproducing the trainer's logits); and, in one two-rank
+from_pretrained of a trained export reproducing the trainer's logits); the experts' grouped-GEMM
+path with biases against their loop; and, in one two-rank
 launch, CP 2 ring x EP 2 and CP 2 Ulysses: the logits are transformers' and the losses and
 every gradient one process's, with a window (5) smaller than a CP shard (16).
 
@@ -275,3 +276,33 @@ def test_cp_ring_with_ep_and_ulysses_match(tmp_path: Path) -> None:
         )
         worst = assert_matches_one_process(got_steps, single, name)
         print(f"{name}: max grad diff abs {worst[0]:.1e} rel {worst[1]:.1e}")
+
+
+def test_grouped_experts_with_biases_equal_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The experts' grouped-GEMM path (CUDA bf16 in training) adds each row's expert's biases
+    as the CPU loop does: torch's grouped_mm runs on the CPU in fp32 here, chosen by patching
+    the device check alone; outputs and every gradient equal the loop's (an expert without
+    rows among them)."""
+    from ctxlaunch.runtime.modeling import moe
+
+    torch.manual_seed(0)
+    experts = moe.Experts(4, 16, 8, moe.clamped_swiglu(0.5, 1.702), biases=True)
+    for param in experts.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    rows = torch.randn(10, 16, requires_grad=True)
+    weights = torch.randn(10, 16)
+
+    def run() -> dict[str, torch.Tensor]:
+        experts.zero_grad()
+        rows.grad = None
+        out = experts(rows, [3, 0, 5, 2])
+        (out * weights).sum().backward()
+        grads = {n: p.grad.clone() for n, p in experts.named_parameters() if p.grad is not None}
+        return {"out": out.detach(), "rows": rows.grad.clone(), **grads}
+
+    loop = run()
+    monkeypatch.setattr(moe, "_grouped_mm_usable", lambda _: True)
+    grouped = run()
+    assert set(grouped) == set(loop) and len(loop) == 6
+    for name, value in loop.items():
+        torch.testing.assert_close(grouped[name], value, rtol=1e-5, atol=1e-6, msg=name)
