@@ -187,7 +187,8 @@ def test_world_2_layouts_match_one_process(tmp_path: Path) -> None:
     held-out evaluation at that layout scoring what one process scores; and a checkpoint
     DeepSpeed ZeRO-2 saved at EP 2 (each rank's experts and their Adam moments in its own
     partition files) resumed at EP 2: both losses of every step those of the uninterrupted
-    run in one process."""
+    run in one process; reading its weights for an export, and resuming it at EP 1, are
+    refused in one sentence each."""
     names, cases = [], []
     for family in ("qwen3_moe", "mixtral", "qwen2_moe"):
         source = tmp_path / family
@@ -219,6 +220,18 @@ def test_world_2_layouts_match_one_process(tmp_path: Path) -> None:
     results = run_distributed(_run_cases, 2, cases, timeout_s=840)[0]
     _check(names, cases, results)
     _check_resumed(saving, results[-1])
+    # zero_to_fp32 cannot merge experts kept in each rank's partition files: export says so;
+    # and DeepSpeed's format resumes at its own EP degree only: another is refused.
+    from ctxlaunch.runtime.checkpointing.hf import HFCheckpointError, read_training_weights
+    from ctxlaunch.runtime.checkpointing.safe_unpickle import CheckpointOfAnotherModel
+    from ctxlaunch.runtime.trainer.engines import check_deepspeed_ep
+
+    step = next((tmp_path / "ckpt").glob("step-*"))
+    with pytest.raises(HFCheckpointError, match="saved by DeepSpeed with expert parallelism"):
+        read_training_weights(step)
+    check_deepspeed_ep(step, 2)
+    with pytest.raises(CheckpointOfAnotherModel, match="saved by DeepSpeed at ep = 2"):
+        check_deepspeed_ep(step, 1)
 
 
 def _check_resumed(saving: dict, got: dict) -> None:

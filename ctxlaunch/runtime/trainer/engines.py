@@ -689,11 +689,17 @@ class DeepSpeedEngine:
         return out
 
     def save(self, path: Path) -> None:
-        self.engine.save_checkpoint(str(path.parent), tag=path.name, save_latest=False)
+        self.engine.save_checkpoint(
+            str(path.parent),
+            tag=path.name,
+            save_latest=False,
+            client_state={SAVED_EP_KEY: self.ctx.dims.ep},
+        )
 
     def load(self, path: Path) -> None:
         from ctxlaunch.runtime.checkpointing.safe_unpickle import deepspeed_reads_weights_only
 
+        check_deepspeed_ep(path, self.ctx.dims.ep)
         with deepspeed_reads_weights_only(path):  # its files' pickles never run code
             load_path, _ = self.engine.load_checkpoint(
                 str(path.parent),
@@ -708,6 +714,29 @@ class DeepSpeedEngine:
             # experts to files of their own only for its MoE module); each rank's fp32
             # partitions hold its own experts: the weights are taken from those.
             self.optimizer.update_lp_params()
+
+
+SAVED_EP_KEY = "ctxlaunch_ep"
+"""The EP degree a DeepSpeed checkpoint was saved at, in its model-states file (absent: 1)."""
+
+
+def check_deepspeed_ep(path: Path, ep: int) -> None:
+    """Refuse, in one sentence, a DeepSpeed checkpoint saved at another EP degree: each rank's
+    partition files hold the experts it held, and DeepSpeed's format resumes only at the
+    layout it was saved at."""
+    from ctxlaunch.runtime.checkpointing.safe_unpickle import (
+        CheckpointOfAnotherModel,
+        weights_only_load,
+    )
+
+    for states in path.glob("*model_states.pt"):
+        saved = weights_only_load(states, map_location="cpu", mmap=True).get(SAVED_EP_KEY, 1)
+        if saved != ep:
+            raise CheckpointOfAnotherModel(
+                f"{path} was saved by DeepSpeed at ep = {saved}, and a DeepSpeed checkpoint "
+                f"resumes only at the layout it was saved at, but this run has ep = {ep}; "
+                f"fix: parallel.ep: {saved}, or another training.checkpoint.dir"
+            )
 
 
 def make_engine(
