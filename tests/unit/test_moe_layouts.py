@@ -3,7 +3,8 @@ the logits and every gradient of a mixture-of-experts model imported from a rand
 transformers checkpoint equal one process's over the same micro-batches (the cross-layout
 tolerance), at EP 2 x DP 2, CP 2 ring (zigzag) x EP 2, CP 2 Ulysses x EP 2, CP 4 hybrid x
 EP 4, TP 2 x CP 2 x EP 2, PP 2 x EP 2, FSDP2 with EP 2, DeepSpeed ZeRO-1 and ZeRO-2 with EP 2
-(the experts DeepSpeed's MoE parameters) and with EP 1, full activation checkpointing, a
+(the experts DeepSpeed's MoE parameters; at DP 4 x EP 2 too, where two ranks share them) and
+with EP 1, full activation checkpointing, a
 document-masked balanced batch at CP 2 x EP 2; a checkpoint saved at EP 2 resumes at EP 1 and
 at EP 4, and one DeepSpeed saved at EP 2 at EP 2 (DeepSpeed's own format resumes only at its
 layout) (multi-process, gloo on CPU, fp32).
@@ -252,6 +253,12 @@ WORLD4 = {
     },
     "TP 2 x CP 2 x EP 2": {"parallel.tp": 2, "parallel.cp": 2, "parallel.ep": 2},
     "PP 2 x DP 2 x EP 2": {"parallel.pp": 2, "parallel.ep": 2},
+    # The world-2 DeepSpeed cases hold each rank's experts alone; here two ranks share them.
+    "DeepSpeed ZeRO-2 x DP 4 x EP 2 (experts sharded over 2 ranks)": {
+        "parallel.ep": 2,
+        "training.zero_stage": 2,
+        "training.engine": "deepspeed",
+    },
     "PP 2 x CP 2 x EP 2, FSDP2 ZeRO-1": {
         "parallel.pp": 2,
         "parallel.cp": 2,
