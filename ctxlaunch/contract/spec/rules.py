@@ -128,8 +128,8 @@ def expert_problems(m: ModelSpec, t: TrainingSpec, dims: ParallelDims) -> list[I
                 ("training", "zero_stage"),
                 t.zero_stage,
                 f"engine deepspeed shards experts (ep = {dims.ep}) at ZeRO-1 and ZeRO-2 only: "
-                "its ZeRO-3 partitions every parameter over DP x CP; fix: zero_stage: 1 or 2, "
-                "or engine: fsdp2",
+                "its ZeRO-3 takes experts only inside its own AutoEP layer (its own router and "
+                "dispatch); fix: zero_stage: 1 or 2, or engine: fsdp2",
             )
         )
     if t.engine == "deepspeed" and dims.ep > 1 and t.offload.optimizer:

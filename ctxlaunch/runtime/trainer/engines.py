@@ -521,8 +521,9 @@ def mark_experts(parts: ModelParts, group_name: str) -> None:
     holding the same experts by DP x CP (see the module docstring)."""
     for name, param in parts.model.named_parameters():
         if name in parts.experts:
-            param.allreduce = False  # type: ignore[attr-defined]
-            param.group_name = group_name  # type: ignore[attr-defined]
+            # Attributes DeepSpeed reads off the tensor, which a Parameter does not declare.
+            param.allreduce = False  # type: ignore[attr-defined]  # see above
+            param.group_name = group_name  # type: ignore[attr-defined]  # see above
     for module in parts.model.modules():
         if isinstance(module, Experts):
             module.gradient_scale = 1.0
@@ -591,7 +592,9 @@ def deepspeed_host_tensors(zero_optimizer: Any) -> list[torch.Tensor]:
 
 class DeepSpeedEngine:
     """ZeRO-1..3 through `deepspeed.initialize` with a torch AdamW, on the whole model (TP 1 x
-    PP 1: DeepSpeed knows nothing of TP slices or pipeline stages)."""
+    PP 1: DeepSpeed knows nothing of TP slices or pipeline stages); under expert parallelism
+    (ZeRO-1 and ZeRO-2) with the experts as DeepSpeed's MoE parameters, on ctxlaunch's EP and
+    expert-data-parallel groups."""
 
     def __init__(
         self, parts: ModelParts, spec: JobSpec, ctx: ParallelContext, device: torch.device
