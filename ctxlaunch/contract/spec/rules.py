@@ -138,8 +138,9 @@ def expert_problems(m: ModelSpec, t: TrainingSpec, dims: ParallelDims) -> list[I
                 ("training", "offload", "optimizer"),
                 t.offload.optimizer,
                 f"engine deepspeed at ep = {dims.ep} keeps the optimizer states on the device "
-                "(ZeRO-Offload with experts is untested here); fix: offload.optimizer: false, "
-                "or engine: fsdp2",
+                "(ZeRO-Offload with experts is neither checked against one process in the "
+                "tests nor planned in host memory); fix: offload.optimizer: false, or engine: "
+                "fsdp2",
             )
         )
     return out
