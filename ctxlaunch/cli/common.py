@@ -16,8 +16,6 @@ from ctxlaunch.contract.loader import SpecError, apply_overrides, read_spec_data
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.spec import JobSpec
-    from ctxlaunch.launch.backends.base import Backend
-    from ctxlaunch.launch.jobstore import JobRecord
 
 out = Console(highlight=False, soft_wrap=True)
 if not out.is_terminal:
@@ -70,26 +68,3 @@ def print_warnings(spec: JobSpec) -> None:
 JobArg = Annotated[
     str, typer.Argument(help="ctxlaunch job id or the scheduler's job id.", show_default=False)
 ]
-
-
-def find_job(reference: str) -> tuple[JobRecord, Backend]:
-    """The record and backend of a submitted job, or exit 2 naming what is known."""
-    from ctxlaunch.launch import jobstore
-    from ctxlaunch.launch.backends import get_backend
-
-    try:
-        record = jobstore.find(reference)
-    except KeyError:
-        known = ", ".join(r.backend_id or r.id for r in jobstore.all_records()[-5:])
-        fail(
-            f"no job {reference!r} in {jobstore.jobs_root()}"
-            + (f" (recent: {known})" if known else "")
-        )
-    except ValueError as exc:  # a reference no job can have, or a damaged record
-        fail(str(exc))
-    try:
-        return record, get_backend(record.target)
-    except NotImplementedError:
-        fail(
-            f"job {record.id}: its record names the target {record.target[:40]!r}, not one of ours"
-        )

@@ -246,6 +246,43 @@ def test_ep_is_folded_over_dp_and_cp() -> None:
     assert "model.family llama is dense" in found["parallel.ep"]
 
 
+def test_deepspeed_takes_ep_at_zero_1_and_2_and_plans_expert_states_over_their_group() -> None:
+    """engine deepspeed at ep 2: ZeRO-1 and ZeRO-2 validate; ZeRO-3 and the optimizer's offload
+    are refused, each in one sentence naming its field. Planned (bf16 ZeRO-2, DeepSpeed's own
+    estimate, 2 + 18/Nd a parameter): the dense states sharded over DP x CP = 8, the experts'
+    over the 4 ranks holding the same experts (8 H100, CP 4 x DP 2)."""
+    from ctxlaunch.perf.layout import Layout
+    from ctxlaunch.perf.modelstates import busiest_rank_states, params_per_rank
+    from ctxlaunch.perf.modelstates import stage_expert_params as held_experts
+
+    moe = {
+        "model.preset": "qwen3-30b-a3b",
+        "training.seq_len": 32768,
+        "parallel.cp": 4,
+        "parallel.ep": 2,
+        "training.engine": "deepspeed",
+        "cluster.nodes": 1,
+    }
+    for stage in (1, 2):
+        assert validate_spec(make(**moe, **{"training.zero_stage": stage})).state_engine == (
+            "deepspeed"
+        )
+    found = problems(make(**moe, **{"training.zero_stage": 3}))
+    assert "ZeRO-1 and ZeRO-2 only" in found["training.zero_stage"]
+    found = problems(make(**moe, **{"training.zero_stage": 2, "training.offload.optimizer": True}))
+    assert "ep = 2 keeps the optimizer states" in found["training.offload.optimizer"]
+    spec = validate_spec(make(**moe, **{"training.zero_stage": 2}))
+    layout = Layout.from_spec(spec)
+    assert layout.dims.shard_group == 8 and layout.dims.expert_shard_group == 4
+    experts = held_experts(spec.model, layout)
+    dense = params_per_rank(spec.model, 1, 1, ep=2) - experts
+    assert experts == 128 // 2 * 3 * 2048 * 768 * 48
+    weights, grads, states = busiest_rank_states(spec.model, layout)
+    assert weights == 2 * (dense + experts)
+    assert grads == 2 * dense // 8 + 2 * experts // 4
+    assert states == 16 * dense // 8 + 16 * experts // 4
+
+
 def test_ep_groups_are_consecutive_ranks_of_the_shard_group() -> None:
     """TP 2 x CP 2 x DP 2 with ep 4: the shard group of TP index t is ranks t, t+2, t+4, t+6;
     its EP group is all four (each holds a quarter of the experts, nobody shares them); at ep 2

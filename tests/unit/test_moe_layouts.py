@@ -2,10 +2,12 @@
 the logits and every gradient of a mixture-of-experts model imported from a random
 transformers checkpoint equal one process's over the same micro-batches (the cross-layout
 tolerance), at EP 2 x DP 2, CP 2 ring (zigzag) x EP 2, CP 2 Ulysses x EP 2, CP 4 hybrid x
-EP 4, TP 2 x CP 2 x EP 2, PP 2 x EP 2, FSDP2 with EP 2, DeepSpeed ZeRO-2 (EP 1: DeepSpeed's
-ZeRO reduces every gradient over DP x CP), full activation checkpointing, a document-masked
-balanced batch at CP 2 x EP 2; and a checkpoint saved at EP 2 resumes at EP 1 and at EP 4
-(multi-process, gloo on CPU, fp32).
+EP 4, TP 2 x CP 2 x EP 2, PP 2 x EP 2, FSDP2 with EP 2, DeepSpeed ZeRO-1 and ZeRO-2 with EP 2
+(the experts DeepSpeed's MoE parameters; at DP 4 x EP 2 too, where two ranks share them) and
+with EP 1, full activation checkpointing, a
+document-masked balanced batch at CP 2 x EP 2; a checkpoint saved at EP 2 resumes at EP 1 and
+at EP 4, and one DeepSpeed saved at EP 2 at EP 2 (DeepSpeed's own format resumes only at its
+layout) (multi-process, gloo on CPU, fp32).
 
 One process is checked against transformers itself in test_moe.py. The load-balancing loss's
 statistics cover a micro-batch on every rank, so the one process a layout is compared with
@@ -160,6 +162,16 @@ WORLD2 = {
         "training.engine": "fsdp2",
     },
     "DeepSpeed ZeRO-2 (EP 1)": {"training.zero_stage": 2, "training.engine": "deepspeed"},
+    "DeepSpeed ZeRO-2 x EP 2": {
+        "parallel.ep": 2,
+        "training.zero_stage": 2,
+        "training.engine": "deepspeed",
+    },
+    "DeepSpeed ZeRO-1 x EP 2": {
+        "parallel.ep": 2,
+        "training.zero_stage": 1,
+        "training.engine": "deepspeed",
+    },
     "CP 2 x EP 2, full checkpointing": {
         "parallel.cp": 2,
         "parallel.ep": 2,
@@ -173,7 +185,11 @@ def test_world_2_layouts_match_one_process(tmp_path: Path) -> None:
     """The world-2 layouts above (Qwen3-MoE); Mixtral's always renormalised router and
     Qwen2-MoE's shared expert with its gate and a dense layer among the sparse ones at EP 2 x
     DP 2; and a document-masked batch under the balanced sharding at CP 2 x EP 2, with the
-    held-out evaluation at that layout scoring what one process scores."""
+    held-out evaluation at that layout scoring what one process scores; and a checkpoint
+    DeepSpeed ZeRO-2 saved at EP 2 (each rank's experts and their Adam moments in its own
+    partition files) resumed at EP 2: both losses of every step those of the uninterrupted
+    run in one process; reading its weights for an export, and resuming it at EP 1, are
+    refused in one sentence each."""
     names, cases = [], []
     for family in ("qwen3_moe", "mixtral", "qwen2_moe"):
         source = tmp_path / family
@@ -194,8 +210,38 @@ def test_world_2_layouts_match_one_process(tmp_path: Path) -> None:
     }
     names.append("qwen3_moe document mask, balanced, CP 2 x EP 2, evaluation")
     cases += [("eval", spec) for spec in _specs(tmp_path / "qwen3_moe", 2, [documents])]
+    deepspeed = {
+        **WORLD2["DeepSpeed ZeRO-2 x EP 2"],
+        "training.steps": 4,
+        "training.checkpoint.dir": str(tmp_path / "ckpt"),
+    }
+    (saving,) = _specs(tmp_path / "qwen3_moe", 2, [deepspeed])
+    names.append("DeepSpeed ZeRO-2 x EP 2 resumed at EP 2")
+    cases.append(("resume", (saving, [saving])))
     results = run_distributed(_run_cases, 2, cases, timeout_s=840)[0]
     _check(names, cases, results)
+    _check_resumed(saving, results[-1])
+    # zero_to_fp32 cannot merge experts kept in each rank's partition files: export says so;
+    # and DeepSpeed's format resumes at its own EP degree only: another is refused.
+    from ctxlaunch.runtime.checkpointing.hf import HFCheckpointError, read_training_weights
+    from ctxlaunch.runtime.checkpointing.safe_unpickle import CheckpointOfAnotherModel
+    from ctxlaunch.runtime.trainer.engines import check_deepspeed_ep
+
+    step = next((tmp_path / "ckpt").glob("step-*"))
+    with pytest.raises(HFCheckpointError, match="saved by DeepSpeed with expert parallelism"):
+        read_training_weights(step)
+    check_deepspeed_ep(step, 2)
+    with pytest.raises(CheckpointOfAnotherModel, match="saved by DeepSpeed at ep = 2"):
+        check_deepspeed_ep(step, 1)
+
+
+def _check_resumed(saving: dict, got: dict) -> None:
+    """A `_save_then_resume` result against the uninterrupted run in one process."""
+    straight = train_steps(0, 1, one_process(saving), 4)
+    want = list(zip(straight["losses"], straight["aux_losses"], strict=True))
+    torch.testing.assert_close(got["before"], want[:2], rtol=1e-5, atol=1e-6)
+    for losses in got["after"]:
+        torch.testing.assert_close(losses, want[2:], rtol=1e-5, atol=1e-6)
 
 
 WORLD4 = {
@@ -207,6 +253,12 @@ WORLD4 = {
     },
     "TP 2 x CP 2 x EP 2": {"parallel.tp": 2, "parallel.cp": 2, "parallel.ep": 2},
     "PP 2 x DP 2 x EP 2": {"parallel.pp": 2, "parallel.ep": 2},
+    # The world-2 DeepSpeed cases hold each rank's experts alone; here two ranks share them.
+    "DeepSpeed ZeRO-2 x DP 4 x EP 2 (experts sharded over 2 ranks)": {
+        "parallel.ep": 2,
+        "training.zero_stage": 2,
+        "training.engine": "deepspeed",
+    },
     "PP 2 x CP 2 x EP 2, FSDP2 ZeRO-1": {
         "parallel.pp": 2,
         "parallel.cp": 2,
@@ -239,10 +291,4 @@ def test_world_4_layouts_and_resume_at_other_ep_degrees(tmp_path: Path) -> None:
     cases.append(("resume", (saving, resuming)))
     results = run_distributed(_run_cases, 4, cases, timeout_s=840)[0]
     _check(names, cases, results)
-    straight = train_steps(0, 1, one_process(saving), 4)
-    want = list(zip(straight["losses"], straight["aux_losses"], strict=True))
-    got = results[-1]
-    torch.testing.assert_close(got["before"], want[:2], rtol=1e-5, atol=1e-6)
-    for losses in got["after"]:
-        torch.testing.assert_close(losses, want[2:], rtol=1e-5, atol=1e-6)
-    print("resume: uninterrupted", want, "resumed at EP 1 and EP 4", got["after"])
+    _check_resumed(saving, results[-1])

@@ -25,6 +25,10 @@ from ctxlaunch.contract.loader import apply_overrides, read_spec_data, validate_
 from tests.helpers.paths import JOBS, ROOT, free_port
 from tests.helpers.specs import make, problems
 
+# One worker for the module: its trained run (a module fixture, the trainer with every tracker)
+# is then made once, not once on each worker that draws one of its tests.
+pytestmark = pytest.mark.xdist_group("trackers")
+
 CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
 SECRET = "s3cret-value-never-logged"
 TRACKERS = "telemetry.trackers=[{kind: tensorboard}, {kind: mlflow}, {kind: wandb}]"

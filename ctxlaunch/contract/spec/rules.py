@@ -122,14 +122,25 @@ def expert_problems(m: ModelSpec, t: TrainingSpec, dims: ParallelDims) -> list[I
                 "model's feed-forward is a mixture of experts; fix: remove mlp_tile_tokens",
             )
         )
-    if t.engine == "deepspeed" and dims.ep > 1:
+    if t.engine == "deepspeed" and dims.ep > 1 and t.zero_stage == 3:
         out.append(
             _problem(
-                ("training", "engine"),
-                t.engine,
-                f"engine deepspeed averages every gradient over DP x CP, but at ep = {dims.ep} "
-                "the ranks hold different experts (only its own MoE layer class knows them); "
-                "fix: engine: fsdp2 (or auto), or ep: 1",
+                ("training", "zero_stage"),
+                t.zero_stage,
+                f"engine deepspeed shards experts (ep = {dims.ep}) at ZeRO-1 and ZeRO-2 only: "
+                "its ZeRO-3 takes experts only inside its own AutoEP layer (its own router and "
+                "dispatch); fix: zero_stage: 1 or 2, or engine: fsdp2",
+            )
+        )
+    if t.engine == "deepspeed" and dims.ep > 1 and t.offload.optimizer:
+        out.append(
+            _problem(
+                ("training", "offload", "optimizer"),
+                t.offload.optimizer,
+                f"engine deepspeed at ep = {dims.ep} keeps the optimizer states on the device "
+                "(ZeRO-Offload with experts is neither checked against one process in the "
+                "tests nor planned in host memory); fix: offload.optimizer: false, or engine: "
+                "fsdp2",
             )
         )
     return out

@@ -401,10 +401,12 @@ class TrainingSpec(_Strict):
     over the DP x CP ranks (by `engine`)."""
     engine: Literal["auto", "fsdp2", "deepspeed"] = "auto"
     """What shards the model states for zero_stage >= 1. fsdp2: torch FSDP2 over DP x CP, at
-    any layout, checkpoints that resume at any TP, PP, CP and DP degree. deepspeed: DeepSpeed
-    ZeRO, at TP 1 x PP 1 only, checkpoints in DeepSpeed's own format (they resume only at the
-    same layout). auto: deepspeed at TP 1 x PP 1, fsdp2 otherwise. ZeRO-0 is plain torch
-    whatever this says (`JobSpec.state_engine` resolves it)."""
+    any layout, checkpoints that resume at any TP, PP, CP, DP and EP degree. deepspeed:
+    DeepSpeed ZeRO, at TP 1 x PP 1 only (with ep > 1: ZeRO-1 or ZeRO-2, the experts' states
+    sharded over the ranks holding the same experts), checkpoints in DeepSpeed's own format
+    (they resume only at the same layout). auto: deepspeed at TP 1 x PP 1 and ep 1, fsdp2
+    otherwise. ZeRO-0 is plain torch whatever this says (`JobSpec.state_engine` resolves
+    it)."""
     offload: OffloadSpec = OffloadSpec()
     """What moves to host memory (see OffloadSpec); nothing by default."""
     mlp_tile_tokens: PositiveInt | None = None
@@ -462,8 +464,9 @@ def resolve_state_engine(
     engine: str, zero_stage: int, *, tp: int, pp: int, ep: int = 1
 ) -> StateEngine:
     """The engine `training.engine` means at this ZeRO stage and layout (see TrainingSpec):
-    auto is DeepSpeed at TP 1 x PP 1 without expert parallelism (DeepSpeed's ZeRO averages
-    every gradient over DP x CP, experts too), FSDP2 otherwise."""
+    auto is DeepSpeed at TP 1 x PP 1 without expert parallelism (FSDP2's checkpoints of
+    experts resume at another EP degree, DeepSpeed's only at the same layout), FSDP2
+    otherwise."""
     if zero_stage == 0:
         return "torch"
     if engine == "deepspeed" or (engine == "auto" and tp == 1 and pp == 1 and ep == 1):

@@ -469,8 +469,20 @@ def read_deepspeed_weights(path: Path) -> dict[str, torch.Tensor]:
     """The whole model's fp32 weights of a DeepSpeed checkpoint (zero_to_fp32)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from ctxlaunch.runtime.checkpointing.safe_unpickle import deepspeed_reads_weights_only
+    from ctxlaunch.runtime.checkpointing.safe_unpickle import (
+        deepspeed_reads_weights_only,
+        weights_only_load,
+    )
 
+    for states in path.glob("*model_states.pt"):
+        # DeepSpeed writes "num_experts" only where its engine knew the model had experts:
+        # ctxlaunch's expert parallelism, each rank's experts in its own partition files.
+        if "num_experts" in weights_only_load(states, map_location="cpu", mmap=True):
+            raise HFCheckpointError(
+                f"{path} was saved by DeepSpeed with expert parallelism (each rank's experts "
+                "in its own partition files), which zero_to_fp32 cannot merge; resume it at "
+                "its layout, or train with training.engine fsdp2 to export"
+            )
     with deepspeed_reads_weights_only(path):
         state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
     return {name.removeprefix("module."): tensor for name, tensor in state.items()}

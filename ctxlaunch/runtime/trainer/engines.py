@@ -3,7 +3,8 @@
 - `TorchEngine`, plain torch on whatever `parallelize` built: ZeRO-0 (every rank keeps fp32
   weights, gradients and Adam states of its slice) or FSDP2 (training.engine fsdp2: those
   states sharded over DP x CP), at any TP x CP x DP x PP layout;
-- `DeepSpeedEngine`, DeepSpeed ZeRO-1..3 (training.engine deepspeed), at TP 1 x PP 1.
+- `DeepSpeedEngine`, DeepSpeed ZeRO-1..3 (training.engine deepspeed), at TP 1 x PP 1 (ZeRO-1
+  and ZeRO-2 under expert parallelism, the experts DeepSpeed's MoE parameters).
 
 Both average gradients over the ranks holding the same weights (DP x CP) and over the
 micro-batches (1 / grad_accum). Each rank's loss is its summed loss over its predicted tokens
@@ -21,7 +22,9 @@ weights once) and over the pipeline.
 Under expert parallelism each expert weight gathers the gradients of the tokens of its EP group
 (the all-to-all's backward), scaled by 1 / ep (moe.Experts), and is averaged over the ranks
 holding the same experts (dp x cp / ep of them): the average over DP x CP, as for every other
-weight. The load-balancing loss's gradient is injected at each part's output (moe.py), scaled
+weight. DeepSpeed sums an expert gradient over those ranks and divides it by DP x CP, as it
+divides every gradient, so under it the experts keep their gradients unscaled: the same
+average. The load-balancing loss's gradient is injected at each part's output (moe.py), scaled
 by `loss_scale`'s replicas / micro-batches so that the same averaging gives one process's.
 """
 
@@ -45,6 +48,7 @@ from ctxlaunch.perf.memory import (
 )
 from ctxlaunch.runtime.checkpointing.reshard import CheckpointState
 from ctxlaunch.runtime.data.batches import MicroBatch
+from ctxlaunch.runtime.modeling.moe import Experts
 from ctxlaunch.runtime.parallel.context import ParallelContext
 from ctxlaunch.runtime.parallel.parallelize import ModelParts
 from ctxlaunch.runtime.parallel.pipeline import StageModule
@@ -115,14 +119,21 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 def make_optimizer(
-    model: nn.Module, training: TrainingSpec, fused: bool = False, cpu_adam: bool = False
+    model: nn.Module,
+    training: TrainingSpec,
+    fused: bool = False,
+    cpu_adam: bool = False,
+    regroup: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW and its warm-up/cosine schedule, from the spec's training section: one fused
     kernel per step with `fused` (training.fused_optimizer), else `foreach`; with `cpu_adam`,
     DeepSpeed's CPU Adam in AdamW mode (what ZeRO-Offload steps in host memory; its op is
-    compiled on first use)."""
+    compiled on first use). `regroup` rewrites the parameter groups first (DeepSpeed's
+    expert groups)."""
     opt = training.optimizer
     groups = param_groups(model, opt.weight_decay)
+    if regroup is not None:
+        groups = regroup(groups)
     optimizer: torch.optim.Optimizer
     if cpu_adam:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -466,6 +477,74 @@ def init_deepspeed(backend: str) -> None:
         groups._WORLD_GROUP = cp_comm.new_group(list(range(dist.get_world_size())))
 
 
+def expert_group_name(ep: int) -> str:
+    """The name DeepSpeed keys its expert groups by (`deepspeed.utils.groups`; its checkpoint
+    code reads the EP degree back from it)."""
+    return f"ep_size_{ep}"
+
+
+def register_expert_groups(ctx: ParallelContext) -> str:
+    """Hand DeepSpeed this rank's EP and expert-data-parallel groups, the ones `build_context`
+    made, under `expert_group_name`; returns that name.
+
+    DeepSpeed's own creation (`groups._create_expert_and_data_parallel` without model
+    parallelism) would make the same ranks at TP 1 x PP 1 (DeepSpeed's only layout here): EP
+    groups of ep consecutive ranks, expert-data-parallel groups of every ep-th rank, which is
+    ctxlaunch's order (the shard group is rank order when tp = pp = 1). Registering ours
+    instead keeps one communicator per group, under the job's timeout. Where each rank alone
+    holds its experts (ep = dp x cp) `build_context` makes no expert-data-parallel group, and
+    DeepSpeed still needs one to partition and reduce over: each rank gets a group of itself
+    (group creation is collective, so every rank creates every one)."""
+    from deepspeed.utils import groups
+
+    d = ctx.dims
+    assert d.tp == 1 and d.pp == 1 and ctx.ep_group is not None  # the spec's rules
+    name = expert_group_name(d.ep)
+    ep_ranks = next(r for role, r in d.group_ranks() if role == "ep" and ctx.rank in r)
+    edp_group = ctx.edp_group
+    if edp_group is None:
+        alone = [cp_comm.new_group([rank]) for rank in range(d.world_size)]
+        edp_ranks, edp_group = [ctx.rank], alone[ctx.rank]
+    else:
+        edp_ranks = next(r for role, r in d.group_ranks() if role == "edp" and ctx.rank in r)
+    groups._EXPERT_PARALLEL_GROUP[name] = ctx.ep_group
+    groups._EXPERT_PARALLEL_GROUP_RANKS[name] = ep_ranks
+    groups._EXPERT_DATA_PARALLEL_GROUP[name] = edp_group
+    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = edp_ranks
+    return name
+
+
+def mark_experts(parts: ModelParts, group_name: str) -> None:
+    """Tell DeepSpeed which parameters are experts, its way (`deepspeed.moe.utils.
+    is_moe_param`: `allreduce` False and the `group_name` of their expert groups), and leave
+    their gradients unscaled: DeepSpeed divides the expert gradients it sums over the ranks
+    holding the same experts by DP x CP (see the module docstring)."""
+    for name, param in parts.model.named_parameters():
+        if name in parts.experts:
+            # Attributes DeepSpeed reads off the tensor, which a Parameter does not declare.
+            param.allreduce = False  # type: ignore[attr-defined]  # see above
+            param.group_name = group_name  # type: ignore[attr-defined]  # see above
+    for module in parts.model.modules():
+        if isinstance(module, Experts):
+            module.gradient_scale = 1.0
+
+
+def _expert_parallel_engine_class() -> type:
+    """DeepSpeed's engine, told that the model has experts. DeepSpeed recognises a
+    mixture-of-experts model only by an instance of its own MoE module (or of its AutoEP
+    layer, which brings its own router and dispatch); ctxlaunch's experts are its own module,
+    so without this the ZeRO optimizer would partition and reduce the expert groups over
+    DP x CP, as dense weights."""
+    from deepspeed.runtime.engine import DeepSpeedEngine as Base
+
+    class ExpertParallelEngine(Base):
+        def _configure_distributed_model(self, model: nn.Module) -> None:
+            super()._configure_distributed_model(model)
+            self.has_moe_layers = True
+
+    return ExpertParallelEngine
+
+
 # What ZeRO-Offload allocates in host memory, by the attribute of DeepSpeed's ZeRO optimizer
 # that holds it (deepspeed/runtime/zero/stage_1_and_2.py and stage3.py): the fp32 partitions
 # (with their fp32 gradients), the 16-bit copies the updated partitions go back to the device
@@ -513,28 +592,54 @@ def deepspeed_host_tensors(zero_optimizer: Any) -> list[torch.Tensor]:
 
 class DeepSpeedEngine:
     """ZeRO-1..3 through `deepspeed.initialize` with a torch AdamW, on the whole model (TP 1 x
-    PP 1: DeepSpeed knows nothing of TP slices or pipeline stages)."""
+    PP 1: DeepSpeed knows nothing of TP slices or pipeline stages); under expert parallelism
+    (ZeRO-1 and ZeRO-2) with the experts as DeepSpeed's MoE parameters, on ctxlaunch's EP and
+    expert-data-parallel groups."""
 
-    def __init__(self, parts: ModelParts, spec: JobSpec, device: torch.device):
+    def __init__(
+        self, parts: ModelParts, spec: JobSpec, ctx: ParallelContext, device: torch.device
+    ):
         import deepspeed
 
         t = spec.training
-        self.device = device
+        self.ctx, self.device = ctx, device
         self.grad_accum = spec.grad_accum
-        self.replicas = (
-            spec.parallel_dims.dp * spec.parallel.cp
-        )  # DeepSpeed's data-parallel world (TP 1 x PP 1)
+        self.replicas = ctx.dims.shard_group  # DeepSpeed's data-parallel world (TP 1 x PP 1)
         model = parts.model
         self.activation_offload = parts.activation_offload
         self.offload_states = t.offload.optimizer
-        optimizer, scheduler = make_optimizer(model, t, cpu_adam=t.offload.optimizer)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model,
-            optimizer=optimizer,
-            lr_scheduler=scheduler,
-            config=deepspeed_config(spec, cuda=device.type == "cuda"),
-            dist_init_required=False,
+        # Under expert parallelism the experts are DeepSpeed's MoE parameters: their own
+        # optimizer groups, partitioned and reduced over the ranks holding the same experts.
+        self.experts = frozenset(parts.experts) if ctx.dims.ep > 1 else frozenset()
+        regroup = None
+        if self.experts:
+            from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+            mark_experts(parts, register_expert_groups(ctx))
+
+            def regroup(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+                named = [{**g, "name": f"group_{i}"} for i, g in enumerate(groups)]
+                return split_params_into_different_moe_groups_for_optimizer(named)
+
+        optimizer, scheduler = make_optimizer(
+            model, t, cpu_adam=t.offload.optimizer, regroup=regroup
         )
+        # deepspeed.initialize builds its `DeepSpeedEngine` by that module-level name: under
+        # expert parallelism, the subclass that knows the model has experts, for the call.
+        module_vars = vars(deepspeed)
+        engine_class = module_vars["DeepSpeedEngine"]
+        if self.experts:
+            module_vars["DeepSpeedEngine"] = _expert_parallel_engine_class()
+        try:
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=model,
+                optimizer=optimizer,
+                lr_scheduler=scheduler,
+                config=deepspeed_config(spec, cuda=device.type == "cuda"),
+                dist_init_required=False,
+            )
+        finally:
+            module_vars["DeepSpeedEngine"] = engine_class
         self.model = self.engine.module
 
     def run_micro_batches(
@@ -562,10 +667,15 @@ class DeepSpeedEngine:
     def full_gradients(self) -> dict[str, torch.Tensor]:
         from deepspeed.utils import safe_get_full_grad
 
-        return {
+        grads = {
             name: safe_get_full_grad(p).detach().float().clone()
             for name, p in self.model.named_parameters()
         }
+        for name in sorted(self.experts):  # this rank's experts: the EP group's, in rank order
+            pieces = [torch.empty_like(grads[name]) for _ in range(self.ctx.dims.ep)]
+            dist.all_gather(pieces, grads[name], group=self.ctx.ep_group)
+            grads[name] = torch.cat(pieces)
+        return grads
 
     def apply(self) -> float:
         self.engine.step()
@@ -582,11 +692,17 @@ class DeepSpeedEngine:
         return out
 
     def save(self, path: Path) -> None:
-        self.engine.save_checkpoint(str(path.parent), tag=path.name, save_latest=False)
+        self.engine.save_checkpoint(
+            str(path.parent),
+            tag=path.name,
+            save_latest=False,
+            client_state={SAVED_EP_KEY: self.ctx.dims.ep},
+        )
 
     def load(self, path: Path) -> None:
         from ctxlaunch.runtime.checkpointing.safe_unpickle import deepspeed_reads_weights_only
 
+        check_deepspeed_ep(path, self.ctx.dims.ep)
         with deepspeed_reads_weights_only(path):  # its files' pickles never run code
             load_path, _ = self.engine.load_checkpoint(
                 str(path.parent),
@@ -596,6 +712,34 @@ class DeepSpeedEngine:
             )
         if load_path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {path}")
+        if self.experts:
+            # The module file is the first rank's, its experts included (DeepSpeed writes
+            # experts to files of their own only for its MoE module); each rank's fp32
+            # partitions hold its own experts: the weights are taken from those.
+            self.optimizer.update_lp_params()
+
+
+SAVED_EP_KEY = "ctxlaunch_ep"
+"""The EP degree a DeepSpeed checkpoint was saved at, in its model-states file (absent: 1)."""
+
+
+def check_deepspeed_ep(path: Path, ep: int) -> None:
+    """Refuse, in one sentence, a DeepSpeed checkpoint saved at another EP degree: each rank's
+    partition files hold the experts it held, and DeepSpeed's format resumes only at the
+    layout it was saved at."""
+    from ctxlaunch.runtime.checkpointing.safe_unpickle import (
+        CheckpointOfAnotherModel,
+        weights_only_load,
+    )
+
+    for states in path.glob("*model_states.pt"):
+        saved = weights_only_load(states, map_location="cpu", mmap=True).get(SAVED_EP_KEY, 1)
+        if saved != ep:
+            raise CheckpointOfAnotherModel(
+                f"{path} was saved by DeepSpeed at ep = {saved}, and a DeepSpeed checkpoint "
+                f"resumes only at the layout it was saved at, but this run has ep = {ep}; "
+                f"fix: parallel.ep: {saved}, or another training.checkpoint.dir"
+            )
 
 
 def make_engine(
@@ -605,5 +749,5 @@ def make_engine(
     if spec.state_engine == "deepspeed":
         if dist.is_initialized():
             init_deepspeed(dist.get_backend())
-        return DeepSpeedEngine(parts, spec, device)
+        return DeepSpeedEngine(parts, spec, ctx, device)
     return TorchEngine(parts, spec, ctx, device)
