@@ -114,7 +114,10 @@ def test_calibrate_reports_each_measurement_stage(capsys: pytest.CaptureFixture[
     text = capsys.readouterr().err
     lines = progress_lines(text, "calibrate: measurements")
     assert [done for _, done, _ in lines] == list(range(7)) and lines[-1][2] == 6
-    notes = re.findall(r"^calibrate: measurements: \d+% \(\d+/6\) \((.+)\)$", text, re.M)
+    # Each stage's note, then the time the stages still to come are expected to take.
+    notes = re.findall(
+        r"^calibrate: measurements: \d+% \(\d+/6\) \((.+?)(?:; about .+ left)?\)$", text, re.M
+    )
     assert notes == [
         "compute, all cores",
         "compute, one thread",

@@ -86,7 +86,6 @@ def family_of_model_type(model_type: str) -> Family | None:
 
 
 def supported_architectures() -> str:
-    """The classes `model.init_from` takes, for messages."""
-    return ", ".join(
-        f"{' or '.join((f.architecture, *f.wrappers))} ({f.releases})" for f in FAMILIES.values()
-    )
+    """The classes `model.init_from` takes, for messages: the class names only, so the
+    sentence stays within what an error shows however many families there are."""
+    return ", ".join(name for f in FAMILIES.values() for name in (f.architecture, *f.wrappers))

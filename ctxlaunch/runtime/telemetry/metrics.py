@@ -29,6 +29,8 @@ class Metric:
     event: bool = False
     """Served only once what it describes has happened (an OOM's, a re-plan's or an
     evaluation's series): its labels are the event's."""
+    experts: bool = False
+    """Served only by the ranks of a mixture-of-experts model (the routers' series)."""
 
 
 METRICS: tuple[Metric, ...] = (
@@ -200,6 +202,7 @@ METRICS: tuple[Metric, ...] = (
         "step, over every rank (1: balanced; E / experts_per_token: every token to the same "
         'experts, a collapsed router); layer "max" is the highest of the layers.',
         ("layer",),
+        experts=True,
     ),
     Metric(
         "ctxlaunch_moe_ep_rank_load_ratio",
@@ -207,6 +210,7 @@ METRICS: tuple[Metric, ...] = (
         "The routings the busiest rank of an EP group received over the group's mean in the "
         "last step, in the layer where that is highest: what the all-to-all and the grouped "
         "GEMM wait for.",
+        experts=True,
     ),
     Metric(
         "ctxlaunch_moe_planned_load_ratio",
@@ -214,17 +218,20 @@ METRICS: tuple[Metric, ...] = (
         "The routing load the planner admitted (model.moe.planned_load, or its default): the "
         "dispatch buffers and the experts' activations were planned for an EP rank load up "
         "to this.",
+        experts=True,
     ),
     Metric(
         "ctxlaunch_moe_aux_loss",
         "gauge",
         "The load-balancing auxiliary loss of the last step, before its coefficient, apart "
         "from the language-model loss (ctxlaunch_loss).",
+        experts=True,
     ),
     Metric(
         "ctxlaunch_moe_tokens_dropped_total",
         "counter",
         "Routings dropped over an expert's capacity (0 unless model.moe.capacity_factor is set).",
+        experts=True,
     ),
 )
 

@@ -34,7 +34,7 @@ DASHBOARD = json.loads((ROOT / "manifests/grafana/ctxlaunch-training.json").read
 # these runs do not evaluate) and a re-plan's (tests/unit/test_local.py's healing run); and a
 # mixture-of-experts model's (test_moe_telemetry_live.py runs one).
 EVENTS = tuple(m.name for m in METRICS if m.event)
-MOE_ONLY = tuple(m.name for m in METRICS if m.name.startswith("ctxlaunch_moe_"))
+MOE_ONLY = tuple(m.name for m in METRICS if m.experts)
 ALWAYS = [m.name for m in METRICS if not m.event and m.name not in MOE_ONLY]
 
 
