@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ctxlaunch.runtime.modeling.pointwise import _row_chunks, _upcast
+from ctxlaunch.runtime.modeling.pointwise import _upcast, gated_backward
 
 if TYPE_CHECKING:
     from ctxlaunch.contract.families.experts import ExpertsShape
@@ -108,26 +108,30 @@ class _ClampedSwiGLU(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         gate, up = ctx.saved_tensors
         limit, alpha = ctx.limit, ctx.alpha
-        f = gate.shape[-1]
-        gate2, up2, grad2 = gate.reshape(-1, f), up.reshape(-1, f), grad.reshape(-1, f)
-        grad_gate, grad_up = torch.empty_like(gate2), torch.empty_like(up2)
-        for rows in _row_chunks(gate2.shape[0]):
+
+        def rows_backward(
+            gate: torch.Tensor,
+            up: torch.Tensor,
+            grad: torch.Tensor,
+            grad_gate: torch.Tensor,
+            grad_up: torch.Tensor,
+        ) -> None:
             # Out of place: an fp32 input's upcast is the saved tensor itself. At most three
             # fp32 (chunk x f) temporaries live at once, the clamps' masks aside.
-            g, u = _upcast(gate2[rows]), _upcast(up2[rows])
+            g, u = _upcast(gate), _upcast(up)
             inside_gate, inside_up = g <= limit, u.abs() <= limit
             g = g.clamp(max=limit)
             sig = torch.sigmoid(g * alpha)
-            dy = _upcast(grad2[rows])
-            grad_up[rows] = (g * sig).mul_(dy).mul_(inside_up)
+            dy = _upcast(grad)
+            grad_up.copy_((g * sig).mul_(dy).mul_(inside_up))
             # d/dg of g * sigmoid(alpha g) = sig * (1 + alpha * g * (1 - sig))
             work = torch.sub(1, sig).mul_(g).mul_(alpha).add_(1).mul_(sig)
             del g, sig
             work.mul_(dy).mul_(inside_gate)
             del dy
-            grad_gate[rows] = work.mul_(u.clamp(-limit, limit).add_(1))
-            del work
-        return grad_gate.view(gate.shape), grad_up.view(up.shape), None, None
+            grad_gate.copy_(work.mul_(u.clamp(-limit, limit).add_(1)))
+
+        return (*gated_backward(gate, up, grad, rows_backward), None, None)
 
 
 def clamped_swiglu(limit: float, alpha: float) -> Callable[..., torch.Tensor]:

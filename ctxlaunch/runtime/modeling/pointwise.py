@@ -174,6 +174,65 @@ class RMSNorm(nn.Module):
             return _RMSNorm.apply(x, weight, self.eps)
 
 
+def gated_backward(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    grad: torch.Tensor,
+    rows_backward: Callable[..., None],
+    kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_gate, grad_up) of a gated activation, chunk by chunk of BACKWARD_CHUNK_TOKENS
+    rows, so that its fp32 temporaries are one chunk's: `rows_backward(gate, up, grad,
+    grad_gate_out, grad_up_out)` writes a chunk's gradients into the two outputs (eagerly), or
+    `kernel(gate, up, grad)` returns them (compiled)."""
+    f = gate.shape[-1]
+    gate2, up2, grad2 = gate.reshape(-1, f), up.reshape(-1, f), grad.reshape(-1, f)
+    grad_gate = torch.empty(gate2.shape, dtype=gate.dtype, device=gate.device)
+    grad_up = torch.empty(up2.shape, dtype=up.dtype, device=up.device)
+    for rows in _row_chunks(gate2.shape[0]):
+        if kernel is not None:
+            grad_gate[rows], grad_up[rows] = kernel(gate2[rows], up2[rows], grad2[rows])
+        else:
+            rows_backward(gate2[rows], up2[rows], grad2[rows], grad_gate[rows], grad_up[rows])
+    return grad_gate.view(gate.shape), grad_up.view(up.shape)
+
+
+def _swiglu_rows_backward(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    grad: torch.Tensor,
+    grad_gate: torch.Tensor,
+    grad_up: torch.Tensor,
+) -> None:
+    g32 = _upcast(gate)
+    sig = torch.sigmoid(g32)
+    dy = _upcast(grad)
+    work = torch.mul(g32, sig)  # silu
+    grad_up.copy_(work.mul_(dy))
+    # d silu / d gate = sig * (1 + gate * (1 - sig))
+    work.fill_(1).sub_(sig).mul_(g32).add_(1).mul_(sig)
+    del g32, sig  # an in-place op with a 16-bit operand would upcast it into a new
+    # temporary: upcast up explicitly, once these two are gone
+    grad_gate.copy_(work.mul_(dy).mul_(_upcast(up)))
+
+
+def _geglu_rows_backward(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    grad: torch.Tensor,
+    grad_gate: torch.Tensor,
+    grad_up: torch.Tensor,
+) -> None:
+    g32, dy = _upcast(gate), _upcast(grad)
+    work = F.gelu(g32, approximate="tanh")
+    grad_up.copy_(work.mul_(dy))
+    # Two (chunk x ffn) fp32 temporaries at most, as SwiGLU's backward (four in 16-bit with the
+    # upcasts of gate and the gradient, gone before up's arrives).
+    slope = torch.ops.aten.gelu_backward(dy, g32, approximate="tanh")
+    del work, g32, dy
+    grad_gate.copy_(slope.mul_(_upcast(up)))
+
+
 class _SwiGLU(torch.autograd.Function):
     """silu(gate) * up; saves gate and up, recomputes the SiLU in backward. Backward computes
     in fp32 over chunks of tokens, in place, so its fp32 temporaries are two (chunk x ffn)
@@ -187,27 +246,8 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up = ctx.saved_tensors
-        f = gate.shape[-1]
-        gate2, up2, grad2 = gate.reshape(-1, f), up.reshape(-1, f), grad.reshape(-1, f)
-        grad_gate = torch.empty(gate2.shape, dtype=gate.dtype, device=gate.device)
-        grad_up = torch.empty(up2.shape, dtype=up.dtype, device=up.device)
         kernel = None if _POINTWISE is None else _POINTWISE["swiglu_backward"]
-        for rows in _row_chunks(gate2.shape[0]):
-            if kernel is not None:
-                grad_gate[rows], grad_up[rows] = kernel(gate2[rows], up2[rows], grad2[rows])
-                continue
-            g32 = _upcast(gate2[rows])
-            sig = torch.sigmoid(g32)
-            dy = _upcast(grad2[rows])
-            work = torch.mul(g32, sig)  # silu
-            grad_up[rows] = work.mul_(dy)
-            # d silu / d gate = sig * (1 + gate * (1 - sig))
-            work.fill_(1).sub_(sig).mul_(g32).add_(1).mul_(sig)
-            del g32, sig  # an in-place op with a 16-bit operand would upcast it into a new
-            # temporary: upcast up explicitly, once these two are gone
-            grad_gate[rows] = work.mul_(dy).mul_(_upcast(up2[rows]))
-            del dy, work  # before the next chunk's, not after
-        return grad_gate.view(gate.shape), grad_up.view(up.shape)
+        return gated_backward(gate, up, grad, _swiglu_rows_backward, kernel)
 
 
 class _GeGLU(torch.autograd.Function):
@@ -222,25 +262,8 @@ class _GeGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up = ctx.saved_tensors
-        f = gate.shape[-1]
-        gate2, up2, grad2 = gate.reshape(-1, f), up.reshape(-1, f), grad.reshape(-1, f)
-        grad_gate = torch.empty(gate2.shape, dtype=gate.dtype, device=gate.device)
-        grad_up = torch.empty(up2.shape, dtype=up.dtype, device=up.device)
         kernel = None if _POINTWISE is None else _POINTWISE["geglu_backward"]
-        for rows in _row_chunks(gate2.shape[0]):
-            if kernel is not None:
-                grad_gate[rows], grad_up[rows] = kernel(gate2[rows], up2[rows], grad2[rows])
-                continue
-            g32, dy = _upcast(gate2[rows]), _upcast(grad2[rows])
-            work = F.gelu(g32, approximate="tanh")
-            grad_up[rows] = work.mul_(dy)
-            # Two (chunk x ffn) fp32 temporaries at most, as SwiGLU's backward (four in 16-bit
-            # with the upcasts of gate and the gradient, gone before up's arrives).
-            slope = torch.ops.aten.gelu_backward(dy, g32, approximate="tanh")
-            del work, g32, dy
-            grad_gate[rows] = slope.mul_(_upcast(up2[rows]))
-            del slope  # before the next chunk's, not after
-        return grad_gate.view(gate.shape), grad_up.view(up.shape)
+        return gated_backward(gate, up, grad, _geglu_rows_backward, kernel)
 
 
 GATED: dict[str, type[torch.autograd.Function]] = {"silu": _SwiGLU, "gelu_tanh": _GeGLU}
