@@ -103,3 +103,22 @@ def node_pids(node: str) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def wait_for_agent_queue(home: Path, cwd: Path, timeout: float = 180) -> float:
+    """Wait until slurmctld's retry list of messages to slurmd (sdiag's "Agent queue size") is
+    empty; returns the seconds waited. A message to a node that stopped answering (a signal to
+    a step on a dead node) waits there until the node answers again, and is then delivered to
+    whatever step of that job holds the same step ID on the node: before a requeued job may
+    run there again, the list must be empty."""
+    start = time.monotonic()
+    while True:
+        shown = run(["sdiag"], home, cwd).stdout
+        queued = re.search(r"^\s*Agent queue size:\s*(\d+)", shown, re.M)
+        assert queued, f"no agent queue size in sdiag's report:\n{shown}"
+        if queued.group(1) == "0":
+            return time.monotonic() - start
+        waited = time.monotonic() - start
+        pending = run(["sdiag", "--all"], home, cwd).stdout.partition("Pending RPC")[2]
+        assert waited < timeout, f"slurmctld still holds {queued.group(1)} message(s):{pending}"
+        time.sleep(1)

@@ -40,7 +40,16 @@ from tests.helpers.healing import (
 )
 from tests.helpers.paths import ROOT
 from tests.helpers.services import PUSHGATEWAY_URL, poll, require_prometheus
-from tests.helpers.slurm_jobs import ctx, job_dir, node_pids, run, status, submit, wait_for_log
+from tests.helpers.slurm_jobs import (
+    ctx,
+    job_dir,
+    node_pids,
+    run,
+    status,
+    submit,
+    wait_for_agent_queue,
+    wait_for_log,
+)
 
 TWO_NODES_HEALING = [
     "training.seq_len=512",
@@ -198,6 +207,12 @@ def test_a_dead_drained_node_shrinks_the_job_to_one_node_and_it_grows_back(
             timeout=120,
         )
         assert started.returncode == 0, started.stderr
+    # The signal that ended the dead node's step (srun's, when rank 0 failed) waits in
+    # slurmctld's retry list until node2 answers, and then goes to whatever step of the job
+    # holds that step ID there: delivered while the job runs on node1 alone, it finds none.
+    # Delivered later, it would kill the grown run's rank on node2 before its first step.
+    drained = wait_for_agent_queue(home, tmp_path)
+    print(f"slurmctld's retry list empty {drained:.0f} s after node2 came back")
     # A later requeue (a stop signal: the ranks checkpoint the step in hand) gets both nodes.
     wait_for_log(home, tmp_path, job_id, rf"^0: step {resumed + 6}/", timeout=150)
     regrow = time.time()
@@ -222,15 +237,9 @@ def test_a_dead_drained_node_shrinks_the_job_to_one_node_and_it_grows_back(
     final = complete(home, tmp_path, job_id)
     log = ctx(home, tmp_path, "logs", job_id).stdout
     told = f"{json.dumps(final, indent=1)}\n{log[-6000:]}"
-    assert final["state"] == "COMPLETED" and final["restarts"] >= 2, told
+    assert final["state"] == "COMPLETED" and final["restarts"] == 2, told
     assert final["history"][0].startswith("run 1: NODE_FAIL"), told
     assert final["history"][1].startswith("run 2: STOPPED by SIGUSR1 to the batch script"), told
-    # Slurm queues the signal that ends the dead node's step (srun's, when rank 0 fails) until
-    # the node answers again, then delivers it to whatever step of the job has that step ID
-    # there: the grown run's rank on node2 (slurmctld's agent log, at debug2). That rank takes
-    # it as a stop signal: a checkpoint, one more requeue, nothing lost.
-    for extra in final["history"][2:]:
-        assert re.match(r"run \d+: STOPPED by a stop signal to the ranks, checkpoint", extra), told
     assert len(final["healing"]) == 2, told
     assert "0: ctxlaunch: done: 40 steps" in log
     shown = ctx(home, tmp_path, "status", job_id).stdout
