@@ -408,15 +408,17 @@ def _measure_offload(rank: int, world: int, specs: list[dict]) -> list[tuple[int
 @pytest.mark.timeout(600)
 def test_peak_with_offloaded_activations_and_tiles_within_2_percent() -> None:
     """The tiled feed-forward (with and without checkpointing) and the offloaded block inputs
-    (alone, with tiles, in bf16), one process, 4 blocks so that three inputs move. On the CPU
-    host and device are one memory: the allocator's record holds both (`_check_offload`).
+    (alone, with tiles, in bf16), one process, 4 blocks so that three inputs move, at 2,048
+    tokens: two tiles of 1,024. On the CPU host and device are one memory: the allocator's
+    record holds both (`_check_offload`).
 
-    Seen: device +1.00 %, +0.96 %, -0.92 %, -0.29 %, -1.17 %; host exact."""
-    full = {"training.activation_checkpointing": "full", "model.layers": 4}
+    Seen: device +1.40 %, -1.27 %, +0.01 %, +1.20 %, +0.05 %; host exact (at 4,096 tokens:
+    +1.00 %, +0.96 %, -0.92 %, -0.29 %, -1.17 %)."""
+    full = {**SHORT, "training.activation_checkpointing": "full", "model.layers": 4}
     _check_offload(
         1,
         [
-            {"training.mlp_tile_tokens": 1024},
+            {**SHORT, "training.mlp_tile_tokens": 1024},
             {"training.mlp_tile_tokens": 1024, **full},
             {"training.offload.activations": "true", **full},
             {"training.offload.activations": "true", "training.mlp_tile_tokens": 1024, **full},
