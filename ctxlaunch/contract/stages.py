@@ -10,7 +10,10 @@ stage holds 10), the split stays even.
 
 from __future__ import annotations
 
+import functools
 
+
+@functools.lru_cache(maxsize=4096)  # the planner asks for the same splits many thousand times
 def balanced_stage_layers(layers: int, stages: int) -> tuple[int, ...]:
     """Blocks per stage, first to last; every stage gets at least one (needs layers >= stages).
 

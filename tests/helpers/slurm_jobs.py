@@ -1,5 +1,6 @@
 """The ctxlaunch CLI against the real Slurm cluster, as the Slurm tests drive it: submit the
-demo with a quick layout, poll status and logs, find a job's record and its final loss."""
+demo with a quick layout, poll status and logs, find a job's record and its final loss.
+The polls read through `ctxlaunch.api` in the test's process (tests/helpers/inprocess.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.helpers.inprocess import log_now, status_now
 from tests.helpers.paths import JOBS
 
 BIN = Path(sys.executable).parent
@@ -60,7 +62,7 @@ def wait_for(
 ) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        current = status(home, tmp_path, job_id)
+        current = status_now(home, job_id)
         if current["state"] in states:
             return current
         assert time.monotonic() < deadline, f"job {job_id} still {current} after {timeout} s"
@@ -70,7 +72,7 @@ def wait_for(
 def wait_for_log(home: Path, tmp_path: Path, job_id: str, pattern: str, timeout: float = 90) -> str:
     deadline = time.monotonic() + timeout
     while True:
-        text = ctx(home, tmp_path, "logs", job_id).stdout
+        text = log_now(home, job_id)
         if re.search(pattern, text, re.M):
             return text
         assert time.monotonic() < deadline, f"{pattern!r} not in the log of {job_id}:\n{text}"

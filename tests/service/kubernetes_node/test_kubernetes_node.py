@@ -36,6 +36,7 @@ from devkit.kube_node import (
     with_checkpoint_volume,
 )
 from devkit.pytorchjob_operator import PyTorchJobOperator, wait_for
+from tests.helpers.inprocess import status_now
 from tests.helpers.paths import JOBS
 
 TINY = (
@@ -74,9 +75,8 @@ def submit(home: Path, image: str, namespace: str, name: str, *sets: str) -> str
 
 
 def status(home: Path, job: str) -> dict:
-    result = ctx(home, "status", job, "--json")
-    assert result.returncode == 0, result.stdout + result.stderr
-    return json.loads(result.stdout)
+    """What `ctxlaunch status JOB --json` prints, read in this process (the polls' reads)."""
+    return status_now(home, job, KUBECONFIG=str(NODE_ADMIN))
 
 
 def owned_left(namespace: str, job: str) -> list[str]:

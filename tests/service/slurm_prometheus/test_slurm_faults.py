@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.inprocess import log_now, status_now
 from tests.helpers.paths import ROOT
 from tests.helpers.slurm_jobs import (
     ctx,
@@ -162,9 +163,9 @@ def test_a_time_limit_checkpoints_requeues_and_completes_later(tmp_path: Path, h
     )
     wait_for(home, tmp_path, job_id, {"PENDING", "RUNNING"}, timeout=30)
     deadline = time.monotonic() + 200
-    while "stopped by the time limit" not in (log := ctx(home, tmp_path, "logs", job_id).stdout):
+    while "stopped by the time limit" not in (log := log_now(home, job_id)):
         assert time.monotonic() < deadline, log
-        assert status(home, tmp_path, job_id)["state"] in ("PENDING", "RUNNING"), log
+        assert status_now(home, job_id)["state"] in ("PENDING", "RUNNING"), log
         time.sleep(1)
     requeued = wait_for(home, tmp_path, job_id, {"PENDING", "RUNNING"}, timeout=30)
     final = complete(home, tmp_path, job_id, timeout=360)
