@@ -53,7 +53,7 @@ from tests.helpers.slurm_jobs import (
 
 TWO_NODES_HEALING = [
     "training.seq_len=512",
-    "training.steps=40",
+    "training.steps=60",
     "training.checkpoint.interval=4",
     "training.checkpoint.keep=100",
     "cluster.nodes=2",
@@ -66,8 +66,8 @@ TWO_NODES_HEALING = [
 """The demo at CP 2 over two nodes (one rank each), a checkpoint every 4 steps, all kept, and
 free to run on one node."""
 
-SLOW_STEPS = "kind=slow,seconds=0.2,restart=0-1"
-"""The fault that holds each step of the dead-node job's first two runs 0.2 s longer."""
+SLOW_STEPS = "kind=slow,seconds=2,restart=0-1"
+"""The fault that holds each step of the dead-node job's first two runs 2 s longer."""
 
 MEMORY_BOUND = [
     "model.layers=16",
@@ -143,14 +143,15 @@ def layout_sets(changes: dict, nodes: int) -> list[str]:
 def test_a_dead_drained_node_shrinks_the_job_to_one_node_and_it_grows_back(
     tmp_path: Path, home: Path
 ) -> None:
-    # Each step of the first two runs sleeps 0.2 s on top of its work (the `slow` fault; the
-    # losses do not change): else the one-node stretch, 0.04 s a step, can finish the job
-    # before the stop signal that makes it grow back reaches it. Restarts to spare: see the end.
+    # Each step of the first two runs sleeps 2 s on top of its work (the `slow` fault; the
+    # losses do not change): else the one-node stretch, 0.04 s a step, would finish the job
+    # before node2 may take it back (slurmctld's retry list empties up to a minute after node2
+    # answers; see below).
     job_id = submit(
         tmp_path,
         home,
         *TWO_NODES_HEALING,
-        "cluster.slurm.max_restarts=5",
+        "cluster.slurm.max_restarts=3",
         CTXLAUNCH_INJECT_FAULT=SLOW_STEPS,
     )
     run_dir = job_dir(home, job_id) / "run"
@@ -241,7 +242,7 @@ def test_a_dead_drained_node_shrinks_the_job_to_one_node_and_it_grows_back(
     assert final["history"][0].startswith("run 1: NODE_FAIL"), told
     assert final["history"][1].startswith("run 2: STOPPED by SIGUSR1 to the batch script"), told
     assert len(final["healing"]) == 2, told
-    assert "0: ctxlaunch: done: 40 steps" in log
+    assert "0: ctxlaunch: done: 60 steps" in log
     shown = ctx(home, tmp_path, "status", job_id).stdout
     assert "healed: allocation of 1 node instead of 2" in shown, shown
     assert "healed: allocation grown back to 2 nodes from 1" in shown, shown
