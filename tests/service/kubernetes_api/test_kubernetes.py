@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -568,8 +569,17 @@ def test_logs_follow_lasts_until_the_job_ends_through_a_recreated_pod(
         text=True,
     )
     try:
+        # The pod is replaced only once the follower asks the server (its start takes seconds
+        # on a busy machine): else the replacement is the first pod it sees.
+        server = yaml.safe_load(KUBE_ADMIN.read_text())["clusters"][0]["cluster"]["server"]
+        port = urlsplit(server).port
+        wait_until(
+            lambda: follow.poll() is not None or connected_to(follow.pid, port),
+            "the follower's first request",
+            timeout=60,
+        )
         with pytest.raises(subprocess.TimeoutExpired):
-            follow.wait(timeout=6)  # the stream ended, the job runs: still following
+            follow.wait(timeout=3)  # the stream ended, the job runs: still following
         kubectl("delete", "pod", "demo-master-0", "-n", namespace, "--wait=true")
         assert running_pod(namespace, "demo") != first
         with pytest.raises(subprocess.TimeoutExpired):
@@ -645,6 +655,31 @@ STAND_IN_PODMONITOR_CRD = {
         ],
     },
 }
+
+
+def connected_to(pid: int, port: int) -> bool:
+    """Whether process `pid` holds an established TCP connection to `port` (its sockets,
+    matched by inode in its network namespace's tables)."""
+    inodes = set()
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        tables = [Path(f"/proc/{pid}/net/{name}").read_text() for name in ("tcp", "tcp6")]
+    except OSError:  # it has ended
+        return False
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    for table in tables:
+        for row in table.splitlines()[1:]:
+            fields = row.split()
+            established = fields[3] == "01"
+            if established and int(fields[2].rsplit(":", 1)[1], 16) == port and fields[9] in inodes:
+                return True
+    return False
 
 
 def wait_until(check, what: str, timeout: float = 120) -> None:
