@@ -144,22 +144,21 @@ def test_two_node_job_preempted_by_a_high_partition_job_resumes_and_matches(
 
 @pytest.mark.timeout(480)
 def test_a_time_limit_checkpoints_requeues_and_completes_later(tmp_path: Path, home: Path) -> None:
-    # One minute per allocation, SIGUSR1 to the batch shell 20 s (plus up to the 30 s of
-    # Slurm's limit checks) before it: at most ~34 s of steps after a ~6 s start. In the first
-    # run every step sleeps 0.5 s on top of its work (the `slow` fault, bound to restart 0), so
-    # its 80 steps would take at least 40 s: more than one allocation holds however fast the
-    # machine runs them (a run of 100 plain steps once finished inside the first allocation).
-    # The requeued runs go at the machine's pace (a slow fault in every run took six
-    # allocations on a loaded machine).
+    # Two minutes per allocation, SIGUSR1 to the batch shell 20 s before the limit, plus up to
+    # the 30 s of Slurm's limit checks: 70 to 100 s of each run. (With one minute, a loaded
+    # machine spent most of each short window starting the ranks, and eight requeues did not
+    # reach the end.) In the first run every step sleeps 4 s on top of its work (the `slow`
+    # fault, bound to restart 0), so its 30 steps take at least 120 s: more than one allocation
+    # holds however fast the machine runs them. The requeued runs go at the machine's pace.
     job_id = two_node_job(
         tmp_path,
         home,
-        "training.steps=80",
+        "training.steps=30",
         "training.checkpoint.interval=50",
-        "cluster.slurm.time_limit=00:01:00",
+        "cluster.slurm.time_limit=00:02:00",
         "cluster.slurm.signal_seconds=20",
         "cluster.slurm.max_restarts=8",
-        CTXLAUNCH_INJECT_FAULT="kind=slow,seconds=0.5,restart=0",
+        CTXLAUNCH_INJECT_FAULT="kind=slow,seconds=4,restart=0",
     )
     wait_for(home, tmp_path, job_id, {"PENDING", "RUNNING"}, timeout=30)
     deadline = time.monotonic() + 200
@@ -176,7 +175,7 @@ def test_a_time_limit_checkpoints_requeues_and_completes_later(tmp_path: Path, h
     assert final["state"] == "COMPLETED" and final["restarts"] >= 1, final
     assert final["history"][0].startswith("run 1: TIMEOUT, checkpoint at step")
     assert requeued["restarts"] >= 1
-    assert "0: ctxlaunch: done: 80 steps" in log
+    assert "0: ctxlaunch: done: 30 steps" in log
 
 
 @pytest.mark.timeout(420)
