@@ -165,3 +165,36 @@ def test_weights_only_load_names_the_global(tmp_path: Path) -> None:
     assert not (tmp_path / "ran").exists()
     torch.save({"weights": torch.ones(2)}, path)
     assert torch.equal(weights_only_load(str(path))["weights"], torch.ones(2))
+
+
+def test_deepspeed_is_imported_only_for_a_file_that_names_it(
+    deepspeed_job: Path, tmp_path: Path
+) -> None:
+    """A fresh interpreter reads a plain torch file without importing DeepSpeed (seconds of CPU
+    a ZeRO-0 or FSDP2 resume should not pay), then reads DeepSpeed's optimizer state, whose
+    pickle names DeepSpeed's classes, from a path and from bytes: both load, DeepSpeed now
+    imported."""
+    import subprocess
+    import sys
+
+    import torch
+
+    plain = tmp_path / "plain.pt"
+    torch.save({"weights": torch.ones(2)}, plain)
+    (optim,) = (deepspeed_job / "checkpoints").glob("step-*/*optim_states.pt")
+    script = f"""
+import io, sys
+from ctxlaunch.runtime.checkpointing.safe_unpickle import weights_only_load
+assert weights_only_load({str(plain)!r})["weights"].sum() == 2
+assert "deepspeed" not in sys.modules, "a plain file imported DeepSpeed"
+state = weights_only_load({str(optim)!r}, map_location="cpu")
+assert "deepspeed" in sys.modules
+again = weights_only_load(io.BytesIO(open({str(optim)!r}, "rb").read()), map_location="cpu")
+assert state.keys() == again.keys() and state.keys(), state.keys()
+print("ok", sorted(state))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1].startswith("ok ["), done.stdout

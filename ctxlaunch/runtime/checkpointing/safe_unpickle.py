@@ -28,6 +28,7 @@ import io
 import os
 import pickle
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -169,10 +170,18 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 _UNSUPPORTED = re.compile(r"GLOBAL (\S+)|reduce for (\S+)|global (\S+)")
 
 
-def weights_only_load(source: Any, where: str | Path | None = None, **kwargs: Any) -> Any:
+def weights_only_load(
+    source: Any, where: str | Path | None = None, *, _import_deepspeed: bool = False, **kwargs: Any
+) -> Any:
     """`torch.load(source, weights_only=True, ...)` with DeepSpeed's checkpoint classes
-    allowed; a file that needs any other callable is CheckpointRefused, naming it."""
-    allowed = [_deepspeed_class(module, name) for module, name in DEEPSPEED_GLOBALS]
+    allowed; a file that needs any other callable is CheckpointRefused, naming it.
+
+    DeepSpeed's classes are allowed from its modules already imported; a file that names one
+    of them before DeepSpeed is imported is read again with them imported (importing DeepSpeed
+    costs seconds of CPU that a run which never touches it should not pay)."""
+    allowed = [
+        _deepspeed_class(module, name, _import_deepspeed) for module, name in DEEPSPEED_GLOBALS
+    ]
     kwargs.pop("weights_only", None)
     try:
         with torch.serialization.safe_globals([cls for cls in allowed if cls is not None]):
@@ -184,8 +193,12 @@ def weights_only_load(source: Any, where: str | Path | None = None, **kwargs: An
             raise CheckpointDamaged(
                 f"{where or source}: not a readable torch file ({lines[0] if lines else exc!r})"
             ) from None
-        wanted = next(group for group in found.groups() if group)
-        raise _refusal(where or source, wanted.rstrip(".,:")) from None
+        wanted = next(group for group in found.groups() if group).rstrip(".,:")
+        if not _import_deepspeed and wanted in _DEEPSPEED_NAMES:
+            if hasattr(source, "seek"):
+                source.seek(0)
+            return weights_only_load(source, where, _import_deepspeed=True, **kwargs)
+        raise _refusal(where or source, wanted) from None
     except (RuntimeError, EOFError) as exc:  # a zip archive cut short or overwritten
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointDamaged(
@@ -193,10 +206,16 @@ def weights_only_load(source: Any, where: str | Path | None = None, **kwargs: An
         ) from None
 
 
-def _deepspeed_class(module: str, name: str) -> Any:
-    """One of DEEPSPEED_GLOBALS, or None where DeepSpeed is not installed (a DCP-only run)."""
+_DEEPSPEED_NAMES = frozenset(f"{module}.{name}" for module, name in DEEPSPEED_GLOBALS)
+
+
+def _deepspeed_class(module: str, name: str, import_it: bool) -> Any:
+    """One of DEEPSPEED_GLOBALS: None where DeepSpeed is not installed (a DCP-only run), or
+    where its module is not imported yet and `import_it` is false."""
     import importlib
 
+    if not import_it and module not in sys.modules:
+        return None
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
