@@ -361,9 +361,8 @@ def assert_exports_match_one_process(
 ) -> None:
     """Each checkpoint (named by its layout) exports (`ctxlaunch export --hf`) to the tensors
     of the same step trained in one process from `source` (with `changes`) and exported."""
-    from typer.testing import CliRunner
-
     from ctxlaunch.cli import app
+    from tests.helpers.cli import CliRunner
 
     runner = CliRunner()
     single = tmp_path / "ckpt-single"

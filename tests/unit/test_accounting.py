@@ -7,7 +7,6 @@ import json
 import math
 
 import pytest
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.contract.hardware import GPUS, POWER_SOURCES, REFERENCE_NODE_GPUS
@@ -15,6 +14,7 @@ from ctxlaunch.contract.loader import load_spec
 from ctxlaunch.perf.accounting import BUSY_TERMS, IDLE_POWER_FRACTION, account, duration
 from ctxlaunch.perf.machine import machine_for
 from ctxlaunch.perf.steptime import predict_spec
+from tests.helpers.cli import CliRunner
 from tests.helpers.paths import JOBS
 
 runner = CliRunner()

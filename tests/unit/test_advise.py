@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.contract.loader import load_spec
@@ -16,6 +15,7 @@ from ctxlaunch.perf.machine import machine_for
 from ctxlaunch.perf.memory import estimate
 from ctxlaunch.perf.steptime import predict
 from ctxlaunch.planning.advise import advise, degree_options
+from tests.helpers.cli import CliRunner
 from tests.helpers.paths import JOBS
 
 runner = CliRunner()

@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.contract.loader import load_spec
@@ -17,6 +16,7 @@ from ctxlaunch.perf.machine import Calibration, load_calibration, machine_for, s
 from ctxlaunch.perf.steptime import predict_spec
 from ctxlaunch.planning.advise import advise
 from ctxlaunch.runtime.calibration.cpu import measure
+from tests.helpers.cli import CliRunner
 from tests.helpers.paths import JOBS
 
 

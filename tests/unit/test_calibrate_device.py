@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.contract.hardware import GPUS
@@ -22,6 +21,7 @@ from ctxlaunch.perf.machine import GpuCalibration, load_profile, machine_for, sa
 from ctxlaunch.perf.steptime import predict_spec
 from ctxlaunch.runtime.calibration.fitting import fit_line, fit_residual
 from ctxlaunch.runtime.calibration.gpu import COLLECTIVES
+from tests.helpers.cli import CliRunner
 from tests.helpers.paths import JOBS
 
 runner = CliRunner()

@@ -9,13 +9,13 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.contract.loader import SpecError, load_spec
 from ctxlaunch.contract.spec import PROFILE_FORMAT
 from ctxlaunch.perf.machine import load_profile, machine_for
 from ctxlaunch.perf.steptime import predict_spec
+from tests.helpers.cli import CliRunner
 from tests.helpers.paths import JOBS
 
 runner = CliRunner()

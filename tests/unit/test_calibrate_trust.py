@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.runtime.calibration.cpu import Stages
 from ctxlaunch.runtime.calibration.trust import LoadWatch, judge, spread
 from ctxlaunch.runtime.progress import Progress
+from tests.helpers.cli import CliRunner
 
 BUSY_LOOP = "while True: pass"
 

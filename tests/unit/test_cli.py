@@ -13,9 +13,9 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
+from tests.helpers.cli import CliRunner
 from tests.helpers.paths import GOLDEN, JOBS
 
 runner = CliRunner()

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
 from ctxlaunch import __version__
 from ctxlaunch.cli import app
+from tests.helpers.cli import CliRunner
 from tests.helpers.paths import JOBS, ROOT
 from tests.helpers.tiny_hf import write_tiny_llama
 

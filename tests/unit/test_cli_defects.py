@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.contract.families import FAMILIES
 from ctxlaunch.contract.loader import SpecError, load_spec, validate_spec
+from tests.helpers.cli import CliRunner
 from tests.helpers.paths import JOBS, ROOT
 
 runner = CliRunner()

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.contract.loader import SpecError, validate_spec
@@ -27,6 +26,7 @@ from ctxlaunch.runtime.data.indexed import (
 from ctxlaunch.runtime.data.packing import BlendSchedule, PackedTokens, held_out
 from ctxlaunch.runtime.data.prepare import PrepareError, prepare
 from ctxlaunch.runtime.data.tokenizers import TokenizerError, load_tokenizer
+from tests.helpers.cli import CliRunner
 from tests.helpers.dist import run_distributed
 from tests.helpers.paths import TEXT_CORPUS
 

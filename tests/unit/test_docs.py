@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.cli.spec_reference import REGENERATE as REGENERATE_SPEC
@@ -22,6 +21,7 @@ from ctxlaunch.cli.spec_reference import spec_reference
 from ctxlaunch.contract import exitcodes
 from ctxlaunch.contract.spec import json_schema
 from ctxlaunch.runtime.telemetry.metrics import METRICS
+from tests.helpers.cli import CliRunner
 from tests.helpers.devtools import dev_script
 from tests.helpers.paths import ROOT
 

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
+from tests.helpers.cli import CliRunner
 from tests.helpers.paths import ROOT
 
 SPEC_MUTATIONS = 24

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.contract.loader import SpecError, validate_spec
 from ctxlaunch.contract.spec import ModelSpec
 from ctxlaunch.perf.flops import count_params, flops_per_token
+from tests.helpers.cli import CliRunner
 from tests.helpers.dist import run_distributed
 from tests.helpers.hf_models import (
     SEQ,

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 import torch.nn.functional as F
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.contract.loader import SpecError, validate_spec
+from tests.helpers.cli import CliRunner
 from tests.helpers.dist import run_distributed
 from tests.helpers.hf_models import (
     ROPES,

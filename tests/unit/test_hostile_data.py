@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from tests.helpers.chat_data import write_chat_tokenizer
+from tests.helpers.cli import CliRunner
 
 CONVERSATION = {
     "messages": [

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.launch import jobstore
+from tests.helpers.cli import CliRunner
 from tests.helpers.paths import JOBS
 
 

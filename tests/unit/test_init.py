@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.contract.loader import load_spec
 from ctxlaunch.launch.discover import gpu_type, parse_kubectl_nodes, parse_sinfo
+from tests.helpers.cli import CliRunner
 from tests.helpers.tiny_hf import write_tiny_llama
 
 runner = CliRunner()

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.contract.loader import SpecError, validate_spec
+from tests.helpers.cli import CliRunner
 from tests.helpers.dist import run_distributed
 from tests.helpers.hf_models import (
     SEQ,

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.contract.families import FAMILIES
@@ -23,6 +22,7 @@ from ctxlaunch.contract.loader import SpecError, validate_spec
 from ctxlaunch.contract.parallel_dims import ParallelDims
 from ctxlaunch.contract.spec import ModelSpec
 from ctxlaunch.perf.flops import count_params
+from tests.helpers.cli import CliRunner
 from tests.helpers.hf_models import (
     SEQ,
     VOCAB,

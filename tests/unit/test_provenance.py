@@ -11,13 +11,13 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.contract.loader import load_spec
 from ctxlaunch.perf.machine import Calibration, host_signature, machine_for, save_calibration
 from ctxlaunch.perf.profiles import fitted_values
 from ctxlaunch.perf.steptime import predict_spec
+from tests.helpers.cli import CliRunner
 from tests.helpers.paths import JOBS
 
 CALIBRATION = Calibration(

@@ -234,9 +234,8 @@ def test_a_rule_field_the_template_does_not_write_is_refused() -> None:
 def test_render_monitoring_writes_both_beside_the_pod_monitor(tmp_path: Path) -> None:
     """`ctxlaunch render --monitoring -o DIR` writes the PrometheusRule and the dashboard's
     ConfigMap under monitoring/, and on a Slurm target it is bad input that writes nothing."""
-    from typer.testing import CliRunner
-
     from ctxlaunch.cli import app
+    from tests.helpers.cli import CliRunner
 
     runner = CliRunner()
     spec = str(JOBS / "llama3-70b-1m-k8s.yaml")

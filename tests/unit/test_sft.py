@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
 from ctxlaunch.contract.loader import apply_overrides, validate_spec
@@ -25,6 +24,7 @@ from tests.helpers.chat_data import (
     write_chat_jsonl,
     write_chat_tokenizer,
 )
+from tests.helpers.cli import CliRunner
 from tests.helpers.dist import run_distributed
 from tests.helpers.hf_models import hf_config, save_hf
 from tests.helpers.trainer_steps import evaluate_rank, train_steps

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
 from ctxlaunch.cli import app
+from tests.helpers.cli import CliRunner
 from tests.helpers.paths import JOBS, ROOT
 
 runner = CliRunner()

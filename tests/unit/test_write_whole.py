@@ -111,10 +111,10 @@ def test_sigterm_mid_export_leaves_no_partial_directory(tmp_path: Path, monkeypa
     """The signal is real (sent to this process while the first shard is written); the
     wrapper around safetensors' save_file only picks the moment."""
     import safetensors.torch
-    from typer.testing import CliRunner
 
     from ctxlaunch.cli import app
     from tests.helpers.checkpoints import tiny_job, train
+    from tests.helpers.cli import CliRunner
 
     spec = tiny_job(tmp_path / "job")
     trained = train(spec, tmp_path / "run")
