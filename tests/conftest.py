@@ -4,7 +4,10 @@ tests/unit needs no service and no root: pure Python and CPU torch, multi-proces
 included (marked `distributed`: they take minutes; `-m "not distributed"` leaves them out).
 tests/service/<group> talks to a real service that scripts/test starts (Slurm with Prometheus,
 the Kubernetes API server, the single-node Kubernetes cluster); each group's tests share that
-service, so under pytest-xdist they run on one worker, in order."""
+service, so under pytest-xdist they run on one worker, in order. A module or test that shares
+nothing with the rest of its folder names its own group (`pytest.mark.service_group`): the
+Slurm tests on this host's node, those on the namespaced nodes, and the local runs that only
+talk to Prometheus run side by side."""
 
 from __future__ import annotations
 
@@ -33,6 +36,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # scheduler goes by), so the markers must be there before it runs.
     for item in items:
         group = service_group(item.path)
+        named = item.get_closest_marker("service_group")
+        if group is not None and named is not None:
+            group = named.args[0]
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
 

@@ -18,6 +18,8 @@ from tests.helpers.paths import JOBS
 from tests.helpers.services import require_slurm
 from tests.helpers.slurm_jobs import CTXLAUNCH, QUICK, run, wait_for
 
+pytestmark = pytest.mark.service_group("slurm_host")
+
 
 @pytest.mark.timeout(900)
 def test_calibration_job_through_slurm_writes_the_profile(

@@ -25,6 +25,8 @@ CTXLAUNCH = str(Path(sys.executable).parent / "ctxlaunch")
 DASHBOARD = json.loads((ROOT / "manifests/grafana/ctxlaunch-training.json").read_text())
 MOE = [m.name for m in METRICS if m.name.startswith("ctxlaunch_moe_")]
 
+pytestmark = pytest.mark.service_group("prometheus")  # local runs: no Slurm
+
 
 @pytest.fixture(scope="module", autouse=True)
 def prometheus() -> None:

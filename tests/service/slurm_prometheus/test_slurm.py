@@ -29,7 +29,7 @@ from tests.helpers.slurm_jobs import (
     wait_for_log,
 )
 
-pytestmark = pytest.mark.usefixtures("slurm")
+pytestmark = [pytest.mark.usefixtures("slurm"), pytest.mark.service_group("slurm_host")]
 
 
 @pytest.mark.timeout(300)

@@ -45,7 +45,7 @@ TWO_NODES = [
 ]
 
 
-pytestmark = pytest.mark.usefixtures("slurm")
+pytestmark = [pytest.mark.usefixtures("slurm"), pytest.mark.service_group("slurm_nodes")]
 
 
 @pytest.fixture(scope="module")

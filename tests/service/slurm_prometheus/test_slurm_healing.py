@@ -90,7 +90,7 @@ MEMORY_LIMIT = "650M"
 planner's prediction) with selective or full."""
 
 
-pytestmark = pytest.mark.usefixtures("slurm")
+pytestmark = [pytest.mark.usefixtures("slurm"), pytest.mark.service_group("slurm_nodes")]
 
 
 def complete(home: Path, tmp_path: Path, job_id: str, timeout: float = 300) -> dict:
@@ -260,6 +260,7 @@ def test_a_dead_drained_node_shrinks_the_job_to_one_node_and_it_grows_back(
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.service_group("slurm_host")  # its job runs on the host's node
 def test_a_memory_limit_too_small_for_the_layout_is_replanned_to_one_that_fits(
     tmp_path: Path, home: Path
 ) -> None:

@@ -37,6 +37,8 @@ EVENTS = tuple(m.name for m in METRICS if m.event)
 MOE_ONLY = tuple(m.name for m in METRICS if m.experts)
 ALWAYS = [m.name for m in METRICS if not m.event and m.name not in MOE_ONLY]
 
+pytestmark = pytest.mark.service_group("prometheus")  # local runs: no Slurm
+
 
 @pytest.fixture(scope="module", autouse=True)
 def prometheus() -> None:
