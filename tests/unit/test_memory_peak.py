@@ -181,7 +181,7 @@ def test_peak_within_2_percent_one_process() -> None:
 def test_peak_within_2_percent_dp_zero_and_cp() -> None:
     """dp 2 at ZeRO-0 (bucketed all-reduce) and ZeRO-2 (FSDP2), CP 2 (ring), on both ranks.
 
-    Seen 2026-12-02 18:40 UTC: +0.02 % (both ranks), -1.50 % / +0.02 % (ranks 0 / 1), +0.02 %,
+    Measured: +0.02 % (both ranks), -1.50 % / +0.02 % (ranks 0 / 1), +0.02 %,
     -0.94 %. One rank's reading moves between identical runs (dp 2 ZeRO-0 rank 0 at -3.50 %
     once, -0.32 % the next run): a free the record missed, so the ranks are compared through
     the lower reading."""
@@ -211,7 +211,7 @@ def test_peak_fsdp2_bf16_parameters_within_2_percent() -> None:
     (about 13 MB: gathered bf16 copies, unsharded bf16 gradients and the fp32 reduce-scatter
     input of a block) weigh next to the activations; and there with vocabulary 2,048 and h 512,
     where the loss is the peak, with the flat buffer of FSDP2's last all-gather still held.
-    Seen 2026-12-02 18:40 UTC, with the step's inputs counted and the synthetic data's chain
+    Measured with the step's inputs counted and the synthetic data's chain
     added (the 0.55-0.59 MB every case of this file missed before): +0.03 %, -0.22 %, +0.02 %
     on both ranks, and -8.45 % / -0.03 % (ranks 0 / 1) with the larger vocabulary (-3.94 % on
     both before the all-gather buffer was counted). One rank sometimes reads high by a free the
@@ -259,7 +259,7 @@ def test_peak_deepspeed_zero1_and_zero2_within_2_percent() -> None:
     (reduce_bucket_size = 200 M elements of bf16, one: overlap_comm is off), the bf16
     parameters and gradients, the fp32 master and Adam partitions (the fp32 gradient partition
     only inside the step). The bucket is 400 MB of the 505 MB peak, so 2 % of the peak is 10 MB:
-    without it the rest reads -0.55 % (ZeRO-1) and -0.32 % (ZeRO-2) (seen 2026-12-02), and the
+    without it the rest reads -0.55 % (ZeRO-1) and -0.32 % (ZeRO-2), and the
     bound a wrong bucket size or count would break is far tighter than any term's size."""
     for stage in (1, 2):  # one world each: DeepSpeed's start-up is slow on a shared CPU
         _check(
@@ -292,7 +292,7 @@ def test_peak_at_pp2_within_2_percent_on_each_stage() -> None:
 @pytest.mark.timeout(600)
 def test_peak_at_tp2_within_2_percent() -> None:
     """TP 2: the record misses frees made on gloo's threads (memtrace takes a block off the
-    curve when its address is reused), so one rank can read high: seen 2026-12-02 18:40 UTC
+    curve when its address is reused), so one rank can read high: as measured
     -0.03 % / -4.27 % (ranks 0 / 1; before the step's inputs were counted -8.13 % / -0.61 % in
     one run, -2.61 % on both in the next). The two ranks hold equal slices, so they are
     compared through the lower reading."""
@@ -304,7 +304,7 @@ def test_peak_at_pp2_four_micro_batches_within_2_percent() -> None:
     """PP 2 at 4 micro-batches (full checkpointing), both stages. The first stage warms up
     with two forwards, and Schedule1F1B keeps the first one's send work, which holds that
     micro-batch's output, until the step returns: from the second backward on the stage holds
-    one more output than its two micro-batches in flight (seen 2026-12-02 18:55 UTC: +0.02 %
+    one more output than its two micro-batches in flight (measured: +0.02 %
     on the first stage with that term, -2.90 % without it; the last stage -0.03 %)."""
     _check(
         2,
