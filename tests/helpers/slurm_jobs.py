@@ -57,9 +57,7 @@ def status(home: Path, tmp_path: Path, job_id: str) -> dict:
     return json.loads(result.stdout)
 
 
-def wait_for(
-    home: Path, tmp_path: Path, job_id: str, states: set[str], timeout: float = 90
-) -> dict:
+def wait_for(home: Path, job_id: str, states: set[str], timeout: float = 90) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         current = status_now(home, job_id)
@@ -69,7 +67,7 @@ def wait_for(
         time.sleep(0.5)
 
 
-def wait_for_log(home: Path, tmp_path: Path, job_id: str, pattern: str, timeout: float = 90) -> str:
+def wait_for_log(home: Path, job_id: str, pattern: str, timeout: float = 90) -> str:
     deadline = time.monotonic() + timeout
     while True:
         text = log_now(home, job_id)

@@ -49,9 +49,7 @@ def test_calibration_job_through_slurm_writes_the_profile(
     assert "submitit.core._submit" in script and "ctxlaunch.runtime.trainer" not in script
     assert "#SBATCH --ntasks-per-node=1" in script and "export PYTHONUNBUFFERED=1" in script
     assert "#SBATCH --time=10:00" in script  # the spec's own time limit
-    final = wait_for(
-        home, tmp_path, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=840
-    )
+    final = wait_for(home, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=840)
     assert final["state"] == "COMPLETED", final
     data = json.loads(profile.read_text())
     assert (data["format"], data["gpu"], data["nodes"]) == (PROFILE_FORMAT, "cpu", 1)

@@ -109,10 +109,10 @@ def test_the_rendered_script_runs_with_plain_sbatch(tmp_path: Path, home: Path) 
 @pytest.mark.timeout(180)
 def test_cancel_ends_a_running_job_within_seconds(tmp_path: Path, home: Path) -> None:
     job_id = submit(tmp_path, home, "training.steps=100000")
-    wait_for_log(home, tmp_path, job_id, r"^0: step 2/")
+    wait_for_log(home, job_id, r"^0: step 2/")
     cancelled = ctx(home, tmp_path, "cancel", job_id)
     assert cancelled.returncode == 0, cancelled.stderr
-    final = wait_for(home, tmp_path, job_id, {"CANCELLED", "COMPLETED", "FAILED"}, timeout=20)
+    final = wait_for(home, job_id, {"CANCELLED", "COMPLETED", "FAILED"}, timeout=20)
     assert final["state"] == "CANCELLED"
 
 
@@ -151,7 +151,7 @@ def test_preemption_checkpoints_requeues_resumes_and_matches(tmp_path: Path, hom
     straight_dir.mkdir()
     straight = submit(straight_dir, home, *steps)
     preempted = submit(tmp_path, home, *steps)
-    wait_for_log(home, tmp_path, preempted, r"^0: step 5/")
+    wait_for_log(home, preempted, r"^0: step 5/")
     # A stop signal to the job's tasks only (what the start of a preemption's grace sends).
     signal = run(["scancel", "--signal=USR1", preempted], home, tmp_path)
     assert signal.returncode == 0, signal.stderr

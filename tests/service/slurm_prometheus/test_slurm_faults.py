@@ -94,7 +94,7 @@ def test_two_node_job_preempted_by_a_high_partition_job_resumes_and_matches(
     tmp_path: Path, home: Path, reference: float
 ) -> None:
     job_id = two_node_job(tmp_path, home)
-    wait_for_log(home, tmp_path, job_id, r"^0: step 6/")
+    wait_for_log(home, job_id, r"^0: step 6/")
     # A job on the higher-tier partition wants both nodes: Slurm preempts ours (grace 10 s).
     high = run(
         [
@@ -160,13 +160,13 @@ def test_a_time_limit_checkpoints_requeues_and_completes_later(tmp_path: Path, h
         "cluster.slurm.max_restarts=8",
         CTXLAUNCH_INJECT_FAULT="kind=slow,seconds=4,restart=0",
     )
-    wait_for(home, tmp_path, job_id, {"PENDING", "RUNNING"}, timeout=30)
+    wait_for(home, job_id, {"PENDING", "RUNNING"}, timeout=30)
     deadline = time.monotonic() + 200
     while "stopped by the time limit" not in (log := log_now(home, job_id)):
         assert time.monotonic() < deadline, log
         assert status_now(home, job_id)["state"] in ("PENDING", "RUNNING"), log
         time.sleep(1)
-    requeued = wait_for(home, tmp_path, job_id, {"PENDING", "RUNNING"}, timeout=30)
+    requeued = wait_for(home, job_id, {"PENDING", "RUNNING"}, timeout=30)
     final = complete(home, tmp_path, job_id, timeout=360)
     log = ctx(home, tmp_path, "logs", job_id).stdout
     assert "SIGUSR1 to the batch script; asking the ranks to checkpoint and stop" in log
@@ -183,7 +183,7 @@ def test_a_dead_node_requeues_the_job_which_resumes_and_matches(
     tmp_path: Path, home: Path, reference: float
 ) -> None:
     job_id = two_node_job(tmp_path, home)
-    wait_for_log(home, tmp_path, job_id, r"^0: step 7/")
+    wait_for_log(home, job_id, r"^0: step 7/")
     # node2 dies at once: its slurmd, its step daemon and its rank.
     for pid in node_pids("node2"):
         os.kill(pid, signal.SIGKILL)
@@ -191,7 +191,7 @@ def test_a_dead_node_requeues_the_job_which_resumes_and_matches(
     reached = last_logged_step(log)
     try:
         # Slurm notices after SlurmdTimeout (10 s), sets the node DOWN and requeues the job.
-        requeued = wait_for(home, tmp_path, job_id, {"PENDING"}, timeout=90)
+        requeued = wait_for(home, job_id, {"PENDING"}, timeout=90)
         assert requeued["restarts"] == 1
         assert requeued["story"].startswith("NODE_FAIL and requeued (restart 1 of 3)"), requeued
     finally:
@@ -234,7 +234,7 @@ def test_stop_signals_on_every_path_end_in_checkpoint_requeue_resume(
     }
     reached = {}
     for name, job_id in jobs.items():
-        wait_for_log(home, tmp_path, job_id, r"^0: step 6/", timeout=150)
+        wait_for_log(home, job_id, r"^0: step 6/", timeout=150)
         sent = run(["scancel", *SIGNAL_PATHS[name][0], job_id], home, tmp_path)
         assert sent.returncode == 0, sent.stderr
         reached[name] = last_logged_step(ctx(home, tmp_path, "logs", job_id).stdout)
@@ -257,9 +257,9 @@ def test_stop_signals_on_every_path_end_in_checkpoint_requeue_resume(
 @pytest.mark.timeout(300)
 def test_a_user_cancel_stays_cancelled(tmp_path: Path, home: Path) -> None:
     job_id = two_node_job(tmp_path, home, "training.steps=100000")
-    wait_for_log(home, tmp_path, job_id, r"^0: step 5/")
+    wait_for_log(home, job_id, r"^0: step 5/")
     assert ctx(home, tmp_path, "cancel", job_id).returncode == 0
-    final = wait_for(home, tmp_path, job_id, {"CANCELLED", "COMPLETED", "FAILED"}, timeout=30)
+    final = wait_for(home, job_id, {"CANCELLED", "COMPLETED", "FAILED"}, timeout=30)
     time.sleep(3)  # a wrongly requeued job would be PENDING by now
     final = status(home, tmp_path, job_id)
     assert final["state"] == "CANCELLED" and final["restarts"] == 0, final
@@ -284,7 +284,7 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(
     tmp_path: Path, home: Path
 ) -> None:
     job_id = two_node_job(tmp_path, home, "training.steps=100000", "training.timeout_seconds=20")
-    wait_for_log(home, tmp_path, job_id, r"^0: step 4/")
+    wait_for_log(home, job_id, r"^0: step 4/")
     os.kill(rank_pid(job_id, "node2"), signal.SIGSTOP)  # alive, silent: rank 1
     waited = ctx(home, tmp_path, "wait", job_id, "--timeout", "150", "--poll", "0.5", timeout=170)
     log = ctx(home, tmp_path, "logs", job_id).stdout

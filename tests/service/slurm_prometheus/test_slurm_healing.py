@@ -157,12 +157,12 @@ def test_a_dead_drained_node_shrinks_the_job_to_one_node_and_it_grows_back(
     run_dir = job_dir(home, job_id) / "run"
     ckpt = tmp_path / "ckpt"
     # The first run must hold both nodes (node1 and node2 idle): else there is nothing to heal.
-    wait_for_log(home, tmp_path, job_id, r"^ctxlaunch: job \d+ restart 0 on \d+ node", 150)
+    wait_for_log(home, job_id, r"^ctxlaunch: job \d+ restart 0 on \d+ node", 150)
     first_run = ctx(home, tmp_path, "logs", job_id).stdout
     if "restart 0 on 2 node(s)" not in first_run:
         run(["scancel", job_id], home, tmp_path)
         pytest.fail(f"the first run did not get both nodes:\n{first_run[:2000]}")
-    wait_for_log(home, tmp_path, job_id, r"^0: step 7/", timeout=150)
+    wait_for_log(home, job_id, r"^0: step 7/", timeout=150)
     # node2 dies at once (its slurmd, its step daemon, its rank), and the admin drains it.
     fault = time.time()
     for pid in node_pids("node2"):
@@ -176,7 +176,7 @@ def test_a_dead_drained_node_shrinks_the_job_to_one_node_and_it_grows_back(
     reached = last_step_before(run_dir, fault)
     try:
         # Slurm notices (SlurmdTimeout), requeues the job, and runs it on node1 alone.
-        wait_for_log(home, tmp_path, job_id, r"healed: allocation of 1 node instead of 2", 180)
+        wait_for_log(home, job_id, r"healed: allocation of 1 node instead of 2", 180)
         (shrunk,) = replans(run_dir)
         first = wait_for_event(
             run_dir, lambda: first_step_after(run_dir, shrunk.time_seconds), 120, "step"
@@ -215,11 +215,11 @@ def test_a_dead_drained_node_shrinks_the_job_to_one_node_and_it_grows_back(
     drained = wait_for_agent_queue(home, tmp_path)
     print(f"slurmctld's retry list empty {drained:.0f} s after node2 came back")
     # A later requeue (a stop signal: the ranks checkpoint the step in hand) gets both nodes.
-    wait_for_log(home, tmp_path, job_id, rf"^0: step {resumed + 6}/", timeout=150)
+    wait_for_log(home, job_id, rf"^0: step {resumed + 6}/", timeout=150)
     regrow = time.time()
     sent = run(["scancel", "--batch", "--signal=USR1", job_id], home, tmp_path)
     assert sent.returncode == 0, sent.stderr
-    wait_for_log(home, tmp_path, job_id, r"healed: allocation grown back to 2 nodes from 1", 180)
+    wait_for_log(home, job_id, r"healed: allocation grown back to 2 nodes from 1", 180)
     shrunk, grown = replans(run_dir)
     stopped = grown.get("step")
     assert stopped == last_step_before(run_dir, grown.time_seconds)  # nothing lost
@@ -278,7 +278,7 @@ def test_a_memory_limit_too_small_for_the_layout_is_replanned_to_one_that_fits(
         "telemetry.push_interval_seconds=1",
     )
     run_dir = job_dir(home, job_id) / "run"
-    wait_for_log(home, tmp_path, job_id, r"healed: OOM \(killed at the memory limit\)", 300)
+    wait_for_log(home, job_id, r"healed: OOM \(killed at the memory limit\)", 300)
     (replanned,) = replans(run_dir)
     # The step the kernel killed: Slurm's record of the first run's step.
     steps = run(
