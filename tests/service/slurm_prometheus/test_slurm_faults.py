@@ -45,6 +45,12 @@ TWO_NODES = [
 ]
 
 
+FIRST_RUN_SLOW = "kind=slow,seconds=0.5,restart=0"
+"""Each step of a job's first run 0.5 s longer: the 40 steps of the demo job take 0.07 s each
+on an unloaded machine, less than the polling between seeing a step and sending the fault, so
+the first run must last long enough to be hit. The steps' losses do not change."""
+
+
 pytestmark = [pytest.mark.usefixtures("slurm"), pytest.mark.service_group("slurm_nodes")]
 
 
@@ -93,7 +99,7 @@ def last_logged_step(log: str) -> int:
 def test_two_node_job_preempted_by_a_high_partition_job_resumes_and_matches(
     tmp_path: Path, home: Path, reference: float
 ) -> None:
-    job_id = two_node_job(tmp_path, home)
+    job_id = two_node_job(tmp_path, home, CTXLAUNCH_INJECT_FAULT=FIRST_RUN_SLOW)
     wait_for_log(home, job_id, r"^0: step 6/")
     # A job on the higher-tier partition wants both nodes: Slurm preempts ours (grace 10 s).
     high = run(
@@ -182,7 +188,7 @@ def test_a_time_limit_checkpoints_requeues_and_completes_later(tmp_path: Path, h
 def test_a_dead_node_requeues_the_job_which_resumes_and_matches(
     tmp_path: Path, home: Path, reference: float
 ) -> None:
-    job_id = two_node_job(tmp_path, home)
+    job_id = two_node_job(tmp_path, home, CTXLAUNCH_INJECT_FAULT=FIRST_RUN_SLOW)
     wait_for_log(home, job_id, r"^0: step 7/")
     # node2 dies at once: its slurmd, its step daemon and its rank.
     for pid in node_pids("node2"):
@@ -228,7 +234,10 @@ def test_stop_signals_on_every_path_end_in_checkpoint_requeue_resume(
 ) -> None:
     jobs = {
         name: two_node_job(
-            tmp_path / name, home, f"training.checkpoint.dir={tmp_path / name / 'ckpt'}"
+            tmp_path / name,
+            home,
+            f"training.checkpoint.dir={tmp_path / name / 'ckpt'}",
+            CTXLAUNCH_INJECT_FAULT=FIRST_RUN_SLOW,
         )
         for name in SIGNAL_PATHS
     }
