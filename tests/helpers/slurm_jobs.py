@@ -34,6 +34,13 @@ def run(args: list[str], home: Path, cwd: Path, timeout: float = 120, **extra: s
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+FIRST_RUN_SLOW = "kind=slow,seconds=0.5,restart=0"
+"""Each step of a job's first run 0.5 s longer (the `slow` fault): the demo job's steps take
+0.07 s each on an unloaded machine, less than the polling between seeing a step and sending
+a fault, so a test that strikes a fixed-length job after a given step slows its first run to
+be sure to hit it. The steps' losses do not change."""
+
+
 def submit(tmp_path: Path, home: Path, *sets: str, **extra: str) -> str:
     """Submit the demo spec to Slurm; returns the Slurm job id."""
     args = [CTXLAUNCH, "submit", str(JOBS / "demo.yaml")]

@@ -19,6 +19,7 @@ from tests.helpers.services import PUSHGATEWAY_URL, poll, require_prometheus
 from tests.helpers.slurm_jobs import (
     BIN,
     CTXLAUNCH,
+    FIRST_RUN_SLOW,
     QUICK,
     ctx,
     final_loss,
@@ -150,10 +151,8 @@ def test_preemption_checkpoints_requeues_resumes_and_matches(tmp_path: Path, hom
     straight_dir = tmp_path / "straight"
     straight_dir.mkdir()
     straight = submit(straight_dir, home, *steps)
-    # Its first run's steps 0.5 s longer, so that it is still running when the signal comes.
-    preempted = submit(
-        tmp_path, home, *steps, CTXLAUNCH_INJECT_FAULT="kind=slow,seconds=0.5,restart=0"
-    )
+    # Its first run slowed, so that it is still running when the signal comes.
+    preempted = submit(tmp_path, home, *steps, CTXLAUNCH_INJECT_FAULT=FIRST_RUN_SLOW)
     wait_for_log(home, preempted, r"^0: step 5/")
     # A stop signal to the job's tasks only (what the start of a preemption's grace sends).
     signal = run(["scancel", "--signal=USR1", preempted], home, tmp_path)

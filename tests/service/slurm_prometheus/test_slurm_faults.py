@@ -21,6 +21,7 @@ import pytest
 from tests.helpers.inprocess import log_now, status_now
 from tests.helpers.paths import ROOT
 from tests.helpers.slurm_jobs import (
+    FIRST_RUN_SLOW,
     ctx,
     final_loss,
     job_dir,
@@ -43,12 +44,6 @@ TWO_NODES = [
     "cluster.slurm.partition=low",
     "training.timeout_seconds=30",
 ]
-
-
-FIRST_RUN_SLOW = "kind=slow,seconds=0.5,restart=0"
-"""Each step of a job's first run 0.5 s longer: the 40 steps of the demo job take 0.07 s each
-on an unloaded machine, less than the polling between seeing a step and sending the fault, so
-the first run must last long enough to be hit. The steps' losses do not change."""
 
 
 pytestmark = [pytest.mark.usefixtures("slurm"), pytest.mark.service_group("slurm_nodes")]
